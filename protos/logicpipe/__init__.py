@@ -1,0 +1,1 @@
+"""LogicPipe wire contract: generated stubs (v1) and small hand-written helpers."""

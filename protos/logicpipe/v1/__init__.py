@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs of the v1 wire contract."""

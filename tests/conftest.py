@@ -1,0 +1,12 @@
+"""Shared fixtures. The default model is converted once (about 30 s on 2 cores) and cached."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """Path of the default model (SmolLM2-135M-Instruct) as a safetensors directory."""
+    from controller.model_prep import prepare_default_model
+
+    return prepare_default_model()
