@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from logicpipe.paths import cache_root
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -31,14 +33,6 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 
 class ModelDirError(Exception):
     """A model directory that is missing, incomplete or not of the Llama family."""
-
-
-def cache_root() -> Path:
-    """Where converted models live: $LOGICPIPE_CACHE, else $XDG_CACHE_HOME/logicpipe, else ~/.cache/logicpipe."""
-    if os.environ.get("LOGICPIPE_CACHE"):
-        return Path(os.environ["LOGICPIPE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "logicpipe"
 
 
 def default_model_dir() -> Path:

@@ -1,0 +1,183 @@
+"""`lpctl`: submit prompts to a LogicPipe mesh and inspect it, from any machine."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+DEFAULT_CONTROLLER = "127.0.0.1:50051"
+
+
+def _stub(address: str):
+    from logicpipe import grpc_options
+    from logicpipe.v1 import controller_pb2_grpc
+
+    channel = grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
+    return controller_pb2_grpc.ControllerStub(channel)
+
+
+def cmd_submit(args) -> int:
+    from logicpipe.v1 import controller_pb2, stage_pb2
+
+    sampling = stage_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = controller_pb2.SubmitRequest(prompt=args.prompt, raw=args.raw, max_tokens=args.max_tokens,
+                                       sampling=sampling)
+    text, ids, stages, timings, reason = [], [], [], None, ""
+    for reply in _stub(args.controller).Submit(req, timeout=args.timeout):
+        ids.extend(reply.token_ids)
+        text.append(reply.text)
+        if reply.stages:
+            stages = [{"node_id": s.node_id, "address": s.address, "layers": [s.start_layer, s.end_layer],
+                       "device": s.device, "parameters": s.parameter_count} for s in reply.stages]
+        if reply.finished:
+            timings, reason = reply.timings, reply.finish_reason
+        if not args.json:
+            sys.stdout.write(reply.text)
+            sys.stdout.flush()
+    if args.json:
+        out = {"text": "".join(text), "token_ids": ids, "stages": stages, "finish_reason": reason,
+               "timings": {"queue_s": timings.queue_s, "first_token_s": timings.first_token_s,
+                           "total_s": timings.total_s, "decode_tokens_per_s": timings.decode_tokens_per_s,
+                           "prompt_tokens": timings.prompt_tokens, "new_tokens": timings.new_tokens}
+               if timings is not None else {}}
+        print(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        if timings is not None and args.verbose:
+            print(f"[{timings.new_tokens} tokens, first after {timings.first_token_s * 1000:.0f} ms, "
+                  f"{timings.decode_tokens_per_s:.1f} tokens/s, {reason}]", file=sys.stderr)
+    return 0
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] +
+                     [fmt.format(*map(str, r)) for r in rows])
+
+
+def cmd_status(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+    from logicpipe.v1 import controller_pb2
+
+    st = _stub(args.controller).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
+    if args.json:
+        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
+        return 0
+    print(f"state {st.state}  plan {st.plan_id or '-'}  model {st.model_dir}")
+    print(f"requests: {st.active_requests} active, {st.completed_requests} completed\n")
+    rows = [[i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}", s.device, f"{s.parameter_count:,}"]
+            for i, s in enumerate(st.stages)]
+    print(_table(rows, ["stage", "node", "address", "layers", "device", "parameters"]))
+    return 0
+
+
+def cmd_nodes(args) -> int:
+    from logicpipe.v1 import controller_pb2
+
+    st = _stub(args.controller).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
+    rows = []
+    for n in st.nodes:
+        s = n.status
+        if not n.reachable:
+            rows.append([n.address, "-", "unreachable", "-", "-", "-", "-", n.error])
+            continue
+        p = s.profile
+        rows.append([n.address, s.node_id, s.state, s.device,
+                     f"{s.start_layer}-{s.end_layer - 1}" if s.end_layer else "-",
+                     s.open_sessions, f"{p.flops / 1e9:.0f} GFLOP/s" if p.flops else "-",
+                     f"{p.memory_bytes / 2**30:.1f} GiB" if p.memory_bytes else "-"])
+    if args.json:
+        print(json.dumps([dict(zip(["address", "node_id", "state", "device", "layers", "sessions", "flops",
+                                    "memory"], map(str, r))) for r in rows]))
+    else:
+        print(_table(rows, ["address", "node", "state", "device", "layers", "sessions", "speed", "memory"]))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    if args.profiles:
+        from controller.planning import plan_from_profiles_file
+
+        plan_json, table = plan_from_profiles_file(args.profiles, args.model, args.strategy, args.objective,
+                                                   args.boundaries, args.context)
+    else:
+        from logicpipe.v1 import controller_pb2
+
+        reply = _stub(args.controller).Plan(controller_pb2.PlanRequest(
+            strategy=args.strategy or "", objective=args.objective, boundaries=args.boundaries or []),
+            timeout=args.timeout)
+        plan_json, table = reply.plan_json, reply.table
+    print(plan_json if args.json else table)
+    return 0
+
+
+def cmd_model(args) -> int:
+    from controller.model_prep import prepare_default_model
+
+    print(prepare_default_model(args.out, force=args.force, progress=lambda m: print(m, file=sys.stderr)))
+    return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="lpctl", description="Talk to a LogicPipe controller.")
+    ap.add_argument("--controller", default=DEFAULT_CONTROLLER, help="controller HOST:PORT (default %(default)s)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up on a call")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("submit", help="generate from a prompt; tokens stream as they come")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
+    p.add_argument("--json", action="store_true", help='print one JSON object {"text","token_ids","stages","timings"}')
+    p.add_argument("-v", "--verbose", action="store_true", help="print timings after the text (stderr)")
+    p.set_defaults(fn=cmd_submit)
+
+    p = sub.add_parser("status", help="the plan in force and the request counts")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("nodes", help="every stage node: state, device, profile")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_nodes)
+
+    p = sub.add_parser("plan", help="show a plan: the one in force, another strategy, or one from a profiles file")
+    p.add_argument("--profiles", default=None, help="profiles JSON file: plan offline, no controller needed")
+    p.add_argument("--model", default=None, help="with --profiles: model directory (default: the embedded model)")
+    p.add_argument("--strategy", default=None, help="dp | uniform | memory | compute | mixed | custom")
+    p.add_argument("--objective", default="throughput", choices=["throughput", "latency"])
+    p.add_argument("--boundaries", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="custom strategy: layer boundaries between stages, e.g. 10,20")
+    p.add_argument("--context", type=int, default=2048, help="with --profiles: context length to hold KV for")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("model", help="prepare the embedded default model (GGUF -> safetensors, once)")
+    p.add_argument("action", choices=["prepare"])
+    p.add_argument("--out", default=None, help="target directory (default: the LogicPipe cache)")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=cmd_model)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        sys.exit(args.fn(args))
+    except grpc.RpcError as exc:
+        print(f"lpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Controller gRPC servicer: translates between protobuf and the controller's domain types."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+from controller.app import ControllerApp
+from controller.pipeline import Pipeline
+from controller.scheduler import DEFAULT_MAX_TOKENS, Request, Sampling
+
+log = logging.getLogger(__name__)
+
+
+class TextStream:
+    """Incremental detokenization: the text each new token adds (a partial UTF-8 character is
+    held back until it completes)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(token_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+
+def stage_infos(app: ControllerApp) -> list[controller_pb2.StageInfo]:
+    return [controller_pb2.StageInfo(node_id=h.node_id, address=h.address, start_layer=h.start, end_layer=h.end,
+                                     device=h.device, parameter_count=h.parameter_count)
+            for h in app.pipeline.stages]
+
+
+def timings_proto(req: Request) -> controller_pb2.Timings:
+    n = len(req.tokens)
+    decode = req.finished - req.first_token
+    return controller_pb2.Timings(
+        queue_s=req.opened - req.submitted, first_token_s=req.first_token - req.submitted,
+        total_s=req.finished - req.submitted,
+        decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
+        prompt_tokens=len(req.prompt_ids), new_tokens=n)
+
+
+class ControllerServicer(controller_pb2_grpc.ControllerServicer):
+    def __init__(self, app: ControllerApp):
+        self.app = app
+
+    async def Submit(self, request, context):
+        app = self.app
+        try:
+            if request.prompt_token_ids:
+                prompt_ids = list(request.prompt_token_ids)
+            elif request.prompt.strip():
+                prompt_ids = app.encode_prompt(request.prompt, request.raw)
+            else:
+                raise InvalidArgument("the prompt is empty: give a prompt or prompt_token_ids")
+            s = request.sampling
+            sampling = Sampling(s.temperature, s.top_k, s.top_p or 1.0, s.seed if s.HasField("seed") else None)
+            max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
+            text = TextStream(app.tokenizer)
+            first = True
+            async for update in app.scheduler.generate(prompt_ids, max_tokens, sampling):
+                reply = controller_pb2.SubmitReply(request_id=update.request_id, token_ids=[update.token_id],
+                                                   text=text.push([update.token_id], update.finished),
+                                                   finished=update.finished, finish_reason=update.finish_reason)
+                if first:
+                    reply.stages.extend(stage_infos(app))
+                    first = False
+                if update.finished:
+                    reply.timings.CopyFrom(timings_proto(update.request))
+                yield reply
+        except MeshError as err:
+            await context.abort(err.code, str(err))
+
+    async def Status(self, request, context):
+        app = self.app
+        reply = controller_pb2.ControllerStatusReply(
+            model_dir=str(app.model_dir), plan_id=app.pipeline.plan_id, state=app.state,
+            active_requests=len(app.scheduler.active), completed_requests=app.scheduler.completed,
+            plan_json=app.plan_json)
+        reply.stages.extend(stage_infos(app))
+        for addr in app.nodes:
+            node = controller_pb2.NodeStatus(address=addr)
+            try:
+                node.status.CopyFrom(await Pipeline.probe(addr))
+                node.reachable = True
+            except MeshError as err:
+                node.error = str(err)
+            reply.nodes.append(node)
+        return reply
+
+    async def Plan(self, request, context):
+        try:
+            plan_json, table = await self.app.plan_preview(request.strategy, request.objective,
+                                                           list(request.boundaries))
+        except MeshError as err:
+            await context.abort(err.code, str(err))
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return controller_pb2.PlanReply(plan_json=plan_json, table=table)

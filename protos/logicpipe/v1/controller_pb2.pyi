@@ -1,0 +1,126 @@
+from logicpipe.v1 import stage_pb2 as _stage_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    raw: bool
+    max_tokens: int
+    sampling: _stage_pb2.SamplingParams
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("node_id", "address", "start_layer", "end_layer", "device", "parameter_count")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    start_layer: int
+    end_layer: int
+    device: str
+    parameter_count: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_s", "first_token_s", "total_s", "decode_tokens_per_s", "prompt_tokens", "new_tokens")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    first_token_s: float
+    total_s: float
+    decode_tokens_per_s: float
+    prompt_tokens: int
+    new_tokens: int
+    def __init__(self, queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "timings", "stages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    finish_reason: str
+    timings: Timings
+    stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
+
+class ControllerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("address", "reachable", "error", "status")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    reachable: bool
+    error: str
+    status: _stage_pb2.StatusReply
+    def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ...) -> None: ...
+
+class ControllerStatusReply(_message.Message):
+    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json")
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    model_dir: str
+    plan_id: str
+    stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    active_requests: int
+    completed_requests: int
+    state: str
+    plan_json: str
+    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("strategy", "objective", "boundaries")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    objective: str
+    boundaries: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, strategy: _Optional[str] = ..., objective: _Optional[str] = ..., boundaries: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlanReply(_message.Message):
+    __slots__ = ("plan_json", "table")
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    plan_json: str
+    table: str
+    def __init__(self, plan_json: _Optional[str] = ..., table: _Optional[str] = ...) -> None: ...

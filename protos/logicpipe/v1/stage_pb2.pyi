@@ -1,0 +1,256 @@
+from logicpipe.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AssignRequest(_message.Message):
+    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id")
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    model_dir: str
+    model_digest: str
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    stage_index: int
+    num_stages: int
+    next_address: str
+    first_address: str
+    dtype: str
+    plan_id: str
+    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ...) -> None: ...
+
+class AssignReply(_message.Message):
+    __slots__ = ("parameter_count", "tied_copy_count", "load_seconds")
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIED_COPY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    parameter_count: int
+    tied_copy_count: int
+    load_seconds: float
+    def __init__(self, parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    capacity: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ("tokens_held",)
+    TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    tokens_held: int
+    def __init__(self, tokens_held: _Optional[int] = ...) -> None: ...
+
+class SeqStep(_message.Message):
+    __slots__ = ("session_id", "start_pos", "num_tokens", "token_ids", "prefill_only")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start_pos: int
+    num_tokens: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prefill_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefill_only: bool = ...) -> None: ...
+
+class StepBatch(_message.Message):
+    __slots__ = ("seqs", "hidden")
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqStep]
+    hidden: _tensor_pb2.Tensor
+    def __init__(self, seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class StreamReply(_message.Message):
+    __slots__ = ("session_id", "code", "message")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    code: int
+    message: str
+    def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("token_id", "index", "finished", "finish_reason")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    index: int
+    finished: bool
+    finish_reason: str
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., finished: bool = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message", "node_id")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    node_id: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("session_id", "token", "error")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token: TokenEvent
+    error: SessionError
+    def __init__(self, session_id: _Optional[str] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeviceProfile(_message.Message):
+    __slots__ = ("device_kind", "device_name", "memory_bytes", "flops", "mem_bandwidth", "weight_formats")
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    MEM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    device_kind: str
+    device_name: str
+    memory_bytes: int
+    flops: float
+    mem_bandwidth: float
+    weight_formats: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIED_COPY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: str
+    device: str
+    model_dir: str
+    model_digest: str
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    stage_index: int
+    num_stages: int
+    parameter_count: int
+    tied_copy_count: int
+    open_sessions: int
+    kv_bytes: int
+    steps: int
+    tokens: int
+    plan_id: str
+    uptime_s: float
+    profile: DeviceProfile
+    version: str
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class EchoReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class MeasureLinkRequest(_message.Message):
+    __slots__ = ("target_address", "probes", "payload_bytes")
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    target_address: str
+    probes: int
+    payload_bytes: int
+    def __init__(self, target_address: _Optional[str] = ..., probes: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class MeasureLinkReply(_message.Message):
+    __slots__ = ("latency_s", "bandwidth")
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    latency_s: float
+    bandwidth: float
+    def __init__(self, latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,87 @@
+"""A long-lived outgoing activation stream to one peer stage (StageNode.Stream).
+
+The link opens lazily on the first send and re-opens after a failure, so a restarted peer is
+picked up without re-assigning. A write that fails raises `LinkDown`; the runtime turns that into
+an UNAVAILABLE error for the sequences concerned. Rejections the peer sends back on the reply
+direction go to `on_reply`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import grpc
+
+from logicpipe import grpc_options
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0  # a peer not reachable within this is reported down
+
+
+class LinkDown(Exception):
+    """The peer cannot be written to; the message names it and says why."""
+
+
+class PeerLink:
+    def __init__(self, address: str, on_reply: Callable[[stage_pb2.StreamReply], None], *, name: str = "peer"):
+        self.address = address
+        self.name = name
+        self._on_reply = on_reply
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self._reader: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def _open(self):
+        if self._channel is None:
+            self._channel = grpc_options.insecure_channel(self.address)
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), CONNECT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise LinkDown(f"{self.name} at {self.address} is unreachable (no connection in {CONNECT_TIMEOUT_S:.0f} s)") from None
+        call = stage_pb2_grpc.StageNodeStub(self._channel).Stream()
+        self._reader = asyncio.create_task(self._read_replies(call))
+        return call
+
+    async def _read_replies(self, call) -> None:
+        try:
+            while True:
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    break
+                self._on_reply(reply)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s stream to %s ended: %s %s", self.name, self.address, exc.code().name, exc.details())
+        finally:
+            if self._call is call:
+                self._call = None
+
+    async def send(self, batch: stage_pb2.StepBatch) -> None:
+        async with self._lock:
+            if self._call is None:
+                self._call = await self._open()
+            call = self._call
+            try:
+                await call.write(batch)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                self._call = None
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc) or type(exc).__name__
+                raise LinkDown(f"{self.name} at {self.address} failed: {detail}") from exc
+
+    async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            try:
+                await call.done_writing()
+            except Exception:  # noqa: BLE001 — the peer may already be gone
+                pass
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

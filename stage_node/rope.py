@@ -1,0 +1,84 @@
+"""Rotary position embedding: inverse frequencies from transformers, cos/sin tables grown on demand.
+
+The frequencies (and the attention scaling of yarn) come from transformers' own
+`ROPE_INIT_FUNCTIONS`, so every supported scaling type matches Hugging Face exactly; the tables are
+computed with the same float32 arithmetic as `LlamaRotaryEmbedding`, so they are bit-identical.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import SUPPORTED_ROPE_TYPES, ModelError
+
+log = logging.getLogger(__name__)
+
+MIN_TABLE_POSITIONS = 1024  # first table size (positions); it doubles as longer contexts arrive
+
+
+def rope_parameters(model_dir) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention_scaling) of a model directory's RoPE."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = AutoConfig.from_pretrained(str(model_dir))
+    # transformers 5: `rope_parameters`; 4.x: `rope_scaling` + `rope_theta`.
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    return inv_freq.float(), float(scaling)
+
+
+class RopeTables:
+    """cos/sin per position, [positions, head_dim] in the model dtype, grown by doubling."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, *,
+                 dtype: torch.dtype, device: torch.device):
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)  # inv_freq: [head_dim // 2]
+        self.scaling = attention_scaling
+        self.dtype = dtype
+        self.device = device
+        self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype, device=device)
+        self.sin_signed = self.sin  # sin with the first half negated, for the roll form of rotate_half
+        self._grow(MIN_TABLE_POSITIONS)
+
+    def _grow(self, positions: int) -> None:
+        n = max(MIN_TABLE_POSITIONS, self.cos.shape[0])
+        while n < positions:
+            n *= 2
+        pos = torch.arange(n, device=self.device).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]  # freqs: [n, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # emb: [n, head_dim]
+        self.cos = (emb.cos() * self.scaling).to(self.dtype)
+        self.sin = (emb.sin() * self.scaling).to(self.dtype)
+        half = self.sin.shape[-1] // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        log.debug("RoPE tables grown to %d positions", n)
+
+    def lookup(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed for positions [start, stop): each [stop - start, head_dim]."""
+        if stop > self.cos.shape[0]:
+            self._grow(stop)
+        return self.cos[start:stop], self.sin_signed[start:stop]
+
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed at arbitrary positions [T] int64: each [T, head_dim]."""
+        top = int(positions.max()) + 1
+        if top > self.cos.shape[0]:
+            self._grow(top)
+        return self.cos[positions], self.sin_signed[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin_signed: [T, head_dim]. HF's x*cos + rotate_half(x)*sin."""
+    # rotate_half(x) * sin == roll(x, half) * sin_signed, exactly (negation is exact).
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + x.roll(half, dims=-1) * sin_signed[:, None]

@@ -1,0 +1,133 @@
+"""Mesh tier: a controller and 1, 2, 3 stage processes on 127.0.0.1 with the default model.
+
+Greedy output through the mesh is token-identical to transformers' generate (fp32, CPU); every
+stage holds only its shard; lpctl prints the documented JSON.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from controller.app import encode_prompt
+from logicpipe import grpc_options
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.mesh.harness import Mesh
+
+pytestmark = pytest.mark.mesh
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "Explain recursion to a child in two sentences.",
+    "Translate 'good morning' into Spanish and German.",
+]
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    """transformers' greedy generate: prompt ids and new token ids (EOS included, as the mesh does)."""
+    tok, model = hf_model
+    out = {}
+    for prompt in PROMPTS:
+        ids = encode_prompt(tok, prompt)
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out[prompt] = gen[0, len(ids):].tolist()
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stage")
+def mesh(request, model_dir, tmp_path_factory):
+    with Mesh(request.param, model_dir, tmp_path_factory.mktemp(f"mesh{request.param}")) as m:
+        yield m
+
+
+def submit(address: str, prompt: str, max_tokens: int = NEW_TOKENS, **kw) -> tuple[list[int], str, list]:
+    with grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS) as ch:
+        replies = list(controller_pb2_grpc.ControllerStub(ch).Submit(
+            controller_pb2.SubmitRequest(prompt=prompt, max_tokens=max_tokens, **kw), timeout=300))
+    ids = [t for r in replies for t in r.token_ids]
+    return ids, "".join(r.text for r in replies), replies
+
+
+def test_greedy_matches_transformers(mesh, reference):
+    for prompt in PROMPTS:
+        ids, text, replies = submit(mesh.controller_address, prompt)
+        assert ids == reference[prompt], f"{mesh.n_stages} stages diverge on {prompt!r}\n{mesh.logs()}"
+        assert replies[-1].finished and replies[-1].finish_reason in ("stop", "length")
+        assert text.strip()
+
+
+def test_each_stage_holds_only_its_shard(mesh, hf_model):
+    _, model = hf_model
+    statuses = []
+    for addr in mesh.stage_addresses:
+        with grpc.insecure_channel(addr) as ch:
+            statuses.append(stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10))
+    ranges = sorted((s.start_layer, s.end_layer) for s in statuses)
+    assert ranges[0][0] == 0 and ranges[-1][1] == model.config.num_hidden_layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"gaps or overlaps: {ranges}"
+    assert sum(s.parameter_count for s in statuses) == model.num_parameters()
+    # The tied LM head is a copy only where the last stage is not also the first.
+    assert sum(1 for s in statuses if s.tied_copy_count) == (1 if mesh.n_stages > 1 else 0)
+
+
+def test_concurrent_requests_share_the_pipeline(mesh, reference):
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda p: submit(mesh.controller_address, p)[0], PROMPTS[:3]))
+    for prompt, ids in zip(PROMPTS[:3], results):
+        assert ids == reference[prompt]
+
+
+def test_lpctl_json_and_stream(mesh):
+    lpctl = [sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address]
+    out = subprocess.run([*lpctl, "submit", PROMPTS[0], "--max-tokens", "12", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    doc = json.loads(out.stdout)
+    assert set(doc) >= {"text", "token_ids", "stages", "timings"}
+    assert len(doc["token_ids"]) <= 12 and doc["text"]
+    layers = [s["layers"] for s in doc["stages"]]
+    assert len(layers) == mesh.n_stages and layers[0][0] == 0 and layers[-1][1] == 30
+    assert doc["timings"]["new_tokens"] == len(doc["token_ids"])
+    streamed = subprocess.run([*lpctl, "submit", PROMPTS[0], "--max-tokens", "12"],
+                              capture_output=True, text=True, timeout=120, check=True)
+    assert streamed.stdout.strip() == doc["text"].strip()
+    status = subprocess.run([*lpctl, "status"], capture_output=True, text=True, timeout=60, check=True)
+    assert f"stage{mesh.n_stages - 1}" in status.stdout and f"{layers[-1][0]}-29" in status.stdout
+
+
+def test_node_killed_mid_generation(model_dir, tmp_path):
+    with Mesh(2, model_dir, tmp_path) as mesh:
+        with grpc.insecure_channel(mesh.controller_address) as ch:
+            stub = controller_pb2_grpc.ControllerStub(ch)
+            stream = stub.Submit(controller_pb2.SubmitRequest(prompt=PROMPTS[1], max_tokens=400,
+                                                              sampling=stage_pb2.SamplingParams(temperature=0.8, seed=1)),
+                                 timeout=120)
+            got = 0
+            with pytest.raises(grpc.RpcError) as err:
+                for reply in stream:
+                    got += len(reply.token_ids)
+                    if got == 3:
+                        mesh.kill("stage1")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert "127.0.0.1" in err.value.details()
+            status = stub.Status(controller_pb2.ControllerStatusRequest(), timeout=30)
+            assert status.state == "degraded"
+            assert [n.reachable for n in status.nodes] == [True, False]
