@@ -1,0 +1,87 @@
+"""Stable digests of what a plan is made from: sha256 over canonical JSON (sorted keys, no
+whitespace, floats as Python's shortest repr), so the same inputs give the same hex string on
+every machine and run.
+
+The profiles digest does not depend on the order the profiles are given in (the DP does not
+either); it covers every profile given to the planner, so a node joining changes it too. A
+re-measured profile whose numbers moved changes its digest: round measurements before building
+profiles if small drifts should not force a re-plan.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import asdict
+
+from planner.model import ModelSpec
+from planner.plan import FORMAT_VERSION, PlanMetadata
+from planner.types import DeviceProfile, Link, NodeId, Reserve, Workload
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys and no whitespace; NaN and infinity are refused."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+
+
+def _sha256(value: object) -> str:
+    return hashlib.sha256(canonical_json(value).encode("ascii")).hexdigest()
+
+
+def _link_dict(link: Link) -> dict:
+    return {"bandwidth": link.bandwidth, "latency": link.latency}
+
+
+def profile_dict(profile: DeviceProfile) -> dict:
+    """A profile as plain JSON types."""
+    return {
+        "node_id": profile.node_id,
+        "device_kind": profile.device_kind,
+        "memory_bytes": profile.memory_bytes,
+        "flops": profile.flops,
+        "mem_bandwidth": profile.mem_bandwidth,
+        "links": [[node, _link_dict(link)] for node, link in profile.links],
+        "default_link": _link_dict(profile.default_link),
+        "weight_formats": list(profile.weight_formats),
+    }
+
+
+def profile_digest(profile: DeviceProfile) -> str:
+    """sha256 (hex) of one profile's canonical JSON."""
+    return _sha256(profile_dict(profile))
+
+
+def node_digests(profiles: Iterable[DeviceProfile]) -> tuple[tuple[NodeId, str], ...]:
+    """(node id, profile digest) for each profile, sorted by node id."""
+    return tuple(sorted((p.node_id, profile_digest(p)) for p in profiles))
+
+
+def profiles_digest(profiles: Iterable[DeviceProfile]) -> str:
+    """sha256 (hex) over all node digests, independent of the order of `profiles`."""
+    return digest_of_nodes(node_digests(profiles))
+
+
+def digest_of_nodes(nodes: Iterable[tuple[str, str]]) -> str:
+    """The profiles digest from (node id, profile digest) pairs."""
+    return _sha256(sorted([node, digest] for node, digest in nodes))
+
+
+def model_digest(model: ModelSpec) -> str:
+    """sha256 (hex) of the ModelSpec's canonical JSON (its weights_digest included)."""
+    return _sha256(asdict(model))
+
+
+def make_metadata(profiles: Iterable[DeviceProfile], model: ModelSpec, workload: Workload,
+                  reserve: Reserve) -> PlanMetadata:
+    """The metadata recorded in a plan made from these inputs."""
+    nodes = node_digests(profiles)
+    return PlanMetadata(
+        format_version=FORMAT_VERSION,
+        model_name=model.name,
+        model_digest=model_digest(model),
+        profiles_digest=digest_of_nodes(nodes),
+        node_digests=nodes,
+        num_layers=model.num_layers,
+        workload=workload,
+        reserve=reserve,
+    )

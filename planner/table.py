@@ -1,0 +1,39 @@
+"""A plan as an aligned text table for people (`lpctl plan`, logs, the README)."""
+from __future__ import annotations
+
+from planner.plan import Plan
+from planner.types import Objective
+from planner.units import format_bytes, format_ms
+
+_HEADERS = ("#", "node", "device", "layers", "memory", "compute ms", "transfer ms", "stage ms")
+_RIGHT = {0, 4, 5, 6, 7}  # numeric columns are right-aligned
+
+
+def _rows(plan: Plan) -> list[tuple[str, ...]]:
+    return [(str(i), s.node_id, s.device_kind if s.weight_format == "" else f"{s.device_kind} {s.weight_format}",
+             f"{s.start}-{s.end - 1} ({s.num_layers})", format_bytes(s.memory_bytes),
+             format_ms(s.compute_s), format_ms(s.transfer_s), format_ms(s.total_s))
+            for i, s in enumerate(plan.stages)]
+
+
+def _footer(plan: Plan) -> str:
+    what = "bottleneck" if plan.objective is Objective.THROUGHPUT else "sum"
+    text = (f"objective {plan.objective.value}: {what} {format_ms(plan.cost_s)} ms per step; "
+            f"strategy {plan.strategy}, {len(plan.stages)} stages, {plan.metadata.num_layers} layers")
+    if plan.exact:
+        return text + " (optimal)"
+    return text + f"; lower bound {format_ms(plan.lower_bound_s)} ms, gap {plan.gap * 100:.1f}%"
+
+
+def format_plan_table(plan: Plan) -> str:
+    """Columns: stage #, node, device kind (+ weight format), layers "a-b (count)" inclusive,
+    memory, compute / transfer / stage ms per step; a footer with the objective's value."""
+    rows = [_HEADERS, *_rows(plan)]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(_HEADERS))]
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [cell.rjust(w) if c in _RIGHT else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(rows[0]), rule, *(line(r) for r in rows[1:]), _footer(plan)])
