@@ -6,26 +6,18 @@ import json
 import logging
 from pathlib import Path
 
+from logicpipe import grpc_options
 from logicpipe.digest import model_digest
-from logicpipe.errors import Unavailable
+from logicpipe.errors import InvalidArgument, Unavailable
+from logicpipe.v1 import stage_pb2_grpc
+from planner import Workload, format_plan_table, plan_to_json
+from controller import planning
 from controller.model_prep import check_model_dir
 from controller.pipeline import Pipeline, StageAssignment
+from controller.planning import measure_links
 from controller.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-def uniform_split(num_layers: int, n: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of n near-equal contiguous stages (the first ones get the remainder)."""
-    if not 1 <= n <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers over {n} stages")
-    base, extra = divmod(num_layers, n)
-    ranges, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
 
 
 def stop_token_ids(model_dir: Path, config: dict) -> frozenset[int]:
@@ -52,7 +44,8 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
 
 class ControllerApp:
     def __init__(self, model_dir: str | Path, nodes: list[str], *, dtype: str = "float32",
-                 plan_path: str | None = None, strategy: str = "dp", objective: str = "throughput"):
+                 plan_path: str | None = None, strategy: str = "dp", objective: str = "throughput",
+                 context: int = 2048):
         self.model_dir = Path(model_dir).resolve()
         self.nodes = list(nodes)
         self.dtype = dtype
@@ -60,12 +53,16 @@ class ControllerApp:
         self.strategy = strategy
         self.objective = objective
         self.plan_json = ""
+        self.plan = None
+        self.profiles: list = []
         self.config = check_model_dir(self.model_dir)
         self.digest = model_digest(self.model_dir)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.num_layers = int(self.config["num_hidden_layers"])
+        self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, dtype)
+        self.workload = Workload(context_tokens=min(context, int(self.config.get("max_position_embeddings", context))))
         self.pipeline = Pipeline(self._on_event, self._on_stage_lost)
         self.scheduler = Scheduler(self.pipeline, int(self.config.get("max_position_embeddings", 2048)),
                                    stop_token_ids(self.model_dir, self.config), int(self.config["vocab_size"]))
@@ -79,15 +76,44 @@ class ControllerApp:
         self.scheduler.on_stage_lost(address, reason)
 
     async def start(self) -> None:
+        """Profile the nodes and their links, plan (or reuse a saved plan), assign the stages."""
         if not self.nodes:
             raise Unavailable("no stage nodes given (--nodes HOST:PORT,...)")
         statuses = await asyncio.gather(*(Pipeline.probe(a) for a in self.nodes))
+        by_id: dict[str, str] = {}
         for addr, st in zip(self.nodes, statuses):
+            if st.node_id in by_id:
+                raise InvalidArgument(f"nodes {by_id[st.node_id]} and {addr} both call themselves {st.node_id!r}; "
+                                      "give each a distinct --node-id")
+            by_id[st.node_id] = addr
             log.info("node %s at %s: %s, state %s", st.node_id, addr, st.device, st.state)
-        ranges = uniform_split(self.num_layers, len(self.nodes))
+        channels = {nid: grpc_options.insecure_channel(addr) for nid, addr in by_id.items()}
+        try:
+            links = await measure_links({nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}, by_id)
+        finally:
+            for ch in channels.values():
+                await ch.close()
+        self.profiles = [planning.device_profile(st, links[st.node_id]) for st in statuses]
+        plan = planning.reuse_or_plan(self.plan_path, self.profiles, self.spec, self.workload, self.strategy,
+                                      self.objective)
+        log.info("plan (%s, %s):\n%s", plan.strategy, plan.objective.value, format_plan_table(plan))
         await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
-                                    [StageAssignment(a, s, e) for a, (s, e) in zip(self.nodes, ranges)], self.dtype)
+                                    [StageAssignment(by_id[s.node_id], s.start, s.end) for s in plan.stages],
+                                    self.dtype)
+        self.plan, self.plan_json = plan, plan_to_json(plan)
         self.state = "ready"
+
+    async def plan_preview(self, strategy: str, objective: str, boundaries: list[int]) -> tuple[str, str]:
+        """The plan in force (strategy "") or the plan another strategy/objective would make now."""
+        if not self.profiles:
+            raise Unavailable("the controller has not profiled its nodes yet")
+        if not strategy:
+            if self.plan is None:
+                raise Unavailable("no plan is in force yet")
+            return self.plan_json, format_plan_table(self.plan)
+        plan = planning.plan_for(self.profiles, self.spec, self.workload, strategy, objective or self.objective,
+                                 boundaries)
+        return plan_to_json(plan), format_plan_table(plan)
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw)

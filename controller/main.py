@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  "write the plan in force to")
     ap.add_argument("--strategy", default="dp", help="partition strategy: dp | uniform | memory | compute | mixed")
     ap.add_argument("--objective", default="throughput", choices=["throughput", "latency"])
+    ap.add_argument("--context", type=int, default=2048,
+                    help="tokens of context per sequence the plan reserves KV for (default %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="compute dtype on the stages")
     ap.add_argument("--log-level", default="INFO")
@@ -41,7 +43,7 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = args.model or await asyncio.to_thread(prepare_default_model, progress=log.info)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
     app = ControllerApp(model_dir, nodes, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
-                        objective=args.objective)
+                        objective=args.objective, context=args.context)
     server = grpc_options.new_server()
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
     health = await add_health(server, SERVICE_NAME)
@@ -53,7 +55,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
     try:
         await app.start()
-    except MeshError as err:
+    except (MeshError, ValueError) as err:
         await server.stop(None)
         await app.close()
         raise SystemExit(f"logicpipe-controller: {err}") from None

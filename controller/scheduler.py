@@ -100,7 +100,8 @@ class Scheduler:
         if sampling.temperature < 0 or sampling.top_k < 0 or not 0 < sampling.top_p <= 1:
             raise InvalidArgument("sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> AsyncIterator[TokenUpdate]:
+    async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling,
+                       ignore_eos: bool = False) -> AsyncIterator[TokenUpdate]:
         """Yield each new token as the last stage reports it. Raises a MeshError on failure."""
         self.validate(prompt_ids, max_tokens, sampling)
         if not self.pipeline.stages:
@@ -110,7 +111,7 @@ class Scheduler:
         try:
             await self.pipeline.open_session(stage_pb2.OpenSessionRequest(
                 session_id=req.id, capacity=len(prompt_ids) + max_tokens, sampling=sampling.to_proto(),
-                max_new_tokens=max_tokens, stop_token_ids=sorted(self.stop_ids)))
+                max_new_tokens=max_tokens, stop_token_ids=[] if ignore_eos else sorted(self.stop_ids)))
             req.opened = time.monotonic()
             try:
                 await self._feed_prompt(req)

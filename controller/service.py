@@ -66,7 +66,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
             text = TextStream(app.tokenizer)
             first = True
-            async for update in app.scheduler.generate(prompt_ids, max_tokens, sampling):
+            async for update in app.scheduler.generate(prompt_ids, max_tokens, sampling, request.ignore_eos):
                 reply = controller_pb2.SubmitReply(request_id=update.request_id, token_ids=[update.token_id],
                                                    text=text.push([update.token_id], update.finished),
                                                    finished=update.finished, finish_reason=update.finish_reason)

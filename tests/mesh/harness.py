@@ -44,7 +44,8 @@ def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float
 
 class Mesh:
     def __init__(self, n_stages: int, model_dir: Path, workdir: Path, *, threads: int = 1,
-                 controller_args: tuple[str, ...] = ()):
+                 device: str = "cpu", controller_args: tuple[str, ...] = ()):
+        self.device = device
         self.n_stages = n_stages
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
@@ -66,7 +67,7 @@ class Mesh:
     def start_stage(self, i: int) -> str:
         addr = f"127.0.0.1:{free_port()}"
         proc, log = self._spawn(f"stage{i}", ["-m", "stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
-                                              "--device", "cpu", "--threads", str(self.threads)])
+                                              "--device", self.device, "--threads", str(self.threads)])
         wait_serving(addr, proc, log)
         return addr
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from logicpipe.v1 import stage_pb2 as logicpipe_dot_v1_dot_stage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlogicpipe/v1/controller.proto\x12\x0clogicpipe.v1\x1a\x18logicpipe/v1/stage.proto\"\x8a\x01\n\rSubmitRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0b\n\x03raw\x18\x02 \x01(\x08\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.logicpipe.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x03\"~\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x17\n\x0fparameter_count\x18\x06 \x01(\x04\"\x8a\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x12\n\nnew_tokens\x18\x06 \x01(\r\"\xbc\x01\n\x0bSubmitReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.logicpipe.v1.Timings\x12\'\n\x06stages\x18\x07 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\"\x19\n\x17\x43ontrollerStatusRequest\"j\n\nNodeStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12)\n\x06status\x18\x04 \x01(\x0b\x32\x19.logicpipe.v1.StatusReply\"\xe4\x01\n\x15\x43ontrollerStatusReply\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\x12\'\n\x05nodes\x18\x04 \x03(\x0b\x32\x18.logicpipe.v1.NodeStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x1a\n\x12\x63ompleted_requests\x18\x06 \x01(\x04\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tplan_json\x18\x08 \x01(\t\"F\n\x0bPlanRequest\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x11\n\tobjective\x18\x02 \x01(\t\x12\x12\n\nboundaries\x18\x03 \x03(\r\"-\n\tPlanReply\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t2\xe2\x01\n\nController\x12\x42\n\x06Submit\x12\x1b.logicpipe.v1.SubmitRequest\x1a\x19.logicpipe.v1.SubmitReply0\x01\x12T\n\x06Status\x12%.logicpipe.v1.ControllerStatusRequest\x1a#.logicpipe.v1.ControllerStatusReply\x12:\n\x04Plan\x12\x19.logicpipe.v1.PlanRequest\x1a\x17.logicpipe.v1.PlanReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlogicpipe/v1/controller.proto\x12\x0clogicpipe.v1\x1a\x18logicpipe/v1/stage.proto\"\x9e\x01\n\rSubmitRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0b\n\x03raw\x18\x02 \x01(\x08\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.logicpipe.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\"~\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x17\n\x0fparameter_count\x18\x06 \x01(\x04\"\x8a\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x12\n\nnew_tokens\x18\x06 \x01(\r\"\xbc\x01\n\x0bSubmitReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.logicpipe.v1.Timings\x12\'\n\x06stages\x18\x07 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\"\x19\n\x17\x43ontrollerStatusRequest\"j\n\nNodeStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12)\n\x06status\x18\x04 \x01(\x0b\x32\x19.logicpipe.v1.StatusReply\"\xe4\x01\n\x15\x43ontrollerStatusReply\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\x12\'\n\x05nodes\x18\x04 \x03(\x0b\x32\x18.logicpipe.v1.NodeStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x1a\n\x12\x63ompleted_requests\x18\x06 \x01(\x04\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tplan_json\x18\x08 \x01(\t\"F\n\x0bPlanRequest\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x11\n\tobjective\x18\x02 \x01(\t\x12\x12\n\nboundaries\x18\x03 \x03(\r\"-\n\tPlanReply\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t2\xe2\x01\n\nController\x12\x42\n\x06Submit\x12\x1b.logicpipe.v1.SubmitRequest\x1a\x19.logicpipe.v1.SubmitReply0\x01\x12T\n\x06Status\x12%.logicpipe.v1.ControllerStatusRequest\x1a#.logicpipe.v1.ControllerStatusReply\x12:\n\x04Plan\x12\x19.logicpipe.v1.PlanRequest\x1a\x17.logicpipe.v1.PlanReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'logicpipe.v1.controller_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=74
-  _globals['_SUBMITREQUEST']._serialized_end=212
-  _globals['_STAGEINFO']._serialized_start=214
-  _globals['_STAGEINFO']._serialized_end=340
-  _globals['_TIMINGS']._serialized_start=343
-  _globals['_TIMINGS']._serialized_end=481
-  _globals['_SUBMITREPLY']._serialized_start=484
-  _globals['_SUBMITREPLY']._serialized_end=672
-  _globals['_CONTROLLERSTATUSREQUEST']._serialized_start=674
-  _globals['_CONTROLLERSTATUSREQUEST']._serialized_end=699
-  _globals['_NODESTATUS']._serialized_start=701
-  _globals['_NODESTATUS']._serialized_end=807
-  _globals['_CONTROLLERSTATUSREPLY']._serialized_start=810
-  _globals['_CONTROLLERSTATUSREPLY']._serialized_end=1038
-  _globals['_PLANREQUEST']._serialized_start=1040
-  _globals['_PLANREQUEST']._serialized_end=1110
-  _globals['_PLANREPLY']._serialized_start=1112
-  _globals['_PLANREPLY']._serialized_end=1157
-  _globals['_CONTROLLER']._serialized_start=1160
-  _globals['_CONTROLLER']._serialized_end=1386
+  _globals['_SUBMITREQUEST']._serialized_end=232
+  _globals['_STAGEINFO']._serialized_start=234
+  _globals['_STAGEINFO']._serialized_end=360
+  _globals['_TIMINGS']._serialized_start=363
+  _globals['_TIMINGS']._serialized_end=501
+  _globals['_SUBMITREPLY']._serialized_start=504
+  _globals['_SUBMITREPLY']._serialized_end=692
+  _globals['_CONTROLLERSTATUSREQUEST']._serialized_start=694
+  _globals['_CONTROLLERSTATUSREQUEST']._serialized_end=719
+  _globals['_NODESTATUS']._serialized_start=721
+  _globals['_NODESTATUS']._serialized_end=827
+  _globals['_CONTROLLERSTATUSREPLY']._serialized_start=830
+  _globals['_CONTROLLERSTATUSREPLY']._serialized_end=1058
+  _globals['_PLANREQUEST']._serialized_start=1060
+  _globals['_PLANREQUEST']._serialized_end=1130
+  _globals['_PLANREPLY']._serialized_start=1132
+  _globals['_PLANREPLY']._serialized_end=1177
+  _globals['_CONTROLLER']._serialized_start=1180
+  _globals['_CONTROLLER']._serialized_end=1406
 # @@protoc_insertion_point(module_scope)

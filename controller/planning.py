@@ -1,0 +1,153 @@
+"""The planner driver: live node profiles and measured links -> planner.make_plan -> stage
+assignments; plan artifacts reused when their metadata still match.
+
+Measurements are rounded before they become profiles (speeds to two significant digits, memory
+down to a 1/16 power-of-two step, links to half-octave buckets) so that the jitter of a
+re-measurement does not void a saved plan; a real change (another device, a much slower link, a
+new model) still does, and the reason is logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from pathlib import Path
+
+from logicpipe.errors import InvalidArgument, Unavailable
+from logicpipe.v1 import stage_pb2
+from planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload, format_plan_table,
+                     make_plan, plan_from_json, plan_to_json, reuse_mismatch)
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+MEASURE_TIMEOUT_S = 30.0
+
+
+def round_sig(x: float, digits: int) -> float:
+    if x <= 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(x))))
+
+
+def bucket(x: float) -> float:
+    """x rounded to the nearest half-octave (a power of sqrt(2)), 4 significant digits."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    return round_sig(2 ** (round(math.log2(x) * 2) / 2), 4)
+
+
+def memory_floor(nbytes: int) -> int:
+    """nbytes rounded down to a step of 1/16 of its power of two (at most 6% lost)."""
+    if nbytes <= 16:
+        return nbytes
+    step = 2 ** (nbytes.bit_length() - 5)
+    return nbytes // step * step
+
+
+def model_spec(config: dict, name: str, digest: str, dtype: str = "float32") -> ModelSpec:
+    """The planner's view of a Llama-family config.json."""
+    return ModelSpec.llama(
+        name=name, hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"], head_dim=config.get("head_dim"),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), weight_format=WEIGHT_FORMAT[dtype],
+        weights_digest=digest)
+
+
+def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link]) -> DeviceProfile:
+    p = status.profile
+    if not p.flops or not p.mem_bandwidth:
+        raise Unavailable(f"node {status.node_id} reports no measured profile (started with --no-profile?)")
+    return DeviceProfile(
+        node_id=status.node_id, device_kind=p.device_kind or status.device.split(":")[0],
+        memory_bytes=memory_floor(p.memory_bytes), flops=round_sig(p.flops, 2),
+        mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",))
+
+
+async def measure_links(stubs: dict[str, object], addresses: dict[str, str]) -> dict[str, dict[str, Link]]:
+    """links[a][b]: the link from node a to node b, as node a measures it (every ordered pair)."""
+    async def one(a: str, b: str) -> tuple[str, str, Link]:
+        reply = await stubs[a].MeasureLink(stage_pb2.MeasureLinkRequest(target_address=addresses[b], probes=9),
+                                           timeout=MEASURE_TIMEOUT_S)
+        return a, b, Link(bandwidth=bucket(max(reply.bandwidth, 1.0)), latency=bucket(max(reply.latency_s, 0.0)))
+
+    pairs = [(a, b) for a in addresses for b in addresses if a != b]
+    links: dict[str, dict[str, Link]] = {a: {} for a in addresses}
+    for a, b, link in await asyncio.gather(*(one(a, b) for a, b in pairs)):
+        links[a][b] = link
+    return links
+
+
+def plan_for(profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload, strategy: str, objective: str,
+             boundaries: list[int] | None = None) -> Plan:
+    """make_plan with custom boundaries given as cut points ("10,20" -> [0,9], [10,19], [20,L-1])."""
+    pairs = None
+    if strategy == "custom":
+        if not boundaries:
+            raise InvalidArgument("the custom strategy needs --boundaries, e.g. 10,20")
+        cuts = [0, *boundaries, spec.num_layers]
+        pairs = [(a, b - 1) for a, b in zip(cuts, cuts[1:])]
+    try:
+        return make_plan(profiles, spec, workload, Objective.parse(objective), strategy=strategy, boundaries=pairs)
+    except InfeasibleError as exc:
+        raise InvalidArgument(f"the model does not fit: {exc}") from exc
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def reuse_or_plan(path: str | None, profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload,
+                  strategy: str, objective: str) -> Plan:
+    """The saved plan at `path` if it matches these inputs, else a new plan (written to `path`)."""
+    if path and Path(path).is_file():
+        try:
+            saved = plan_from_json(Path(path).read_text())
+            why = reuse_mismatch(saved, spec, profiles, objective, workload)
+            if why is None and saved.strategy == strategy:
+                log.info("reusing the plan in %s", path)
+                return saved
+            log.info("not reusing the plan in %s: %s", path, why or f"strategy {saved.strategy} != {strategy}")
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring the plan in %s: %s", path, exc)
+    plan = plan_for(profiles, spec, workload, strategy, objective)
+    if path:
+        Path(path).write_text(plan_to_json(plan))
+        log.info("wrote the plan to %s", path)
+    return plan
+
+
+def profiles_from_file(path: str) -> list[DeviceProfile]:
+    """Profiles from a JSON file: a list of objects with the DeviceProfile fields; "links" maps
+    another node id to {"bandwidth": bytes/s, "latency": s}."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read profiles from {path}: {exc}") from exc
+    items = doc.get("profiles", doc) if isinstance(doc, dict) else doc
+    if not isinstance(items, list) or not items:
+        raise InvalidArgument(f"{path}: expected a list of device profiles")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            links = {k: Link(**v) for k, v in item.get("links", {}).items()}
+            out.append(DeviceProfile(**{**item, "links": links,
+                                        "weight_formats": tuple(item.get("weight_formats", ("fp32", "fp16", "bf16")))}))
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgument(f"{path}: profile #{i}: {exc}") from exc
+    return out
+
+
+def plan_from_profiles_file(profiles_path: str, model_dir: str | None, strategy: str | None, objective: str,
+                            boundaries: list[int] | None, context: int) -> tuple[str, str]:
+    """(plan JSON, table) for `lpctl plan --profiles FILE`: no controller, no nodes."""
+    from controller.model_prep import check_model_dir, default_model_dir
+    from logicpipe.digest import model_digest
+
+    mdir = Path(model_dir) if model_dir else default_model_dir()
+    config = check_model_dir(mdir)
+    spec = model_spec(config, mdir.name, model_digest(mdir))
+    plan = plan_for(profiles_from_file(profiles_path), spec, Workload(context_tokens=context),
+                    strategy or "dp", objective, boundaries)
+    return plan_to_json(plan), format_plan_table(plan)
