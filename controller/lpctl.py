@@ -175,6 +175,14 @@ def main(argv=None) -> None:
     except grpc.RpcError as exc:
         print(f"lpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 — MeshError / ModelDirError from local work: say it, no traceback
+        from logicpipe.errors import MeshError
+        from controller.model_prep import ModelDirError
+
+        if not isinstance(exc, (MeshError, ModelDirError)):
+            raise
+        print(f"lpctl: {exc}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
 
