@@ -69,6 +69,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.active: dict[str, Request] = {}
         self.completed = 0
+        self._closing: set[asyncio.Task] = set()
 
     # ---- events from the stages (called by the Pipeline) -----------------------------------
     def on_event(self, ev: stage_pb2.Event) -> None:
@@ -97,8 +98,12 @@ class Scheduler:
             raise InvalidArgument(
                 f"{len(prompt_ids)} prompt tokens + {max_tokens} new tokens exceed the model's "
                 f"{self.max_context}-token context; shorten the prompt or lower --max-tokens")
-        if sampling.temperature < 0 or sampling.top_k < 0 or not 0 < sampling.top_p <= 1:
-            raise InvalidArgument("sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        if sampling.temperature < 0:
+            raise InvalidArgument(f"temperature {sampling.temperature} is negative; use 0 for greedy or a value > 0")
+        if sampling.top_k < 0:
+            raise InvalidArgument(f"top_k {sampling.top_k} is negative; use 0 to turn it off")
+        if not 0 < sampling.top_p <= 1:
+            raise InvalidArgument(f"top_p {sampling.top_p} is outside (0, 1]; use 1 to turn it off")
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling,
                        ignore_eos: bool = False) -> AsyncIterator[TokenUpdate]:
@@ -133,7 +138,9 @@ class Scheduler:
                         self.completed += 1
                         return
             finally:
-                asyncio.get_running_loop().create_task(self.pipeline.close_session(req.id))
+                task = asyncio.get_running_loop().create_task(self.pipeline.close_session(req.id))
+                self._closing.add(task)  # keep a reference until done
+                task.add_done_callback(self._closing.discard)
         finally:
             self.active.pop(req.id, None)
 

@@ -19,6 +19,7 @@ from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # a peer not reachable within this is reported down
+RETRY_AFTER_S = 1.0      # after a failure, sends fail at once for this long instead of waiting again
 
 
 class LinkDown(Exception):
@@ -34,6 +35,8 @@ class PeerLink:
         self._call = None
         self._reader: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._down_until = 0.0
+        self._down_reason = ""
 
     async def _open(self):
         if self._channel is None:
@@ -63,8 +66,15 @@ class PeerLink:
 
     async def send(self, batch: stage_pb2.StepBatch) -> None:
         async with self._lock:
+            loop = asyncio.get_running_loop()
             if self._call is None:
-                self._call = await self._open()
+                if loop.time() < self._down_until:
+                    raise LinkDown(self._down_reason)
+                try:
+                    self._call = await self._open()
+                except LinkDown as exc:
+                    self._down_until, self._down_reason = loop.time() + RETRY_AFTER_S, str(exc)
+                    raise
             call = self._call
             try:
                 await call.write(batch)

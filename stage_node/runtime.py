@@ -207,6 +207,9 @@ class StageRuntime:
         return session
 
     def close_session(self, session_id: str) -> int:
+        if self.shard is None:  # not require_ready(): a draining node still closes sessions
+            raise FailedPrecondition(f"node {self.node_id} has no layer assignment yet ({self.state}); "
+                                     "it holds no sessions")
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise NotFound(f"session {session_id} is not open on node {self.node_id}")

@@ -35,7 +35,12 @@ def work_from_proto(batch: stage_pb2.StepBatch, runtime: StageRuntime) -> Work:
         raise InvalidArgument("step has no sequences")
     rows = 0
     seqs = []
+    seen: set[str] = set()
     for s in batch.seqs:
+        if s.session_id in seen:
+            raise InvalidArgument(f"session {s.session_id} appears twice in one step; send its next slice "
+                                  "in a later step")
+        seen.add(s.session_id)
         if s.num_tokens < 1:
             raise InvalidArgument(f"session {s.session_id}: num_tokens must be >= 1")
         rows += s.num_tokens

@@ -1,0 +1,268 @@
+"""Controller service in-process over two in-process stage nodes running the default model
+(SmolLM2-135M-Instruct, 30 layers, split uniformly): bad Submits and Plan requests get their
+status and a message a person can act on, the controller then serves a valid request; no
+pipeline and a stage lost mid-request are UNAVAILABLE, never a hang."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from logicpipe.errors import Unavailable
+from logicpipe.v1 import controller_pb2, stage_pb2
+
+from .conftest import (
+    RPC_TIMEOUT_S, Controller, Node, closed_port_address, controller, expect_status, fixed_profile, stage_node,
+)
+
+SMOL_LAYERS = 30
+SMOL_VOCAB = 49152
+SMOL_CONTEXT = 8192
+CALL_TIMEOUT_S = 60.0  # one Submit; a hang fails as DEADLINE_EXCEEDED
+IA = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def arun(runner, coro, timeout: float = 120.0):
+    return runner.run(asyncio.wait_for(coro, timeout))
+
+
+@dataclass
+class Mesh:
+    first: Node  # layers [0, 15)
+    last: Node   # layers [15, 30)
+    ctl: Controller
+
+
+@contextlib.asynccontextmanager
+async def mesh_of_two(model_dir, tag: str):
+    async with stage_node(f"{tag}-first") as first, stage_node(f"{tag}-last") as last:
+        async with controller(model_dir, [first.address, last.address]) as ctl:
+            yield Mesh(first, last, ctl)
+
+
+@pytest.fixture(scope="module")
+def mesh(runner, model_dir):
+    """Two stages and a controller for the module's tests, on the module's event loop."""
+    stack = contextlib.AsyncExitStack()
+    try:
+        yield arun(runner, stack.enter_async_context(mesh_of_two(model_dir, "mesh")))
+    finally:
+        arun(runner, stack.aclose())
+
+
+async def submit(ctl: Controller, **fields) -> list[controller_pb2.SubmitReply]:
+    """Every reply of one Submit, to its end."""
+    call = ctl.stub.Submit(controller_pb2.SubmitRequest(**fields), timeout=CALL_TIMEOUT_S)
+    return [reply async for reply in call]
+
+
+async def open_sessions(node: Node) -> int:
+    return (await node.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).open_sessions
+
+
+async def eventually_no_sessions(*nodes: Node, within: float = 10.0) -> None:
+    """The controller closes a request's sessions in the background; wait for it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        counts = [await open_sessions(n) for n in nodes]
+        if not any(counts):
+            return
+        assert loop.time() < deadline, f"sessions left open on the stages: {counts}"
+        await asyncio.sleep(0.05)
+
+
+def check_finished_stream(replies: list[controller_pb2.SubmitReply], mesh: Mesh, max_tokens: int) -> list[int]:
+    """A Submit stream that ran to its end: one token per reply, stages on the first, timings on the last."""
+    assert replies, "no reply"
+    ids = [t for r in replies for t in r.token_ids]
+    assert [len(r.token_ids) for r in replies] == [1] * len(replies)
+    assert 1 <= len(ids) <= max_tokens
+    assert len({r.request_id for r in replies}) == 1 and replies[0].request_id
+    assert [r.finished for r in replies] == [False] * (len(replies) - 1) + [True]
+    last = replies[-1]
+    assert last.finish_reason == ("length" if len(ids) == max_tokens else "stop")
+    assert [(s.address, s.start_layer, s.end_layer) for s in replies[0].stages] == \
+           [(mesh.first.address, 0, 15), (mesh.last.address, 15, SMOL_LAYERS)]
+    assert not any(r.stages for r in replies[1:])
+    t = last.timings
+    assert t.new_tokens == len(ids) and t.prompt_tokens > 0
+    assert 0 < t.queue_s <= t.first_token_s <= t.total_s
+    assert (t.decode_tokens_per_s > 0) == (len(ids) > 1)
+    assert "".join(r.text for r in replies) == mesh.ctl.app.tokenizer.decode(ids, skip_special_tokens=True)
+    return ids
+
+
+# ----------------------------------------------------------------------------- bad Submits
+
+BAD_SUBMITS = {
+    # id: (SubmitRequest fields, fragments of the message)
+    "empty-prompt": (dict(prompt=""), ["prompt is empty"]),
+    "blank-prompt": (dict(prompt=" \n\t"), ["prompt is empty"]),
+    "beyond-context": (dict(prompt="Hello", max_tokens=100000),
+                       ["100000 new tokens", f"{SMOL_CONTEXT}-token context", "--max-tokens"]),
+    "token-past-vocab": (dict(prompt_token_ids=[1, SMOL_VOCAB]), [str(SMOL_VOCAB), f"[0, {SMOL_VOCAB})"]),
+    "negative-token": (dict(prompt_token_ids=[1, -3]), ["-3", "vocabulary"]),
+    "negative-temperature": (dict(prompt="Hello", sampling=stage_pb2.SamplingParams(temperature=-1.0)),
+                             ["temperature -1.0 is negative"]),
+    "top-p-over-one": (dict(prompt="Hello", sampling=stage_pb2.SamplingParams(temperature=1.0, top_p=1.5)),
+                       ["top_p 1.5 is outside (0, 1]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SUBMITS))
+def test_bad_submit_is_invalid_argument_and_the_controller_keeps_serving(case, runner, mesh):
+    fields, fragments = BAD_SUBMITS[case]
+
+    async def main():
+        await expect_status(submit(mesh.ctl, **fields), IA, *fragments)
+        assert not mesh.ctl.app.scheduler.active
+        assert await open_sessions(mesh.first) == 0 and await open_sessions(mesh.last) == 0
+        replies = await submit(mesh.ctl, prompt="Hi", max_tokens=2)
+        check_finished_stream(replies, mesh, 2)
+    arun(runner, main())
+
+
+def test_valid_submit_streams_tokens_and_finishes_with_timings(runner, mesh):
+    prompt, max_tokens = "The capital of France is", 8
+
+    async def main():
+        done = mesh.ctl.app.scheduler.completed
+        replies = await submit(mesh.ctl, prompt=prompt, raw=True, max_tokens=max_tokens)
+        ids = check_finished_stream(replies, mesh, max_tokens)
+        prompt_ids = mesh.ctl.app.encode_prompt(prompt, raw=True)
+        assert replies[-1].timings.prompt_tokens == len(prompt_ids)
+        # the same prompt, already tokenized: the same greedy tokens
+        again = await submit(mesh.ctl, prompt_token_ids=prompt_ids, max_tokens=max_tokens)
+        assert check_finished_stream(again, mesh, max_tokens) == ids
+        assert mesh.ctl.app.scheduler.completed == done + 2
+        await eventually_no_sessions(mesh.first, mesh.last)
+    arun(runner, main())
+
+
+def test_status_lists_the_stages_covering_every_layer(runner, mesh):
+    async def main():
+        st = await mesh.ctl.stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)
+        assert st.state == "ready" and st.plan_id and st.model_dir == str(mesh.ctl.app.model_dir)
+        assert [(s.node_id, s.address) for s in st.stages] == \
+               [("mesh-first", mesh.first.address), ("mesh-last", mesh.last.address)]
+        bounds = [(s.start_layer, s.end_layer) for s in st.stages]
+        assert bounds[0][0] == 0 and bounds[-1][1] == SMOL_LAYERS
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:] + [(SMOL_LAYERS, None)]))
+        assert all(s.parameter_count > 0 and s.device == "cpu" for s in st.stages)
+        assert [(n.address, n.reachable, n.status.state, n.status.plan_id) for n in st.nodes] == \
+               [(mesh.first.address, True, "ready", st.plan_id), (mesh.last.address, True, "ready", st.plan_id)]
+        assert all(n.status.profile.flops == fixed_profile().flops for n in st.nodes)
+        plan = json.loads(st.plan_json)
+        assert plan["strategy"] == "uniform" and plan["stages"]
+    arun(runner, main())
+
+
+# ----------------------------------------------------------------------------- Plan
+
+BAD_PLANS = {
+    # id: (PlanRequest fields, fragments of the message)
+    "unknown-strategy": (dict(strategy="bogus"), ["'bogus'", "dp, uniform"]),
+    "unknown-objective": (dict(strategy="uniform", objective="fastest"), ["'fastest'", "throughput, latency"]),
+    "custom-without-boundaries": (dict(strategy="custom"), ["--boundaries"]),
+    "custom-past-the-layers": (dict(strategy="custom", boundaries=[40]), ["custom boundaries", "40"]),
+    "custom-too-many-stages": (dict(strategy="custom", boundaries=[10, 20]), ["3 ranges for 2 devices"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_bad_plan_request_is_invalid_argument_and_the_plan_in_force_stays(case, runner, mesh):
+    fields, fragments = BAD_PLANS[case]
+
+    async def main():
+        in_force = await mesh.ctl.stub.Plan(controller_pb2.PlanRequest(), timeout=RPC_TIMEOUT_S)
+        assert in_force.plan_json == mesh.ctl.app.plan_json and in_force.table
+        await expect_status(mesh.ctl.stub.Plan(controller_pb2.PlanRequest(**fields), timeout=RPC_TIMEOUT_S),
+                            IA, *fragments)
+        preview = await mesh.ctl.stub.Plan(controller_pb2.PlanRequest(strategy="dp", objective="latency"),
+                                           timeout=RPC_TIMEOUT_S)
+        assert json.loads(preview.plan_json)["objective"] == "latency"
+        again = await mesh.ctl.stub.Plan(controller_pb2.PlanRequest(), timeout=RPC_TIMEOUT_S)
+        assert again.plan_json == in_force.plan_json  # a preview changes nothing
+    arun(runner, main())
+
+
+def test_a_stage_out_of_kv_is_resource_exhausted_and_nothing_stays_open(runner, mesh):
+    async def main():
+        runtime = mesh.last.runtime
+        saved, runtime.max_kv_bytes = runtime.max_kv_bytes, 2**20  # ~45 tokens of this stage's KV
+        try:
+            await expect_status(submit(mesh.ctl, prompt="Hello", max_tokens=200),
+                                grpc.StatusCode.RESOURCE_EXHAUSTED, mesh.last.address, "mesh-last", "retry later")
+        finally:
+            runtime.max_kv_bytes = saved
+        # the stage that did open the session had it closed again
+        assert await open_sessions(mesh.first) == 0 and await open_sessions(mesh.last) == 0
+        check_finished_stream(await submit(mesh.ctl, prompt="Hello", max_tokens=3), mesh, 3)
+    arun(runner, main())
+
+
+# ----------------------------------------------------------------------------- no pipeline
+
+def test_submit_without_a_pipeline_is_unavailable(runner, model_dir):
+    nowhere = closed_port_address()
+
+    async def main():
+        async with controller(model_dir, [nowhere], start=False) as ctl:
+            await expect_status(submit(ctl, prompt="Hello", max_tokens=2), grpc.StatusCode.UNAVAILABLE,
+                                "no pipeline", "lpctl status")
+            st = await ctl.stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)
+            assert st.state == "planning" and not st.stages
+            assert [(n.address, n.reachable) for n in st.nodes] == [(nowhere, False)]
+            assert nowhere in st.nodes[0].error
+            # starting on that node fails naming it; with no node at all, saying what to give
+            with pytest.raises(Unavailable, match=re.escape(nowhere)):
+                await ctl.app.start()
+            ctl.app.nodes = []
+            with pytest.raises(Unavailable, match="--nodes"):
+                await ctl.app.start()
+            await expect_status(submit(ctl, prompt="Hello", max_tokens=2), grpc.StatusCode.UNAVAILABLE,
+                                "no pipeline")
+            await expect_status(ctl.stub.Plan(controller_pb2.PlanRequest(), timeout=RPC_TIMEOUT_S),
+                                grpc.StatusCode.UNAVAILABLE, "not profiled")
+            # a node started with --no-profile cannot be planned for
+            async with stage_node("unmeasured", profiled=False) as node:
+                ctl.app.nodes = [node.address]
+                with pytest.raises(Unavailable, match="unmeasured.*--no-profile"):
+                    await ctl.app.start()
+                assert (await node.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).state == "idle"
+    arun(runner, main())
+
+
+# ----------------------------------------------------------------------------- a stage lost
+
+def test_a_stage_lost_mid_request_ends_the_submit_with_unavailable(runner, model_dir):
+    async def main():
+        async with mesh_of_two(model_dir, "loss") as m:
+            call = m.ctl.stub.Submit(controller_pb2.SubmitRequest(
+                prompt="Once upon a time, in a land far away,", raw=True, max_tokens=2000), timeout=CALL_TIMEOUT_S)
+            first = await call.read()
+            assert first.token_ids and not first.finished
+            await m.last.server.stop(None)  # the last stage goes away mid-generation
+
+            async def drain():
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    assert not reply.finished, "the request finished although its last stage was gone"
+
+            await expect_status(drain(), grpc.StatusCode.UNAVAILABLE, m.last.address)
+            assert not m.ctl.app.scheduler.active
+            await eventually_no_sessions(m.first)  # its KV on the surviving stage is given back
+            st = await m.ctl.stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)
+            assert st.state == "degraded"
+            assert [(n.address, n.reachable) for n in st.nodes] == [(m.first.address, True), (m.last.address, False)]
+            assert m.last.address in st.nodes[1].error
+            # a new request fails at once, naming the stage, instead of waiting for tokens
+            await expect_status(submit(m.ctl, prompt="Hello", max_tokens=2), grpc.StatusCode.UNAVAILABLE,
+                                m.last.address)
+            assert await open_sessions(m.first) == 0
+    arun(runner, main())
