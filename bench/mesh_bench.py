@@ -37,18 +37,21 @@ from tests.mesh.harness import Mesh  # noqa: E402
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def baseline_run(model, ids: list[int], tokens: int, device: str) -> float:
-    """Seconds for transformers' greedy generate of exactly `tokens` new tokens."""
+def baseline_run(model, ids: list[int], tokens: int, device: str) -> tuple[float, list[int]]:
+    """(seconds, new tokens) of transformers' greedy generate of exactly `tokens` new tokens
+    (no EOS stop, as the mesh runs with ignore_eos)."""
     x = torch.tensor([ids], device=device)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(x, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        out = model.generate(x, max_new_tokens=tokens, do_sample=False)
     if device == "cuda":
         torch.cuda.synchronize()
-    assert out.shape[1] - len(ids) == tokens
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    new = out[0, len(ids):].tolist()
+    assert len(new) == tokens
+    return elapsed, new
 
 
 def mesh_run(address: str, prompt: str, tokens: int) -> tuple[float, list[int]]:
@@ -81,6 +84,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
+    model.generation_config.eos_token_id = None  # run the full length, like the mesh's ignore_eos
+    model.generation_config.pad_token_id = tok.pad_token_id
     ids = encode_prompt(tok, PROMPT)
     sizes = sorted({1, *(int(s) for s in args.stages.split(","))})
 
@@ -94,17 +99,20 @@ def main() -> None:
             times: dict[str, list[float]] = {"baseline": [], **{f"mesh{s}": [] for s in sizes}}
             # warm-up: first requests pay one-time costs (allocator, connections)
             baseline_run(model, ids, 8, args.device)
-            ref = None
             for s in sizes:
                 mesh_run(meshes[s].controller_address, PROMPT, 8)
+            equal = {s: True for s in sizes}
             for r in range(args.rounds):
-                times["baseline"].append(baseline_run(model, ids, args.tokens, args.device))
+                elapsed, ref = baseline_run(model, ids, args.tokens, args.device)
+                times["baseline"].append(elapsed)
                 for s in sizes:
                     elapsed, out = mesh_run(meshes[s].controller_address, PROMPT, args.tokens)
                     times[f"mesh{s}"].append(elapsed)
-                    ref = ref or out
                     if out != ref:
-                        print(f"warning: mesh{s} tokens differ from mesh1's in round {r}", file=sys.stderr)
+                        equal[s] = False
+                        first = next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)
+                        print(f"mesh{s} tokens differ from transformers' at token {first} in round {r}",
+                              file=sys.stderr)
                 print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                     f"{k} {args.tokens / v[-1]:.1f} tok/s" for k, v in times.items()), file=sys.stderr)
         finally:
@@ -118,16 +126,18 @@ def main() -> None:
     for s in sizes:
         tps = args.tokens / med[f"mesh{s}"]
         hop_ms = ((med[f"mesh{s}"] / args.tokens - per_token_1) / s * 1000) if s > 1 else 0.0
-        rows.append({"stages": s, "tokens_per_s": tps, "ratio": tps / base_tps, "hop_ms": hop_ms})
+        rows.append({"stages": s, "tokens_per_s": tps, "ratio": tps / base_tps, "hop_ms": hop_ms,
+                     "tokens_equal": equal[s]})
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nmodel {model_dir.name}, {args.device} ({device_name}), {args.threads} threads, "
           f"{args.tokens} new tokens, median of {args.rounds} rounds")
     print(f"baseline transformers generate: {base_tps:.1f} tok/s\n")
-    print("| stages | mesh tok/s | mesh / transformers | added latency per hop |")
-    print("|---|---|---|---|")
+    print("| stages | mesh tok/s | mesh / transformers | added latency per hop | greedy tokens = transformers |")
+    print("|---|---|---|---|---|")
     for r in rows:
         hop = f"{r['hop_ms']:.2f} ms" if r["stages"] > 1 else "-"
-        print(f"| {r['stages']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {hop} |")
+        same = "yes" if r["tokens_equal"] else "NO"
+        print(f"| {r['stages']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {hop} | {same} |")
     if args.json:
         args.json.write_text(json.dumps({"baseline_tokens_per_s": base_tps, "rows": rows, "device": device_name,
                                          "tokens": args.tokens, "rounds": args.rounds, "raw": times}, indent=2))

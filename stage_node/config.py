@@ -7,12 +7,14 @@ weights not in safetensors — is refused with a `ModelError` that says what to 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from logicpipe.digest import DigestError
+from logicpipe.digest import model_digest as _model_digest
+from logicpipe.digest import safetensors_header as _safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -149,32 +151,17 @@ def _eos_token_ids(path: Path, raw: dict) -> tuple[int, ...]:
 
 
 def safetensors_header(file: Path) -> dict:
-    """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets}."""
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ModelError(f"{file} is truncated (no safetensors header)")
-        (size,) = struct.unpack("<Q", head)
-        try:
-            return json.loads(f.read(size))
-        except ValueError as e:
-            raise ModelError(f"{file} has a corrupt safetensors header: {e}") from e
+    """The JSON header of a safetensors file; ModelError if it is unreadable."""
+    try:
+        return _safetensors_header(file)
+    except DigestError as e:
+        raise ModelError(str(e)) from e
 
 
 def model_digest(model_dir) -> str:
-    """Short stable id of a model: sha256 (16 hex chars) over config.json and the tensor table.
-
-    The tensor table is every tensor's name, dtype and shape from the safetensors headers, sorted by
-    name, so it does not depend on how the weights are split into files. The weights themselves are
-    not read: this is fast, and tells apart models, not bit flips.
-    """
-    path = Path(model_dir)
-    read_config_json(path)  # raises ModelError for a missing dir / config
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    table = {}
-    for file in safetensors_files(path):
-        for name, meta in safetensors_header(file).items():
-            if name != "__metadata__":
-                table[name] = (meta["dtype"], list(meta["shape"]))
-    h.update(json.dumps(sorted(table.items()), separators=(",", ":")).encode())
-    return h.hexdigest()[:16]
+    """logicpipe.digest.model_digest, with ModelError for a directory that is not a model."""
+    read_config_json(Path(model_dir))  # raises ModelError for a missing dir / config
+    try:
+        return _model_digest(model_dir)
+    except DigestError as e:
+        raise ModelError(str(e)) from e

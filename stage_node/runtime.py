@@ -18,8 +18,7 @@ import torch
 from logicpipe import tensor_codec
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
 from logicpipe.v1 import stage_pb2
-from logicpipe.digest import model_digest
-from stage_node.config import ModelConfig, ModelError
+from stage_node.config import ModelConfig, ModelError, model_digest
 from stage_node.kv import SeqSlice, SessionKV, kv_bytes_per_token
 from stage_node.links import LinkDown, PeerLink
 from stage_node.sampling import SamplingParams, make_generator, sample

@@ -3,7 +3,8 @@
 The forward runs on packed rows: the new tokens of several sequences, one after the other, go
 through every projection and MLP together (one matmul per weight), and only attention is done per
 sequence, against that sequence's own preallocated KV cache. The arithmetic follows transformers'
-`LlamaForCausalLM` operation for operation, so greedy decoding gives the same tokens.
+`LlamaForCausalLM` operation for operation (RMSNorm in float32, HF's RoPE tables, SDPA with GQA),
+so logits agree to float32 rounding (a prefill on CPU is bit-identical) and greedy tokens match.
 """
 from __future__ import annotations
 
@@ -34,17 +35,18 @@ __all__ = ["Shard", "SeqSlice", "SessionKV"]
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer, with q/k/v and gate/up fused into one matrix each."""
+    """One decoder layer. q/k/v and gate/up are fused into one matrix each, and every matrix is
+    stored transposed, [in, out], for `x @ w`: on CPU that is the faster GEMV for decode (1-3 rows)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: torch.Tensor  # [heads * head_dim, hidden]
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: torch.Tensor  # [intermediate, hidden]
     down_bias: torch.Tensor | None  # [hidden]
 
     def numel(self) -> int:
@@ -99,35 +101,46 @@ def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
 
 
 def build_layer(t: dict[str, torch.Tensor], layer: int, *, device, dtype) -> LayerWeights:
+    """Take (pop) layer `layer`'s tensors out of `t`, so the unfused copies are freed as we go."""
     p = f"model.layers.{layer}."
 
     def get(name: str) -> torch.Tensor | None:
-        x = t.get(p + name)
+        x = t.pop(p + name, None)
         return None if x is None else x.to(device=device, dtype=dtype)
 
     def cat(*names: str) -> torch.Tensor | None:
         parts = [get(n) for n in names]
         return None if parts[0] is None else torch.cat(parts, dim=0)
 
+    def matrix(*names: str) -> torch.Tensor:  # [out, in] checkpoint layout -> [in, out]
+        return cat(*names).t().contiguous()
+
     attn, mlp = "self_attn.", "mlp."
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
-        qkv=cat(*(f"{attn}{x}_proj.weight" for x in "qkv")),
+        qkv=matrix(*(f"{attn}{x}_proj.weight" for x in "qkv")),
         qkv_bias=cat(*(f"{attn}{x}_proj.bias" for x in "qkv")),
-        o=get(attn + "o_proj.weight"),
+        o=matrix(attn + "o_proj.weight"),
         o_bias=get(attn + "o_proj.bias"),
         post_norm=get("post_attention_layernorm.weight"),
-        gate_up=cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+        gate_up=matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
         gate_up_bias=cat(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
-        down=get(mlp + "down_proj.weight"),
+        down=matrix(mlp + "down_proj.weight"),
         down_bias=get(mlp + "down_proj.bias"),
     )
 
 
 # ----------------------------------------------------------------------------- math
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x: [T, in] @ w: [in, out] (+ b) -> [T, out]"""
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalise in float32, scale in the model dtype. x: [T, hidden]"""
+    if x.dtype == torch.float32:  # one fused op, bit-identical to the formula below in float32
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -148,23 +161,23 @@ class Shard:
 
     def __init__(self, config: ModelConfig, start: int, end: int, *, first: bool, last: bool,
                  layers: list[LayerWeights], embed_tokens: torch.Tensor | None,
-                 final_norm: torch.Tensor | None, lm_head: torch.Tensor | None, lm_head_tied: bool,
+                 final_norm: torch.Tensor | None, lm_head_t: torch.Tensor | None, lm_head_tied: bool,
                  rope: RopeTables, device: torch.device, dtype: torch.dtype):
         self.config = config
         self.start, self.end = start, end  # decoder layers [start, end) of the whole model
         self.first, self.last = first, last  # first: holds embed_tokens; last: final norm + LM head
         self.device, self.dtype = device, dtype
         self.layers = layers
-        self.embed_tokens = embed_tokens  # [vocab, hidden] (first only)
+        self.embed_tokens = embed_tokens  # [vocab, hidden] (first only); a view of lm_head_t when tied
         self.final_norm = final_norm  # [hidden] (last only)
-        self.lm_head = lm_head  # [vocab, hidden] (last only); embed_tokens itself when tied
+        self.lm_head_t = lm_head_t  # [hidden, vocab] (last only): the LM head, transposed like the layers
         self.rope = rope
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
-        owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
+        owned += (final_norm.numel() + (0 if lm_head_tied else lm_head_t.numel())) if last else 0
         self.parameter_count = owned  # parameters this stage owns (count)
         # parameters held as a copy of a tied weight owned by the first stage (count)
-        self.tied_copy_count = lm_head.numel() if last and lm_head_tied and not first else 0
+        self.tied_copy_count = lm_head_t.numel() if last and lm_head_tied and not first else 0
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -190,14 +203,17 @@ class Shard:
             names += [FINAL_NORM] + ([] if tied else [LM_HEAD])
         t = read_tensors(model_dir, names, index)
         layers = [build_layer(t, i, device=device, dtype=dtype) for i in range(start, end)]
-        embed = t[EMBED].to(device=device, dtype=dtype) if EMBED in t else None
-        norm = t[FINAL_NORM].to(device=device, dtype=dtype) if last else None
-        head = (embed if tied else t[LM_HEAD].to(device=device, dtype=dtype)) if last else None
+        embed = t.pop(EMBED).to(device=device, dtype=dtype) if EMBED in t else None  # [vocab, hidden]
+        norm = t.pop(FINAL_NORM).to(device=device, dtype=dtype) if last else None
+        head_t = None
+        if last:  # tied: one [hidden, vocab] copy serves as head and (viewed back) as embeddings
+            head_t = (embed if tied else t.pop(LM_HEAD).to(device=device, dtype=dtype)).t().contiguous()
+            embed = head_t.t() if tied else embed
         del t
         inv_freq, scaling = rope_parameters(model_dir)
         rope = RopeTables(inv_freq, scaling, dtype=dtype, device=device)
         shard = cls(config, start, end, first=first, last=last, layers=layers,
-                    embed_tokens=embed if first else None, final_norm=norm, lm_head=head,
+                    embed_tokens=embed if first else None, final_norm=norm, lm_head_t=head_t,
                     lm_head_tied=tied, rope=rope, device=device, dtype=dtype)
         log.info("loaded layers [%d, %d) of %s%s%s: %.1fM params (+%.1fM tied copy), %s %s, %.2f s",
                  start, end, model_dir.name, " +embed" if first else "", " +head" if last else "",
@@ -231,7 +247,7 @@ class Shard:
         if not self.last:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
         hidden = hidden.to(device=self.device, dtype=self.dtype)
-        return F.linear(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+        return torch.mm(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), self.lm_head_t).float()
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, seqs: Sequence[SeqSlice]) -> torch.Tensor:
@@ -259,15 +275,15 @@ class Shard:
                cos: torch.Tensor, sin: torch.Tensor, masks: list) -> torch.Tensor:
         c = self.config
         T = x.shape[0]
-        qkv = F.linear(rms_norm(x, w.input_norm, c.rms_norm_eps), w.qkv, w.qkv_bias)  # [T, q + 2 kv]
+        qkv = linear(rms_norm(x, w.input_norm, c.rms_norm_eps), w.qkv, w.qkv_bias)  # [T, q + 2 kv]
         qk_heads = c.num_heads + c.num_kv_heads
         qk = apply_rope(qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim), cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
         v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
         attn = self._attention(i, q, k, v, seqs, masks)  # [T, heads * head_dim]
-        x = x + F.linear(attn, w.o, w.o_bias)
-        gate, up = F.linear(rms_norm(x, w.post_norm, c.rms_norm_eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        x = x + linear(attn, w.o, w.o_bias)
+        gate, up = linear(rms_norm(x, w.post_norm, c.rms_norm_eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
+        return x + linear(F.silu(gate) * up, w.down, w.down_bias)
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    seqs: Sequence[SeqSlice], masks: list) -> torch.Tensor:

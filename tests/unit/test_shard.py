@@ -162,7 +162,7 @@ def test_load_reads_only_its_range(model_dir, monkeypatch):
     middle = Shard.load(model_dir, 10, 13, first=False, last=False)
     assert read and all(any(f"layers.{i}." in n for i in (10, 11, 12)) for n in read)
     assert {n.split(".")[2] for n in read} == {"10", "11", "12"}
-    assert middle.embed_tokens is None and middle.lm_head is None
+    assert middle.embed_tokens is None and middle.lm_head_t is None
     read.clear()
     tail = Shard.load(model_dir, 29, 30, first=False, last=True)
     assert set(read) - {n for n in read if "layers.29." in n} == {"model.embed_tokens.weight", "model.norm.weight"}
@@ -239,3 +239,14 @@ def test_tiny_llama_matches_hf(tmp_path, rope):
     check_against_hf(shards, hf_logits, tokens, ids)
     full = Shard.load(tmp_path, 0, 4, first=True, last=True)
     check_against_hf([full], hf_logits, tokens, ids)
+
+
+def test_tiny_llama_bfloat16_matches_hf(tmp_path):
+    tiny_llama(tmp_path, ROPES["llama3"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    shard = Shard.load(tmp_path, 0, 4, first=True, last=True, dtype=torch.bfloat16)
+    assert shard.new_cache(8).k.dtype == torch.bfloat16
+    assert_close(run_pipeline([shard], [shard.new_cache(32)], ids, 0), ref, rtol=2e-2)
