@@ -6,7 +6,8 @@ load hits both sides alike:
   * mesh S: a controller and S stage processes on 127.0.0.1, one request at a time.
 Reported: tokens/s (new tokens / wall time from submit to last token, prefill included, same for
 both), the ratio mesh / baseline, and the added latency per hop for a decode-size activation,
-hop = (per-token time of the S-stage mesh - per-token time of the 1-stage mesh) / S, since a token
+hop = median over rounds of (per-token time of the S-stage mesh - per-token time of the 1-stage
+mesh, same round) / S, since a token
 crosses S links for S stages (S-1 between stages plus the last stage back to stage 0) and the
 1-stage mesh runs the same code with none.
 
@@ -45,7 +46,8 @@ def baseline_run(model, ids: list[int], tokens: int, device: str) -> tuple[float
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(x, max_new_tokens=tokens, do_sample=False)
+        # an explicit mask: otherwise generate masks prompt tokens equal to pad (<|im_end|>) once EOS is unset
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, do_sample=False)
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -121,11 +123,12 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     base_tps = args.tokens / med["baseline"]
-    per_token_1 = med["mesh1"] / args.tokens
     rows = []
     for s in sizes:
         tps = args.tokens / med[f"mesh{s}"]
-        hop_ms = ((med[f"mesh{s}"] / args.tokens - per_token_1) / s * 1000) if s > 1 else 0.0
+        # paired per round (same moment of machine load), then the median over rounds
+        diffs = [(a - b) / args.tokens / s * 1000 for a, b in zip(times[f"mesh{s}"], times["mesh1"])]
+        hop_ms = statistics.median(diffs) if s > 1 else 0.0
         rows.append({"stages": s, "tokens_per_s": tps, "ratio": tps / base_tps, "hop_ms": hop_ms,
                      "tokens_equal": equal[s]})
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

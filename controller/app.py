@@ -33,6 +33,16 @@ def stop_token_ids(model_dir: Path, config: dict) -> frozenset[int]:
     return frozenset(eos if isinstance(eos, list) else [eos])
 
 
+def load_tokenizer(model_dir: Path):
+    """The model's tokenizer, or None for a directory without one (then prompts come as token ids)."""
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        log.warning("%s has no tokenizer: only prompt_token_ids can be submitted", model_dir)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     """Token ids of a user prompt: wrapped in the model's chat template unless `raw`."""
     if raw or not tokenizer.chat_template:
@@ -57,9 +67,7 @@ class ControllerApp:
         self.profiles: list = []
         self.config = check_model_dir(self.model_dir)
         self.digest = model_digest(self.model_dir)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.num_layers = int(self.config["num_hidden_layers"])
         self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, dtype)
         self.workload = Workload(context_tokens=min(context, int(self.config.get("max_position_embeddings", context))))
@@ -116,6 +124,8 @@ class ControllerApp:
         return plan_to_json(plan), format_plan_table(plan)
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: submit prompt_token_ids")
         return encode_prompt(self.tokenizer, prompt, raw)
 
     async def close(self) -> None:

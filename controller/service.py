@@ -25,6 +25,8 @@ class TextStream:
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         self.ids.extend(token_ids)
+        if self.tokenizer is None:
+            return ""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:
             return ""
