@@ -337,13 +337,13 @@ class StageRuntime:
                 token_id=tok, index=sess.generated - 1, finished=sess.finished, finish_reason=reason)))
             if not reason:
                 feed.append(SeqWork(s.session_id, pos, 1, (tok,)))
+        self._emit(events)  # only queued here: sent while the token below is in flight
         if feed and self._first is None:  # one stage: first and last
             self._inbox.put_nowait(Work(feed))
-        elif feed:  # the token to stage 0 first: it is on the critical path, the events are not
+        elif feed:
             msg = stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=f.session_id, start_pos=f.start_pos,
                                                               num_tokens=1, token_ids=f.token_ids) for f in feed])
             await self._send(self._first, msg, Work(feed))
-        self._emit(events)
 
     async def _send(self, link: PeerLink | None, msg: stage_pb2.StepBatch, work: Work) -> None:
         if link is None:
