@@ -14,7 +14,6 @@ from planner import Workload, format_plan_table, plan_to_json
 from controller import planning
 from controller.model_prep import check_model_dir
 from controller.pipeline import Pipeline, StageAssignment
-from controller.planning import measure_links
 from controller.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -97,7 +96,7 @@ class ControllerApp:
             log.info("node %s at %s: %s, state %s", st.node_id, addr, st.device, st.state)
         channels = {nid: grpc_options.insecure_channel(addr) for nid, addr in by_id.items()}
         try:
-            links = await measure_links({nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}, by_id)
+            links = await planning.measure_links({nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}, by_id)
         finally:
             for ch in channels.values():
                 await ch.close()

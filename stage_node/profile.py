@@ -12,7 +12,7 @@ import os
 import platform
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -79,7 +79,6 @@ class Session:
     stop_ids: frozenset[int]
     generated: int = 0
     finished: bool = False
-    opened_at: float = field(default_factory=time.monotonic)
 
 
 def _error_event(session_id: str, err: MeshError, node_id: str) -> stage_pb2.Event:
@@ -311,6 +310,8 @@ class StageRuntime:
             sess = self.sessions.get(s.session_id)
             if sess is None:
                 bad[s.session_id] = NotFound(f"session {s.session_id} was closed on node {self.node_id}")
+            elif sess.finished:
+                bad[s.session_id] = FailedPrecondition(f"session {s.session_id} has finished; open a new one")
             elif s.start_pos != sess.kv.length:
                 bad[s.session_id] = FailedPrecondition(
                     f"session {s.session_id} step at position {s.start_pos} but node {self.node_id} holds "
