@@ -18,7 +18,7 @@ S0=127.0.0.1:${LP_PORT0:-50061}; S1=127.0.0.1:${LP_PORT1:-50062}; C=127.0.0.1:${
 "$BIN/logicpipe-controller" --listen "$C" --nodes "$S0,$S1" > "$LOGS/controller.log" 2>&1 & pids+=($!)
 echo "demo: starting 2 stage nodes and a controller (logs in $LOGS)" >&2
 for _ in $(seq 1 240); do
-    if "$BIN/lpctl" --controller "$C" --timeout 2 status >/dev/null 2>&1 && grep -q "ready:" "$LOGS/controller.log"; then
+    if "$BIN/lpctl" --controller "$C" --timeout 2 status 2>/dev/null | head -n 1 | grep -q '^state ready'; then
         break
     fi
     if ! kill -0 "${pids[2]}" 2>/dev/null; then cat "$LOGS/controller.log" >&2; exit 1; fi
