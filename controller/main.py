@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 from logicpipe import grpc_options
 from logicpipe.errors import MeshError
 from logicpipe.health import add_health, set_serving
+from logicpipe.process import configure_logging, until_signalled
 from logicpipe.v1 import controller_pb2_grpc
 
 log = logging.getLogger("logicpipe.controller")
@@ -62,12 +62,7 @@ async def serve(args: argparse.Namespace) -> None:
     await set_serving(health, True, SERVICE_NAME)
     log.info("ready: %d stages, plan %s", len(app.pipeline.stages), app.pipeline.plan_id)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
+    await until_signalled()
     await set_serving(health, False, SERVICE_NAME)
     await server.stop(grace=5.0)
     await app.close()
@@ -75,7 +70,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     asyncio.run(serve(args))
 
 

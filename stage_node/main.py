@@ -5,11 +5,11 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 
 from logicpipe import grpc_options
 from logicpipe.health import add_health, set_serving
+from logicpipe.process import configure_logging, until_signalled
 from logicpipe.v1 import stage_pb2_grpc
 
 log = logging.getLogger("logicpipe.stage")
@@ -60,12 +60,7 @@ async def serve(args: argparse.Namespace) -> None:
     await set_serving(health, True, SERVICE_NAME)
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
+    await until_signalled()
     await set_serving(health, False, SERVICE_NAME)
     await server.stop(grace=2.0)
     await runtime.stop()
@@ -73,7 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     asyncio.run(serve(args))
 
 
