@@ -15,23 +15,26 @@ log = logging.getLogger(__name__)
 
 
 class TextStream:
-    """Incremental detokenization: the text each new token adds (a partial UTF-8 character is
-    held back until it completes)."""
+    """Incremental detokenization, O(1) per token: decode a short window from the last emitted
+    boundary and emit what it adds (a partial UTF-8 character is held back until it completes)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # window start: a few tokens before `read`, so merges across it decode right
+        self.read = 0    # tokens whose text has been emitted
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         self.ids.extend(token_ids)
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before = decode(self.ids[self.prefix:self.read])
+        text = decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 def stage_infos(app: ControllerApp) -> list[controller_pb2.StageInfo]:
