@@ -7,8 +7,8 @@ import logging
 
 from logicpipe import grpc_options
 from logicpipe.errors import MeshError
-from logicpipe.health import add_health, set_serving
-from logicpipe.process import configure_logging, until_signalled
+from logicpipe.health import add_health
+from logicpipe.process import configure_logging, serve_until_signalled
 from logicpipe.v1 import controller_pb2_grpc
 
 log = logging.getLogger("logicpipe.controller")
@@ -59,12 +59,8 @@ async def serve(args: argparse.Namespace) -> None:
         await server.stop(None)
         await app.close()
         raise SystemExit(f"logicpipe-controller: {err}") from None
-    await set_serving(health, True, SERVICE_NAME)
     log.info("ready: %d stages, plan %s", len(app.pipeline.stages), app.pipeline.plan_id)
-
-    await until_signalled()
-    await set_serving(health, False, SERVICE_NAME)
-    await server.stop(grace=5.0)
+    await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0)
     await app.close()
 
 

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from logicpipe.errors import FailedPrecondition, InvalidArgument, Unavailable, from_code
+from logicpipe.errors import InvalidArgument, Unavailable, from_code
 from logicpipe.v1 import stage_pb2
 from controller.pipeline import Pipeline
 
@@ -151,7 +151,3 @@ class Scheduler:
             await self.pipeline.send_prompt(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
                 session_id=req.id, start_pos=start, num_tokens=len(chunk), token_ids=chunk,
                 prefill_only=start + len(chunk) < len(ids))]))
-
-    def require_ready(self) -> None:
-        if not self.pipeline.stages:
-            raise FailedPrecondition("no pipeline is installed")

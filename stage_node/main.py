@@ -8,8 +8,8 @@ import os
 import socket
 
 from logicpipe import grpc_options
-from logicpipe.health import add_health, set_serving
-from logicpipe.process import configure_logging, until_signalled
+from logicpipe.health import add_health
+from logicpipe.process import configure_logging, serve_until_signalled
 from logicpipe.v1 import stage_pb2_grpc
 
 log = logging.getLogger("logicpipe.stage")
@@ -57,12 +57,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"cannot listen on {args.listen}")
     runtime.start()
     await server.start()
-    await set_serving(health, True, SERVICE_NAME)
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
-
-    await until_signalled()
-    await set_serving(health, False, SERVICE_NAME)
-    await server.stop(grace=2.0)
+    await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0)
     await runtime.stop()
 
 

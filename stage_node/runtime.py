@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
@@ -288,21 +289,21 @@ class StageRuntime:
                                          for sess, s in zip(seqs, work.seqs)])
             self.steps += 1
             self.tokens += out.shape[0]
-            if not shard.last:
-                msg = stage_pb2.StepBatch(
-                    seqs=[stage_pb2.SeqStep(session_id=s.session_id, start_pos=s.start_pos, num_tokens=s.num_tokens,
-                                            prefill_only=s.prefill_only) for s in work.seqs],
-                    hidden=tensor_codec.encode(out))
-                await self._send(self._next, msg, work)
-                return
-            pick = [i for i, s in enumerate(work.seqs) if not s.prefill_only]
-            if not pick:
-                return
-            ends = torch.tensor([s.num_tokens for s in work.seqs]).cumsum(0) - 1
-            logits = shard.logits(out[ends[pick].to(out.device)])  # logits: [sampled seqs, vocab]
-            seqs = [seqs[i] for i in pick]
-            tokens = sample(logits, [sess.sampling for sess in seqs], [sess.generator for sess in seqs])
-        await self._postprocess([work.seqs[i] for i in pick], seqs, tokens)
+            if shard.last:
+                pick = [i for i, s in enumerate(work.seqs) if not s.prefill_only]
+                ends = list(accumulate(s.num_tokens for s in work.seqs))
+                logits = shard.logits(out[[ends[i] - 1 for i in pick]])  # logits: [sampled seqs, vocab]
+                tokens = sample(logits, [seqs[i].sampling for i in pick], [seqs[i].generator for i in pick])
+            else:
+                hidden_msg = tensor_codec.encode(out)
+        if not shard.last:
+            msg = stage_pb2.StepBatch(
+                seqs=[stage_pb2.SeqStep(session_id=s.session_id, start_pos=s.start_pos, num_tokens=s.num_tokens,
+                                        prefill_only=s.prefill_only) for s in work.seqs],
+                hidden=hidden_msg)
+            await self._send(self._next, msg, work)
+        elif pick:
+            await self._postprocess([work.seqs[i] for i in pick], [seqs[i] for i in pick], tokens)
 
     def _check_positions(self, work: Work) -> Work:
         bad = {}
@@ -372,6 +373,8 @@ def _without(work: Work, drop: set[str]) -> Work:
 def _take_batch(pending: list[Work]) -> tuple[Work, list[Work]]:
     """Merge waiting work into one step, each session at most once (a second slice of the same
     session waits for the next step, after the first has written its KV)."""
+    if len(pending) == 1:  # the common case: nothing to merge, no copy of the hidden rows
+        return pending[0], []
     seqs, rows, seen, rest = [], [], set(), []
     for w in pending:
         if any(s.session_id in seen for s in w.seqs):

@@ -17,6 +17,7 @@ from stage_node.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_ECHO_BYTES = 32 * 2**20
+HIDDEN_DTYPES = tuple(tensor_codec.DTYPES[n] for n in ("float32", "float16", "bfloat16"))
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: MeshError):
@@ -60,8 +61,7 @@ def work_from_proto(batch: stage_pb2.StepBatch, runtime: StageRuntime) -> Work:
     if not batch.HasField("hidden"):
         raise InvalidArgument(f"stage {runtime.assignment.stage_index} needs hidden states, the step has none")
     try:
-        hidden = tensor_codec.decode(batch.hidden, rank=2, dtypes=tuple(tensor_codec.DTYPES[n] for n in
-                                                                         ("float32", "float16", "bfloat16")))
+        hidden = tensor_codec.decode(batch.hidden, rank=2, dtypes=HIDDEN_DTYPES)
     except tensor_codec.TensorError as exc:
         raise InvalidArgument(f"hidden states: {exc}") from exc
     if tuple(hidden.shape) != (rows, shard.config.hidden_size):
