@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from logicpipe import grpc_options  # noqa: E402
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
-from tests.mesh.harness import Mesh  # noqa: E402
+from logicpipe.localmesh import LocalMesh as Mesh  # noqa: E402
 
 HIDDEN = 576
 

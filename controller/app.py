@@ -54,13 +54,14 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
 class ControllerApp:
     def __init__(self, model_dir: str | Path, nodes: list[str], *, dtype: str = "float32",
                  plan_path: str | None = None, strategy: str = "dp", objective: str = "throughput",
-                 context: int = 2048):
+                 context: int = 2048, micro_batches: int = 0):
         self.model_dir = Path(model_dir).resolve()
         self.nodes = list(nodes)
         self.dtype = dtype
         self.plan_path = plan_path
         self.strategy = strategy
         self.objective = objective
+        self.micro_batches = micro_batches  # 0: one per distinct compute device of the plan
         self.plan_json = ""
         self.plan = None
         self.profiles: list = []
@@ -106,7 +107,7 @@ class ControllerApp:
         log.info("plan (%s, %s):\n%s", plan.strategy, plan.objective.value, format_plan_table(plan))
         await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
                                     [StageAssignment(by_id[s.node_id], s.start, s.end) for s in plan.stages],
-                                    self.dtype)
+                                    self.dtype, self.micro_batches)
         self.plan, self.plan_json = plan, plan_to_json(plan)
         self.state = "ready"
 
@@ -128,4 +129,6 @@ class ControllerApp:
         return encode_prompt(self.tokenizer, prompt, raw)
 
     async def close(self) -> None:
+        """Fail what is in flight and close every sequence we opened, then the pipeline."""
+        await self.scheduler.shutdown()
         await self.pipeline.close()

@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="tokens of context per sequence the plan reserves KV for (default %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="compute dtype on the stages")
+    ap.add_argument("--micro-batches", type=int, default=0,
+                    help="micro-batches in flight through the pipeline (default 0: one per distinct compute "
+                         "device, so stages sharing one machine's cores batch together)")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -43,7 +46,7 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = args.model or await asyncio.to_thread(prepare_default_model, progress=log.info)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
     app = ControllerApp(model_dir, nodes, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
-                        objective=args.objective, context=args.context)
+                        objective=args.objective, context=args.context, micro_batches=args.micro_batches)
     server = grpc_options.new_server()
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
     health = await add_health(server, SERVICE_NAME)

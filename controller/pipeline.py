@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
@@ -43,22 +44,38 @@ class StageHandle:
     status: stage_pb2.StatusReply | None = None
     events_task: asyncio.Task | None = field(default=None, repr=False)
 
+    @property
+    def kv_positions(self) -> int:
+        """KV positions this stage's pool holds in all (0 if unknown)."""
+        return self.status.kv_blocks_total * self.status.block_size if self.status else 0
+
 
 def _mesh_error(exc: grpc.aio.AioRpcError, address: str) -> MeshError:
     return from_code(exc.code(), f"stage {address}: {exc.details()}")
 
 
-class Pipeline:
-    """Stage handles in pipeline order, event fan-in, and the prompt stream to stage 0."""
+def compute_groups(statuses: list[stage_pb2.StatusReply]) -> int:
+    """How many distinct compute devices the stages run on (stages reporting the same compute_id
+    share one; a node that reports none counts as its own)."""
+    return len({st.compute_id or f"node:{st.node_id}" for st in statuses})
 
-    def __init__(self, on_event: Callable[[stage_pb2.Event], None], on_stage_lost: Callable[[str, str], None]):
+
+class Pipeline:
+    """Stage handles in pipeline order, event fan-in, and the input stream to stage 0."""
+
+    def __init__(self, on_event: Callable[[stage_pb2.Event], None], on_stage_lost: Callable[[str, str], None],
+                 owner: str = ""):
         self._on_event = on_event
         self._on_stage_lost = on_stage_lost
+        self.owner = owner or f"controller-{uuid.uuid4().hex[:12]}"  # our sessions live while we listen
         self.stages: list[StageHandle] = []
         self.plan_id = ""
+        self.generation = 0
+        self.micro_batches = 1
         self.model_dir = ""
         self._prompt_call = None
         self._prompt_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
 
     # ---- set-up ---------------------------------------------------------------------------
     @staticmethod
@@ -71,12 +88,17 @@ class Pipeline:
                 raise Unavailable(f"stage node {address} is unreachable: {exc.details()}") from exc
 
     async def install(self, model_dir: str, digest: str, num_layers: int, assignments: list[StageAssignment],
-                      dtype: str = "float32") -> None:
+                      dtype: str = "float32", micro_batches: int = 0) -> None:
         """Push the assignments (last stage first, so each stage's successor is ready) and
-        subscribe to every stage's events."""
+        subscribe to every stage's events. `micro_batches` 0: one per distinct compute device."""
         await self.close()
         self.plan_id = uuid.uuid4().hex[:12]
+        self.generation = max(self.generation + 1, int(time.time() * 1000))  # increases, across restarts too
         self.model_dir = model_dir
+        if not micro_batches:
+            statuses = await asyncio.gather(*(self.probe(a.address) for a in assignments))
+            micro_batches = compute_groups(list(statuses))
+        self.micro_batches = micro_batches
         handles = []
         for a in assignments:
             ch = grpc_options.insecure_channel(a.address)
@@ -89,7 +111,8 @@ class Pipeline:
                     model_dir=model_dir, model_digest=digest, start_layer=h.start, end_layer=h.end,
                     num_layers=num_layers, stage_index=i, num_stages=n,
                     next_address=handles[i + 1].address if i + 1 < n else "",
-                    first_address=handles[0].address if i > 0 else "", dtype=dtype, plan_id=self.plan_id)
+                    first_address=handles[0].address if i > 0 else "", dtype=dtype, plan_id=self.plan_id,
+                    generation=self.generation, micro_batches=micro_batches)
                 try:
                     reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
                 except grpc.aio.AioRpcError as exc:
@@ -110,8 +133,12 @@ class Pipeline:
             h.events_task = asyncio.create_task(self._watch_events(h, ready[-1]))
         await asyncio.gather(*ready)
 
+    def largest_request(self) -> int:
+        """Positions of KV the smallest stage pool holds: no sequence can grow past it."""
+        return min((h.kv_positions for h in self.stages if h.kv_positions), default=0)
+
     async def _watch_events(self, h: StageHandle, ready: asyncio.Future) -> None:
-        call = h.stub.Events(stage_pb2.EventsRequest())
+        call = h.stub.Events(stage_pb2.EventsRequest(owner=self.owner))
         try:
             await call.initial_metadata()
             ready.set_result(None)
@@ -133,14 +160,18 @@ class Pipeline:
     async def close(self) -> None:
         stages, self.stages = self.stages, []
         await self._close_prompt_stream()
+        if self._tasks:  # closes in flight get their chance to land
+            await asyncio.wait(self._tasks, timeout=RPC_TIMEOUT_S)
         for h in stages:
             if h.events_task:
                 h.events_task.cancel()
             await h.channel.close()
 
     # ---- sessions -------------------------------------------------------------------------
-    async def open_session(self, request: stage_pb2.OpenSessionRequest) -> None:
-        """Open on every stage; on any failure close those opened and raise the first error."""
+    async def open_session(self, request: stage_pb2.OpenSessionRequest) -> int:
+        """Open on every stage; returns the leading input positions every stage already holds (the
+        prefix cache's hits). On any failure close those opened and raise the first error."""
+        request.owner = self.owner
         results = await asyncio.gather(*(h.stub.OpenSession(request, timeout=RPC_TIMEOUT_S) for h in self.stages),
                                        return_exceptions=True)
         errors = [(h, r) for h, r in zip(self.stages, results) if isinstance(r, BaseException)]
@@ -151,18 +182,28 @@ class Pipeline:
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise _mesh_error(exc, h.address) from exc
             raise exc
+        return min(r.cached_tokens for r in results)
 
     async def close_session(self, session_id: str, only: list[StageHandle] | None = None) -> None:
         req = stage_pb2.CloseSessionRequest(session_id=session_id)
         await asyncio.gather(*(h.stub.CloseSession(req, timeout=RPC_TIMEOUT_S) for h in (only or self.stages)),
                              return_exceptions=True)
 
-    async def send_prompt(self, batch: stage_pb2.StepBatch) -> None:
-        """Write a step to stage 0 on the controller's long-lived stream."""
+    def close_session_soon(self, session_id: str) -> None:
+        """Close a session on every stage in the background (the task is kept until done)."""
+        task = asyncio.get_running_loop().create_task(self.close_session(session_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def send_feed(self, batch: stage_pb2.StepBatch) -> None:
+        """Write an input feed (a prompt, a replay) to stage 0 on the controller's long-lived stream."""
+        batch.generation = self.generation
         async with self._prompt_lock:
             if self._prompt_call is None:
                 self._prompt_call = self.stages[0].stub.Stream()
-                asyncio.create_task(self._read_prompt_replies(self._prompt_call))
+                task = asyncio.create_task(self._read_prompt_replies(self._prompt_call))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             try:
                 await self._prompt_call.write(batch)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:

@@ -88,8 +88,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         app = self.app
         reply = controller_pb2.ControllerStatusReply(
             model_dir=str(app.model_dir), plan_id=app.pipeline.plan_id, state=app.state,
-            active_requests=len(app.scheduler.active), completed_requests=app.scheduler.completed,
-            plan_json=app.plan_json)
+            active_requests=app.scheduler.running, completed_requests=app.scheduler.completed,
+            plan_json=app.plan_json, queued_requests=len(app.scheduler.waiting),
+            preemptions=app.scheduler.preemptions, plan_generation=app.pipeline.generation,
+            micro_batches=app.pipeline.micro_batches)
         reply.stages.extend(stage_infos(app))
         for addr in app.nodes:
             node = controller_pb2.NodeStatus(address=addr)

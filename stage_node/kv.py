@@ -1,65 +1,86 @@
-"""KV cache of one session on one stage: preallocated, one slab per tensor for all local layers."""
+"""The KV pool of one stage (the tensors behind `stage_node.blocks.KVManager`'s bookkeeping) and
+what one forward needs to read and write it.
+
+Layout: keys and values are each [layers_local, kv_heads, num_blocks * block_size, head_dim]: a
+position of a sequence lives in one slot of the third axis, so a sequence whose blocks are
+consecutive is read as one strided view (as a contiguous cache would be), and any other is
+gathered by slot index.
+"""
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
 
-class SessionKV:
-    """Keys and values of one sequence for this stage's layers, `capacity` positions preallocated.
-
-    Positions [0, length) are valid. A forward writes its new positions in place and advances
-    `length`; `truncate` rolls back (rejected candidate tokens) without touching memory.
-    """
-
-    def __init__(self, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int, *,
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        if capacity < 1:
-            raise ValueError(f"KV capacity must be at least 1 token, got {capacity}")
-        shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # k: [layers_local, kv_heads, capacity, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # v: [layers_local, kv_heads, capacity, head_dim]
-        self.capacity = capacity  # positions preallocated (tokens)
-        self.length = 0  # positions written and valid (tokens)
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        # torch.empty: on a CPU the pages are only touched (and counted) as blocks are first written
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # k: [layers, kv_heads, slots, head_dim]
+        self.v = torch.empty(shape, dtype=dtype, device=device)  # v: [layers, kv_heads, slots, head_dim]
+        self.num_blocks = num_blocks
+        self.block_size = block_size  # positions per block (tokens)
 
     @property
     def num_layers(self) -> int:
         return self.k.shape[0]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held by the preallocated keys and values (whole capacity, not just length)."""
-        return self.k.nbytes + self.v.nbytes
+    def block_bytes(self) -> int:
+        """Bytes of keys and values one block holds (all local layers)."""
+        return 2 * self.k[:, :, : self.block_size].numel() * self.k.element_size()
 
-    def truncate(self, new_length: int) -> None:
-        """Forget positions [new_length, length), e.g. rejected candidate tokens."""
-        if not 0 <= new_length <= self.length:
-            raise ValueError(f"cannot truncate a KV cache of length {self.length} to {new_length}")
-        self.length = new_length
-
-    def fork(self, capacity: int | None = None) -> "SessionKV":
-        """A new cache holding a copy of this one's valid positions (for a shared prefix)."""
-        capacity = self.capacity if capacity is None else capacity
-        if capacity < self.length:
-            raise ValueError(f"fork capacity {capacity} is below the cache length {self.length}")
-        layers, heads, _, head_dim = self.k.shape
-        new = SessionKV(layers, heads, capacity, head_dim, dtype=self.k.dtype, device=self.k.device)
-        new.k[:, :, : self.length] = self.k[:, :, : self.length]
-        new.v[:, :, : self.length] = self.v[:, :, : self.length]
-        new.length = self.length
-        return new
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy on write: block src's positions into block dst, every layer, keys and values."""
+        bs = self.block_size
+        for src, dst in copies:
+            for t in (self.k, self.v):
+                t[:, :, dst * bs:(dst + 1) * bs] = t[:, :, src * bs:(src + 1) * bs]
 
 
-class SeqSlice(NamedTuple):
-    """One sequence's rows in a packed forward: `num_tokens` new tokens at positions start_pos.."""
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's rows in a packed forward and where its keys live."""
 
-    cache: SessionKV
-    start_pos: int  # position of the first new token (== cache.length before the forward)
-    num_tokens: int  # rows of this sequence in the packed hidden states
+    start_pos: int                 # position of the sequence's first new row
+    num_tokens: int                # its rows in the packed hidden states
+    span: int | None               # first slot of positions [0, start_pos + num_tokens) when consecutive
+    slots: torch.Tensor | None     # else the slot of each of those positions: [start_pos + num_tokens] int64
+    decode_from: int = 0           # rows at positions >= this are decode rows (see stage_node.ops)
+
+    @property
+    def stop(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(frozen=True)
+class StepKV:
+    """The KV side of one forward: the pool, the slot each new row writes, each sequence's reads."""
+
+    pool: KVPool
+    write_slots: torch.Tensor  # [rows] int64, packed in the order of `seqs`
+    seqs: tuple[SeqSlice, ...]
+
+
+def seq_slice(start_pos: int, num_tokens: int, blocks: Sequence[int], block_size: int,
+              device: torch.device | str = "cpu", decode_from: int = 0) -> SeqSlice:
+    """A SeqSlice reading positions [0, start_pos + num_tokens) from `blocks` (the sequence's
+    block table, at least that long); its rows at positions >= decode_from are decode rows."""
+    stop = start_pos + num_tokens
+    nb = -(-stop // block_size)
+    blocks = list(blocks[:nb])
+    if len(blocks) < nb:
+        raise ValueError(f"{len(blocks)} blocks cannot hold {stop} positions of {block_size}")
+    if blocks[-1] - blocks[0] == nb - 1 and all(b - a == 1 for a, b in zip(blocks, blocks[1:])):
+        return SeqSlice(start_pos, num_tokens, blocks[0] * block_size, None, decode_from)
+    idx = torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + torch.arange(block_size)
+    return SeqSlice(start_pos, num_tokens, None, idx.flatten()[:stop].to(device), decode_from)
 
 
 def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype) -> int:

@@ -1,9 +1,9 @@
 """A long-lived outgoing activation stream to one peer stage (StageNode.Stream).
 
-The link opens lazily on the first send and re-opens after a failure, so a restarted peer is
-picked up without re-assigning. A write that fails raises `LinkDown`; the runtime turns that into
-an UNAVAILABLE error for the sequences concerned. Rejections the peer sends back on the reply
-direction go to `on_reply`.
+`send` only queues: a sender task writes the messages in order, so the step loop never waits on
+the network. The stream opens lazily on the first message and re-opens after a failure, so a
+restarted peer is picked up without re-assigning. A message that cannot be written is reported
+through `on_down(session ids, reason)`; rejections the peer sends back go to `on_reply`.
 """
 from __future__ import annotations
 
@@ -27,16 +27,36 @@ class LinkDown(Exception):
 
 
 class PeerLink:
-    def __init__(self, address: str, on_reply: Callable[[stage_pb2.StreamReply], None], *, name: str = "peer"):
+    def __init__(self, address: str, on_reply: Callable[[stage_pb2.StreamReply], None],
+                 on_down: Callable[[list[str], str], None], *, name: str = "peer"):
         self.address = address
         self.name = name
         self._on_reply = on_reply
+        self._on_down = on_down
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._reader: asyncio.Task | None = None
-        self._lock = asyncio.Lock()
+        self._queue: asyncio.Queue[stage_pb2.StepBatch] = asyncio.Queue()
+        self._sender = asyncio.create_task(self._send_loop(), name=f"link-{name}")
         self._down_until = 0.0
         self._down_reason = ""
+
+    def send(self, batch: stage_pb2.StepBatch) -> None:
+        """Queue a message for the peer (in order)."""
+        self._queue.put_nowait(batch)
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    async def _send_loop(self) -> None:
+        while True:
+            batch = await self._queue.get()
+            try:
+                await self._write(batch)
+            except LinkDown as exc:
+                log.warning("%s", exc)
+                self._on_down([s.session_id for s in batch.seqs], str(exc))
 
     async def _open(self):
         if self._channel is None:
@@ -64,26 +84,25 @@ class PeerLink:
             if self._call is call:
                 self._call = None
 
-    async def send(self, batch: stage_pb2.StepBatch) -> None:
-        async with self._lock:
-            loop = asyncio.get_running_loop()
-            if self._call is None:
-                if loop.time() < self._down_until:
-                    raise LinkDown(self._down_reason)
-                try:
-                    self._call = await self._open()
-                except LinkDown as exc:
-                    self._down_until, self._down_reason = loop.time() + RETRY_AFTER_S, str(exc)
-                    raise
-            call = self._call
+    async def _write(self, batch: stage_pb2.StepBatch) -> None:
+        loop = asyncio.get_running_loop()
+        if self._call is None:
+            if loop.time() < self._down_until:
+                raise LinkDown(self._down_reason)
             try:
-                await call.write(batch)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-                self._call = None
-                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc) or type(exc).__name__
-                raise LinkDown(f"{self.name} at {self.address} failed: {detail}") from exc
+                self._call = await self._open()
+            except LinkDown as exc:
+                self._down_until, self._down_reason = loop.time() + RETRY_AFTER_S, str(exc)
+                raise
+        try:
+            await self._call.write(batch)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            self._call = None
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc) or type(exc).__name__
+            raise LinkDown(f"{self.name} at {self.address} failed: {detail}") from exc
 
     async def close(self) -> None:
+        self._sender.cancel()
         call, self._call = self._call, None
         if call is not None:
             try:

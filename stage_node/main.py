@@ -24,33 +24,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"],
                     help="compute device (default cuda when available, else cpu)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    ap.add_argument("--max-kv-mib", type=int, default=2048, help="KV memory all sessions may reserve, MiB")
+    ap.add_argument("--max-kv-mib", type=int, default=2048,
+                    help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
+    ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
+    ap.add_argument("--max-step-tokens", type=int, default=512,
+                    help="token rows in one step: decode rows plus prefill chunks (default %(default)s)")
+    ap.add_argument("--max-step-seqs", type=int, default=64, help="sequences in one step (default %(default)s)")
+    ap.add_argument("--session-ttl-s", type=float, default=30.0,
+                    help="seconds a session outlives its gone controller (default %(default)s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
+def cuda_available() -> bool:
     import torch
 
-    from stage_node.runtime import StageRuntime
+    return torch.cuda.is_available()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from stage_node.runner import Runner
+    from stage_node.runtime import StageOptions, StageRuntime
+    from stage_node.scheduler import Budget
     from stage_node.service import StageNodeServicer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    runner = Runner(args.threads)  # every torch operation of this process runs on its thread
+    has_cuda = await runner.call(cuda_available)
+    device = args.device or ("cuda" if has_cuda else "cpu")
+    if device == "cuda" and not has_cuda:
         raise SystemExit("--device cuda but torch sees no CUDA device")
     host, _, port = args.listen.rpartition(":")
     node_id = args.node_id or f"{socket.gethostname()}-{port}"
-    profile = None
-    if not args.no_profile:
-        from stage_node.profile import host_profile
+    from stage_node.profile import compute_id, host_profile
 
-        profile = await asyncio.to_thread(host_profile, device)
-    runtime = StageRuntime(node_id, device, max_kv_bytes=args.max_kv_mib * 2**20)
+    profile = None if args.no_profile else await runner.call(host_profile, device)
+    options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
+                           budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s)
+    runtime = StageRuntime(node_id, device, options=options, runner=runner)
     server = grpc_options.new_server()
-    stage_pb2_grpc.add_StageNodeServicer_to_server(StageNodeServicer(runtime, profile), server)
+    stage_pb2_grpc.add_StageNodeServicer_to_server(StageNodeServicer(runtime, profile, await runner.call(compute_id, device)), server)
     health = await add_health(server, SERVICE_NAME)
     bound = server.add_insecure_port(args.listen)
     if bound == 0:

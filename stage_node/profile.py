@@ -6,6 +6,7 @@ is read fresh every time) under the LogicPipe cache directory.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -87,6 +88,21 @@ def available_memory(device: str) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def compute_id(device: str) -> str:
+    """What this node computes on: its host (machine id, else hostname) and, for CUDA, the GPU.
+    Stages that report the same id share their compute, so micro-batching across them gains nothing."""
+    host = socket.gethostname()
+    try:
+        host = Path("/etc/machine-id").read_text().strip() or host
+    except OSError:
+        pass
+    where = hashlib.sha256(host.encode()).hexdigest()[:12]
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"cuda:{getattr(props, 'uuid', torch.cuda.current_device())}@{where}"
+    return f"cpu@{where}"
 
 
 def weight_formats(device: str) -> tuple[str, ...]:

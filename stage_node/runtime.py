@@ -1,34 +1,45 @@
-"""The stage runtime: one assignment, its shard, the sessions' KV, and the step loop.
+"""The stage runtime: the assignment in force and the parts that serve it, wired together.
 
-Main loop (nano-vllm style): take every step waiting in the inbox -> one batched forward ->
-postprocess (sample on the last stage, else forward the hidden rows to the next stage).
-On the last stage a new token goes straight back to stage 0 (or into our own inbox when this
-stage is also the first), and a TokenEvent goes to the controller: the controller is not on the
-per-token path.
+Main loop (nano-vllm's shape): schedule -> run (on the runner thread) -> postprocess. Postprocess
+commits the KV, then either queues the hidden states for the next stage, or (last stage) reports
+the new tokens to their owner and feeds each one back to stage 0 (into its own scheduler when
+this stage is also the first): the controller is not on the per-token path. Sending never blocks
+the loop (links queue), and the loop never blocks the event loop (the runner computes).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from itertools import accumulate
+from collections import defaultdict
 from dataclasses import dataclass
+from enum import Enum
 
-import torch
-
-from logicpipe import tensor_codec
-from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
+from logicpipe.digest import DigestError, model_digest
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.v1 import stage_pb2
-from stage_node.config import ModelConfig, ModelError, model_digest
-from stage_node.kv import SeqSlice, SessionKV, kv_bytes_per_token
-from stage_node.links import LinkDown, PeerLink
-from stage_node.sampling import SamplingParams, make_generator, sample
+from stage_node import wire
+from stage_node.blocks import DEFAULT_BLOCK_SIZE, KVManager
+from stage_node.config import ModelConfig, ModelError
+from stage_node.events import EventHub
+from stage_node.kv import KVPool, kv_bytes_per_token
+from stage_node.links import PeerLink
+from stage_node.runner import Runner, StepResult, execute
+from stage_node.scheduler import Budget, Failure, Scheduler, Step, StepMsg
+from stage_node.sequence import SeqSpec, SeqWork, Sequence
 from stage_node.shard import Shard
 
 log = logging.getLogger(__name__)
 
-COMPUTE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MAX_STEP_ROWS = 16384  # token rows in one step message
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+MAX_PATH_CHARS = 4096
+
+
+class NodeState(Enum):
+    IDLE = "idle"          # no assignment
+    LOADING = "loading"    # loading an assignment (a previous one, if any, still serves)
+    READY = "ready"
+    DRAINING = "draining"  # takes no new sessions
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class Assignment:
     dtype: str = "float32"
     plan_id: str = ""
     model_digest: str = ""
+    generation: int = 0     # plan generation: steps of another generation are refused (0: accept any)
+    micro_batches: int = 0  # stage 0: sampled steps in flight at once (0: one per stage)
 
     @property
     def first(self) -> bool:
@@ -53,335 +66,325 @@ class Assignment:
     def last(self) -> bool:
         return self.end == self.num_layers
 
+    def check(self) -> None:
+        if self.dtype not in COMPUTE_DTYPES:
+            raise InvalidArgument(f"dtype {self.dtype[:40]!r} not supported; use one of {', '.join(COMPUTE_DTYPES)}")
+        if not self.model_dir or len(self.model_dir) > MAX_PATH_CHARS:
+            raise InvalidArgument(f"model_dir must be a path of 1 to {MAX_PATH_CHARS} characters")
+        if not (0 <= self.start < self.end <= self.num_layers):
+            raise InvalidArgument(f"layer range [{self.start}, {self.end}) is not inside [0, {self.num_layers})")
+        if not (0 <= self.stage_index < self.num_stages):
+            raise InvalidArgument(f"stage index {self.stage_index} out of range for {self.num_stages} stages")
+        if not self.last and not self.next_address:
+            raise InvalidArgument(f"stage ending at layer {self.end} < {self.num_layers} needs a next_address")
+        if self.last and not self.first and not self.first_address:
+            raise InvalidArgument("the last stage needs first_address (where new tokens go)")
+
 
 @dataclass(frozen=True)
-class SeqWork:
-    """One sequence's slice of a step."""
-    session_id: str
-    start_pos: int
-    num_tokens: int
-    token_ids: tuple[int, ...] = ()  # stage 0 input only
-    prefill_only: bool = False       # a prompt chunk before the last: no token sampled
+class StageOptions:
+    max_kv_bytes: int = 2 * 2**30        # KV pool of this stage, bytes
+    block_size: int = DEFAULT_BLOCK_SIZE  # KV positions per block
+    budget: Budget = Budget()            # per-step token rows and sequences
+    session_ttl_s: float = 30.0          # a session outlives its gone owner (or its last step) this long
 
 
 @dataclass
-class Work:
-    seqs: list[SeqWork]
-    hidden: torch.Tensor | None = None  # [sum(num_tokens), hidden]; None into stage 0
+class Engine:
+    """What one assignment runs: its shard, KV pool and manager, scheduler, links."""
 
-
-@dataclass
-class Session:
-    id: str
-    kv: SessionKV
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    generated: int = 0
-    finished: bool = False
-
-
-def _error_event(session_id: str, err: MeshError, node_id: str) -> stage_pb2.Event:
-    return stage_pb2.Event(
-        session_id=session_id,
-        error=stage_pb2.SessionError(code=err.code.value[0], message=str(err), node_id=node_id),
-    )
+    assignment: Assignment
+    shard: Shard
+    pool: KVPool
+    kv: KVManager
+    scheduler: Scheduler
+    next_link: PeerLink | None = None
+    first_link: PeerLink | None = None
 
 
 class StageRuntime:
-    def __init__(self, node_id: str, device: str = "cpu", *, max_kv_bytes: int = 2 * 2**30):
+    def __init__(self, node_id: str, device: str = "cpu", *, options: StageOptions = StageOptions(),
+                 runner: Runner | None = None):
         self.node_id = node_id
-        self.device = torch.device(device)
-        self.max_kv_bytes = max_kv_bytes  # KV reserved by all open sessions together, bytes
-        self.assignment: Assignment | None = None
-        self.shard: Shard | None = None
-        self.state = "idle"
-        self.sessions: dict[str, Session] = {}
-        self.steps = 0
-        self.tokens = 0
+        self.device = device
+        self.options = options
+        self.runner = runner or Runner()
+        self.engine: Engine | None = None
+        self.state = NodeState.IDLE
+        self.events = EventHub()
         self.started = time.monotonic()
-        self._inbox: asyncio.Queue[Work] = asyncio.Queue()
-        self._deferred: list[Work] = []
-        self._subscribers: set[asyncio.Queue] = set()
-        self._next: PeerLink | None = None
-        self._first: PeerLink | None = None
-        self._loop_task: asyncio.Task | None = None
+        self.steps = self.rows = self.seq_rows = self.max_step_seqs = 0
+        self.sessions_expired = 0
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
         self._assign_lock = asyncio.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._loop_task = asyncio.create_task(self._run(), name="stage-loop")
+        for coro, name in ((self._loop(), "stage-loop"), (self._janitor(), "stage-janitor")):
+            task = asyncio.create_task(coro, name=name)
+            self._tasks.add(task)
 
     async def stop(self) -> None:
-        if self._loop_task:
-            self._loop_task.cancel()
-        await self._drop_links()
-
-    async def _drop_links(self) -> None:
-        for link in (self._next, self._first):
-            if link is not None:
-                await link.close()
-        self._next = self._first = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.engine is not None:
+            await self._drop_engine(self.engine, "the stage is stopping")
+        self.runner.close()
 
     # ---- assignment ------------------------------------------------------------------------
-    async def assign(self, a: Assignment) -> Shard:
-        if a.dtype not in COMPUTE_DTYPES:
-            raise InvalidArgument(f"dtype {a.dtype!r} not supported; use one of {', '.join(COMPUTE_DTYPES)}")
-        if not (0 <= a.start < a.end <= a.num_layers):
-            raise InvalidArgument(f"layer range [{a.start}, {a.end}) is not inside [0, {a.num_layers})")
-        if not (0 <= a.stage_index < a.num_stages):
-            raise InvalidArgument(f"stage index {a.stage_index} out of range for {a.num_stages} stages")
-        if not a.last and not a.next_address:
-            raise InvalidArgument(f"stage ending at layer {a.end} < {a.num_layers} needs a next_address")
-        if a.last and not a.first and not a.first_address:
-            raise InvalidArgument("the last stage needs first_address (where new tokens go)")
+    async def assign(self, a: Assignment) -> Engine:
+        """Load `a` fully, then put it in place of the assignment in force (whose sessions end)."""
+        a.check()
         async with self._assign_lock:
-            if self.assignment == a and self.shard is not None:
-                return self.shard
+            if self.engine is not None and self.engine.assignment == a:
+                return self.engine
             try:
-                config = ModelConfig.from_dir(a.model_dir)
-            except ModelError as exc:
+                config = await asyncio.to_thread(ModelConfig.from_dir, a.model_dir)
+            except (ModelError, OSError) as exc:
                 raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
             if config.num_layers != a.num_layers:
                 raise InvalidArgument(f"the model at {a.model_dir} has {config.num_layers} layers, not {a.num_layers}")
-            if a.model_digest and a.model_digest != model_digest(a.model_dir):
-                raise FailedPrecondition(
-                    f"node {self.node_id}: the model at {a.model_dir} differs from the controller's "
-                    f"(digest {model_digest(a.model_dir)} != {a.model_digest}); copy the same model here")
-            self._drop_sessions("the stage was re-assigned")
-            await self._drop_links()
-            self.state, self.assignment, self.shard = "loading", None, None
+            if a.model_digest:
+                try:
+                    mine = await asyncio.to_thread(model_digest, a.model_dir)
+                except DigestError as exc:
+                    raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
+                if mine != a.model_digest:
+                    raise FailedPrecondition(
+                        f"node {self.node_id}: the model at {a.model_dir} differs from the controller's "
+                        f"(digest {mine} != {a.model_digest}); copy the same model here")
+            before = self.state
+            self.state = NodeState.LOADING
             try:
-                shard = await asyncio.to_thread(
-                    Shard.load, a.model_dir, a.start, a.end, first=a.first, last=a.last,
-                    device=self.device, dtype=COMPUTE_DTYPES[a.dtype])
-            except (ModelError, ValueError, OSError) as exc:
-                self.state = "idle"
-                raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}): {exc}") from exc
-            self.shard, self.assignment, self.state = shard, a, "ready"
-            if not a.last:
-                self._next = PeerLink(a.next_address, self._on_peer_reply, name=f"stage {a.stage_index + 1}")
-            if a.last and not a.first:
-                self._first = PeerLink(a.first_address, self._on_peer_reply, name="stage 0")
-            log.info("assigned layers [%d, %d) of %s as stage %d/%d (%d parameters)",
-                     a.start, a.end, a.model_dir, a.stage_index, a.num_stages, shard.parameter_count)
-            return shard
+                shard, pool = await self.runner.call(self._load, a)
+            except (ModelError, ValueError, OSError, RuntimeError) as exc:
+                self.state = before
+                raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}): {exc}; "
+                                         "it keeps its previous assignment") from exc
+            old, self.engine = self.engine, self._new_engine(a, shard, pool)
+            if old is not None:
+                await self._drop_engine(old, "the stage was re-assigned")
+            self.state = NodeState.READY
+            self._wake.set()
+            log.info("assigned layers [%d, %d) of %s as stage %d/%d (%d parameters, %d KV blocks of %d)",
+                     a.start, a.end, a.model_dir, a.stage_index, a.num_stages, shard.parameter_count,
+                     pool.num_blocks, pool.block_size)
+            return self.engine
 
-    def require_ready(self) -> Shard:
-        if self.shard is None or self.assignment is None:
+    def _load(self, a: Assignment) -> tuple[Shard, KVPool]:
+        """Runner thread: the shard's weights and an empty KV pool sized by --max-kv-mib."""
+        import torch
+
+        dtype = getattr(torch, a.dtype)
+        shard = Shard.load(a.model_dir, a.start, a.end, first=a.first, last=a.last, device=self.device, dtype=dtype)
+        bs = self.options.block_size
+        block_bytes = bs * kv_bytes_per_token(shard.config, a.end - a.start, dtype)
+        num_blocks = self.options.max_kv_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {self.options.max_kv_bytes} bytes holds no block of {block_bytes}")
+        return shard, shard.new_pool(num_blocks, bs)
+
+    def _new_engine(self, a: Assignment, shard: Shard, pool: KVPool) -> Engine:
+        kv = KVManager(pool.num_blocks, pool.block_size)
+        scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=self.node_id, budget=self.options.budget,
+                              micro_batches=a.micro_batches or a.num_stages, is_orphaned=self._orphaned)
+        eng = Engine(a, shard, pool, kv, scheduler)
+        if not a.last:
+            eng.next_link = PeerLink(a.next_address, self._on_peer_reply, self._on_link_down,
+                                     name=f"stage {a.stage_index + 1}")
+        if a.last and not a.first:
+            eng.first_link = PeerLink(a.first_address, self._on_peer_reply, self._on_link_down, name="stage 0")
+        return eng
+
+    async def _drop_engine(self, eng: Engine, why: str) -> None:
+        err = Unavailable(f"node {self.node_id}: {why}")
+        for s in eng.scheduler.close_all():
+            self.events.emit(s.spec.owner, [wire.error_event(s.id, err, self.node_id)])
+        for link in (eng.next_link, eng.first_link):
+            if link is not None:
+                await link.close()
+
+    def require_ready(self) -> Engine:
+        if self.engine is None:
             raise FailedPrecondition(
-                f"node {self.node_id} has no layer assignment yet ({self.state}); "
+                f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
                 "the controller assigns layers when it starts (logicpipe-controller --nodes ...)")
-        if self.state == "draining":
+        if self.state is NodeState.DRAINING:
             raise Unavailable(f"node {self.node_id} is draining and takes no new work")
-        return self.shard
+        return self.engine
 
     # ---- sessions --------------------------------------------------------------------------
-    def kv_bytes(self) -> int:
-        return sum(s.kv.nbytes for s in self.sessions.values())
-
-    def open_session(self, session_id: str, capacity: int, sampling: SamplingParams,
-                     max_new_tokens: int, stop_ids: frozenset[int]) -> Session:
-        shard = self.require_ready()
-        if not session_id:
-            raise InvalidArgument("session_id is empty")
-        if session_id in self.sessions:
-            raise FailedPrecondition(f"session {session_id} is already open on node {self.node_id}")
-        limit = shard.config.max_position_embeddings
-        if not (1 <= capacity <= limit):
-            raise InvalidArgument(f"capacity {capacity} tokens is outside [1, {limit}] (the model's context)")
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        need = capacity * kv_bytes_per_token(shard.config, shard.end - shard.start, shard.dtype)
-        if self.kv_bytes() + need > self.max_kv_bytes:
-            raise ResourceExhausted(
-                f"node {self.node_id}: {need / 2**20:.1f} MiB of KV for {capacity} tokens does not fit "
-                f"({self.kv_bytes() / 2**20:.1f} of {self.max_kv_bytes / 2**20:.0f} MiB in use); retry later")
-        session = Session(session_id, shard.new_cache(capacity), sampling, make_generator(sampling),
-                          max_new_tokens, stop_ids)
-        self.sessions[session_id] = session
-        return session
+    def open_session(self, req: stage_pb2.OpenSessionRequest) -> int:
+        """Admit a sequence; returns the leading positions it already holds (prefix cache, parent)."""
+        eng = self.require_ready()
+        cfg = eng.shard.config
+        spec: SeqSpec = wire.spec_from_proto(req, context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+        _, cached = eng.scheduler.admit(spec)
+        return cached
 
     def close_session(self, session_id: str) -> int:
-        if self.shard is None:  # not require_ready(): a draining node still closes sessions
-            raise FailedPrecondition(f"node {self.node_id} has no layer assignment yet ({self.state}); "
+        if self.engine is None:  # not require_ready(): a draining node still closes sessions
+            raise FailedPrecondition(f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
                                      "it holds no sessions")
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            raise NotFound(f"session {session_id} is not open on node {self.node_id}")
-        return session.kv.length
+        sched = self.engine.scheduler
+        if session_id not in sched.seqs:
+            raise NotFound(f"session {session_id[:wire.MAX_ID_CHARS]} is not open on node {self.node_id}")
+        held = self.engine.kv.tables[session_id].length
+        sched.close(session_id)
+        self._wake.set()  # a micro-batch slot or blocks may have freed
+        return held
 
-    def _drop_sessions(self, why: str) -> None:
-        if self.sessions:
-            self._emit([_error_event(sid, Unavailable(f"node {self.node_id}: {why}"), self.node_id)
-                        for sid in self.sessions])
-        self.sessions.clear()
-        self._deferred.clear()
-        while not self._inbox.empty():
-            self._inbox.get_nowait()
+    def _orphaned(self, s: Sequence) -> bool:
+        return bool(s.spec.owner) and not self.events.listening(s.spec.owner)
 
-    # ---- events ----------------------------------------------------------------------------
-    def subscribe(self) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
-        self._subscribers.add(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        self._subscribers.discard(q)
-
-    def _emit(self, events: list[stage_pb2.Event]) -> None:
-        if events:
-            for q in self._subscribers:
-                q.put_nowait(events)
-
-    def _fail(self, session_ids, err: MeshError) -> None:
-        self._emit([_error_event(sid, err, self.node_id) for sid in session_ids])
-
-    def _on_peer_reply(self, reply: stage_pb2.StreamReply) -> None:
-        log.warning("peer rejected session %s: %s", reply.session_id, reply.message)
-
-    # ---- the step loop ---------------------------------------------------------------------
-    def submit(self, work: Work) -> list[tuple[str, MeshError]]:
-        """Queue a step; returns the sequences rejected at once (unknown session)."""
-        self.require_ready()
-        rejected = [(s.session_id, NotFound(f"session {s.session_id} is not open on node {self.node_id}"))
-                    for s in work.seqs if s.session_id not in self.sessions]
-        if rejected:
-            self._fail([sid for sid, _ in rejected], rejected[0][1])
-            work = _without(work, {sid for sid, _ in rejected})
-        if work.seqs:
-            self._inbox.put_nowait(work)
+    # ---- input -----------------------------------------------------------------------------
+    def receive(self, batch: stage_pb2.StepBatch) -> list[tuple[str, MeshError]]:
+        """A Stream message: feeds into stage 0, a computed step into a later stage. Raises
+        InvalidArgument for a malformed message; returns the sequences rejected at once."""
+        eng = self.require_ready()
+        a, cfg = eng.assignment, eng.shard.config
+        if a.first:
+            works = wire.works_from_proto(batch, vocab_size=cfg.vocab_size)
+        else:
+            msg = wire.step_from_proto(batch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                       stage_index=a.stage_index)
+            works = list(msg.seqs)
+        if batch.generation and a.generation and batch.generation != a.generation:
+            err = FailedPrecondition(f"node {self.node_id} serves plan generation {a.generation}; a step of "
+                                     f"generation {batch.generation} is stale")
+            rejected = [(w.session_id, err) for w in works]
+            self._report([Failure(w.session_id, eng.scheduler.owner_of(w.session_id), err) for w in works])
+            return rejected
+        rejected = []
+        if a.first:
+            for w in works:
+                try:
+                    eng.scheduler.feed(w)
+                except MeshError as err:
+                    rejected.append((w.session_id, err))
+            self._report([Failure(sid, eng.scheduler.owner_of(sid), err) for sid, err in rejected])
+        else:
+            eng.scheduler.enqueue(msg)
+        self._wake.set()
         return rejected
 
-    async def _run(self) -> None:
+    # ---- the step loop ---------------------------------------------------------------------
+    async def _loop(self) -> None:
         while True:
-            if not self._deferred:
-                self._deferred.append(await self._inbox.get())
-            while not self._inbox.empty():
-                self._deferred.append(self._inbox.get_nowait())
-            batch, self._deferred = _take_batch(self._deferred)
+            eng = self.engine
+            if eng is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step, failures = eng.scheduler.schedule()
+            self._report(failures)
+            if step is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             try:
-                await self._step(batch)
+                result = await self.runner.call(execute, eng.shard, eng.pool, step)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 — a bad step must not stop the node
                 log.exception("step failed")
-                self._fail({s.session_id for s in batch.seqs}, MeshError(f"node {self.node_id}: step failed: {exc}"))
+                result = StepResult(failed={p.seq.id: MeshError(f"node {self.node_id}: step failed: {exc}")
+                                            for p in step.seqs})
+            if eng is self.engine:
+                self._postprocess(eng, step, result)
 
-    async def _step(self, work: Work) -> None:
-        shard = self.shard
-        if shard is None:
+    def _postprocess(self, eng: Engine, step: Step, result: StepResult) -> None:
+        sched = eng.scheduler
+        self._report([Failure(sid, sched.owner_of(sid), err) for sid, err in result.failed.items()])
+        done = sched.complete(step, set(result.failed))
+        self.steps += 1
+        self.rows += step.rows
+        self.seq_rows += len(step.seqs)
+        self.max_step_seqs = max(self.max_step_seqs, len(step.seqs))
+        gen = eng.assignment.generation
+        if not eng.assignment.last:
+            if done:
+                ids = [p.seq.id for p in done]
+                hidden = result.hidden
+                if ids != result.ok:  # some closed while they computed: their rows stay behind
+                    computed, spans, row = set(result.ok), {}, 0
+                    for q in step.seqs:
+                        if q.seq.id in computed:
+                            spans[q.seq.id] = (row, row + q.work.num_tokens)
+                            row += q.work.num_tokens
+                    hidden = wire.keep_rows(hidden, [spans[i] for i in ids])
+                eng.next_link.send(wire.step_batch([p.work for p in done], gen, hidden))
             return
-        work = self._check_positions(work)
-        if not work.seqs:
+        by_owner: dict[str, list[stage_pb2.Event]] = defaultdict(list)
+        feeds: list[SeqWork] = []
+        for p in done:
+            if not p.work.sample or p.seq.id not in result.tokens:
+                continue
+            index = p.seq.generated
+            tokens, reason = sched.finish(p, result.tokens[p.seq.id])
+            by_owner[p.seq.spec.owner].append(
+                wire.token_event(p.seq.id, tokens, index, reason, p.work.num_candidates))
+            if not reason and not self._orphaned(p.seq):
+                pos = p.work.stop - p.work.num_candidates + len(tokens) - 1
+                feeds.append(SeqWork(p.seq.id, pos, (tokens[-1],)))
+        for owner, events in by_owner.items():  # queued before the feed is sent: token order holds
+            self.events.emit(owner, events)
+        if feeds and eng.first_link is None:  # one stage: first and last
+            for w in feeds:
+                sched.feed(w)
+        elif feeds:
+            eng.first_link.send(wire.step_batch(feeds, gen))
+
+    def _report(self, failures: list[Failure]) -> None:
+        by_owner: dict[str, list[stage_pb2.Event]] = defaultdict(list)
+        for f in failures:
+            by_owner[f.owner].append(wire.error_event(f.session_id, f.error, self.node_id))
+        for owner, events in by_owner.items():
+            self.events.emit(owner, events)
+        if failures:
+            self._wake.set()
+
+    def _on_peer_reply(self, reply: stage_pb2.StreamReply) -> None:
+        log.debug("peer rejected session %s: %s", reply.session_id, reply.message)
+
+    def _on_link_down(self, session_ids: list[str], reason: str) -> None:
+        eng = self.engine
+        if eng is None:
             return
-        seqs = [self.sessions[s.session_id] for s in work.seqs]
-        with torch.inference_mode():
-            if shard.first:
-                ids = torch.tensor([t for s in work.seqs for t in s.token_ids], dtype=torch.long, device=self.device)
-                hidden = shard.embed(ids)  # hidden: [rows, hidden]
-            else:
-                hidden = work.hidden.to(self.device, shard.dtype)
-            out = shard.forward(hidden, [SeqSlice(sess.kv, s.start_pos, s.num_tokens)
-                                         for sess, s in zip(seqs, work.seqs)])
-            self.steps += 1
-            self.tokens += out.shape[0]
-            if shard.last:
-                pick = [i for i, s in enumerate(work.seqs) if not s.prefill_only]
-                ends = list(accumulate(s.num_tokens for s in work.seqs))
-                logits = shard.logits(out[[ends[i] - 1 for i in pick]])  # logits: [sampled seqs, vocab]
-                tokens = sample(logits, [seqs[i].sampling for i in pick], [seqs[i].generator for i in pick])
-            else:
-                hidden_msg = tensor_codec.encode(out)
-        if not shard.last:
-            msg = stage_pb2.StepBatch(
-                seqs=[stage_pb2.SeqStep(session_id=s.session_id, start_pos=s.start_pos, num_tokens=s.num_tokens,
-                                        prefill_only=s.prefill_only) for s in work.seqs],
-                hidden=hidden_msg)
-            await self._send(self._next, msg, work)
-        elif pick:
-            await self._postprocess([work.seqs[i] for i in pick], [seqs[i] for i in pick], tokens)
+        err = Unavailable(f"node {self.node_id}: {reason}")
+        self._report([Failure(sid, eng.scheduler.owner_of(sid), err) for sid in session_ids])
 
-    def _check_positions(self, work: Work) -> Work:
-        bad = {}
-        for s in work.seqs:
-            sess = self.sessions.get(s.session_id)
-            if sess is None:
-                bad[s.session_id] = NotFound(f"session {s.session_id} was closed on node {self.node_id}")
-            elif sess.finished:
-                bad[s.session_id] = FailedPrecondition(f"session {s.session_id} has finished; open a new one")
-            elif s.start_pos != sess.kv.length:
-                bad[s.session_id] = FailedPrecondition(
-                    f"session {s.session_id} step at position {s.start_pos} but node {self.node_id} holds "
-                    f"{sess.kv.length} tokens")
-            elif s.start_pos + s.num_tokens > sess.kv.capacity:
-                bad[s.session_id] = ResourceExhausted(
-                    f"session {s.session_id} would grow past its {sess.kv.capacity}-token capacity")
-        for sid, err in bad.items():
-            self._fail([sid], err)
-        return _without(work, set(bad)) if bad else work
+    # ---- leases ----------------------------------------------------------------------------
+    async def _janitor(self) -> None:
+        ttl = self.options.session_ttl_s
+        while True:
+            await asyncio.sleep(min(1.0, max(0.05, ttl / 4)))
+            self.expire_sessions()
 
-    async def _postprocess(self, done: list[SeqWork], seqs: list[Session], tokens: list[int]) -> None:
-        events, feed = [], []
-        for s, sess, tok in zip(done, seqs, tokens):
-            sess.generated += 1
-            pos = s.start_pos + s.num_tokens  # position the new token will take
-            reason = ""
-            if tok in sess.stop_ids:
-                reason = "stop"
-            elif sess.generated >= sess.max_new_tokens or pos >= sess.kv.capacity:
-                reason = "length"
-            sess.finished = bool(reason)
-            events.append(stage_pb2.Event(session_id=s.session_id, token=stage_pb2.TokenEvent(
-                token_id=tok, index=sess.generated - 1, finished=sess.finished, finish_reason=reason)))
-            if not reason:
-                feed.append(SeqWork(s.session_id, pos, 1, (tok,)))
-        self._emit(events)  # only queued here: sent while the token below is in flight
-        if feed and self._first is None:  # one stage: first and last
-            self._inbox.put_nowait(Work(feed))
-        elif feed:
-            msg = stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=f.session_id, start_pos=f.start_pos,
-                                                              num_tokens=1, token_ids=f.token_ids) for f in feed])
-            await self._send(self._first, msg, Work(feed))
+    def expire_sessions(self, now: float | None = None) -> list[str]:
+        """Free the sessions whose owner has been gone (or, with no owner, that have not been
+        stepped) for the TTL. Returns their ids."""
+        eng = self.engine
+        if eng is None:
+            return []
+        now = time.monotonic() if now is None else now
+        ttl = self.options.session_ttl_s
+        expired = []
+        for s in list(eng.scheduler.seqs.values()):
+            owner = s.spec.owner
+            if owner and self.events.listening(owner):
+                continue
+            since = max(s.last_active, self.events.left_at(owner) or 0.0) if owner else s.last_active
+            if now - since > ttl:
+                eng.scheduler.close(s.id)
+                expired.append(s.id)
+        if expired:
+            self.sessions_expired += len(expired)
+            log.info("freed %d sessions whose owner was gone for %.0f s", len(expired), ttl)
+            self._wake.set()
+        return expired
 
-    async def _send(self, link: PeerLink | None, msg: stage_pb2.StepBatch, work: Work) -> None:
-        if link is None:
-            return
-        try:
-            await link.send(msg)
-        except LinkDown as exc:
-            log.warning("%s", exc)
-            self._fail([s.session_id for s in work.seqs], Unavailable(f"node {self.node_id}: {exc}"))
-
-
-def _without(work: Work, drop: set[str]) -> Work:
-    """The work less the sequences of `drop`, hidden rows included."""
-    keep, rows, offset = [], [], 0
-    for s in work.seqs:
-        if s.session_id not in drop:
-            keep.append(s)
-            if work.hidden is not None:
-                rows.append(work.hidden[offset: offset + s.num_tokens])
-        offset += s.num_tokens
-    hidden = torch.cat(rows) if work.hidden is not None and rows else None
-    return Work(keep, hidden)
-
-
-def _take_batch(pending: list[Work]) -> tuple[Work, list[Work]]:
-    """Merge waiting work into one step, each session at most once (a second slice of the same
-    session waits for the next step, after the first has written its KV)."""
-    if len(pending) == 1:  # the common case: nothing to merge, no copy of the hidden rows
-        return pending[0], []
-    seqs, rows, seen, rest = [], [], set(), []
-    for w in pending:
-        if any(s.session_id in seen for s in w.seqs):
-            rest.append(w)
-            continue
-        seen.update(s.session_id for s in w.seqs)
-        seqs.extend(w.seqs)
-        if w.hidden is not None:
-            rows.append(w.hidden)
-    return Work(seqs, torch.cat(rows) if rows else None), rest
+    def orphaned_sessions(self) -> int:
+        return 0 if self.engine is None else sum(1 for s in self.engine.scheduler.seqs.values() if self._orphaned(s))

@@ -1,13 +1,25 @@
-"""Next-token choice on the last stage: greedy (exactly HF's argmax) or seeded temperature/top-k/top-p."""
+"""Next-token choice on the last stage: greedy (exactly HF's argmax), seeded temperature / top-k /
+top-p sampling, and verification of candidate tokens.
+
+Every sampled token's random draw is a pure function of (seed, sequence, position): no generator
+state is carried from token to token, so a sequence replayed from its tokens (after a re-plan, a
+preemption, a lost node) draws exactly what it drew the first time.
+"""
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 1e-3  # below this a softmax overflows float32 for ordinary logits; use 0 (greedy)
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -17,7 +29,7 @@ class SamplingParams:
     temperature: float = 0.0  # softmax temperature (dimensionless); 0 means greedy argmax
     top_k: int = 0  # keep only the k most likely tokens (count); 0 keeps all
     top_p: float = 1.0  # keep the smallest set of top tokens whose probability reaches top_p (0, 1]
-    seed: int | None = None  # random seed of this sequence's generator; None draws one at random
+    seed: int | None = None  # seed of this sequence's draws; None: drawn once at random when opened
 
     @property
     def greedy(self) -> bool:
@@ -25,24 +37,23 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError with a message a person can act on if a field is out of range."""
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        t = self.temperature
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # also catches NaN and inf
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {t}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:  # also catches NaN
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator seeded from params.seed (or randomly when it is None); None for greedy."""
-    if params.greedy:
-        return None
-    gen = torch.Generator(device=device)
-    if params.seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(params.seed)
-    return gen
+def draw(seed: int, sequence: int, position: int) -> float:
+    """The uniform random number in [0, 1) of the token at `position` of `sequence` under `seed`."""
+    digest = hashlib.blake2b(struct.pack("<QQQ", seed % 2**64, sequence % 2**64, position % 2**64),
+                             digest_size=8, person=b"logicpipe-draw").digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -61,19 +72,38 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """logits: [B, vocab] float32 -> one token id per row, each row with its own params and generator."""
-    if not (logits.shape[0] == len(params) == len(generators)):
-        raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators")
+def pick(probs: torch.Tensor, u: float) -> int:
+    """The token whose cumulative-probability interval holds u (inverse CDF). probs: [vocab]"""
+    cdf = probs.double().cumsum(-1)
+    i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device),
+                               right=True))
+    return min(i, probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[float | None]) -> list[int]:
+    """logits: [B, vocab] float32 -> one token id per row, each row with its own params and draw
+    (None for greedy rows)."""
+    if not (logits.shape[0] == len(params) == len(draws)):
+        raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(draws)} draws")
     greedy = logits.argmax(-1).tolist()  # one argmax for the whole batch, exactly HF's greedy choice
     out = []
-    for b, (p, gen) in enumerate(zip(params, generators)):
+    for b, (p, u) in enumerate(zip(params, draws)):
         if p.greedy:
             out.append(greedy[b])
-            continue
-        probs = filter_logits(logits[b].float(), p).softmax(-1)
-        if gen is not None and probs.device != gen.device:
-            probs = probs.to(gen.device)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+        else:
+            out.append(pick(filter_logits(logits[b].float(), p).softmax(-1), u))
+    return out
+
+
+def verify_greedy(logits: torch.Tensor, candidates: Sequence[int]) -> list[int]:
+    """Greedy verification: logits [k + 1, vocab] of the row before the k candidates and of each
+    candidate row -> the accepted candidates (the longest prefix greedy would have produced) and
+    then greedy's own next token."""
+    best = logits.argmax(-1).tolist()
+    out = []
+    for i, c in enumerate(candidates):
+        if best[i] != c:
+            break
+        out.append(c)
+    out.append(best[len(out)])
     return out

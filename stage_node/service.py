@@ -1,153 +1,112 @@
-"""StageNode gRPC servicer: translates between protobuf and the runtime's domain types."""
+"""StageNode gRPC servicer: translates between protobuf (through `wire`) and the runtime."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
 import grpc
 
-from logicpipe import tensor_codec
-from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe.errors import MeshError, ResourceExhausted
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
-from stage_node import __version__
-from stage_node.runtime import MAX_STEP_ROWS, Assignment, SeqWork, StageRuntime, Work
-from stage_node.sampling import SamplingParams
+from stage_node import __version__, wire
+from stage_node.runtime import Assignment, StageRuntime
 
 log = logging.getLogger(__name__)
 
 MAX_ECHO_BYTES = 32 * 2**20
-HIDDEN_DTYPES = tuple(tensor_codec.DTYPES[n] for n in ("float32", "float16", "bfloat16"))
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: MeshError):
-    await context.abort(err.code, str(err))
-
-
-def sampling_from_proto(p: stage_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
-                          seed=p.seed if p.HasField("seed") else None)
-
-
-def work_from_proto(batch: stage_pb2.StepBatch, runtime: StageRuntime) -> Work:
-    """Validate a step message against this stage's assignment. Raises InvalidArgument."""
-    shard = runtime.require_ready()
-    if not batch.seqs:
-        raise InvalidArgument("step has no sequences")
-    rows = 0
-    seqs = []
-    seen: set[str] = set()
-    for s in batch.seqs:
-        if s.session_id in seen:
-            raise InvalidArgument(f"session {s.session_id} appears twice in one step; send its next slice "
-                                  "in a later step")
-        seen.add(s.session_id)
-        if s.num_tokens < 1:
-            raise InvalidArgument(f"session {s.session_id}: num_tokens must be >= 1")
-        rows += s.num_tokens
-        if shard.first:
-            if len(s.token_ids) != s.num_tokens:
-                raise InvalidArgument(
-                    f"session {s.session_id}: {len(s.token_ids)} token ids for num_tokens={s.num_tokens}")
-            bad = [t for t in s.token_ids if not 0 <= t < shard.config.vocab_size]
-            if bad:
-                raise InvalidArgument(f"session {s.session_id}: token id {bad[0]} outside the vocabulary "
-                                      f"[0, {shard.config.vocab_size})")
-        seqs.append(SeqWork(s.session_id, s.start_pos, s.num_tokens, tuple(s.token_ids), s.prefill_only))
-    if rows > MAX_STEP_ROWS:
-        raise InvalidArgument(f"step of {rows} token rows is over the {MAX_STEP_ROWS}-row cap; send smaller chunks")
-    if shard.first:
-        return Work(seqs)
-    if not batch.HasField("hidden"):
-        raise InvalidArgument(f"stage {runtime.assignment.stage_index} needs hidden states, the step has none")
-    try:
-        hidden = tensor_codec.decode(batch.hidden, rank=2, dtypes=HIDDEN_DTYPES)
-    except tensor_codec.TensorError as exc:
-        raise InvalidArgument(f"hidden states: {exc}") from exc
-    if tuple(hidden.shape) != (rows, shard.config.hidden_size):
-        raise InvalidArgument(f"hidden states of shape {list(hidden.shape)}, expected [{rows}, {shard.config.hidden_size}]")
-    return Work(seqs, hidden)
-
-
-def profile_to_proto(profile) -> stage_pb2.DeviceProfile:
-    if profile is None:
-        return stage_pb2.DeviceProfile()
-    return stage_pb2.DeviceProfile(
-        device_kind=profile.device_kind, device_name=profile.device_name, memory_bytes=profile.memory_bytes,
-        flops=profile.flops, mem_bandwidth=profile.mem_bandwidth, weight_formats=list(profile.weight_formats))
+def unary(method):
+    """A unary handler whose MeshErrors become their gRPC status and message."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except MeshError as err:
+            await context.abort(err.code, str(err))
+    return wrapper
 
 
 class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
-    def __init__(self, runtime: StageRuntime, profile=None):
+    def __init__(self, runtime: StageRuntime, profile=None, compute_id: str = ""):
         self.runtime = runtime
         self.profile = profile  # stage_node.profile.HostProfile, measured at start
+        self.compute_id = compute_id  # stage_node.profile.compute_id
 
+    @unary
     async def Assign(self, request, context):
         a = Assignment(
             model_dir=request.model_dir, start=request.start_layer, end=request.end_layer,
             num_layers=request.num_layers, stage_index=request.stage_index, num_stages=request.num_stages,
             next_address=request.next_address, first_address=request.first_address,
-            dtype=request.dtype or "float32", plan_id=request.plan_id, model_digest=request.model_digest)
+            dtype=request.dtype or "float32", plan_id=request.plan_id, model_digest=request.model_digest,
+            generation=request.generation, micro_batches=request.micro_batches)
         t0 = time.monotonic()
-        try:
-            shard = await self.runtime.assign(a)
-        except MeshError as err:
-            await _abort(context, err)
-        return stage_pb2.AssignReply(parameter_count=shard.parameter_count, tied_copy_count=shard.tied_copy_count,
-                                     load_seconds=time.monotonic() - t0)
+        eng = await self.runtime.assign(a)
+        return stage_pb2.AssignReply(parameter_count=eng.shard.parameter_count,
+                                     tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 
+    @unary
     async def OpenSession(self, request, context):
-        try:
-            self.runtime.open_session(request.session_id, request.capacity, sampling_from_proto(request.sampling),
-                                      request.max_new_tokens or 1 << 30, frozenset(request.stop_token_ids))
-        except MeshError as err:
-            await _abort(context, err)
-        return stage_pb2.OpenSessionReply()
+        return stage_pb2.OpenSessionReply(cached_tokens=self.runtime.open_session(request))
 
+    @unary
     async def CloseSession(self, request, context):
-        try:
-            held = self.runtime.close_session(request.session_id)
-        except MeshError as err:
-            await _abort(context, err)
-        return stage_pb2.CloseSessionReply(tokens_held=held)
+        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id))
 
     async def Stream(self, request_iterator, context):
         try:
             self.runtime.require_ready()
         except MeshError as err:
-            await _abort(context, err)
+            await context.abort(err.code, str(err))
         async for batch in request_iterator:
             try:
-                work = work_from_proto(batch, self.runtime)
-                rejected = self.runtime.submit(work)
+                rejected = self.runtime.receive(batch)
             except MeshError as err:
-                await _abort(context, err)
+                await context.abort(err.code, str(err))
             for sid, err in rejected:
-                yield stage_pb2.StreamReply(session_id=sid, code=err.code.value[0], message=str(err))
+                yield wire.stream_reply(sid, err)
 
     async def Events(self, request, context):
-        q = self.runtime.subscribe()
+        try:
+            owner = wire.check_id("owner", request.owner, empty_ok=True)
+        except MeshError as err:
+            await context.abort(err.code, str(err))
+        sub = self.runtime.events.subscribe(owner)
         try:
             await context.send_initial_metadata(())  # the subscriber knows it is subscribed
             while True:
-                events = list(await q.get())
-                while not q.empty():
-                    events.extend(q.get_nowait())
+                events = await sub.next_batch()
+                if sub.overflowed:
+                    err = ResourceExhausted(f"node {self.runtime.node_id}: this Events subscriber fell behind; "
+                                            "read faster or subscribe again")
+                    await context.abort(err.code, str(err))
                 yield stage_pb2.EventBatch(events=events)
         finally:
-            self.runtime.unsubscribe(q)
+            self.runtime.events.unsubscribe(sub)
 
     async def Status(self, request, context):
-        rt, a, shard = self.runtime, self.runtime.assignment, self.runtime.shard
+        rt, eng = self.runtime, self.runtime.engine
         reply = stage_pb2.StatusReply(
-            node_id=rt.node_id, state=rt.state, device=str(rt.device), open_sessions=len(rt.sessions),
-            kv_bytes=rt.kv_bytes(), steps=rt.steps, tokens=rt.tokens, uptime_s=time.monotonic() - rt.started,
-            profile=profile_to_proto(self.profile), version=__version__)
-        if a is not None and shard is not None:
+            node_id=rt.node_id, state=rt.state.value, device=str(rt.device), steps=rt.steps, tokens=rt.rows,
+            seq_rows=rt.seq_rows, max_step_seqs=rt.max_step_seqs, uptime_s=time.monotonic() - rt.started,
+            profile=wire.profile_to_proto(self.profile), version=__version__, sessions_expired=rt.sessions_expired,
+            orphaned_sessions=rt.orphaned_sessions(), session_ttl_s=rt.options.session_ttl_s,
+            block_size=rt.options.block_size, compute_id=self.compute_id)
+        if eng is not None:
+            a, shard, kv = eng.assignment, eng.shard, eng.kv
             reply.model_dir, reply.model_digest, reply.plan_id = a.model_dir, a.model_digest, a.plan_id
             reply.start_layer, reply.end_layer, reply.num_layers = a.start, a.end, a.num_layers
-            reply.stage_index, reply.num_stages = a.stage_index, a.num_stages
+            reply.stage_index, reply.num_stages, reply.generation = a.stage_index, a.num_stages, a.generation
             reply.parameter_count, reply.tied_copy_count = shard.parameter_count, shard.tied_copy_count
+            reply.open_sessions = len(eng.scheduler.seqs)
+            reply.block_size, reply.kv_blocks_total = kv.block_size, kv.num_blocks
+            reply.kv_blocks_used, reply.kv_blocks_cached = kv.used, len(kv.cached)
+            reply.kv_bytes = kv.used * eng.pool.block_bytes
+            reply.prefix_hit_tokens, reply.preempted = kv.prefix_hit_tokens, eng.scheduler.preempted
+            reply.micro_batches = eng.scheduler.micro_batches if a.first else 0
         return reply
 
     async def Echo(self, request, context):

@@ -17,7 +17,7 @@ import torch
 from controller.app import encode_prompt
 from logicpipe import grpc_options
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
-from tests.mesh.harness import Mesh
+from logicpipe.localmesh import LocalMesh as Mesh
 
 pytestmark = pytest.mark.mesh
 

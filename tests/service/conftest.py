@@ -131,16 +131,16 @@ def fixed_profile():
 
 @contextlib.asynccontextmanager
 async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, serving: bool = True,
-                     profiled: bool = True):
+                     profiled: bool = True, **options):
     """A StageNode server (+ grpc.health.v1) on 127.0.0.1:<ephemeral>, wired like stage_node.main;
     health says SERVING once started unless `serving` is False; `profiled=False` is a node started
-    with --no-profile."""
-    from stage_node.runtime import StageRuntime
+    with --no-profile; `options`: more StageOptions fields (session_ttl_s, block_size, budget)."""
+    from stage_node.runtime import StageOptions, StageRuntime
     from stage_node.service import StageNodeServicer
 
-    runtime = StageRuntime(node_id, "cpu", max_kv_bytes=max_kv_bytes)
+    runtime = StageRuntime(node_id, "cpu", options=StageOptions(max_kv_bytes=max_kv_bytes, **options))
     server = grpc_options.new_server()
-    servicer = StageNodeServicer(runtime, fixed_profile() if profiled else None)
+    servicer = StageNodeServicer(runtime, fixed_profile() if profiled else None, f"cpu@{node_id}")
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, STAGE_SERVICE)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -225,9 +225,11 @@ async def expect_stream_abort(node: Node, batch: stage_pb2.StepBatch, code: grpc
     return await expect_status(stream_once(node, batch, timeout=ABORT_WAIT_S), code, *fragments)
 
 
-def prompt_step(session_id: str, token_ids: Sequence[int] = PROMPT, start_pos: int = 0) -> stage_pb2.StepBatch:
+def prompt_step(session_id: str, token_ids: Sequence[int] = PROMPT, start_pos: int = 0,
+                num_candidates: int = 0) -> stage_pb2.StepBatch:
     return stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=session_id, start_pos=start_pos,
-                                                       num_tokens=len(token_ids), token_ids=list(token_ids))])
+                                                       num_tokens=len(token_ids), token_ids=list(token_ids),
+                                                       num_candidates=num_candidates)])
 
 
 def open_request(session_id: str, capacity: int = len(PROMPT) + NEW_TOKENS, *,
@@ -240,12 +242,23 @@ def new_session_id(tag: str = "s") -> str:
     return f"{tag}-{uuid.uuid4().hex[:8]}"
 
 
-class Events:
-    """A subscription to a node's Events stream; `async with` waits until it is subscribed."""
+@dataclass(frozen=True)
+class Token:
+    """One generated token, from a TokenEvent (which may carry several)."""
 
-    def __init__(self, node: Node):
+    token_id: int
+    index: int
+    finished: bool
+    finish_reason: str
+
+
+class Events:
+    """A subscription to a node's Events stream (of `owner`'s sessions); `async with` waits until
+    it is subscribed."""
+
+    def __init__(self, node: Node, owner: str = ""):
         self.node = node
-        self.call = node.stub.Events(stage_pb2.EventsRequest())
+        self.call = node.stub.Events(stage_pb2.EventsRequest(owner=owner))
         self.buffer: deque[stage_pb2.Event] = deque()
 
     async def __aenter__(self) -> "Events":
@@ -273,13 +286,19 @@ class Events:
         assert ev.HasField("error"), f"expected a SessionError for {session_id}, got {ev}"
         return ev.error
 
-    async def tokens(self, session_id: str) -> list[stage_pb2.TokenEvent]:
-        """Token events of a session up to the finished one; a SessionError fails the test."""
-        out = []
+    async def token_event(self, session_id: str) -> stage_pb2.TokenEvent:
+        ev = await self.next(session_id)
+        assert ev.HasField("token"), f"session {session_id} failed: {ev.error}"
+        return ev.token
+
+    async def tokens(self, session_id: str) -> list[Token]:
+        """Tokens of a session up to the finished one; a SessionError fails the test."""
+        out: list[Token] = []
         while not out or not out[-1].finished:
-            ev = await self.next(session_id)
-            assert ev.HasField("token"), f"session {session_id} failed: {ev.error}"
-            out.append(ev.token)
+            t = await self.token_event(session_id)
+            n = len(t.token_ids)
+            out.extend(Token(tok, t.index + i, t.finished and i == n - 1, t.finish_reason if i == n - 1 else "")
+                       for i, tok in enumerate(t.token_ids))
         return out
 
 

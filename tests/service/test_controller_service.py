@@ -39,8 +39,8 @@ class Mesh:
 
 
 @contextlib.asynccontextmanager
-async def mesh_of_two(model_dir, tag: str):
-    async with stage_node(f"{tag}-first") as first, stage_node(f"{tag}-last") as last:
+async def mesh_of_two(model_dir, tag: str, **last_options):
+    async with stage_node(f"{tag}-first") as first, stage_node(f"{tag}-last", **last_options) as last:
         async with controller(model_dir, [first.address, last.address]) as ctl:
             yield Mesh(first, last, ctl)
 
@@ -192,18 +192,14 @@ def test_bad_plan_request_is_invalid_argument_and_the_plan_in_force_stays(case, 
     arun(runner, main())
 
 
-def test_a_stage_out_of_kv_is_resource_exhausted_and_nothing_stays_open(runner, mesh):
+def test_a_request_larger_than_a_stage_pool_is_resource_exhausted_at_once(runner, model_dir):
     async def main():
-        runtime = mesh.last.runtime
-        saved, runtime.max_kv_bytes = runtime.max_kv_bytes, 2**20  # ~45 tokens of this stage's KV
-        try:
-            await expect_status(submit(mesh.ctl, prompt="Hello", max_tokens=200),
-                                grpc.StatusCode.RESOURCE_EXHAUSTED, mesh.last.address, "mesh-last", "retry later")
-        finally:
-            runtime.max_kv_bytes = saved
-        # the stage that did open the session had it closed again
-        assert await open_sessions(mesh.first) == 0 and await open_sessions(mesh.last) == 0
-        check_finished_stream(await submit(mesh.ctl, prompt="Hello", max_tokens=3), mesh, 3)
+        async with mesh_of_two(model_dir, "small", max_kv_bytes=2 * 2**20) as m:  # ~90 positions on the last stage
+            await expect_status(submit(m.ctl, prompt="Hello", max_tokens=200), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "200 new tokens", "--max-kv-mib")
+            assert not m.ctl.app.scheduler.waiting and not m.ctl.app.scheduler.active
+            assert await open_sessions(m.first) == 0 and await open_sessions(m.last) == 0
+            check_finished_stream(await submit(m.ctl, prompt="Hello", max_tokens=3), m, 3)
     arun(runner, main())
 
 

@@ -13,7 +13,7 @@ from logicpipe import grpc_options
 from logicpipe.health import set_serving
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from stage_node import links
-from stage_node.runtime import MAX_STEP_ROWS
+from stage_node.wire import MAX_STEP_ROWS
 from stage_node.service import MAX_ECHO_BYTES
 
 from .conftest import (
@@ -45,7 +45,8 @@ def hidden_tensor(rows: int, width: int = TINY_HIDDEN, *, dtype: str = "float32"
 
 
 def hidden_step(session_id: str, num_tokens: int, hidden: tensor_pb2.Tensor | None) -> stage_pb2.StepBatch:
-    batch = stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=session_id, start_pos=0, num_tokens=num_tokens)])
+    batch = stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=session_id, start_pos=0, num_tokens=num_tokens,
+                                                        token_ids=[1] * num_tokens)])
     if hidden is not None:
         batch.hidden.CopyFrom(hidden)
     return batch
@@ -320,14 +321,16 @@ def test_oversize_messages_are_resource_exhausted_and_the_node_keeps_serving(tin
 # ----------------------------------------------------------------------------- OpenSession
 
 def test_open_session_rejections_and_the_node_keeps_serving(tiny_model):
-    budget_tokens = 100
-    budget = budget_tokens * TINY_KV_BYTES_PER_TOKEN
-    ok_capacity = len(PROMPT) + NEW_TOKENS
+    block = 16  # positions per KV block
+    budget = 6 * block * TINY_KV_BYTES_PER_TOKEN + 100  # a pool of 6 blocks
 
     async def main():
         async with single_stage(tiny_model.path, "small", max_kv_bytes=budget) as node:
             async def refused(request, code, *fragments):
                 await expect_status(node.stub.OpenSession(request, timeout=RPC_TIMEOUT_S), code, *fragments)
+
+            def prompt(sid, n, token=1):
+                return open_request(sid, n + NEW_TOKENS, prompt_token_ids=[token] * n)
 
             await refused(open_request("long", TINY_CONTEXT + 1), IA, str(TINY_CONTEXT + 1), str(TINY_CONTEXT), "context")
             await refused(open_request("none", 0), IA, "capacity 0")
@@ -336,22 +339,31 @@ def test_open_session_rejections_and_the_node_keeps_serving(tiny_model):
             await refused(open_request("wide", sampling=stage_pb2.SamplingParams(temperature=1, top_p=1.5)), IA,
                           "top_p", "1.5")
             await refused(open_request(""), IA, "session_id")
-            # fits the model's context but not this node's KV budget: capacity, retry later
-            await refused(open_request("big", budget_tokens + 1), grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          "small", f"{budget_tokens + 1} tokens", "retry later")
-            await node.stub.OpenSession(open_request("dup"), timeout=RPC_TIMEOUT_S)
-            await refused(open_request("dup"), FP, "dup", "already open", "small")
+            await refused(open_request("x" * 300), IA, "session_id", "300 characters")
+            await refused(open_request("stops", stop_token_ids=list(range(5000))), IA, "5000 stop token ids")
+            await refused(open_request("past", 4, prompt_token_ids=[1] * 5), IA, "5 prompt tokens", "capacity of 4")
+            # fits the model's context but never this node's pool: capacity, and what to change
+            await refused(open_request("big", 6 * block + 1), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "small", f"{6 * block + 1} positions", "--max-kv-mib")
+            # admission by free blocks: a prompt's blocks are taken at once
+            await node.stub.OpenSession(prompt("p1", 40), timeout=RPC_TIMEOUT_S)  # 3 blocks
             st = await status(node)
-            assert st.open_sessions == 1 and st.kv_bytes == ok_capacity * TINY_KV_BYTES_PER_TOKEN
+            assert (st.open_sessions, st.kv_blocks_used, st.kv_blocks_total) == (1, 3, 6)
+            assert st.kv_bytes == 3 * block * TINY_KV_BYTES_PER_TOKEN
+            # 3 free, one kept for p1's growth: a 3-block prompt misses one block, and says so
+            await refused(prompt("p2", 40, 2), grpc.StatusCode.RESOURCE_EXHAUSTED, "small", "1 missing", "retry")
+            await node.stub.OpenSession(prompt("p3", 20, 3), timeout=RPC_TIMEOUT_S)  # 2 blocks
+            await refused(prompt("p3", 20, 3), FP, "p3", "already open", "small")
+            assert await close(node, "p1") == 0
+            assert (await status(node)).kv_blocks_used == 2
             # a refused id is not held: it opens once the request is sound
             await node.stub.OpenSession(open_request("hot", sampling=stage_pb2.SamplingParams(temperature=0.5, seed=1)),
                                         timeout=RPC_TIMEOUT_S)
-            assert await close(node, "hot") == 0 and await close(node, "dup") == 0
-            assert (await status(node)).kv_bytes == 0
-            # the whole budget is usable again
-            await node.stub.OpenSession(open_request("all", budget_tokens), timeout=RPC_TIMEOUT_S)
-            await refused(open_request("more"), grpc.StatusCode.RESOURCE_EXHAUSTED, "retry later")
-            await close(node, "all")
+            assert await close(node, "hot") == 0
+            await node.stub.OpenSession(prompt("p2", 40, 2), timeout=RPC_TIMEOUT_S)  # now it fits
+            assert await close(node, "p2") == 0 and await close(node, "p3") == 0
+            st = await status(node)
+            assert (st.open_sessions, st.kv_blocks_used, st.kv_bytes) == (0, 0, 0)
             await serve_valid_request(node, expect=tiny_model.greedy)
     run(main())
 

@@ -5,9 +5,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-import stage_node.shard as shard_mod
-from stage_node.kv import SeqSlice, SessionKV, kv_bytes_per_token
+import stage_node.weights as weights_mod
+from stage_node.kv import KVPool, StepKV, kv_bytes_per_token, seq_slice
 from stage_node.shard import Shard
+
+from .paged import PagedCache
 
 RTOL = 1e-4
 SPLIT3 = [(0, 10), (10, 20), (20, 30)]
@@ -25,12 +27,17 @@ def load_split(model_dir, bounds) -> list[Shard]:
     return [Shard.load(model_dir, s, e, first=i == 0, last=i == n - 1) for i, (s, e) in enumerate(bounds)]
 
 
-def run_pipeline(shards: list[Shard], caches: list, token_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+def run_pipeline(shards: list[Shard], caches: list[PagedCache], token_ids: torch.Tensor, start_pos: int,
+                 seq: str = "s") -> torch.Tensor:
     """Prefill or decode token_ids [T] of one sequence through all shards -> logits [T, vocab]."""
     h = shards[0].embed(token_ids)
-    for shard, cache in zip(shards, caches):
-        h = shard.forward(h, [SeqSlice(cache, start_pos, len(token_ids))])
+    for cache in caches:
+        h = cache.forward(h, [(seq, start_pos, token_ids.tolist())])
     return shards[-1].logits(h)
+
+
+def caches_for(shards: list[Shard], num_blocks: int = 64) -> list[PagedCache]:
+    return [PagedCache(s, num_blocks) for s in shards]
 
 
 def hf_greedy_steps(model, ids: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -46,14 +53,14 @@ def hf_greedy_steps(model, ids: torch.Tensor, steps: int) -> tuple[list[torch.Te
     return logits, tokens
 
 
-def check_against_hf(shards, hf_logits, tokens, ids, capacity=256):
-    caches = [s.new_cache(capacity) for s in shards]
+def check_against_hf(shards, hf_logits, tokens, ids):
+    caches = caches_for(shards)
     assert_close(run_pipeline(shards, caches, ids, 0), hf_logits[0])
     pos = len(ids)
     for tok, ref in zip(tokens, hf_logits[1:]):
         assert_close(run_pipeline(shards, caches, torch.tensor([tok]), pos), ref)
         pos += 1
-    assert all(c.length == pos for c in caches)
+    assert all(c.length() == pos for c in caches)
 
 
 # ----------------------------------------------------------------------------- default model
@@ -106,42 +113,90 @@ def test_parameter_counts(model_dir, hf_model, full, split3):
 
 def test_batch_of_two_equals_each_alone(full, prompt_ids):
     a, b = prompt_ids, prompt_ids[5:-3]
-    ca, cb = full.new_cache(64), full.new_cache(64)
-    h = full.forward(full.embed(torch.cat([a, b])), [SeqSlice(ca, 0, len(a)), SeqSlice(cb, 0, len(b))])
+    both = PagedCache(full)
+    h = both.forward(full.embed(torch.cat([a, b])), [("a", 0, a.tolist()), ("b", 0, b.tolist())])
     batch_prefill = full.logits(h)
-    step = full.forward(full.embed(torch.tensor([10, 20])), [SeqSlice(ca, len(a), 1), SeqSlice(cb, len(b), 1)])
+    step = both.forward(full.embed(torch.tensor([10, 20])), [("a", len(a), [10]), ("b", len(b), [20])])
     batch_step = full.logits(step)
     for i, (ids, tok, rows) in enumerate([(a, 10, slice(0, len(a))), (b, 20, slice(len(a), None))]):
-        cache = full.new_cache(64)
-        assert_close(batch_prefill[rows], run_pipeline([full], [cache], ids, 0))
-        assert_close(batch_step[i], run_pipeline([full], [cache], torch.tensor([tok]), len(ids))[0])
+        alone = [PagedCache(full)]
+        assert_close(batch_prefill[rows], run_pipeline([full], alone, ids, 0))
+        assert_close(batch_step[i], run_pipeline([full], alone, torch.tensor([tok]), len(ids))[0])
 
 
 def test_chunked_prefill_equals_one_prefill(full, prompt_ids):
-    whole = run_pipeline([full], [full.new_cache(64)], prompt_ids, 0)
-    cache = full.new_cache(64)
+    whole = run_pipeline([full], caches_for([full]), prompt_ids, 0)
+    caches = caches_for([full])
     cut = len(prompt_ids) // 3
-    first = run_pipeline([full], [cache], prompt_ids[:cut], 0)
-    second = run_pipeline([full], [cache], prompt_ids[cut:], cut)
+    first = run_pipeline([full], caches, prompt_ids[:cut], 0)
+    second = run_pipeline([full], caches, prompt_ids[cut:], cut)
     assert_close(torch.cat([first, second]), whole)
-    assert cache.length == len(prompt_ids)
+    assert caches[0].length() == len(prompt_ids)
 
 
-def test_truncate_rolls_back(full, prompt_ids):
-    cache = full.new_cache(64)
-    run_pipeline([full], [cache], prompt_ids, 0)
+def test_truncate_rolls_back_and_a_fork_sees_the_parent(full, prompt_ids):
+    caches = caches_for([full])
+    run_pipeline([full], caches, prompt_ids, 0)
     n = len(prompt_ids)
-    ref = run_pipeline([full], [cache], torch.tensor([42]), n)
-    run_pipeline([full], [cache], torch.tensor([7, 8]), n + 1)  # candidates later rejected
-    cache.truncate(n)
-    assert_close(run_pipeline([full], [cache], torch.tensor([42]), n), ref)
-    fork = cache.fork()
-    assert fork.length == cache.length and torch.equal(fork.k[:, :, : n + 1], cache.k[:, :, : n + 1])
+    ref = run_pipeline([full], caches, torch.tensor([42]), n)
+    run_pipeline([full], caches, torch.tensor([7, 8]), n + 1)  # candidates later rejected
+    caches[0].kv.truncate("s", n)
+    assert_close(run_pipeline([full], caches, torch.tensor([42]), n), ref)
+    caches[0].kv.fork("s", "child", n + 1)
+    assert_close(run_pipeline([full], caches, torch.tensor([7]), n + 1, seq="child"),
+                 run_pipeline([full], caches, torch.tensor([7]), n + 1, seq="s"))
+
+
+def test_a_decode_row_does_not_depend_on_its_batch(full, prompt_ids):
+    """Bit for bit: a sequence's decode step gives the same logits alone and among 1 to 12 others."""
+    def logits_of_a(others: int) -> torch.Tensor:
+        cache = PagedCache(full, num_blocks=128)
+        seqs = [("a", prompt_ids)] + [(f"o{i}", prompt_ids[i % 5:]) for i in range(others)]
+        for sid, ids in seqs:
+            cache.forward(full.embed(ids), [(sid, 0, ids.tolist())], {sid: len(ids)})
+        toks = [42] + [7 + i for i in range(others)]
+        h = cache.forward(full.embed(torch.tensor(toks)), [(sid, len(ids), [t]) for (sid, ids), t in zip(seqs, toks)])
+        return full.logits(h)[0]
+
+    alone = logits_of_a(0)
+    for n in (1, 3, 4, 7, 12):
+        assert torch.equal(logits_of_a(n), alone), f"decode row of 'a' changed among {n} others"
+
+
+def test_prompt_rows_do_not_depend_on_decode_rows_beside_them(full, prompt_ids):
+    """A prompt chunk computed in the same step as other sequences' decode rows gives the same
+    hidden states as computed alone (prompt and decode rows each keep their own kernel)."""
+    alone = PagedCache(full)
+    ref = alone.forward(full.embed(prompt_ids), [("a", 0, prompt_ids.tolist())], {"a": len(prompt_ids)})
+    mixed = PagedCache(full)
+    mixed.forward(full.embed(prompt_ids[:6]), [("b", 0, prompt_ids[:6].tolist())], {"b": 6})
+    h = mixed.forward(full.embed(torch.cat([torch.tensor([9]), prompt_ids])),
+                      [("b", 6, [9]), ("a", 0, prompt_ids.tolist())], {"a": len(prompt_ids), "b": 6})
+    assert torch.equal(h[1:], ref)
+
+
+def test_scattered_blocks_equal_consecutive_ones(full, prompt_ids):
+    """A sequence whose blocks are not consecutive (gathered by slot) computes what a sequence
+    read as one strided view computes."""
+    straight = caches_for([full])
+    ref = run_pipeline([full], straight, prompt_ids, 0)
+    scattered = PagedCache(full, num_blocks=64, block_size=4)
+    scattered.kv.open("x", 4)  # x and s grow one block each in turn: their blocks interleave
+    pos = 0
+    outs = []
+    for start in range(0, len(prompt_ids), 4):
+        chunk = prompt_ids[start: start + 4]
+        scattered.forward(full.embed(chunk), [("x", pos, chunk.tolist())])
+        outs.append(full.logits(scattered.forward(full.embed(chunk), [("s", pos, chunk.tolist())])))
+        pos += len(chunk)
+    blocks = scattered.kv.tables["s"].blocks
+    assert any(b - a != 1 for a, b in zip(blocks, blocks[1:])), blocks
+    assert_close(torch.cat(outs), ref)
 
 
 def test_load_reads_only_its_range(model_dir, monkeypatch):
     read = []
-    real_open = shard_mod.safe_open
+    real_open = weights_mod.safe_open
 
     class Recording:
         def __init__(self, *args, **kwargs):
@@ -158,11 +213,11 @@ def test_load_reads_only_its_range(model_dir, monkeypatch):
             read.append(name)
             return self.f.get_tensor(name)
 
-    monkeypatch.setattr(shard_mod, "safe_open", Recording)
+    monkeypatch.setattr(weights_mod, "safe_open", Recording)
     middle = Shard.load(model_dir, 10, 13, first=False, last=False)
     assert read and all(any(f"layers.{i}." in n for i in (10, 11, 12)) for n in read)
     assert {n.split(".")[2] for n in read} == {"10", "11", "12"}
-    assert middle.embed_tokens is None and middle.lm_head_t is None
+    assert middle.embed_tokens is None and middle.lm_head is None
     read.clear()
     tail = Shard.load(model_dir, 29, 30, first=False, last=True)
     assert set(read) - {n for n in read if "layers.29." in n} == {"model.embed_tokens.weight", "model.norm.weight"}
@@ -177,17 +232,17 @@ def test_bad_ranges_raise(model_dir, start, end):
 
 def test_bad_forward_calls_raise(split3):
     s = split3[1]
-    cache = s.new_cache(8)
+    cache = PagedCache(s)
     h = torch.zeros(3, s.config.hidden_size)
-    with pytest.raises(ValueError, match="past the cached length"):
-        s.forward(h, [SeqSlice(cache, 1, 3)])
-    with pytest.raises(ValueError, match="capacity"):
-        s.forward(torch.zeros(9, s.config.hidden_size), [SeqSlice(cache, 0, 9)])
+    cache.kv.open("a", 8)
+    slots = torch.tensor(cache.kv.prepare_write("a", 0, 3).slots)
+    blocks = cache.kv.read_span("a", 3)
     with pytest.raises(ValueError, match="rows"):
-        s.forward(h, [SeqSlice(cache, 0, 2)])
+        s.forward(h, StepKV(cache.pool, slots[:2], (seq_slice(0, 2, blocks, 16),)))
     with pytest.raises(ValueError, match="layers"):
-        s.forward(h, [SeqSlice(SessionKV(5, 3, 8, 64), 0, 3)])
-    assert cache.length == 0
+        s.forward(h, StepKV(KVPool(5, 3, 64, 4, 16), slots, (seq_slice(0, 3, blocks, 16),)))
+    with pytest.raises(ValueError, match="at least one sequence"):
+        s.forward(h, StepKV(cache.pool, slots, ()))
     with pytest.raises(RuntimeError):
         s.embed(torch.tensor([1]))
     with pytest.raises(RuntimeError):
@@ -197,9 +252,9 @@ def test_bad_forward_calls_raise(split3):
 
 
 def test_kv_sizes(full):
-    cache = full.new_cache(100)
-    assert cache.k.shape == (30, 3, 100, 64)
-    assert cache.nbytes == 100 * kv_bytes_per_token(full.config, 30, torch.float32)
+    pool = full.new_pool(10, 16)
+    assert pool.k.shape == (30, 3, 160, 64)
+    assert pool.block_bytes == 16 * kv_bytes_per_token(full.config, 30, torch.float32)
 
 
 # ----------------------------------------------------------------------------- tiny random Llamas
@@ -248,5 +303,5 @@ def test_tiny_llama_bfloat16_matches_hf(tmp_path):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
     shard = Shard.load(tmp_path, 0, 4, first=True, last=True, dtype=torch.bfloat16)
-    assert shard.new_cache(8).k.dtype == torch.bfloat16
-    assert_close(run_pipeline([shard], [shard.new_cache(32)], ids, 0), ref, rtol=2e-2)
+    assert shard.new_pool(2, 16).k.dtype == torch.bfloat16
+    assert_close(run_pipeline([shard], caches_for([shard]), ids, 0), ref, rtol=2e-2)

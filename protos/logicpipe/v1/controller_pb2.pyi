@@ -90,7 +90,7 @@ class NodeStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ...) -> None: ...
 
 class ControllerStatusReply(_message.Message):
-    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json")
+    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,10 @@ class ControllerStatusReply(_message.Message):
     COMPLETED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     plan_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
@@ -107,7 +111,11 @@ class ControllerStatusReply(_message.Message):
     completed_requests: int
     state: str
     plan_json: str
-    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ...) -> None: ...
+    queued_requests: int
+    preemptions: int
+    plan_generation: int
+    micro_batches: int
+    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("strategy", "objective", "boundaries")

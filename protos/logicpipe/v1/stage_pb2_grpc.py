@@ -83,14 +83,16 @@ class StageNodeServicer(object):
 
     def Assign(self, request, context):
         """Load the weights of a layer range and wire this stage to its neighbours. Idempotent for the
-        same assignment; a new assignment drops every open session.
+        same assignment; a new assignment loads fully before it replaces the old one, then drops
+        every open session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OpenSession(self, request, context):
-        """Reserve KV for a sequence on this stage (every stage of the pipeline gets the same call).
+        """Admit a sequence on this stage (every stage of the pipeline gets the same call): its prompt's
+        KV blocks are taken now (those the prefix cache or a parent already holds are shared).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,16 +105,17 @@ class StageNodeServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Stream(self, request_iterator, context):
-        """Long-lived activation stream. Stage i writes StepBatches to stage i+1; the last stage writes
-        new tokens to stage 0; the controller writes prompts to stage 0. The reply direction carries
-        per-sequence rejections back to the writer.
+        """Long-lived activation stream. Into stage 0, StepBatches are input feeds (a prompt from the
+        controller, new tokens from the last stage) that stage 0 schedules into steps; stage i writes
+        the computed steps to stage i+1. The reply direction carries per-sequence rejections back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Events(self, request, context):
-        """Tokens (from the last stage) and per-session errors (from any stage), for the controller.
+        """Tokens (from the last stage) and per-session errors (from any stage) of the sessions the
+        subscriber's owner opened. An owner's sessions live while it listens (see OpenSessionRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,273 @@
+"""Stage-engine figures: concurrency, llama.cpp as a peer, prefix reuse, KV admission.
+
+Every scenario talks to real processes on 127.0.0.1 through the Controller's Submit only, so the
+same script measures any version of the mesh. Scenarios (all by default):
+
+  concurrency  C concurrent requests / 1 stream, aggregate new tokens per second (new tokens of
+               all requests / wall time from the first submit to the last token), S-stage mesh,
+               interleaved round by round, medians.
+  llamacpp     llama.cpp (llama-cpp-python, optional: `pip install llama-cpp-python`) single stream
+               on the same GGUF the default model comes from, same thread count, same token count;
+               the ratio printed is the mesh's C-concurrent aggregate / llama.cpp's one stream.
+  prefix       two requests sharing a ~500-token system prompt (a fresh one every round): time to
+               first token of the second / of the first.
+  admission    N requests of P-token prompts (max_tokens M each) submitted at once to a 2-stage mesh
+               with --max-kv-mib K: the most sequences running at once (stage 0's open sessions,
+               sampled every 20 ms), how many completed and how many failed; with distinct prompts
+               and with prompts sharing their first `--shared` tokens.
+
+    python bench/engine_bench.py --stages 3 --concurrency 8 --tokens 64 --rounds 5 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "protos"))
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from logicpipe import grpc_options  # noqa: E402
+from logicpipe.localmesh import LocalMesh  # noqa: E402
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works.",
+    "List ten fruits and say one thing about each.",
+    "What are the main causes of the French Revolution? Answer in detail.",
+    "Describe your ideal weekend.",
+    "Write a poem about autumn leaves falling in a quiet park at dusk.",
+    "How do airplanes stay in the air?",
+    "Give me a recipe for pancakes with step by step instructions.",
+    "Why is the sky blue?",
+    "Summarize the plot of a detective novel you invent.",
+]
+FILLER = ("The committee met on a grey morning to review the harbour plans, the budget for the new "
+          "school, the state of the northern road, and the proposal to plant trees along the river. ")
+
+
+def submit(address: str, *, prompt: str = "", ids: list[int] | None = None, tokens: int,
+           ignore_eos: bool = True) -> dict:
+    """One request to its end: {"ids", "first_token_s", "total_s", "error"}."""
+    req = controller_pb2.SubmitRequest(prompt=prompt, prompt_token_ids=ids or [], max_tokens=tokens,
+                                       ignore_eos=ignore_eos)
+    out = {"ids": [], "first_token_s": None, "total_s": None, "error": ""}
+    t0 = time.perf_counter()
+    with grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS) as ch:
+        try:
+            for reply in controller_pb2_grpc.ControllerStub(ch).Submit(req, timeout=1800):
+                if reply.token_ids and out["first_token_s"] is None:
+                    out["first_token_s"] = time.perf_counter() - t0
+                out["ids"].extend(reply.token_ids)
+        except grpc.RpcError as exc:
+            out["error"] = f"{exc.code().name}: {exc.details()}"
+    out["total_s"] = time.perf_counter() - t0
+    return out
+
+
+def concurrent(address: str, prompts: list[str], tokens: int) -> tuple[float, list[dict]]:
+    """(wall seconds, results) of len(prompts) requests submitted at once."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: submit(address, prompt=p, tokens=tokens), prompts))
+    wall = time.perf_counter() - t0
+    bad = [r["error"] for r in results if r["error"] or len(r["ids"]) != tokens]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(prompts)} requests failed: {bad[:2]}")
+    return wall, results
+
+
+def stage_open_sessions(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=5).open_sessions
+
+
+class PeakSampler:
+    """The largest value of `probe()` seen, sampled every `period` seconds in a thread."""
+
+    def __init__(self, probe, period: float = 0.02):
+        self.probe, self.period, self.peak = probe, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.probe())
+            except grpc.RpcError:
+                pass
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+def scenario_concurrency(args, model_dir, work) -> dict:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.concurrency)]
+    with LocalMesh(args.stages, model_dir, work / "conc", threads=args.threads, device=args.device,
+                   controller_args=tuple(args.controller_arg)) as mesh:
+        addr = mesh.controller_address
+        submit(addr, prompt=PROMPTS[0], tokens=8)  # warm-up
+        concurrent(addr, prompts, 8)
+        one, many = [], []
+        for r in range(args.rounds):
+            res = submit(addr, prompt=PROMPTS[0], tokens=args.tokens)
+            if res["error"]:
+                raise RuntimeError(res["error"])
+            one.append(args.tokens / res["total_s"])
+            wall, _ = concurrent(addr, prompts, args.tokens)
+            many.append(args.concurrency * args.tokens / wall)
+            print(f"round {r + 1}/{args.rounds}: 1 stream {one[-1]:.1f} tok/s, {args.concurrency} concurrent "
+                  f"{many[-1]:.1f} tok/s aggregate", file=sys.stderr)
+    ratios = [m / o for m, o in zip(many, one)]
+    return {"stages": args.stages, "concurrency": args.concurrency, "one_stream_tps": statistics.median(one),
+            "concurrent_tps": statistics.median(many), "ratio": statistics.median(ratios), "raw": [one, many]}
+
+
+def scenario_llamacpp(args, model_dir, work) -> dict:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    from controller.model_prep import find_default_gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], tokenize=False,
+                                   add_generation_prompt=True)
+    llm = Llama(model_path=str(find_default_gguf()), n_threads=args.threads, n_ctx=1024, verbose=False)
+    ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+    rates = []
+    for _ in range(args.rounds + 1):
+        llm.reset()
+        t0 = time.perf_counter()
+        n = 0
+        for _tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            n += 1
+            if n == args.tokens:
+                break
+        rates.append(args.tokens / (time.perf_counter() - t0))
+    rates = rates[1:]  # the first run warms up
+    print(f"llama.cpp: {statistics.median(rates):.1f} tok/s", file=sys.stderr)
+    return {"gguf": find_default_gguf().name, "tps": statistics.median(rates), "raw": rates}
+
+
+def scenario_prefix(args, model_dir, work) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def ids_for(system: str, question: str) -> list[int]:
+        text = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                                       tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    filler_ids = tok(FILLER * 40, add_special_tokens=False)["input_ids"]
+    ratios, firsts, seconds, lengths = [], [], [], []
+    with LocalMesh(args.stages, model_dir, work / "prefix", threads=args.threads, device=args.device,
+                   controller_args=tuple(args.controller_arg)) as mesh:
+        addr = mesh.controller_address
+        submit(addr, prompt=PROMPTS[0], tokens=4)  # warm-up
+        for r in range(args.rounds):
+            system = f"Session {r} of the harbour committee. " + tok.decode(filler_ids[r: r + args.system_tokens])
+            a = submit(addr, ids=ids_for(system, "What did the committee review?"), tokens=4)
+            b = submit(addr, ids=ids_for(system, "Where should the trees be planted?"), tokens=4)
+            if a["error"] or b["error"]:
+                raise RuntimeError(a["error"] or b["error"])
+            lengths.append(len(ids_for(system, "What did the committee review?")))
+            firsts.append(a["first_token_s"])
+            seconds.append(b["first_token_s"])
+            ratios.append(b["first_token_s"] / a["first_token_s"])
+            print(f"round {r + 1}/{args.rounds}: first {a['first_token_s'] * 1000:.0f} ms, second "
+                  f"{b['first_token_s'] * 1000:.0f} ms", file=sys.stderr)
+    return {"prompt_tokens": statistics.median(lengths), "first_ttft_s": statistics.median(firsts),
+            "second_ttft_s": statistics.median(seconds), "ratio": statistics.median(ratios)}
+
+
+def scenario_admission(args, model_dir, work) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pool = tok(FILLER * 200, add_special_tokens=False)["input_ids"]
+    out = {}
+    for variant, shared in (("distinct", 0), ("shared", args.shared)):
+        prompts = []
+        for i in range(args.requests):
+            own = pool[(i * 37) % 1000: (i * 37) % 1000 + args.prompt_tokens]
+            # a per-request token right after the shared part makes every prompt distinct from there on
+            prompts.append((pool[:shared] + [tok.convert_tokens_to_ids(str(i % 10))] + own)[: args.prompt_tokens])
+        with LocalMesh(2, model_dir, work / f"adm-{variant}", threads=1, device=args.device,
+                       stage_args=("--max-kv-mib", str(args.kv_mib)), controller_args=tuple(args.controller_arg)) as mesh:
+            addr = mesh.controller_address
+            with PeakSampler(lambda: stage_open_sessions(mesh.stage_addresses[0])) as peak:
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(len(prompts)) as ex:
+                    results = list(ex.map(lambda p: submit(addr, ids=p, tokens=args.admit_tokens), prompts))
+                wall = time.perf_counter() - t0
+        done = sum(1 for r in results if not r["error"] and len(r["ids"]) == args.admit_tokens)
+        errors = sorted({r["error"].split(":")[0] for r in results if r["error"]})
+        out[variant] = {"requests": len(prompts), "peak_running": peak.peak, "completed": done,
+                        "failed": len(prompts) - done, "errors": errors, "wall_s": wall}
+        print(f"admission ({variant}): peak {peak.peak} running, {done}/{len(prompts)} completed, "
+              f"errors {errors}", file=sys.stderr)
+    return out
+
+
+SCENARIOS = {"concurrency": scenario_concurrency, "llamacpp": scenario_llamacpp, "prefix": scenario_prefix,
+             "admission": scenario_admission}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per stage (and llama.cpp)")
+    ap.add_argument("--system-tokens", type=int, default=480, help="prefix: filler tokens in the system prompt")
+    ap.add_argument("--requests", type=int, default=128, help="admission: requests submitted at once")
+    ap.add_argument("--prompt-tokens", type=int, default=200, help="admission: prompt length")
+    ap.add_argument("--admit-tokens", type=int, default=16, help="admission: max_tokens of each request")
+    ap.add_argument("--shared", type=int, default=160, help="admission: tokens every prompt shares (2nd variant)")
+    ap.add_argument("--kv-mib", type=int, default=256, help="admission: --max-kv-mib of each stage")
+    ap.add_argument("--controller-arg", action="append", default=[], help="extra controller flag (repeatable)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    from controller.model_prep import prepare_default_model
+
+    model_dir = Path(args.model) if args.model else prepare_default_model()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.scenarios.split(","):
+            results[name] = SCENARIOS[name](args, model_dir, Path(tmp))
+    if "concurrency" in results and results.get("llamacpp", {}).get("tps"):
+        results["mesh_concurrent_over_llamacpp"] = results["concurrency"]["concurrent_tps"] / results["llamacpp"]["tps"]
+    print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "raw"} if isinstance(v, dict) else v)
+                      for k, v in results.items()}, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""A mesh of real processes on this machine: stage nodes and a controller on 127.0.0.1, started
+through their command lines (the stable contract) and always stopped.
+
+Used by the mesh tests, the benchmarks and anyone who wants a throw-away mesh on one box:
+
+    with LocalMesh(2, model_dir, workdir) as mesh:
+        mesh.controller_address  # submit here
+
+On exit (also after a failure) every process it started gets SIGTERM, then SIGKILL after a grace
+period, by process group. Processes run as users run them: no environment tweaks beyond
+unbuffered output (in particular no OMP_WAIT_POLICY, which doubles a CPU step).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READY_TIMEOUT_S = 120.0  # a process must report SERVING within this (model loading included)
+STOP_GRACE_S = 10.0      # SIGTERM, then SIGKILL after this
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = READY_TIMEOUT_S) -> None:
+    """Until grpc.health.v1 at `address` says SERVING; raises with the log's tail if the process dies."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not serving after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+class LocalMesh:
+    """`n_stages` stage processes and a controller over them, on 127.0.0.1."""
+
+    def __init__(self, n_stages: int, model_dir: Path | str, workdir: Path | str, *, threads: int = 1,
+                 device: str = "cpu", controller_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
+        self.n_stages = n_stages
+        self.model_dir = Path(model_dir)
+        self.workdir = Path(workdir)
+        self.threads = threads                  # torch threads per stage process
+        self.device = device                    # "cpu" | "cuda"
+        self.controller_args = tuple(controller_args)  # extra logicpipe-controller flags
+        self.stage_args = tuple(stage_args)     # extra logicpipe-stage flags, every stage
+        self.env = dict(env or {})              # extra environment of every process
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stage_addresses: list[str] = []
+        self.controller_address = ""
+
+    # ---- processes --------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        self.procs[name] = proc
+        return proc, log
+
+    def start_stage(self, i: int, address: str | None = None, *extra: str) -> str:
+        """Start stage process `stage{i}` (on `address`, else a free port) and wait until it serves."""
+        addr = address or f"127.0.0.1:{free_port()}"
+        proc, log = self._spawn(f"stage{i}", ["-m", "stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
+                                              "--device", self.device, "--threads", str(self.threads),
+                                              *self.stage_args, *extra])
+        wait_serving(addr, proc, log)
+        return addr
+
+    def start_controller(self, *extra: str) -> str:
+        self.controller_address = self.controller_address or f"127.0.0.1:{free_port()}"
+        proc, log = self._spawn("controller", [
+            "-m", "controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
+            "--nodes", ",".join(self.stage_addresses), *self.controller_args, *extra])
+        wait_serving(self.controller_address, proc, log)
+        return self.controller_address
+
+    def __enter__(self) -> "LocalMesh":
+        try:
+            self.stage_addresses = [self.start_stage(i) for i in range(self.n_stages)]
+            self.start_controller()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` to process `name`'s group (SIGSTOP / SIGCONT / SIGTERM for fault tests)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[name].pid, sig)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL process `name` and reap it."""
+        self.signal(name, signal.SIGKILL)
+        self.procs[name].wait(STOP_GRACE_S)
+
+    def stop(self) -> None:
+        """Stop every process: SIGCONT (a stopped one cannot die of SIGTERM), SIGTERM, then SIGKILL."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for proc in live:
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in live:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(STOP_GRACE_S)
+
+    def logs(self, tail: int = 2000) -> str:
+        """The last `tail` characters of every process's log, for a failing test's message."""
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-tail:]}" for p in sorted(self.workdir.glob("*.log")))

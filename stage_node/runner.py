@@ -1,0 +1,156 @@
+"""The runner: every torch operation of a stage process, on one long-lived thread.
+
+Two OpenMP thread teams (one per Python thread that ever runs torch) on the same cores slow each
+other for good, so loading, profiling, the forward and sampling all go through `Runner.call`, and
+the event loop never touches a tensor: it keeps receiving and sending while a step computes.
+
+`execute` runs one planned step: copies (copy on write), embedding or the received hidden states,
+the forward over the paged KV, then sampling / candidate verification (last stage) or the hidden
+states for the next stage. A sequence whose input is not finite fails alone; a forward that fails
+for the batch is retried one sequence at a time, so one bad sequence never fails the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from logicpipe import tensor_codec
+from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe.tensor_codec import RawTensor
+from stage_node.kv import KVPool, StepKV, seq_slice
+from stage_node.sampling import sample, verify_greedy
+from stage_node.scheduler import PlannedSeq, Step
+from stage_node.shard import Shard
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    """A single worker thread that owns torch for the whole process."""
+
+    def __init__(self, threads: int = 0):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-runner")
+        self.thread_id: int | None = None
+        self._pool.submit(self._init, threads).result()
+
+    def _init(self, threads: int) -> None:
+        self.thread_id = threading.get_ident()
+        if threads:
+            torch.set_num_threads(threads)  # the calling thread's OpenMP team: this one
+
+    async def call(self, fn, *args, **kwargs):
+        """Run fn(*args, **kwargs) on the runner thread; awaitable from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class StepResult:
+    hidden: RawTensor | None = None                          # later stage's input: rows of `ok`, in order
+    ok: list[str] = field(default_factory=list)              # sequences computed, in step order
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # last stage: new tokens per sampled sequence
+    failed: dict[str, MeshError] = field(default_factory=dict)
+
+
+def execute(shard: Shard, pool: KVPool, step: Step) -> StepResult:
+    """Compute one step (on the runner thread)."""
+    with torch.inference_mode():
+        pool.copy_blocks([c for p in step.seqs for c in p.plan.copies])
+        result = StepResult()
+        rows = _input_rows(shard, step, result)  # sequence id -> its input rows
+        seqs = [p for p in step.seqs if p.seq.id in rows]
+        if not seqs:
+            return result
+        try:
+            outs = _forward(shard, pool, seqs, rows)
+        except Exception as exc:  # noqa: BLE001 — find the sequence at fault; the others go on
+            log.warning("a step of %d sequences failed (%s); retrying them one by one", len(seqs), exc)
+            outs = {}
+            for p in seqs:
+                try:
+                    outs.update(_forward(shard, pool, [p], rows))
+                except Exception as one:  # noqa: BLE001
+                    log.exception("session %s failed its step", p.seq.id)
+                    result.failed[p.seq.id] = MeshError(f"step failed for session {p.seq.id}: {one}")
+        seqs = [p for p in seqs if p.seq.id in outs]
+        result.ok = [p.seq.id for p in seqs]
+        if shard.last:
+            _sample(shard, seqs, outs, result)
+        elif seqs:
+            result.hidden = tensor_codec.from_tensor(torch.cat([outs[p.seq.id] for p in seqs]))
+        return result
+
+
+def _input_rows(shard: Shard, step: Step, result: StepResult) -> dict[str, torch.Tensor]:
+    """Each sequence's input rows: embedded tokens (stage 0) or its rows of the received hidden
+    states, which must be finite. rows: [num_tokens, hidden]"""
+    if shard.first:
+        ids = torch.tensor([t for p in step.seqs for t in p.work.token_ids], dtype=torch.long, device=shard.device)
+        hidden = shard.embed(ids)
+        out, row = {}, 0
+        for p in step.seqs:
+            out[p.seq.id] = hidden[row: row + p.work.num_tokens]
+            row += p.work.num_tokens
+        return out
+    parts = [tensor_codec.to_tensor(raw).to(shard.device, shard.dtype) for raw in step.parts]
+    out = {}
+    for p in step.seqs:
+        x = parts[p.part][p.row: p.row + p.work.num_tokens]
+        if not bool(torch.isfinite(x).all()):
+            result.failed[p.seq.id] = InvalidArgument(
+                f"session {p.seq.id}: its hidden states hold NaN or infinite values (the previous stage's "
+                "arithmetic overflowed, or a client sent garbage)")
+            continue
+        out[p.seq.id] = x
+    return out
+
+
+def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The forward of `seqs` packed together -> each one's output rows."""
+    x = rows[seqs[0].seq.id] if len(seqs) == 1 else torch.cat([rows[p.seq.id] for p in seqs])
+    slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long, device=shard.device)
+    kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos, p.work.num_tokens, p.read_blocks, pool.block_size,
+                                             shard.device, decode_from(p)) for p in seqs))
+    out = shard.forward(x, kv)
+    res, row = {}, 0
+    for p in seqs:
+        res[p.seq.id] = out[row: row + p.work.num_tokens]
+        row += p.work.num_tokens
+    return res
+
+
+def decode_from(p: PlannedSeq) -> int:
+    """The first position of `p`'s sequence whose row is a decode row: after its prompt (a replay's
+    generated tokens are decode rows again, computed as they were the first time). A session
+    opened without its prompt: a step of more than one token (and its candidates) is prompt."""
+    spec, w = p.seq.spec, p.work
+    if spec.prompt:
+        return len(spec.prompt) - spec.generated
+    return w.stop if w.num_tokens - w.num_candidates > 1 else w.start_pos
+
+
+def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor], result: StepResult) -> None:
+    """Last stage: a token per sampled sequence, or its accepted candidates and the next token."""
+    plain = [p for p in seqs if p.work.sample and not p.work.num_candidates]
+    if plain:
+        logits = shard.logits(torch.cat([outs[p.seq.id][-1:] for p in plain]))  # [len(plain), vocab]
+        tokens = sample(logits, [p.seq.spec.sampling for p in plain], [p.draw for p in plain])
+        for p, t in zip(plain, tokens):
+            result.tokens[p.seq.id] = [t]
+    for p in seqs:
+        k = p.work.num_candidates
+        if not (p.work.sample and k):
+            continue
+        logits = shard.logits(outs[p.seq.id][-k - 1:])  # [k + 1, vocab]: the row before each candidate, and the last
+        if p.seq.spec.sampling.greedy:
+            result.tokens[p.seq.id] = verify_greedy(logits, p.work.token_ids[-k:])
+        else:  # no draft distribution to correct against yet: accept none, sample from the first row
+            result.tokens[p.seq.id] = sample(logits[:1], [p.seq.spec.sampling], [p.draw])

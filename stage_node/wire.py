@@ -1,0 +1,146 @@
+"""The wire adapter of a stage: the only code that reads or builds protobuf (for `service.py` and
+the runtime's links and events). Reading validates: a message that can never work raises
+InvalidArgument with a message that says what is wrong; nothing here touches torch."""
+from __future__ import annotations
+
+from logicpipe import tensor_codec
+from logicpipe.errors import InvalidArgument, MeshError, code_number
+from logicpipe.tensor_codec import RawTensor
+from logicpipe.v1 import stage_pb2
+from stage_node.sampling import SamplingParams
+from stage_node.scheduler import StepMsg
+from stage_node.sequence import SeqSpec, SeqWork
+
+MAX_ID_CHARS = 256          # session ids, owners
+MAX_STOP_IDS = 1024         # stop token ids of one session
+MAX_STEP_ROWS = 16384       # token rows in one step or feed message
+MAX_CANDIDATES = 64         # candidate tokens per sequence per step
+
+
+def check_id(what: str, value: str, *, empty_ok: bool = False) -> str:
+    if not value and not empty_ok:
+        raise InvalidArgument(f"{what} is empty")
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidArgument(f"{what} is {len(value)} characters, over the {MAX_ID_CHARS}-character cap")
+    return value
+
+
+def sampling_from_proto(p: stage_pb2.SamplingParams) -> SamplingParams:
+    params = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
+                            seed=p.seed if p.HasField("seed") else None)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+    return params
+
+
+def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int) -> SeqSpec:
+    """OpenSession -> SeqSpec, checked against the model's context and vocabulary."""
+    check_id("session_id", req.session_id)
+    check_id("owner", req.owner, empty_ok=True)
+    if not 1 <= req.capacity <= context:
+        raise InvalidArgument(f"capacity {req.capacity} tokens is outside [1, {context}] (the model's context)")
+    if len(req.stop_token_ids) > MAX_STOP_IDS:
+        raise InvalidArgument(f"{len(req.stop_token_ids)} stop token ids, over the cap of {MAX_STOP_IDS}")
+    prompt = tuple(req.prompt_token_ids)
+    if len(prompt) > req.capacity:
+        raise InvalidArgument(f"{len(prompt)} prompt tokens exceed the session's capacity of {req.capacity}")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if req.parent_session_id:
+        check_id("parent_session_id", req.parent_session_id)
+        if req.parent_length > len(prompt):
+            raise InvalidArgument(f"parent_length {req.parent_length} is past the {len(prompt)} prompt tokens "
+                                  "(a fork's prompt is its whole input from position 0)")
+    return SeqSpec(session_id=req.session_id, capacity=req.capacity, sampling=sampling_from_proto(req.sampling),
+                   max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
+                   owner=req.owner, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
+                   parent_length=req.parent_length, index=req.sequence)
+
+
+def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:
+    """The sequences of a step or feed message, checked for shape (not against any state)."""
+    if not batch.seqs:
+        raise InvalidArgument("step has no sequences")
+    rows = sum(s.num_tokens for s in batch.seqs)
+    if rows > MAX_STEP_ROWS:
+        raise InvalidArgument(f"step of {rows} token rows is over the {MAX_STEP_ROWS}-row cap; send smaller chunks")
+    seen: set[str] = set()
+    works = []
+    for s in batch.seqs:
+        check_id("session_id", s.session_id)
+        if s.session_id in seen:
+            raise InvalidArgument(f"session {s.session_id} appears twice in one step; send its next slice "
+                                  "in a later step")
+        seen.add(s.session_id)
+        if s.num_tokens < 1:
+            raise InvalidArgument(f"session {s.session_id}: num_tokens must be >= 1")
+        if len(s.token_ids) != s.num_tokens:
+            raise InvalidArgument(f"session {s.session_id}: {len(s.token_ids)} token ids for num_tokens={s.num_tokens}")
+        bad = next((t for t in s.token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"session {s.session_id}: token id {bad} outside the vocabulary [0, {vocab_size})")
+        if s.num_candidates > min(MAX_CANDIDATES, s.num_tokens - 1):
+            raise InvalidArgument(f"session {s.session_id}: {s.num_candidates} candidates in {s.num_tokens} tokens "
+                                  f"(at most {MAX_CANDIDATES}, and one token before them)")
+        works.append(SeqWork(s.session_id, s.start_pos, tuple(s.token_ids), sample=not s.prefill_only,
+                             num_candidates=s.num_candidates))
+    return works
+
+
+def step_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int, hidden_size: int, stage_index: int) -> StepMsg:
+    """A computed step from the previous stage: its sequences and hidden states [rows, hidden_size]."""
+    works = works_from_proto(batch, vocab_size=vocab_size)
+    rows = sum(w.num_tokens for w in works)
+    if not batch.HasField("hidden"):
+        raise InvalidArgument(f"stage {stage_index} needs hidden states, the step has none")
+    try:
+        hidden = tensor_codec.check(batch.hidden, rank=2, dtypes=tensor_codec.FLOAT_DTYPES)
+    except tensor_codec.TensorError as exc:
+        raise InvalidArgument(f"hidden states: {exc}") from exc
+    if hidden.shape != (rows, hidden_size):
+        raise InvalidArgument(f"hidden states of shape {list(hidden.shape)}, expected [{rows}, {hidden_size}]")
+    return StepMsg(tuple(works), hidden)
+
+
+def seq_step(w: SeqWork) -> stage_pb2.SeqStep:
+    return stage_pb2.SeqStep(session_id=w.session_id, start_pos=w.start_pos, num_tokens=w.num_tokens,
+                             token_ids=w.token_ids, prefill_only=not w.sample, num_candidates=w.num_candidates)
+
+
+def step_batch(works: list[SeqWork], generation: int, hidden: RawTensor | None = None) -> stage_pb2.StepBatch:
+    msg = stage_pb2.StepBatch(seqs=[seq_step(w) for w in works], generation=generation)
+    if hidden is not None:
+        msg.hidden.CopyFrom(tensor_codec.raw_to_proto(hidden))
+    return msg
+
+
+def keep_rows(raw: RawTensor, rows: list[tuple[int, int]]) -> RawTensor:
+    """Rows [a, b) of each range of a [rows, width] tensor, concatenated (bytes only)."""
+    row_bytes = raw.nbytes // raw.shape[0] if raw.shape[0] else 0
+    data = b"".join(raw.data[a * row_bytes: b * row_bytes] for a, b in rows)
+    return RawTensor(raw.dtype, (sum(b - a for a, b in rows), raw.shape[1]), data)
+
+
+def token_event(session_id: str, tokens: list[int], index: int, reason: str, candidates: int) -> stage_pb2.Event:
+    return stage_pb2.Event(session_id=session_id, token=stage_pb2.TokenEvent(
+        token_ids=tokens, index=index, finished=bool(reason), finish_reason=reason, candidates=candidates))
+
+
+def error_event(session_id: str, err: MeshError, node_id: str) -> stage_pb2.Event:
+    return stage_pb2.Event(session_id=session_id, error=stage_pb2.SessionError(
+        code=code_number(err.code), message=str(err), node_id=node_id))
+
+
+def stream_reply(session_id: str, err: MeshError) -> stage_pb2.StreamReply:
+    return stage_pb2.StreamReply(session_id=session_id, code=code_number(err.code), message=str(err))
+
+
+def profile_to_proto(profile) -> stage_pb2.DeviceProfile:
+    if profile is None:
+        return stage_pb2.DeviceProfile()
+    return stage_pb2.DeviceProfile(
+        device_kind=profile.device_kind, device_name=profile.device_name, memory_bytes=profile.memory_bytes,
+        flops=profile.flops, mem_bandwidth=profile.mem_bandwidth, weight_formats=list(profile.weight_formats))

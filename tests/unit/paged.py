@@ -1,0 +1,44 @@
+"""Test helper: run sequences through a Shard's forward over a real paged KV (KVManager + KVPool),
+as the runner does, without the rest of a stage."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from stage_node.blocks import KVManager
+from stage_node.kv import StepKV, seq_slice
+from stage_node.shard import Shard
+
+
+class PagedCache:
+    """One shard's KV for any number of sequences (opened on first use)."""
+
+    def __init__(self, shard: Shard, num_blocks: int = 64, block_size: int = 16):
+        self.shard = shard
+        self.kv = KVManager(num_blocks, block_size)
+        self.pool = shard.new_pool(num_blocks, block_size)
+
+    def forward(self, hidden: torch.Tensor, seqs: Sequence[tuple[str, int, Sequence[int]]],
+                decode_from: dict[str, int] | None = None) -> torch.Tensor:
+        """seqs: (sequence id, start position, token ids of its rows), packed in this order;
+        decode_from: where each sequence's decode rows begin (default 0: every row is one)."""
+        decode_from = decode_from or {}
+        plans = []
+        for sid, start, toks in seqs:
+            if sid not in self.kv.tables:
+                self.kv.open(sid, start + len(toks))
+            plans.append(self.kv.prepare_write(sid, start, len(toks)))
+        self.pool.copy_blocks([c for p in plans for c in p.copies])
+        slots = torch.tensor([s for p in plans for s in p.slots], dtype=torch.long)
+        bs = self.kv.block_size
+        kv = StepKV(self.pool, slots, tuple(seq_slice(start, len(toks), self.kv.read_span(sid, start + len(toks)), bs,
+                                                      decode_from=decode_from.get(sid, 0))
+                                            for sid, start, toks in seqs))
+        out = self.shard.forward(hidden, kv)
+        for sid, start, toks in seqs:
+            self.kv.commit(sid, start, list(toks))
+        return out
+
+    def length(self, sid: str = "s") -> int:
+        return self.kv.tables[sid].length
