@@ -203,6 +203,28 @@ def test_a_request_larger_than_a_stage_pool_is_resource_exhausted_at_once(runner
     arun(runner, main())
 
 
+def test_a_preempted_request_is_replayed_to_the_same_tokens(runner, model_dir):
+    """Two requests whose sequences cannot both grow in the last stage's pool: it preempts the
+    younger, whose owner (the controller) replays it once there is room; both give exactly what
+    they give alone, and the stream of the preempted one never notices."""
+    block_bytes = 16 * 15 * 3 * 64 * 2 * 4  # 16 positions of the 15 layers a stage holds, fp32 K and V
+    prompts = ["Tell me about the history of bread, from the first farmers to modern bakeries.",
+               "Tell me about the history of maps, from clay tablets to satellites."]
+
+    async def main():
+        async with mesh_of_two(model_dir, "tight", max_kv_bytes=14 * block_bytes) as m:
+            alone = [[t for r in await submit(m.ctl, prompt=p, max_tokens=90, ignore_eos=True) for t in r.token_ids]
+                     for p in prompts]
+            before = (await m.last.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).preempted
+            together = await asyncio.gather(*(submit(m.ctl, prompt=p, max_tokens=90, ignore_eos=True) for p in prompts))
+            assert [[t for r in replies for t in r.token_ids] for replies in together] == alone
+            assert all([len(r.token_ids) for r in replies] == [1] * 90 for replies in together)
+            st = await m.last.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
+            assert st.preempted > before and m.ctl.app.scheduler.preemptions >= 1
+            await eventually_no_sessions(m.first, m.last)
+    arun(runner, main(), timeout=300)
+
+
 # ----------------------------------------------------------------------------- no pipeline
 
 def test_submit_without_a_pipeline_is_unavailable(runner, model_dir):
