@@ -11,10 +11,11 @@ same script measures any version of the mesh. Scenarios (all by default):
                the ratio printed is the mesh's C-concurrent aggregate / llama.cpp's one stream.
   prefix       two requests sharing a ~500-token system prompt (a fresh one every round): time to
                first token of the second / of the first.
-  admission    N requests of P-token prompts (max_tokens M each) submitted at once to a 2-stage mesh
-               with --max-kv-mib K: the most sequences running at once (stage 0's open sessions,
-               sampled every 20 ms), how many completed and how many failed; with distinct prompts
-               and with prompts sharing their first `--shared` tokens.
+  admission    N requests of 200 tokens submitted at once to a 2-stage mesh with --max-kv-mib K: the
+               most sequences open on both stages at once (sampled every 20 ms), how many completed,
+               how many failed; three kinds of request (ADMISSION_VARIANTS): 200-token prompts and
+               16 new tokens, the same with 160 prompt tokens shared by all (and seen once before
+               the burst, as a system prompt in use is), and 40-token prompts with 160 new tokens.
 
     python bench/engine_bench.py --stages 3 --concurrency 8 --tokens 64 --rounds 5 --threads 2
 """
@@ -201,29 +202,40 @@ def scenario_prefix(args, model_dir, work) -> dict:
             "second_ttft_s": statistics.median(seconds), "ratio": statistics.median(ratios)}
 
 
+ADMISSION_VARIANTS = {
+    # name: (prompt tokens, of them shared by every request, new tokens)
+    "distinct": (200, 0, 16),
+    "shared": (200, 160, 16),
+    "short-prompt": (40, 0, 160),
+}
+
+
 def scenario_admission(args, model_dir, work) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pool = tok(FILLER * 200, add_special_tokens=False)["input_ids"]
     out = {}
-    for variant, shared in (("distinct", 0), ("shared", args.shared)):
+    for variant, (length, shared, new) in ADMISSION_VARIANTS.items():
         prompts = []
         for i in range(args.requests):
-            own = pool[(i * 37) % 1000: (i * 37) % 1000 + args.prompt_tokens]
+            own = pool[(i * 37) % 1000: (i * 37) % 1000 + length]
             # a per-request token right after the shared part makes every prompt distinct from there on
-            prompts.append((pool[:shared] + [tok.convert_tokens_to_ids(str(i % 10))] + own)[: args.prompt_tokens])
+            prompts.append((pool[:shared] + tok(f" {i}", add_special_tokens=False)["input_ids"] + own)[:length])
         with LocalMesh(2, model_dir, work / f"adm-{variant}", threads=1, device=args.device,
                        stage_args=("--max-kv-mib", str(args.kv_mib)), controller_args=tuple(args.controller_arg)) as mesh:
             addr = mesh.controller_address
-            with PeakSampler(lambda: stage_open_sessions(mesh.stage_addresses[0])) as peak:
+            if shared:  # the shared part has been seen before (a system prompt in use)
+                submit(addr, ids=pool[:shared] + [pool[shared]], tokens=1)
+            with PeakSampler(lambda: min(stage_open_sessions(a) for a in mesh.stage_addresses)) as peak:
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(len(prompts)) as ex:
-                    results = list(ex.map(lambda p: submit(addr, ids=p, tokens=args.admit_tokens), prompts))
+                    results = list(ex.map(lambda p: submit(addr, ids=p, tokens=new), prompts))
                 wall = time.perf_counter() - t0
-        done = sum(1 for r in results if not r["error"] and len(r["ids"]) == args.admit_tokens)
+        done = sum(1 for r in results if not r["error"] and len(r["ids"]) == new)
         errors = sorted({r["error"].split(":")[0] for r in results if r["error"]})
-        out[variant] = {"requests": len(prompts), "peak_running": peak.peak, "completed": done,
+        out[variant] = {"prompt_tokens": length, "shared_tokens": shared, "new_tokens": new,
+                        "requests": len(prompts), "peak_running": peak.peak, "completed": done,
                         "failed": len(prompts) - done, "errors": errors, "wall_s": wall}
         print(f"admission ({variant}): peak {peak.peak} running, {done}/{len(prompts)} completed, "
               f"errors {errors}", file=sys.stderr)
@@ -245,10 +257,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per stage (and llama.cpp)")
     ap.add_argument("--system-tokens", type=int, default=480, help="prefix: filler tokens in the system prompt")
-    ap.add_argument("--requests", type=int, default=128, help="admission: requests submitted at once")
-    ap.add_argument("--prompt-tokens", type=int, default=200, help="admission: prompt length")
-    ap.add_argument("--admit-tokens", type=int, default=16, help="admission: max_tokens of each request")
-    ap.add_argument("--shared", type=int, default=160, help="admission: tokens every prompt shares (2nd variant)")
+    ap.add_argument("--requests", type=int, default=64, help="admission: requests submitted at once")
     ap.add_argument("--kv-mib", type=int, default=256, help="admission: --max-kv-mib of each stage")
     ap.add_argument("--controller-arg", action="append", default=[], help="extra controller flag (repeatable)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -7,29 +7,15 @@ import logging
 from pathlib import Path
 
 from logicpipe import grpc_options
-from logicpipe.digest import model_digest
 from logicpipe.errors import InvalidArgument, Unavailable
+from logicpipe.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2_grpc
 from planner import Workload, format_plan_table, plan_to_json
 from controller import planning
-from controller.model_prep import check_model_dir
 from controller.pipeline import Pipeline, StageAssignment
 from controller.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-def stop_token_ids(model_dir: Path, config: dict) -> frozenset[int]:
-    """EOS ids from generation_config.json, else config.json."""
-    gen = model_dir / "generation_config.json"
-    eos = None
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = config.get("eos_token_id")
-    if eos is None:
-        return frozenset()
-    return frozenset(eos if isinstance(eos, list) else [eos])
 
 
 def load_tokenizer(model_dir: Path):
@@ -65,15 +51,15 @@ class ControllerApp:
         self.plan_json = ""
         self.plan = None
         self.profiles: list = []
-        self.config = check_model_dir(self.model_dir)
+        self.config = ModelConfig.from_dir(self.model_dir)
         self.digest = model_digest(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.num_layers = int(self.config["num_hidden_layers"])
+        self.num_layers = self.config.num_layers
         self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, dtype)
-        self.workload = Workload(context_tokens=min(context, int(self.config.get("max_position_embeddings", context))))
-        self.pipeline = Pipeline(self._on_event, self._on_stage_lost)
-        self.scheduler = Scheduler(self.pipeline, int(self.config.get("max_position_embeddings", 2048)),
-                                   stop_token_ids(self.model_dir, self.config), int(self.config["vocab_size"]))
+        self.workload = Workload(context_tokens=min(context, self.config.max_position_embeddings))
+        self.pipeline = Pipeline(self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
+        self.scheduler = Scheduler(self.pipeline, self.config.max_position_embeddings,
+                                   frozenset(self.config.eos_token_ids), self.config.vocab_size)
         self.state = "planning"
 
     def _on_event(self, ev) -> None:
@@ -82,6 +68,10 @@ class ControllerApp:
     def _on_stage_lost(self, address: str, reason: str) -> None:
         self.state = "degraded"
         self.scheduler.on_stage_lost(address, reason)
+
+    def _on_stage_back(self, address: str) -> None:
+        if not self.pipeline.down:
+            self.state = "ready"
 
     async def start(self) -> None:
         """Profile the nodes and their links, plan (or reuse a saved plan), assign the stages."""

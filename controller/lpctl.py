@@ -19,13 +19,16 @@ def _stub(address: str):
 
 
 def cmd_submit(args) -> int:
-    from logicpipe.v1 import controller_pb2, stage_pb2
+    from logicpipe.sampling import SamplingParams
+    from logicpipe.v1 import controller_pb2
 
-    sampling = stage_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.seed is not None:
-        sampling.seed = args.seed
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    except ValueError as exc:
+        print(f"lpctl: {exc}", file=sys.stderr)
+        return 2
     req = controller_pb2.SubmitRequest(prompt=args.prompt, raw=args.raw, max_tokens=args.max_tokens,
-                                       sampling=sampling)
+                                       sampling=sampling.to_proto())
     text, ids, stages, timings, reason = [], [], [], None, ""
     for reply in _stub(args.controller).Submit(req, timeout=args.timeout):
         ids.extend(reply.token_ids)
@@ -123,6 +126,16 @@ def cmd_model(args) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"{value} is not between 1 and 2^31 - 1")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="lpctl", description="Talk to a LogicPipe controller.")
     ap.add_argument("--controller", default=DEFAULT_CONTROLLER, help="controller HOST:PORT (default %(default)s)")
@@ -131,7 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = sub.add_parser("submit", help="generate from a prompt; tokens stream as they come")
     p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens at most (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -175,11 +188,11 @@ def main(argv=None) -> None:
     except grpc.RpcError as exc:
         print(f"lpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         sys.exit(2)
-    except Exception as exc:  # noqa: BLE001 — MeshError / ModelDirError from local work: say it, no traceback
+    except Exception as exc:  # noqa: BLE001 — MeshError / ModelError from local work: say it, no traceback
         from logicpipe.errors import MeshError
-        from controller.model_prep import ModelDirError
+        from logicpipe.modeldir import ModelError
 
-        if not isinstance(exc, (MeshError, ModelDirError)):
+        if not isinstance(exc, (MeshError, ModelError)):
             raise
         print(f"lpctl: {exc}", file=sys.stderr)
         sys.exit(2)

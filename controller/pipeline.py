@@ -20,8 +20,12 @@ from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-RPC_TIMEOUT_S = 10.0      # unary calls to a stage (not Assign)
+RPC_TIMEOUT_S = 10.0      # unary calls to a stage (not Assign, OpenSession)
+OPEN_TIMEOUT_S = 5.0      # OpenSession (admission takes no compute)
 ASSIGN_TIMEOUT_S = 600.0  # loading a shard can take minutes on a slow disk
+PROBE_INTERVAL_S = 1.0    # every stage of the pipeline is asked for its Status this often
+PROBE_TIMEOUT_S = 1.5     # an answer slower than this counts as none
+DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as down
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class StageHandle:
     parameter_count: int = 0
     status: stage_pb2.StatusReply | None = None
     events_task: asyncio.Task | None = field(default=None, repr=False)
+    misses: int = 0          # Status probes unanswered in a row
+    down_reason: str = ""    # why it counts as down ("" while it answers)
+    lost: bool = False       # its event stream ended: only a new plan brings it back
 
     @property
     def kv_positions(self) -> int:
@@ -64,9 +71,12 @@ class Pipeline:
     """Stage handles in pipeline order, event fan-in, and the input stream to stage 0."""
 
     def __init__(self, on_event: Callable[[stage_pb2.Event], None], on_stage_lost: Callable[[str, str], None],
-                 owner: str = ""):
+                 owner: str = "", on_stage_back: Callable[[str], None] = lambda address: None):
         self._on_event = on_event
         self._on_stage_lost = on_stage_lost
+        self._on_stage_back = on_stage_back
+        self._pending_closes: dict[str, set[str]] = {}  # stage address -> sessions to close there again
+        self._monitor: asyncio.Task | None = None
         self.owner = owner or f"controller-{uuid.uuid4().hex[:12]}"  # our sessions live while we listen
         self.stages: list[StageHandle] = []
         self.plan_id = ""
@@ -79,13 +89,14 @@ class Pipeline:
 
     # ---- set-up ---------------------------------------------------------------------------
     @staticmethod
-    async def probe(address: str) -> stage_pb2.StatusReply:
+    async def probe(address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it."""
         async with grpc_options.insecure_channel(address) as ch:
             try:
-                return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
+                return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as exc:
-                raise Unavailable(f"stage node {address} is unreachable: {exc.details()}") from exc
+                why = "no answer in time" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else exc.details()
+                raise Unavailable(f"stage node {address} is unreachable: {why}") from exc
 
     async def install(self, model_dir: str, digest: str, num_layers: int, assignments: list[StageAssignment],
                       dtype: str = "float32", micro_batches: int = 0) -> None:
@@ -132,6 +143,41 @@ class Pipeline:
             ready.append(asyncio.get_running_loop().create_future())
             h.events_task = asyncio.create_task(self._watch_events(h, ready[-1]))
         await asyncio.gather(*ready)
+        self._monitor = asyncio.create_task(self._watch_health(), name="stage-health")
+
+    @property
+    def down(self) -> list[tuple[str, str]]:
+        """(address, why) of every stage that does not answer or was lost."""
+        return [(h.address, h.down_reason) for h in self.stages if h.down_reason]
+
+    async def _watch_health(self) -> None:
+        """Probe every stage each PROBE_INTERVAL_S: one silent for DOWN_AFTER_MISSES probes is down
+        (its requests fail at once instead of waiting for tokens); one that answers again with the
+        plan in force is back. Closes that failed are retried on stages that answer."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            stages = list(self.stages)
+            replies = await asyncio.gather(*(h.stub.Status(stage_pb2.StatusRequest(), timeout=PROBE_TIMEOUT_S)
+                                             for h in stages), return_exceptions=True)
+            for h, r in zip(stages, replies):
+                if isinstance(r, BaseException):
+                    h.misses += 1
+                    if h.misses >= DOWN_AFTER_MISSES and not h.down_reason:
+                        h.down_reason = f"no answer to {h.misses} status probes in a row"
+                        log.warning("stage %s (%s) is down: %s", h.node_id, h.address, h.down_reason)
+                        self._on_stage_lost(h.address, h.down_reason)
+                    continue
+                h.misses, h.status = 0, r
+                if h.down_reason and not h.lost and r.generation == self.generation:
+                    log.info("stage %s (%s) answers again", h.node_id, h.address)
+                    h.down_reason = ""
+                    self._on_stage_back(h.address)
+                if not h.down_reason and self._pending_closes.get(h.address):
+                    await self._retry_closes(h)
+
+    async def _retry_closes(self, h: StageHandle) -> None:
+        sessions = self._pending_closes.pop(h.address, set())
+        await self.close_session_many(sessions, [h])
 
     def largest_request(self) -> int:
         """Positions of KV the smallest stage pool holds: no sequence can grow past it."""
@@ -153,12 +199,16 @@ class Pipeline:
             reason = f"{exc.code().name}: {exc.details()}"
         if not ready.done():
             ready.set_exception(Unavailable(f"stage {h.address} sends no events: {reason}"))
-        if h in self.stages:
+        if h in self.stages and not h.lost:
+            h.lost = True
+            h.down_reason = h.down_reason or f"its event stream ended ({reason})"
             log.warning("lost stage %s (%s): %s", h.node_id, h.address, reason)
             self._on_stage_lost(h.address, reason)
 
     async def close(self) -> None:
         stages, self.stages = self.stages, []
+        if self._monitor is not None:
+            self._monitor.cancel()
         await self._close_prompt_stream()
         if self._tasks:  # closes in flight get their chance to land
             await asyncio.wait(self._tasks, timeout=RPC_TIMEOUT_S)
@@ -172,7 +222,7 @@ class Pipeline:
         """Open on every stage; returns the leading input positions every stage already holds (the
         prefix cache's hits). On any failure close those opened and raise the first error."""
         request.owner = self.owner
-        results = await asyncio.gather(*(h.stub.OpenSession(request, timeout=RPC_TIMEOUT_S) for h in self.stages),
+        results = await asyncio.gather(*(h.stub.OpenSession(request, timeout=OPEN_TIMEOUT_S) for h in self.stages),
                                        return_exceptions=True)
         errors = [(h, r) for h, r in zip(self.stages, results) if isinstance(r, BaseException)]
         if errors:
@@ -185,9 +235,24 @@ class Pipeline:
         return min(r.cached_tokens for r in results)
 
     async def close_session(self, session_id: str, only: list[StageHandle] | None = None) -> None:
-        req = stage_pb2.CloseSessionRequest(session_id=session_id)
-        await asyncio.gather(*(h.stub.CloseSession(req, timeout=RPC_TIMEOUT_S) for h in (only or self.stages)),
-                             return_exceptions=True)
+        """Close a session on every stage (or `only` these); a stage that cannot be reached now
+        gets the close again once it answers (so nothing stays held after a stall)."""
+        await self.close_session_many([session_id], only or self.stages)
+
+    async def close_session_many(self, sessions, stages: list[StageHandle]) -> None:
+        pairs = [(sid, h) for sid in sessions for h in stages]
+        results = await asyncio.gather(*(h.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=sid),
+                                                             timeout=RPC_TIMEOUT_S) for sid, h in pairs),
+                                       return_exceptions=True)
+        for (sid, h), r in zip(pairs, results):
+            gone = isinstance(r, grpc.aio.AioRpcError) and r.code() in (grpc.StatusCode.NOT_FOUND,
+                                                                         grpc.StatusCode.FAILED_PRECONDITION)
+            if isinstance(r, BaseException) and not gone and h in self.stages:
+                self._pending_closes.setdefault(h.address, set()).add(sid)
+
+    @property
+    def pending_closes(self) -> int:
+        return sum(len(s) for s in self._pending_closes.values())
 
     def close_session_soon(self, session_id: str) -> None:
         """Close a session on every stage in the background (the task is kept until done)."""

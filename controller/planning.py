@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from logicpipe.errors import InvalidArgument, Unavailable
+from logicpipe.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2
 from planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload, format_plan_table,
                      make_plan, plan_from_json, plan_to_json, reuse_mismatch)
@@ -46,15 +47,13 @@ def memory_floor(nbytes: int) -> int:
     return nbytes // step * step
 
 
-def model_spec(config: dict, name: str, digest: str, dtype: str = "float32") -> ModelSpec:
-    """The planner's view of a Llama-family config.json."""
+def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float32") -> ModelSpec:
+    """The planner's view of a Llama-family model."""
     return ModelSpec.llama(
-        name=name, hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"], head_dim=config.get("head_dim"),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), weight_format=WEIGHT_FORMAT[dtype],
-        weights_digest=digest)
+        name=name, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, vocab_size=config.vocab_size,
+        num_layers=config.num_layers, head_dim=config.head_dim, tied_embeddings=config.tie_word_embeddings,
+        weight_format=WEIGHT_FORMAT[dtype], weights_digest=digest)
 
 
 def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link]) -> DeviceProfile:
@@ -142,12 +141,10 @@ def profiles_from_file(path: str) -> list[DeviceProfile]:
 def plan_from_profiles_file(profiles_path: str, model_dir: str | None, strategy: str | None, objective: str,
                             boundaries: list[int] | None, context: int) -> tuple[str, str]:
     """(plan JSON, table) for `lpctl plan --profiles FILE`: no controller, no nodes."""
-    from controller.model_prep import check_model_dir, default_model_dir
-    from logicpipe.digest import model_digest
+    from controller.model_prep import default_model_dir
 
     mdir = Path(model_dir) if model_dir else default_model_dir()
-    config = check_model_dir(mdir)
-    spec = model_spec(config, mdir.name, model_digest(mdir))
+    spec = model_spec(ModelConfig.from_dir(mdir), mdir.name, model_digest(mdir))
     plan = plan_for(profiles_from_file(profiles_path), spec, Workload(context_tokens=context),
                     strategy or "dp", objective, boundaries)
     return plan_to_json(plan), format_plan_table(plan)

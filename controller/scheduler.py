@@ -9,6 +9,7 @@ sequence, position), so the replay continues exactly where it was.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -20,7 +21,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from logicpipe.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable, from_code
+from logicpipe.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable, code_number, from_code
+from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import stage_pb2
 from controller.pipeline import Pipeline
 
@@ -31,22 +33,8 @@ FEED_CHUNK = 8192           # input tokens per feed message (stage 0 chunks them
 TOKEN_TIMEOUT_S = 120.0     # no token for this long fails a running request
 QUEUE_TIMEOUT_S = 600.0     # a request waiting for KV blocks this long fails with RESOURCE_EXHAUSTED
 MAX_QUEUED = 4096           # requests waiting at once; more are refused at once
-MAX_PREEMPTIONS = 16        # a request preempted this often fails (the mesh is thrashing)
+MAX_PREEMPTIONS = 64        # a request preempted this often fails (the mesh is thrashing)
 ADMIT_RETRY_S = 0.5         # a refused admission is retried this often even if nothing finished
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0            # 0 = off
-    top_p: float = 1.0        # 1 = off
-    seed: int | None = None
-
-    def to_proto(self) -> stage_pb2.SamplingParams:
-        p = stage_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-        if self.seed is not None:
-            p.seed = self.seed
-        return p
 
 
 class RequestState(Enum):
@@ -70,16 +58,19 @@ class Request:
     id: str
     prompt_ids: list[int]
     max_tokens: int
-    sampling: Sampling
+    sampling: SamplingParams
     stop_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenUpdate | MeshError, to the client
     state: RequestState = RequestState.QUEUED
     session_id: str = ""      # the sequence open for it now (a new one per admission)
+    priority: int = 0         # arrival order: the stages preempt younger requests first
     preemptions: int = 0
     submitted: float = field(default_factory=time.monotonic)
     queued_since: float = field(default_factory=time.monotonic)
-    opened: float = 0.0
+    opened: float = 0.0       # first opened on the stages
+    opened_now: float = 0.0   # its current session opened (after a preemption: the replay)
+    last_token: float = 0.0
     first_token: float = 0.0
     finished: float = 0.0
     finish_reason: str = ""
@@ -101,6 +92,8 @@ class Scheduler:
         self.preemptions = 0
         self._wake = asyncio.Event()
         self._admitter: asyncio.Task | None = None
+        self._arrivals = itertools.count(1)
+        self._hold_replays = False  # a preemption happened: replays wait until some request ends
 
     @property
     def running(self) -> int:
@@ -119,18 +112,21 @@ class Scheduler:
                 req.queue.put_nowait(TokenUpdate(req.id, tok, t.finished and last, t.finish_reason if last else ""))
             return
         err = from_code(ev.error.code, ev.error.message)
-        if ev.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+        if ev.error.code == code_number(grpc.StatusCode.RESOURCE_EXHAUSTED):
             self._preempted(req, err)
         else:
             req.queue.put_nowait(err)
 
     def on_stage_lost(self, address: str, reason: str) -> None:
         err = Unavailable(f"stage {address} was lost mid-request ({reason})")
-        for req in [*self.active.values(), *self.waiting]:
+        running, self.active = list(self.active.items()), {}
+        for session, req in running:  # closed everywhere (now, or once the stage answers again)
+            self.pipeline.close_session_soon(session)
+        for req in [r for _, r in running] + list(self.waiting):
             req.queue.put_nowait(err)
 
     # ---- requests ---------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> None:
+    def validate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -142,44 +138,40 @@ class Scheduler:
             raise InvalidArgument(
                 f"{len(prompt_ids)} prompt tokens + {max_tokens} new tokens exceed the model's "
                 f"{self.max_context}-token context; shorten the prompt or lower --max-tokens")
-        if sampling.temperature < 0:
-            raise InvalidArgument(f"temperature {sampling.temperature} is negative; use 0 for greedy or a value > 0")
-        if sampling.top_k < 0:
-            raise InvalidArgument(f"top_k {sampling.top_k} is negative; use 0 to turn it off")
-        if not 0 < sampling.top_p <= 1:
-            raise InvalidArgument(f"top_p {sampling.top_p} is outside (0, 1]; use 1 to turn it off")
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
         largest = self.pipeline.largest_request()
         if largest and len(prompt_ids) + max_tokens > largest:
             raise ResourceExhausted(
                 f"{len(prompt_ids)} prompt tokens + {max_tokens} new tokens need more KV than a stage holds in all "
                 f"({largest} positions); lower --max-tokens, or give the stages more --max-kv-mib")
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling,
+    async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                        ignore_eos: bool = False) -> AsyncIterator[TokenUpdate]:
         """Yield each new token as the last stage reports it. Raises a MeshError on failure."""
         self.validate(prompt_ids, max_tokens, sampling)
         if not self.pipeline.stages:
             raise Unavailable("the mesh has no pipeline yet (no stage nodes assigned); see `lpctl status`")
+        if self.pipeline.down:
+            address, why = self.pipeline.down[0]
+            raise Unavailable(f"stage {address} is down ({why}); see `lpctl status`")
         if len(self.waiting) >= MAX_QUEUED:
             raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting for the mesh; retry later")
-        if not sampling.temperature == 0 and sampling.seed is None:  # a seed of our own: replays draw the same
-            sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, random.getrandbits(63))
+        if not sampling.greedy and sampling.seed is None:  # a seed of our own: replays draw the same
+            sampling = sampling.with_seed(random.getrandbits(63))
         req = Request(uuid.uuid4().hex, list(prompt_ids), max_tokens, sampling,
-                      frozenset() if ignore_eos else self.stop_ids)
+                      frozenset() if ignore_eos else self.stop_ids, priority=next(self._arrivals))
         self.waiting.append(req)
         self._kick()
         try:
             while True:
-                timeout = QUEUE_TIMEOUT_S + 5 if req.state is RequestState.QUEUED else TOKEN_TIMEOUT_S
-                try:
-                    item = await asyncio.wait_for(req.queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    raise Unavailable(f"no token from the pipeline in {timeout:.0f} s") from None
-                if isinstance(item, Exception):
-                    raise item
+                item = await self._next_update(req)
                 req.tokens.append(item.token_id)
+                req.last_token = time.monotonic()
                 if len(req.tokens) == 1:
-                    req.first_token = time.monotonic()
+                    req.first_token = req.last_token
                 if item.finished:
                     req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), item.finish_reason
                     item.request = req
@@ -192,8 +184,25 @@ class Scheduler:
                 req.state = RequestState.FAILED
             self._release(req)
 
+    async def _next_update(self, req: Request) -> TokenUpdate:
+        """The request's next token; a MeshError from the stages is raised. A request waiting in
+        the queue is held up by the queue (which fails it after QUEUE_TIMEOUT_S); a running one
+        fails when no token came for TOKEN_TIMEOUT_S."""
+        while True:
+            try:
+                item = await asyncio.wait_for(req.queue.get(), 1.0)
+            except asyncio.TimeoutError:
+                since = max(req.last_token, req.opened_now)
+                if req.state is RequestState.RUNNING and time.monotonic() - since > TOKEN_TIMEOUT_S:
+                    raise Unavailable(f"no token from the pipeline in {TOKEN_TIMEOUT_S:.0f} s") from None
+                continue
+            if isinstance(item, Exception):
+                raise item
+            return item
+
     def _release(self, req: Request) -> None:
         """The request is over (or its client left): out of the queue, its sequence closed."""
+        self._hold_replays = False
         if req in self.waiting:
             self.waiting.remove(req)
         if req.session_id and self.active.get(req.session_id) is req:
@@ -215,6 +224,7 @@ class Scheduler:
         log.info("request %s preempted (%s); replaying it with its %d tokens", req.id, err, len(req.tokens))
         req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
         self.waiting.appendleft(req)  # the oldest work goes first
+        self._hold_replays = True     # ... once a request has ended (else it would thrash)
         self._kick()
 
     # ---- admission --------------------------------------------------------------------------
@@ -229,6 +239,9 @@ class Scheduler:
         while self.waiting:
             self._wake.clear()
             req = self.waiting[0]
+            if req.preemptions and self._hold_replays and self.active:
+                await self._wake.wait()
+                continue
             try:
                 await self._open(req)
             except ResourceExhausted as err:
@@ -255,13 +268,14 @@ class Scheduler:
         cached = await self.pipeline.open_session(stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.tokens)))
+            generated=len(req.tokens), priority=req.priority))
         if not self.waiting or self.waiting[0] is not req:  # its client left while it opened
             self.pipeline.close_session_soon(session)
             return
         self.waiting.popleft()
         req.session_id, req.state = session, RequestState.RUNNING
-        req.opened = req.opened or time.monotonic()
+        req.opened_now = time.monotonic()
+        req.opened = req.opened or req.opened_now
         self.active[session] = req
         start = min(cached, len(inputs) - 1)  # at least the last input is computed: it samples the next token
         for a in range(start, len(inputs), FEED_CHUNK):

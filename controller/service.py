@@ -1,17 +1,20 @@
 """Controller gRPC servicer: translates between protobuf and the controller's domain types."""
 from __future__ import annotations
 
-import logging
+import asyncio
 
-import grpc
 
 from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from controller.app import ControllerApp
 from controller.pipeline import Pipeline
-from controller.scheduler import DEFAULT_MAX_TOKENS, Request, Sampling
+from controller.scheduler import DEFAULT_MAX_TOKENS, Request
 
-log = logging.getLogger(__name__)
+
+STATUS_PROBE_TIMEOUT_S = 1.0  # a node that does not answer Status this fast shows as unreachable (Status answers in 2 s)
+MAX_PROMPT_CHARS = 2**20   # characters of one prompt (refused before any work beyond that)
+MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
 
 
 class TextStream:
@@ -59,30 +62,30 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     async def Submit(self, request, context):
         app = self.app
-        try:
-            if request.prompt_token_ids:
-                prompt_ids = list(request.prompt_token_ids)
-            elif request.prompt.strip():
-                prompt_ids = app.encode_prompt(request.prompt, request.raw)
-            else:
-                raise InvalidArgument("the prompt is empty: give a prompt or prompt_token_ids")
-            s = request.sampling
-            sampling = Sampling(s.temperature, s.top_k, s.top_p or 1.0, s.seed if s.HasField("seed") else None)
-            max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
-            text = TextStream(app.tokenizer)
-            first = True
-            async for update in app.scheduler.generate(prompt_ids, max_tokens, sampling, request.ignore_eos):
-                reply = controller_pb2.SubmitReply(request_id=update.request_id, token_ids=[update.token_id],
-                                                   text=text.push([update.token_id], update.finished),
-                                                   finished=update.finished, finish_reason=update.finish_reason)
-                if first:
-                    reply.stages.extend(stage_infos(app))
-                    first = False
-                if update.finished:
-                    reply.timings.CopyFrom(timings_proto(update.request))
-                yield reply
-        except MeshError as err:
-            await context.abort(err.code, str(err))
+        if len(request.prompt) > MAX_PROMPT_CHARS or len(request.prompt_token_ids) > MAX_PROMPT_TOKENS:
+            raise InvalidArgument(
+                f"the prompt is {len(request.prompt)} characters / {len(request.prompt_token_ids)} token ids, "
+                f"over the cap of {MAX_PROMPT_CHARS} characters / {MAX_PROMPT_TOKENS} ids")
+        if request.prompt_token_ids:
+            prompt_ids = list(request.prompt_token_ids)
+        elif request.prompt.strip():  # tokenizing takes ~0.5 s per MiB: off the event loop
+            prompt_ids = await asyncio.to_thread(app.encode_prompt, request.prompt, request.raw)
+        else:
+            raise InvalidArgument("the prompt is empty: give a prompt or prompt_token_ids")
+        sampling = SamplingParams.from_proto(request.sampling)
+        max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
+        text = TextStream(app.tokenizer)
+        first = True
+        async for update in app.scheduler.generate(prompt_ids, max_tokens, sampling, request.ignore_eos):
+            reply = controller_pb2.SubmitReply(request_id=update.request_id, token_ids=[update.token_id],
+                                               text=text.push([update.token_id], update.finished),
+                                               finished=update.finished, finish_reason=update.finish_reason)
+            if first:
+                reply.stages.extend(stage_infos(app))
+                first = False
+            if update.finished:
+                reply.timings.CopyFrom(timings_proto(update.request))
+            yield reply
 
     async def Status(self, request, context):
         app = self.app
@@ -93,13 +96,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             preemptions=app.scheduler.preemptions, plan_generation=app.pipeline.generation,
             micro_batches=app.pipeline.micro_batches)
         reply.stages.extend(stage_infos(app))
-        for addr in app.nodes:
+        probes = await asyncio.gather(*(Pipeline.probe(a, timeout=STATUS_PROBE_TIMEOUT_S) for a in app.nodes),
+                                      return_exceptions=True)
+        for addr, probe in zip(app.nodes, probes):
             node = controller_pb2.NodeStatus(address=addr)
-            try:
-                node.status.CopyFrom(await Pipeline.probe(addr))
+            if isinstance(probe, MeshError):
+                node.error = str(probe)
+            else:
+                node.status.CopyFrom(probe)
                 node.reachable = True
-            except MeshError as err:
-                node.error = str(err)
             reply.nodes.append(node)
         return reply
 
@@ -107,8 +112,6 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         try:
             plan_json, table = await self.app.plan_preview(request.strategy, request.objective,
                                                            list(request.boundaries))
-        except MeshError as err:
-            await context.abort(err.code, str(err))
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise InvalidArgument(str(err)) from err
         return controller_pb2.PlanReply(plan_json=plan_json, table=table)

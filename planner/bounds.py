@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 
 from planner.cost import edge_memory_bytes, layer_memory_bytes
+from planner.search import smallest_feasible
 from planner.instance import FIRST, LAST, MID, SINGLE, Instance, make_instance
 from planner.model import ModelSpec, device_weight_format
 from planner.types import DeviceProfile, Objective, Reserve, Workload
@@ -56,16 +57,8 @@ def _multi_stage_throughput_bound(inst: Instance) -> float:
 
     cands = sorted({tau[d] + k * t[d] + extra for d in range(n) for extra in (0.0, head[d])
                     for k in range(1, caps[d][MID] + 1)})
-    if not cands or not holds_all(cands[-1]):
-        return math.inf
-    lo, hi = 0, len(cands) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds_all(cands[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return cands[lo]
+    bound = smallest_feasible(cands, holds_all)
+    return math.inf if bound is None else bound
 
 
 def throughput_lower_bound(inst: Instance) -> float:

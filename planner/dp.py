@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from planner.search import parent_path, smallest_feasible
 from planner.instance import FIRST, LAST, MID, SINGLE, Chain, Instance, fill_fastest
 
 EXACT_MAX_DEVICES = 8
@@ -116,12 +117,7 @@ def _walk(n: int, L: int, f: int, caps: Caps, collect: bool) -> bool | list[Chai
 def _split(mask: int, cur: int, f: int, caps: Caps, parents: dict, last_cap: int, L: int) -> Chain:
     """The path into (mask, cur) with per-stage caps; any feasible layer split (refined later)."""
     cf, cm, _, _ = caps
-    path = [cur]
-    key = (mask, cur)
-    while key in parents:
-        key = parents[key]
-        path.append(key[1])
-    path.reverse()
+    path = parent_path(parents, (mask, cur))
     stage_caps = [cf[f][path[1]]] + [cm[path[i]][path[i + 1]] for i in range(1, len(path) - 1)] + [last_cap]
     counts = [1] * len(path)
     remaining = L - len(path)
@@ -153,17 +149,10 @@ def min_bottleneck_exact(inst: Instance, lower_bound_s: float = 0.0) -> Chain | 
         caps = caps_at(lists, bound)
         return any(_walk(n, L, f, caps, collect=False) for f in range(n))
 
-    if not cands or not feasible(cands[-1]):
+    bound = smallest_feasible(cands, feasible, lower_bound_s)
+    if bound is None:
         return None
-    lo, hi = bisect.bisect_left(cands, lower_bound_s), len(cands) - 1
-    lo = min(lo, hi)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(cands[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    caps = caps_at(lists, cands[lo])
+    caps = caps_at(lists, bound)
     best: tuple[float, Chain] | None = None
     for f in range(n):
         for chain in _walk(n, L, f, caps, collect=True):  # type: ignore[union-attr]
@@ -239,12 +228,7 @@ def min_latency_exact(inst: Instance) -> Chain | None:
 
 
 def _latency_chain(inst: Instance, mask: int, e: int, f: int, parents: dict) -> Chain:
-    path = [e]
-    key = (mask, e)
-    while key in parents:
-        key = parents[key]
-        path.append(key[1])
-    path.reverse()
+    path = parent_path(parents, (mask, e))
     caps = [inst.caps[d][FIRST if i == 0 else LAST if i == len(path) - 1 else MID] for i, d in enumerate(path)]
     counts = fill_fastest(inst, path, caps)
     assert counts is not None

@@ -25,13 +25,13 @@ O(n^2 L log(n L) + orders x n^3 log(n L)), plus two exact runs on 8 devices.
 """
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
 
 from planner.dp import (EXACT_MAX_DEVICES, Caps, cost_lists, caps_at, min_bottleneck_exact, min_latency_exact,
                         stage_cost_candidates)
+from planner.search import smallest_feasible
 from planner.instance import FIRST, LAST, MID, SINGLE, Chain, Instance, fill_fastest
 from planner.types import Objective
 
@@ -165,16 +165,10 @@ def ring_min_bottleneck(inst: Instance, orders: Sequence[Sequence[int]], lower_b
         caps = caps_at(lists, bound)
         return any(_ring_walk(order, L, caps, collect=False) for order in orders)
 
-    if not cands or not feasible(cands[-1]):
+    bound = smallest_feasible(cands, feasible, lower_bound_s)
+    if bound is None:
         return None
-    lo, hi = min(bisect.bisect_left(cands, lower_bound_s), len(cands) - 1), len(cands) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(cands[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    caps = caps_at(lists, cands[lo])
+    caps = caps_at(lists, bound)
     best: tuple[float, Chain] | None = None
     for order in orders:
         for capped in _ring_walk(order, L, caps, collect=True):  # type: ignore[union-attr]

@@ -19,12 +19,10 @@ nano-vllm's block manager, grown what a pipeline stage needs:
 """
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # KV positions per block (tokens)
 

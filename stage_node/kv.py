@@ -8,13 +8,10 @@ gathered by slot index.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 class KVPool:

@@ -15,12 +15,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
 
-from logicpipe.digest import DigestError, model_digest
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.v1 import stage_pb2
 from stage_node import wire
 from stage_node.blocks import DEFAULT_BLOCK_SIZE, KVManager
-from stage_node.config import ModelConfig, ModelError
+from logicpipe.modeldir import ModelConfig, ModelError, model_digest
 from stage_node.events import EventHub
 from stage_node.kv import KVPool, kv_bytes_per_token
 from stage_node.links import PeerLink
@@ -39,7 +38,6 @@ class NodeState(Enum):
     IDLE = "idle"          # no assignment
     LOADING = "loading"    # loading an assignment (a previous one, if any, still serves)
     READY = "ready"
-    DRAINING = "draining"  # takes no new sessions
 
 
 @dataclass(frozen=True)
@@ -142,14 +140,17 @@ class StageRuntime:
                 return self.engine
             try:
                 config = await asyncio.to_thread(ModelConfig.from_dir, a.model_dir)
-            except (ModelError, OSError) as exc:
+            except ModelError as exc:
                 raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
+            except OSError as exc:
+                raise FailedPrecondition(f"node {self.node_id} cannot read the model directory "
+                                         f"{a.model_dir[:200]}: {exc.strerror or exc}") from exc
             if config.num_layers != a.num_layers:
                 raise InvalidArgument(f"the model at {a.model_dir} has {config.num_layers} layers, not {a.num_layers}")
             if a.model_digest:
                 try:
                     mine = await asyncio.to_thread(model_digest, a.model_dir)
-                except DigestError as exc:
+                except ModelError as exc:
                     raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
                 if mine != a.model_digest:
                     raise FailedPrecondition(
@@ -159,10 +160,11 @@ class StageRuntime:
             self.state = NodeState.LOADING
             try:
                 shard, pool = await self.runner.call(self._load, a)
-            except (ModelError, ValueError, OSError, RuntimeError) as exc:
+            except Exception as exc:  # noqa: BLE001 — whatever broke, the assignment in force stays
                 self.state = before
-                raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}): {exc}; "
-                                         "it keeps its previous assignment") from exc
+                keeps = "it keeps its previous assignment" if self.engine else "it stays unassigned"
+                raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}) of "
+                                         f"{a.model_dir[:200]}: {str(exc).splitlines()[0][:300]}; {keeps}") from exc
             old, self.engine = self.engine, self._new_engine(a, shard, pool)
             if old is not None:
                 await self._drop_engine(old, "the stage was re-assigned")
@@ -211,8 +213,6 @@ class StageRuntime:
             raise FailedPrecondition(
                 f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
                 "the controller assigns layers when it starts (logicpipe-controller --nodes ...)")
-        if self.state is NodeState.DRAINING:
-            raise Unavailable(f"node {self.node_id} is draining and takes no new work")
         return self.engine
 
     # ---- sessions --------------------------------------------------------------------------
@@ -225,7 +225,7 @@ class StageRuntime:
         return cached
 
     def close_session(self, session_id: str) -> int:
-        if self.engine is None:  # not require_ready(): a draining node still closes sessions
+        if self.engine is None:
             raise FailedPrecondition(f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
                                      "it holds no sessions")
         sched = self.engine.scheduler

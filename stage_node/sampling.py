@@ -8,45 +8,15 @@ preemption, a lost node) draws exactly what it drew the first time.
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-log = logging.getLogger(__name__)
-
-MIN_TEMPERATURE = 1e-3  # below this a softmax overflows float32 for ordinary logits; use 0 (greedy)
-MAX_TEMPERATURE = 100.0
-MAX_TOP_K = 1 << 20
+from logicpipe.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one sequence picks its next token."""
-
-    temperature: float = 0.0  # softmax temperature (dimensionless); 0 means greedy argmax
-    top_k: int = 0  # keep only the k most likely tokens (count); 0 keeps all
-    top_p: float = 1.0  # keep the smallest set of top tokens whose probability reaches top_p (0, 1]
-    seed: int | None = None  # seed of this sequence's draws; None: drawn once at random when opened
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self) -> None:
-        """Raise ValueError with a message a person can act on if a field is out of range."""
-        t = self.temperature
-        if not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # also catches NaN and inf
-            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
-                             f"got {t}")
-        if not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:  # also catches NaN
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
+__all__ = ["SamplingParams", "draw", "filter_logits", "pick", "sample", "verify_greedy"]
 
 
 def draw(seed: int, sequence: int, position: int) -> float:

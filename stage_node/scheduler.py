@@ -30,7 +30,8 @@ from stage_node.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
 log = logging.getLogger(__name__)
 
 RECENTLY_CLOSED = 4096    # closed sessions whose owner is remembered (late steps' errors reach it)
-STALE_IN_FLIGHT_S = 30.0  # a sampled step whose token has not come back in this long stops holding a micro-batch slot
+STALE_IN_FLIGHT_S = 30.0
+PREFILL_SHARE = 64        # token rows of a step decode rows leave to waiting prompts  # a sampled step whose token has not come back in this long stops holding a micro-batch slot
 
 
 @dataclass(frozen=True)
@@ -201,9 +202,12 @@ class Scheduler:
         """The next step to compute (None: nothing to do now) and the sequences that failed."""
         return self._schedule_first() if self.first else self._schedule_later()
 
-    def micro_batch_size(self) -> int:
+    def micro_batches_now(self) -> tuple[int, int]:
+        """(micro-batches in flight at most, sequences in each): M micro-batches, or more when the
+        running sequences do not fit M steps of the sequence budget (every one must keep moving)."""
         live = sum(1 for s in self.seqs.values() if s.status is SeqStatus.RUNNING and not self.is_orphaned(s))
-        return max(1, math.ceil(live / self.micro_batches))
+        m = max(self.micro_batches, math.ceil(live / self.budget.max_seqs))
+        return m, max(1, math.ceil(live / m))
 
     def steps_in_flight(self) -> int:
         now = time.monotonic()
@@ -213,16 +217,23 @@ class Scheduler:
 
     def _schedule_first(self) -> tuple[Step | None, list[Failure]]:
         b = self.budget
-        ready = sorted((s for s in self.seqs.values() if s.pending and not self.is_orphaned(s)), key=lambda s: s.order)
+        ready = [s for s in self.seqs.values() if s.pending and not self.is_orphaned(s)]
         chosen: list[tuple[Sequence, int]] = []
         rows = 0
-        if self.steps_in_flight() < self.micro_batches:
-            for s in [s for s in ready if s.is_decode_ready()][: self.micro_batch_size()]:
-                if len(chosen) >= b.max_seqs or rows + len(s.pending) > b.max_tokens:
+        in_flight_cap, group = self.micro_batches_now()
+        prompts = sorted((s for s in ready if s.is_prefill_ready()), key=lambda s: s.age)
+        # decode rows first, those that waited longest first; with prompts waiting, they keep a seat
+        # and a share of the token budget, so that decoding can never starve a prefill
+        max_seqs = b.max_seqs - (1 if prompts else 0)
+        max_rows = b.max_tokens - (min(PREFILL_SHARE, b.max_tokens // 2) if prompts else 0)
+        if self.steps_in_flight() < in_flight_cap:
+            decode = sorted((s for s in ready if s.is_decode_ready()), key=lambda s: (s.last_step, s.age))
+            for s in decode[:group]:
+                if len(chosen) >= max_seqs or rows + len(s.pending) > max_rows:
                     break
                 chosen.append((s, len(s.pending)))
                 rows += len(s.pending)
-        for s in (s for s in ready if s.is_prefill_ready()):
+        for s in prompts:
             room = b.max_tokens - rows
             if room <= 0 or len(chosen) >= b.max_seqs:
                 break
@@ -235,20 +246,22 @@ class Scheduler:
             return None, []
         step = Step(next(self._step_ids), [])
         failures: list[Failure] = []
-        in_step = {s.id for s, _ in chosen}
-        for s, n in chosen:
-            if s.id not in self.seqs:  # preempted for an earlier sequence of this step
+        planned: set[str] = set()
+        for s, n in sorted(chosen, key=lambda c: c[0].age):  # the oldest get their blocks first
+            if s.id not in self.seqs:  # preempted for an older sequence of this step
                 continue
             whole = n == len(s.pending)
             w = SeqWork(s.id, s.pending_pos, tuple(s.pending[:n]), sample=whole,
                         num_candidates=s.pending_candidates if whole else 0)
             try:
-                step.seqs.append(self._plan(s, w, in_step, failures))
+                step.seqs.append(self._plan(s, w, planned, failures))
             except MeshError as err:
                 failures.append(Failure(s.id, s.spec.owner, err, closed=s.id not in self.seqs))
                 continue
+            planned.add(s.id)
             del s.pending[:n]
             s.pending_pos += n
+            s.last_step = step.id
             if whole:
                 s.pending_candidates = 0
                 s.in_flight, s.in_flight_since = step.id, time.monotonic()
@@ -266,19 +279,23 @@ class Scheduler:
                           or any(w.session_id in seen for w in msg.seqs)):
                 break  # it waits for the next step (a sequence's next slice needs this one's KV first)
             self.inbox.popleft()
-            part, row = len(step.parts), 0
+            part = len(step.parts)
             step.parts.append(msg.hidden)
-            in_msg = {w.session_id for w in msg.seqs}
+            rows_at, row = {}, 0
             for w in msg.seqs:
+                rows_at[w.session_id] = row
+                row += w.num_tokens
+            age = {w.session_id: self.seqs[w.session_id].age if w.session_id in self.seqs else (0, 0)
+                   for w in msg.seqs}
+            for w in sorted(msg.seqs, key=lambda w: age[w.session_id]):  # the oldest get their blocks first
                 try:
                     s = self._check_step(w)
-                    step.seqs.append(self._plan(s, w, seen | in_msg, failures, part=part, row=row))
+                    step.seqs.append(self._plan(s, w, seen, failures, part=part, row=rows_at[w.session_id]))
                     seen.add(w.session_id)
                 except MeshError as err:
                     known = self.seqs.get(w.session_id)
                     failures.append(Failure(w.session_id, known.spec.owner if known else self.owner_of(w.session_id),
                                             err, closed=known is None))
-                row += w.num_tokens
             rows += msg.rows
             nseqs += len(msg.seqs)
         return (step if step.seqs else None), failures
@@ -294,17 +311,17 @@ class Scheduler:
             raise ResourceExhausted(f"session {s.id} would grow past its {s.spec.capacity}-token capacity")
         return s
 
-    def _plan(self, s: Sequence, w: SeqWork, protected: set[str], failures: list[Failure], *,
+    def _plan(self, s: Sequence, w: SeqWork, planned: set[str], failures: list[Failure], *,
               part: int = 0, row: int = 0) -> PlannedSeq:
-        """Blocks for w's rows, preempting the youngest other sequences (not in `protected`) if
-        the pool is short; if even that is not enough, `s` itself is preempted (raised)."""
+        """Blocks for w's rows. If the pool is short, sequences younger than `s` (and not already
+        planned into this step) are preempted, youngest first; if that is not enough, `s` is."""
         while True:
             try:
                 plan = self.kv.prepare_write(s.id, w.start_pos, w.num_tokens)
                 break
             except OutOfBlocks as exc:
-                victims = sorted((v for v in self.seqs.values() if v.id not in protected and v is not s),
-                                 key=lambda v: v.order, reverse=True)
+                victims = sorted((v for v in self.seqs.values() if v.id not in planned and v.age > s.age),
+                                 key=lambda v: v.age, reverse=True)
                 if not victims:
                     self._preempt(s)
                     raise ResourceExhausted(f"node {self.node_id} preempted session {s.id}: {exc}") from exc

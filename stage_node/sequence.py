@@ -48,6 +48,7 @@ class SeqSpec:
     parent: str = ""                       # fork: share the parent's first parent_length positions
     parent_length: int = 0
     index: int = 0                         # its index within its request (mixed into draws)
+    priority: int = 0                      # lower is older: preempted last (0: admission order)
 
 
 @dataclass
@@ -65,10 +66,16 @@ class Sequence:
     pending_candidates: int = 0            # the last k of pending are candidates
     in_flight: int | None = None           # id of the step whose token has not come back
     in_flight_since: float = 0.0
+    last_step: int = 0                     # id of the last step that included it (round robin)
 
     @property
     def id(self) -> str:
         return self.spec.session_id
+
+    @property
+    def age(self) -> tuple[int, int]:
+        """Sorts oldest first: the owner's priority, then admission order on this stage."""
+        return (self.spec.priority or self.order, self.order)
 
     @property
     def next_pos(self) -> int:

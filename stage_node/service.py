@@ -2,31 +2,22 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
 import time
 
 import grpc
 
-from logicpipe.errors import MeshError, ResourceExhausted
+from logicpipe.errors import ResourceExhausted
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from stage_node import __version__, wire
 from stage_node.runtime import Assignment, StageRuntime
 
-log = logging.getLogger(__name__)
 
-MAX_ECHO_BYTES = 32 * 2**20
-
-
-def unary(method):
-    """A unary handler whose MeshErrors become their gRPC status and message."""
-    @functools.wraps(method)
-    async def wrapper(self, request, context):
-        try:
-            return await method(self, request, context)
-        except MeshError as err:
-            await context.abort(err.code, str(err))
-    return wrapper
+MAX_ECHO_BYTES = 32 * 2**20  # the payload an Echo sends back, bytes
+LARGE_ECHO_BYTES = 2**20     # Echo calls moving more than this (either way) run at most
+LARGE_ECHOES = 2             #   this many at a time; more are refused, not queued
+MAX_PROBES = 64              # MeasureLink round trips in one call
+MAX_MEASURE_WAITING = 16     # MeasureLink calls waiting for the one in progress; more are refused
+MAX_SUBSCRIBERS = 64         # Events subscriptions open at once
 
 
 class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
@@ -34,8 +25,10 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         self.runtime = runtime
         self.profile = profile  # stage_node.profile.HostProfile, measured at start
         self.compute_id = compute_id  # stage_node.profile.compute_id
+        self._large_echoes = 0
+        self._measuring = asyncio.Lock()
+        self._measure_waiting = 0
 
-    @unary
     async def Assign(self, request, context):
         a = Assignment(
             model_dir=request.model_dir, start=request.start_layer, end=request.end_layer,
@@ -48,41 +41,30 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         return stage_pb2.AssignReply(parameter_count=eng.shard.parameter_count,
                                      tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 
-    @unary
     async def OpenSession(self, request, context):
         return stage_pb2.OpenSessionReply(cached_tokens=self.runtime.open_session(request))
 
-    @unary
     async def CloseSession(self, request, context):
         return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id))
 
     async def Stream(self, request_iterator, context):
-        try:
-            self.runtime.require_ready()
-        except MeshError as err:
-            await context.abort(err.code, str(err))
+        self.runtime.require_ready()
         async for batch in request_iterator:
-            try:
-                rejected = self.runtime.receive(batch)
-            except MeshError as err:
-                await context.abort(err.code, str(err))
-            for sid, err in rejected:
+            for sid, err in self.runtime.receive(batch):
                 yield wire.stream_reply(sid, err)
 
     async def Events(self, request, context):
-        try:
-            owner = wire.check_id("owner", request.owner, empty_ok=True)
-        except MeshError as err:
-            await context.abort(err.code, str(err))
+        owner = wire.check_id("owner", request.owner, empty_ok=True)
+        if self.runtime.events.subscribers >= MAX_SUBSCRIBERS:
+            raise ResourceExhausted(f"node {self.runtime.node_id} has {MAX_SUBSCRIBERS} Events subscribers already")
         sub = self.runtime.events.subscribe(owner)
         try:
             await context.send_initial_metadata(())  # the subscriber knows it is subscribed
             while True:
                 events = await sub.next_batch()
                 if sub.overflowed:
-                    err = ResourceExhausted(f"node {self.runtime.node_id}: this Events subscriber fell behind; "
+                    raise ResourceExhausted(f"node {self.runtime.node_id}: this Events subscriber fell behind; "
                                             "read faster or subscribe again")
-                    await context.abort(err.code, str(err))
                 yield stage_pb2.EventBatch(events=events)
         finally:
             self.runtime.events.unsubscribe(sub)
@@ -113,16 +95,44 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         if request.reply_bytes > MAX_ECHO_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"reply_bytes {request.reply_bytes} over the {MAX_ECHO_BYTES}-byte cap")
-        return stage_pb2.EchoReply(payload=bytes(request.reply_bytes))
+        if max(request.reply_bytes, len(request.payload)) <= LARGE_ECHO_BYTES:
+            return stage_pb2.EchoReply(payload=bytes(request.reply_bytes))
+        if self._large_echoes >= LARGE_ECHOES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"node {self.runtime.node_id} is already answering {LARGE_ECHOES} large Echo calls; "
+                                "retry when they are done")
+        self._large_echoes += 1
+        try:
+            return stage_pb2.EchoReply(payload=bytes(request.reply_bytes))
+        finally:
+            self._large_echoes -= 1
 
     async def MeasureLink(self, request, context):
         from stage_node.linkprobe import measure_link
 
-        if not request.target_address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_address is empty")
+        if not request.target_address or len(request.target_address) > 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_address must be a host:port of 1 to 256 characters")
+        if request.probes > MAX_PROBES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probes {request.probes} over the cap of {MAX_PROBES}")
+        if self._measure_waiting >= MAX_MEASURE_WAITING:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"node {self.runtime.node_id} has {MAX_MEASURE_WAITING} link measurements waiting; "
+                                "retry when they are done")
+        self._measure_waiting += 1
         try:
-            latency, bandwidth = await measure_link(request.target_address, request.probes or 5,
-                                                    min(request.payload_bytes or 2**20, MAX_ECHO_BYTES))
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.target_address} unreachable: {exc}")
+            await self._measuring.acquire()  # one measurement at a time, the others wait their turn
+        finally:
+            self._measure_waiting -= 1
+        try:
+            try:
+                latency, bandwidth = await measure_link(request.target_address, request.probes or 5,
+                                                        min(request.payload_bytes or 2**20, MAX_ECHO_BYTES))
+            except grpc.aio.AioRpcError as exc:
+                detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"{request.target_address} is not a reachable stage node: {exc.code().name} {detail}")
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.target_address} did not answer in time")
+        finally:
+            self._measuring.release()
         return stage_pb2.MeasureLinkReply(latency_s=latency, bandwidth=bandwidth)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from logicpipe.modeldir import ModelConfig
 from .kv import KVPool, StepKV
 from .ops import Rows, causal_mask, decode_mm, linear, rms_norm
 from .rope import RopeTables, apply_rope, rope_parameters

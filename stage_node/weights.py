@@ -3,7 +3,6 @@ embeddings / final norm / LM head where it holds them), fused per layer as the f
 from __future__ import annotations
 
 import json
-import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +11,8 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig, ModelError, safetensors_files, safetensors_header
+from logicpipe.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_header
 
-log = logging.getLogger(__name__)
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"

@@ -7,7 +7,7 @@ from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
 from logicpipe.tensor_codec import RawTensor
 from logicpipe.v1 import stage_pb2
-from stage_node.sampling import SamplingParams
+from logicpipe.sampling import SamplingParams
 from stage_node.scheduler import StepMsg
 from stage_node.sequence import SeqSpec, SeqWork
 
@@ -26,13 +26,10 @@ def check_id(what: str, value: str, *, empty_ok: bool = False) -> str:
 
 
 def sampling_from_proto(p: stage_pb2.SamplingParams) -> SamplingParams:
-    params = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
-                            seed=p.seed if p.HasField("seed") else None)
     try:
-        params.validate()
+        return SamplingParams.from_proto(p).validate()
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
-    return params
 
 
 def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int) -> SeqSpec:
@@ -57,7 +54,7 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
     return SeqSpec(session_id=req.session_id, capacity=req.capacity, sampling=sampling_from_proto(req.sampling),
                    max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
                    owner=req.owner, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
-                   parent_length=req.parent_length, index=req.sequence)
+                   parent_length=req.parent_length, index=req.sequence, priority=req.priority)
 
 
 def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:

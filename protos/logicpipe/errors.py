@@ -40,7 +40,7 @@ _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, NotFo
 def from_code(code: int | grpc.StatusCode, message: str) -> MeshError:
     """The MeshError for a status code as carried in a message (int) or by grpc (StatusCode)."""
     if isinstance(code, int):
-        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+        code = next((c for c in grpc.StatusCode if code_number(c) == code), grpc.StatusCode.UNKNOWN)
     err = _BY_CODE.get(code, MeshError)(message)
     if type(err) is MeshError:
         err.code = code

@@ -35,5 +35,7 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
 
 
 def new_server() -> grpc.aio.Server:
-    """An asyncio server with the shared options (add services, ports, then start)."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+    """An asyncio server with the shared options and interceptors (add services, ports, then start)."""
+    from logicpipe.interceptors import ServiceErrors
+
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServiceErrors()])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logicpipe.grpc_options import MAX_MESSAGE_BYTES
 from logicpipe.v1 import tensor_pb2
 
 # dtype name on the wire -> torch dtype. Anything else is rejected.
@@ -27,8 +28,8 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}  
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_RANK = 4
-# One tensor on the wire, bytes: everything a 64 MiB gRPC message can hold (see grpc_options).
-MAX_TENSOR_BYTES = 64 * 2**20
+# One tensor on the wire, bytes: what a gRPC message can hold, less room for the rest of it.
+MAX_TENSOR_BYTES = MAX_MESSAGE_BYTES - 2**20
 
 
 class TensorError(ValueError):

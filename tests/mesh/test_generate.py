@@ -96,7 +96,10 @@ def test_concurrent_requests_share_the_pipeline(mesh, reference):
         assert ids == reference[prompt]
 
 
-def test_lpctl_json_and_stream(mesh):
+def test_lpctl_json_and_stream(mesh, model_dir):
+    from logicpipe.modeldir import ModelConfig
+
+    num_layers = ModelConfig.from_dir(model_dir).num_layers
     lpctl = [sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address]
     out = subprocess.run([*lpctl, "submit", PROMPTS[0], "--max-tokens", "12", "--json"],
                          capture_output=True, text=True, timeout=120, check=True)
@@ -104,13 +107,13 @@ def test_lpctl_json_and_stream(mesh):
     assert set(doc) >= {"text", "token_ids", "stages", "timings"}
     assert len(doc["token_ids"]) <= 12 and doc["text"]
     layers = [s["layers"] for s in doc["stages"]]
-    assert len(layers) == mesh.n_stages and layers[0][0] == 0 and layers[-1][1] == 30
+    assert len(layers) == mesh.n_stages and layers[0][0] == 0 and layers[-1][1] == num_layers
     assert doc["timings"]["new_tokens"] == len(doc["token_ids"])
     streamed = subprocess.run([*lpctl, "submit", PROMPTS[0], "--max-tokens", "12"],
                               capture_output=True, text=True, timeout=120, check=True)
     assert streamed.stdout.strip() == doc["text"].strip()
     status = subprocess.run([*lpctl, "status"], capture_output=True, text=True, timeout=60, check=True)
-    assert f"stage{mesh.n_stages - 1}" in status.stdout and f"{layers[-1][0]}-29" in status.stdout
+    assert f"stage{mesh.n_stages - 1}" in status.stdout and f"{layers[-1][0]}-{num_layers - 1}" in status.stdout
 
 
 def test_node_killed_mid_generation(model_dir, tmp_path):

@@ -109,9 +109,14 @@ BAD_SUBMITS = {
     "token-past-vocab": (dict(prompt_token_ids=[1, SMOL_VOCAB]), [str(SMOL_VOCAB), f"[0, {SMOL_VOCAB})"]),
     "negative-token": (dict(prompt_token_ids=[1, -3]), ["-3", "vocabulary"]),
     "negative-temperature": (dict(prompt="Hello", sampling=stage_pb2.SamplingParams(temperature=-1.0)),
-                             ["temperature -1.0 is negative"]),
+                             ["temperature", "-1.0"]),
+    "infinite-temperature": (dict(prompt="Hello", sampling=stage_pb2.SamplingParams(temperature=float("inf"))),
+                             ["temperature", "inf"]),
+    "vanishing-temperature": (dict(prompt="Hello", sampling=stage_pb2.SamplingParams(temperature=1e-45)),
+                              ["temperature", "greedy"]),
+    "huge-prompt": (dict(prompt="x" * (2**20 + 1)), [str(2**20 + 1), "over the cap"]),
     "top-p-over-one": (dict(prompt="Hello", sampling=stage_pb2.SamplingParams(temperature=1.0, top_p=1.5)),
-                       ["top_p 1.5 is outside (0, 1]"]),
+                       ["top_p", "(0, 1]", "1.5"]),
 }
 
 

@@ -120,6 +120,9 @@ ASSIGN_CASES = {
     "not-llama": ("bert", {}, FP, ["{model}", "'bert'", "llama"]),
     "no-weights": ("noweights", {}, FP, ["{model}", "safetensors"]),
     "digest-differs": ("tiny", dict(model_digest="0123456789abcdef"), FP, ["0123456789abcdef", "copy the same model"]),
+    "truncated-weights": ("truncated", {}, FP, ["could not load", "keeps its previous assignment"]),
+    "path-component-too-long": ("longname", {}, FP, ["cannot read the model directory", "too long"]),
+    "model-dir-too-long": ("hugepath", {}, IA, ["model_dir", "4096 characters"]),
 }
 
 
@@ -129,16 +132,24 @@ def test_bad_assign_is_refused_and_the_node_keeps_its_assignment(case, tiny_mode
     no_weights = tmp_path / "no-weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text((tiny_model.path / "config.json").read_text())
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_text((tiny_model.path / "config.json").read_text())
+    weights = (tiny_model.path / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     model = {"tiny": tiny_model.path, "missing": tmp_path / "no-such-model", "bert": bert_model_dir,
-             "noweights": no_weights}[which]
+             "noweights": no_weights, "truncated": truncated, "longname": tmp_path / ("x" * 300),
+             "hugepath": "/" + "y" * 100_000}[which]
     fields = dict(fields)
     start, end = fields.pop("start", 0), fields.pop("end", TINY_LAYERS)
 
     async def main():
         async with single_stage(tiny_model.path, "assigned") as node:
             before = await status(node)
-            await expect_status(node.stub.Assign(assign_request(model, start, end, **fields), timeout=RPC_TIMEOUT_S),
-                                code, *[f.format(model=model) for f in fragments])
+            err = await expect_status(node.stub.Assign(assign_request(model, start, end, **fields),
+                                                       timeout=RPC_TIMEOUT_S),
+                                      code, *[f.format(model=model) for f in fragments])
+            assert "\n" not in err.details() and len(err.details()) < 1000
             after = await status(node)
             assert (after.state, after.start_layer, after.end_layer, after.plan_id) == \
                    (before.state, before.start_layer, before.end_layer, before.plan_id)

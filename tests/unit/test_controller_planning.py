@@ -22,10 +22,9 @@ def status(node_id: str, flops: float, memory: int) -> stage_pb2.StatusReply:
 
 @pytest.fixture()
 def spec(model_dir):
-    from controller.model_prep import check_model_dir
-    from logicpipe.digest import model_digest
+    from logicpipe.modeldir import ModelConfig, model_digest
 
-    return planning.model_spec(check_model_dir(model_dir), "smol", model_digest(model_dir))
+    return planning.model_spec(ModelConfig.from_dir(model_dir), "smol", model_digest(model_dir))
 
 
 def test_measurements_are_bucketed_so_jitter_keeps_the_profile():

@@ -60,7 +60,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence")
+    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class OpenSessionRequest(_message.Message):
     PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capacity: int
     sampling: SamplingParams
@@ -83,7 +84,8 @@ class OpenSessionRequest(_message.Message):
     parent_session_id: str
     parent_length: int
     sequence: int
-    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("cached_tokens",)

@@ -1,20 +1,20 @@
-"""The model a stage serves: its architecture read from a Hugging Face model directory.
+"""A model directory, read once for everyone: config.json (and generation_config.json) as the
+forward needs it, the supported architectures, EOS ids, the safetensors headers, and the digest
+that tells two copies of a model apart. The controller and every stage use this module; it imports
+neither torch nor transformers, so checking a directory is cheap.
 
-Only what the forward needs is read, straight from `config.json` (no transformers import here, so
-the service and tests can inspect a model cheaply). Anything the compact forward cannot run
-exactly — another architecture, a RoPE variant whose frequencies depend on the sequence length,
-weights not in safetensors — is refused with a `ModelError` that says what to do.
+Anything the compact forward cannot run exactly (another architecture, a RoPE variant whose
+frequencies depend on the sequence length, weights not in safetensors) is refused with a
+ModelError that says what to do.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-from logicpipe.digest import DigestError
-from logicpipe.digest import model_digest as _model_digest
-from logicpipe.digest import safetensors_header as _safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
-class ModelError(Exception):
-    """Model dir missing / incomplete / not Llama-family; message a person can act on."""
+class ModelError(ValueError):
+    """Model dir missing / incomplete / not Llama-family / corrupt; a message a person can act on."""
 
 
 @dataclass(frozen=True)
@@ -151,17 +151,29 @@ def _eos_token_ids(path: Path, raw: dict) -> tuple[int, ...]:
 
 
 def safetensors_header(file: Path) -> dict:
-    """The JSON header of a safetensors file; ModelError if it is unreadable."""
-    try:
-        return _safetensors_header(file)
-    except DigestError as e:
-        raise ModelError(str(e)) from e
+    """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets}."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ModelError(f"{file} is truncated (no safetensors header)")
+        (size,) = struct.unpack("<Q", head)
+        try:
+            return json.loads(f.read(size))
+        except ValueError as e:
+            raise ModelError(f"{file} has a corrupt safetensors header: {e}") from e
 
 
 def model_digest(model_dir) -> str:
-    """logicpipe.digest.model_digest, with ModelError for a directory that is not a model."""
-    read_config_json(Path(model_dir))  # raises ModelError for a missing dir / config
-    try:
-        return _model_digest(model_dir)
-    except DigestError as e:
-        raise ModelError(str(e)) from e
+    """16 hex chars of sha256 over config.json and the tensor table: every tensor's name, dtype and
+    shape from the safetensors headers, sorted by name, so it does not depend on how the weights are
+    split into files. The weights themselves are not read: fast, and tells models apart, not bit flips."""
+    path = Path(model_dir)
+    read_config_json(path)  # ModelError for a missing directory or config
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    table = {}
+    for file in safetensors_files(path):
+        for name, meta in safetensors_header(file).items():
+            if name != "__metadata__":
+                table[name] = (meta["dtype"], list(meta["shape"]))
+    h.update(json.dumps(sorted(table.items()), separators=(",", ":")).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,154 @@
+"""GPU figures of the stage engine: a Llama-3-8B-shaped model with random bf16 weights (made here,
+once), transformers `generate` against the 1- and 2-stage mesh on the same GPU, one stream and C
+concurrent requests; and a small random fp32 Llama whose greedy tokens through 1 and 2 CUDA stages
+must equal transformers' on CUDA.
+
+    python bench/gpu_engine.py --work /tmp/gpu --out $OUT      # on the GPU machine
+
+Prompts are token ids (the random models have no tokenizer); every request decodes `--tokens`
+new tokens (no EOS stop). tok/s = new tokens of all requests / wall time from the first submit to
+the last token, prefill included, medians over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "protos"))
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from engine_bench import submit  # noqa: E402
+from logicpipe.localmesh import LocalMesh  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                 tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=None,
+             bos_token_id=None, initializer_range=0.2)
+
+
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_model(path: Path, shape: dict, dtype: torch.dtype) -> Path:
+    """A random Llama of `shape` saved as safetensors at `path` (kept when it is already there)."""
+    if (path / "config.json").is_file():
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its dtype: an 8B model never exists in float32
+    try:
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(LlamaConfig(**shape))
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(path, max_shard_size="4GB")
+    del model
+    return path
+
+
+def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens: int, rounds: int) -> tuple[float, list]:
+    """(median tok/s of one stream, greedy tokens of each prompt) with transformers on CUDA."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE).eval()
+    model.generation_config.eos_token_id = None
+    outs, rates = [], []
+    with torch.inference_mode():
+        for i in range(rounds + 1):
+            x = torch.tensor([prompts[0]], device=DEVICE)
+            sync()
+            t0 = time.perf_counter()
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, do_sample=False)
+            sync()
+            if i:
+                rates.append(tokens / (time.perf_counter() - t0))
+        for p in prompts:
+            x = torch.tensor([p], device=DEVICE)
+            outs.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens,
+                                       do_sample=False)[0, len(p):].tolist())
+    del model
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(rates) if rates else 0.0, outs
+
+
+def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: int) -> dict:
+    submit(addr, ids=prompts[0], tokens=4)  # warm-up
+    one, many = [], []
+    for _ in range(rounds):
+        r = submit(addr, ids=prompts[0], tokens=tokens)
+        assert not r["error"], r["error"]
+        one.append(tokens / r["total_s"])
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            res = list(pool.map(lambda p: submit(addr, ids=p, tokens=tokens), prompts[:concurrency]))
+        assert all(not x["error"] for x in res), [x["error"] for x in res]
+        many.append(concurrency * tokens / (time.perf_counter() - t0))
+    return {"one_stream_tps": statistics.median(one), "concurrent_tps": statistics.median(many)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lp-gpu"))
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    args.work.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__}
+
+    def save():
+        (args.out / "gpu_engine.json").write_text(json.dumps(results, indent=2))
+        print(json.dumps(results, indent=2), flush=True)
+
+    # correctness: small fp32 model, greedy tokens through CUDA stages == transformers on CUDA
+    small = make_model(args.work / "small", SMALL, torch.float32)
+    prompts = [[(17 * i + 5 * j) % 500 for j in range(12 + 5 * i)] for i in range(args.concurrency)]
+    _, ref = hf_generate(small, torch.float32, prompts, 48, 0)
+    for s in (int(x) for x in args.stages.split(",")):
+        with LocalMesh(s, small, args.work / f"small{s}", threads=4, device=DEVICE,
+                       controller_args=("--strategy", "uniform")) as mesh:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(lambda p: submit(mesh.controller_address, ids=p, tokens=48)["ids"], prompts))
+        results[f"small_fp32_{s}stage_greedy_equal"] = got == ref
+        save()
+    if args.skip_8b:
+        return
+    big = make_model(args.work / "llama3-8b-shape", LLAMA3_8B, torch.bfloat16)
+    prompts = [[(31 * i + 7 * j) % 128000 for j in range(20 + 3 * i)] for i in range(args.concurrency)]
+    results["transformers_tps"], _ = hf_generate(big, torch.bfloat16, prompts, args.tokens, args.rounds)
+    save()
+    for s in (int(x) for x in args.stages.split(",")):
+        with LocalMesh(s, big, args.work / f"big{s}", threads=4, device=DEVICE,
+                       controller_args=("--dtype", "bfloat16", "--strategy", "uniform")) as mesh:
+            results[f"mesh{s}"] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
+                                             args.concurrency)
+        save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Sampling parameters of a request: one type, its validation and its protobuf form, for lpctl,
+the controller and the stages alike (the arithmetic of sampling lives in stage_node.sampling)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from logicpipe.v1 import stage_pb2
+
+MIN_TEMPERATURE = 1e-3  # below this a softmax overflows float32 for ordinary logits; use 0 (greedy)
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence picks its next token."""
+
+    temperature: float = 0.0  # softmax temperature (dimensionless); 0 means greedy argmax
+    top_k: int = 0  # keep only the k most likely tokens (count); 0 keeps all
+    top_p: float = 1.0  # keep the smallest set of top tokens whose probability reaches top_p (0, 1]
+    seed: int | None = None  # seed of the sequence's draws; None: one is drawn when the request starts
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        """Itself, or ValueError with a message a person can act on if a field is out of range."""
+        t = self.temperature
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # also catches NaN and inf
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {t}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:  # also catches NaN
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
+        return self
+
+    def with_seed(self, seed: int) -> "SamplingParams":
+        return replace(self, seed=seed)
+
+    def to_proto(self) -> stage_pb2.SamplingParams:
+        p = stage_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        if self.seed is not None:
+            p.seed = self.seed
+        return p
+
+    @classmethod
+    def from_proto(cls, p: stage_pb2.SamplingParams) -> "SamplingParams":
+        """The message's parameters (top_p 0, the proto default, means off), not yet validated."""
+        return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
+                   seed=p.seed if p.HasField("seed") else None)

@@ -1,0 +1,123 @@
+"""The stage scheduler without torch: micro-batches, round robin past the sequence budget, prompt
+chunks under the token budget, preemption of the youngest, input positions."""
+from __future__ import annotations
+
+import pytest
+
+from logicpipe.errors import FailedPrecondition, ResourceExhausted
+from logicpipe.sampling import SamplingParams
+from stage_node.blocks import KVManager
+from stage_node.scheduler import Budget, Scheduler
+from stage_node.sequence import SeqSpec, SeqWork
+
+
+def spec(sid: str, prompt=(1, 2, 3), capacity: int = 48, priority: int = 0) -> SeqSpec:
+    return SeqSpec(session_id=sid, capacity=capacity, sampling=SamplingParams(), max_new_tokens=100,
+                   stop_ids=frozenset(), prompt=tuple(prompt), priority=priority)
+
+
+def first_stage(blocks: int = 200, budget: Budget = Budget(), micro_batches: int = 1) -> Scheduler:
+    return Scheduler(KVManager(blocks, 4), first=True, last=True, node_id="n", budget=budget,
+                     micro_batches=micro_batches)
+
+
+def run_step(sched: Scheduler, token: int = 7) -> list[str]:
+    """Schedule one step, 'compute' it, and feed each sampled sequence its next token (as the
+    last stage does). Returns the ids in the step."""
+    step, failures = sched.schedule()
+    assert not failures
+    if step is None:
+        return []
+    for p in sched.complete(step, set()):
+        if p.work.sample:
+            sched.feed(SeqWork(p.seq.id, p.work.stop, (token,)))
+    return [p.seq.id for p in step.seqs]
+
+
+def admit_and_prefill(sched: Scheduler, ids: list[str]) -> None:
+    for sid in ids:
+        sched.admit(spec(sid))
+        sched.feed(SeqWork(sid, 0, (1, 2, 3)))
+    while any(s.is_prefill_ready() for s in sched.seqs.values()):
+        run_step(sched)
+
+
+def test_one_micro_batch_steps_every_sequence_together():
+    sched = first_stage()
+    admit_and_prefill(sched, ["a", "b", "c", "d"])
+    assert sorted(run_step(sched)) == ["a", "b", "c", "d"]
+
+
+def test_micro_batches_split_the_sequences_and_cap_steps_in_flight():
+    sched = first_stage(micro_batches=3)
+    admit_and_prefill(sched, list("abcdefg"))  # prompts that arrive together are prefilled together
+    sizes = []
+    while True:  # nothing comes back: every sampled step stays in flight
+        step, _ = sched.schedule()
+        if step is None:
+            break
+        sched.complete(step, set())
+        sizes.append(len(step.seqs))
+    assert sched.steps_in_flight() == 3
+    assert sum(sizes) == 7 and max(sizes) == 3  # 7 sequences in groups of ceil(7 / 3)
+
+
+def test_past_the_sequence_budget_every_sequence_keeps_moving():
+    sched = first_stage(budget=Budget(max_tokens=512, max_seqs=2))
+    admit_and_prefill(sched, ["a", "b", "c", "d", "e"])
+    seen: list[str] = []
+    for _ in range(3):
+        seen += run_step(sched)
+    assert set(seen) == {"a", "b", "c", "d", "e"}, seen  # nobody waits while others go twice
+
+
+def test_prompt_chunks_fill_the_token_budget_after_decode_rows():
+    sched = first_stage(budget=Budget(max_tokens=8, max_seqs=8))
+    admit_and_prefill(sched, ["a"])
+    sched.admit(spec("long", prompt=range(20), capacity=24))
+    sched.feed(SeqWork("long", 0, tuple(range(20))))
+    step, _ = sched.schedule()
+    works = {p.seq.id: p.work for p in step.seqs}
+    assert works["a"].num_tokens == 1 and works["long"].num_tokens == 7  # 8 rows: a decode row, then a chunk
+    assert not works["long"].sample  # a chunk before the last samples nothing
+    sched.complete(step, set())
+    chunks = []
+    while sched.seqs["long"].pending:
+        step, _ = sched.schedule()
+        chunks.append(next(p.work for p in step.seqs if p.seq.id == "long"))
+        sched.complete(step, set())
+    assert [w.start_pos for w in chunks] == [7, 15] and chunks[-1].sample
+
+
+def test_the_youngest_is_preempted_when_blocks_run_out():
+    sched = first_stage(blocks=6)  # 24 positions
+    for sid, prio in (("old", 1), ("young", 2)):
+        sched.admit(spec(sid, prompt=range(8), capacity=24, priority=prio))  # 2 blocks each
+        sched.feed(SeqWork(sid, 0, tuple(range(8))))
+    run_step(sched)
+    failures = []
+    for _ in range(12):  # both grow; the pool runs out
+        step, f = sched.schedule()
+        failures += f
+        if step is None:
+            break
+        for p in sched.complete(step, set()):
+            sched.feed(SeqWork(p.seq.id, p.work.stop, (5,)))
+    assert [f.session_id for f in failures] == ["young"] and failures[0].closed
+    assert isinstance(failures[0].error, ResourceExhausted) and "preempted" in str(failures[0].error)
+    assert "young" not in sched.seqs and sched.preempted == 1 and "old" in sched.seqs
+
+
+def test_admission_by_free_blocks_says_what_is_missing():
+    sched = first_stage(blocks=5)
+    sched.admit(spec("a", prompt=range(12), capacity=20))  # 3 blocks
+    with pytest.raises(ResourceExhausted, match="missing"):
+        sched.admit(spec("b", prompt=range(8), capacity=20))  # 2 blocks + 1 kept for a's growth > 2 free
+    assert "b" not in sched.seqs and sched.kv.used == 3
+
+
+def test_input_at_the_wrong_position_is_refused_for_that_sequence():
+    sched = first_stage()
+    admit_and_prefill(sched, ["a"])
+    with pytest.raises(FailedPrecondition, match="position 9"):
+        sched.feed(SeqWork("a", 9, (1,)))
