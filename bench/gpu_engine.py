@@ -90,19 +90,37 @@ def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens
     return statistics.median(rates) if rates else 0.0, outs
 
 
-def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: int) -> dict:
+def step_ms(stages: list[str], before: list) -> list[float]:
+    """Each stage's mean compute time per step (ms) since `before` (its Status then)."""
+    import grpc
+
+    from logicpipe.v1 import stage_pb2, stage_pb2_grpc
+
+    out = []
+    for a, b in zip(stages, before):
+        with grpc.insecure_channel(a) as ch:
+            st = stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
+        out.append(round((st.compute_s - b.compute_s) / max(1, st.steps - b.steps) * 1000, 2) if b else st)
+    return out
+
+
+def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: int,
+               stages: list[str]) -> dict:
     submit(addr, ids=prompts[0], tokens=4)  # warm-up
-    one, many = [], []
+    one, many, ms = [], [], []
     for _ in range(rounds):
+        before = step_ms(stages, [None] * len(stages))
         r = submit(addr, ids=prompts[0], tokens=tokens)
         assert not r["error"], r["error"]
+        ms.append(step_ms(stages, before))
         one.append(tokens / r["total_s"])
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             res = list(pool.map(lambda p: submit(addr, ids=p, tokens=tokens), prompts[:concurrency]))
         assert all(not x["error"] for x in res), [x["error"] for x in res]
         many.append(concurrency * tokens / (time.perf_counter() - t0))
-    return {"one_stream_tps": statistics.median(one), "concurrent_tps": statistics.median(many)}
+    return {"one_stream_tps": statistics.median(one), "concurrent_tps": statistics.median(many),
+            "one_stream_step_ms_per_stage": ms[-1]}
 
 
 def main() -> None:
@@ -114,6 +132,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script")
     args = ap.parse_args()
     global DEVICE
@@ -128,8 +148,8 @@ def main() -> None:
     # correctness: small fp32 model, greedy tokens through CUDA stages == transformers on CUDA
     small = make_model(args.work / "small", SMALL, torch.float32)
     prompts = [[(17 * i + 5 * j) % 500 for j in range(12 + 5 * i)] for i in range(args.concurrency)]
-    _, ref = hf_generate(small, torch.float32, prompts, 48, 0)
-    for s in (int(x) for x in args.stages.split(",")):
+    _, ref = hf_generate(small, torch.float32, prompts, 48, 0) if not args.skip_small else (0, [])
+    for s in (int(x) for x in args.stages.split(",") if not args.skip_small):
         with LocalMesh(s, small, args.work / f"small{s}", threads=4, device=DEVICE,
                        controller_args=("--strategy", "uniform")) as mesh:
             with ThreadPoolExecutor(len(prompts)) as pool:
@@ -140,13 +160,14 @@ def main() -> None:
         return
     big = make_model(args.work / "llama3-8b-shape", LLAMA3_8B, torch.bfloat16)
     prompts = [[(31 * i + 7 * j) % 128000 for j in range(20 + 3 * i)] for i in range(args.concurrency)]
-    results["transformers_tps"], _ = hf_generate(big, torch.bfloat16, prompts, args.tokens, args.rounds)
-    save()
+    if not args.skip_hf:
+        results["transformers_tps"], _ = hf_generate(big, torch.bfloat16, prompts, args.tokens, args.rounds)
+        save()
     for s in (int(x) for x in args.stages.split(",")):
         with LocalMesh(s, big, args.work / f"big{s}", threads=4, device=DEVICE,
                        controller_args=("--dtype", "bfloat16", "--strategy", "uniform")) as mesh:
             results[f"mesh{s}"] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
-                                             args.concurrency)
+                                             args.concurrency, mesh.stage_addresses)
         save()
 
 

@@ -62,9 +62,12 @@ def _mesh_error(exc: grpc.aio.AioRpcError, address: str) -> MeshError:
 
 
 def compute_groups(statuses: list[stage_pb2.StatusReply]) -> int:
-    """How many distinct compute devices the stages run on (stages reporting the same compute_id
-    share one; a node that reports none counts as its own)."""
-    return len({st.compute_id or f"node:{st.node_id}" for st in statuses})
+    """How many micro-batches keep the stages busy: one per stage, except that CPU stages on one
+    machine (the same compute_id) share its cores and count once: there, micro-batches only take
+    turns. GPU stages count one each even on a shared GPU: their decode is bound by each process's
+    kernel launches, which overlap."""
+    return len({st.compute_id if st.compute_id and st.device.startswith("cpu") else f"node:{st.node_id}"
+                for st in statuses})
 
 
 class Pipeline:

@@ -13,6 +13,10 @@ for 4 to 8 rows, and for those sizes reads the weights close to the memory's spe
 A row's numbers then depend only on its own kind, never on how a step was batched: a request
 gives the same tokens alone or among 64 others, and in a replay its generated tokens are
 recomputed by the kernel that first computed them.
+
+On a GPU, decode is bound by kernel launches rather than by reading weights, and one cuBLAS call
+per product is what counts: `linear` is then plain `x @ w.T` for every row (cuBLAS may still pick
+another kernel for another row count, so the same-tokens-in-any-batch property is the CPU's).
 """
 from __future__ import annotations
 
@@ -54,7 +58,9 @@ def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def decode_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [M, in] @ w: [out, in].T -> [M, out], as `w @ x.T` on chunks of 4 to 8 rows."""
+    """x: [M, in] @ w: [out, in].T -> [M, out], as `w @ x.T` on chunks of 4 to 8 rows (CPU)."""
+    if x.is_cuda:
+        return F.linear(x, w)
     m = x.shape[0]
     if m <= DECODE_CHUNK:
         return torch.mm(w, _pad(x, MIN_ROWS).t()).t()[:m].contiguous()
@@ -71,6 +77,8 @@ def prompt_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: Rows) -> torch.Tensor:
     """x: [T, in], w: [out, in] (+ b: [out]) -> [T, out], each row by its kind's kernel."""
+    if x.is_cuda:
+        return F.linear(x, w, b)
     if rows.all_decode:
         out = decode_mm(x, w)
     elif rows.all_prompt:

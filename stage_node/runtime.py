@@ -112,6 +112,7 @@ class StageRuntime:
         self.events = EventHub()
         self.started = time.monotonic()
         self.steps = self.rows = self.seq_rows = self.max_step_seqs = 0
+        self.compute_s = 0.0  # seconds spent in the runner on steps
         self.sessions_expired = 0
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -284,6 +285,7 @@ class StageRuntime:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            t0 = time.perf_counter()
             try:
                 result = await self.runner.call(execute, eng.shard, eng.pool, step)
             except asyncio.CancelledError:
@@ -292,6 +294,7 @@ class StageRuntime:
                 log.exception("step failed")
                 result = StepResult(failed={p.seq.id: MeshError(f"node {self.node_id}: step failed: {exc}")
                                             for p in step.seqs})
+            self.compute_s += time.perf_counter() - t0
             if eng is self.engine:
                 self._postprocess(eng, step, result)
 

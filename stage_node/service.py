@@ -76,7 +76,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             seq_rows=rt.seq_rows, max_step_seqs=rt.max_step_seqs, uptime_s=time.monotonic() - rt.started,
             profile=wire.profile_to_proto(self.profile), version=__version__, sessions_expired=rt.sessions_expired,
             orphaned_sessions=rt.orphaned_sessions(), session_ttl_s=rt.options.session_ttl_s,
-            block_size=rt.options.block_size, compute_id=self.compute_id)
+            block_size=rt.options.block_size, compute_id=self.compute_id, compute_s=rt.compute_s)
         if eng is not None:
             a, shard, kv = eng.assignment, eng.shard, eng.kv
             reply.model_dir, reply.model_digest, reply.plan_id = a.model_dir, a.model_digest, a.plan_id
