@@ -11,6 +11,8 @@ same script measures any version of the mesh. Scenarios (all by default):
                the ratio printed is the mesh's C-concurrent aggregate / llama.cpp's one stream.
   prefix       two requests sharing a ~500-token system prompt (a fresh one every round): time to
                first token of the second / of the first.
+  microbatches the S-stage mesh with --micro-batches 1..S, C concurrent requests, interleaved
+               (not run by default).
   admission    N requests of 200 tokens submitted at once to a 2-stage mesh with --max-kv-mib K: the
                most sequences open on both stages at once (sampled every 20 ms), how many completed,
                how many failed; three kinds of request (ADMISSION_VARIANTS): 200-token prompts and
@@ -242,13 +244,37 @@ def scenario_admission(args, model_dir, work) -> dict:
     return out
 
 
+def scenario_microbatches(args, model_dir, work) -> dict:
+    """The same S-stage mesh with --micro-batches 1, 2, ... S, C concurrent requests, interleaved."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.concurrency)]
+    meshes = {}
+    try:
+        for m in range(1, args.stages + 1):
+            meshes[m] = LocalMesh(args.stages, model_dir, work / f"mb{m}", threads=args.threads, device=args.device,
+                                  controller_args=("--micro-batches", str(m))).__enter__()
+        for mesh in meshes.values():
+            concurrent(mesh.controller_address, prompts, 8)
+        rates = {m: [] for m in meshes}
+        for r in range(args.rounds):
+            for m, mesh in meshes.items():
+                wall, _ = concurrent(mesh.controller_address, prompts, args.tokens)
+                rates[m].append(args.concurrency * args.tokens / wall)
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} micro-batches {v[-1]:.1f} tok/s"
+                                                              for m, v in rates.items()), file=sys.stderr)
+    finally:
+        for mesh in meshes.values():
+            mesh.stop()
+    return {str(m): statistics.median(v) for m, v in rates.items()}
+
+
 SCENARIOS = {"concurrency": scenario_concurrency, "llamacpp": scenario_llamacpp, "prefix": scenario_prefix,
-             "admission": scenario_admission}
+             "admission": scenario_admission, "microbatches": scenario_microbatches}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scenarios", default="concurrency,llamacpp,prefix,admission",
+                    help=f"comma-separated, of: {', '.join(SCENARIOS)}")
     ap.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--stages", type=int, default=3)

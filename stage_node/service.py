@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from logicpipe.errors import ResourceExhausted
+from logicpipe.errors import InvalidArgument, ResourceExhausted, Unavailable
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from stage_node import __version__, wire
 from stage_node.runtime import Assignment, StageRuntime
@@ -93,14 +93,12 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
 
     async def Echo(self, request, context):
         if request.reply_bytes > MAX_ECHO_BYTES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"reply_bytes {request.reply_bytes} over the {MAX_ECHO_BYTES}-byte cap")
+            raise InvalidArgument(f"reply_bytes {request.reply_bytes} over the {MAX_ECHO_BYTES}-byte cap")
         if max(request.reply_bytes, len(request.payload)) <= LARGE_ECHO_BYTES:
             return stage_pb2.EchoReply(payload=bytes(request.reply_bytes))
         if self._large_echoes >= LARGE_ECHOES:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"node {self.runtime.node_id} is already answering {LARGE_ECHOES} large Echo calls; "
-                                "retry when they are done")
+            raise ResourceExhausted(f"node {self.runtime.node_id} is already answering {LARGE_ECHOES} large Echo "
+                                    "calls; retry when they are done")
         self._large_echoes += 1
         try:
             return stage_pb2.EchoReply(payload=bytes(request.reply_bytes))
@@ -111,13 +109,12 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         from stage_node.linkprobe import measure_link
 
         if not request.target_address or len(request.target_address) > 256:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_address must be a host:port of 1 to 256 characters")
+            raise InvalidArgument("target_address must be a host:port of 1 to 256 characters")
         if request.probes > MAX_PROBES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probes {request.probes} over the cap of {MAX_PROBES}")
+            raise InvalidArgument(f"probes {request.probes} over the cap of {MAX_PROBES}")
         if self._measure_waiting >= MAX_MEASURE_WAITING:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"node {self.runtime.node_id} has {MAX_MEASURE_WAITING} link measurements waiting; "
-                                "retry when they are done")
+            raise ResourceExhausted(f"node {self.runtime.node_id} has {MAX_MEASURE_WAITING} link measurements "
+                                    "waiting; retry when they are done")
         self._measure_waiting += 1
         try:
             await self._measuring.acquire()  # one measurement at a time, the others wait their turn
@@ -129,10 +126,10 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
                                                         min(request.payload_bytes or 2**20, MAX_ECHO_BYTES))
             except grpc.aio.AioRpcError as exc:
                 detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"{request.target_address} is not a reachable stage node: {exc.code().name} {detail}")
+                raise Unavailable(f"{request.target_address} is not a reachable stage node: {exc.code().name} "
+                                  f"{detail}") from None
             except asyncio.TimeoutError:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.target_address} did not answer in time")
+                raise Unavailable(f"{request.target_address} did not answer in time") from None
         finally:
             self._measuring.release()
         return stage_pb2.MeasureLinkReply(latency_s=latency, bandwidth=bandwidth)

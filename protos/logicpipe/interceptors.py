@@ -20,8 +20,10 @@ class _Malformed:
         self.error = error
 
 
-def _message(m: _Malformed) -> str:
-    return f"the request does not parse as its protobuf message ({m.error}); is the client speaking logicpipe.v1?"
+async def _refuse_malformed(request, context) -> None:
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as its protobuf message "
+                                                              f"({request.error}); is the client speaking logicpipe.v1?")
 
 
 class ServiceErrors(grpc.aio.ServerInterceptor):
@@ -37,51 +39,32 @@ class ServiceErrors(grpc.aio.ServerInterceptor):
             except (DecodeError, ValueError, TypeError) as exc:
                 return _Malformed(exc)
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary_unary(request, context):
-                if isinstance(request, _Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(request))
-                try:
-                    return await inner(request, context)
-                except MeshError as err:
-                    await context.abort(err.code, str(err))
-            return handler._replace(request_deserializer=tolerant, unary_unary=unary_unary)
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request, context):
-                if isinstance(request, _Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(request))
-                try:
-                    async for reply in inner_us(request, context):
-                        yield reply
-                except MeshError as err:
-                    await context.abort(err.code, str(err))
-            return handler._replace(request_deserializer=tolerant, unary_stream=unary_stream)
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+               ("stream" if handler.response_streaming else "unary")
+        inner = getattr(handler, kind)
 
         async def checked(requests, context):
             async for request in requests:
-                if isinstance(request, _Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(request))
+                await _refuse_malformed(request, context)
                 yield request
 
-        if handler.stream_unary is not None:
-            inner_su = handler.stream_unary
+        async def parsed(request, context):
+            if handler.request_streaming:
+                return checked(request, context)
+            await _refuse_malformed(request, context)
+            return request
 
-            async def stream_unary(requests, context):
+        if handler.response_streaming:
+            async def behavior(request, context):
                 try:
-                    return await inner_su(checked(requests, context), context)
+                    async for reply in inner(await parsed(request, context), context):
+                        yield reply
                 except MeshError as err:
                     await context.abort(err.code, str(err))
-            return handler._replace(request_deserializer=tolerant, stream_unary=stream_unary)
-        inner_ss = handler.stream_stream
-
-        async def stream_stream(requests, context):
-            try:
-                async for reply in inner_ss(checked(requests, context), context):
-                    yield reply
-            except MeshError as err:
-                await context.abort(err.code, str(err))
-        return handler._replace(request_deserializer=tolerant, stream_stream=stream_stream)
+        else:
+            async def behavior(request, context):
+                try:
+                    return await inner(await parsed(request, context), context)
+                except MeshError as err:
+                    await context.abort(err.code, str(err))
+        return handler._replace(request_deserializer=tolerant, **{kind: behavior})

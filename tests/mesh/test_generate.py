@@ -89,11 +89,21 @@ def test_each_stage_holds_only_its_shard(mesh, hf_model):
     assert sum(1 for s in statuses if s.tied_copy_count) == (1 if mesh.n_stages > 1 else 0)
 
 
+def stage_status(address: str) -> stage_pb2.StatusReply:
+    with grpc.insecure_channel(address) as ch:
+        return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
+
+
 def test_concurrent_requests_share_the_pipeline(mesh, reference):
+    first = mesh.stage_addresses[[stage_status(a).stage_index for a in mesh.stage_addresses].index(0)]
+    before = stage_status(first)
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda p: submit(mesh.controller_address, p)[0], PROMPTS[:3]))
     for prompt, ids in zip(PROMPTS[:3], results):
         assert ids == reference[prompt]
+    after = stage_status(first)
+    # they shared steps: fewer steps than sequence-steps (one after another, the two would be equal)
+    assert after.seq_rows - before.seq_rows > (after.steps - before.steps) * 1.5
 
 
 def test_lpctl_json_and_stream(mesh, model_dir):

@@ -243,22 +243,39 @@ def test_submit_without_a_pipeline_is_unavailable(runner, model_dir):
             assert st.state == "planning" and not st.stages
             assert [(n.address, n.reachable) for n in st.nodes] == [(nowhere, False)]
             assert nowhere in st.nodes[0].error
-            # starting on that node fails naming it; with no node at all, saying what to give
+            # starting on that node fails naming it
             with pytest.raises(Unavailable, match=re.escape(nowhere)):
-                await ctl.app.start()
-            ctl.app.nodes = []
-            with pytest.raises(Unavailable, match="--nodes"):
                 await ctl.app.start()
             await expect_status(submit(ctl, prompt="Hello", max_tokens=2), grpc.StatusCode.UNAVAILABLE,
                                 "no pipeline")
             await expect_status(ctl.stub.Plan(controller_pb2.PlanRequest(), timeout=RPC_TIMEOUT_S),
                                 grpc.StatusCode.UNAVAILABLE, "not profiled")
-            # a node started with --no-profile cannot be planned for
-            async with stage_node("unmeasured", profiled=False) as node:
-                ctl.app.nodes = [node.address]
+        # with no node at all, saying what to give
+        async with controller(model_dir, [], start=False) as ctl:
+            with pytest.raises(Unavailable, match="--nodes"):
+                await ctl.app.start()
+        # a node started with --no-profile cannot be planned for
+        async with stage_node("unmeasured", profiled=False) as node:
+            async with controller(model_dir, [node.address], start=False) as ctl:
                 with pytest.raises(Unavailable, match="unmeasured.*--no-profile"):
                     await ctl.app.start()
-                assert (await node.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).state == "idle"
+            assert (await node.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).state == "idle"
+    arun(runner, main())
+
+
+def test_a_huge_prompt_is_refused_before_any_work_while_others_are_served(runner, mesh, monkeypatch):
+    """30 MiB of prompt used to be tokenized inside the handler (~0.5 s per MiB), freezing every
+    other user; now it is refused before it is tokenized, and a request beside it runs as usual."""
+    app = mesh.ctl.app
+    seen: list[int] = []
+    real = app.encode_prompt
+    monkeypatch.setattr(app, "encode_prompt", lambda prompt, raw: seen.append(len(prompt)) or real(prompt, raw))
+
+    async def main():
+        small = asyncio.ensure_future(submit(mesh.ctl, prompt="Hi", max_tokens=6))
+        await expect_status(submit(mesh.ctl, prompt="x" * (30 * 2**20)), IA, "over the cap")
+        check_finished_stream(await small, mesh, 6)
+        assert seen == [2], f"the huge prompt was tokenized: {seen}"
     arun(runner, main())
 
 
