@@ -205,11 +205,13 @@ class Pipeline:
         if h in self.stages and not h.lost:
             h.lost = True
             h.down_reason = h.down_reason or f"its event stream ended ({reason})"
+            self._pending_closes.pop(h.address, None)  # its sessions went with it
             log.warning("lost stage %s (%s): %s", h.node_id, h.address, reason)
             self._on_stage_lost(h.address, reason)
 
     async def close(self) -> None:
         stages, self.stages = self.stages, []
+        self._pending_closes.clear()
         if self._monitor is not None:
             self._monitor.cancel()
         await self._close_prompt_stream()
@@ -228,9 +230,8 @@ class Pipeline:
         results = await asyncio.gather(*(h.stub.OpenSession(request, timeout=OPEN_TIMEOUT_S) for h in self.stages),
                                        return_exceptions=True)
         errors = [(h, r) for h, r in zip(self.stages, results) if isinstance(r, BaseException)]
-        if errors:
-            await self.close_session(request.session_id, only=[h for h, r in zip(self.stages, results)
-                                                                if not isinstance(r, BaseException)])
+        if errors:  # closed everywhere: a stage whose answer timed out may still have admitted it
+            await self.close_session(request.session_id)
             h, exc = errors[0]
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise _mesh_error(exc, h.address) from exc
@@ -250,7 +251,7 @@ class Pipeline:
         for (sid, h), r in zip(pairs, results):
             gone = isinstance(r, grpc.aio.AioRpcError) and r.code() in (grpc.StatusCode.NOT_FOUND,
                                                                          grpc.StatusCode.FAILED_PRECONDITION)
-            if isinstance(r, BaseException) and not gone and h in self.stages:
+            if isinstance(r, BaseException) and not gone and h in self.stages and not h.lost:
                 self._pending_closes.setdefault(h.address, set()).add(sid)
 
     @property

@@ -60,7 +60,8 @@ class Request:
     max_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)     # handed to the client
+    received: list[int] = field(default_factory=list)   # reported by the last stage (a replay's input)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenUpdate | MeshError, to the client
     state: RequestState = RequestState.QUEUED
     session_id: str = ""      # the sequence open for it now (a new one per admission)
@@ -106,6 +107,10 @@ class Scheduler:
             return  # a session we gave up (preempted, failed, cancelled): its late events mean nothing
         if ev.HasField("token"):
             t = ev.token
+            if t.index != len(req.received):  # not the continuation of what we have: stale, ignore
+                log.warning("request %s: token index %d, expected %d", req.id, t.index, len(req.received))
+                return
+            req.received.extend(t.token_ids)
             n = len(t.token_ids)
             for i, tok in enumerate(t.token_ids):
                 last = i == n - 1
@@ -192,9 +197,14 @@ class Scheduler:
             try:
                 item = await asyncio.wait_for(req.queue.get(), 1.0)
             except asyncio.TimeoutError:
+                now = time.monotonic()
                 since = max(req.last_token, req.opened_now)
-                if req.state is RequestState.RUNNING and time.monotonic() - since > TOKEN_TIMEOUT_S:
+                if req.state is RequestState.RUNNING and now - since > TOKEN_TIMEOUT_S:
                     raise Unavailable(f"no token from the pipeline in {TOKEN_TIMEOUT_S:.0f} s") from None
+                if req.state is RequestState.QUEUED and now - req.queued_since > QUEUE_TIMEOUT_S + TOKEN_TIMEOUT_S:
+                    raise ResourceExhausted(f"waited {now - req.queued_since:.0f} s for the mesh; retry later") from None
+                if req.state is RequestState.QUEUED and req not in self.waiting:  # lost by the queue: never hang
+                    raise Unavailable("the request left the admission queue without being opened") from None
                 continue
             if isinstance(item, Exception):
                 raise item
@@ -221,7 +231,7 @@ class Scheduler:
             req.queue.put_nowait(ResourceExhausted(f"preempted {req.preemptions} times for lack of KV blocks "
                                                    f"(last: {err}); the mesh is overloaded, retry later"))
             return
-        log.info("request %s preempted (%s); replaying it with its %d tokens", req.id, err, len(req.tokens))
+        log.info("request %s preempted (%s); replaying it with its %d tokens", req.id, err, len(req.received))
         req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
         self.waiting.appendleft(req)  # the oldest work goes first
         self._hold_replays = True     # ... once a request has ended (else it would thrash)
@@ -246,7 +256,8 @@ class Scheduler:
                 await self._open(req)
             except ResourceExhausted as err:
                 if time.monotonic() - req.queued_since > QUEUE_TIMEOUT_S:
-                    self.waiting.popleft()
+                    if req in self.waiting:
+                        self.waiting.remove(req)
                     req.queue.put_nowait(ResourceExhausted(
                         f"waited {QUEUE_TIMEOUT_S:.0f} s for KV blocks on the stages ({err}); retry later"))
                     continue
@@ -256,23 +267,29 @@ class Scheduler:
                     pass
                 continue
             except MeshError as err:
-                if self.waiting and self.waiting[0] is req:
-                    self.waiting.popleft()
+                if req in self.waiting:
+                    self.waiting.remove(req)
                 req.queue.put_nowait(err)
+                continue
+            except Exception as exc:  # noqa: BLE001 — the queue must keep moving
+                log.exception("opening request %s failed", req.id)
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                req.queue.put_nowait(Unavailable(f"the controller could not open the request: {exc}"))
                 continue
 
     async def _open(self, req: Request) -> None:
         """Open the request's sequence on every stage and feed its input (prompt + tokens so far)."""
         session = uuid.uuid4().hex
-        inputs = req.prompt_ids + req.tokens
+        inputs = req.prompt_ids + req.received
         cached = await self.pipeline.open_session(stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.tokens), priority=req.priority))
-        if not self.waiting or self.waiting[0] is not req:  # its client left while it opened
+            generated=len(req.received), priority=req.priority))
+        if req not in self.waiting:  # its client left while it opened
             self.pipeline.close_session_soon(session)
             return
-        self.waiting.popleft()
+        self.waiting.remove(req)  # not popleft: a preempted request may have gone in front meanwhile
         req.session_id, req.state = session, RequestState.RUNNING
         req.opened_now = time.monotonic()
         req.opened = req.opened or req.opened_now
@@ -281,7 +298,8 @@ class Scheduler:
         for a in range(start, len(inputs), FEED_CHUNK):
             chunk = inputs[a: a + FEED_CHUNK]
             await self.pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
-                session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk)]))
+                session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk,
+                prefill_only=a + FEED_CHUNK < len(inputs))]))  # more of the input follows
 
     async def shutdown(self) -> None:
         """Fail every request and close every sequence we hold (the controller is stopping)."""

@@ -35,6 +35,10 @@ class OutOfBlocks(Exception):
         self.missing = missing
 
 
+class BadWrite(ValueError):
+    """A write that does not continue (or roll back) the sequence's positions."""
+
+
 class BlockState(IntEnum):
     FREE = 0      # nobody holds it, nothing cached in it
     RESERVED = 1  # free, but inside a live sequence's growth room (taken by others only when short)
@@ -192,7 +196,7 @@ class KVManager:
         takes new ones. All or nothing: raises OutOfBlocks before changing anything."""
         t = self.tables[seq]
         if not 0 <= start <= t.length or n < 1:
-            raise ValueError(f"cannot write {n} positions at {start} of a sequence of {t.length}")
+            raise BadWrite(f"cannot write {n} positions at {start} of a sequence of {t.length}")
         bs = self.block_size
         first, last = start // bs, (start + n - 1) // bs
         kept = min(len(t.blocks), self.blocks_for(start) if start < t.length else len(t.blocks))

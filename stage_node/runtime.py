@@ -31,6 +31,7 @@ from stage_node.shard import Shard
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+IDLE_RECHECK_S = 1.0  # an idle step loop looks again this often (stale in-flight steps, gone owners)
 MAX_PATH_CHARS = 4096
 
 
@@ -275,15 +276,20 @@ class StageRuntime:
     async def _loop(self) -> None:
         while True:
             eng = self.engine
-            if eng is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            step, failures = eng.scheduler.schedule()
-            self._report(failures)
+            step = None
+            if eng is not None:
+                try:
+                    step, failures = eng.scheduler.schedule()
+                except Exception:  # noqa: BLE001 — a bookkeeping bug must not stop the node
+                    log.exception("scheduling failed; its sequences are failed")
+                    failures = self._fail_all_pending(eng)
+                self._report(failures)
             if step is None:
                 self._wake.clear()
-                await self._wake.wait()
+                try:  # woken by new work; the timeout re-checks stale in-flight steps and gone owners
+                    await asyncio.wait_for(self._wake.wait(), IDLE_RECHECK_S)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             t0 = time.perf_counter()
             try:
@@ -295,12 +301,36 @@ class StageRuntime:
                 result = StepResult(failed={p.seq.id: MeshError(f"node {self.node_id}: step failed: {exc}")
                                             for p in step.seqs})
             self.compute_s += time.perf_counter() - t0
-            if eng is self.engine:
+            if eng is not self.engine:
+                continue
+            try:
                 self._postprocess(eng, step, result)
+            except Exception:  # noqa: BLE001
+                log.exception("postprocessing a step failed; its sequences are failed")
+                self._report([Failure(p.seq.id, p.seq.spec.owner, MeshError(f"node {self.node_id}: internal error"),
+                                      closed=True) for p in step.seqs if self._close_quietly(eng, p.seq.id)])
+
+    def _close_quietly(self, eng: Engine, session_id: str) -> bool:
+        if session_id in eng.scheduler.seqs:
+            eng.scheduler.close(session_id)
+            return True
+        return False
+
+    def _fail_all_pending(self, eng: Engine) -> list[Failure]:
+        """After a scheduling error: close every sequence with pending work (their owners replay)."""
+        out = []
+        for s in [s for s in eng.scheduler.seqs.values() if s.pending]:
+            eng.scheduler.close(s.id)
+            out.append(Failure(s.id, s.spec.owner, MeshError(f"node {self.node_id}: internal error"), closed=True))
+        eng.scheduler.inbox.clear()
+        return out
 
     def _postprocess(self, eng: Engine, step: Step, result: StepResult) -> None:
         sched = eng.scheduler
-        self._report([Failure(sid, sched.owner_of(sid), err) for sid, err in result.failed.items()])
+        # a sequence that failed here is closed here: its KV and input state end with it, and its
+        # owner (told below) closes it everywhere, or replays it
+        self._report([Failure(sid, sched.owner_of(sid), err, closed=self._close_quietly(eng, sid))
+                      for sid, err in result.failed.items()])
         done = sched.complete(step, set(result.failed))
         self.steps += 1
         self.rows += step.rows
@@ -336,7 +366,10 @@ class StageRuntime:
             self.events.emit(owner, events)
         if feeds and eng.first_link is None:  # one stage: first and last
             for w in feeds:
-                sched.feed(w)
+                try:
+                    sched.feed(w)
+                except MeshError as err:
+                    self._report([Failure(w.session_id, sched.owner_of(w.session_id), err)])
         elif feeds:
             eng.first_link.send(wire.step_batch(feeds, gen))
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, ResourceExhausted
 from logicpipe.tensor_codec import RawTensor
-from stage_node.blocks import KVManager, OutOfBlocks, WritePlan
+from stage_node.blocks import BadWrite, KVManager, OutOfBlocks, WritePlan
 from stage_node.sampling import draw
 from stage_node.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
 
@@ -177,6 +177,7 @@ class Scheduler:
             s.pending, s.pending_pos = list(w.token_ids), w.start_pos
             s.rollback = 0
         s.pending_candidates = w.num_candidates
+        s.more_input = not w.sample  # a feed marked prefill_only: more of this input follows
         s.in_flight = None
         s.status = SeqStatus.RUNNING
         s.last_active = time.monotonic()
@@ -238,8 +239,10 @@ class Scheduler:
             if room <= 0 or len(chosen) >= b.max_seqs:
                 break
             n = min(room, len(s.pending))
-            if n < len(s.pending):  # a chunk before the last never cuts into the candidates
-                n = min(n, len(s.pending) - s.pending_candidates)
+            if n < len(s.pending) and s.pending_candidates:  # the last chunk keeps the row before them
+                n = min(n, len(s.pending) - s.pending_candidates - 1)
+            if n < 1:
+                continue
             chosen.append((s, n))
             rows += n
         if not chosen:
@@ -251,7 +254,8 @@ class Scheduler:
             if s.id not in self.seqs:  # preempted for an older sequence of this step
                 continue
             whole = n == len(s.pending)
-            w = SeqWork(s.id, s.pending_pos, tuple(s.pending[:n]), sample=whole,
+            sample = whole and not s.more_input  # the last of its input so far, and nothing more to come
+            w = SeqWork(s.id, s.pending_pos, tuple(s.pending[:n]), sample=sample,
                         num_candidates=s.pending_candidates if whole else 0)
             try:
                 step.seqs.append(self._plan(s, w, planned, failures))
@@ -264,6 +268,7 @@ class Scheduler:
             s.last_step = step.id
             if whole:
                 s.pending_candidates = 0
+            if sample:
                 s.in_flight, s.in_flight_since = step.id, time.monotonic()
         return (step if step.seqs else None), failures
 
@@ -319,6 +324,8 @@ class Scheduler:
             try:
                 plan = self.kv.prepare_write(s.id, w.start_pos, w.num_tokens)
                 break
+            except BadWrite as exc:
+                raise FailedPrecondition(f"session {s.id} on node {self.node_id}: {exc}") from exc
             except OutOfBlocks as exc:
                 victims = sorted((v for v in self.seqs.values() if v.id not in planned and v.age > s.age),
                                  key=lambda v: v.age, reverse=True)

@@ -64,6 +64,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)
     pending_pos: int = 0                   # position of pending[0] (== next input position when empty)
     pending_candidates: int = 0            # the last k of pending are candidates
+    more_input: bool = False               # the last feed said more input follows (a prompt in parts)
     in_flight: int | None = None           # id of the step whose token has not come back
     in_flight_since: float = 0.0
     last_step: int = 0                     # id of the last step that included it (round robin)
@@ -84,8 +85,9 @@ class Sequence:
 
     def is_decode_ready(self) -> bool:
         """Stage 0: one real token (plus candidates) waits and no sampled step of it is out."""
-        return self.in_flight is None and len(self.pending) - self.pending_candidates == 1
+        return (self.in_flight is None and not self.more_input
+                and len(self.pending) - self.pending_candidates == 1)
 
     def is_prefill_ready(self) -> bool:
-        """Stage 0: a prompt (or replay) waits: more than one real token."""
-        return len(self.pending) - self.pending_candidates > 1
+        """Stage 0: a prompt (or replay) waits: more than one real token, or a part of one."""
+        return len(self.pending) - self.pending_candidates > 1 or (self.more_input and bool(self.pending))

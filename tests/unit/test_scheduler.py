@@ -121,3 +121,31 @@ def test_input_at_the_wrong_position_is_refused_for_that_sequence():
     admit_and_prefill(sched, ["a"])
     with pytest.raises(FailedPrecondition, match="position 9"):
         sched.feed(SeqWork("a", 9, (1,)))
+
+
+def test_a_prompt_fed_in_parts_is_sampled_after_its_last_part_only():
+    sched = first_stage()
+    sched.admit(spec("p", prompt=range(10), capacity=24))
+    sched.feed(SeqWork("p", 0, tuple(range(6)), sample=False))  # more of the prompt follows
+    step, _ = sched.schedule()
+    (first,) = step.seqs
+    assert first.work.num_tokens == 6 and not first.work.sample
+    sched.complete(step, set())
+    assert sched.schedule()[0] is None  # nothing to do until the rest arrives: no decode of a half prompt
+    sched.feed(SeqWork("p", 6, tuple(range(6, 10))))
+    step, _ = sched.schedule()
+    (last,) = step.seqs
+    assert (last.work.start_pos, last.work.num_tokens, last.work.sample) == (6, 4, True)
+
+
+def test_a_chunk_before_the_candidates_leaves_the_row_that_samples_the_first():
+    sched = first_stage(budget=Budget(max_tokens=4, max_seqs=8))
+    sched.admit(spec("c", prompt=range(8), capacity=24))
+    sched.feed(SeqWork("c", 0, tuple(range(6)), num_candidates=2))  # 4 real tokens + 2 candidates
+    works = []
+    while sched.seqs["c"].pending:
+        step, _ = sched.schedule()
+        works += [p.work for p in step.seqs]
+        sched.complete(step, set())
+    # the budget would allow 4 rows, but the last real token must travel with the candidates
+    assert [(w.num_tokens, w.num_candidates, w.sample) for w in works] == [(3, 0, False), (3, 2, True)]
