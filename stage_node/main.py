@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
-import socket
+from pathlib import Path
 
 from logicpipe import grpc_options
 from logicpipe.health import add_health
@@ -27,7 +27,22 @@ GOMP_SPINCOUNT = "20000"
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="logicpipe-stage", description="Run a LogicPipe stage node.")
     ap.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT to serve on (default %(default)s)")
-    ap.add_argument("--node-id", default=None, help="stable id of this node (default HOSTNAME-PORT)")
+    ap.add_argument("--node-id", default=None,
+                    help="stable id of this node (default: made once per host, device and port, and kept in the "
+                         "state directory)")
+    ap.add_argument("--state-dir", default=None,
+                    help="where the node keeps its identity and pulled weights (default $STATE_DIRECTORY, else "
+                         "$XDG_STATE_HOME/logicpipe, else ~/.local/state/logicpipe)")
+    ap.add_argument("--controller", default=None, metavar="HOST:PORT",
+                    help="register with this controller (networks without multicast; mDNS needs no flag)")
+    ap.add_argument("--model-dir", default=None,
+                    help="this node's copy of the model (default: the directory the controller names); a node "
+                         "without it, or with another model there, pulls its layers from the controller")
+    ap.add_argument("--mdns-interface", default=None, metavar="ADDR",
+                    help="advertise by mDNS on the interface with this address only (e.g. 127.0.0.1)")
+    ap.add_argument("--mesh", default="default",
+                    help="the mesh to advertise in (nodes and controllers of one mesh share its name; default %(default)s)")
+    ap.add_argument("--no-mdns", action="store_true", help="do not advertise by mDNS")
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"],
                     help="compute device (default cuda when available, else cpu)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
@@ -51,6 +66,8 @@ def cuda_available() -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from logicpipe.identity import default_state_dir, node_identity
+    from stage_node.membership import StageMembership
     from stage_node.runner import Runner
     from stage_node.runtime import StageOptions, StageRuntime
     from stage_node.scheduler import Budget
@@ -65,15 +82,18 @@ async def serve(args: argparse.Namespace) -> None:
     if device == "cuda" and not has_cuda:
         raise SystemExit("--device cuda but torch sees no CUDA device")
     host, _, port = args.listen.rpartition(":")
-    node_id = args.node_id or f"{socket.gethostname()}-{port}"
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
+    node_id = args.node_id or node_identity(state_dir, device, int(port))
     from stage_node.profile import compute_id, host_profile
 
     profile = None if args.no_profile else await runner.call(host_profile, device)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s)
-    runtime = StageRuntime(node_id, device, options=options, runner=runner)
+    runtime = StageRuntime(node_id, device, options=options, runner=runner, pull_root=state_dir / "models",
+                           local_model_dir=args.model_dir)
+    servicer = StageNodeServicer(runtime, profile, await runner.call(compute_id, device))
     server = grpc_options.new_server()
-    stage_pb2_grpc.add_StageNodeServicer_to_server(StageNodeServicer(runtime, profile, await runner.call(compute_id, device)), server)
+    stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, SERVICE_NAME)
     bound = server.add_insecure_port(args.listen)
     if bound == 0:
@@ -81,8 +101,15 @@ async def serve(args: argparse.Namespace) -> None:
     runtime.start()
     await server.start()
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
-    await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0)
-    await runtime.stop()
+    members = StageMembership(runtime, f"{host}:{bound}", controller=args.controller,
+                              mdns=not args.no_mdns, mdns_interface=args.mdns_interface, mesh=args.mesh,
+                              profile_digest=servicer.profile_digest())
+    try:
+        await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0, ready=members.start,
+                                    on_stop=members.leave, alive=runtime.alive)
+    finally:
+        await members.close()
+        await runtime.stop()
 
 
 def main(argv=None) -> None:

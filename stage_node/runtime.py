@@ -56,6 +56,7 @@ class Assignment:
     model_digest: str = ""
     generation: int = 0     # plan generation: steps of another generation are refused (0: accept any)
     micro_batches: int = 0  # stage 0: sampled steps in flight at once (0: one per stage)
+    controller_address: str = ""  # where to pull weights from and to say we leave ("" = unknown)
 
     @property
     def first(self) -> bool:
@@ -99,11 +100,12 @@ class Engine:
     scheduler: Scheduler
     next_link: PeerLink | None = None
     first_link: PeerLink | None = None
+    shard_dir: str = ""  # where the weights were loaded from (the model dir, or the pull cache)
 
 
 class StageRuntime:
     def __init__(self, node_id: str, device: str = "cpu", *, options: StageOptions = StageOptions(),
-                 runner: Runner | None = None):
+                 runner: Runner | None = None, pull_root=None, local_model_dir: str | None = None):
         self.node_id = node_id
         self.device = device
         self.options = options
@@ -115,15 +117,25 @@ class StageRuntime:
         self.steps = self.rows = self.seq_rows = self.max_step_seqs = 0
         self.compute_s = 0.0  # seconds spent in the runner on steps
         self.sessions_expired = 0
+        self.weights_pulled_bytes = 0
+        self.pull_root = pull_root  # where pulled tensors are cached (None: never pull)
+        self.local_model_dir = local_model_dir  # --model-dir: our copy (None: the directory the controller names)
+        self.stopping = False       # leaving (SIGTERM): the controller plans without it
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._assign_lock = asyncio.Lock()
+        self._step_lock = asyncio.Lock()  # held while a step computes (a re-assignment waits for it)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         for coro, name in ((self._loop(), "stage-loop"), (self._janitor(), "stage-janitor")):
             task = asyncio.create_task(coro, name=name)
             self._tasks.add(task)
+
+    def alive(self) -> bool:
+        """The step loop and the janitor still run (systemd's watchdog stops hearing from a node
+        whose loop died, and restarts it)."""
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -135,54 +147,104 @@ class StageRuntime:
 
     # ---- assignment ------------------------------------------------------------------------
     async def assign(self, a: Assignment) -> Engine:
-        """Load `a` fully, then put it in place of the assignment in force (whose sessions end)."""
+        """Load `a` fully, then put it in place of the assignment in force (whose sessions end).
+        A new plan that keeps this node's layers keeps its weights and KV pool: no load, and the
+        prefix cache still holds what was computed (replays attach it instead of recomputing)."""
         a.check()
         async with self._assign_lock:
             if self.engine is not None and self.engine.assignment == a:
                 return self.engine
-            try:
-                config = await asyncio.to_thread(ModelConfig.from_dir, a.model_dir)
-            except ModelError as exc:
-                raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
-            except OSError as exc:
-                raise FailedPrecondition(f"node {self.node_id} cannot read the model directory "
-                                         f"{a.model_dir[:200]}: {exc.strerror or exc}") from exc
-            if config.num_layers != a.num_layers:
-                raise InvalidArgument(f"the model at {a.model_dir} has {config.num_layers} layers, not {a.num_layers}")
-            if a.model_digest:
-                try:
-                    mine = await asyncio.to_thread(model_digest, a.model_dir)
-                except ModelError as exc:
-                    raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
-                if mine != a.model_digest:
-                    raise FailedPrecondition(
-                        f"node {self.node_id}: the model at {a.model_dir} differs from the controller's "
-                        f"(digest {mine} != {a.model_digest}); copy the same model here")
+            model_dir = await self._model_dir_for(a)
+            old = self.engine
+            if old is not None and self._same_weights(old.assignment, a) and old.shard_dir == model_dir:
+                async with self._step_lock:  # no step of the old engine is computing into the pool
+                    self.engine = self._new_engine(a, old.shard, old.pool, old.kv, model_dir)
+                    await self._drop_engine(old, "the stage was re-assigned")
+                self._wake.set()
+                log.info("re-assigned as stage %d/%d of plan generation %d, keeping layers [%d, %d)",
+                         a.stage_index, a.num_stages, a.generation, a.start, a.end)
+                return self.engine
             before = self.state
             self.state = NodeState.LOADING
             try:
-                shard, pool = await self.runner.call(self._load, a)
+                shard, pool = await self.runner.call(self._load, a, model_dir)
             except Exception as exc:  # noqa: BLE001 — whatever broke, the assignment in force stays
                 self.state = before
                 keeps = "it keeps its previous assignment" if self.engine else "it stays unassigned"
                 raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}) of "
                                          f"{a.model_dir[:200]}: {str(exc).splitlines()[0][:300]}; {keeps}") from exc
-            old, self.engine = self.engine, self._new_engine(a, shard, pool)
-            if old is not None:
-                await self._drop_engine(old, "the stage was re-assigned")
+            async with self._step_lock:
+                old, self.engine = self.engine, self._new_engine(a, shard, pool, None, model_dir)
+                if old is not None:
+                    await self._drop_engine(old, "the stage was re-assigned")
             self.state = NodeState.READY
             self._wake.set()
             log.info("assigned layers [%d, %d) of %s as stage %d/%d (%d parameters, %d KV blocks of %d)",
-                     a.start, a.end, a.model_dir, a.stage_index, a.num_stages, shard.parameter_count,
+                     a.start, a.end, model_dir, a.stage_index, a.num_stages, shard.parameter_count,
                      pool.num_blocks, pool.block_size)
             return self.engine
 
-    def _load(self, a: Assignment) -> tuple[Shard, KVPool]:
+    @staticmethod
+    def _same_weights(old: Assignment, new: Assignment) -> bool:
+        return (old.model_dir, old.model_digest, old.start, old.end, old.num_layers, old.dtype) == \
+            (new.model_dir, new.model_digest, new.start, new.end, new.num_layers, new.dtype)
+
+    async def _model_dir_for(self, a: Assignment) -> str:
+        """The directory to load `a` from: the assigned model directory when this node has it (and
+        its digest matches), else the tensors pulled from the controller into the state directory."""
+        local = self.local_model_dir or a.model_dir
+        try:
+            config = await asyncio.to_thread(ModelConfig.from_dir, local)
+        except (ModelError, OSError) as exc:
+            if a.controller_address and a.model_digest and self.pull_root is not None:
+                return await self._pull(a)
+            if isinstance(exc, ModelError):
+                raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
+            raise FailedPrecondition(f"node {self.node_id} cannot read the model directory "
+                                     f"{local[:200]}: {exc.strerror or exc}") from exc
+        if config.num_layers != a.num_layers:
+            raise InvalidArgument(f"the model at {local} has {config.num_layers} layers, not {a.num_layers}")
+        if a.model_digest:
+            try:
+                mine = await asyncio.to_thread(model_digest, local)
+            except ModelError as exc:
+                raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
+            if mine != a.model_digest:
+                if a.controller_address and self.pull_root is not None:
+                    log.warning("the model at %s differs from the controller's (digest %s != %s): pulling its "
+                                "layers instead", local, mine, a.model_digest)
+                    return await self._pull(a)
+                raise FailedPrecondition(
+                    f"node {self.node_id}: the model at {local} differs from the controller's "
+                    f"(digest {mine} != {a.model_digest}); copy the same model here")
+        return local
+
+    async def _pull(self, a: Assignment) -> str:
+        """Pull the assignment's tensors (those not cached yet) from the controller."""
+        from stage_node.weight_cache import pull_assignment
+
+        before = self.state
+        self.state = NodeState.LOADING
+        try:
+            result = await pull_assignment(a.controller_address, a.model_digest, a.start, a.end, a.num_layers,
+                                           self.pull_root)
+        except MeshError:
+            self.state = before
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.state = before
+            raise Unavailable(f"node {self.node_id} could not pull layers [{a.start}, {a.end}) from the "
+                              f"controller at {a.controller_address}: {exc}") from exc
+        self.state = before
+        self.weights_pulled_bytes += result.pulled_bytes
+        return str(result.path)
+
+    def _load(self, a: Assignment, model_dir: str) -> tuple[Shard, KVPool]:
         """Runner thread: the shard's weights and an empty KV pool sized by --max-kv-mib."""
         import torch
 
         dtype = getattr(torch, a.dtype)
-        shard = Shard.load(a.model_dir, a.start, a.end, first=a.first, last=a.last, device=self.device, dtype=dtype)
+        shard = Shard.load(model_dir, a.start, a.end, first=a.first, last=a.last, device=self.device, dtype=dtype)
         bs = self.options.block_size
         block_bytes = bs * kv_bytes_per_token(shard.config, a.end - a.start, dtype)
         num_blocks = self.options.max_kv_bytes // block_bytes
@@ -190,11 +252,13 @@ class StageRuntime:
             raise ValueError(f"a KV budget of {self.options.max_kv_bytes} bytes holds no block of {block_bytes}")
         return shard, shard.new_pool(num_blocks, bs)
 
-    def _new_engine(self, a: Assignment, shard: Shard, pool: KVPool) -> Engine:
-        kv = KVManager(pool.num_blocks, pool.block_size)
+    def _new_engine(self, a: Assignment, shard: Shard, pool: KVPool, kv: KVManager | None, shard_dir: str) -> Engine:
+        """An engine for `a`; `kv` (kept from the previous engine, its sequences closed first) keeps
+        the prefix cache."""
+        kv = kv or KVManager(pool.num_blocks, pool.block_size)
         scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=self.node_id, budget=self.options.budget,
                               micro_batches=a.micro_batches or a.num_stages, is_orphaned=self._orphaned)
-        eng = Engine(a, shard, pool, kv, scheduler)
+        eng = Engine(a, shard, pool, kv, scheduler, shard_dir=shard_dir)
         if not a.last:
             eng.next_link = PeerLink(a.next_address, self._on_peer_reply, self._on_link_down,
                                      name=f"stage {a.stage_index + 1}")
@@ -292,14 +356,15 @@ class StageRuntime:
                     pass
                 continue
             t0 = time.perf_counter()
-            try:
-                result = await self.runner.call(execute, eng.shard, eng.pool, step)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 — a bad step must not stop the node
-                log.exception("step failed")
-                result = StepResult(failed={p.seq.id: MeshError(f"node {self.node_id}: step failed: {exc}")
-                                            for p in step.seqs})
+            async with self._step_lock:
+                try:
+                    result = await self.runner.call(execute, eng.shard, eng.pool, step)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 — a bad step must not stop the node
+                    log.exception("step failed")
+                    result = StepResult(failed={p.seq.id: MeshError(f"node {self.node_id}: step failed: {exc}")
+                                                for p in step.seqs})
             self.compute_s += time.perf_counter() - t0
             if eng is not self.engine:
                 continue

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 import grpc
 
+from logicpipe.grpc_options import caller_address
 from logicpipe.errors import InvalidArgument, ResourceExhausted, Unavailable
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from stage_node import __version__, wire
@@ -29,13 +31,18 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         self._measuring = asyncio.Lock()
         self._measure_waiting = 0
 
+    def profile_digest(self) -> str:
+        """12 hex of the measured profile (the mDNS record carries it: a changed profile re-plans)."""
+        return hashlib.sha256(wire.profile_to_proto(self.profile).SerializeToString(deterministic=True)).hexdigest()[:12]
+
     async def Assign(self, request, context):
         a = Assignment(
             model_dir=request.model_dir, start=request.start_layer, end=request.end_layer,
             num_layers=request.num_layers, stage_index=request.stage_index, num_stages=request.num_stages,
             next_address=request.next_address, first_address=request.first_address,
             dtype=request.dtype or "float32", plan_id=request.plan_id, model_digest=request.model_digest,
-            generation=request.generation, micro_batches=request.micro_batches)
+            generation=request.generation, micro_batches=request.micro_batches,
+            controller_address=caller_address(request.controller_address, context.peer()))
         t0 = time.monotonic()
         eng = await self.runtime.assign(a)
         return stage_pb2.AssignReply(parameter_count=eng.shard.parameter_count,
@@ -76,7 +83,8 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             seq_rows=rt.seq_rows, max_step_seqs=rt.max_step_seqs, uptime_s=time.monotonic() - rt.started,
             profile=wire.profile_to_proto(self.profile), version=__version__, sessions_expired=rt.sessions_expired,
             orphaned_sessions=rt.orphaned_sessions(), session_ttl_s=rt.options.session_ttl_s,
-            block_size=rt.options.block_size, compute_id=self.compute_id, compute_s=rt.compute_s)
+            block_size=rt.options.block_size, compute_id=self.compute_id, compute_s=rt.compute_s,
+            stopping=rt.stopping, weights_pulled_bytes=rt.weights_pulled_bytes)
         if eng is not None:
             a, shard, kv = eng.assignment, eng.shard, eng.kv
             reply.model_dir, reply.model_digest, reply.plan_id = a.model_dir, a.model_digest, a.plan_id

@@ -39,3 +39,16 @@ def new_server() -> grpc.aio.Server:
     from logicpipe.interceptors import ServiceErrors
 
     return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServiceErrors()])
+
+
+def caller_address(address: str, peer: str) -> str:
+    """`address` ("host:port"), its host taken from the gRPC peer ("ipv4:1.2.3.4:5678",
+    "ipv6:[::1]:5678") when empty or a wildcard; "" when `address` is empty."""
+    if not address:
+        return ""
+    host, _, port = address.rpartition(":")
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        kind, _, rest = peer.partition(":")
+        if kind in ("ipv4", "ipv6"):
+            host = rest.rpartition(":")[0]
+    return f"{host}:{port}" if host else ""

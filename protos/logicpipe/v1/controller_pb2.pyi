@@ -78,19 +78,29 @@ class ControllerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("address", "reachable", "error", "status")
+    __slots__ = ("address", "reachable", "error", "status", "node_id", "source", "in_plan", "drained", "down")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    IN_PLAN_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    DOWN_FIELD_NUMBER: _ClassVar[int]
     address: str
     reachable: bool
     error: str
     status: _stage_pb2.StatusReply
-    def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ...) -> None: ...
+    node_id: str
+    source: str
+    in_plan: bool
+    drained: bool
+    down: str
+    def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ..., node_id: _Optional[str] = ..., source: _Optional[str] = ..., in_plan: bool = ..., drained: bool = ..., down: _Optional[str] = ...) -> None: ...
 
 class ControllerStatusReply(_message.Message):
-    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches")
+    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +113,10 @@ class ControllerStatusReply(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PLAN_GENERATION_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPLAN_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPLAN_S_FIELD_NUMBER: _ClassVar[int]
+    REPLANS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     plan_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
@@ -115,7 +129,91 @@ class ControllerStatusReply(_message.Message):
     preemptions: int
     plan_generation: int
     micro_batches: int
-    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ...) -> None: ...
+    last_replan: str
+    last_replan_s: float
+    replans: int
+    waiting: str
+    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("address", "node_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    node_id: str
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("controller_id", "admitted", "message")
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    controller_id: str
+    admitted: bool
+    message: str
+    def __init__(self, controller_id: _Optional[str] = ..., admitted: bool = ..., message: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node_id", "timeout_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    timeout_s: float
+    def __init__(self, node_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("moved", "message")
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    moved: bool
+    message: str
+    def __init__(self, moved: bool = ..., message: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node", "undrain")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    undrain: bool
+    def __init__(self, node: _Optional[str] = ..., undrain: bool = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("plan_generation", "message")
+    PLAN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    plan_generation: int
+    message: str
+    def __init__(self, plan_generation: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PullWeightsRequest(_message.Message):
+    __slots__ = ("model_digest", "tensors", "files")
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model_digest: str
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("name", "is_file", "dtype", "shape", "offset", "total_bytes", "data", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IS_FILE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    is_file: bool
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    total_bytes: int
+    data: bytes
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., is_file: bool = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("strategy", "objective", "boundaries")

@@ -50,6 +50,26 @@ class ControllerStub(object):
                 request_serializer=logicpipe_dot_v1_dot_controller__pb2.PlanRequest.SerializeToString,
                 response_deserializer=logicpipe_dot_v1_dot_controller__pb2.PlanReply.FromString,
                 _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/logicpipe.v1.Controller/Register',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.RegisterReply.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/logicpipe.v1.Controller/Leave',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.LeaveReply.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/logicpipe.v1.Controller/Drain',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.DrainRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.DrainReply.FromString,
+                _registered_method=True)
+        self.PullWeights = channel.unary_stream(
+                '/logicpipe.v1.Controller/PullWeights',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.PullWeightsRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.WeightChunk.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer(object):
@@ -76,6 +96,38 @@ class ControllerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Register(self, request, context):
+        """Membership. A stage node started with --controller registers (and registers again every few
+        seconds, so a restarted controller re-adopts it); mDNS-found and --nodes nodes need not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """A stage node stopping (SIGTERM): the controller moves its sequences to a plan without it and
+        answers once they have moved (or at once when the node serves no plan).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """lpctl drain / undrain: take a node out of the plan (its requests move, none is lost), or let
+        it back in. Answers once the new plan serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullWeights(self, request, context):
+        """Weights for a node without the model on disk: the named tensors' raw bytes in chunks, each
+        tensor's sha256 on its first chunk; config files on request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +145,26 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Plan,
                     request_deserializer=logicpipe_dot_v1_dot_controller__pb2.PlanRequest.FromString,
                     response_serializer=logicpipe_dot_v1_dot_controller__pb2.PlanReply.SerializeToString,
+            ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.RegisterRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.RegisterReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.LeaveRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.LeaveReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.DrainRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.DrainReply.SerializeToString,
+            ),
+            'PullWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullWeights,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.PullWeightsRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.WeightChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +249,114 @@ class Controller(object):
             '/logicpipe.v1.Controller/Plan',
             logicpipe_dot_v1_dot_controller__pb2.PlanRequest.SerializeToString,
             logicpipe_dot_v1_dot_controller__pb2.PlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.Controller/Register',
+            logicpipe_dot_v1_dot_controller__pb2.RegisterRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.Controller/Leave',
+            logicpipe_dot_v1_dot_controller__pb2.LeaveRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.Controller/Drain',
+            logicpipe_dot_v1_dot_controller__pb2.DrainRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/logicpipe.v1.Controller/PullWeights',
+            logicpipe_dot_v1_dot_controller__pb2.PullWeightsRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.WeightChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,259 @@
+"""logicpipe.sdnotify against a socket the test binds; the unit files under `systemd-analyze verify`."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from logicpipe import sdnotify
+
+SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
+UNITS = {"controller": SYSTEMD_DIR / "logicpipe-controller.service", "stage": SYSTEMD_DIR / "logicpipe-stage.service"}
+VENV_BIN = "/opt/logicpipe/.venv/bin/"
+
+
+@pytest.fixture
+def notify_socket(monkeypatch):
+    """A bound AF_UNIX datagram socket standing in for systemd's; $NOTIFY_SOCKET points at it.
+    (A short temp dir: AF_UNIX paths are limited to 108 bytes.)"""
+    with tempfile.TemporaryDirectory(prefix="lp-sd-") as d:
+        path = os.path.join(d, "notify")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(path)
+        sock.setblocking(False)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        yield sock
+        sock.close()
+
+
+def drain(sock: socket.socket) -> list[bytes]:
+    """Every datagram queued on `sock` now, without waiting."""
+    got = []
+    while True:
+        try:
+            got.append(sock.recv(4096))
+        except BlockingIOError:
+            return got
+
+
+# --- notify -------------------------------------------------------------------------------------
+
+def test_notify_sends_the_fields_as_one_datagram(notify_socket):
+    assert sdnotify.notify("READY=1", "STATUS=serving on 0.0.0.0:50061")
+    assert sdnotify.notify("STOPPING=1")
+    assert drain(notify_socket) == [b"READY=1\nSTATUS=serving on 0.0.0.0:50061", b"STOPPING=1"]
+
+
+def test_notify_reaches_an_abstract_namespace_socket(monkeypatch):
+    name = f"logicpipe-test-{os.getpid()}-{os.urandom(4).hex()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        sock.setblocking(False)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert sdnotify.notify("WATCHDOG=1")
+        assert drain(sock) == [b"WATCHDOG=1"]
+
+
+def test_notify_is_a_no_op_outside_systemd(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sdnotify.notify("READY=1") is False
+
+
+def test_notify_returns_false_when_nobody_listens(monkeypatch, tmp_path):
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone"))
+    assert sdnotify.notify("READY=1") is False
+    monkeypatch.setenv("NOTIFY_SOCKET", "vsock:2:1234")  # not an AF_UNIX address
+    assert sdnotify.notify("READY=1") is False
+
+
+# --- watchdog_interval --------------------------------------------------------------------------
+
+def test_watchdog_interval_is_half_of_watchdog_usec_for_this_process(monkeypatch):
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    assert sdnotify.watchdog_interval() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert sdnotify.watchdog_interval() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
+    assert sdnotify.watchdog_interval() is None
+
+
+@pytest.mark.parametrize("usec", [None, "", "0", "-5", "soon"])
+def test_watchdog_interval_is_none_without_a_usable_watchdog_usec(monkeypatch, usec):
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    if usec is None:
+        monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    else:
+        monkeypatch.setenv("WATCHDOG_USEC", usec)
+    assert sdnotify.watchdog_interval() is None
+
+
+# --- watchdog -----------------------------------------------------------------------------------
+
+def test_watchdog_returns_at_once_when_not_configured(monkeypatch):
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    asyncio.run(asyncio.wait_for(sdnotify.watchdog(), timeout=5))
+
+
+def test_watchdog_pings_only_while_alive(monkeypatch, notify_socket):
+    monkeypatch.setenv("WATCHDOG_USEC", "20000")  # a ping every 10 ms
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    state = {"alive": True, "checks": 0}
+
+    def alive() -> bool:
+        state["checks"] += 1
+        return state["alive"]
+
+    async def checks_pass(n: int) -> None:
+        start = state["checks"]
+        while state["checks"] < start + n:
+            await asyncio.sleep(0.005)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(sdnotify.watchdog(alive))
+        try:
+            assert await asyncio.wait_for(loop.sock_recv(notify_socket, 4096), timeout=10) == b"WATCHDOG=1"
+            await asyncio.wait_for(checks_pass(2), timeout=10)
+            assert set(drain(notify_socket)) <= {b"WATCHDOG=1"}
+
+            # Wedged: pings stop. notify() sends synchronously on this loop, so every ping of the
+            # alive period is already queued when the flag flips; drain them, then expect none.
+            state["alive"] = False
+            drain(notify_socket)
+            await asyncio.wait_for(checks_pass(3), timeout=10)
+            assert drain(notify_socket) == []
+
+            state["alive"] = True  # recovered: pings resume
+            assert await asyncio.wait_for(loop.sock_recv(notify_socket, 4096), timeout=10) == b"WATCHDOG=1"
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+
+
+def test_watchdog_survives_an_alive_check_that_raises(monkeypatch, notify_socket):
+    monkeypatch.setenv("WATCHDOG_USEC", "20000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    calls = []
+
+    def alive() -> bool:
+        calls.append(1)
+        if len(calls) <= 3:
+            raise RuntimeError("liveness probe broke")
+        return True
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(sdnotify.watchdog(alive))
+        try:
+            assert await asyncio.wait_for(loop.sock_recv(notify_socket, 4096), timeout=10) == b"WATCHDOG=1"
+            assert len(calls) >= 4  # the first ping came only once alive() stopped raising
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+
+
+# --- unit files ---------------------------------------------------------------------------------
+
+def directives(text: str) -> dict[str, list[str]]:
+    """KEY -> values of a unit file's (non-comment) lines."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def env_example(kind: str) -> Path:
+    return SYSTEMD_DIR / f"{kind}.env.example"
+
+
+@pytest.mark.parametrize("kind", sorted(UNITS))
+def test_unit_is_a_notify_service_with_watchdog_state_and_hardening(kind):
+    text = UNITS[kind].read_text()
+    d = directives(text)
+    for key, value in {
+        "Type": "notify", "NotifyAccess": "main", "WatchdogSec": "30", "Restart": "on-failure",
+        "RestartSec": "3", "StateDirectory": "logicpipe", "CacheDirectory": "logicpipe",
+        "NoNewPrivileges": "true", "ProtectSystem": "strict", "ProtectHome": "true", "PrivateTmp": "true",
+        "ReadOnlyPaths": "/opt/logicpipe", "TimeoutStopSec": {"controller": "20", "stage": "40"}[kind],
+    }.items():
+        assert d.get(key) == [value], (kind, key, d.get(key))
+    assert "--nodes" not in text  # the controller finds nodes by mDNS
+    assert "DevicePolicy" not in d  # default (auto): CPU nodes and every GPU kind keep their devices
+    exec_start = d["ExecStart"][0]
+    assert "--node-id" not in exec_start  # the stage keeps its id in $STATE_DIRECTORY
+    assert exec_start.startswith(f"{VENV_BIN}logicpipe-{kind} --listen ${{LISTEN}} ")
+    assert exec_start.endswith(" $EXTRA_ARGS")
+
+
+def test_stage_unit_gives_the_gpu_groups():
+    d = directives(UNITS["stage"].read_text())
+    assert d["SupplementaryGroups"] == ["video render"]
+    assert "--device ${DEVICE}" in d["ExecStart"][0]
+
+
+@pytest.mark.parametrize("kind", sorted(UNITS))
+def test_env_example_documents_exactly_the_variables_execstart_uses(kind):
+    used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)\}?", directives(UNITS[kind].read_text())["ExecStart"][0]))
+    lines = env_example(kind).read_text().splitlines()
+    defined = {}
+    for i, line in enumerate(lines):
+        if line.strip() and not line.startswith("#"):
+            name = line.split("=", 1)[0]
+            assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", name), line
+            assert i > 0 and lines[i - 1].startswith("# "), f"{name} has no comment line above it"
+            defined[name] = line.split("=", 1)[1]
+    assert set(defined) == used
+    assert "--nodes" not in defined.get("EXTRA_ARGS", "")
+
+
+def opt_in_lines(text: str) -> list[str]:
+    """Directives the unit documents as commented-out opt-ins ("#   Key=value")."""
+    return [m.group(1) for m in re.finditer(r"^#\s{2,}([A-Z][A-Za-z]+=.*)$", text, re.M)]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_units_pass_systemd_analyze_verify(tmp_path):
+    """verify wants ExecStart's binary to exist: point it at a stub, and EnvironmentFile at the
+    example. Warnings (unknown keys, bad values) leave the exit code at 0, so any output line
+    that names one of our files counts as a failure too."""
+    stub = tmp_path / "stub"
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    files = []
+    for kind, unit in UNITS.items():
+        text = unit.read_text()
+        assert VENV_BIN in text and "EnvironmentFile=" in text
+        text = re.sub(re.escape(VENV_BIN) + r"\S+", str(stub), text)
+        text = re.sub(r"^EnvironmentFile=.*$", f"EnvironmentFile={env_example(kind)}", text, flags=re.M)
+        files.append(tmp_path / unit.name)
+        files[-1].write_text(text)
+        # The documented opt-in lines (the stage's DeviceAllow= drop-in) must verify as well.
+        extra = opt_in_lines(text)
+        if extra:
+            files.append(tmp_path / unit.name.replace(".service", "-optin.service"))
+            files[-1].write_text(text.replace("\n[Install]", "\n" + "\n".join(extra) + "\n\n[Install]"))
+    assert any("DeviceAllow=" in f.read_text() for f in files if f.name.endswith("-optin.service"))
+    proc = subprocess.run(["systemd-analyze", "verify", *map(str, files)],
+                          capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    complaints = [line for line in output.splitlines()
+                  if str(tmp_path) in line or any(f.name in line for f in files)]
+    assert complaints == [], output
