@@ -4,14 +4,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 from logicpipe import grpc_options
-from logicpipe.errors import InvalidArgument, Unavailable
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2_grpc
-from planner import Workload, format_plan_table, plan_to_json
+from planner import Link, Workload, format_plan_table, plan_to_json
 from controller import planning
+from controller.membership import NOT_PROBED, Members
 from controller.pipeline import Pipeline, StageAssignment
 from controller.scheduler import Scheduler
 
@@ -37,17 +39,34 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+REPLAN_GAIN = 0.10      # a join re-plans only when the new plan is at least this much faster (cost per step)
+DEBOUNCE_S = 0.3        # changes this close together make one re-plan
+RETRY_S = 1.0           # a re-plan that failed is tried again after this
+CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
+
+
 class ControllerApp:
+    """The model, the nodes, the plan in force and the requests. Membership changes (a node
+    joins, is drained, leaves, dies, comes back) re-plan: running requests move to the new plan
+    by replaying their tokens, so none is lost and greedy output does not change."""
+
     def __init__(self, model_dir: str | Path, nodes: list[str], *, dtype: str = "float32",
                  plan_path: str | None = None, strategy: str = "dp", objective: str = "throughput",
-                 context: int = 2048, micro_batches: int = 0):
+                 context: int = 2048, micro_batches: int = 0, address: str = "", settle_s: float = 2.0,
+                 replan_gain: float = REPLAN_GAIN, wait_for_nodes_s: float | None = None, mdns: bool = False,
+                 mesh: str = "default"):
         self.model_dir = Path(model_dir).resolve()
-        self.nodes = list(nodes)
+        self.nodes = list(nodes)  # --nodes: always members
         self.dtype = dtype
         self.plan_path = plan_path
         self.strategy = strategy
         self.objective = objective
         self.micro_batches = micro_batches  # 0: one per distinct compute device of the plan
+        self.address = address      # host:port the stages reach us at (weights, Leave)
+        self.settle_s = settle_s    # the first plan waits this long after the first node for others
+        self.mdns = mdns            # browse mDNS for nodes (else only --nodes and Register)
+        self.mesh = mesh            # ... of this mesh name
+        self.replan_gain = replan_gain
         self.plan_json = ""
         self.plan = None
         self.profiles: list = []
@@ -60,55 +79,275 @@ class ControllerApp:
         self.pipeline = Pipeline(self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
         self.scheduler = Scheduler(self.pipeline, self.config.max_position_embeddings,
                                    frozenset(self.config.eos_token_ids), self.config.vocab_size)
-        self.state = "planning"
+        if wait_for_nodes_s is not None:
+            self.scheduler.wait_for_nodes_s = wait_for_nodes_s
+        self.scheduler.on_trouble = lambda why: self.request_replan(f"a stage fault: {why}", check=True)
+        self.members = Members(self.request_replan)
+        self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
+        self.state = "waiting"
+        self.waiting = "no stage nodes yet"
+        self.last_replan, self.last_replan_s, self.replans = "", 0.0, 0
+        self.plan_changed = asyncio.Event()  # set (and replaced) each time a plan is installed or given up
+        self._reasons: list[str] = []
+        self._since = 0.0
+        self._trigger = asyncio.Event()
+        self._replanner: asyncio.Task | None = None
+        self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
+        self._browser = None
+        self.waiting_why = ""
+        self.scheduler.pause(self.waiting, blocked=True)
+
+    # ---- membership ---------------------------------------------------------------------------
+    def request_replan(self, why: str, check: bool = False) -> None:
+        """Something changed (or, `check`, may have): plan again soon."""
+        if not self._reasons:
+            self._since = time.monotonic()
+        self._reasons.append(why)
+        self._trigger.set()
 
     def _on_event(self, ev) -> None:
         self.scheduler.on_event(ev)
 
     def _on_stage_lost(self, address: str, reason: str) -> None:
         self.state = "degraded"
-        self.scheduler.on_stage_lost(address, reason)
+        self.scheduler.pause(f"stage {address} is down ({reason}); re-planning")
+        self.members.mark_down(address, reason)
+        self.request_replan(f"stage {address} lost: {reason}")
 
     def _on_stage_back(self, address: str) -> None:
-        if not self.pipeline.down:
+        if not self.pipeline.down and self.state == "degraded":
             self.state = "ready"
 
-    async def start(self) -> None:
-        """Profile the nodes and their links, plan (or reuse a saved plan), assign the stages."""
-        if not self.nodes:
-            raise Unavailable("no stage nodes given (--nodes HOST:PORT,...)")
-        statuses = await asyncio.gather(*(Pipeline.probe(a) for a in self.nodes))
-        by_id: dict[str, str] = {}
-        for addr, st in zip(self.nodes, statuses):
-            if st.node_id in by_id:
-                raise InvalidArgument(f"nodes {by_id[st.node_id]} and {addr} both call themselves {st.node_id!r}; "
-                                      "give each a distinct --node-id")
-            by_id[st.node_id] = addr
-            log.info("node %s at %s: %s, state %s", st.node_id, addr, st.device, st.state)
-        channels = {nid: grpc_options.insecure_channel(addr) for nid, addr in by_id.items()}
+    async def start(self, mdns_interface: str | None = None) -> None:
+        """Know the --nodes, browse mDNS, and plan as nodes come (the first plan waits settle_s
+        after the first node for the others)."""
+        for a in self.nodes:
+            self.members.add(a, "static")
+        self.members.start()
+        if self.mdns:
+            from logicpipe.discovery import Browser
+
+            self._browser = Browser(lambda ad: self.members.add(ad.address, "mdns"),
+                                    lambda node_id: self.members.gone(node_id, "its mDNS record was withdrawn"),
+                                    interface=mdns_interface, mesh=self.mesh)
+            await self._browser.start()
+        self._replanner = asyncio.create_task(self._replan_loop(), name="replanner")
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Until a plan serves (or `timeout` s)."""
+        deadline = time.monotonic() + timeout
+        while self.state != "ready" and time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(self.plan_changed.wait(), max(0.01, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+        return self.state == "ready"
+
+    # ---- planning -----------------------------------------------------------------------------
+    async def _replan_loop(self) -> None:
+        while True:
+            await self._trigger.wait()
+            await asyncio.sleep(DEBOUNCE_S)
+            if self.plan is None:
+                await self._settle()
+            self._trigger.clear()
+            reasons, since, self._reasons = self._reasons, self._since, []
+            why = "; ".join(dict.fromkeys(reasons)) or "a check"
+            try:
+                async with self._plan_lock:
+                    await self.replan(why, since)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — try again: requests are waiting for it
+                log.warning("re-plan (%s) failed: %s; trying again in %.0f s", why, exc, RETRY_S,
+                            exc_info=not isinstance(exc, MeshError))
+                self.state = "degraded" if self.plan else "waiting"
+                self.waiting = f"re-plan failed: {exc}"
+                await asyncio.sleep(RETRY_S)
+                self.request_replan(why)
+
+    async def _settle(self) -> None:
+        """Before the first plan: until every known node has answered once, and (with mDNS, where
+        nodes show up one by one) settle_s after the first trigger, so the first plan sees them all."""
+        deadline = self._since + self.settle_s
+        while time.monotonic() < deadline:
+            unprobed = any(m.down == NOT_PROBED for m in self.members.by_address.values())
+            if not unprobed and not self.mdns and self.members.by_address:
+                return
+            await asyncio.sleep(0.1)
+
+    def _broken(self) -> bool:
+        """The plan in force cannot serve: a stage lost or down, or its node drained or leaving."""
+        if not self.pipeline.stages:
+            return True
+        for h in self.pipeline.stages:
+            m = self.members.by_address.get(h.address)
+            if h.lost or h.down_reason or (m is not None and not m.usable):
+                return True
+        return False
+
+    async def replan(self, why: str, since: float | None = None) -> bool:
+        """Plan over the usable nodes and install the plan when the one in force is broken or the
+        new one is better by replan_gain. Returns whether a new plan was installed."""
+        since = since or time.monotonic()
+        broken = self._broken()
+        usable = [m for m in self.members.usable() if m.status is not None]
+        if not usable:
+            self._give_up(broken, "no stage nodes yet" if not self.members.by_address else
+                          "no usable stage node (" + "; ".join(f"{m.address}: {m.why_not()}"
+                                                               for m in self.members.by_address.values()) + ")")
+            return False
+        ids = {m.node_id: m.address for m in usable}
+        await self._measure_links(ids)
+        self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids})
+                         for m in usable]
         try:
-            links = await planning.measure_links({nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}, by_id)
+            if self.plan is None:
+                plan = planning.reuse_or_plan(self.plan_path, self.profiles, self.spec, self.workload, self.strategy,
+                                              self.objective)
+            else:
+                plan = planning.plan_for(self.profiles, self.spec, self.workload, self.strategy, self.objective)
+        except InvalidArgument as exc:
+            self._give_up(broken, f"no plan fits the {len(usable)} usable node(s): {exc}")
+            return False
+        if not broken and self.plan is not None:
+            same = [(s.node_id, s.start, s.end) for s in plan.stages] == \
+                   [(s.node_id, s.start, s.end) for s in self.plan.stages]
+            if same or plan.cost_s > self.plan.cost_s * (1 - self.replan_gain):
+                log.info("%s: keeping the plan in force (new plan %.1f ms/step vs %.1f)", why, plan.cost_s * 1e3,
+                         self.plan.cost_s * 1e3)
+                self.state, self.waiting = "ready", ""
+                self.scheduler.resume()  # a fault that healed before the re-plan may have paused admission
+                return False
+        await self._install(plan, ids, why, since)
+        return True
+
+    def _give_up(self, broken: bool, why: str) -> None:
+        """No plan now: when the one in force is broken, requests wait (bounded) for nodes."""
+        if not broken:
+            log.info("keeping the plan in force: %s", why)
+            self.scheduler.resume()
+            return
+        log.warning("waiting for nodes: %s", why)
+        self.state, self.waiting = "waiting", why
+        sessions = self.scheduler.detach_all()
+        self.scheduler.pause(why, blocked=True)
+        for session in sessions:
+            self.pipeline.close_session_soon(session)
+        self.plan_changed.set()
+        self.plan_changed = asyncio.Event()
+
+    async def _measure_links(self, ids: dict[str, str]) -> None:
+        """Measure the ordered pairs of `ids` not measured yet (a join measures its own links only)."""
+        pairs = [(a, b) for a in ids for b in ids if a != b and b not in self.links.get(a, {})]
+        if not pairs:
+            return
+        t0 = time.monotonic()
+        channels = {nid: grpc_options.insecure_channel(addr) for nid, addr in ids.items()}
+        try:
+            stubs = {nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}
+            for a, b, link in await planning.measure_pairs(stubs, ids, pairs):
+                self.links.setdefault(a, {})[b] = link
         finally:
             for ch in channels.values():
                 await ch.close()
-        self.profiles = [planning.device_profile(st, links[st.node_id]) for st in statuses]
-        plan = planning.reuse_or_plan(self.plan_path, self.profiles, self.spec, self.workload, self.strategy,
-                                      self.objective)
-        log.info("plan (%s, %s):\n%s", plan.strategy, plan.objective.value, format_plan_table(plan))
-        await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
-                                    [StageAssignment(by_id[s.node_id], s.start, s.end) for s in plan.stages],
-                                    self.dtype, self.micro_batches)
+        log.info("measured %d links in %.1f s", len(pairs), time.monotonic() - t0)
+
+    async def _install(self, plan, ids: dict[str, str], why: str, since: float) -> None:
+        log.info("plan (%s, %s) because %s:\n%s", plan.strategy, plan.objective.value, why, format_plan_table(plan))
+        self.state = "replanning" if self.plan is not None else "planning"
+        self.scheduler.pause(f"installing a new plan ({why})")
+        old_stages = [h for h in self.pipeline.stages if not h.lost and not h.down_reason]
+        sessions = self.scheduler.detach_all()
+        if sessions and old_stages:  # free them on the old stages still there (else their TTL does)
+            try:
+                await asyncio.wait_for(self.pipeline.close_session_many(sessions, old_stages), CLOSE_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+        try:
+            await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
+                                        [StageAssignment(ids[s.node_id], s.start, s.end) for s in plan.stages],
+                                        self.dtype, self.micro_batches, controller_address=self.address)
+        except MeshError as exc:
+            for m in self.members.usable():  # the node that failed is left out until it answers again
+                if m.address in str(exc):
+                    self.members.mark_down(m.address, f"its assignment failed: {exc}")
+            raise
         self.plan, self.plan_json = plan, plan_to_json(plan)
-        self.state = "ready"
+        self.state, self.waiting = "ready", ""
+        self.replans += 1
+        self.last_replan, self.last_replan_s = why, time.monotonic() - since
+        log.info("plan generation %d serves (%d stages) %.1f s after: %s; %d requests replay",
+                 self.pipeline.generation, len(plan.stages), self.last_replan_s, why, len(sessions))
+        self.scheduler.resume()
+        self.plan_changed.set()
+        self.plan_changed = asyncio.Event()
+
+    # ---- requests from lpctl ---------------------------------------------------------------------
+    async def drain(self, node: str, undrain: bool = False) -> str:
+        """Take a node out of planning (its requests move) or let it back in. Answers once the
+        plan that follows serves."""
+        m = self.members.find(node)
+        if m is None:
+            raise NotFound(f"no node {node!r} is known; see `lpctl status`")
+        if m.drained == (not undrain):
+            return f"node {m.node_id or m.address} is already {'drained' if m.drained else 'in planning'}"
+        m.drained = not undrain
+        why = f"node {m.node_id or m.address} {'undrained' if undrain else 'drained'}"
+        if not undrain and not self._without_it_fits(m):
+            m.drained = False
+            raise FailedPrecondition(f"no plan fits without node {m.node_id}: {self.waiting_why}")
+        await self._replan_now(why)
+        return why + f"; plan generation {self.pipeline.generation} serves"
+
+    def _without_it_fits(self, m) -> bool:
+        usable = [x for x in self.members.usable() if x.status is not None]
+        try:
+            planning.plan_for([planning.device_profile(x.status, self.links.get(x.node_id, {})) for x in usable],
+                              self.spec, self.workload, self.strategy, self.objective)
+            return bool(usable)
+        except (InvalidArgument, Unavailable) as exc:
+            self.waiting_why = str(exc) if usable else "no other usable node"
+            return False
+
+    async def leave(self, node_id: str, timeout: float) -> tuple[bool, str]:
+        """A node stops: re-plan without it; answers once its requests have moved (or timeout)."""
+        m = self.members.find(node_id)
+        if m is None:
+            return False, f"node {node_id} is not known here"
+        m.leaving = True
+        if not any(h.address == m.address for h in self.pipeline.stages):
+            return True, "it serves no stage of the plan in force"
+        try:
+            await asyncio.wait_for(self._replan_now(f"node {node_id} is stopping"), timeout)
+        except asyncio.TimeoutError:
+            return False, f"no new plan within {timeout:.0f} s"
+        moved = not any(h.address == m.address for h in self.pipeline.stages)
+        return moved, ("its requests moved to plan generation %d" % self.pipeline.generation) if moved else self.waiting
+
+    async def _replan_now(self, why: str) -> None:
+        """Re-plan now and return once the outcome serves (a new plan, or the one kept)."""
+        async with self._plan_lock:
+            await self.replan(why)
+
+    async def register(self, address: str, node_id: str) -> tuple[bool, str]:
+        other = self.members.owner_of_id(node_id, besides=address)
+        if other is not None:
+            msg = (f"node id {node_id!r} is already taken by the node at {other.address}; "
+                   "give each node a distinct --node-id (or its own --state-dir)")
+            log.error("refusing the node at %s: %s", address, msg)
+            return False, msg
+        self.members.add(address, "registered")
+        return True, ""
 
     async def plan_preview(self, strategy: str, objective: str, boundaries: list[int]) -> tuple[str, str]:
         """The plan in force (strategy "") or the plan another strategy/objective would make now."""
-        if not self.profiles:
-            raise Unavailable("the controller has not profiled its nodes yet")
         if not strategy:
             if self.plan is None:
-                raise Unavailable("no plan is in force yet")
+                raise Unavailable(f"no plan is in force yet ({self.waiting})")
             return self.plan_json, format_plan_table(self.plan)
+        if not self.profiles:
+            raise Unavailable("the controller has not profiled any node yet")
         plan = planning.plan_for(self.profiles, self.spec, self.workload, strategy, objective or self.objective,
                                  boundaries)
         return plan_to_json(plan), format_plan_table(plan)
@@ -120,5 +359,10 @@ class ControllerApp:
 
     async def close(self) -> None:
         """Fail what is in flight and close every sequence we opened, then the pipeline."""
+        if self._replanner is not None:
+            self._replanner.cancel()
+        if self._browser is not None:
+            await self._browser.close()
+        await self.members.close()
         await self.scheduler.shutdown()
         await self.pipeline.close()

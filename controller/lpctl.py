@@ -71,8 +71,12 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
         return 0
-    print(f"state {st.state}  plan {st.plan_id or '-'}  model {st.model_dir}")
-    print(f"requests: {st.active_requests} active, {st.completed_requests} completed\n")
+    print(f"state {st.state}  plan {st.plan_id or '-'} (generation {st.plan_generation})  model {st.model_dir}")
+    if st.waiting:
+        print(f"waiting: {st.waiting}")
+    if st.last_replan:
+        print(f"last re-plan: {st.last_replan} (serving {st.last_replan_s:.1f} s later; {st.replans} plans so far)")
+    print(f"requests: {st.active_requests} active, {st.queued_requests} queued, {st.completed_requests} completed\n")
     rows = [[i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}", s.device, f"{s.parameter_count:,}"]
             for i, s in enumerate(st.stages)]
     print(_table(rows, ["stage", "node", "address", "layers", "device", "parameters"]))
@@ -86,19 +90,29 @@ def cmd_nodes(args) -> int:
     rows = []
     for n in st.nodes:
         s = n.status
+        use = "in plan" if n.in_plan else ("drained" if n.drained else (n.down or "spare"))
         if not n.reachable:
-            rows.append([n.address, "-", "unreachable", "-", "-", "-", "-", n.error])
+            rows.append([n.address, n.node_id or "-", n.source, "unreachable", "-", "-", "-", "-", "-", n.error])
             continue
         p = s.profile
-        rows.append([n.address, s.node_id, s.state, s.device,
+        rows.append([n.address, s.node_id, n.source, s.state, s.device,
                      f"{s.start_layer}-{s.end_layer - 1}" if s.end_layer else "-",
                      s.open_sessions, f"{p.flops / 1e9:.0f} GFLOP/s" if p.flops else "-",
-                     f"{p.memory_bytes / 2**30:.1f} GiB" if p.memory_bytes else "-"])
+                     f"{p.memory_bytes / 2**30:.1f} GiB" if p.memory_bytes else "-", use])
+    header = ["address", "node", "found by", "state", "device", "layers", "sessions", "speed", "memory", "use"]
     if args.json:
-        print(json.dumps([dict(zip(["address", "node_id", "state", "device", "layers", "sessions", "flops",
-                                    "memory"], map(str, r))) for r in rows]))
+        print(json.dumps([dict(zip(header, map(str, r))) for r in rows]))
     else:
-        print(_table(rows, ["address", "node", "state", "device", "layers", "sessions", "speed", "memory"]))
+        print(_table(rows, header))
+    return 0
+
+
+def cmd_drain(args) -> int:
+    from logicpipe.v1 import controller_pb2
+
+    reply = _stub(args.controller).Drain(controller_pb2.DrainRequest(node=args.node, undrain=args.undrain),
+                                         timeout=args.timeout)
+    print(reply.message)
     return 0
 
 
@@ -161,6 +175,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("nodes", help="every stage node: state, device, profile")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_nodes)
+
+    p = sub.add_parser("drain", help="take a node out of the plan (its requests move to the others, none is lost)")
+    p.add_argument("node", help="node id or HOST:PORT")
+    p.set_defaults(fn=cmd_drain, undrain=False)
+
+    p = sub.add_parser("undrain", help="let a drained node back into planning")
+    p.add_argument("node", help="node id or HOST:PORT")
+    p.set_defaults(fn=cmd_drain, undrain=True)
 
     p = sub.add_parser("plan", help="show a plan: the one in force, another strategy, or one from a profiles file")
     p.add_argument("--profiles", default=None, help="profiles JSON file: plan offline, no controller needed")

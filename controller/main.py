@@ -6,7 +6,6 @@ import asyncio
 import logging
 
 from logicpipe import grpc_options
-from logicpipe.errors import MeshError
 from logicpipe.health import add_health
 from logicpipe.process import configure_logging, serve_until_signalled
 from logicpipe.v1 import controller_pb2_grpc
@@ -19,7 +18,24 @@ SERVICE_NAME = "logicpipe.v1.Controller"
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="logicpipe-controller", description="Run the LogicPipe controller.")
     ap.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve on (default %(default)s)")
-    ap.add_argument("--nodes", default="", help="stage nodes in pipeline order, HOST:PORT,HOST:PORT,...")
+    ap.add_argument("--nodes", default="",
+                    help="stage nodes to use besides those found by mDNS, HOST:PORT,... (networks without multicast)")
+    ap.add_argument("--mdns-interface", default=None, metavar="ADDR",
+                    help="browse mDNS on the interface with this address only (e.g. 127.0.0.1)")
+    ap.add_argument("--mesh", default="default",
+                    help="the mesh to use the nodes of (nodes and controllers of one mesh share its name; default %(default)s)")
+    ap.add_argument("--no-mdns", action="store_true", help="do not look for stage nodes by mDNS")
+    ap.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                    help="the address stages reach this controller at (weights, leave); default: --listen, "
+                         "a wildcard host meaning the address a stage sees the controller call from")
+    ap.add_argument("--settle-s", type=float, default=2.0,
+                    help="the first plan waits this long after the first node for others (default %(default)s)")
+    ap.add_argument("--replan-gain", type=float, default=0.10,
+                    help="a joining node re-plans only when the new plan's step cost is lower by this fraction "
+                         "(default %(default)s)")
+    ap.add_argument("--wait-for-nodes-s", type=float, default=60.0,
+                    help="with no plan that fits the nodes there are, a request waits this long for one "
+                         "(default %(default)s)")
     ap.add_argument("--model", default=None,
                     help="Llama-family safetensors model directory (default: the embedded SmolLM2-135M-Instruct, "
                          "converted on first use)")
@@ -45,26 +61,31 @@ async def serve(args: argparse.Namespace) -> None:
 
     model_dir = args.model or await asyncio.to_thread(prepare_default_model, progress=log.info)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-    app = ControllerApp(model_dir, nodes, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
-                        objective=args.objective, context=args.context, micro_batches=args.micro_batches)
     server = grpc_options.new_server()
-    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
-    health = await add_health(server, SERVICE_NAME)
     bound = server.add_insecure_port(args.listen)
     if bound == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
-    await server.start()
     host = args.listen.rpartition(":")[0]
+    app = ControllerApp(model_dir, nodes, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
+                        objective=args.objective, context=args.context, micro_batches=args.micro_batches,
+                        address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
+                        replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns,
+                        mesh=args.mesh)
+    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
+    health = await add_health(server, SERVICE_NAME)
+    await server.start()
     log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
+
+    async def ready() -> str:
+        await app.start(mdns_interface=args.mdns_interface)
+        where = "by mDNS" + (f" on {args.mdns_interface}" if args.mdns_interface else "") if not args.no_mdns else ""
+        listed = f"{len(nodes)} listed" if nodes else ""
+        return f"serving; looking for stage nodes ({', '.join(x for x in (listed, where) if x) or 'Register'})"
+
     try:
-        await app.start()
-    except (MeshError, ValueError) as err:
-        await server.stop(None)
+        await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0, ready=ready)
+    finally:
         await app.close()
-        raise SystemExit(f"logicpipe-controller: {err}") from None
-    log.info("ready: %d stages, plan %s", len(app.pipeline.stages), app.pipeline.plan_id)
-    await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0)
-    await app.close()
 
 
 def main(argv=None) -> None:

@@ -102,10 +102,12 @@ class Pipeline:
                 raise Unavailable(f"stage node {address} is unreachable: {why}") from exc
 
     async def install(self, model_dir: str, digest: str, num_layers: int, assignments: list[StageAssignment],
-                      dtype: str = "float32", micro_batches: int = 0) -> None:
-        """Push the assignments (last stage first, so each stage's successor is ready) and
-        subscribe to every stage's events. `micro_batches` 0: one per distinct compute device."""
-        await self.close()
+                      dtype: str = "float32", micro_batches: int = 0, controller_address: str = "") -> None:
+        """Push the assignments (all at once: a stage links to its successor on its first step,
+        and no step runs before every stage has its assignment) and subscribe to every stage's
+        events. `micro_batches` 0: one per distinct compute device. A stage without the model
+        on disk pulls its tensors from `controller_address`."""
+        await self.close(wait_closes=False)
         self.plan_id = uuid.uuid4().hex[:12]
         self.generation = max(self.generation + 1, int(time.time() * 1000))  # increases, across restarts too
         self.model_dir = model_dir
@@ -118,24 +120,30 @@ class Pipeline:
             ch = grpc_options.insecure_channel(a.address)
             handles.append(StageHandle(a.address, ch, stage_pb2_grpc.StageNodeStub(ch), start=a.start, end=a.end))
         n = len(handles)
-        try:
-            for i in reversed(range(n)):
-                h = handles[i]
-                req = stage_pb2.AssignRequest(
-                    model_dir=model_dir, model_digest=digest, start_layer=h.start, end_layer=h.end,
-                    num_layers=num_layers, stage_index=i, num_stages=n,
-                    next_address=handles[i + 1].address if i + 1 < n else "",
-                    first_address=handles[0].address if i > 0 else "", dtype=dtype, plan_id=self.plan_id,
-                    generation=self.generation, micro_batches=micro_batches)
-                try:
-                    reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
-                except grpc.aio.AioRpcError as exc:
-                    raise _mesh_error(exc, h.address) from exc
+
+        async def assign(i: int) -> None:
+            h = handles[i]
+            req = stage_pb2.AssignRequest(
+                model_dir=model_dir, model_digest=digest, start_layer=h.start, end_layer=h.end,
+                num_layers=num_layers, stage_index=i, num_stages=n,
+                next_address=handles[i + 1].address if i + 1 < n else "",
+                first_address=handles[0].address if i > 0 else "", dtype=dtype, plan_id=self.plan_id,
+                generation=self.generation, micro_batches=micro_batches, controller_address=controller_address)
+            try:
+                reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
                 h.parameter_count = reply.parameter_count
                 h.status = await h.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
-                h.node_id, h.device = h.status.node_id, h.status.device
-                log.info("stage %d: %s (%s) layers [%d, %d) loaded in %.1f s", i, h.node_id, h.address,
-                         h.start, h.end, reply.load_seconds)
+            except grpc.aio.AioRpcError as exc:
+                raise _mesh_error(exc, h.address) from exc
+            h.node_id, h.device = h.status.node_id, h.status.device
+            log.info("stage %d: %s (%s) layers [%d, %d) ready in %.1f s", i, h.node_id, h.address,
+                     h.start, h.end, reply.load_seconds)
+
+        try:
+            results = await asyncio.gather(*(assign(i) for i in range(n)), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
         except BaseException:
             for h in handles:
                 await h.channel.close()
@@ -209,13 +217,15 @@ class Pipeline:
             log.warning("lost stage %s (%s): %s", h.node_id, h.address, reason)
             self._on_stage_lost(h.address, reason)
 
-    async def close(self) -> None:
+    async def close(self, wait_closes: bool = True) -> None:
+        """Let go of the stages. `wait_closes`: session closes in flight get their chance to land
+        first (not when a new plan replaces this one: a stalled stage would hold it up)."""
         stages, self.stages = self.stages, []
         self._pending_closes.clear()
         if self._monitor is not None:
             self._monitor.cancel()
         await self._close_prompt_stream()
-        if self._tasks:  # closes in flight get their chance to land
+        if self._tasks and wait_closes:
             await asyncio.wait(self._tasks, timeout=RPC_TIMEOUT_S)
         for h in stages:
             if h.events_task:

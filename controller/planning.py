@@ -66,18 +66,15 @@ def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link]) -> Dev
         mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",))
 
 
-async def measure_links(stubs: dict[str, object], addresses: dict[str, str]) -> dict[str, dict[str, Link]]:
-    """links[a][b]: the link from node a to node b, as node a measures it (every ordered pair)."""
+async def measure_pairs(stubs: dict[str, object], addresses: dict[str, str],
+                        pairs: list[tuple[str, str]]) -> list[tuple[str, str, Link]]:
+    """(a, b, link from node a to node b, as node a measures it) for each ordered pair."""
     async def one(a: str, b: str) -> tuple[str, str, Link]:
         reply = await stubs[a].MeasureLink(stage_pb2.MeasureLinkRequest(target_address=addresses[b], probes=9),
                                            timeout=MEASURE_TIMEOUT_S)
         return a, b, Link(bandwidth=bucket(max(reply.bandwidth, 1.0)), latency=bucket(max(reply.latency_s, 0.0)))
 
-    pairs = [(a, b) for a in addresses for b in addresses if a != b]
-    links: dict[str, dict[str, Link]] = {a: {} for a in addresses}
-    for a, b, link in await asyncio.gather(*(one(a, b) for a, b in pairs)):
-        links[a][b] = link
-    return links
+    return list(await asyncio.gather(*(one(a, b) for a, b in pairs)))
 
 
 def plan_for(profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload, strategy: str, objective: str,

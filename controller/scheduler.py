@@ -17,7 +17,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -34,6 +34,8 @@ TOKEN_TIMEOUT_S = 120.0     # no token for this long fails a running request
 QUEUE_TIMEOUT_S = 600.0     # a request waiting for KV blocks this long fails with RESOURCE_EXHAUSTED
 MAX_QUEUED = 4096           # requests waiting at once; more are refused at once
 MAX_PREEMPTIONS = 64        # a request preempted this often fails (the mesh is thrashing)
+MAX_REPLAYS = 16            # a request replayed this often after a stage fault or a re-plan fails
+WAIT_FOR_NODES_S = 60.0     # no plan fits the nodes there are: a queued request waits this long for one
 ADMIT_RETRY_S = 0.5         # a refused admission is retried this often even if nothing finished
 
 
@@ -67,6 +69,7 @@ class Request:
     session_id: str = ""      # the sequence open for it now (a new one per admission)
     priority: int = 0         # arrival order: the stages preempt younger requests first
     preemptions: int = 0
+    replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
     submitted: float = field(default_factory=time.monotonic)
     queued_since: float = field(default_factory=time.monotonic)
     opened: float = 0.0       # first opened on the stages
@@ -95,6 +98,10 @@ class Scheduler:
         self._admitter: asyncio.Task | None = None
         self._arrivals = itertools.count(1)
         self._hold_replays = False  # a preemption happened: replays wait until some request ends
+        self.paused = ""            # why admission waits now ("" = it does not): re-planning, no plan fits
+        self.blocked_since = 0.0    # the mesh has no usable plan since then (0: it has one)
+        self.wait_for_nodes_s = WAIT_FOR_NODES_S
+        self.on_trouble: Callable[[str], None] = lambda why: None  # a stage fault seen: check the plan
 
     @property
     def running(self) -> int:
@@ -119,16 +126,38 @@ class Scheduler:
         err = from_code(ev.error.code, ev.error.message)
         if ev.error.code == code_number(grpc.StatusCode.RESOURCE_EXHAUSTED):
             self._preempted(req, err)
+        elif ev.error.code == code_number(grpc.StatusCode.UNAVAILABLE):  # a stage or link fault: replay
+            self._replay(req, err)
+            self.on_trouble(str(err))
         else:
             req.queue.put_nowait(err)
 
-    def on_stage_lost(self, address: str, reason: str) -> None:
-        err = Unavailable(f"stage {address} was lost mid-request ({reason})")
-        running, self.active = list(self.active.items()), {}
-        for session, req in running:  # closed everywhere (now, or once the stage answers again)
-            self.pipeline.close_session_soon(session)
-        for req in [r for _, r in running] + list(self.waiting):
-            req.queue.put_nowait(err)
+    # ---- re-planning (called by the app) -----------------------------------------------------
+    def detach_all(self) -> list[str]:
+        """Every running request back to the front of the queue, oldest first, to be replayed on
+        the next pipeline from its prompt and the tokens it has. Returns the sessions they had
+        (for the caller to close where they are still open)."""
+        running = sorted(self.active.items(), key=lambda kv: kv[1].priority, reverse=True)
+        self.active = {}
+        for _, req in running:
+            req.session_id, req.replays = "", req.replays + 1
+            req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
+            self.waiting.appendleft(req)
+        self._hold_replays = False
+        return [session for session, _ in running]
+
+    def pause(self, why: str, blocked: bool = False) -> None:
+        """Admission waits (`why` is told to whoever asks); `blocked`: no plan fits the nodes there
+        are, so queued requests fail after wait_for_nodes_s with `why`."""
+        self.paused = why
+        if blocked and not self.blocked_since:
+            self.blocked_since = time.monotonic()
+        elif not blocked:
+            self.blocked_since = 0.0
+
+    def resume(self) -> None:
+        self.paused, self.blocked_since = "", 0.0
+        self._kick()
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
@@ -147,7 +176,7 @@ class Scheduler:
             sampling.validate()
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        largest = self.pipeline.largest_request()
+        largest = self.pipeline.largest_request() if self.pipeline.stages else 0
         if largest and len(prompt_ids) + max_tokens > largest:
             raise ResourceExhausted(
                 f"{len(prompt_ids)} prompt tokens + {max_tokens} new tokens need more KV than a stage holds in all "
@@ -157,11 +186,6 @@ class Scheduler:
                        ignore_eos: bool = False) -> AsyncIterator[TokenUpdate]:
         """Yield each new token as the last stage reports it. Raises a MeshError on failure."""
         self.validate(prompt_ids, max_tokens, sampling)
-        if not self.pipeline.stages:
-            raise Unavailable("the mesh has no pipeline yet (no stage nodes assigned); see `lpctl status`")
-        if self.pipeline.down:
-            address, why = self.pipeline.down[0]
-            raise Unavailable(f"stage {address} is down ({why}); see `lpctl status`")
         if len(self.waiting) >= MAX_QUEUED:
             raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting for the mesh; retry later")
         if not sampling.greedy and sampling.seed is None:  # a seed of our own: replays draw the same
@@ -201,6 +225,9 @@ class Scheduler:
                 since = max(req.last_token, req.opened_now)
                 if req.state is RequestState.RUNNING and now - since > TOKEN_TIMEOUT_S:
                     raise Unavailable(f"no token from the pipeline in {TOKEN_TIMEOUT_S:.0f} s") from None
+                if (req.state is RequestState.QUEUED and self.blocked_since
+                        and now - max(req.queued_since, self.blocked_since) > self.wait_for_nodes_s):
+                    raise ResourceExhausted(f"waited {self.wait_for_nodes_s:.0f} s for the mesh: {self.paused}") from None
                 if req.state is RequestState.QUEUED and now - req.queued_since > QUEUE_TIMEOUT_S + TOKEN_TIMEOUT_S:
                     raise ResourceExhausted(f"waited {now - req.queued_since:.0f} s for the mesh; retry later") from None
                 if req.state is RequestState.QUEUED and req not in self.waiting:  # lost by the queue: never hang
@@ -218,6 +245,20 @@ class Scheduler:
         if req.session_id and self.active.get(req.session_id) is req:
             del self.active[req.session_id]
             self.pipeline.close_session_soon(req.session_id)
+        self._kick()
+
+    def _replay(self, req: Request, err: MeshError) -> None:
+        """A stage fault ended the request's sequence: replay it (on this pipeline once it is
+        healthy again, or on the next one)."""
+        del self.active[req.session_id]
+        self.pipeline.close_session_soon(req.session_id)
+        req.session_id, req.replays = "", req.replays + 1
+        if req.replays > MAX_REPLAYS:
+            req.queue.put_nowait(err)
+            return
+        log.info("request %s: %s; replaying it with its %d tokens", req.id, err, len(req.received))
+        req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
+        self.waiting.appendleft(req)
         self._kick()
 
     def _preempted(self, req: Request, err: MeshError) -> None:
@@ -249,6 +290,12 @@ class Scheduler:
         while self.waiting:
             self._wake.clear()
             req = self.waiting[0]
+            if self.paused or not self.pipeline.stages or self.pipeline.down:
+                try:  # the app resumes us; the timeout re-checks a stage that came back
+                    await asyncio.wait_for(self._wake.wait(), ADMIT_RETRY_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
             if req.preemptions and self._hold_replays and self.active:
                 await self._wake.wait()
                 continue
@@ -266,6 +313,10 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
+            except Unavailable as err:  # a stage fault: the request waits for the pipeline to heal
+                self.on_trouble(str(err))
+                await asyncio.sleep(ADMIT_RETRY_S)
+                continue
             except MeshError as err:
                 if req in self.waiting:
                     self.waiting.remove(req)
@@ -282,11 +333,13 @@ class Scheduler:
         """Open the request's sequence on every stage and feed its input (prompt + tokens so far)."""
         session = uuid.uuid4().hex
         inputs = req.prompt_ids + req.received
+        generation = self.pipeline.generation
         cached = await self.pipeline.open_session(stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
             generated=len(req.received), priority=req.priority))
-        if req not in self.waiting:  # its client left while it opened
+        if req not in self.waiting or self.pipeline.generation != generation:
+            # its client left while it opened, or a new plan came in: it opens again on that one
             self.pipeline.close_session_soon(session)
             return
         self.waiting.remove(req)  # not popleft: a preempted request may have gone in front meanwhile
@@ -295,11 +348,16 @@ class Scheduler:
         req.opened = req.opened or req.opened_now
         self.active[session] = req
         start = min(cached, len(inputs) - 1)  # at least the last input is computed: it samples the next token
-        for a in range(start, len(inputs), FEED_CHUNK):
-            chunk = inputs[a: a + FEED_CHUNK]
-            await self.pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
-                session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk,
-                prefill_only=a + FEED_CHUNK < len(inputs))]))  # more of the input follows
+        try:
+            for a in range(start, len(inputs), FEED_CHUNK):
+                chunk = inputs[a: a + FEED_CHUNK]
+                await self.pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
+                    session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk,
+                    prefill_only=a + FEED_CHUNK < len(inputs))]))  # more of the input follows
+        except Unavailable as err:
+            if self.active.get(session) is req:
+                self._replay(req, err)
+            raise
 
     async def shutdown(self) -> None:
         """Fail every request and close every sequence we hold (the controller is stopping)."""

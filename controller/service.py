@@ -5,13 +5,17 @@ import asyncio
 
 
 from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe.grpc_options import caller_address
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from controller.app import ControllerApp
 from controller.pipeline import Pipeline
+from stage_node.wire import check_id as wire_id
 from controller.scheduler import DEFAULT_MAX_TOKENS, Request
 
 
+DEFAULT_LEAVE_S = 20.0  # a stopping node's Leave waits this long for its requests to move (unless it says)
+MAX_LEAVE_S = 120.0
 STATUS_PROBE_TIMEOUT_S = 1.0  # a node that does not answer Status this fast shows as unreachable (Status answers in 2 s)
 MAX_PROMPT_CHARS = 2**20   # characters of one prompt (refused before any work beyond that)
 MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
@@ -96,10 +100,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             preemptions=app.scheduler.preemptions, plan_generation=app.pipeline.generation,
             micro_batches=app.pipeline.micro_batches)
         reply.stages.extend(stage_infos(app))
-        probes = await asyncio.gather(*(Pipeline.probe(a, timeout=STATUS_PROBE_TIMEOUT_S) for a in app.nodes),
+        reply.last_replan, reply.last_replan_s, reply.replans = app.last_replan, app.last_replan_s, app.replans
+        reply.waiting = app.waiting if app.state == "waiting" else ""
+        members = list(app.members.by_address.values())
+        probes = await asyncio.gather(*(Pipeline.probe(m.address, timeout=STATUS_PROBE_TIMEOUT_S) for m in members),
                                       return_exceptions=True)
-        for addr, probe in zip(app.nodes, probes):
-            node = controller_pb2.NodeStatus(address=addr)
+        in_plan = {h.address for h in app.pipeline.stages}
+        for m, probe in zip(members, probes):
+            node = controller_pb2.NodeStatus(address=m.address, node_id=m.node_id, source=m.source,
+                                             in_plan=m.address in in_plan, drained=m.drained, down=m.why_not())
             if isinstance(probe, MeshError):
                 node.error = str(probe)
             else:
@@ -107,6 +116,32 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 node.reachable = True
             reply.nodes.append(node)
         return reply
+
+    async def Register(self, request, context):
+        node_id = wire_id("node_id", request.node_id)
+        address = caller_address(request.address, context.peer())
+        if not address:
+            raise InvalidArgument("address must be the node's host:port (an empty host means the caller's)")
+        admitted, message = await self.app.register(address, node_id)
+        return controller_pb2.RegisterReply(controller_id=self.app.pipeline.owner, admitted=admitted, message=message)
+
+    async def Leave(self, request, context):
+        node_id = wire_id("node_id", request.node_id)
+        timeout = request.timeout_s if 0 < request.timeout_s <= MAX_LEAVE_S else DEFAULT_LEAVE_S
+        moved, message = await self.app.leave(node_id, timeout)
+        return controller_pb2.LeaveReply(moved=moved, message=message)
+
+    async def Drain(self, request, context):
+        if not request.node or len(request.node) > 256:
+            raise InvalidArgument("node must be a node id or host:port of 1 to 256 characters")
+        message = await self.app.drain(request.node, undrain=request.undrain)
+        return controller_pb2.DrainReply(plan_generation=self.app.pipeline.generation, message=message)
+
+    async def PullWeights(self, request, context):
+        from controller.weights_server import stream_weights
+
+        async for chunk in stream_weights(self.app.model_dir, self.app.digest, request, peer=context.peer()):
+            yield chunk
 
     async def Plan(self, request, context):
         try:

@@ -57,7 +57,7 @@ class LocalMesh:
 
     def __init__(self, n_stages: int, model_dir: Path | str, workdir: Path | str, *, threads: int = 1,
                  device: str = "cpu", controller_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, mdns: bool = False):
         self.n_stages = n_stages
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
@@ -66,6 +66,10 @@ class LocalMesh:
         self.controller_args = tuple(controller_args)  # extra logicpipe-controller flags
         self.stage_args = tuple(stage_args)     # extra logicpipe-stage flags, every stage
         self.env = dict(env or {})              # extra environment of every process
+        # mdns: the controller finds the stages by mDNS on 127.0.0.1 (a mesh name of its own keeps
+        # other meshes on this host out); else it gets --nodes and nobody advertises
+        self.mdns = mdns
+        self.mesh_name = f"test-{os.getpid()}-{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.stage_addresses: list[str] = []
         self.controller_address = ""
@@ -84,19 +88,53 @@ class LocalMesh:
     def start_stage(self, i: int, address: str | None = None, *extra: str) -> str:
         """Start stage process `stage{i}` (on `address`, else a free port) and wait until it serves."""
         addr = address or f"127.0.0.1:{free_port()}"
+        found = ["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns else ["--no-mdns"]
         proc, log = self._spawn(f"stage{i}", ["-m", "stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
                                               "--device", self.device, "--threads", str(self.threads),
+                                              "--state-dir", str(self.workdir / f"state{i}"), *found,
                                               *self.stage_args, *extra])
         wait_serving(addr, proc, log)
         return addr
 
-    def start_controller(self, *extra: str) -> str:
+    def start_controller(self, *extra: str, ready: bool = True) -> str:
+        """Start the controller; `ready`: wait until a plan serves (its Status says "ready")."""
         self.controller_address = self.controller_address or f"127.0.0.1:{free_port()}"
+        found = (["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns
+                 else ["--no-mdns", "--nodes", ",".join(self.stage_addresses)])
         proc, log = self._spawn("controller", [
             "-m", "controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
-            "--nodes", ",".join(self.stage_addresses), *self.controller_args, *extra])
+            *found, *self.controller_args, *extra])
         wait_serving(self.controller_address, proc, log)
+        if ready:
+            self.wait_plan(proc=proc, log=log)
         return self.controller_address
+
+    def controller_status(self, timeout: float = 5.0):
+        from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+
+        with grpc.insecure_channel(self.controller_address) as ch:
+            return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(),
+                                                                 timeout=timeout)
+
+    def wait_plan(self, stages: int | None = None, generation_above: int = 0, timeout: float = READY_TIMEOUT_S,
+                  proc: subprocess.Popen | None = None, log: Path | None = None):
+        """Until the controller serves a plan (of `stages` stages, of a generation above
+        `generation_above`); returns its Status."""
+        deadline = time.monotonic() + timeout
+        st = None
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the controller exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                st = self.controller_status()
+                if (st.state == "ready" and (stages is None or len(st.stages) == stages)
+                        and st.plan_generation > generation_above):
+                    return st
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"no plan{f' of {stages} stages' if stages else ''} after {timeout:.0f} s "
+                           f"(state {st.state if st else '?'}: {st.waiting if st else ''}):\n{self.logs()}")
 
     def __enter__(self) -> "LocalMesh":
         try:

@@ -355,7 +355,7 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
     from controller.service import ControllerServicer
     from logicpipe.v1 import controller_pb2_grpc
 
-    app = ControllerApp(model_dir, list(nodes), strategy=strategy)
+    app = ControllerApp(model_dir, list(nodes), strategy=strategy, settle_s=0.5)
     server = grpc_options.new_server()
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -366,6 +366,7 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
         await server.start()
         if start:
             await app.start()
+            assert await app.wait_ready(120), f"no plan: {app.waiting}"
         channel = grpc_options.insecure_channel(address)
         yield Controller(app, server, address, channel, controller_pb2_grpc.ControllerStub(channel))
     finally:

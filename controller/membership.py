@@ -1,0 +1,146 @@
+"""The nodes the controller knows of, however it learnt of them (`--nodes`, mDNS, a node's own
+Register call), and which of them can take part in a plan now.
+
+Every member is probed (StageNode.Status) every PROBE_S: the probe learns its id and profile,
+notices a node that stopped answering, and brings back one that answers again (a node restarted
+after a crash, on the same address, is re-admitted without anyone doing anything). What changes
+the set of usable nodes is reported through `on_change(why)`; the app re-plans on it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from logicpipe.errors import MeshError
+from logicpipe.v1 import stage_pb2
+from controller.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+PROBE_S = 2.0               # every member's Status is asked this often
+PROBE_TIMEOUT_S = 1.5
+DOWN_AFTER_MISSES = 2       # unanswered probes in a row before a node counts as down
+NOT_PROBED = "not probed yet"
+FORGET_AFTER_S = 600.0      # a discovered (not --nodes) member down this long is forgotten
+
+
+@dataclass
+class Member:
+    address: str
+    source: str                  # "static" (--nodes) | "mdns" | "registered"
+    node_id: str = ""
+    status: stage_pb2.StatusReply | None = None
+    down: str = NOT_PROBED  # why it cannot be planned on now ("" when it can)
+    down_since: float = 0.0
+    drained: bool = False         # lpctl drain: left out of planning until undrained
+    misses: int = 0               # probes unanswered in a row
+    leaving: bool = False         # it told us it stops (Leave)
+
+    @property
+    def usable(self) -> bool:
+        return not (self.down or self.drained or self.leaving)
+
+    def why_not(self) -> str:
+        return self.down or ("drained" if self.drained else "leaving" if self.leaving else "")
+
+
+class Members:
+    def __init__(self, on_change: Callable[[str], None]):
+        self.on_change = on_change
+        self.by_address: dict[str, Member] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._probe_loop(), name="members")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def usable(self) -> list[Member]:
+        return [m for m in self.by_address.values() if m.usable]
+
+    def find(self, node: str) -> Member | None:
+        """The member with this node id or address."""
+        return self.by_address.get(node) or next((m for m in self.by_address.values() if m.node_id == node), None)
+
+    def owner_of_id(self, node_id: str, besides: str = "") -> Member | None:
+        """An answering member other than at `besides` that calls itself `node_id`."""
+        return next((m for m in self.by_address.values()
+                     if m.node_id == node_id and m.address != besides and not m.down), None)
+
+    # ---- changes ------------------------------------------------------------------------------
+    def add(self, address: str, source: str) -> Member:
+        """Know of a node at `address` (probed at once; usable once it answers)."""
+        m = self.by_address.get(address)
+        if m is None:
+            m = self.by_address[address] = Member(address, source, down_since=time.monotonic())
+            log.info("node at %s known (%s); probing it", address, source)
+            asyncio.get_running_loop().create_task(self.probe(m))
+        elif m.source != "static":
+            m.source = source
+        return m
+
+    def mark_down(self, address: str, why: str) -> None:
+        m = self.by_address.get(address)
+        if m is not None and m.down in ("", NOT_PROBED):
+            m.down, m.down_since = why, time.monotonic()
+            log.warning("node %s (%s) is down: %s", m.node_id or "?", address, why)
+            self.on_change(f"node {m.node_id or address} down: {why}")
+
+    def gone(self, node_id: str, why: str) -> None:
+        """A hint (its mDNS record was withdrawn): probe it now rather than at the next round."""
+        m = self.find(node_id)
+        if m is not None:
+            asyncio.get_running_loop().create_task(self.probe(m, hint=why))
+
+    async def probe(self, m: Member, hint: str = "") -> None:
+        try:
+            st = await Pipeline.probe(m.address, timeout=PROBE_TIMEOUT_S)
+        except MeshError as exc:
+            m.misses += 1
+            if m.misses >= DOWN_AFTER_MISSES or m.down == NOT_PROBED or hint:  # one slow answer is not death
+                self.mark_down(m.address, hint or str(exc))
+            return
+        m.misses = 0
+        if st.stopping:
+            if not m.leaving:
+                m.leaving = True
+                self.on_change(f"node {st.node_id} is stopping")
+            return
+        other = self.owner_of_id(st.node_id, besides=m.address)
+        if other is not None:
+            why = f"node id {st.node_id!r} is already taken by the node at {other.address}; give each a distinct --node-id"
+            if m.down != why:
+                log.error("refusing the node at %s: %s", m.address, why)
+                m.down, m.node_id = why, ""
+                self.on_change(f"the node at {m.address} refused: {why}")
+            return
+        if not st.profile.flops or not st.profile.mem_bandwidth:
+            why = f"node {st.node_id} reports no measured profile (started with --no-profile?)"
+            if m.down != why:
+                log.warning("cannot plan on the node at %s: %s", m.address, why)
+                m.down, m.node_id, m.status = why, st.node_id, st
+                self.on_change(why)
+            return
+        was = m.down
+        m.node_id, m.status = st.node_id, st
+        if was:
+            m.down, m.leaving = "", False
+            log.info("node %s at %s is usable (%s, %s)", st.node_id, m.address, st.device,
+                     "back" if was != NOT_PROBED else "new")
+            self.on_change(f"node {st.node_id} {'joined' if was == NOT_PROBED else 'is back'}")
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_S)
+            now = time.monotonic()
+            for m in list(self.by_address.values()):
+                if m.source != "static" and m.down and now - m.down_since > FORGET_AFTER_S:
+                    log.info("forgetting node %s (%s): down for %.0f s", m.node_id or "?", m.address, now - m.down_since)
+                    del self.by_address[m.address]
+            await asyncio.gather(*(self.probe(m) for m in list(self.by_address.values())), return_exceptions=True)

@@ -1,0 +1,173 @@
+"""Mesh tier, membership: nodes found by mDNS, a node joining mid-generation (one without the
+model pulls its layers), a middle stage killed mid-generation and restarted, a node drained and a
+node stopped under load, a restarted controller re-adopting running nodes. Every request must
+end with exactly the tokens of a run without the change."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from logicpipe.localmesh import LocalMesh, free_port, wait_serving
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+pytestmark = pytest.mark.mesh
+
+PROMPT = "Write a long story about a lighthouse keeper and a storm."
+PROMPTS = [f"Tell me about {topic}." for topic in
+           ("bread", "maps", "bridges", "owls", "tides", "clocks", "glass", "salt")]
+
+
+class Generation(threading.Thread):
+    """One Submit in a thread: its tokens as they come, and how it ended."""
+
+    def __init__(self, address: str, prompt: str = PROMPT, max_tokens: int = 120, **sampling):
+        super().__init__(daemon=True)
+        self.address, self.error, self.tokens = address, None, []
+        self.request = controller_pb2.SubmitRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True,
+                                                    sampling=stage_pb2.SamplingParams(**sampling))
+        self.first_stages: list = []
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with grpc.insecure_channel(self.address) as ch:
+                for reply in controller_pb2_grpc.ControllerStub(ch).Submit(self.request, timeout=300):
+                    self.tokens += reply.token_ids
+                    self.first_stages = self.first_stages or list(reply.stages)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def wait_tokens(self, n: int, within: float = 120) -> None:
+        deadline = time.monotonic() + within
+        while len(self.tokens) < n:
+            assert self.is_alive() and time.monotonic() < deadline, f"no {n} tokens ({self.error})"
+            time.sleep(0.05)
+
+    def result(self, within: float = 300) -> list[int]:
+        self.join(within)
+        assert not self.is_alive(), "the request did not finish"
+        assert self.error is None, f"{self.error.code().name}: {self.error.details()}"
+        return self.tokens
+
+
+def run(address: str, prompt: str = PROMPT, max_tokens: int = 120, **sampling) -> list[int]:
+    return Generation(address, prompt, max_tokens, **sampling).result()
+
+
+def stage_status(address: str) -> stage_pb2.StatusReply:
+    with grpc.insecure_channel(address) as ch:
+        return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
+
+
+def lpctl(mesh: LocalMesh, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address, *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_nodes_found_by_mdns_and_a_node_without_the_model_joins_mid_generation(model_dir, tmp_path):
+    with LocalMesh(3, model_dir, tmp_path, threads=1, mdns=True) as mesh:
+        st = mesh.wait_plan(stages=3)
+        assert {n.source for n in st.nodes} == {"mdns"}, st
+        alone = run(mesh.controller_address, max_tokens=300)
+        # a 4th node with no model directory joins while a long greedy generation runs
+        gen = Generation(mesh.controller_address, max_tokens=300)
+        gen.wait_tokens(5)
+        mesh.start_stage(3, None, "--model-dir", str(tmp_path / "no-model-here"))
+        st = mesh.wait_plan(stages=4, generation_above=st.plan_generation, timeout=120)
+        assert gen.is_alive() and len(gen.tokens) < 300, "the join came after the generation had finished"
+        assert gen.result() == alone  # moved to the new plan by replaying its tokens: the same output
+        assert "stage3 joined" in st.last_replan and 0 < st.last_replan_s < 60
+        joined = next(s for s in st.stages if s.node_id == "stage3")
+        assert stage_status(joined.address).weights_pulled_bytes > 0  # it had no model: it pulled its layers
+        after = Generation(mesh.controller_address, max_tokens=8)
+        after.result()
+        assert [s.node_id for s in after.first_stages] == [s.node_id for s in st.stages]  # the new plan serves
+
+
+def test_a_killed_middle_stage_is_replanned_around_and_comes_back(model_dir, tmp_path):
+    with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+        greedy = run(mesh.controller_address)
+        sampled = run(mesh.controller_address, temperature=0.8, top_p=0.95, seed=11)
+        assert greedy != sampled
+        for expect, sampling in ((greedy, {}), (sampled, dict(temperature=0.8, top_p=0.95, seed=11))):
+            before = mesh.controller_status()
+            assert len(before.stages) == 3
+            gen = Generation(mesh.controller_address, **sampling)
+            gen.wait_tokens(20)
+            t0 = time.monotonic()
+            mesh.kill("stage1")
+            n = len(gen.tokens)
+            while len(gen.tokens) == n and gen.is_alive():
+                time.sleep(0.01)
+            resumed = time.monotonic() - t0
+            assert gen.result() == expect  # a pause, not an error, and the same tokens
+            st = mesh.controller_status()
+            assert [s.node_id for s in st.stages] == ["stage0", "stage2"] and "lost" in st.last_replan
+            assert resumed < 30, f"generation resumed {resumed:.1f} s after the kill"
+            # restarted on its address, it is re-admitted without anyone doing anything
+            mesh.start_stage(1, mesh.stage_addresses[1])
+            mesh.wait_plan(stages=3, generation_above=st.plan_generation, timeout=60)
+        # a restarted controller re-adopts the running nodes, which keep their weights
+        pids = {name: p.pid for name, p in mesh.procs.items() if name.startswith("stage")}
+        mesh.signal("controller", signal.SIGTERM)
+        mesh.procs["controller"].wait(30)
+        mesh.start_controller()
+        assert run(mesh.controller_address) == greedy
+        assert {name: p.pid for name, p in mesh.procs.items() if name.startswith("stage")} == pids
+        assert all(p.poll() is None for name, p in mesh.procs.items() if name.startswith("stage"))
+        assert "keeping layers" in (tmp_path / "stage0.log").read_text()
+
+
+def test_drain_and_sigterm_under_eight_concurrent_requests_lose_nothing(model_dir, tmp_path):
+    with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+        address = mesh.controller_address
+        alone = [g.result() for g in [Generation(address, p, 40) for p in PROMPTS]]
+        # drain the middle stage while eight requests run
+        gens = [Generation(address, p, 40) for p in PROMPTS]
+        for g in gens:
+            g.wait_tokens(2)
+        out = lpctl(mesh, "drain", "stage1")
+        assert "stage1 drained" in out
+        assert [g.result() for g in gens] == alone
+        st = mesh.controller_status()
+        assert [s.node_id for s in st.stages] == ["stage0", "stage2"]
+        assert {n.node_id: n.drained for n in st.nodes}["stage1"] and "drained" in lpctl(mesh, "nodes")
+        lpctl(mesh, "undrain", "stage1")
+        st = mesh.wait_plan(stages=3, timeout=60)
+        # SIGTERM on a stage while eight requests run: it hands its work over, then exits
+        gens = [Generation(address, p, 40) for p in PROMPTS]
+        for g in gens:
+            g.wait_tokens(2)
+        mesh.signal("stage2", signal.SIGTERM)
+        assert [g.result() for g in gens] == alone
+        assert mesh.procs["stage2"].wait(40) == 0
+        assert "left the mesh" in (tmp_path / "stage2.log").read_text()
+        st = mesh.controller_status()
+        assert [s.node_id for s in st.stages] == ["stage0", "stage1"] and "stopping" in st.last_replan
+
+
+def test_a_node_registers_itself_and_a_duplicate_id_is_refused(model_dir, tmp_path):
+    with LocalMesh(1, model_dir, tmp_path, threads=1) as mesh:
+        mesh.start_stage(1, None, "--controller", mesh.controller_address)
+        st = mesh.wait_plan(stages=2, timeout=90)
+        assert {n.node_id: n.source for n in st.nodes}["stage1"] == "registered"
+        # another process calling itself stage1 is refused, and says so
+        dup = f"127.0.0.1:{free_port()}"
+        proc, log = mesh._spawn("dup", ["-m", "stage_node.main", "--listen", dup, "--node-id", "stage1",
+                                        "--threads", "1", "--no-mdns", "--controller", mesh.controller_address,
+                                        "--state-dir", str(tmp_path / "dup-state")])
+        wait_serving(dup, proc, log)
+        deadline = time.monotonic() + 30
+        while "refused this node" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "already taken" in log.read_text()
+        assert len(mesh.controller_status().stages) == 2

@@ -1,0 +1,71 @@
+"""The controller's member registry without a network: ids learnt by probing, a taken id refused,
+two missed probes before a node counts as down, a node that answers again re-admitted, a node
+without a profile or one that is stopping left out; and the caller's host filled into an address."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from controller import membership
+from controller.membership import Members
+from logicpipe.errors import Unavailable
+from logicpipe.grpc_options import caller_address
+from logicpipe.v1 import stage_pb2
+
+
+def status(node_id: str, profiled: bool = True, stopping: bool = False) -> stage_pb2.StatusReply:
+    profile = stage_pb2.DeviceProfile(flops=1e10, mem_bandwidth=1e10) if profiled else stage_pb2.DeviceProfile()
+    return stage_pb2.StatusReply(node_id=node_id, profile=profile, stopping=stopping)
+
+
+@pytest.fixture
+def world(monkeypatch):
+    """address -> StatusReply (or None: it does not answer); what Members' probes see."""
+    nodes: dict[str, stage_pb2.StatusReply | None] = {}
+
+    async def probe(address, timeout=0):
+        if nodes.get(address) is None:
+            raise Unavailable(f"stage node {address} is unreachable")
+        return nodes[address]
+
+    monkeypatch.setattr(membership.Pipeline, "probe", staticmethod(probe))
+    return nodes
+
+
+def test_members_learn_ids_refuse_a_taken_one_and_come_back(world):
+    async def main():
+        changes: list[str] = []
+        m = Members(changes.append)
+        world.update({"a:1": status("a"), "b:1": status("a"), "c:1": status("c", profiled=False)})
+        for addr in world:
+            m.add(addr, "static")
+        await asyncio.sleep(0.05)  # the probes add() starts
+        assert [x.node_id for x in m.usable()] == ["a"]
+        assert "already taken" in m.by_address["b:1"].down and "--no-profile" in m.by_address["c:1"].down
+        assert changes[0] == "node a joined"
+        world["a:1"] = None  # silent: one missed probe is not death, two are
+        await m.probe(m.by_address["a:1"])
+        assert m.by_address["a:1"].usable
+        await m.probe(m.by_address["a:1"])
+        assert not m.by_address["a:1"].usable and changes[-1].startswith("node a down")
+        await m.probe(m.by_address["b:1"])  # the id is free now: b takes it
+        assert m.by_address["b:1"].usable and changes[-1] == "node a is back"
+        world["a:1"] = status("a")
+        await m.probe(m.by_address["a:1"])  # and a, back, is refused while b holds it
+        assert "already taken" in m.by_address["a:1"].down
+        world["b:1"] = status("a", stopping=True)
+        await m.probe(m.by_address["b:1"])
+        assert m.by_address["b:1"].leaving and not m.usable() and changes[-1] == "node a is stopping"
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("address,peer,expect", [
+    ("10.0.0.5:50061", "ipv4:10.0.0.9:4000", "10.0.0.5:50061"),
+    ("0.0.0.0:50061", "ipv4:10.0.0.9:4000", "10.0.0.9:50061"),
+    (":50061", "ipv6:[fe80::1]:4000", "[fe80::1]:50061"),
+    ("", "ipv4:10.0.0.9:4000", ""),
+    (":50061", "unix:/tmp/x", ""),
+])
+def test_caller_address_fills_in_a_wildcard_host(address, peer, expect):
+    assert caller_address(address, peer) == expect
