@@ -93,6 +93,7 @@ class ControllerApp:
         self._trigger = asyncio.Event()
         self._replanner: asyncio.Task | None = None
         self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
+        self._tasks: set[asyncio.Task] = set()
         self._browser = None
         self.waiting_why = ""
         self.scheduler.pause(self.waiting, blocked=True)
@@ -161,8 +162,12 @@ class ControllerApp:
             except Exception as exc:  # noqa: BLE001 — try again: requests are waiting for it
                 log.warning("re-plan (%s) failed: %s; trying again in %.0f s", why, exc, RETRY_S,
                             exc_info=not isinstance(exc, MeshError))
-                self.state = "degraded" if self.plan else "waiting"
-                self.waiting = f"re-plan failed: {exc}"
+                if self._broken():  # no plan serves: requests wait for one, bounded
+                    self.state, self.waiting = "waiting", f"re-plan failed: {exc}"
+                    self.scheduler.pause(self.waiting, blocked=True)
+                else:  # the plan in force still serves
+                    self.state, self.waiting = "ready", ""
+                    self.scheduler.resume()
                 await asyncio.sleep(RETRY_S)
                 self.request_replan(why)
 
@@ -199,6 +204,8 @@ class ControllerApp:
             return False
         ids = {m.node_id: m.address for m in usable}
         await self._measure_links(ids)
+        usable = [m for m in usable if m.usable]  # a node whose links failed is out
+        ids = {m.node_id: m.address for m in usable}
         self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids})
                          for m in usable]
         try:
@@ -246,8 +253,15 @@ class ControllerApp:
         channels = {nid: grpc_options.insecure_channel(addr) for nid, addr in ids.items()}
         try:
             stubs = {nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}
-            for a, b, link in await planning.measure_pairs(stubs, ids, pairs):
-                self.links.setdefault(a, {})[b] = link
+            in_plan = {h.node_id for h in self.pipeline.stages}
+            for (a, b), link in zip(pairs, await planning.measure_pairs(stubs, ids, pairs)):
+                if not isinstance(link, BaseException):
+                    self.links.setdefault(a, {})[b] = link
+                    continue
+                newcomer = next((x for x in (a, b) if x not in in_plan), None)
+                if newcomer is None:
+                    raise link
+                self.members.mark_down(ids[newcomer], f"its link {a} -> {b} could not be measured: {link}")
         finally:
             for ch in channels.values():
                 await ch.close()
@@ -268,10 +282,12 @@ class ControllerApp:
             await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
                                         [StageAssignment(ids[s.node_id], s.start, s.end) for s in plan.stages],
                                         self.dtype, self.micro_batches, controller_address=self.address)
-        except MeshError as exc:
-            for m in self.members.usable():  # the node that failed is left out until it answers again
-                if m.address in str(exc):
-                    self.members.mark_down(m.address, f"its assignment failed: {exc}")
+        except BaseException as exc:  # failed or cancelled half-way: no plan serves; plan again
+            if isinstance(exc, MeshError):
+                for m in self.members.usable():  # the node that failed is left out until it answers again
+                    if m.address in str(exc):
+                        self.members.mark_down(m.address, f"its assignment failed: {exc}")
+            self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
             raise
         self.plan, self.plan_json = plan, plan_to_json(plan)
         self.state, self.waiting = "ready", ""
@@ -326,9 +342,16 @@ class ControllerApp:
         return moved, ("its requests moved to plan generation %d" % self.pipeline.generation) if moved else self.waiting
 
     async def _replan_now(self, why: str) -> None:
-        """Re-plan now and return once the outcome serves (a new plan, or the one kept)."""
-        async with self._plan_lock:
-            await self.replan(why)
+        """Re-plan now and return once the outcome serves (a new plan, or the one kept). The
+        re-plan runs on whether or not our caller (an RPC) is cancelled or times out."""
+        async def locked() -> None:
+            async with self._plan_lock:
+                await self.replan(why)
+
+        task = asyncio.get_running_loop().create_task(locked())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await asyncio.shield(task)
 
     async def register(self, address: str, node_id: str) -> tuple[bool, str]:
         other = self.members.owner_of_id(node_id, besides=address)
@@ -361,6 +384,8 @@ class ControllerApp:
         """Fail what is in flight and close every sequence we opened, then the pipeline."""
         if self._replanner is not None:
             self._replanner.cancel()
+        for task in self._tasks:
+            task.cancel()
         if self._browser is not None:
             await self._browser.close()
         await self.members.close()

@@ -47,6 +47,13 @@ class Member:
         return self.down or ("drained" if self.drained else "leaving" if self.leaving else "")
 
 
+def same_process(a: stage_pb2.StatusReply | None, b: stage_pb2.StatusReply) -> bool:
+    """Two Status answers from one node process (reached at two addresses): same id and compute
+    device, started at the same moment (uptime, give or take the probes' spacing)."""
+    return (a is not None and a.node_id == b.node_id and a.compute_id == b.compute_id
+            and abs((time.monotonic() - a.uptime_s) - (time.monotonic() - b.uptime_s)) < 2 * PROBE_S + 1)
+
+
 class Members:
     def __init__(self, on_change: Callable[[str], None]):
         self.on_change = on_change
@@ -114,11 +121,18 @@ class Members:
             return
         other = self.owner_of_id(st.node_id, besides=m.address)
         if other is not None:
-            why = f"node id {st.node_id!r} is already taken by the node at {other.address}; give each a distinct --node-id"
+            if same_process(other.status, st):  # one node seen at two addresses (--nodes and mDNS, ...)
+                why = f"another address of node {st.node_id} (planned at {other.address})"
+                if m.down != why:
+                    log.info("the node at %s is %s", m.address, why)
+            else:
+                why = (f"node id {st.node_id!r} is already taken by the node at {other.address}; give each a "
+                       "distinct --node-id")
+                if m.down != why:
+                    log.error("refusing the node at %s: %s", m.address, why)
             if m.down != why:
-                log.error("refusing the node at %s: %s", m.address, why)
                 m.down, m.node_id = why, ""
-                self.on_change(f"the node at {m.address} refused: {why}")
+                self.on_change(f"the node at {m.address}: {why}")
             return
         if not st.profile.flops or not st.profile.mem_bandwidth:
             why = f"node {st.node_id} reports no measured profile (started with --no-profile?)"
@@ -127,7 +141,7 @@ class Members:
                 m.down, m.node_id, m.status = why, st.node_id, st
                 self.on_change(why)
             return
-        was = m.down
+        was = m.down or ("leaving" if m.leaving else "")  # a node that said it stops, answering as usual: back
         m.node_id, m.status = st.node_id, st
         if was:
             m.down, m.leaving = "", False

@@ -278,6 +278,8 @@ class Pipeline:
         """Write an input feed (a prompt, a replay) to stage 0 on the controller's long-lived stream."""
         batch.generation = self.generation
         async with self._prompt_lock:
+            if not self.stages:
+                raise Unavailable("no pipeline serves now (a new plan is being installed)")
             if self._prompt_call is None:
                 self._prompt_call = self.stages[0].stub.Stream()
                 task = asyncio.create_task(self._read_prompt_replies(self._prompt_call))

@@ -67,14 +67,15 @@ def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link]) -> Dev
 
 
 async def measure_pairs(stubs: dict[str, object], addresses: dict[str, str],
-                        pairs: list[tuple[str, str]]) -> list[tuple[str, str, Link]]:
-    """(a, b, link from node a to node b, as node a measures it) for each ordered pair."""
-    async def one(a: str, b: str) -> tuple[str, str, Link]:
+                        pairs: list[tuple[str, str]]) -> list[Link | Exception]:
+    """For each ordered pair (a, b): the link from node a to node b, as node a measures it, or
+    the exception that measuring it raised."""
+    async def one(a: str, b: str) -> Link:
         reply = await stubs[a].MeasureLink(stage_pb2.MeasureLinkRequest(target_address=addresses[b], probes=9),
                                            timeout=MEASURE_TIMEOUT_S)
-        return a, b, Link(bandwidth=bucket(max(reply.bandwidth, 1.0)), latency=bucket(max(reply.latency_s, 0.0)))
+        return Link(bandwidth=bucket(max(reply.bandwidth, 1.0)), latency=bucket(max(reply.latency_s, 0.0)))
 
-    return list(await asyncio.gather(*(one(a, b) for a, b in pairs)))
+    return list(await asyncio.gather(*(one(a, b) for a, b in pairs), return_exceptions=True))
 
 
 def plan_for(profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload, strategy: str, objective: str,

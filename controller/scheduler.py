@@ -70,6 +70,7 @@ class Request:
     priority: int = 0         # arrival order: the stages preempt younger requests first
     preemptions: int = 0
     replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
+    done: bool = False        # its last token was reported (the client may not have read it yet)
     submitted: float = field(default_factory=time.monotonic)
     queued_since: float = field(default_factory=time.monotonic)
     opened: float = 0.0       # first opened on the stages
@@ -98,6 +99,7 @@ class Scheduler:
         self._admitter: asyncio.Task | None = None
         self._arrivals = itertools.count(1)
         self._hold_replays = False  # a preemption happened: replays wait until some request ends
+        self.epoch = 0              # bumped when running requests are detached (a new plan comes)
         self.paused = ""            # why admission waits now ("" = it does not): re-planning, no plan fits
         self.blocked_since = 0.0    # the mesh has no usable plan since then (0: it has one)
         self.wait_for_nodes_s = WAIT_FOR_NODES_S
@@ -118,6 +120,7 @@ class Scheduler:
                 log.warning("request %s: token index %d, expected %d", req.id, t.index, len(req.received))
                 return
             req.received.extend(t.token_ids)
+            req.done = t.finished
             n = len(t.token_ids)
             for i, tok in enumerate(t.token_ids):
                 last = i == n - 1
@@ -139,8 +142,15 @@ class Scheduler:
         (for the caller to close where they are still open)."""
         running = sorted(self.active.items(), key=lambda kv: kv[1].priority, reverse=True)
         self.active = {}
+        self.epoch += 1  # an open in flight now belongs to the plan that is going away
         for _, req in running:
-            req.session_id, req.replays = "", req.replays + 1
+            req.session_id = ""
+            if req.done:  # finished; its client reads what is queued
+                continue
+            req.replays += 1
+            if req.replays > MAX_REPLAYS:
+                req.queue.put_nowait(Unavailable(f"moved to another plan {req.replays - 1} times; giving up"))
+                continue
             req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
             self.waiting.appendleft(req)
         self._hold_replays = False
@@ -299,6 +309,14 @@ class Scheduler:
             if req.preemptions and self._hold_replays and self.active:
                 await self._wake.wait()
                 continue
+            largest = self.pipeline.largest_request()
+            if largest and req.capacity > largest:  # this plan's smallest pool can never hold it
+                self.waiting.remove(req)
+                req.queue.put_nowait(ResourceExhausted(
+                    f"{len(req.prompt_ids)} prompt tokens + {req.max_tokens} new tokens need more KV than a stage "
+                    f"of the plan in force holds in all ({largest} positions); lower the tokens, or give the "
+                    "stages more --max-kv-mib"))
+                continue
             try:
                 await self._open(req)
             except ResourceExhausted as err:
@@ -333,13 +351,13 @@ class Scheduler:
         """Open the request's sequence on every stage and feed its input (prompt + tokens so far)."""
         session = uuid.uuid4().hex
         inputs = req.prompt_ids + req.received
-        generation = self.pipeline.generation
+        generation, epoch = self.pipeline.generation, self.epoch
         cached = await self.pipeline.open_session(stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
             generated=len(req.received), priority=req.priority))
-        if req not in self.waiting or self.pipeline.generation != generation:
-            # its client left while it opened, or a new plan came in: it opens again on that one
+        if req not in self.waiting or self.pipeline.generation != generation or self.epoch != epoch:
+            # its client left while it opened, or a new plan is coming: it opens again on that one
             self.pipeline.close_session_soon(session)
             return
         self.waiting.remove(req)  # not popleft: a preempted request may have gone in front meanwhile
@@ -357,7 +375,9 @@ class Scheduler:
         except Unavailable as err:
             if self.active.get(session) is req:
                 self._replay(req, err)
-            raise
+            if self.epoch == epoch:
+                raise
+            # else detached meanwhile by a re-plan: it waits for the new plan
 
     async def shutdown(self) -> None:
         """Fail every request and close every sequence we hold (the controller is stopping)."""

@@ -31,6 +31,7 @@ from stage_node.shard import Shard
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+LINK_CLOSE_S = 5.0     # closing an old link waits this long at most
 IDLE_RECHECK_S = 1.0  # an idle step loop looks again this often (stale in-flight steps, gone owners)
 MAX_PATH_CHARS = 4096
 
@@ -158,8 +159,9 @@ class StageRuntime:
             old = self.engine
             if old is not None and self._same_weights(old.assignment, a) and old.shard_dir == model_dir:
                 async with self._step_lock:  # no step of the old engine is computing into the pool
+                    self._end_sessions(old, "the stage was re-assigned")
                     self.engine = self._new_engine(a, old.shard, old.pool, old.kv, model_dir)
-                    await self._drop_engine(old, "the stage was re-assigned")
+                await self._close_links(old)
                 self._wake.set()
                 log.info("re-assigned as stage %d/%d of plan generation %d, keeping layers [%d, %d)",
                          a.stage_index, a.num_stages, a.generation, a.start, a.end)
@@ -176,7 +178,9 @@ class StageRuntime:
             async with self._step_lock:
                 old, self.engine = self.engine, self._new_engine(a, shard, pool, None, model_dir)
                 if old is not None:
-                    await self._drop_engine(old, "the stage was re-assigned")
+                    self._end_sessions(old, "the stage was re-assigned")
+            if old is not None:
+                await self._close_links(old)
             self.state = NodeState.READY
             self._wake.set()
             log.info("assigned layers [%d, %d) of %s as stage %d/%d (%d parameters, %d KV blocks of %d)",
@@ -266,13 +270,24 @@ class StageRuntime:
             eng.first_link = PeerLink(a.first_address, self._on_peer_reply, self._on_link_down, name="stage 0")
         return eng
 
-    async def _drop_engine(self, eng: Engine, why: str) -> None:
+    def _end_sessions(self, eng: Engine, why: str) -> None:
+        """Close every sequence of `eng` (their owners are told)."""
         err = Unavailable(f"node {self.node_id}: {why}")
         for s in eng.scheduler.close_all():
             self.events.emit(s.spec.owner, [wire.error_event(s.id, err, self.node_id)])
+
+    async def _close_links(self, eng: Engine) -> None:
+        """Close `eng`'s links (bounded: a stalled peer must not hold up a re-assignment)."""
         for link in (eng.next_link, eng.first_link):
             if link is not None:
-                await link.close()
+                try:
+                    await asyncio.wait_for(link.close(), LINK_CLOSE_S)
+                except asyncio.TimeoutError:
+                    log.warning("closing the link to %s took over %.0f s; left behind", link.address, LINK_CLOSE_S)
+
+    async def _drop_engine(self, eng: Engine, why: str) -> None:
+        self._end_sessions(eng, why)
+        await self._close_links(eng)
 
     def require_ready(self) -> Engine:
         if self.engine is None:
@@ -357,6 +372,8 @@ class StageRuntime:
                 continue
             t0 = time.perf_counter()
             async with self._step_lock:
+                if eng is not self.engine:  # re-assigned since it was scheduled: drop the step
+                    continue
                 try:
                     result = await self.runner.call(execute, eng.shard, eng.pool, step)
                 except asyncio.CancelledError:

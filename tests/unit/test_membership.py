@@ -14,9 +14,10 @@ from logicpipe.grpc_options import caller_address
 from logicpipe.v1 import stage_pb2
 
 
-def status(node_id: str, profiled: bool = True, stopping: bool = False) -> stage_pb2.StatusReply:
+def status(node_id: str, profiled: bool = True, stopping: bool = False, uptime: float = 100.0) -> stage_pb2.StatusReply:
     profile = stage_pb2.DeviceProfile(flops=1e10, mem_bandwidth=1e10) if profiled else stage_pb2.DeviceProfile()
-    return stage_pb2.StatusReply(node_id=node_id, profile=profile, stopping=stopping)
+    return stage_pb2.StatusReply(node_id=node_id, profile=profile, stopping=stopping, uptime_s=uptime,
+                                 compute_id="cpu@host")
 
 
 @pytest.fixture
@@ -37,7 +38,7 @@ def test_members_learn_ids_refuse_a_taken_one_and_come_back(world):
     async def main():
         changes: list[str] = []
         m = Members(changes.append)
-        world.update({"a:1": status("a"), "b:1": status("a"), "c:1": status("c", profiled=False)})
+        world.update({"a:1": status("a"), "b:1": status("a", uptime=30.0), "c:1": status("c", profiled=False)})
         for addr in world:
             m.add(addr, "static")
         await asyncio.sleep(0.05)  # the probes add() starts
@@ -54,9 +55,17 @@ def test_members_learn_ids_refuse_a_taken_one_and_come_back(world):
         world["a:1"] = status("a")
         await m.probe(m.by_address["a:1"])  # and a, back, is refused while b holds it
         assert "already taken" in m.by_address["a:1"].down
-        world["b:1"] = status("a", stopping=True)
+        world["b:1"] = status("a", stopping=True, uptime=30.0)
         await m.probe(m.by_address["b:1"])
         assert m.by_address["b:1"].leaving and not m.usable() and changes[-1] == "node a is stopping"
+        world["b:1"] = status("a", uptime=31.0)  # it answers as usual again: back in
+        await m.probe(m.by_address["b:1"])
+        assert m.by_address["b:1"].usable and changes[-1] == "node a is back"
+        # one process reached at a second address is an alias, not a duplicate
+        world["d:1"] = status("a", uptime=31.0)
+        m.add("d:1", "mdns")
+        await asyncio.sleep(0.05)
+        assert "another address of node a" in m.by_address["d:1"].down
     asyncio.run(main())
 
 
