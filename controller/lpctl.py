@@ -29,6 +29,11 @@ def cmd_submit(args) -> int:
         return 2
     req = controller_pb2.SubmitRequest(prompt=args.prompt, raw=args.raw, max_tokens=args.max_tokens,
                                        sampling=sampling.to_proto())
+    if args.outline or args.outline_text:
+        req.outline, req.max_points, req.sequential_points = True, args.max_points, args.sequential
+        if args.outline_text:
+            req.outline_text = open(args.outline_text, encoding="utf-8").read()
+        return _submit_outline(args, req)
     text, ids, stages, timings, reason = [], [], [], None, ""
     for reply in _stub(args.controller).Submit(req, timeout=args.timeout):
         ids.extend(reply.token_ids)
@@ -53,6 +58,38 @@ def cmd_submit(args) -> int:
         if timings is not None and args.verbose:
             print(f"[{timings.new_tokens} tokens, first after {timings.first_token_s * 1000:.0f} ms, "
                   f"{timings.decode_tokens_per_s:.1f} tokens/s, {reason}]", file=sys.stderr)
+    return 0
+
+
+def _submit_outline(args, req) -> int:
+    """An outline request: progress per point on stderr while it runs, then the answer in outline
+    order (or, --json, the answer and the DAG)."""
+    counts: dict[int, int] = {}
+    final = None
+    for reply in _stub(args.controller).Submit(req, timeout=args.timeout):
+        if reply.finished:
+            final = reply
+            break
+        counts[reply.point] = counts.get(reply.point, 0) + len(reply.token_ids)
+        if not args.json:
+            progress = "  ".join(f"{'outline' if p == 0 else f'point {p}'}: {n}" for p, n in sorted(counts.items()))
+            print(f"\r[{progress}]", end="", file=sys.stderr, flush=True)
+    if not args.json:
+        print(file=sys.stderr)
+    points = list(final.points) if final is not None else []
+    answer = "\n\n".join(f"{p.id}. {p.title}\n{p.text}" for p in points)
+    if args.json:
+        print(json.dumps({"text": answer, "warnings": list(final.warnings) if final else [], "dag": {"points": [
+            {"id": p.id, "title": p.title, "deps": list(p.deps), "tokens": p.tokens, "text": p.text,
+             "shared": p.shared, "timings": {"start_s": p.start_s, "end_s": p.end_s}} for p in points]},
+            "timings": {"total_s": final.timings.total_s, "new_tokens": final.timings.new_tokens} if final else {}}))
+    else:
+        print(answer)
+        if args.verbose and final is not None:
+            for w in final.warnings:
+                print(f"[outline: {w}]", file=sys.stderr)
+            print(f"[{len(points)} points, {final.timings.new_tokens} tokens in {final.timings.total_s:.1f} s]",
+                  file=sys.stderr)
     return 0
 
 
@@ -166,6 +203,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
     p.add_argument("--json", action="store_true", help='print one JSON object {"text","token_ids","stages","timings"}')
     p.add_argument("-v", "--verbose", action="store_true", help="print timings after the text (stderr)")
+    p.add_argument("--outline", action="store_true",
+                   help="outline-DAG request: the model outlines points with dependencies, the points decode in "
+                        "parallel; --max-tokens is then per point")
+    p.add_argument("--outline-text", default=None, metavar="FILE",
+                   help="with --outline: use this outline (lines `N. Content. [deps]`) instead of asking the model")
+    p.add_argument("--max-points", type=positive_int, default=8, help="with --outline: points at most (default 8)")
+    p.add_argument("--sequential", action="store_true", help="with --outline: decode points one after another")
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("status", help="the plan in force and the request counts")

@@ -21,7 +21,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from logicpipe.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable, code_number, from_code
+from logicpipe.errors import (InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable, code_number,
+                              from_code)
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import stage_pb2
 from controller.pipeline import Pipeline
@@ -71,6 +72,8 @@ class Request:
     preemptions: int = 0
     replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
     done: bool = False        # its last token was reported (the client may not have read it yet)
+    parent: tuple[str, int] | None = None  # (session, positions) to fork from: its prompt starts with them
+    keep_open: bool = False   # its sequence stays open when it finishes (a parent of later forks)
     submitted: float = field(default_factory=time.monotonic)
     queued_since: float = field(default_factory=time.monotonic)
     opened: float = 0.0       # first opened on the stages
@@ -193,15 +196,23 @@ class Scheduler:
                 f"({largest} positions); lower --max-tokens, or give the stages more --max-kv-mib")
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                       ignore_eos: bool = False) -> AsyncIterator[TokenUpdate]:
-        """Yield each new token as the last stage reports it. Raises a MeshError on failure."""
+                       ignore_eos: bool = False, *, stop_ids: frozenset[int] | None = None,
+                       parent: tuple[str, int] | None = None, keep_open: bool = False,
+                       on_open: Callable[[Request], None] | None = None) -> AsyncIterator[TokenUpdate]:
+        """Yield each new token as the last stage reports it. Raises a MeshError on failure.
+        `stop_ids` add to the model's; `parent` (session, positions): share that session's KV for
+        the first positions (the prompt must begin with its tokens); `keep_open`: the sequence
+        stays open after it finishes (close it with close_kept); `on_open` gets the Request."""
         self.validate(prompt_ids, max_tokens, sampling)
         if len(self.waiting) >= MAX_QUEUED:
             raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting for the mesh; retry later")
         if not sampling.greedy and sampling.seed is None:  # a seed of our own: replays draw the same
             sampling = sampling.with_seed(random.getrandbits(63))
-        req = Request(uuid.uuid4().hex, list(prompt_ids), max_tokens, sampling,
-                      frozenset() if ignore_eos else self.stop_ids, priority=next(self._arrivals))
+        stops = frozenset() if ignore_eos else self.stop_ids
+        req = Request(uuid.uuid4().hex, list(prompt_ids), max_tokens, sampling, stops | (stop_ids or frozenset()),
+                      priority=next(self._arrivals), parent=parent, keep_open=keep_open)
+        if on_open is not None:
+            on_open(req)
         self.waiting.append(req)
         self._kick()
         try:
@@ -254,8 +265,15 @@ class Scheduler:
             self.waiting.remove(req)
         if req.session_id and self.active.get(req.session_id) is req:
             del self.active[req.session_id]
-            self.pipeline.close_session_soon(req.session_id)
+            if not (req.keep_open and req.state is RequestState.FINISHED):
+                self.pipeline.close_session_soon(req.session_id)
         self._kick()
+
+    def close_kept(self, req: Request) -> None:
+        """Close the sequence a keep_open request left open (if a re-plan has not already)."""
+        if req.keep_open and req.session_id and req.session_id not in self.active:
+            self.pipeline.close_session_soon(req.session_id)
+            req.session_id = ""
 
     def _replay(self, req: Request, err: MeshError) -> None:
         """A stage fault ended the request's sequence: replay it (on this pipeline once it is
@@ -352,10 +370,24 @@ class Scheduler:
         session = uuid.uuid4().hex
         inputs = req.prompt_ids + req.received
         generation, epoch = self.pipeline.generation, self.epoch
-        cached = await self.pipeline.open_session(stage_pb2.OpenSessionRequest(
+        open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.received), priority=req.priority))
+            generated=len(req.received), priority=req.priority)
+        if req.parent is not None and not req.received:
+            open_request.parent_session_id, open_request.parent_length = req.parent
+        try:
+            cached = await self.pipeline.open_session(open_request)
+        except NotFound:
+            if not open_request.parent_session_id:
+                raise
+            # the parent is gone (a re-plan replays sequences, not finished parents): no fork; the
+            # prefix cache still attaches what it holds of the shared tokens
+            log.info("request %s: parent session gone; opening without it", req.id)
+            req.parent = None
+            open_request.ClearField("parent_session_id")
+            open_request.parent_length = 0
+            cached = await self.pipeline.open_session(open_request)
         if req not in self.waiting or self.pipeline.generation != generation or self.epoch != epoch:
             # its client left while it opened, or a new plan is coming: it opens again on that one
             self.pipeline.close_session_soon(session)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 
 from logicpipe.errors import InvalidArgument, MeshError
@@ -19,6 +20,7 @@ MAX_LEAVE_S = 120.0
 STATUS_PROBE_TIMEOUT_S = 1.0  # a node that does not answer Status this fast shows as unreachable (Status answers in 2 s)
 MAX_PROMPT_CHARS = 2**20   # characters of one prompt (refused before any work beyond that)
 MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
+DEFAULT_POINT_TOKENS = 96  # outline requests: new tokens per point unless max_tokens says
 
 
 class TextStream:
@@ -70,6 +72,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             raise InvalidArgument(
                 f"the prompt is {len(request.prompt)} characters / {len(request.prompt_token_ids)} token ids, "
                 f"over the cap of {MAX_PROMPT_CHARS} characters / {MAX_PROMPT_TOKENS} ids")
+        if request.outline:
+            async for reply in self._outline(request):
+                yield reply
+            return
         if request.prompt_token_ids:
             prompt_ids = list(request.prompt_token_ids)
         elif request.prompt.strip():  # tokenizing takes ~0.5 s per MiB: off the event loop
@@ -90,6 +96,38 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if update.finished:
                 reply.timings.CopyFrom(timings_proto(update.request))
             yield reply
+
+    async def _outline(self, request):
+        """An outline-DAG request: the outline's tokens (point 0), then every point's as they come,
+        several points interleaved; the finished reply carries every point."""
+        from controller.outline import OutlineRun
+
+        app = self.app
+        if app.tokenizer is None:
+            raise InvalidArgument(f"the model at {app.model_dir} has no tokenizer: outline requests need one")
+        if not request.prompt.strip():
+            raise InvalidArgument("an outline request needs a prompt (the question)")
+        if len(request.outline_text) > MAX_PROMPT_CHARS:
+            raise InvalidArgument(f"outline_text is over the cap of {MAX_PROMPT_CHARS} characters")
+        run = OutlineRun(app.scheduler, app.tokenizer, request.prompt, outline_text=request.outline_text,
+                         max_points=request.max_points, point_tokens=request.max_tokens or DEFAULT_POINT_TOKENS,
+                         sampling=SamplingParams.from_proto(request.sampling), sequential=request.sequential_points)
+        streams: dict[int, TextStream] = {}
+        request_id, first = "", True
+        async for pid, token, finished in run.events():
+            text = streams.setdefault(pid, TextStream(app.tokenizer)).push([token], finished)
+            reply = controller_pb2.SubmitReply(request_id=request_id, token_ids=[token], text=text, point=pid)
+            if first:
+                reply.stages.extend(stage_infos(app))
+                first = False
+            yield reply
+        points = [controller_pb2.OutlinePoint(id=p.id, title=p.title, deps=list(p.deps), tokens=len(p.tokens),
+                                              text=p.text, start_s=p.start, end_s=p.end, shared=p.shared)
+                  for p in run.points]
+        total = time.monotonic() - run.submitted
+        yield controller_pb2.SubmitReply(finished=True, finish_reason="stop", points=points, warnings=run.warnings,
+                                         timings=controller_pb2.Timings(total_s=total, new_tokens=sum(
+                                             len(p.tokens) for p in run.points) + len(run.outline_tokens)))
 
     async def Status(self, request, context):
         app = self.app

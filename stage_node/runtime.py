@@ -441,9 +441,9 @@ class StageRuntime:
             tokens, reason = sched.finish(p, result.tokens[p.seq.id])
             by_owner[p.seq.spec.owner].append(
                 wire.token_event(p.seq.id, tokens, index, reason, p.work.num_candidates))
-            if not reason and not self._orphaned(p.seq):
+            if not self._orphaned(p.seq):  # finished: stage 0 is told, so it stops waiting for it
                 pos = p.work.stop - p.work.num_candidates + len(tokens) - 1
-                feeds.append(SeqWork(p.seq.id, pos, (tokens[-1],)))
+                feeds.append(SeqWork(p.seq.id, pos, (tokens[-1],), finished=bool(reason)))
         for owner, events in by_owner.items():  # queued before the feed is sent: token order holds
             self.events.emit(owner, events)
         if feeds and eng.first_link is None:  # one stage: first and last

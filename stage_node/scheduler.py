@@ -161,6 +161,12 @@ class Scheduler:
     def feed(self, w: SeqWork) -> Sequence:
         """Stage 0: input tokens for a sequence (its prompt, or tokens fed back by the last stage).
         Raises a MeshError for this sequence alone."""
+        if w.finished:  # the last stage ended it: no step of it is out any more, none will come
+            s = self.seqs.get(w.session_id)
+            if s is None:
+                raise NotFound(f"session {w.session_id} is not open on node {self.node_id}")
+            s.in_flight, s.pending, s.status = None, [], SeqStatus.FINISHED
+            return s
         s = self._open_seq(w.session_id)
         if w.stop > s.spec.capacity:
             raise ResourceExhausted(f"session {s.id} would grow past its {s.spec.capacity}-token capacity")

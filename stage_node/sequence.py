@@ -23,6 +23,7 @@ class SeqWork:
     token_ids: tuple[int, ...]       # one per token (row)
     sample: bool = True              # the last stage samples after these rows (False: a prompt chunk before the last)
     num_candidates: int = 0          # the last k tokens are candidates to verify
+    finished: bool = False           # a feed from the last stage: the sequence ended with this token
 
     @property
     def num_tokens(self) -> int:

@@ -83,7 +83,7 @@ def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[Seq
             raise InvalidArgument(f"session {s.session_id}: {s.num_candidates} candidates in {s.num_tokens} tokens "
                                   f"(at most {MAX_CANDIDATES}, and one token before them)")
         works.append(SeqWork(s.session_id, s.start_pos, tuple(s.token_ids), sample=not s.prefill_only,
-                             num_candidates=s.num_candidates))
+                             num_candidates=s.num_candidates, finished=s.finished))
     return works
 
 
@@ -104,7 +104,8 @@ def step_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int, hidden_size:
 
 def seq_step(w: SeqWork) -> stage_pb2.SeqStep:
     return stage_pb2.SeqStep(session_id=w.session_id, start_pos=w.start_pos, num_tokens=w.num_tokens,
-                             token_ids=w.token_ids, prefill_only=not w.sample, num_candidates=w.num_candidates)
+                             token_ids=w.token_ids, prefill_only=not w.sample, num_candidates=w.num_candidates,
+                             finished=w.finished)
 
 
 def step_batch(works: list[SeqWork], generation: int, hidden: RawTensor | None = None) -> stage_pb2.StepBatch:

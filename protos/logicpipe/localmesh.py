@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +138,11 @@ class LocalMesh:
                            f"(state {st.state if st else '?'}: {st.waiting if st else ''}):\n{self.logs()}")
 
     def __enter__(self) -> "LocalMesh":
+        # a SIGTERM (a timeout killing a benchmark) must still stop our processes: by default it
+        # ends Python without running the `with` exits
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             self.stage_addresses = [self.start_stage(i) for i in range(self.n_stages)]
             self.start_controller()

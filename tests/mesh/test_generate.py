@@ -126,6 +126,26 @@ def test_lpctl_json_and_stream(mesh, model_dir):
     assert f"stage{mesh.n_stages - 1}" in status.stdout and f"{layers[-1][0]}-{num_layers - 1}" in status.stdout
 
 
+@pytest.mark.parametrize("mesh", [3], indirect=True, ids=["3stage"])
+def test_an_outline_request_end_to_end(mesh):
+    """The model writes an outline, its points decode in parallel through 3 stages, and lpctl
+    prints the DAG: at least 2 points, each with text, dependencies only on earlier points."""
+    out = subprocess.run([sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address,
+                          "submit", "Explain how a bicycle works.", "--outline", "--max-points", "4",
+                          "--max-tokens", "24", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    points = doc["dag"]["points"]
+    assert len(points) >= 2, doc
+    assert all(p["tokens"] > 0 and p["text"] for p in points)
+    assert all(d < p["id"] for p in points for d in p["deps"])
+    assert points[0]["shared"] == "outline"
+    starts = sorted(p["timings"]["start_s"] for p in points)
+    ends = sorted(p["timings"]["end_s"] for p in points)
+    assert starts[1] < ends[0], "no two points decoded at the same time"
+    assert doc["text"].startswith("1. ")
+
+
 def test_node_killed_mid_generation_finishes_on_the_survivor(model_dir, tmp_path):
     """SIGKILL of the last of 2 stages mid-generation: the survivor can hold the whole model, so
     the controller re-plans onto it alone and the (seeded, sampled) request finishes with the

@@ -149,3 +149,20 @@ def test_a_chunk_before_the_candidates_leaves_the_row_that_samples_the_first():
         sched.complete(step, set())
     # the budget would allow 4 rows, but the last real token must travel with the candidates
     assert [(w.num_tokens, w.num_candidates, w.sample) for w in works] == [(3, 0, False), (3, 2, True)]
+
+
+def test_a_finished_sequence_left_open_frees_its_step_slot():
+    """The last stage tells stage 0 a sequence finished: kept open (a parent of later forks), it
+    must not hold a micro-batch slot, or every other sequence waits for the stale timeout."""
+    sched = first_stage(micro_batches=1)
+    sched.admit(spec("parent"))
+    sched.feed(SeqWork("parent", 0, (1, 2, 3)))
+    step, _ = sched.schedule()
+    sched.complete(step, set())
+    assert sched.steps_in_flight() == 1
+    sched.feed(SeqWork("parent", 3, (9,), finished=True))  # its last token: nothing follows
+    assert sched.steps_in_flight() == 0 and sched.seqs["parent"].status.value == "finished"
+    sched.admit(spec("other"))
+    sched.feed(SeqWork("other", 0, (4, 5, 6)))
+    step, _ = sched.schedule()
+    assert [p.seq.id for p in step.seqs] == ["other"]  # the slot is free, and the parent is not stepped

@@ -8,20 +8,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos")
+    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    OUTLINE_FIELD_NUMBER: _ClassVar[int]
+    OUTLINE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_POINTS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENTIAL_POINTS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     max_tokens: int
     sampling: _stage_pb2.SamplingParams
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ...) -> None: ...
+    outline: bool
+    outline_text: str
+    max_points: int
+    sequential_points: bool
+    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ...) -> None: ...
+
+class OutlinePoint(_message.Message):
+    __slots__ = ("id", "title", "deps", "tokens", "text", "start_s", "end_s", "shared")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    DEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    title: str
+    deps: _containers.RepeatedScalarFieldContainer[int]
+    tokens: int
+    text: str
+    start_s: float
+    end_s: float
+    shared: str
+    def __init__(self, id: _Optional[int] = ..., title: _Optional[str] = ..., deps: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., text: _Optional[str] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ..., shared: _Optional[str] = ...) -> None: ...
 
 class StageInfo(_message.Message):
     __slots__ = ("node_id", "address", "start_layer", "end_layer", "device", "parameter_count")
@@ -56,7 +84,7 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "timings", "stages")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "timings", "stages", "point", "points", "warnings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +92,9 @@ class SubmitReply(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    POINT_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -71,7 +102,10 @@ class SubmitReply(_message.Message):
     finish_reason: str
     timings: Timings
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ...) -> None: ...
+    point: int
+    points: _containers.RepeatedCompositeFieldContainer[OutlinePoint]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., point: _Optional[int] = ..., points: _Optional[_Iterable[_Union[OutlinePoint, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ControllerStatusRequest(_message.Message):
     __slots__ = ()

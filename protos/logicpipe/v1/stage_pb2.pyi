@@ -108,20 +108,22 @@ class CloseSessionReply(_message.Message):
     def __init__(self, tokens_held: _Optional[int] = ...) -> None: ...
 
 class SeqStep(_message.Message):
-    __slots__ = ("session_id", "start_pos", "num_tokens", "token_ids", "prefill_only", "num_candidates")
+    __slots__ = ("session_id", "start_pos", "num_tokens", "token_ids", "prefill_only", "num_candidates", "finished")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     NUM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start_pos: int
     num_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_only: bool
     num_candidates: int
-    def __init__(self, session_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefill_only: bool = ..., num_candidates: _Optional[int] = ...) -> None: ...
+    finished: bool
+    def __init__(self, session_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefill_only: bool = ..., num_candidates: _Optional[int] = ..., finished: bool = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("seqs", "hidden", "generation")
