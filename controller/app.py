@@ -81,7 +81,7 @@ class ControllerApp:
                                    frozenset(self.config.eos_token_ids), self.config.vocab_size)
         if wait_for_nodes_s is not None:
             self.scheduler.wait_for_nodes_s = wait_for_nodes_s
-        self.scheduler.on_trouble = lambda why: self.request_replan(f"a stage fault: {why}", check=True)
+        self.scheduler.on_trouble = lambda why: self.request_replan(f"a stage fault: {why}")
         self.members = Members(self.request_replan)
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.state = "waiting"
@@ -95,12 +95,11 @@ class ControllerApp:
         self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
         self._tasks: set[asyncio.Task] = set()
         self._browser = None
-        self.waiting_why = ""
         self.scheduler.pause(self.waiting, blocked=True)
 
     # ---- membership ---------------------------------------------------------------------------
-    def request_replan(self, why: str, check: bool = False) -> None:
-        """Something changed (or, `check`, may have): plan again soon."""
+    def request_replan(self, why: str) -> None:
+        """Something changed, or may have: plan again soon (a plan that still serves is kept)."""
         if not self._reasons:
             self._since = time.monotonic()
         self._reasons.append(why)
@@ -310,21 +309,24 @@ class ControllerApp:
             return f"node {m.node_id or m.address} is already {'drained' if m.drained else 'in planning'}"
         m.drained = not undrain
         why = f"node {m.node_id or m.address} {'undrained' if undrain else 'drained'}"
-        if not undrain and not self._without_it_fits(m):
+        unfit = "" if undrain else self._why_no_plan_without(m)
+        if unfit:
             m.drained = False
-            raise FailedPrecondition(f"no plan fits without node {m.node_id}: {self.waiting_why}")
+            raise FailedPrecondition(f"no plan fits without node {m.node_id}: {unfit}")
         await self._replan_now(why)
         return why + f"; plan generation {self.pipeline.generation} serves"
 
-    def _without_it_fits(self, m) -> bool:
+    def _why_no_plan_without(self, m) -> str:
+        """Why no plan fits the usable nodes (`m` already left out of them); "" when one does."""
         usable = [x for x in self.members.usable() if x.status is not None]
+        if not usable:
+            return "no other usable node"
         try:
             planning.plan_for([planning.device_profile(x.status, self.links.get(x.node_id, {})) for x in usable],
                               self.spec, self.workload, self.strategy, self.objective)
-            return bool(usable)
         except (InvalidArgument, Unavailable) as exc:
-            self.waiting_why = str(exc) if usable else "no other usable node"
-            return False
+            return str(exc)
+        return ""
 
     async def leave(self, node_id: str, timeout: float) -> tuple[bool, str]:
         """A node stops: re-plan without it; answers once its requests have moved (or timeout)."""

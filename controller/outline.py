@@ -19,6 +19,7 @@ point (the question itself).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -34,6 +35,7 @@ DEFAULT_POINTS = 8
 MAX_POINTS = 32           # points of one outline request
 OUTLINE_TOKENS_PER_POINT = 24  # the outline the model writes: 16 + this per point allowed, tokens
 MAX_TITLE_CHARS = 200
+ASK = "\x00ASK\x00"       # where a point's request goes in the rendered turn
 LINE = re.compile(r"^\s*(\d{1,3})\s*[.)]\s*(.*?)\s*(?:\[([^\]]*)\])?\s*$")
 EXAMPLE = ("Question: How do I make tea?\n"
            "1. Boil water. []\n2. Warm the pot. [1]\n3. Add the leaves. [2]\n4. Pour and steep. [1, 3]\n")
@@ -161,22 +163,23 @@ class OutlineRun:
     def header_ids(self, p: Point) -> list[int]:
         """What asks for point p: a new user turn after the outline (or the point before), in the
         model's chat format when it has one."""
-        return self.encode(self._turn(f"Write two or three sentences of plain prose, no list, about: {p.title}"))
+        return self.encode(self._turn.replace(ASK, f"Write two or three sentences of plain prose, no list, about: "
+                                                   f"{p.title}"))
 
-    def _turn(self, ask: str) -> str:
-        """The text that ends the assistant's turn, asks `ask` and opens the next assistant turn."""
+    @functools.cached_property
+    def _turn(self) -> str:
+        """The text that ends the assistant's turn, asks ASK and opens the next assistant turn, in
+        the model's chat format (rendered once per request)."""
         tok = self.tokenizer
         if not tok.chat_template:
-            return f"\n\n{ask}\n"
+            return f"\n\n{ASK}\n"
         mark = "\x00OUTLINE\x00"
         system = {"role": "system", "content": "You are a helpful assistant."}
-        base = tok.apply_chat_template([system, {"role": "user", "content": "q"},
-                                        {"role": "assistant", "content": mark}], tokenize=False)
         full = tok.apply_chat_template([system, {"role": "user", "content": "q"},
-                                        {"role": "assistant", "content": mark}, {"role": "user", "content": ask}],
+                                        {"role": "assistant", "content": mark}, {"role": "user", "content": ASK}],
                                        tokenize=False, add_generation_prompt=True)
         at = full.find(mark)
-        return full[at + len(mark):] if at >= 0 else f"\n\n{ask}\n"
+        return full[at + len(mark):] if at >= 0 else f"\n\n{ASK}\n"
 
     # ---- running -----------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[tuple[int, int, bool]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterable
 
 from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from logicpipe.modeldir import ModelError, safetensors_files, safetensors_header
+from logicpipe.modeldir import ModelError, checkpoint_index, safetensors_layout
 from logicpipe.v1 import controller_pb2
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 2**20           # data bytes per WeightChunk message
 MAX_TENSORS_PER_REQUEST = 4096  # tensor names in one PullWeightsRequest
 ALLOWED_FILES = ("config.json", "generation_config.json")  # small files a node may ask for
-INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -97,28 +95,20 @@ async def stream_weights(model_dir: Path, digest: str, request: controller_pb2.P
 
 
 def tensor_table(model_dir: Path) -> dict[str, TensorRef]:
-    """Tensor name -> where its bytes lie, from the safetensors headers (the file for each name from
-    the index of a sharded checkpoint, as `stage_node.weights.checkpoint_index` reads it)."""
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise FailedPrecondition(f"{index} is unreadable or has no weight_map: {e!r}") from e
-        owner = {name: model_dir / file for name, file in weight_map.items()}
-        files: Iterable[Path] = sorted(set(owner.values()))
-    else:
-        owner, files = None, safetensors_files(model_dir)
+    """Tensor name -> where its bytes lie, from the safetensors headers (the file for each name
+    from the index of a sharded checkpoint, as the stages read it)."""
+    try:
+        owner = checkpoint_index(model_dir)
+    except ModelError as e:
+        raise FailedPrecondition(f"the controller cannot read its model: {e}") from e
     table = {}
-    for file in files:
+    for file in sorted(set(owner.values())):
         try:
-            header = safetensors_header(file)
-            with open(file, "rb") as f:
-                data_start = 8 + int.from_bytes(f.read(8), "little")
+            header, data_start = safetensors_layout(file)
         except (ModelError, OSError) as e:
             raise FailedPrecondition(f"the controller cannot read {file}: {e}") from e
         for name, meta in header.items():
-            if name == "__metadata__" or (owner is not None and owner.get(name) != file):
+            if name == "__metadata__" or owner.get(name) != file:
                 continue
             begin, end = meta["data_offsets"]
             table[name] = TensorRef(name, file, meta["dtype"], tuple(meta["shape"]), data_start + begin, end - begin)

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from logicpipe.modeldir import ModelConfig
+from logicpipe.modeldir import ModelConfig, checkpoint_index
 from .kv import KVPool, StepKV
 from .ops import Rows, causal_mask, decode_mm, linear, rms_norm
 from .rope import RopeTables, apply_rope, rope_parameters
-from .weights import EMBED, FINAL_NORM, LM_HEAD, LayerWeights, build_layer, checkpoint_index, layer_tensor_names, read_tensors
+from .weights import EMBED, FINAL_NORM, LM_HEAD, LayerWeights, build_layer, read_tensors, shard_tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,7 @@ class Shard:
         tied = config.tie_word_embeddings or LM_HEAD not in index
         if tied and not config.tie_word_embeddings and last:
             log.warning("%s has no %s: using the input embeddings as LM head", model_dir, LM_HEAD)
-        names = [n for i in range(start, end) for n in layer_tensor_names(config, i)]
-        if first or (last and tied):
-            names.append(EMBED)
-        if last:
-            names += [FINAL_NORM] + ([] if tied else [LM_HEAD])
+        names = shard_tensor_names(config, start, end, first=first, last=last, tied=tied)
         t = read_tensors(model_dir, names, index)
         layers = [build_layer(t, i, device=device, dtype=dtype) for i in range(start, end)]
         embed = t.pop(EMBED).to(device=device, dtype=dtype) if EMBED in t else None  # [vocab, hidden]

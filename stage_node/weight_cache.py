@@ -32,9 +32,9 @@ import grpc
 
 from logicpipe import grpc_options
 from logicpipe.errors import FailedPrecondition, InvalidArgument, Unavailable, from_code
-from logicpipe.modeldir import ModelConfig, ModelError, read_config_json, safetensors_files, safetensors_header
+from logicpipe.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_layout
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
-from stage_node.weights import EMBED, FINAL_NORM, LM_HEAD, layer_tensor_names
+from stage_node.weights import shard_tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -63,39 +63,12 @@ class PullResult:
     cached: int        # requested tensors that were in the cache already
 
 
-@dataclass(frozen=True)
-class ConfigLayout:
-    """The ModelConfig fields that decide a checkpoint's tensor names, read from config.json
-    alone: a fresh cache has no weights yet, which ModelConfig.from_dir refuses."""
-
-    num_layers: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-
-    @classmethod
-    def from_dir(cls, path: Path) -> "ConfigLayout":
-        raw = read_config_json(path)
-        try:
-            return cls(int(raw["num_hidden_layers"]), bool(raw.get("tie_word_embeddings", False)),
-                       bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelError(f"{path / 'config.json'} is incomplete or malformed: {e!r}") from e
-
-
-def needed_tensors(config: ModelConfig | ConfigLayout, start: int, end: int, *, first: bool, last: bool) -> list[str]:
-    """The tensors `Shard.load(dir, start, end, first=, last=)` reads: layers [start, end), the
-    embeddings on the first stage (and on the last when the LM head is tied to them), the final
-    norm and the untied LM head on the last."""
+def needed_tensors(config: ModelConfig, start: int, end: int, *, first: bool, last: bool) -> list[str]:
+    """The tensors `Shard.load(dir, start, end, first=, last=)` reads from a pulled cache (an
+    untied model there has its LM head: the controller refuses a name it lacks)."""
     if not 0 <= start < end <= config.num_layers:
         raise InvalidArgument(f"layers [{start}, {end}) are not a range of the model's {config.num_layers}")
-    tied = config.tie_word_embeddings
-    names = [n for i in range(start, end) for n in layer_tensor_names(config, i)]
-    if first or (last and tied):
-        names.append(EMBED)
-    if last:
-        names += [FINAL_NORM] + ([] if tied else [LM_HEAD])
-    return names
+    return shard_tensor_names(config, start, end, first=first, last=last, tied=config.tie_word_embeddings)
 
 
 async def pull_assignment(controller_address: str, digest: str, start: int, end: int, num_layers: int,
@@ -105,7 +78,7 @@ async def pull_assignment(controller_address: str, digest: str, start: int, end:
     if not (cache_dir / "config.json").is_file():
         await pull_shard(controller_address, digest, True, [], cache_root, progress=progress)
     try:
-        layout = await asyncio.to_thread(ConfigLayout.from_dir, cache_dir)
+        layout = await asyncio.to_thread(ModelConfig.from_dir, cache_dir, False)  # weights may be to come
     except ModelError as e:
         raise FailedPrecondition(f"the pulled config is unusable: {e}") from e
     if layout.num_layers != num_layers:
@@ -159,9 +132,7 @@ def cached_tensors(cache_dir: Path) -> set[str]:
     names: set[str] = set()
     for file in safetensors_files(cache_dir):
         try:
-            header = safetensors_header(file)
-            with open(file, "rb") as f:
-                data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+            header, data_start = safetensors_layout(file)
             end = max((m["data_offsets"][1] for n, m in header.items() if n != "__metadata__"), default=0)
             complete = file.stat().st_size == data_start + end
         except (ModelError, OSError, AttributeError, KeyError, TypeError, IndexError, struct.error):

@@ -2,7 +2,6 @@
 embeddings / final norm / LM head where it holds them), fused per layer as the forward wants them."""
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from logicpipe.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_header
+from logicpipe.modeldir import ModelConfig, ModelError
 
 
 EMBED = "model.embed_tokens.weight"
@@ -39,17 +38,17 @@ class LayerWeights:
         return sum(t.numel() for t in vars(self).values() if t is not None)
 
 
-def checkpoint_index(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file holding it (from the index of a sharded model, else the headers)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelError(f"{index} is unreadable or has no weight_map: {e!r}") from e
-        return {name: model_dir / file for name, file in weight_map.items()}
-    return {name: file for file in safetensors_files(model_dir)
-            for name in safetensors_header(file) if name != "__metadata__"}
+def shard_tensor_names(config: ModelConfig, start: int, end: int, *, first: bool, last: bool,
+                       tied: bool) -> list[str]:
+    """The tensors a shard of layers [start, end) reads: its layers, the embeddings on the first
+    stage (and on the last when the LM head is tied to them), the final norm and the untied LM
+    head on the last."""
+    names = [n for i in range(start, end) for n in layer_tensor_names(config, i)]
+    if first or (last and tied):
+        names.append(EMBED)
+    if last:
+        names += [FINAL_NORM] + ([] if tied else [LM_HEAD])
+    return names
 
 
 def read_tensors(model_dir: Path, names: Sequence[str], index: dict[str, Path]) -> dict[str, torch.Tensor]:

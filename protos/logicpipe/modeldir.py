@@ -50,8 +50,9 @@ class ModelConfig:
     rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
 
     @classmethod
-    def from_dir(cls, model_dir) -> "ModelConfig":
-        """Read and check `config.json` (+ `generation_config.json`) of a model directory."""
+    def from_dir(cls, model_dir, require_weights: bool = True) -> "ModelConfig":
+        """Read and check `config.json` (+ `generation_config.json`) of a model directory
+        (`require_weights` False: one whose weights are still to come, a pull cache)."""
         path = Path(model_dir)
         raw = read_config_json(path)
         model_type = raw.get("model_type")
@@ -60,7 +61,7 @@ class ModelConfig:
                 f"{path / 'config.json'}: model_type {model_type!r} is not supported; "
                 f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)"
             )
-        if not safetensors_files(path):
+        if require_weights and not safetensors_files(path):
             raise ModelError(
                 f"{path} has no *.safetensors weights; convert the checkpoint to safetensors first "
                 "(e.g. `model.save_pretrained(dir, safe_serialization=True)` in transformers)"
@@ -152,15 +153,37 @@ def _eos_token_ids(path: Path, raw: dict) -> tuple[int, ...]:
 
 def safetensors_header(file: Path) -> dict:
     """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets}."""
+    return safetensors_layout(file)[0]
+
+
+def safetensors_layout(file: Path) -> tuple[dict, int]:
+    """The header of a safetensors file and the file offset its data starts at (data_offsets
+    count from there)."""
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise ModelError(f"{file} is truncated (no safetensors header)")
         (size,) = struct.unpack("<Q", head)
         try:
-            return json.loads(f.read(size))
+            header = json.loads(f.read(size))
         except ValueError as e:
             raise ModelError(f"{file} has a corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise ModelError(f"{file} has a corrupt safetensors header: not a JSON object")
+    return header, 8 + size
+
+
+def checkpoint_index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it (from the index of a sharded model, else the headers)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelError(f"{index} is unreadable or has no weight_map: {e!r}") from e
+        return {name: model_dir / file for name, file in weight_map.items()}
+    return {name: file for file in safetensors_files(model_dir)
+            for name in safetensors_header(file) if name != "__metadata__"}
 
 
 def model_digest(model_dir) -> str:
