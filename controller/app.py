@@ -15,7 +15,8 @@ from planner import Link, Workload, format_plan_table, plan_to_json
 from controller import planning
 from controller.membership import NOT_PROBED, Members
 from controller.pipeline import Pipeline, StageAssignment
-from controller.scheduler import Scheduler
+from controller.scheduler import DEFAULT_SPECULATE, Scheduler
+from planner.prefill import best_chunk
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class ControllerApp:
                  plan_path: str | None = None, strategy: str = "dp", objective: str = "throughput",
                  context: int = 2048, micro_batches: int = 0, address: str = "", settle_s: float = 2.0,
                  replan_gain: float = REPLAN_GAIN, wait_for_nodes_s: float | None = None, mdns: bool = False,
-                 mesh: str = "default"):
+                 mesh: str = "default", speculate: int = DEFAULT_SPECULATE, prefill_chunk: int = 0):
         self.model_dir = Path(model_dir).resolve()
         self.nodes = list(nodes)  # --nodes: always members
         self.dtype = dtype
@@ -82,6 +83,10 @@ class ControllerApp:
         if wait_for_nodes_s is not None:
             self.scheduler.wait_for_nodes_s = wait_for_nodes_s
         self.scheduler.on_trouble = lambda why: self.request_replan(f"a stage fault: {why}")
+        self.scheduler.speculate = speculate
+        self.scheduler.prefill_chunk = self.prefill_chunk_for
+        self.fixed_prefill_chunk = prefill_chunk  # --prefill-chunk (0: from the cost model)
+        self._chunks: dict[tuple[int, int], int] = {}
         self.members = Members(self.request_replan)
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.state = "waiting"
@@ -96,6 +101,24 @@ class ControllerApp:
         self._tasks: set[asyncio.Task] = set()
         self._browser = None
         self.scheduler.pause(self.waiting, blocked=True)
+
+    def prefill_chunk_for(self, prompt_tokens: int) -> int:
+        """Prompt rows per step on stage 0 for a prompt of this many tokens: --prefill-chunk, else
+        the chunk the cost model says brings the first token soonest on the plan in force (see
+        planner.prefill), 0 (the stages' budget) without a plan."""
+        if self.fixed_prefill_chunk:
+            return self.fixed_prefill_chunk
+        plan = self.plan
+        by_id = {p.node_id: p for p in self.profiles}
+        if plan is None or any(s.node_id not in by_id for s in plan.stages):
+            return 0
+        key = (self.pipeline.generation, -(-prompt_tokens // 16))
+        if key not in self._chunks:
+            if len(self._chunks) > 4096:
+                self._chunks.clear()
+            self._chunks[key] = best_chunk([by_id[s.node_id] for s in plan.stages],
+                                           [s.end - s.start for s in plan.stages], self.spec, key[1] * 16)
+        return self._chunks[key]
 
     # ---- membership ---------------------------------------------------------------------------
     def request_replan(self, why: str) -> None:

@@ -29,6 +29,9 @@ def cmd_submit(args) -> int:
         return 2
     req = controller_pb2.SubmitRequest(prompt=args.prompt, raw=args.raw, max_tokens=args.max_tokens,
                                        sampling=sampling.to_proto())
+    if args.speculate is not None:
+        req.speculate = args.speculate
+    req.prefill_chunk = args.prefill_chunk
     if args.outline or args.outline_text:
         req.outline, req.max_points, req.sequential_points = True, args.max_points, args.sequential
         if args.outline_text:
@@ -48,17 +51,28 @@ def cmd_submit(args) -> int:
             sys.stdout.flush()
     if args.json:
         out = {"text": "".join(text), "token_ids": ids, "stages": stages, "finish_reason": reason,
-               "timings": {"queue_s": timings.queue_s, "first_token_s": timings.first_token_s,
-                           "total_s": timings.total_s, "decode_tokens_per_s": timings.decode_tokens_per_s,
-                           "prompt_tokens": timings.prompt_tokens, "new_tokens": timings.new_tokens}
-               if timings is not None else {}}
+               "timings": timings_json(timings) if timings is not None else {}}
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
         if timings is not None and args.verbose:
+            t = timings_json(timings)
+            spec = (f", {t['tokens_per_step']:.2f} tokens/step, {t['acceptance_rate']:.0%} of "
+                    f"{t['candidates']} candidates accepted" if t["candidates"] else "")
             print(f"[{timings.new_tokens} tokens, first after {timings.first_token_s * 1000:.0f} ms, "
-                  f"{timings.decode_tokens_per_s:.1f} tokens/s, {reason}]", file=sys.stderr)
+                  f"{timings.decode_tokens_per_s:.1f} tokens/s{spec}, {reason}]", file=sys.stderr)
     return 0
+
+
+def timings_json(t) -> dict:
+    """A request's timings as --json prints them (with candidates: tokens per pipeline trip and the
+    share of candidates accepted)."""
+    return {"queue_s": t.queue_s, "first_token_s": t.first_token_s, "total_s": t.total_s,
+            "decode_tokens_per_s": t.decode_tokens_per_s, "prompt_tokens": t.prompt_tokens,
+            "new_tokens": t.new_tokens, "prefill_chunk": t.prefill_chunk, "speculate": t.speculate,
+            "decode_steps": t.decode_steps, "tokens_per_step": t.new_tokens / t.decode_steps if t.decode_steps else 0.0,
+            "candidates": t.candidates, "accepted": t.accepted,
+            "acceptance_rate": t.accepted / t.candidates if t.candidates else 0.0}
 
 
 def _submit_outline(args, req) -> int:
@@ -113,7 +127,11 @@ def cmd_status(args) -> int:
         print(f"waiting: {st.waiting}")
     if st.last_replan:
         print(f"last re-plan: {st.last_replan} (serving {st.last_replan_s:.1f} s later; {st.replans} plans so far)")
-    print(f"requests: {st.active_requests} active, {st.queued_requests} queued, {st.completed_requests} completed\n")
+    print(f"requests: {st.active_requests} active, {st.queued_requests} queued, {st.completed_requests} completed")
+    spec = (f"{st.decode_tokens / st.decode_steps:.2f} tokens per pipeline trip" if st.decode_steps else "no tokens yet")
+    if st.candidates:
+        spec += f", {st.candidates_accepted / st.candidates:.0%} of {st.candidates} candidates accepted"
+    print(f"decode: {spec} (--speculate {st.speculate})\n")
     rows = [[i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}", s.device, f"{s.parameter_count:,}"]
             for i, s in enumerate(st.stages)]
     print(_table(rows, ["stage", "node", "address", "layers", "device", "parameters"]))
@@ -210,6 +228,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --outline: use this outline (lines `N. Content. [deps]`) instead of asking the model")
     p.add_argument("--max-points", type=positive_int, default=8, help="with --outline: points at most (default 8)")
     p.add_argument("--sequential", action="store_true", help="with --outline: decode points one after another")
+    p.add_argument("--speculate", type=int, default=None, metavar="K",
+                   help="candidate tokens per step at most (0 = off; default: the controller's --speculate)")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+                   help="prompt tokens per step (default 0: the controller's choice)")
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("status", help="the plan in force and the request counts")

@@ -9,6 +9,7 @@ from logicpipe import grpc_options
 from logicpipe.health import add_health
 from logicpipe.process import configure_logging, serve_until_signalled
 from logicpipe.v1 import controller_pb2_grpc
+from controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 
 log = logging.getLogger("logicpipe.controller")
 
@@ -50,8 +51,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batches", type=int, default=0,
                     help="micro-batches in flight through the pipeline (default 0: one per distinct compute "
                          "device, so stages sharing one machine's cores batch together)")
+    ap.add_argument("--speculate", type=int, default=DEFAULT_SPECULATE, metavar="K",
+                    help="candidate tokens drafted per step at most, by prompt lookup, verified in the same pass "
+                         "(a request may say otherwise; 0 = off; default %(default)s)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+                    help="prompt tokens per step, so a long prompt flows through the stages in chunks "
+                         "(default 0: the chunk the planner's cost model finds fastest)")
     ap.add_argument("--log-level", default="INFO")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not 0 <= args.speculate <= MAX_SPECULATE:
+        ap.error(f"--speculate must be 0 (off) to {MAX_SPECULATE}")
+    if args.prefill_chunk < 0:
+        ap.error("--prefill-chunk must be 0 (from the cost model) or a number of tokens")
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -70,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
                         objective=args.objective, context=args.context, micro_batches=args.micro_batches,
                         address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
                         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns,
-                        mesh=args.mesh)
+                        mesh=args.mesh, speculate=args.speculate, prefill_chunk=args.prefill_chunk)
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
     health = await add_health(server, SERVICE_NAME)
     await server.start()

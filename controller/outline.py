@@ -114,7 +114,8 @@ class OutlineRun:
     """One outline request: the outline, then its points, decoded as they become ready."""
 
     def __init__(self, scheduler, tokenizer, question: str, *, outline_text: str = "", max_points: int = 0,
-                 point_tokens: int = 96, sampling: SamplingParams = SamplingParams(), sequential: bool = False):
+                 point_tokens: int = 96, sampling: SamplingParams = SamplingParams(), sequential: bool = False,
+                 speculate: int | None = None):
         if max_points > MAX_POINTS:
             raise InvalidArgument(f"max_points {max_points} is over the cap of {MAX_POINTS}")
         self.scheduler, self.tokenizer = scheduler, tokenizer
@@ -123,6 +124,7 @@ class OutlineRun:
         self.max_points = max_points or DEFAULT_POINTS
         self.point_tokens = point_tokens
         self.sampling = sampling
+        self.speculate = speculate  # candidates per step of every sequence (None: the controller's default)
         self.sequential = sequential
         self.points: list[Point] = []
         self.warnings: list[str] = []
@@ -198,14 +200,15 @@ class OutlineRun:
         if self.outline_text:  # given: the prefix is computed once (one token sampled, unused)
             prefix = prefix[:-len(self.encode("1."))] + self.encode(self.outline_text.strip())
             async for u in self.scheduler.generate(prefix, 1, self.sampling, keep_open=True,
-                                                   on_open=outline_req.append):
+                                                   on_open=outline_req.append, speculate=self.speculate):
                 pass
             text = self.outline_text
             outline_ids, outline_len = prefix, len(prefix)
         else:
             budget = 16 + OUTLINE_TOKENS_PER_POINT * self.max_points
             async for u in self.scheduler.generate(prefix, budget, SamplingParams(), keep_open=True,
-                                                   stop_ids=self.stop_ids, on_open=outline_req.append):
+                                                   stop_ids=self.stop_ids, on_open=outline_req.append,
+                                                   speculate=self.speculate):
                 self.outline_tokens.append(u.token_id)
                 yield 0, u.token_id, u.finished
             text = "1." + self.tokenizer.decode(self.outline_tokens, skip_special_tokens=True)
@@ -266,7 +269,8 @@ class OutlineRun:
             kept: list = []
             p.start = time.monotonic() - self.submitted
             async for u in self.scheduler.generate(p.ids, self.point_tokens, self.sampling, stop_ids=self.stop_ids,
-                                                   parent=fork, keep_open=keep, on_open=kept.append):
+                                                   parent=fork, keep_open=keep, on_open=kept.append,
+                                                   speculate=self.speculate):
                 if u.token_id not in self.stop_ids:
                     p.tokens.append(u.token_id)
                 queue.put_nowait((p.id, u.token_id, u.finished))

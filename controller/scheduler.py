@@ -37,6 +37,8 @@ MAX_QUEUED = 4096           # requests waiting at once; more are refused at once
 MAX_PREEMPTIONS = 64        # a request preempted this often fails (the mesh is thrashing)
 MAX_REPLAYS = 16            # a request replayed this often after a stage fault or a re-plan fails
 WAIT_FOR_NODES_S = 60.0     # no plan fits the nodes there are: a queued request waits this long for one
+DEFAULT_SPECULATE = 4       # candidates per step unless the controller or the request says (rows 1..4 cost one step)
+MAX_SPECULATE = 16          # candidates per step a request may ask for (each is a row on every stage)
 ADMIT_RETRY_S = 0.5         # a refused admission is retried this often even if nothing finished
 
 
@@ -72,6 +74,11 @@ class Request:
     preemptions: int = 0
     replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
     done: bool = False        # its last token was reported (the client may not have read it yet)
+    speculate: int = 0        # candidates per step at most (0: none)
+    prefill_chunk: int = 0    # prompt rows per step on stage 0 (0: the stage's budget)
+    decode_steps: int = 0     # pipeline trips that reported tokens
+    candidates: int = 0       # candidates verified in them
+    accepted: int = 0         # ... and accepted
     parent: tuple[str, int] | None = None  # (session, positions) to fork from: its prompt starts with them
     keep_open: bool = False   # its sequence stays open when it finishes (a parent of later forks)
     submitted: float = field(default_factory=time.monotonic)
@@ -107,6 +114,10 @@ class Scheduler:
         self.blocked_since = 0.0    # the mesh has no usable plan since then (0: it has one)
         self.wait_for_nodes_s = WAIT_FOR_NODES_S
         self.on_trouble: Callable[[str], None] = lambda why: None  # a stage fault seen: check the plan
+        self.speculate = 0          # candidates per step a request gets unless it says
+        self.prefill_chunk: Callable[[int], int] = lambda prompt_tokens: 0  # prompt rows per step (0: budget)
+        # since start: trips that reported tokens, those tokens, candidates verified and accepted
+        self.decode_steps = self.decode_tokens = self.candidates = self.candidates_accepted = 0
 
     @property
     def running(self) -> int:
@@ -124,6 +135,14 @@ class Scheduler:
                 return
             req.received.extend(t.token_ids)
             req.done = t.finished
+            accepted = len(t.token_ids) - 1 if t.candidates else 0
+            req.decode_steps += 1
+            req.candidates += t.candidates
+            req.accepted += accepted
+            self.decode_steps += 1
+            self.decode_tokens += len(t.token_ids)
+            self.candidates += t.candidates
+            self.candidates_accepted += accepted
             n = len(t.token_ids)
             for i, tok in enumerate(t.token_ids):
                 last = i == n - 1
@@ -198,19 +217,25 @@ class Scheduler:
     async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
                        ignore_eos: bool = False, *, stop_ids: frozenset[int] | None = None,
                        parent: tuple[str, int] | None = None, keep_open: bool = False,
-                       on_open: Callable[[Request], None] | None = None) -> AsyncIterator[TokenUpdate]:
+                       on_open: Callable[[Request], None] | None = None,
+                       speculate: int | None = None, prefill_chunk: int = 0) -> AsyncIterator[TokenUpdate]:
         """Yield each new token as the last stage reports it. Raises a MeshError on failure.
         `stop_ids` add to the model's; `parent` (session, positions): share that session's KV for
         the first positions (the prompt must begin with its tokens); `keep_open`: the sequence
-        stays open after it finishes (close it with close_kept); `on_open` gets the Request."""
+        stays open after it finishes (close it with close_kept); `on_open` gets the Request;
+        `speculate`: candidates per step at most (None: the controller's default, 0: none);
+        `prefill_chunk`: prompt tokens per step (0: the controller's choice)."""
         self.validate(prompt_ids, max_tokens, sampling)
         if len(self.waiting) >= MAX_QUEUED:
             raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting for the mesh; retry later")
+        if speculate is not None and not 0 <= speculate <= MAX_SPECULATE:
+            raise InvalidArgument(f"speculate must be 0 (off) to {MAX_SPECULATE} candidates per step, not {speculate}")
         if not sampling.greedy and sampling.seed is None:  # a seed of our own: replays draw the same
             sampling = sampling.with_seed(random.getrandbits(63))
         stops = frozenset() if ignore_eos else self.stop_ids
         req = Request(uuid.uuid4().hex, list(prompt_ids), max_tokens, sampling, stops | (stop_ids or frozenset()),
-                      priority=next(self._arrivals), parent=parent, keep_open=keep_open)
+                      priority=next(self._arrivals), parent=parent, keep_open=keep_open,
+                      speculate=self.speculate if speculate is None else speculate, prefill_chunk=prefill_chunk)
         if on_open is not None:
             on_open(req)
         self.waiting.append(req)
@@ -373,7 +398,9 @@ class Scheduler:
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.received), priority=req.priority)
+            generated=len(req.received), priority=req.priority, speculate=req.speculate)
+        forked = req.parent[1] if req.parent is not None and not req.received else 0  # positions it shares
+        req.prefill_chunk = open_request.prefill_chunk = req.prefill_chunk or self.prefill_chunk(len(inputs) - forked)
         if req.parent is not None and not req.received:
             open_request.parent_session_id, open_request.parent_length = req.parent
         try:

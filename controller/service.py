@@ -59,7 +59,8 @@ def timings_proto(req: Request) -> controller_pb2.Timings:
         queue_s=req.opened - req.submitted, first_token_s=req.first_token - req.submitted,
         total_s=req.finished - req.submitted,
         decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
-        prompt_tokens=len(req.prompt_ids), new_tokens=n)
+        prompt_tokens=len(req.prompt_ids), new_tokens=n, decode_steps=req.decode_steps, candidates=req.candidates,
+        accepted=req.accepted, speculate=req.speculate, prefill_chunk=req.prefill_chunk)
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
@@ -86,7 +87,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
         text = TextStream(app.tokenizer)
         first = True
-        async for update in app.scheduler.generate(prompt_ids, max_tokens, sampling, request.ignore_eos):
+        speculate = request.speculate if request.HasField("speculate") else None
+        async for update in app.scheduler.generate(prompt_ids, max_tokens, sampling, request.ignore_eos,
+                                                   speculate=speculate, prefill_chunk=request.prefill_chunk):
             reply = controller_pb2.SubmitReply(request_id=update.request_id, token_ids=[update.token_id],
                                                text=text.push([update.token_id], update.finished),
                                                finished=update.finished, finish_reason=update.finish_reason)
@@ -111,7 +114,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             raise InvalidArgument(f"outline_text is over the cap of {MAX_PROMPT_CHARS} characters")
         run = OutlineRun(app.scheduler, app.tokenizer, request.prompt, outline_text=request.outline_text,
                          max_points=request.max_points, point_tokens=request.max_tokens or DEFAULT_POINT_TOKENS,
-                         sampling=SamplingParams.from_proto(request.sampling), sequential=request.sequential_points)
+                         sampling=SamplingParams.from_proto(request.sampling), sequential=request.sequential_points,
+                         speculate=request.speculate if request.HasField("speculate") else None)
         streams: dict[int, TextStream] = {}
         request_id, first = "", True
         async for pid, token, finished in run.events():
@@ -136,7 +140,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             active_requests=app.scheduler.running, completed_requests=app.scheduler.completed,
             plan_json=app.plan_json, queued_requests=len(app.scheduler.waiting),
             preemptions=app.scheduler.preemptions, plan_generation=app.pipeline.generation,
-            micro_batches=app.pipeline.micro_batches)
+            micro_batches=app.pipeline.micro_batches, speculate=app.scheduler.speculate)
+        sched = app.scheduler
+        reply.decode_steps, reply.decode_tokens = sched.decode_steps, sched.decode_tokens
+        reply.candidates, reply.candidates_accepted = sched.candidates, sched.candidates_accepted
         reply.stages.extend(stage_infos(app))
         reply.last_replan, reply.last_replan_s, reply.replans = app.last_replan, app.last_replan_s, app.replans
         reply.waiting = app.waiting if app.state == "waiting" else ""

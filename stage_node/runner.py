@@ -24,7 +24,7 @@ from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError
 from logicpipe.tensor_codec import RawTensor
 from stage_node.kv import KVPool, StepKV, seq_slice
-from stage_node.sampling import sample, verify_greedy
+from stage_node.sampling import sample, verify
 from stage_node.scheduler import PlannedSeq, Step
 from stage_node.shard import Shard
 
@@ -142,7 +142,7 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
     plain = [p for p in seqs if p.work.sample and not p.work.num_candidates]
     if plain:
         logits = shard.logits(torch.cat([outs[p.seq.id][-1:] for p in plain]))  # [len(plain), vocab]
-        tokens = sample(logits, [p.seq.spec.sampling for p in plain], [p.draw for p in plain])
+        tokens = sample(logits, [p.seq.spec.sampling for p in plain], [p.draws[0] if p.draws else None for p in plain])
         for p, t in zip(plain, tokens):
             result.tokens[p.seq.id] = [t]
     for p in seqs:
@@ -150,7 +150,4 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
         if not (p.work.sample and k):
             continue
         logits = shard.logits(outs[p.seq.id][-k - 1:])  # [k + 1, vocab]: the row before each candidate, and the last
-        if p.seq.spec.sampling.greedy:
-            result.tokens[p.seq.id] = verify_greedy(logits, p.work.token_ids[-k:])
-        else:  # no draft distribution to correct against yet: accept none, sample from the first row
-            result.tokens[p.seq.id] = sample(logits[:1], [p.seq.spec.sampling], [p.draw])
+        result.tokens[p.seq.id] = verify(logits, p.work.token_ids[-k:], p.seq.spec.sampling, p.draws or (None,) * (k + 1))

@@ -19,6 +19,7 @@ from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Not
 from logicpipe.v1 import stage_pb2
 from stage_node import wire
 from stage_node.blocks import DEFAULT_BLOCK_SIZE, KVManager
+from stage_node.drafter import Drafter
 from logicpipe.modeldir import ModelConfig, ModelError, model_digest
 from stage_node.events import EventHub
 from stage_node.kv import KVPool, kv_bytes_per_token
@@ -119,6 +120,8 @@ class StageRuntime:
         self.compute_s = 0.0  # seconds spent in the runner on steps
         self.sessions_expired = 0
         self.weights_pulled_bytes = 0
+        # last stage: sampled steps, the tokens they reported, candidates verified and accepted
+        self.sampled_steps = self.sampled_tokens = self.candidates_verified = self.candidates_accepted = 0
         self.pull_root = pull_root  # where pulled tensors are cached (None: never pull)
         self.local_model_dir = local_model_dir  # --model-dir: our copy (None: the directory the controller names)
         self.stopping = False       # leaving (SIGTERM): the controller plans without it
@@ -438,12 +441,19 @@ class StageRuntime:
             if not p.work.sample or p.seq.id not in result.tokens:
                 continue
             index = p.seq.generated
-            tokens, reason = sched.finish(p, result.tokens[p.seq.id])
-            by_owner[p.seq.spec.owner].append(
-                wire.token_event(p.seq.id, tokens, index, reason, p.work.num_candidates))
+            out = result.tokens[p.seq.id]
+            tokens, reason = sched.finish(p, out)
+            k = p.work.num_candidates
+            self.sampled_steps += 1
+            self.sampled_tokens += len(tokens)
+            self.candidates_verified += k
+            self.candidates_accepted += len(out) - 1
+            by_owner[p.seq.spec.owner].append(wire.token_event(p.seq.id, tokens, index, reason, k))
             if not self._orphaned(p.seq):  # finished: stage 0 is told, so it stops waiting for it
-                pos = p.work.stop - p.work.num_candidates + len(tokens) - 1
-                feeds.append(SeqWork(p.seq.id, pos, (tokens[-1],), finished=bool(reason)))
+                pos = p.work.stop - k + len(tokens) - 1
+                drafted = () if reason else self._draft(eng, p, out)
+                feeds.append(SeqWork(p.seq.id, pos, (tokens[-1], *drafted), num_candidates=len(drafted),
+                                     finished=bool(reason)))
         for owner, events in by_owner.items():  # queued before the feed is sent: token order holds
             self.events.emit(owner, events)
         if feeds and eng.first_link is None:  # one stage: first and last
@@ -454,6 +464,21 @@ class StageRuntime:
                     self._report([Failure(w.session_id, sched.owner_of(w.session_id), err)])
         elif feeds:
             eng.first_link.send(wire.step_batch(feeds, gen))
+
+    def _draft(self, eng: Engine, p, out: list[int]) -> tuple[int, ...]:
+        """Last stage: candidates for the positions after `out` (the step's accepted candidates and
+        its sampled token), as many as the sequence's drafter finds worth sending and its length
+        and capacity leave room for."""
+        s = p.seq
+        if not s.spec.speculate:
+            return ()
+        k = p.work.num_candidates
+        if s.draft is None:  # its context: what the KV holds before this step's candidates, then `out`
+            s.draft = Drafter(eng.kv.tables[s.id].tokens[:p.work.stop - k], s.spec.speculate)
+        s.draft.observe(k, len(out) - 1, out)
+        pos = p.work.stop - k + len(out) - 1  # where the last token of `out` goes
+        limit = min(s.spec.max_new_tokens - s.generated - 1, s.spec.capacity - pos - 1)
+        return tuple(s.draft.propose(limit)) if limit > 0 else ()
 
     def _report(self, failures: list[Failure]) -> None:
         by_owner: dict[str, list[stage_pb2.Event]] = defaultdict(list)

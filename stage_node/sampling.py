@@ -1,5 +1,6 @@
 """Next-token choice on the last stage: greedy (exactly HF's argmax), seeded temperature / top-k /
-top-p sampling, and verification of candidate tokens.
+top-p sampling, and verification of candidate tokens (greedy: the longest prefix greedy would
+have produced; sampled: speculative sampling, see `verify`).
 
 Every sampled token's random draw is a pure function of (seed, sequence, position): no generator
 state is carried from token to token, so a sequence replayed from its tokens (after a re-plan, a
@@ -16,7 +17,7 @@ import torch
 from logicpipe.sampling import SamplingParams
 
 
-__all__ = ["SamplingParams", "draw", "filter_logits", "pick", "sample", "verify_greedy"]
+__all__ = ["SamplingParams", "draw", "filter_logits", "pick", "sample", "verify", "verify_greedy"]
 
 
 def draw(seed: int, sequence: int, position: int) -> float:
@@ -76,4 +77,31 @@ def verify_greedy(logits: torch.Tensor, candidates: Sequence[int]) -> list[int]:
             break
         out.append(c)
     out.append(best[len(out)])
+    return out
+
+
+def verify(logits: torch.Tensor, candidates: Sequence[int], params: SamplingParams,
+           draws: Sequence[float | None]) -> list[int]:
+    """Verify k candidates: logits [k + 1, vocab] (the row before each candidate, and the last),
+    draws: the random draw of each of those k + 1 positions -> the accepted candidates, then the
+    token sampled after them.
+
+    Sampled rows use speculative sampling for a drafter that proposes one token with certainty (a
+    point-mass draft distribution q, as prompt lookup's): row i's token x_i is drawn from the
+    target p_i with the position's own draw, exactly as it is drawn without candidates, and the
+    candidate c_i is accepted when x_i == c_i. That is the rejection rule: c_i is accepted with
+    probability p_i(c_i) = min(1, p_i(c_i) / q(c_i)), and a rejected one is replaced by x_i, which
+    then follows p_i over the tokens other than c_i, renormalized = norm(max(0, p_i - q)). So the
+    output distribution is the target's, and more: a seeded request gives the same tokens with
+    candidates as without (and a replay the same tokens whatever was drafted)."""
+    if params.greedy:
+        return verify_greedy(logits, candidates)
+    if not (logits.shape[0] == len(candidates) + 1 == len(draws)):
+        raise ValueError(f"{logits.shape[0]} logit rows, {len(candidates)} candidates, {len(draws)} draws")
+    out = []
+    for i, u in enumerate(draws):
+        x = pick(filter_logits(logits[i].float(), params).softmax(-1), u)
+        out.append(x)
+        if i == len(candidates) or x != candidates[i]:
+            break
     return out

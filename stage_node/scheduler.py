@@ -60,7 +60,8 @@ class PlannedSeq:
     read_blocks: tuple[int, ...]    # the blocks of positions [0, work.stop)
     part: int = 0                   # later stages: which received message holds its rows,
     row: int = 0                    # and where they start in it
-    draw: float | None = None       # last stage, sampled (not greedy) rows: the random draw
+    draws: tuple[float, ...] | None = None  # last stage, sampled (not greedy): the random draw of each
+                                            # position it samples (the token's, then one per candidate)
 
 
 @dataclass
@@ -244,7 +245,7 @@ class Scheduler:
             room = b.max_tokens - rows
             if room <= 0 or len(chosen) >= b.max_seqs:
                 break
-            n = min(room, len(s.pending))
+            n = min(room, len(s.pending), s.spec.prefill_chunk or len(s.pending))  # a long prompt flows in chunks
             if n < len(s.pending) and s.pending_candidates:  # the last chunk keeps the row before them
                 n = min(n, len(s.pending) - s.pending_candidates - 1)
             if n < 1:
@@ -344,7 +345,8 @@ class Scheduler:
                     closed=True))
         u = None
         if self.last and w.sample and not s.spec.sampling.greedy:
-            u = draw(s.seed, s.spec.index, w.stop - w.num_candidates)
+            first = w.stop - w.num_candidates  # the position the sampled token takes
+            u = tuple(draw(s.seed, s.spec.index, first + i) for i in range(w.num_candidates + 1))
         return PlannedSeq(s, w, plan, self.kv.read_span(s.id, w.stop), part, row, u)
 
     def _preempt(self, s: Sequence) -> None:

@@ -5,7 +5,12 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from typing import TYPE_CHECKING
+
 from stage_node.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from stage_node.drafter import Drafter
 
 
 class SeqStatus(Enum):
@@ -50,6 +55,8 @@ class SeqSpec:
     parent_length: int = 0
     index: int = 0                         # its index within its request (mixed into draws)
     priority: int = 0                      # lower is older: preempted last (0: admission order)
+    speculate: int = 0                     # last stage: candidates drafted per step at most (0: none)
+    prefill_chunk: int = 0                 # stage 0: prompt rows of it in one step at most (0: the budget)
 
 
 @dataclass
@@ -69,6 +76,7 @@ class Sequence:
     in_flight: int | None = None           # id of the step whose token has not come back
     in_flight_since: float = 0.0
     last_step: int = 0                     # id of the last step that included it (round robin)
+    draft: "Drafter | None" = None         # last stage, speculating: its drafter (made on its first token)
 
     @property
     def id(self) -> str:

@@ -84,7 +84,9 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             profile=wire.profile_to_proto(self.profile), version=__version__, sessions_expired=rt.sessions_expired,
             orphaned_sessions=rt.orphaned_sessions(), session_ttl_s=rt.options.session_ttl_s,
             block_size=rt.options.block_size, compute_id=self.compute_id, compute_s=rt.compute_s,
-            stopping=rt.stopping, weights_pulled_bytes=rt.weights_pulled_bytes)
+            stopping=rt.stopping, weights_pulled_bytes=rt.weights_pulled_bytes, sampled_steps=rt.sampled_steps,
+            sampled_tokens=rt.sampled_tokens, candidates_verified=rt.candidates_verified,
+            candidates_accepted=rt.candidates_accepted)
         if eng is not None:
             a, shard, kv = eng.assignment, eng.shard, eng.kv
             reply.model_dir, reply.model_digest, reply.plan_id = a.model_dir, a.model_digest, a.plan_id

@@ -54,7 +54,8 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
     return SeqSpec(session_id=req.session_id, capacity=req.capacity, sampling=sampling_from_proto(req.sampling),
                    max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
                    owner=req.owner, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
-                   parent_length=req.parent_length, index=req.sequence, priority=req.priority)
+                   parent_length=req.parent_length, index=req.sequence, priority=req.priority,
+                   speculate=min(req.speculate, MAX_CANDIDATES), prefill_chunk=req.prefill_chunk)
 
 
 def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:

@@ -194,6 +194,17 @@ async def two_stages(model_dir):
         yield first, last
 
 
+@contextlib.asynccontextmanager
+async def three_stages(model_dir):
+    """Three nodes, [0, 1) -> [1, 3) -> [3, 4), in this event loop."""
+    async with stage_node("first") as first, stage_node("middle") as middle, stage_node("last") as last:
+        await assign(last, model_dir, 3, TINY_LAYERS, stage_index=2, num_stages=3, first_address=first.address)
+        await assign(middle, model_dir, 1, 3, stage_index=1, num_stages=3, next_address=last.address,
+                     first_address=first.address)
+        await assign(first, model_dir, 0, 1, stage_index=0, num_stages=3, next_address=middle.address)
+        yield first, middle, last
+
+
 # ----------------------------------------------------------------------------- expectations
 
 async def expect_status(awaitable: Awaitable, code: grpc.StatusCode, *fragments: str) -> grpc.aio.AioRpcError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_node.sampling import SamplingParams, draw, filter_logits, pick, sample, verify_greedy
+from stage_node.sampling import SamplingParams, draw, filter_logits, pick, sample, verify, verify_greedy
 
 VOCAB = 50
 
@@ -83,6 +83,60 @@ def test_greedy_verification_accepts_the_longest_matching_prefix():
     assert verify_greedy(logits, [3, 6, 7]) == [3, 5]         # second rejected: greedy's own token
     assert verify_greedy(logits, [4, 5, 7]) == [3]            # none accepted
     assert verify_greedy(logits[:1], []) == [3]
+
+
+def _plain(logits, p, draws):
+    """What sampling without candidates draws at each of the positions."""
+    return [sample(logits[i:i + 1], [p], [u])[0] for i, u in enumerate(draws)]
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 2, None])
+def test_sampled_verification_gives_the_tokens_sampling_without_candidates_draws(logits, wrong_at):
+    """Row i's token is drawn with position i's own draw, as without candidates: a candidate equal
+    to it is accepted, the first other one is replaced by it; so a seeded request gives the same
+    tokens with candidates as without."""
+    p = SamplingParams(temperature=0.7, top_p=0.95, seed=3)
+    for pos in range(20):
+        draws = [draw(3, 0, pos * 4 + i) for i in range(4)]
+        plain = _plain(logits, p, draws)
+        candidates = plain[:3]
+        if wrong_at is not None:
+            candidates[wrong_at] = (candidates[wrong_at] + 1) % VOCAB
+        n = 3 if wrong_at is None else wrong_at
+        assert verify(logits, candidates, p, draws) == plain[: n + 1]
+    assert verify(logits[:1], [], p, [0.5]) == _plain(logits, p, [0.5])
+    assert verify(logits, [1, 2, 3], SamplingParams(), [None] * 4) == verify_greedy(logits, [1, 2, 3])
+
+
+@pytest.mark.parametrize("candidate", [0, 3, 5])
+def test_sampled_verification_keeps_the_target_distribution(candidate):
+    """Speculative sampling's promise, measured: the token after verification follows the target
+    distribution whatever the candidate (likely or not), a candidate is accepted with its
+    probability under the target, and a rejected one is replaced from the rest renormalized."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+    logits = torch.log(probs)[None].repeat(2, 1)
+    p = SamplingParams(temperature=1.0, seed=11)
+    n = 20000
+    with_c = torch.zeros(len(probs))
+    without = torch.zeros(len(probs))
+    replaced = torch.zeros(len(probs))
+    accepted = 0
+    for i in range(n):
+        u = [draw(11, 0, i), draw(11, 1, i)]
+        out = verify(logits, [candidate], p, u)
+        with_c[out[0]] += 1
+        if len(out) == 2:
+            accepted += 1
+        else:
+            replaced[out[0]] += 1
+        without[sample(logits[:1], [p], [draw(12, 0, i)])[0]] += 1  # independent draws, no candidate
+    tv = lambda a, b: 0.5 * (a - b).abs().sum().item()  # noqa: E731
+    assert tv(with_c / n, without / n) < 0.02
+    assert tv(with_c / n, probs) < 0.02
+    assert abs(accepted / n - probs[candidate].item()) < 0.02
+    rest = probs.clone()
+    rest[candidate] = 0
+    assert replaced[candidate] == 0 and tv(replaced / replaced.sum(), rest / rest.sum()) < 0.03
 
 
 @pytest.mark.parametrize("kwargs, word", [

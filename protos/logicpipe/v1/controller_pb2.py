@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from logicpipe.v1 import stage_pb2 as logicpipe_dot_v1_dot_stage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlogicpipe/v1/controller.proto\x12\x0clogicpipe.v1\x1a\x18logicpipe/v1/stage.proto\"\xf4\x01\n\rSubmitRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0b\n\x03raw\x18\x02 \x01(\x08\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.logicpipe.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0f\n\x07outline\x18\x07 \x01(\x08\x12\x14\n\x0coutline_text\x18\x08 \x01(\t\x12\x12\n\nmax_points\x18\t \x01(\r\x12\x19\n\x11sequential_points\x18\n \x01(\x08\"\x85\x01\n\x0cOutlinePoint\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x65ps\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0f\n\x07start_s\x18\x06 \x01(\x01\x12\r\n\x05\x65nd_s\x18\x07 \x01(\x01\x12\x0e\n\x06shared\x18\x08 \x01(\t\"~\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x17\n\x0fparameter_count\x18\x06 \x01(\x04\"\x8a\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x12\n\nnew_tokens\x18\x06 \x01(\r\"\x89\x02\n\x0bSubmitReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.logicpipe.v1.Timings\x12\'\n\x06stages\x18\x07 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\x12\r\n\x05point\x18\x08 \x01(\r\x12*\n\x06points\x18\t \x03(\x0b\x32\x1a.logicpipe.v1.OutlinePoint\x12\x10\n\x08warnings\x18\n \x03(\t\"\x19\n\x17\x43ontrollerStatusRequest\"\xbb\x01\n\nNodeStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12)\n\x06status\x18\x04 \x01(\x0b\x32\x19.logicpipe.v1.StatusReply\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x0f\n\x07in_plan\x18\x07 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x08 \x01(\x08\x12\x0c\n\x04\x64own\x18\t \x01(\t\"\x90\x03\n\x15\x43ontrollerStatusReply\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\x12\'\n\x05nodes\x18\x04 \x03(\x0b\x32\x18.logicpipe.v1.NodeStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x1a\n\x12\x63ompleted_requests\x18\x06 \x01(\x04\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tplan_json\x18\x08 \x01(\t\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x17\n\x0fplan_generation\x18\x0b \x01(\x04\x12\x15\n\rmicro_batches\x18\x0c \x01(\r\x12\x13\n\x0blast_replan\x18\r \x01(\t\x12\x15\n\rlast_replan_s\x18\x0e \x01(\x01\x12\x0f\n\x07replans\x18\x0f \x01(\r\x12\x0f\n\x07waiting\x18\x10 \x01(\t\"3\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"I\n\rRegisterReply\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"2\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\",\n\nLeaveReply\x12\r\n\x05moved\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"-\n\x0c\x44rainRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"6\n\nDrainReply\x12\x17\n\x0fplan_generation\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x12PullWeightsRequest\x12\x14\n\x0cmodel_digest\x18\x01 \x01(\t\x12\x0f\n\x07tensors\x18\x02 \x03(\t\x12\r\n\x05\x66iles\x18\x03 \x03(\t\"\x8d\x01\n\x0bWeightChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07is_file\x18\x02 \x01(\x08\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0e\n\x06sha256\x18\x08 \x01(\t\"F\n\x0bPlanRequest\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x11\n\tobjective\x18\x02 \x01(\t\x12\x12\n\nboundaries\x18\x03 \x03(\r\"-\n\tPlanReply\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t2\xf6\x03\n\nController\x12\x42\n\x06Submit\x12\x1b.logicpipe.v1.SubmitRequest\x1a\x19.logicpipe.v1.SubmitReply0\x01\x12T\n\x06Status\x12%.logicpipe.v1.ControllerStatusRequest\x1a#.logicpipe.v1.ControllerStatusReply\x12:\n\x04Plan\x12\x19.logicpipe.v1.PlanRequest\x1a\x17.logicpipe.v1.PlanReply\x12\x46\n\x08Register\x12\x1d.logicpipe.v1.RegisterRequest\x1a\x1b.logicpipe.v1.RegisterReply\x12=\n\x05Leave\x12\x1a.logicpipe.v1.LeaveRequest\x1a\x18.logicpipe.v1.LeaveReply\x12=\n\x05\x44rain\x12\x1a.logicpipe.v1.DrainRequest\x1a\x18.logicpipe.v1.DrainReply\x12L\n\x0bPullWeights\x12 .logicpipe.v1.PullWeightsRequest\x1a\x19.logicpipe.v1.WeightChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlogicpipe/v1/controller.proto\x12\x0clogicpipe.v1\x1a\x18logicpipe/v1/stage.proto\"\xb1\x02\n\rSubmitRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0b\n\x03raw\x18\x02 \x01(\x08\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.logicpipe.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0f\n\x07outline\x18\x07 \x01(\x08\x12\x14\n\x0coutline_text\x18\x08 \x01(\t\x12\x12\n\nmax_points\x18\t \x01(\r\x12\x19\n\x11sequential_points\x18\n \x01(\x08\x12\x16\n\tspeculate\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x15\n\rprefill_chunk\x18\x0c \x01(\rB\x0c\n\n_speculate\"\x85\x01\n\x0cOutlinePoint\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x65ps\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0f\n\x07start_s\x18\x06 \x01(\x01\x12\r\n\x05\x65nd_s\x18\x07 \x01(\x01\x12\x0e\n\x06shared\x18\x08 \x01(\t\"~\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bstart_layer\x18\x03 \x01(\r\x12\x11\n\tend_layer\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x17\n\x0fparameter_count\x18\x06 \x01(\x04\"\xf0\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x12\n\nnew_tokens\x18\x06 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x07 \x01(\r\x12\x12\n\ncandidates\x18\x08 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\t \x01(\r\x12\x11\n\tspeculate\x18\n \x01(\r\x12\x15\n\rprefill_chunk\x18\x0b \x01(\r\"\x89\x02\n\x0bSubmitReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.logicpipe.v1.Timings\x12\'\n\x06stages\x18\x07 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\x12\r\n\x05point\x18\x08 \x01(\r\x12*\n\x06points\x18\t \x03(\x0b\x32\x1a.logicpipe.v1.OutlinePoint\x12\x10\n\x08warnings\x18\n \x03(\t\"\x19\n\x17\x43ontrollerStatusRequest\"\xbb\x01\n\nNodeStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12)\n\x06status\x18\x04 \x01(\x0b\x32\x19.logicpipe.v1.StatusReply\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x0f\n\x07in_plan\x18\x07 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x08 \x01(\x08\x12\x0c\n\x04\x64own\x18\t \x01(\t\"\x81\x04\n\x15\x43ontrollerStatusReply\x12\x11\n\tmodel_dir\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\t\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.logicpipe.v1.StageInfo\x12\'\n\x05nodes\x18\x04 \x03(\x0b\x32\x18.logicpipe.v1.NodeStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x1a\n\x12\x63ompleted_requests\x18\x06 \x01(\x04\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tplan_json\x18\x08 \x01(\t\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x17\n\x0fplan_generation\x18\x0b \x01(\x04\x12\x15\n\rmicro_batches\x18\x0c \x01(\r\x12\x13\n\x0blast_replan\x18\r \x01(\t\x12\x15\n\rlast_replan_s\x18\x0e \x01(\x01\x12\x0f\n\x07replans\x18\x0f \x01(\r\x12\x0f\n\x07waiting\x18\x10 \x01(\t\x12\x11\n\tspeculate\x18\x11 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x12 \x01(\x04\x12\x15\n\rdecode_tokens\x18\x13 \x01(\x04\x12\x12\n\ncandidates\x18\x14 \x01(\x04\x12\x1b\n\x13\x63\x61ndidates_accepted\x18\x15 \x01(\x04\"3\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"I\n\rRegisterReply\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"2\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\",\n\nLeaveReply\x12\r\n\x05moved\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"-\n\x0c\x44rainRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"6\n\nDrainReply\x12\x17\n\x0fplan_generation\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x12PullWeightsRequest\x12\x14\n\x0cmodel_digest\x18\x01 \x01(\t\x12\x0f\n\x07tensors\x18\x02 \x03(\t\x12\r\n\x05\x66iles\x18\x03 \x03(\t\"\x8d\x01\n\x0bWeightChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07is_file\x18\x02 \x01(\x08\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0e\n\x06sha256\x18\x08 \x01(\t\"F\n\x0bPlanRequest\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x11\n\tobjective\x18\x02 \x01(\t\x12\x12\n\nboundaries\x18\x03 \x03(\r\"-\n\tPlanReply\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t2\xf6\x03\n\nController\x12\x42\n\x06Submit\x12\x1b.logicpipe.v1.SubmitRequest\x1a\x19.logicpipe.v1.SubmitReply0\x01\x12T\n\x06Status\x12%.logicpipe.v1.ControllerStatusRequest\x1a#.logicpipe.v1.ControllerStatusReply\x12:\n\x04Plan\x12\x19.logicpipe.v1.PlanRequest\x1a\x17.logicpipe.v1.PlanReply\x12\x46\n\x08Register\x12\x1d.logicpipe.v1.RegisterRequest\x1a\x1b.logicpipe.v1.RegisterReply\x12=\n\x05Leave\x12\x1a.logicpipe.v1.LeaveRequest\x1a\x18.logicpipe.v1.LeaveReply\x12=\n\x05\x44rain\x12\x1a.logicpipe.v1.DrainRequest\x1a\x18.logicpipe.v1.DrainReply\x12L\n\x0bPullWeights\x12 .logicpipe.v1.PullWeightsRequest\x1a\x19.logicpipe.v1.WeightChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'logicpipe.v1.controller_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=74
-  _globals['_SUBMITREQUEST']._serialized_end=318
-  _globals['_OUTLINEPOINT']._serialized_start=321
-  _globals['_OUTLINEPOINT']._serialized_end=454
-  _globals['_STAGEINFO']._serialized_start=456
-  _globals['_STAGEINFO']._serialized_end=582
-  _globals['_TIMINGS']._serialized_start=585
-  _globals['_TIMINGS']._serialized_end=723
-  _globals['_SUBMITREPLY']._serialized_start=726
-  _globals['_SUBMITREPLY']._serialized_end=991
-  _globals['_CONTROLLERSTATUSREQUEST']._serialized_start=993
-  _globals['_CONTROLLERSTATUSREQUEST']._serialized_end=1018
-  _globals['_NODESTATUS']._serialized_start=1021
-  _globals['_NODESTATUS']._serialized_end=1208
-  _globals['_CONTROLLERSTATUSREPLY']._serialized_start=1211
-  _globals['_CONTROLLERSTATUSREPLY']._serialized_end=1611
-  _globals['_REGISTERREQUEST']._serialized_start=1613
-  _globals['_REGISTERREQUEST']._serialized_end=1664
-  _globals['_REGISTERREPLY']._serialized_start=1666
-  _globals['_REGISTERREPLY']._serialized_end=1739
-  _globals['_LEAVEREQUEST']._serialized_start=1741
-  _globals['_LEAVEREQUEST']._serialized_end=1791
-  _globals['_LEAVEREPLY']._serialized_start=1793
-  _globals['_LEAVEREPLY']._serialized_end=1837
-  _globals['_DRAINREQUEST']._serialized_start=1839
-  _globals['_DRAINREQUEST']._serialized_end=1884
-  _globals['_DRAINREPLY']._serialized_start=1886
-  _globals['_DRAINREPLY']._serialized_end=1940
-  _globals['_PULLWEIGHTSREQUEST']._serialized_start=1942
-  _globals['_PULLWEIGHTSREQUEST']._serialized_end=2016
-  _globals['_WEIGHTCHUNK']._serialized_start=2019
-  _globals['_WEIGHTCHUNK']._serialized_end=2160
-  _globals['_PLANREQUEST']._serialized_start=2162
-  _globals['_PLANREQUEST']._serialized_end=2232
-  _globals['_PLANREPLY']._serialized_start=2234
-  _globals['_PLANREPLY']._serialized_end=2279
-  _globals['_CONTROLLER']._serialized_start=2282
-  _globals['_CONTROLLER']._serialized_end=2784
+  _globals['_SUBMITREQUEST']._serialized_end=379
+  _globals['_OUTLINEPOINT']._serialized_start=382
+  _globals['_OUTLINEPOINT']._serialized_end=515
+  _globals['_STAGEINFO']._serialized_start=517
+  _globals['_STAGEINFO']._serialized_end=643
+  _globals['_TIMINGS']._serialized_start=646
+  _globals['_TIMINGS']._serialized_end=886
+  _globals['_SUBMITREPLY']._serialized_start=889
+  _globals['_SUBMITREPLY']._serialized_end=1154
+  _globals['_CONTROLLERSTATUSREQUEST']._serialized_start=1156
+  _globals['_CONTROLLERSTATUSREQUEST']._serialized_end=1181
+  _globals['_NODESTATUS']._serialized_start=1184
+  _globals['_NODESTATUS']._serialized_end=1371
+  _globals['_CONTROLLERSTATUSREPLY']._serialized_start=1374
+  _globals['_CONTROLLERSTATUSREPLY']._serialized_end=1887
+  _globals['_REGISTERREQUEST']._serialized_start=1889
+  _globals['_REGISTERREQUEST']._serialized_end=1940
+  _globals['_REGISTERREPLY']._serialized_start=1942
+  _globals['_REGISTERREPLY']._serialized_end=2015
+  _globals['_LEAVEREQUEST']._serialized_start=2017
+  _globals['_LEAVEREQUEST']._serialized_end=2067
+  _globals['_LEAVEREPLY']._serialized_start=2069
+  _globals['_LEAVEREPLY']._serialized_end=2113
+  _globals['_DRAINREQUEST']._serialized_start=2115
+  _globals['_DRAINREQUEST']._serialized_end=2160
+  _globals['_DRAINREPLY']._serialized_start=2162
+  _globals['_DRAINREPLY']._serialized_end=2216
+  _globals['_PULLWEIGHTSREQUEST']._serialized_start=2218
+  _globals['_PULLWEIGHTSREQUEST']._serialized_end=2292
+  _globals['_WEIGHTCHUNK']._serialized_start=2295
+  _globals['_WEIGHTCHUNK']._serialized_end=2436
+  _globals['_PLANREQUEST']._serialized_start=2438
+  _globals['_PLANREQUEST']._serialized_end=2508
+  _globals['_PLANREPLY']._serialized_start=2510
+  _globals['_PLANREPLY']._serialized_end=2555
+  _globals['_CONTROLLER']._serialized_start=2558
+  _globals['_CONTROLLER']._serialized_end=3060
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points")
+    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points", "speculate", "prefill_chunk")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class SubmitRequest(_message.Message):
     OUTLINE_TEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_POINTS_FIELD_NUMBER: _ClassVar[int]
     SEQUENTIAL_POINTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     max_tokens: int
@@ -29,7 +31,9 @@ class SubmitRequest(_message.Message):
     outline_text: str
     max_points: int
     sequential_points: bool
-    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ...) -> None: ...
+    speculate: int
+    prefill_chunk: int
+    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class OutlinePoint(_message.Message):
     __slots__ = ("id", "title", "deps", "tokens", "text", "start_s", "end_s", "shared")
@@ -68,20 +72,30 @@ class StageInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "first_token_s", "total_s", "decode_tokens_per_s", "prompt_tokens", "new_tokens")
+    __slots__ = ("queue_s", "first_token_s", "total_s", "decode_tokens_per_s", "prompt_tokens", "new_tokens", "decode_steps", "candidates", "accepted", "speculate", "prefill_chunk")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     first_token_s: float
     total_s: float
     decode_tokens_per_s: float
     prompt_tokens: int
     new_tokens: int
-    def __init__(self, queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ...) -> None: ...
+    decode_steps: int
+    candidates: int
+    accepted: int
+    speculate: int
+    prefill_chunk: int
+    def __init__(self, queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., candidates: _Optional[int] = ..., accepted: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "timings", "stages", "point", "points", "warnings")
@@ -134,7 +148,7 @@ class NodeStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ..., node_id: _Optional[str] = ..., source: _Optional[str] = ..., in_plan: bool = ..., drained: bool = ..., down: _Optional[str] = ...) -> None: ...
 
 class ControllerStatusReply(_message.Message):
-    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting")
+    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting", "speculate", "decode_steps", "decode_tokens", "candidates", "candidates_accepted")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +165,11 @@ class ControllerStatusReply(_message.Message):
     LAST_REPLAN_S_FIELD_NUMBER: _ClassVar[int]
     REPLANS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     plan_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
@@ -167,7 +186,12 @@ class ControllerStatusReply(_message.Message):
     last_replan_s: float
     replans: int
     waiting: str
-    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ...) -> None: ...
+    speculate: int
+    decode_steps: int
+    decode_tokens: int
+    candidates: int
+    candidates_accepted: int
+    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ..., speculate: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., candidates: _Optional[int] = ..., candidates_accepted: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("address", "node_id")

@@ -1,0 +1,152 @@
+"""Candidate tokens and pipelined prefill on a CPU mesh of real processes on 127.0.0.1.
+
+    python bench/speculative_bench.py                    # 3 stages, both parts
+    python bench/speculative_bench.py --part decode --rounds 3 --speculate 4
+    python bench/speculative_bench.py --part prefill --prompt-tokens 1500
+
+decode: single-stream greedy decode tok/s with prompt-lookup candidates ÷ without, request by
+request in alternation on one mesh (the same tokens come out: it checks), over input-grounded
+prompts (rewrite, extract, summarize a given text) and open-ended ones, with the acceptance rate
+and tokens per pipeline trip. Goals (issue 11): >= 1.5x grounded, >= 0.95x open-ended.
+
+prefill: time to first token of a long prompt, chunked by the cost model (the controller's
+choice) ÷ the prompt as one chunk, alternating; each run's prompt starts differently, so the
+prefix cache never helps. Goal: <= 0.6.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "protos"))
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from logicpipe.localmesh import LocalMesh  # noqa: E402
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
+
+TEXT = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the "
+        "lanes made the street safer for children walking to school, but several shop owners worried that "
+        "removing forty parking spaces would cost them customers. The council agreed to count visitors to the "
+        "shops for three months before deciding whether to keep the lanes, and asked the transport office to "
+        "publish the numbers every week on the city website.")
+CODE = ("def total_price(items, tax_rate):\n    total = 0\n    for item in items:\n        total = total + "
+        "item.price * item.quantity\n    total = total + total * tax_rate\n    return total\n")
+GROUNDED = [
+    f"Rewrite this text in the passive voice where you can, keeping every fact:\n\n{TEXT}",
+    f"Copy this text, correcting any mistake in it:\n\n{TEXT}",
+    f"Summarize this text in three sentences, reusing its words:\n\n{TEXT}",
+    f"Extract every number and what it counts from this text, one per line:\n\n{TEXT}",
+    f"Add a docstring and type hints to this function and repeat the whole function:\n\n{CODE}",
+]
+OPEN = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the benefits of regular exercise?",
+    "Explain how airplanes stay in the air.",
+    "Give me five ideas for a weekend trip with children.",
+    "Why is the sky blue?",
+]
+FILLER = ("In the early years of the railway, timetables were kept by each town's own clock, and a train that "
+          "left one station at noon arrived at the next at a time that depended on who was asked. ")
+
+
+def submit(address: str, **fields) -> list[controller_pb2.SubmitReply]:
+    with grpc.insecure_channel(address) as ch:
+        return list(controller_pb2_grpc.ControllerStub(ch).Submit(controller_pb2.SubmitRequest(**fields),
+                                                                  timeout=900))
+
+
+def decode(address: str, prompts: list[str], rounds: int, speculate: int, max_tokens: int) -> dict:
+    """Per mode: new tokens, decode seconds (after the first token), trips, candidates."""
+    sums = {mode: {"tokens": 0, "new": 0, "seconds": 0.0, "steps": 0, "candidates": 0, "accepted": 0}
+            for mode in ("off", "on")}
+    mismatches = 0
+    for r in range(rounds):
+        for prompt in prompts:
+            ids = {}
+            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                replies = submit(address, prompt=prompt, max_tokens=max_tokens, speculate=speculate if mode == "on" else 0)
+                t = replies[-1].timings
+                ids[mode] = [i for x in replies for i in x.token_ids]
+                s = sums[mode]
+                s["tokens"] += t.new_tokens - 1
+                s["new"] += t.new_tokens
+                s["seconds"] += (t.new_tokens - 1) / t.decode_tokens_per_s if t.decode_tokens_per_s else 0.0
+                s["steps"] += t.decode_steps
+                s["candidates"] += t.candidates
+                s["accepted"] += t.accepted
+            mismatches += ids["on"] != ids["off"]
+    on, off = sums["on"], sums["off"]
+    tps = {m: sums[m]["tokens"] / sums[m]["seconds"] for m in sums}
+    return {"tok_s_off": round(tps["off"], 2), "tok_s_on": round(tps["on"], 2),
+            "ratio": round(tps["on"] / tps["off"], 3),
+            "acceptance": round(on["accepted"] / on["candidates"], 3) if on["candidates"] else 0.0,
+            "tokens_per_step": round(on["new"] / on["steps"], 2) if on["steps"] else 0.0,
+            "candidates": on["candidates"], "output_mismatches": mismatches}
+
+
+def prefill(address: str, model_dir: Path, prompt_tokens: int, rounds: int, one_chunk: int) -> dict:
+    from transformers import AutoTokenizer
+
+    per = len(AutoTokenizer.from_pretrained(model_dir)(FILLER)["input_ids"])
+    ttft = {"chunked": [], "one": []}
+    chunk = 0
+    for r in range(rounds):
+        for mode in (("chunked", "one") if r % 2 == 0 else ("one", "chunked")):
+            # a different start each run: the prefix cache holds nothing of it
+            text = f"Run {r} {mode}. " + FILLER * round(prompt_tokens / per)
+            replies = submit(address, prompt=text, raw=True, max_tokens=1, speculate=0,
+                             prefill_chunk=one_chunk if mode == "one" else 0)
+            t = replies[-1].timings
+            ttft[mode].append(t.first_token_s)
+            if mode == "chunked":
+                chunk = t.prefill_chunk
+            n = t.prompt_tokens
+    med = {m: statistics.median(v) for m, v in ttft.items()}
+    return {"prompt_tokens": n, "chunk": chunk, "ttft_chunked_s": round(med["chunked"], 3),
+            "ttft_one_chunk_s": round(med["one"], 3), "ratio": round(med["chunked"] / med["one"], 3),
+            "runs": {m: [round(x, 3) for x in v] for m, v in ttft.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--part", choices=["decode", "prefill", "both"], default="both")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--speculate", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--prompt-tokens", type=int, default=1500)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    args = ap.parse_args()
+    from controller.model_prep import prepare_default_model
+
+    model_dir = Path(args.model) if args.model else prepare_default_model()
+    one_chunk = 4096
+    results = {"stages": args.stages, "threads_per_stage": args.threads}
+    with tempfile.TemporaryDirectory(prefix="lp-spec-") as work, \
+            LocalMesh(args.stages, model_dir, Path(work), threads=args.threads,
+                      controller_args=("--strategy", "uniform"),
+                      stage_args=("--max-step-tokens", str(one_chunk))) as mesh:
+        address = mesh.controller_address
+        submit(address, prompt="Hello", max_tokens=4)  # warm-up
+        if args.part in ("decode", "both"):
+            results["grounded"] = decode(address, GROUNDED, args.rounds, args.speculate, args.max_tokens)
+            print("grounded", json.dumps(results["grounded"]), flush=True)
+            results["open_ended"] = decode(address, OPEN, args.rounds, args.speculate, args.max_tokens)
+            print("open-ended", json.dumps(results["open_ended"]), flush=True)
+        if args.part in ("prefill", "both"):
+            results["prefill"] = prefill(address, model_dir, args.prompt_tokens, max(args.rounds, 3), one_chunk)
+            print("prefill", json.dumps(results["prefill"]), flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Candidate tokens, drafted on the last stage: prompt lookup, and how many to send.
+
+After the last stage samples a sequence's token it drafts up to `k` candidates for the positions
+after it and feeds them to stage 0 with the token; the next trip through the pipeline computes
+all of them in one step and the last stage verifies them (`stage_node.sampling.verify`), so a trip
+yields 1 + (accepted) tokens instead of one.
+
+**Prompt lookup** (the drafter, no extra model): the longest of the sequence's last 3, 2 or 1
+tokens that occurred before in its own context (prompt + generated tokens) proposes what followed
+its latest occurrence. Rewrites, extractions, summaries and code edits copy long runs of their
+input, which it finds at once; on open-ended text it rarely matches and then drafts nothing. An
+index of n-grams is kept up to date as tokens come, so a proposal costs O(k) whatever the length.
+
+**How many** (`Drafter.k`): each candidate verified is accepted with a per-candidate probability
+`a`, estimated per sequence from its recent verifications (decayed counts, a prior of 1/2). A step
+with k candidates then yields E(k) = 1 + a + ... + a^k tokens and costs 1 + ROW_COST per row beyond
+FREE_ROWS: k maximizes E(k) / cost(k), so it grows while candidates are accepted and falls when
+they are not. Drafting stops for a while after repeated total misses (they cost the rows and the
+lookup), and starts again by itself.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+MAX_NGRAM = 3
+MIN_NGRAM = 1
+FREE_ROWS = 4       # decode rows 1..4 cost one step: on the CPU a lone row is padded to 4 for the
+                    # batch-invariant product (`stage_node.ops`), on a GPU a step is launch-bound
+ROW_COST = 0.05     # each decode row beyond that, relative to a one-row step (CPU `w @ x.T`: 8 rows 1.2x)
+DECAY = 0.7         # weight the acceptance record keeps per verification (recent ones count most)
+PRIOR = 1.0         # pseudo-counts of acceptance and rejection before the first verification
+MISSES_TO_PAUSE = 3  # verifications in a row with nothing accepted before drafting pauses
+MAX_PAUSE = 32       # steps a pause lasts at most (it doubles with each pause in a row)
+
+
+class PromptLookup:
+    """n-grams of a sequence's tokens -> where their latest earlier occurrence was followed."""
+
+    def __init__(self, tokens: Iterable[int] = (), max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        # n -> {n-gram: position after its latest occurrence that has a follower}
+        self._next: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        t = self.tokens
+        for tok in tokens:
+            t.append(tok)
+            end = len(t) - 1  # the n-grams ending just before the new token are now followed by it
+            for n, index in self._next.items():
+                if end >= n:
+                    index[tuple(t[end - n:end])] = end
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest recurring suffix (none when nothing recurs).
+        A match that runs into the present (a repeating pattern) continues with its own proposal."""
+        t = self.tokens
+        if k <= 0 or not t:
+            return []
+        for n in range(min(self.max_ngram, len(t)), self.min_ngram - 1, -1):
+            pos = self._next[n].get(tuple(t[len(t) - n:]))
+            if pos is None:
+                continue
+            out: list[int] = []
+            for j in range(k):
+                i = pos + j
+                out.append(t[i] if i < len(t) else out[i - len(t)])
+            return out
+        return []
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a step with k candidates yields when each is accepted with probability a (in order)."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def step_cost(k: int) -> float:
+    """A step with k candidates, relative to a step of one row."""
+    return 1.0 + ROW_COST * max(0, k + 1 - FREE_ROWS)
+
+
+def best_k(a: float, k_max: int) -> int:
+    """The candidate count in [0, k_max] that yields the most tokens per unit of step cost (the
+    smallest such count on a tie)."""
+    best, value = 0, 1.0
+    for k in range(1, k_max + 1):
+        v = expected_tokens(a, k) / step_cost(k)
+        if v > value * (1 + 1e-9):
+            best, value = k, v
+    return best
+
+
+class Drafter:
+    """One sequence's drafter and its acceptance record."""
+
+    def __init__(self, context: Sequence[int], k_max: int):
+        self.k_max = k_max
+        self.lookup = PromptLookup(context)
+        self.accepts = self.rejects = PRIOR  # decayed counts of candidates accepted / the first rejected
+        self.misses = 0       # verifications in a row that accepted nothing
+        self.paused = 0       # steps left without drafting
+        self.pauses = 0       # pauses in a row (each doubles the next)
+        self.verified = self.accepted = 0  # totals
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability that a candidate is accepted (given those before it were)."""
+        return self.accepts / (self.accepts + self.rejects)
+
+    def observe(self, verified: int, accepted: int, tokens: Sequence[int]) -> None:
+        """A step verified `verified` candidates, accepted `accepted`; `tokens` came out of it (the
+        accepted candidates and the sampled token): they join the context."""
+        self.lookup.extend(tokens)
+        if not verified:
+            return
+        self.verified += verified
+        self.accepted += accepted
+        self.accepts = self.accepts * DECAY + accepted
+        self.rejects = self.rejects * DECAY + (1 if accepted < verified else 0)
+        if accepted:
+            self.misses = self.pauses = 0
+            return
+        self.misses += 1
+        if self.misses >= MISSES_TO_PAUSE:
+            self.paused = min(MAX_PAUSE, 2 ** self.pauses)
+            self.pauses += 1
+            self.misses = 0
+
+    def k(self) -> int:
+        return best_k(self.acceptance, self.k_max)
+
+    def propose(self, limit: int) -> list[int]:
+        """Candidates for the positions after the context's last token, at most `limit`."""
+        if self.paused:
+            self.paused -= 1
+            return []
+        return self.lookup.propose(min(limit, self.k()))
