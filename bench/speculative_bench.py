@@ -1,13 +1,18 @@
 """Candidate tokens and pipelined prefill on a CPU mesh of real processes on 127.0.0.1.
 
-    python bench/speculative_bench.py                    # 3 stages, both parts
+    python bench/speculative_bench.py                    # 3 stages, every part
     python bench/speculative_bench.py --part decode --rounds 3 --speculate 4
     python bench/speculative_bench.py --part prefill --prompt-tokens 1500
+    python bench/speculative_bench.py --part concurrent --concurrency 8
 
 decode: single-stream greedy decode tok/s with prompt-lookup candidates ÷ without, request by
 request in alternation on one mesh (the same tokens come out: it checks), over input-grounded
 prompts (rewrite, extract, summarize a given text) and open-ended ones, with the acceptance rate
 and tokens per pipeline trip. Goals (issue 11): >= 1.5x grounded, >= 0.95x open-ended.
+
+concurrent: C streams at once (open-ended prompts, the worst case for candidates), aggregate
+new tokens per second with candidates ÷ without, alternating round by round: what the default
+(--speculate 4) costs a loaded mesh where candidates are rarely accepted.
 
 prefill: time to first token of a long prompt, chunked by the cost model (the controller's
 choice) ÷ the prompt as one chunk, alternating; each run's prompt starts differently, so the
@@ -92,6 +97,24 @@ def decode(address: str, prompts: list[str], rounds: int, speculate: int, max_to
             "candidates": on["candidates"], "output_mismatches": mismatches}
 
 
+def concurrent(address: str, prompts: list[str], rounds: int, speculate: int, n: int, max_tokens: int) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    rates = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            k = speculate if mode == "on" else 0
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(n) as pool:
+                outs = list(pool.map(lambda i: submit(address, prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
+                                                      ignore_eos=True, speculate=k), range(n)))
+            tokens = sum(len(x.token_ids) for replies in outs for x in replies)
+            rates[mode].append(tokens / (time.monotonic() - t0))
+    med = {m: statistics.median(v) for m, v in rates.items()}
+    return {"streams": n, "tok_s_off": round(med["off"], 2), "tok_s_on": round(med["on"], 2),
+            "ratio": round(med["on"] / med["off"], 3)}
+
+
 def prefill(address: str, model_dir: Path, prompt_tokens: int, rounds: int, one_chunk: int) -> dict:
     from transformers import AutoTokenizer
 
@@ -118,7 +141,8 @@ def prefill(address: str, model_dir: Path, prompt_tokens: int, rounds: int, one_
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--part", choices=["decode", "prefill", "both"], default="both")
+    ap.add_argument("--part", choices=["decode", "prefill", "concurrent", "all"], default="all")
+    ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--speculate", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -137,12 +161,16 @@ def main() -> None:
                       stage_args=("--max-step-tokens", str(one_chunk))) as mesh:
         address = mesh.controller_address
         submit(address, prompt="Hello", max_tokens=4)  # warm-up
-        if args.part in ("decode", "both"):
+        if args.part in ("decode", "all"):
             results["grounded"] = decode(address, GROUNDED, args.rounds, args.speculate, args.max_tokens)
             print("grounded", json.dumps(results["grounded"]), flush=True)
             results["open_ended"] = decode(address, OPEN, args.rounds, args.speculate, args.max_tokens)
             print("open-ended", json.dumps(results["open_ended"]), flush=True)
-        if args.part in ("prefill", "both"):
+        if args.part in ("concurrent", "all"):
+            results["concurrent"] = concurrent(address, OPEN, max(args.rounds, 3), args.speculate, args.concurrency,
+                                               args.max_tokens)
+            print("concurrent", json.dumps(results["concurrent"]), flush=True)
+        if args.part in ("prefill", "all"):
             results["prefill"] = prefill(address, model_dir, args.prompt_tokens, max(args.rounds, 3), one_chunk)
             print("prefill", json.dumps(results["prefill"]), flush=True)
     print(json.dumps(results))

@@ -128,9 +128,9 @@ def cmd_status(args) -> int:
     if st.last_replan:
         print(f"last re-plan: {st.last_replan} (serving {st.last_replan_s:.1f} s later; {st.replans} plans so far)")
     print(f"requests: {st.active_requests} active, {st.queued_requests} queued, {st.completed_requests} completed")
-    spec = (f"{st.decode_tokens / st.decode_steps:.2f} tokens per pipeline trip" if st.decode_steps else "no tokens yet")
+    spec = f"{st.tokens_per_step:.2f} tokens per pipeline trip" if st.decode_steps else "no tokens yet"
     if st.candidates:
-        spec += f", {st.candidates_accepted / st.candidates:.0%} of {st.candidates} candidates accepted"
+        spec += f", {st.acceptance_rate:.0%} of {st.candidates} candidates accepted"
     print(f"decode: {spec} (--speculate {st.speculate})\n")
     rows = [[i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}", s.device, f"{s.parameter_count:,}"]
             for i, s in enumerate(st.stages)]

@@ -144,6 +144,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         sched = app.scheduler
         reply.decode_steps, reply.decode_tokens = sched.decode_steps, sched.decode_tokens
         reply.candidates, reply.candidates_accepted = sched.candidates, sched.candidates_accepted
+        reply.tokens_per_step = sched.decode_tokens / sched.decode_steps if sched.decode_steps else 0.0
+        reply.acceptance_rate = sched.candidates_accepted / sched.candidates if sched.candidates else 0.0
         reply.stages.extend(stage_infos(app))
         reply.last_replan, reply.last_replan_s, reply.replans = app.last_replan, app.last_replan_s, app.replans
         reply.waiting = app.waiting if app.state == "waiting" else ""

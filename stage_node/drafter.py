@@ -130,9 +130,18 @@ class Drafter:
     def k(self) -> int:
         return best_k(self.acceptance, self.k_max)
 
-    def propose(self, limit: int) -> list[int]:
-        """Candidates for the positions after the context's last token, at most `limit`."""
+    @property
+    def context(self) -> list[int]:
+        """The sequence's tokens so far (prompt and generated)."""
+        return self.lookup.tokens
+
+    def budget(self, limit: int) -> int:
+        """How many candidates to draft now, at most `limit` (0 while drafting pauses)."""
         if self.paused:
             self.paused -= 1
-            return []
-        return self.lookup.propose(min(limit, self.k()))
+            return 0
+        return min(limit, self.k())
+
+    def propose(self, limit: int) -> list[int]:
+        """Prompt lookup's candidates for the positions after the context, at most `limit`."""
+        return self.lookup.propose(self.budget(limit))

@@ -55,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--session-ttl-s", type=float, default=30.0,
                     help="seconds a session outlives its gone controller (default %(default)s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
+    ap.add_argument("--draft-model", default="", metavar="DIR",
+                    help="as the last stage, draft candidate tokens with this small model (same tokenizer; "
+                         "default: prompt lookup, no model)")
+    ap.add_argument("--draft-layers", type=int, default=0, metavar="N",
+                    help="with --draft-model: keep only its first N decoder layers (the model itself can then "
+                         "be its own drafter; default 0: all)")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -76,6 +82,10 @@ async def serve(args: argparse.Namespace) -> None:
     for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.draft_model and not (Path(args.draft_model) / "config.json").is_file():
+        raise SystemExit(f"--draft-model {args.draft_model}: no config.json there (a Hugging Face model directory)")
+    if args.draft_layers < 0:
+        raise SystemExit("--draft-layers must be 0 (all) or more")
     runner = Runner(args.threads)  # every torch operation of this process runs on its thread
     has_cuda = await runner.call(cuda_available)
     device = args.device or ("cuda" if has_cuda else "cpu")
@@ -88,7 +98,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     profile = None if args.no_profile else await runner.call(host_profile, device)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
-                           budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s)
+                           budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s,
+                           draft_model=args.draft_model, draft_layers=args.draft_layers)
     runtime = StageRuntime(node_id, device, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir)
     servicer = StageNodeServicer(runtime, profile, await runner.call(compute_id, device))

@@ -89,6 +89,8 @@ class StageOptions:
     block_size: int = DEFAULT_BLOCK_SIZE  # KV positions per block
     budget: Budget = Budget()            # per-step token rows and sequences
     session_ttl_s: float = 30.0          # a session outlives its gone owner (or its last step) this long
+    draft_model: str = ""                # last stage: draft candidates with this model ("": prompt lookup)
+    draft_layers: int = 0                # ... keeping only its first N decoder layers (0: all)
 
 
 @dataclass
@@ -125,6 +127,8 @@ class StageRuntime:
         self.pull_root = pull_root  # where pulled tensors are cached (None: never pull)
         self.local_model_dir = local_model_dir  # --model-dir: our copy (None: the directory the controller names)
         self.stopping = False       # leaving (SIGTERM): the controller plans without it
+        self.draft_model = None     # last stage with --draft-model: the loaded DraftModel
+        self.drafter = "prompt lookup"  # what drafts candidates here (Status)
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._assign_lock = asyncio.Lock()
@@ -186,10 +190,32 @@ class StageRuntime:
                 await self._close_links(old)
             self.state = NodeState.READY
             self._wake.set()
+            if a.last:
+                await self._load_draft_model(shard.config.vocab_size)
             log.info("assigned layers [%d, %d) of %s as stage %d/%d (%d parameters, %d KV blocks of %d)",
                      a.start, a.end, model_dir, a.stage_index, a.num_stages, shard.parameter_count,
                      pool.num_blocks, pool.block_size)
             return self.engine
+
+    async def _load_draft_model(self, vocab_size: int) -> None:
+        """Last stage with --draft-model: load it once. A draft model that cannot serve this model
+        (unreadable, another vocabulary) is logged, and prompt lookup drafts instead."""
+        from stage_node.draft_model import DraftModel, DraftModelError
+
+        opts = self.options
+        if not opts.draft_model or (self.draft_model is not None and self.draft_model.vocab_size == vocab_size):
+            return
+        try:
+            model = await self.runner.call(DraftModel, opts.draft_model, layers=opts.draft_layers, device=self.device)
+            if model.vocab_size != vocab_size:
+                raise DraftModelError(f"the draft model at {opts.draft_model} has a {model.vocab_size}-token "
+                                      f"vocabulary, the model {vocab_size}: it needs the same tokenizer")
+        except DraftModelError as exc:
+            log.error("%s; drafting candidates by prompt lookup instead", exc)
+            self.draft_model, self.drafter = None, f"prompt lookup ({exc})"
+            return
+        self.draft_model, self.drafter = model, model.describe()
+        log.info("drafting candidates with the draft %s", self.drafter)
 
     @staticmethod
     def _same_weights(old: Assignment, new: Assignment) -> bool:
@@ -389,7 +415,9 @@ class StageRuntime:
             if eng is not self.engine:
                 continue
             try:
-                self._postprocess(eng, step, result)
+                feeds = self._postprocess(eng, step, result)
+                if feeds:
+                    await self._send_feeds(eng, *feeds)
             except Exception:  # noqa: BLE001
                 log.exception("postprocessing a step failed; its sequences are failed")
                 self._report([Failure(p.seq.id, p.seq.spec.owner, MeshError(f"node {self.node_id}: internal error"),
@@ -410,7 +438,9 @@ class StageRuntime:
         eng.scheduler.inbox.clear()
         return out
 
-    def _postprocess(self, eng: Engine, step: Step, result: StepResult) -> None:
+    def _postprocess(self, eng: Engine, step: Step, result: StepResult):
+        """Commit the step; pass its hidden states on, or (last stage) report its tokens and return
+        the feeds for stage 0 with the draft-model jobs they wait for."""
         sched = eng.scheduler
         # a sequence that failed here is closed here: its KV and input state end with it, and its
         # owner (told below) closes it everywhere, or replays it
@@ -434,9 +464,10 @@ class StageRuntime:
                             row += q.work.num_tokens
                     hidden = wire.keep_rows(hidden, [spans[i] for i in ids])
                 eng.next_link.send(wire.step_batch([p.work for p in done], gen, hidden))
-            return
+            return None
         by_owner: dict[str, list[stage_pb2.Event]] = defaultdict(list)
         feeds: list[SeqWork] = []
+        jobs: list[tuple[int, str, list[int], int]] = []  # (feed index, session, context, k): a draft model's
         for p in done:
             if not p.work.sample or p.seq.id not in result.tokens:
                 continue
@@ -452,11 +483,27 @@ class StageRuntime:
             if not self._orphaned(p.seq):  # finished: stage 0 is told, so it stops waiting for it
                 pos = p.work.stop - k + len(tokens) - 1
                 drafted = () if reason else self._draft(eng, p, out)
+                if isinstance(drafted, int):  # the draft model drafts them, on the runner, below
+                    jobs.append((len(feeds), p.seq.id, list(p.seq.draft.context), drafted))
+                    drafted = ()
                 feeds.append(SeqWork(p.seq.id, pos, (tokens[-1], *drafted), num_candidates=len(drafted),
                                      finished=bool(reason)))
         for owner, events in by_owner.items():  # queued before the feed is sent: token order holds
             self.events.emit(owner, events)
-        if feeds and eng.first_link is None:  # one stage: first and last
+        return (feeds, jobs) if feeds else None
+
+    async def _send_feeds(self, eng: Engine, feeds: list[SeqWork], jobs) -> None:
+        """Last stage: the draft model's candidates first (if any), then the feeds to stage 0."""
+        if jobs:
+            model = self.draft_model
+            drafts = await self.runner.call(lambda: [model.propose(sid, ctx, k) for _, sid, ctx, k in jobs])
+            for (i, _, _, _), d in zip(jobs, drafts):
+                w = feeds[i]
+                feeds[i] = SeqWork(w.session_id, w.start_pos, (*w.token_ids, *d), num_candidates=len(d))
+            if eng is not self.engine:
+                return
+        sched, gen = eng.scheduler, eng.assignment.generation
+        if eng.first_link is None:  # one stage: first and last
             for w in feeds:
                 try:
                     sched.feed(w)
@@ -465,10 +512,10 @@ class StageRuntime:
         elif feeds:
             eng.first_link.send(wire.step_batch(feeds, gen))
 
-    def _draft(self, eng: Engine, p, out: list[int]) -> tuple[int, ...]:
+    def _draft(self, eng: Engine, p, out: list[int]) -> tuple[int, ...] | int:
         """Last stage: candidates for the positions after `out` (the step's accepted candidates and
         its sampled token), as many as the sequence's drafter finds worth sending and its length
-        and capacity leave room for."""
+        and capacity leave room for; with a draft model, how many it should draft."""
         s = p.seq
         if not s.spec.speculate:
             return ()
@@ -478,7 +525,11 @@ class StageRuntime:
         s.draft.observe(k, len(out) - 1, out)
         pos = p.work.stop - k + len(out) - 1  # where the last token of `out` goes
         limit = min(s.spec.max_new_tokens - s.generated - 1, s.spec.capacity - pos - 1)
-        return tuple(s.draft.propose(limit)) if limit > 0 else ()
+        if limit <= 0:
+            return ()
+        if self.draft_model is not None:
+            return s.draft.budget(limit) or ()
+        return tuple(s.draft.propose(limit))
 
     def _report(self, failures: list[Failure]) -> None:
         by_owner: dict[str, list[stage_pb2.Event]] = defaultdict(list)
@@ -505,6 +556,8 @@ class StageRuntime:
         while True:
             await asyncio.sleep(min(1.0, max(0.05, ttl / 4)))
             self.expire_sessions()
+            if self.draft_model is not None and self.engine is not None:
+                self.draft_model.forget(set(self.engine.scheduler.seqs))
 
     def expire_sessions(self, now: float | None = None) -> list[str]:
         """Free the sessions whose owner has been gone (or, with no owner, that have not been

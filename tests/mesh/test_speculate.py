@@ -85,3 +85,5 @@ def test_lpctl_reports_candidates_and_status_counts_them(mesh):
     assert "tokens per pipeline trip" in status and "candidates accepted" in status
     st = mesh.controller_status()
     assert st.candidates >= t["candidates"] and st.candidates_accepted > 0 and st.speculate == 4
+    assert st.acceptance_rate == pytest.approx(st.candidates_accepted / st.candidates)
+    assert st.tokens_per_step == pytest.approx(st.decode_tokens / st.decode_steps) and st.tokens_per_step > 1

@@ -1,15 +1,19 @@
 """Candidate tokens through a 3-stage pipeline of real stage services (tiny random Llama, real
 gRPC): candidates verified in one pass, rejected ones rolled back on every stage (zero, partial,
 full acceptance), the last stage's own drafter (prompt lookup) giving exactly greedy's tokens and
-a seeded request's sampled tokens, and a prompt cut into pipelined chunks."""
+a seeded request's sampled tokens, a draft model instead of prompt lookup, and a prompt cut into
+pipelined chunks."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from logicpipe.v1 import stage_pb2
 
-from .conftest import RPC_TIMEOUT_S, Events, new_session_id, open_request, prompt_step, run, three_stages, two_stages
+from .conftest import (RPC_TIMEOUT_S, TINY_LAYERS, Events, assign, new_session_id, open_request, prompt_step, run,
+                       stage_node, three_stages, two_stages)
 
 LONG_PROMPT = tuple((7 * i + 3) % 120 for i in range(40))
 LOOPING_PROMPT = tuple([11, 22, 33, 44, 55] * 6)  # prompt lookup finds its n-grams at once
@@ -139,4 +143,51 @@ def test_a_prompt_in_pipelined_chunks_gives_the_same_tokens(tiny_model, hf):
             steps = (await last_status(nodes[0])).steps - before
         assert tokens == hf_greedy(hf, LONG_PROMPT, 6)
         assert steps == 5 + 5  # 5 prompt chunks, then one step per later token
+    run(main())
+
+
+@contextlib.asynccontextmanager
+async def two_stages_drafting(model_dir, **options):
+    """[0, 2) -> [2, 4), the last stage with a draft model (StageOptions draft_model/draft_layers)."""
+    async with stage_node("first") as first, stage_node("last", **options) as last:
+        await assign(last, model_dir, 2, TINY_LAYERS, stage_index=1, num_stages=2, first_address=first.address)
+        await assign(first, model_dir, 0, 2, stage_index=0, num_stages=2, next_address=last.address)
+        yield first, last
+
+
+@pytest.mark.parametrize("layers", [0, 2], ids=["whole", "first2layers"])
+def test_a_draft_model_drafts_and_the_output_stays_greedys(layers, tiny_model, hf):
+    """--draft-model (the tiny model itself, whole or its first 2 layers: self-speculation): its
+    greedy drafts are verified like any candidates; the whole model as its own drafter is accepted
+    almost always, and the tokens are greedy's either way."""
+    n = 30
+    expect = hf_greedy(hf, LONG_PROMPT, n)
+
+    async def main():
+        async with two_stages_drafting(tiny_model.path, draft_model=str(tiny_model.path), draft_layers=layers) as nodes:
+            st = await last_status(nodes[-1])
+            assert st.drafter.startswith("model") and f"({layers or TINY_LAYERS} layers)" in st.drafter
+            tokens, evs, kv = await decode(nodes, LONG_PROMPT, n, speculate=4)
+            st = await last_status(nodes[-1])
+        assert tokens == expect and kv == [len(LONG_PROMPT) + n - 1] * 2
+        assert st.candidates_verified > 0
+        if not layers:
+            assert st.candidates_accepted >= 0.8 * st.candidates_verified
+            assert len(evs) <= n // 3
+    run(main())
+
+
+def test_a_draft_model_of_another_vocabulary_falls_back_to_prompt_lookup(tiny_model, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = tmp_path / "other-vocab"
+    LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(other)
+
+    async def main():
+        async with two_stages_drafting(tiny_model.path, draft_model=str(other)) as nodes:
+            st = await last_status(nodes[-1])
+            assert st.drafter.startswith("prompt lookup") and "200-token vocabulary" in st.drafter
+            tokens, _, _ = await decode(nodes, LONG_PROMPT, 8, speculate=4)
+        assert len(tokens) == 8
     run(main())
