@@ -11,22 +11,29 @@ its latest occurrence. Rewrites, extractions, summaries and code edits copy long
 input, which it finds at once; on open-ended text it rarely matches and then drafts nothing. An
 index of n-grams is kept up to date as tokens come, so a proposal costs O(k) whatever the length.
 
-**How many** (`Drafter.k`): each candidate verified is accepted with a per-candidate probability
-`a`, estimated per sequence from its recent verifications (decayed counts, a prior of 1/2). A step
-with k candidates then yields E(k) = 1 + a + ... + a^k tokens and costs 1 + ROW_COST per row beyond
-FREE_ROWS: k maximizes E(k) / cost(k), so it grows while candidates are accepted and falls when
-they are not. Drafting stops for a while after repeated total misses (they cost the rows and the
-lookup), and starts again by itself.
+**How many** (`allocate`): each candidate verified is accepted with a per-candidate probability
+`a`, estimated per sequence from its recent verifications (decayed counts, a prior of 1/2): its
+j-th candidate adds a^j expected tokens. The sequences sampled in one step go back to stage 0
+together and share its next step, whose cost grows with its rows (`step_cost`): rows up to
+FREE_ROWS cost one step, every further row ROW_COST of one (on the CPU a fifth: eight open-ended
+streams with 4 candidates each ran at 0.56x the tokens/s of none before this was accounted for).
+Candidates are handed out, the most likely first, while
+they raise the step's expected tokens per unit of cost: a lone sequence on text that copies gets
+many, eight sequences that share a step on open-ended text get none. Drafting also stops for a
+while after repeated total misses, and starts again by itself.
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
 FREE_ROWS = 4       # decode rows 1..4 cost one step: on the CPU a lone row is padded to 4 for the
-                    # batch-invariant product (`stage_node.ops`), on a GPU a step is launch-bound
-ROW_COST = 0.05     # each decode row beyond that, relative to a one-row step (CPU `w @ x.T`: 8 rows 1.2x)
+                    # batch-invariant product (`stage_node.ops`)
+ROW_COST = 0.2      # each decode row beyond that, relative to a one-row step. Measured on this CPU
+                    # (10 layers of the default model + LM head, 1 thread, 200-token contexts): R rows
+                    # cost 1.0 (R <= 4), 1.3 (5), 1.7-2.0 (8), 3.6 (16), 8.7 (40) one-row steps
 DECAY = 0.7         # weight the acceptance record keeps per verification (recent ones count most)
 PRIOR = 1.0         # pseudo-counts of acceptance and rejection before the first verification
 MISSES_TO_PAUSE = 3  # verifications in a row with nothing accepted before drafting pauses
@@ -75,20 +82,36 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def step_cost(k: int) -> float:
-    """A step with k candidates, relative to a step of one row."""
-    return 1.0 + ROW_COST * max(0, k + 1 - FREE_ROWS)
+def step_cost(rows: int) -> float:
+    """A decode step of `rows` rows, relative to a step of one row."""
+    return 1.0 + ROW_COST * max(0, rows - FREE_ROWS)
+
+
+def allocate(acceptances: Sequence[float], available: Sequence[int]) -> list[int]:
+    """Candidates for each of the sequences that share a step (at most `available[i]` for the i-th,
+    whose candidates are accepted with probability `acceptances[i]` each): the most likely ones
+    first, while they raise the step's expected tokens per unit of cost."""
+    counts = [0] * len(acceptances)
+    rows = len(acceptances)
+    tokens = float(rows)
+    heap = [(-a, i) for i, (a, n) in enumerate(zip(acceptances, available)) if n > 0 and a > 0]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        if (tokens + gain) / step_cost(rows + 1) <= tokens / step_cost(rows) * (1 + 1e-9):
+            break
+        counts[i] += 1
+        rows += 1
+        tokens += gain
+        if counts[i] < available[i]:
+            heapq.heappush(heap, (-(acceptances[i] ** (counts[i] + 1)), i))
+    return counts
 
 
 def best_k(a: float, k_max: int) -> int:
-    """The candidate count in [0, k_max] that yields the most tokens per unit of step cost (the
-    smallest such count on a tie)."""
-    best, value = 0, 1.0
-    for k in range(1, k_max + 1):
-        v = expected_tokens(a, k) / step_cost(k)
-        if v > value * (1 + 1e-9):
-            best, value = k, v
-    return best
+    """Candidates for a sequence alone in its step."""
+    return allocate([a], [k_max])[0]
 
 
 class Drafter:
@@ -128,6 +151,7 @@ class Drafter:
             self.misses = 0
 
     def k(self) -> int:
+        """Candidates worth sending were the sequence alone in its step."""
         return best_k(self.acceptance, self.k_max)
 
     @property
@@ -136,12 +160,12 @@ class Drafter:
         return self.lookup.tokens
 
     def budget(self, limit: int) -> int:
-        """How many candidates to draft now, at most `limit` (0 while drafting pauses)."""
+        """How many candidates it may draft now: at most `limit` and its K (0 while it pauses)."""
         if self.paused:
             self.paused -= 1
             return 0
-        return min(limit, self.k())
+        return min(limit, self.k_max)
 
     def propose(self, limit: int) -> list[int]:
-        """Prompt lookup's candidates for the positions after the context, at most `limit`."""
-        return self.lookup.propose(self.budget(limit))
+        """Prompt lookup's candidates, alone in a step: at most `limit`, as many as pay."""
+        return self.lookup.propose(min(self.budget(limit), self.k()))

@@ -138,16 +138,26 @@ def decode_from(p: PlannedSeq) -> int:
 
 
 def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor], result: StepResult) -> None:
-    """Last stage: a token per sampled sequence, or its accepted candidates and the next token."""
-    plain = [p for p in seqs if p.work.sample and not p.work.num_candidates]
+    """Last stage: a token per sampled sequence, or its accepted candidates and the next token.
+    The logits of every sampled row (a sequence's last row, or its row before each candidate and
+    its last) come from one pass over the LM head."""
+    sampled = [p for p in seqs if p.work.sample]
+    if not sampled:
+        return
+    logits = shard.logits(torch.cat([outs[p.seq.id][-p.work.num_candidates - 1:] for p in sampled]))
+    plain = [i for i, p in enumerate(sampled) if not p.work.num_candidates]
+    rows, row = [], 0
+    for p in sampled:
+        rows.append(row)
+        row += p.work.num_candidates + 1
     if plain:
-        logits = shard.logits(torch.cat([outs[p.seq.id][-1:] for p in plain]))  # [len(plain), vocab]
-        tokens = sample(logits, [p.seq.spec.sampling for p in plain], [p.draws[0] if p.draws else None for p in plain])
-        for p, t in zip(plain, tokens):
+        ps = [sampled[i] for i in plain]
+        tokens = sample(logits[[rows[i] for i in plain]], [p.seq.spec.sampling for p in ps],
+                        [p.draws[0] if p.draws else None for p in ps])
+        for p, t in zip(ps, tokens):
             result.tokens[p.seq.id] = [t]
-    for p in seqs:
+    for p, r in zip(sampled, rows):
         k = p.work.num_candidates
-        if not (p.work.sample and k):
-            continue
-        logits = shard.logits(outs[p.seq.id][-k - 1:])  # [k + 1, vocab]: the row before each candidate, and the last
-        result.tokens[p.seq.id] = verify(logits, p.work.token_ids[-k:], p.seq.spec.sampling, p.draws or (None,) * (k + 1))
+        if k:  # [k + 1, vocab]: the row before each candidate, and the last
+            result.tokens[p.seq.id] = verify(logits[r: r + k + 1], p.work.token_ids[-k:], p.seq.spec.sampling,
+                                             p.draws or (None,) * (k + 1))

@@ -19,7 +19,7 @@ from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Not
 from logicpipe.v1 import stage_pb2
 from stage_node import wire
 from stage_node.blocks import DEFAULT_BLOCK_SIZE, KVManager
-from stage_node.drafter import Drafter
+from stage_node.drafter import Drafter, allocate
 from logicpipe.modeldir import ModelConfig, ModelError, model_digest
 from stage_node.events import EventHub
 from stage_node.kv import KVPool, kv_bytes_per_token
@@ -467,7 +467,7 @@ class StageRuntime:
             return None
         by_owner: dict[str, list[stage_pb2.Event]] = defaultdict(list)
         feeds: list[SeqWork] = []
-        jobs: list[tuple[int, str, list[int], int]] = []  # (feed index, session, context, k): a draft model's
+        offers: list[tuple[int, Sequence, int, list[int] | None]] = []  # (feed index, seq, available, lookup's)
         for p in done:
             if not p.work.sample or p.seq.id not in result.tokens:
                 continue
@@ -482,14 +482,23 @@ class StageRuntime:
             by_owner[p.seq.spec.owner].append(wire.token_event(p.seq.id, tokens, index, reason, k))
             if not self._orphaned(p.seq):  # finished: stage 0 is told, so it stops waiting for it
                 pos = p.work.stop - k + len(tokens) - 1
-                drafted = () if reason else self._draft(eng, p, out)
-                if isinstance(drafted, int):  # the draft model drafts them, on the runner, below
-                    jobs.append((len(feeds), p.seq.id, list(p.seq.draft.context), drafted))
-                    drafted = ()
-                feeds.append(SeqWork(p.seq.id, pos, (tokens[-1], *drafted), num_candidates=len(drafted),
-                                     finished=bool(reason)))
+                if not reason and p.seq.spec.speculate:
+                    offers.append((len(feeds), p.seq, *self._offer(eng, p, out)))
+                feeds.append(SeqWork(p.seq.id, pos, (tokens[-1],), finished=bool(reason)))
         for owner, events in by_owner.items():  # queued before the feed is sent: token order holds
             self.events.emit(owner, events)
+        # the sequences sampled together go back together and share stage 0's next step: their
+        # candidates are handed out for that step as a whole
+        jobs: list[tuple[int, str, list[int], int]] = []  # (feed index, session, context, k): the draft model's
+        counts = allocate([s.draft.acceptance for _, s, _, _ in offers], [n for _, _, n, _ in offers])
+        for (i, s, _, proposal), k in zip(offers, counts):
+            if not k:
+                continue
+            if proposal is None:
+                jobs.append((i, s.id, list(s.draft.context), k))
+            else:
+                w = feeds[i]
+                feeds[i] = SeqWork(w.session_id, w.start_pos, (*w.token_ids, *proposal[:k]), num_candidates=k)
         return (feeds, jobs) if feeds else None
 
     async def _send_feeds(self, eng: Engine, feeds: list[SeqWork], jobs) -> None:
@@ -512,24 +521,23 @@ class StageRuntime:
         elif feeds:
             eng.first_link.send(wire.step_batch(feeds, gen))
 
-    def _draft(self, eng: Engine, p, out: list[int]) -> tuple[int, ...] | int:
-        """Last stage: candidates for the positions after `out` (the step's accepted candidates and
-        its sampled token), as many as the sequence's drafter finds worth sending and its length
-        and capacity leave room for; with a draft model, how many it should draft."""
+    def _offer(self, eng: Engine, p, out: list[int]) -> tuple[int, list[int] | None]:
+        """Last stage, a speculating sequence that goes on: record how its candidates fared, and
+        offer candidates for the positions after `out` (the step's accepted candidates and its
+        sampled token) -> (how many it may send, prompt lookup's proposal; None: the draft model
+        drafts them)."""
         s = p.seq
-        if not s.spec.speculate:
-            return ()
         k = p.work.num_candidates
         if s.draft is None:  # its context: what the KV holds before this step's candidates, then `out`
             s.draft = Drafter(eng.kv.tables[s.id].tokens[:p.work.stop - k], s.spec.speculate)
         s.draft.observe(k, len(out) - 1, out)
         pos = p.work.stop - k + len(out) - 1  # where the last token of `out` goes
         limit = min(s.spec.max_new_tokens - s.generated - 1, s.spec.capacity - pos - 1)
-        if limit <= 0:
-            return ()
+        n = s.draft.budget(limit) if limit > 0 else 0
         if self.draft_model is not None:
-            return s.draft.budget(limit) or ()
-        return tuple(s.draft.propose(limit))
+            return n, None
+        proposal = s.draft.lookup.propose(n)
+        return len(proposal), proposal
 
     def _report(self, failures: list[Failure]) -> None:
         by_owner: dict[str, list[stage_pb2.Event]] = defaultdict(list)

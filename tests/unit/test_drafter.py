@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stage_node.drafter import (FREE_ROWS, MAX_PAUSE, MISSES_TO_PAUSE, Drafter, PromptLookup, best_k,
+from stage_node.drafter import (FREE_ROWS, MAX_PAUSE, MISSES_TO_PAUSE, Drafter, PromptLookup, allocate, best_k,
                                 expected_tokens, step_cost)
 
 
@@ -46,10 +46,23 @@ def test_more_candidates_pay_only_while_they_are_accepted():
     assert step_cost(FREE_ROWS - 1) == 1.0 < step_cost(FREE_ROWS + 3)
     assert best_k(0.0, 8) == 0                  # nothing is ever accepted: draft nothing
     assert best_k(0.05, 8) == FREE_ROWS - 1     # rows that cost nothing are always worth a try
-    assert best_k(0.95, 8) == 8                 # almost everything accepted: as many as allowed
+    assert best_k(1.0, 8) == 8                  # everything accepted: as many as allowed
     assert best_k(0.95, 2) == 2
+    assert FREE_ROWS - 1 < best_k(0.95, 8) < 8  # rows past the free ones must earn their cost
     ks = [best_k(a / 10, 8) for a in range(10)]
     assert ks == sorted(ks)                     # more acceptance, never fewer candidates
+
+
+def test_sequences_sharing_a_step_share_its_rows():
+    """Alone, a sequence whose candidates are mostly accepted gets several; eight sharing a step
+    at the same acceptance get none (each extra row would cost more than its expected token
+    brings); the likeliest get them first when only some pay."""
+    assert allocate([0.7], [8]) == [best_k(0.7, 8)] and best_k(0.7, 8) >= FREE_ROWS - 1
+    assert allocate([0.7] * 8, [8] * 8) == [0] * 8
+    mixed = allocate([0.99, 0.2, 0.99], [6, 6, 6])
+    assert mixed[1] == 0 and mixed[0] > 0 and mixed[2] > 0
+    assert allocate([0.9, 0.9], [1, 0]) == [1, 0]  # never more than a sequence has to offer
+    assert allocate([], []) == []
 
 
 def test_k_grows_with_acceptance_and_falls_without():
