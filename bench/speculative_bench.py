@@ -16,7 +16,12 @@ ones: what the default (--speculate 4) does to a loaded mesh.
 
 prefill: time to first token of a long prompt, chunked by the cost model (the controller's
 choice) ÷ the prompt as one chunk, alternating; each run's prompt starts differently, so the
-prefix cache never helps. Goal: <= 0.6.
+prefix cache never helps. Goal: <= 0.6. On a machine with cores to spare, `--pin-cores N` pins
+each stage process to N cores of its own (like separate boxes), and `--random-model DIR` makes (once)
+a model of the default model's shape with random weights, for a machine without the model
+(prompts are then token ids; the time to first token does not depend on the weights):
+
+    python bench/speculative_bench.py --part prefill --random-model /tmp/rnd --pin-cores 4 --threads 4
 """
 from __future__ import annotations
 
@@ -115,18 +120,24 @@ def concurrent(address: str, prompts: list[str], rounds: int, speculate: int, n:
             "ratio": round(med["on"] / med["off"], 3)}
 
 
-def prefill(address: str, model_dir: Path, prompt_tokens: int, rounds: int, one_chunk: int) -> dict:
-    from transformers import AutoTokenizer
+def prefill(address: str, model_dir: Path, prompt_tokens: int, rounds: int, one_chunk: int,
+            token_ids: bool = False) -> dict:
+    if not token_ids:
+        from transformers import AutoTokenizer
 
-    per = len(AutoTokenizer.from_pretrained(model_dir)(FILLER)["input_ids"])
+        per = len(AutoTokenizer.from_pretrained(model_dir)(FILLER)["input_ids"])
     ttft = {"chunked": [], "one": []}
     chunk = 0
     for r in range(rounds):
         for mode in (("chunked", "one") if r % 2 == 0 else ("one", "chunked")):
             # a different start each run: the prefix cache holds nothing of it
-            text = f"Run {r} {mode}. " + FILLER * round(prompt_tokens / per)
-            replies = submit(address, prompt=text, raw=True, max_tokens=1, speculate=0,
-                             prefill_chunk=one_chunk if mode == "one" else 0)
+            chunk_field = one_chunk if mode == "one" else 0
+            if token_ids:  # a different first token each run
+                ids = [(r * 2 + (mode == "one") + 7 * i) % 30000 + 100 for i in range(prompt_tokens)]
+                replies = submit(address, prompt_token_ids=ids, max_tokens=1, speculate=0, prefill_chunk=chunk_field)
+            else:
+                text = f"Run {r} {mode}. " + FILLER * round(prompt_tokens / per)
+                replies = submit(address, prompt=text, raw=True, max_tokens=1, speculate=0, prefill_chunk=chunk_field)
             t = replies[-1].timings
             ttft[mode].append(t.first_token_s)
             if mode == "chunked":
@@ -136,6 +147,37 @@ def prefill(address: str, model_dir: Path, prompt_tokens: int, rounds: int, one_
     return {"prompt_tokens": n, "chunk": chunk, "ttft_chunked_s": round(med["chunked"], 3),
             "ttft_one_chunk_s": round(med["one"], 3), "ratio": round(med["chunked"] / med["one"], 3),
             "runs": {m: [round(x, 3) for x in v] for m, v in ttft.items()}}
+
+
+def random_model(path: Path, like: str = "HuggingFaceTB/SmolLM2-135M-Instruct") -> Path:
+    """A model of the default model's shape with random weights (made once at `path`)."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         tie_word_embeddings=True, rope_theta=100000.0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    print(f"made a random model shaped like {like} at {path}", flush=True)
+    return path
+
+
+def pin(mesh, cores: int) -> dict:
+    """Pin stage i (every thread of it) to cores [i*cores, (i+1)*cores); the controller to the next."""
+    import os
+
+    placed = {}
+    names = sorted(n for n in mesh.procs if n.startswith("stage")) + ["controller"]
+    for i, name in enumerate(names):
+        cpus = set(range(i * cores, (i + 1) * cores)) if name != "controller" else {i * cores}
+        pid = mesh.procs[name].pid
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cpus)
+        placed[name] = sorted(cpus)
+    return placed
 
 
 def main() -> None:
@@ -149,10 +191,18 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    ap.add_argument("--random-model", type=Path, default=None, metavar="DIR",
+                    help="prefill only: a random model of the default model's shape, made once in DIR")
+    ap.add_argument("--pin-cores", type=int, default=0, metavar="N", help="pin each stage to N cores of its own")
     args = ap.parse_args()
-    from controller.model_prep import prepare_default_model
+    if args.random_model:
+        model_dir = random_model(args.random_model)
+    elif args.model:
+        model_dir = Path(args.model)
+    else:
+        from controller.model_prep import prepare_default_model
 
-    model_dir = Path(args.model) if args.model else prepare_default_model()
+        model_dir = prepare_default_model()
     one_chunk = 4096
     results = {"stages": args.stages, "threads_per_stage": args.threads}
     with tempfile.TemporaryDirectory(prefix="lp-spec-") as work, \
@@ -160,7 +210,9 @@ def main() -> None:
                       controller_args=("--strategy", "uniform"),
                       stage_args=("--max-step-tokens", str(one_chunk))) as mesh:
         address = mesh.controller_address
-        submit(address, prompt="Hello", max_tokens=4)  # warm-up
+        if args.pin_cores:
+            results["pinned"] = pin(mesh, args.pin_cores)
+        submit(address, prompt_token_ids=[100, 200, 300], max_tokens=4)  # warm-up
         if args.part in ("decode", "all"):
             results["grounded"] = decode(address, GROUNDED, args.rounds, args.speculate, args.max_tokens)
             print("grounded", json.dumps(results["grounded"]), flush=True)
@@ -172,7 +224,8 @@ def main() -> None:
                                            args.max_tokens)
                 print(name, json.dumps(results[name]), flush=True)
         if args.part in ("prefill", "all"):
-            results["prefill"] = prefill(address, model_dir, args.prompt_tokens, max(args.rounds, 3), one_chunk)
+            results["prefill"] = prefill(address, model_dir, args.prompt_tokens, max(args.rounds, 3), one_chunk,
+                                         token_ids=args.random_model is not None)
             print("prefill", json.dumps(results["prefill"]), flush=True)
     print(json.dumps(results))
 
