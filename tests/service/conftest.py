@@ -100,6 +100,26 @@ def bert_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    """transformers' own model of the tiny Llama (the reference for greedy tokens)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, prompt, n: int) -> list[int]:
+    """n greedy tokens after `prompt`, by a plain argmax loop over the whole sequence."""
+    import torch
+
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
 # ----------------------------------------------------------------------------- stage nodes
 
 def closed_port_address() -> str:

@@ -8,30 +8,14 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 
 from logicpipe.v1 import stage_pb2
 
-from .conftest import (RPC_TIMEOUT_S, TINY_LAYERS, Events, assign, new_session_id, open_request, prompt_step, run,
-                       stage_node, three_stages, two_stages)
+from .conftest import (RPC_TIMEOUT_S, TINY_LAYERS, Events, assign, hf_greedy, new_session_id, open_request,
+                       prompt_step, run, stage_node, three_stages, two_stages)
 
 LONG_PROMPT = tuple((7 * i + 3) % 120 for i in range(40))
 LOOPING_PROMPT = tuple([11, 22, 33, 44, 55] * 6)  # prompt lookup finds its n-grams at once
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf, prompt, n: int) -> list[int]:
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt):].tolist()
 
 
 async def held(nodes, sid) -> list[int]:

@@ -15,27 +15,12 @@ import torch
 from logicpipe.v1 import stage_pb2, tensor_pb2
 
 from .conftest import (
-    RPC_TIMEOUT_S, TINY_HIDDEN, TINY_LAYERS, Events, assign, expect_status, new_session_id, open_request,
+    RPC_TIMEOUT_S, TINY_HIDDEN, TINY_LAYERS, Events, assign, expect_status, hf_greedy, new_session_id, open_request,
     prompt_step, run, single_stage, stage_node, two_stages,
 )
 
 FP = grpc.StatusCode.FAILED_PRECONDITION
 LONG_PROMPT = tuple((7 * i + 3) % 120 for i in range(40))  # 2 whole blocks of 16, and 8 more
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf, prompt, n: int) -> list[int]:
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt):].tolist()
 
 
 async def status(node) -> stage_pb2.StatusReply:
