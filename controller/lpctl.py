@@ -195,14 +195,18 @@ def cmd_model(args) -> int:
     return 0
 
 
-def positive_int(text: str) -> int:
+def positive_int(text: str, low: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= value < 2**31:
-        raise argparse.ArgumentTypeError(f"{value} is not between 1 and 2^31 - 1")
+    if not low <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"{value} is not between {low} and 2^31 - 1")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    return positive_int(text, low=0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -228,9 +232,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --outline: use this outline (lines `N. Content. [deps]`) instead of asking the model")
     p.add_argument("--max-points", type=positive_int, default=8, help="with --outline: points at most (default 8)")
     p.add_argument("--sequential", action="store_true", help="with --outline: decode points one after another")
-    p.add_argument("--speculate", type=int, default=None, metavar="K",
+    p.add_argument("--speculate", type=non_negative_int, default=None, metavar="K",
                    help="candidate tokens per step at most (0 = off; default: the controller's --speculate)")
-    p.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--prefill-chunk", type=non_negative_int, default=0, metavar="TOKENS",
                    help="prompt tokens per step (default 0: the controller's choice)")
     p.set_defaults(fn=cmd_submit)
 

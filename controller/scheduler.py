@@ -75,7 +75,8 @@ class Request:
     replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
     done: bool = False        # its last token was reported (the client may not have read it yet)
     speculate: int = 0        # candidates per step at most (0: none)
-    prefill_chunk: int = 0    # prompt rows per step on stage 0 (0: the stage's budget)
+    chunk_asked: int = 0      # prompt rows per step the client asked for (0: the controller chooses)
+    prefill_chunk: int = 0    # ... used by its latest opening (0: the stage's budget)
     decode_steps: int = 0     # pipeline trips that reported tokens
     candidates: int = 0       # candidates verified in them
     accepted: int = 0         # ... and accepted
@@ -235,7 +236,7 @@ class Scheduler:
         stops = frozenset() if ignore_eos else self.stop_ids
         req = Request(uuid.uuid4().hex, list(prompt_ids), max_tokens, sampling, stops | (stop_ids or frozenset()),
                       priority=next(self._arrivals), parent=parent, keep_open=keep_open,
-                      speculate=self.speculate if speculate is None else speculate, prefill_chunk=prefill_chunk)
+                      speculate=self.speculate if speculate is None else speculate, chunk_asked=prefill_chunk)
         if on_open is not None:
             on_open(req)
         self.waiting.append(req)
@@ -400,7 +401,14 @@ class Scheduler:
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
             generated=len(req.received), priority=req.priority, speculate=req.speculate)
         forked = req.parent[1] if req.parent is not None and not req.received else 0  # positions it shares
-        req.prefill_chunk = open_request.prefill_chunk = req.prefill_chunk or self.prefill_chunk(len(inputs) - forked)
+        chunk = req.chunk_asked
+        if not chunk:
+            try:  # for the plan in force (a replay may run on another)
+                chunk = self.prefill_chunk(len(inputs) - forked)
+            except Exception:  # noqa: BLE001 — without a chunk the stages' budget cuts the prompt
+                log.exception("choosing the prefill chunk of request %s failed; using the stages' budget", req.id)
+                chunk = 0
+        req.prefill_chunk = open_request.prefill_chunk = chunk
         if req.parent is not None and not req.received:
             open_request.parent_session_id, open_request.parent_length = req.parent
         try:

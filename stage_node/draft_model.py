@@ -13,6 +13,7 @@ KV cache between steps; it is cut back to what the sequence really holds before 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ class DraftModelError(ValueError):
 
 
 class DraftModel:
-    def __init__(self, path: str | Path, *, layers: int = 0, device: str = "cpu"):
+    def __init__(self, path: str | Path, *, layers: int = 0, device: str = "cpu", dtype: str = "float32"):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -41,7 +42,7 @@ class DraftModel:
                 if not 1 <= layers <= full:
                     raise DraftModelError(f"--draft-layers {layers}: the draft model has {full} layers")
                 config.num_hidden_layers = layers
-            self.model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+            self.model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, dtype),
                                                               use_safetensors=True).to(device).eval()
         except DraftModelError:
             raise
@@ -50,6 +51,7 @@ class DraftModel:
         self.path, self.layers, self.device = path, config.num_hidden_layers, device
         self.vocab_size = config.vocab_size
         self._caches: OrderedDict[str, tuple[object, list[int]]] = OrderedDict()  # seq -> (cache, its tokens)
+        self._lock = threading.Lock()  # propose runs on the runner thread, forget on the event loop
 
     def describe(self) -> str:
         return f"model {self.path.name} ({self.layers} layers)"
@@ -62,7 +64,8 @@ class DraftModel:
         if k <= 0 or not context:
             return []
         with torch.inference_mode():
-            cache, have = self._caches.pop(seq_id, (None, []))
+            with self._lock:
+                cache, have = self._caches.pop(seq_id, (None, []))
             common = 0
             limit = min(len(have), len(context) - 1)  # at least the last token is fed again
             while common < limit and have[common] == context[common]:
@@ -79,12 +82,19 @@ class DraftModel:
                 if i < k - 1:
                     out = self.model(torch.tensor([[drafts[-1]]], device=self.device), past_key_values=cache,
                                      use_cache=True)
-            self._caches[seq_id] = (cache, list(context) + drafts[:-1])
-            while len(self._caches) > MAX_CACHED_SEQUENCES:
-                self._caches.popitem(last=False)
+            with self._lock:
+                self._caches[seq_id] = (cache, list(context) + drafts[:-1])
+                while len(self._caches) > MAX_CACHED_SEQUENCES:
+                    self._caches.popitem(last=False)
             return drafts
 
     def forget(self, keep: set[str]) -> None:
         """Drop the caches of sequences not in `keep` (closed ones)."""
-        for sid in [s for s in self._caches if s not in keep]:
-            del self._caches[sid]
+        with self._lock:
+            for sid in [s for s in self._caches if s not in keep]:
+                self._caches.pop(sid, None)
+
+    def cached(self) -> list[str]:
+        """The sequences whose draft KV is kept."""
+        with self._lock:
+            return list(self._caches)

@@ -206,7 +206,9 @@ class StageRuntime:
         if not opts.draft_model or (self.draft_model is not None and self.draft_model.vocab_size == vocab_size):
             return
         try:
-            model = await self.runner.call(DraftModel, opts.draft_model, layers=opts.draft_layers, device=self.device)
+            dtype = self.engine.assignment.dtype if self.engine is not None else "float32"
+            model = await self.runner.call(DraftModel, opts.draft_model, layers=opts.draft_layers, device=self.device,
+                                           dtype=dtype)
             if model.vocab_size != vocab_size:
                 raise DraftModelError(f"the draft model at {opts.draft_model} has a {model.vocab_size}-token "
                                       f"vocabulary, the model {vocab_size}: it needs the same tokenizer")
@@ -478,7 +480,7 @@ class StageRuntime:
             self.sampled_steps += 1
             self.sampled_tokens += len(tokens)
             self.candidates_verified += k
-            self.candidates_accepted += len(out) - 1
+            self.candidates_accepted += len(tokens) - 1 if k else 0  # as the owner counts: up to a stop
             by_owner[p.seq.spec.owner].append(wire.token_event(p.seq.id, tokens, index, reason, k))
             if not self._orphaned(p.seq):  # finished: stage 0 is told, so it stops waiting for it
                 pos = p.work.stop - k + len(tokens) - 1
@@ -503,9 +505,15 @@ class StageRuntime:
 
     async def _send_feeds(self, eng: Engine, feeds: list[SeqWork], jobs) -> None:
         """Last stage: the draft model's candidates first (if any), then the feeds to stage 0."""
-        if jobs:
+        if jobs and self.draft_model is not None:
             model = self.draft_model
-            drafts = await self.runner.call(lambda: [model.propose(sid, ctx, k) for _, sid, ctx, k in jobs])
+            try:
+                drafts = await self.runner.call(lambda: [model.propose(sid, ctx, k) for _, sid, ctx, k in jobs])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — a drafting failure costs the candidates, never the tokens
+                log.warning("the draft model failed (%s); these tokens go on without candidates", exc)
+                drafts = [[] for _ in jobs]
             for (i, _, _, _), d in zip(jobs, drafts):
                 w = feeds[i]
                 feeds[i] = SeqWork(w.session_id, w.start_pos, (*w.token_ids, *d), num_candidates=len(d))
@@ -563,9 +571,12 @@ class StageRuntime:
         ttl = self.options.session_ttl_s
         while True:
             await asyncio.sleep(min(1.0, max(0.05, ttl / 4)))
-            self.expire_sessions()
-            if self.draft_model is not None and self.engine is not None:
-                self.draft_model.forget(set(self.engine.scheduler.seqs))
+            try:
+                self.expire_sessions()
+                if self.draft_model is not None and self.engine is not None:
+                    self.draft_model.forget(set(self.engine.scheduler.seqs))
+            except Exception:  # noqa: BLE001 — the janitor must outlive a bug (the watchdog watches it)
+                log.exception("the session janitor failed a round")
 
     def expire_sessions(self, now: float | None = None) -> list[str]:
         """Free the sessions whose owner has been gone (or, with no owner, that have not been

@@ -34,6 +34,10 @@ STALE_IN_FLIGHT_S = 30.0
 PREFILL_SHARE = 64        # token rows of a step decode rows leave to waiting prompts  # a sampled step whose token has not come back in this long stops holding a micro-batch slot
 
 
+class _NoRoom(Exception):
+    """No free blocks for a step's rows without preempting another sequence."""
+
+
 @dataclass(frozen=True)
 class Budget:
     max_tokens: int = 512  # token rows in one step
@@ -237,6 +241,11 @@ class Scheduler:
         if self.steps_in_flight() < in_flight_cap:
             decode = sorted((s for s in ready if s.is_decode_ready()), key=lambda s: (s.last_step, s.age))
             for s in decode[:group]:
+                over = rows + len(s.pending) - max_rows
+                if over > 0 and s.pending_candidates:  # candidates are a bet: they give way to the budget
+                    drop = min(over, s.pending_candidates)
+                    del s.pending[-drop:]
+                    s.pending_candidates -= drop
                 if len(chosen) >= max_seqs or rows + len(s.pending) > max_rows:
                     break
                 chosen.append((s, len(s.pending)))
@@ -265,13 +274,17 @@ class Scheduler:
             w = SeqWork(s.id, s.pending_pos, tuple(s.pending[:n]), sample=sample,
                         num_candidates=s.pending_candidates if whole else 0)
             try:
-                step.seqs.append(self._plan(s, w, planned, failures))
+                try:
+                    step.seqs.append(self._plan(s, w, planned, failures, spare_others=bool(w.num_candidates)))
+                except _NoRoom:  # candidates never evict a sequence: without them, it may
+                    w = SeqWork(s.id, w.start_pos, w.token_ids[:-w.num_candidates], sample=w.sample)
+                    step.seqs.append(self._plan(s, w, planned, failures))
             except MeshError as err:
                 failures.append(Failure(s.id, s.spec.owner, err, closed=s.id not in self.seqs))
                 continue
             planned.add(s.id)
-            del s.pending[:n]
-            s.pending_pos += n
+            del s.pending[:n]  # dropped candidates with them
+            s.pending_pos += w.num_tokens
             s.last_step = step.id
             if whole:
                 s.pending_candidates = 0
@@ -324,9 +337,10 @@ class Scheduler:
         return s
 
     def _plan(self, s: Sequence, w: SeqWork, planned: set[str], failures: list[Failure], *,
-              part: int = 0, row: int = 0) -> PlannedSeq:
+              part: int = 0, row: int = 0, spare_others: bool = False) -> PlannedSeq:
         """Blocks for w's rows. If the pool is short, sequences younger than `s` (and not already
-        planned into this step) are preempted, youngest first; if that is not enough, `s` is."""
+        planned into this step) are preempted, youngest first; if that is not enough, `s` is.
+        `spare_others`: raise _NoRoom instead of preempting anyone."""
         while True:
             try:
                 plan = self.kv.prepare_write(s.id, w.start_pos, w.num_tokens)
@@ -334,6 +348,8 @@ class Scheduler:
             except BadWrite as exc:
                 raise FailedPrecondition(f"session {s.id} on node {self.node_id}: {exc}") from exc
             except OutOfBlocks as exc:
+                if spare_others:
+                    raise _NoRoom() from exc
                 victims = sorted((v for v in self.seqs.values() if v.id not in planned and v.age > s.age),
                                  key=lambda v: v.age, reverse=True)
                 if not victims:

@@ -63,7 +63,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_candidates(mesh):
     sampling = stage_pb2.SamplingParams(temperature=0.7, top_p=0.9, seed=2024)
     with_c, t = submit(mesh.controller_address, GROUNDED[0], sampling=sampling)
     without, _ = submit(mesh.controller_address, GROUNDED[0], sampling=sampling, speculate=0)
-    assert with_c == without and t.candidates > 0
+    assert with_c == without and t.candidates > 0 and t.accepted > 0
 
 
 def test_a_long_prompt_in_small_pipelined_chunks_gives_the_same_tokens(mesh):

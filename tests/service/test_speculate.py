@@ -161,7 +161,7 @@ def test_a_draft_model_drafts_and_the_output_stays_greedys(layers, tiny_model, h
     run(main())
 
 
-def test_a_draft_model_of_another_vocabulary_falls_back_to_prompt_lookup(tiny_model, tmp_path):
+def test_a_draft_model_of_another_vocabulary_falls_back_to_prompt_lookup(tiny_model, hf, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     other = tmp_path / "other-vocab"
@@ -173,5 +173,46 @@ def test_a_draft_model_of_another_vocabulary_falls_back_to_prompt_lookup(tiny_mo
             st = await last_status(nodes[-1])
             assert st.drafter.startswith("prompt lookup") and "200-token vocabulary" in st.drafter
             tokens, _, _ = await decode(nodes, LONG_PROMPT, 8, speculate=4)
-        assert len(tokens) == 8
+        assert tokens == hf_greedy(hf, LONG_PROMPT, 8)
     run(main())
+
+
+def test_a_seeded_sampled_request_with_a_draft_model_keeps_its_tokens(tiny_model):
+    """The draft model's greedy guesses are often what a low-temperature draw picks: candidates
+    are accepted, and the tokens are the ones the seed draws without candidates."""
+    sampling = stage_pb2.SamplingParams(temperature=0.3, seed=5)
+
+    async def main():
+        async with two_stages_drafting(tiny_model.path, draft_model=str(tiny_model.path)) as nodes:
+            with_c, evs, _ = await decode(nodes, LONG_PROMPT, 30, sampling=sampling, speculate=4)
+            without, _, _ = await decode(nodes, LONG_PROMPT, 30, sampling=sampling, speculate=0)
+        assert with_c == without
+        assert sum(len(e.token_ids) - 1 for e in evs if e.candidates) > 0
+    run(main())
+
+
+def test_a_failing_draft_model_costs_the_candidates_not_the_tokens(tiny_model, hf):
+    async def main():
+        async with two_stages_drafting(tiny_model.path, draft_model=str(tiny_model.path)) as nodes:
+            runtime = nodes[-1].runtime
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("out of memory (simulated)")
+            runtime.draft_model.propose = broken
+            tokens, evs, _ = await decode(nodes, LONG_PROMPT, 10, speculate=4)
+            assert runtime.alive()
+        assert tokens == hf_greedy(hf, LONG_PROMPT, 10) and all(e.candidates == 0 for e in evs)
+    run(main())
+
+
+def test_draft_caches_follow_the_open_sequences(tiny_model):
+    from stage_node.draft_model import DraftModel
+
+    model = DraftModel(tiny_model.path)
+    context = list(LONG_PROMPT)
+    first = model.propose("a", context, 4)
+    assert len(first) == 4 and model.propose("a", context, 4) == first  # the cache is cut back, same guess
+    assert model.propose("a", context + first[:2], 2) == first[2:4]     # accepted 2: it continues
+    model.propose("b", context[:10], 3)
+    model.forget({"b"})
+    assert model.cached() == ["b"]

@@ -166,3 +166,41 @@ def test_a_finished_sequence_left_open_frees_its_step_slot():
     sched.feed(SeqWork("other", 0, (4, 5, 6)))
     step, _ = sched.schedule()
     assert [p.seq.id for p in step.seqs] == ["other"]  # the slot is free, and the parent is not stepped
+
+
+def test_candidates_give_way_to_the_step_budget():
+    """A token and 4 candidates under a 4-row budget: the last candidate is dropped (a stalled
+    sequence would wait forever), the rest go."""
+    sched = first_stage(budget=Budget(max_tokens=4, max_seqs=8))
+    sched.admit(spec("c", prompt=(1, 2, 3), capacity=24))
+    sched.feed(SeqWork("c", 0, (1, 2, 3)))
+    step, _ = sched.schedule()
+    sched.complete(step, set())
+    sched.feed(SeqWork("c", 3, (7, 8, 9, 10, 11), num_candidates=4))
+    step, _ = sched.schedule()
+    (p,) = step.seqs
+    assert (p.work.start_pos, p.work.token_ids, p.work.num_candidates) == (3, (7, 8, 9, 10), 3)
+    assert sched.seqs["c"].pending == [] and sched.seqs["c"].next_pos == 7
+
+
+def test_candidates_never_evict_another_sequence():
+    """The pool is full: a step with candidates would need a new block, which only preempting the
+    younger sequence could give. Stage 0 sends the token without its candidates instead."""
+    sched = first_stage(blocks=3, micro_batches=4)  # blocks of 4 positions
+    sched.admit(spec("old", prompt=(1, 2, 3), capacity=8))
+    sched.admit(spec("young", prompt=(4, 5, 6), capacity=8))
+    for sid in ("old", "young"):
+        sched.feed(SeqWork(sid, 0, (1, 2, 3)))
+    for feed in (None, SeqWork("young", 3, (9,)), SeqWork("young", 4, (9,))):  # young takes the last block
+        if feed:
+            sched.feed(feed)
+        step, _ = sched.schedule()
+        sched.complete(step, set())
+    assert sched.kv.available == 0
+    sched.feed(SeqWork("old", 3, (7, 8, 9), num_candidates=2))  # positions 3..5: a second block
+    step, failures = sched.schedule()
+    assert not failures and set(sched.seqs) == {"old", "young"} and sched.preempted == 0
+    (p,) = step.seqs
+    assert p.work.session_id == "old"
+    assert (p.work.token_ids, p.work.num_candidates) == ((7,), 0)
+    assert sched.seqs["old"].next_pos == 4
