@@ -302,7 +302,9 @@ class ControllerApp:
                 pass
         try:
             await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
-                                        [StageAssignment(ids[s.node_id], s.start, s.end) for s in plan.stages],
+                                        [StageAssignment(ids[s.node_id], s.start, s.end,
+                                                         planning.COMPUTE_DTYPE.get(s.weight_format, ""))
+                                         for s in plan.stages],
                                         self.dtype, self.micro_batches, controller_address=self.address)
         except BaseException as exc:  # failed or cancelled half-way: no plan serves; plan again
             if isinstance(exc, MeshError):

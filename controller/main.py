@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=2048,
                     help="tokens of context per sequence the plan reserves KV for (default %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                    help="compute dtype on the stages")
+                    help="compute dtype on the stages (a stage whose device lacks it computes in float32: the plan "
+                         "says which, stage by stage)")
     ap.add_argument("--micro-batches", type=int, default=0,
                     help="micro-batches in flight through the pipeline (default 0: one per distinct compute "
                          "device, so stages sharing one machine's cores batch together)")

@@ -33,6 +33,7 @@ class StageAssignment:
     address: str
     start: int  # first layer, inclusive
     end: int    # exclusive
+    dtype: str = ""  # its compute dtype, from the plan ("": the pipeline's)
 
 
 @dataclass
@@ -127,7 +128,8 @@ class Pipeline:
                 model_dir=model_dir, model_digest=digest, start_layer=h.start, end_layer=h.end,
                 num_layers=num_layers, stage_index=i, num_stages=n,
                 next_address=handles[i + 1].address if i + 1 < n else "",
-                first_address=handles[0].address if i > 0 else "", dtype=dtype, plan_id=self.plan_id,
+                first_address=handles[0].address if i > 0 else "", dtype=assignments[i].dtype or dtype,
+                plan_id=self.plan_id,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address)
             try:
                 reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)

@@ -23,6 +23,7 @@ from planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective,
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+COMPUTE_DTYPE = {fmt: dtype for dtype, fmt in WEIGHT_FORMAT.items()}  # a plan stage's format -> its dtype
 MEASURE_TIMEOUT_S = 30.0
 
 

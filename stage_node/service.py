@@ -86,7 +86,8 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             block_size=rt.options.block_size, compute_id=self.compute_id, compute_s=rt.compute_s,
             stopping=rt.stopping, weights_pulled_bytes=rt.weights_pulled_bytes, sampled_steps=rt.sampled_steps,
             sampled_tokens=rt.sampled_tokens, candidates_verified=rt.candidates_verified,
-            candidates_accepted=rt.candidates_accepted, drafter=rt.drafter)
+            candidates_accepted=rt.candidates_accepted, drafter=rt.drafter,
+            dtype=rt.engine.assignment.dtype if rt.engine is not None else "")
         if eng is not None:
             a, shard, kv = eng.assignment, eng.shard, eng.kv
             reply.model_dir, reply.model_digest, reply.plan_id = a.model_dir, a.model_digest, a.plan_id

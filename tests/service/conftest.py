@@ -140,18 +140,18 @@ class Node:
     stub: stage_pb2_grpc.StageNodeStub
 
 
-def fixed_profile():
+def fixed_profile(weight_formats: tuple[str, ...] = ("fp32",)):
     """A fixed resource profile (what `logicpipe-stage` measures at start; fixed here so the
     controller's plan does not depend on this machine's speed or load)."""
     from stage_node.profile import HostProfile
 
     return HostProfile(device_kind="cpu", device_name="service-test cpu", memory_bytes=8 * 2**30, flops=5e10,
-                       mem_bandwidth=1e10, weight_formats=("fp32",))
+                       mem_bandwidth=1e10, weight_formats=weight_formats)
 
 
 @contextlib.asynccontextmanager
 async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, serving: bool = True,
-                     profiled: bool = True, **options):
+                     profiled: bool = True, weight_formats: tuple[str, ...] = ("fp32",), **options):
     """A StageNode server (+ grpc.health.v1) on 127.0.0.1:<ephemeral>, wired like stage_node.main;
     health says SERVING once started unless `serving` is False; `profiled=False` is a node started
     with --no-profile; `options`: more StageOptions fields (session_ttl_s, block_size, budget)."""
@@ -160,7 +160,7 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
 
     runtime = StageRuntime(node_id, "cpu", options=StageOptions(max_kv_bytes=max_kv_bytes, **options))
     server = grpc_options.new_server()
-    servicer = StageNodeServicer(runtime, fixed_profile() if profiled else None, f"cpu@{node_id}")
+    servicer = StageNodeServicer(runtime, fixed_profile(weight_formats) if profiled else None, f"cpu@{node_id}")
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, STAGE_SERVICE)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -378,7 +378,8 @@ class Controller:
 
 
 @contextlib.asynccontextmanager
-async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, strategy: str = "uniform"):
+async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, strategy: str = "uniform",
+                     dtype: str = "float32"):
     """ControllerApp + ControllerServicer on 127.0.0.1:<ephemeral>; `start` profiles `nodes`, plans
     and installs the pipeline as logicpipe-controller does (strategy "uniform": every node gets a
     stage, in the given order, whatever the planner would prefer)."""
@@ -386,7 +387,7 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
     from controller.service import ControllerServicer
     from logicpipe.v1 import controller_pb2_grpc
 
-    app = ControllerApp(model_dir, list(nodes), strategy=strategy, settle_s=0.5)
+    app = ControllerApp(model_dir, list(nodes), strategy=strategy, settle_s=0.5, dtype=dtype)
     server = grpc_options.new_server()
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -358,3 +358,22 @@ def test_drain_undrain_register_and_leave(runner, model_dir):
                 assert left.moved and "moved" in left.message
                 assert [h.node_id for h in m.ctl.app.pipeline.stages] == ["drain-first", "drain-last"]
     arun(runner, main())
+
+
+def test_each_stage_computes_in_the_dtype_its_plan_stage_says(runner, model_dir):
+    """--dtype bfloat16 over a node that offers bf16 and one that offers only fp32: the plan gives
+    the second fp32 (an upcast), and the assignment says so, stage by stage (one global dtype would
+    make it compute in a dtype it does not offer); hidden states cross in the sender's dtype and
+    are converted on receipt, and the mixed pipeline answers."""
+    async def main():
+        async with stage_node("bf16-first", weight_formats=("fp32", "bf16")) as first, \
+                stage_node("fp32-last") as last:
+            async with controller(model_dir, [first.address, last.address], dtype="bfloat16") as ctl:
+                plan = json.loads(ctl.app.plan_json)
+                assert [s["weight_format"] for s in plan["stages"]] == ["bf16", "fp32"]
+                dtypes = [(await n.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).dtype
+                          for n in (first, last)]
+                assert dtypes == ["bfloat16", "float32"]
+                replies = await submit(ctl, prompt="Hello", max_tokens=4)
+                assert replies[-1].finished and sum(len(r.token_ids) for r in replies) == 4
+    arun(runner, main())
