@@ -134,6 +134,19 @@ def test_chunked_prefill_equals_one_prefill(full, prompt_ids):
     assert caches[0].length() == len(prompt_ids)
 
 
+def test_pipelined_chunks_through_three_stages_equal_one_prefill(split3, prompt_ids):
+    """A prompt in 8-token chunks through 3 shards (as pipelined prefill sends it): every row's
+    logits equal the whole prompt's in one step, and so does the greedy token."""
+    whole = run_pipeline(split3, caches_for(split3), prompt_ids, 0)
+    caches = caches_for(split3)
+    parts = [run_pipeline(split3, caches, prompt_ids[a:a + 8], a) for a in range(0, len(prompt_ids), 8)]
+    chunked = torch.cat(parts)
+    assert len(parts) > 2
+    assert_close(chunked, whole)
+    assert chunked[-1].argmax() == whole[-1].argmax()
+    assert all(c.length() == len(prompt_ids) for c in caches)
+
+
 def test_truncate_rolls_back_and_a_fork_sees_the_parent(full, prompt_ids):
     caches = caches_for([full])
     run_pipeline([full], caches, prompt_ids, 0)
