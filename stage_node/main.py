@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--session-ttl-s", type=float, default=30.0,
                     help="seconds a session outlives its gone controller (default %(default)s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
+    ap.add_argument("--quantize", default="none", choices=["none", "int8", "nf4", "fp4"],
+                    help="hold this stage's layers quantized: int8 (CPU, torch fbgemm), nf4 or fp4 (bitsandbytes); "
+                         "embeddings, norms and the LM head stay in the compute dtype (default none)")
     ap.add_argument("--draft-model", default="", metavar="DIR",
                     help="as the last stage, draft candidate tokens with this small model (same tokenizer; "
                          "default: prompt lookup, no model)")
@@ -86,11 +89,19 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--draft-model {args.draft_model}: no config.json there (a Hugging Face model directory)")
     if args.draft_layers < 0:
         raise SystemExit("--draft-layers must be 0 (all) or more")
+
     runner = Runner(args.threads)  # every torch operation of this process runs on its thread
     has_cuda = await runner.call(cuda_available)
     device = args.device or ("cuda" if has_cuda else "cpu")
     if device == "cuda" and not has_cuda:
         raise SystemExit("--device cuda but torch sees no CUDA device")
+    if args.quantize != "none":
+        from stage_node.quant import QuantError, check_format
+
+        try:
+            await runner.call(check_format, args.quantize, device)
+        except QuantError as exc:
+            raise SystemExit(f"--quantize {args.quantize}: {exc}") from None
     host, _, port = args.listen.rpartition(":")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     node_id = args.node_id or node_identity(state_dir, device, int(port))
@@ -99,7 +110,7 @@ async def serve(args: argparse.Namespace) -> None:
     profile = None if args.no_profile else await runner.call(host_profile, device)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s,
-                           draft_model=args.draft_model, draft_layers=args.draft_layers)
+                           draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize)
     runtime = StageRuntime(node_id, device, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir)
     servicer = StageNodeServicer(runtime, profile, await runner.call(compute_id, device))

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .quant import QuantMatrix
+
 MIN_ROWS = 4   # below this both kernels switch to another kind of product
 DECODE_CHUNK = 8  # `w @ x.T` gives the same rows for 4..8 rows
 
@@ -75,8 +77,12 @@ def prompt_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(_pad(x, MIN_ROWS), w)[:m] if m < MIN_ROWS else F.linear(x, w)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: Rows) -> torch.Tensor:
-    """x: [T, in], w: [out, in] (+ b: [out]) -> [T, out], each row by its kind's kernel."""
+def linear(x: torch.Tensor, w, b: torch.Tensor | None, rows: Rows) -> torch.Tensor:
+    """x: [T, in], w: [out, in] (+ b: [out]) -> [T, out], each row by its kind's kernel (a
+    quantized weight by its own kernel, see `stage_node.quant`)."""
+    if isinstance(w, QuantMatrix):
+        out = w(x)
+        return out if b is None else out + b
     if x.is_cuda:
         return F.linear(x, w, b)
     if rows.all_decode:

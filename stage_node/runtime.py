@@ -91,6 +91,7 @@ class StageOptions:
     session_ttl_s: float = 30.0          # a session outlives its gone owner (or its last step) this long
     draft_model: str = ""                # last stage: draft candidates with this model ("": prompt lookup)
     draft_layers: int = 0                # ... keeping only its first N decoder layers (0: all)
+    quantize: str = "none"               # its layers' matrices in int8 / nf4 / fp4 (stage_node.quant)
 
 
 @dataclass
@@ -279,7 +280,8 @@ class StageRuntime:
         import torch
 
         dtype = getattr(torch, a.dtype)
-        shard = Shard.load(model_dir, a.start, a.end, first=a.first, last=a.last, device=self.device, dtype=dtype)
+        shard = Shard.load(model_dir, a.start, a.end, first=a.first, last=a.last, device=self.device, dtype=dtype,
+                           quantize=self.options.quantize)
         bs = self.options.block_size
         block_bytes = bs * kv_bytes_per_token(shard.config, a.end - a.start, dtype)
         num_blocks = self.options.max_kv_bytes // block_bytes

@@ -87,7 +87,9 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             stopping=rt.stopping, weights_pulled_bytes=rt.weights_pulled_bytes, sampled_steps=rt.sampled_steps,
             sampled_tokens=rt.sampled_tokens, candidates_verified=rt.candidates_verified,
             candidates_accepted=rt.candidates_accepted, drafter=rt.drafter,
-            dtype=rt.engine.assignment.dtype if rt.engine is not None else "")
+            dtype=rt.engine.assignment.dtype if rt.engine is not None else "",
+            weight_format=rt.engine.shard.weight_format if rt.engine is not None else "",
+            weight_bytes=rt.engine.shard.weight_bytes if rt.engine is not None else 0)
         if eng is not None:
             a, shard, kv = eng.assignment, eng.shard, eng.kv
             reply.model_dir, reply.model_digest, reply.plan_id = a.model_dir, a.model_digest, a.plan_id

@@ -9,6 +9,7 @@ what else is in its batch (see `stage_node.ops`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from logicpipe.modeldir import ModelConfig, checkpoint_index
 from .kv import KVPool, StepKV
 from .ops import Rows, causal_mask, decode_mm, linear, rms_norm
 from .rope import RopeTables, apply_rope, rope_parameters
+from .quant import check_format, quantize as quantize_matrix, tensor_bytes
 from .weights import EMBED, FINAL_NORM, LM_HEAD, LayerWeights, build_layer, read_tensors, shard_tensor_names
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class Shard:
         self.start, self.end = start, end  # decoder layers [start, end) of the whole model
         self.first, self.last = first, last  # first: holds embed_tokens; last: final norm + LM head
         self.device, self.dtype = device, dtype
+        self.weight_format = str(dtype).removeprefix("torch.")  # or the quantized format of its layers
         self.layers = layers
         self.embed_tokens = embed_tokens  # [vocab, hidden] (first only); the LM head itself when tied
         self.final_norm = final_norm  # [hidden] (last only)
@@ -56,8 +59,9 @@ class Shard:
 
     @classmethod
     def load(cls, model_dir, start: int, end: int, *, first: bool, last: bool,
-             device="cpu", dtype=torch.float32) -> "Shard":
-        """Load layers [start, end) (+ embeddings if first, + final norm and LM head if last)."""
+             device="cpu", dtype=torch.float32, quantize: str = "none") -> "Shard":
+        """Load layers [start, end) (+ embeddings if first, + final norm and LM head if last);
+        `quantize`: the layers' matrices in int8 / nf4 / fp4, each quantized as it is built."""
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
@@ -69,7 +73,7 @@ class Shard:
             log.warning("%s has no %s: using the input embeddings as LM head", model_dir, LM_HEAD)
         names = shard_tensor_names(config, start, end, first=first, last=last, tied=tied)
         t = read_tensors(model_dir, names, index)
-        layers = [build_layer(t, i, device=device, dtype=dtype) for i in range(start, end)]
+        layers = [quantize_layer(build_layer(t, i, device=device, dtype=dtype), quantize) for i in range(start, end)]
         embed = t.pop(EMBED).to(device=device, dtype=dtype) if EMBED in t else None  # [vocab, hidden]
         norm = t.pop(FINAL_NORM).to(device=device, dtype=dtype) if last else None
         head = None
@@ -81,15 +85,24 @@ class Shard:
         shard = cls(config, start, end, first=first, last=last, layers=layers,
                     embed_tokens=embed if first else None, final_norm=norm, lm_head=head,
                     lm_head_tied=tied, rope=rope, device=device, dtype=dtype)
-        log.info("loaded layers [%d, %d) of %s%s%s: %.1fM params (+%.1fM tied copy), %s %s, %.2f s",
-                 start, end, model_dir.name, " +embed" if first else "", " +head" if last else "",
-                 shard.parameter_count / 1e6, shard.tied_copy_count / 1e6, device, dtype,
-                 time.perf_counter() - t0)
+        shard.weight_format = quantize if quantize != "none" else str(dtype).removeprefix("torch.")
+        log.info("loaded layers [%d, %d) of %s%s%s: %.1fM params (+%.1fM tied copy), %s %s, weights %s in %.1f MiB, "
+                 "%.2f s", start, end, model_dir.name, " +embed" if first else "", " +head" if last else "",
+                 shard.parameter_count / 1e6, shard.tied_copy_count / 1e6, device, dtype, shard.weight_format,
+                 shard.weight_bytes / 2**20, time.perf_counter() - t0)
         return shard
 
     @property
     def num_layers(self) -> int:
         return self.end - self.start
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this stage holds (quantized matrices at their packed size; a tied
+        LM head that is the embedding matrix counted once)."""
+        total = sum(tensor_bytes(x) for w in self.layers for x in vars(w).values())
+        held = {id(x): x for x in (self.embed_tokens, self.final_norm, self.lm_head) if x is not None}
+        return total + sum(tensor_bytes(x) for x in held.values())
 
     def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
         """A KV pool for this shard's layers: `num_blocks` blocks of `block_size` positions."""
@@ -176,6 +189,15 @@ class Shard:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
                                            is_causal=mask is None and n > 1, scale=self._scale, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(n, -1)  # o: [1, heads, n, hd]
+
+
+def quantize_layer(w: LayerWeights, fmt: str) -> LayerWeights:
+    """A layer with its four matrices quantized to `fmt` ("none": as it is); the float copies go."""
+    if fmt == "none":
+        return w
+    check_format(fmt, w.qkv.device.type)
+    return dataclasses.replace(w, **{name: quantize_matrix(getattr(w, name), fmt)
+                                     for name in ("qkv", "o", "gate_up", "down")})
 
 
 def check_range(config: ModelConfig, start: int, end: int) -> None:

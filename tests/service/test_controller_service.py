@@ -377,3 +377,19 @@ def test_each_stage_computes_in_the_dtype_its_plan_stage_says(runner, model_dir)
                 replies = await submit(ctl, prompt="Hello", max_tokens=4)
                 assert replies[-1].finished and sum(len(r.token_ids) for r in replies) == 4
     arun(runner, main())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_a_pipeline_with_a_quantized_stage_answers(fmt, runner, model_dir):
+    """Layers 0-14 in float32 on one node, 15-29 quantized (--quantize) on the other: the request
+    is answered; the quantized stage says its format and holds a fraction of the float weights."""
+    async def main():
+        async with mesh_of_two(model_dir, f"q{fmt}", quantize=fmt) as m:
+            replies = await submit(m.ctl, prompt="What is the capital of France?", max_tokens=12)
+            text = "".join(r.text for r in replies)
+            first, last = [await n.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S) for n in (m.first, m.last)]
+        assert replies[-1].finished and 1 <= sum(len(r.token_ids) for r in replies) <= 12 and text.strip()
+        assert (first.weight_format, last.weight_format) == ("float32", fmt)
+        # the last stage also holds the LM head (the tied embedding matrix, kept in float32)
+        assert last.weight_bytes < first.weight_bytes
+    arun(runner, main())

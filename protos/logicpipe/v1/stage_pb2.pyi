@@ -216,7 +216,7 @@ class DeviceProfile(_message.Message):
     def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype")
+    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,8 @@ class StatusReply(_message.Message):
     CANDIDATES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     device: str
@@ -303,7 +305,9 @@ class StatusReply(_message.Message):
     candidates_accepted: int
     drafter: str
     dtype: str
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    weight_format: str
+    weight_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
