@@ -108,16 +108,17 @@ class ControllerApp:
         planner.prefill), 0 (the stages' budget) without a plan."""
         if self.fixed_prefill_chunk:
             return self.fixed_prefill_chunk
+        key = (self.pipeline.generation, -(-prompt_tokens // 16))
+        if key in self._chunks:
+            return self._chunks[key]
         plan = self.plan
         by_id = {p.node_id: p for p in self.profiles}
         if plan is None or any(s.node_id not in by_id for s in plan.stages):
             return 0
-        key = (self.pipeline.generation, -(-prompt_tokens // 16))
-        if key not in self._chunks:
-            if len(self._chunks) > 4096:
-                self._chunks.clear()
-            self._chunks[key] = best_chunk([by_id[s.node_id] for s in plan.stages],
-                                           [s.end - s.start for s in plan.stages], self.spec, key[1] * 16)
+        if len(self._chunks) > 4096:
+            self._chunks.clear()
+        self._chunks[key] = best_chunk([by_id[s.node_id] for s in plan.stages],
+                                       [s.end - s.start for s in plan.stages], self.spec, key[1] * 16)
         return self._chunks[key]
 
     # ---- membership ---------------------------------------------------------------------------

@@ -99,9 +99,11 @@ class Int8Fbgemm(QuantMatrix):
 
 class Bnb4bit(QuantMatrix):
     def __init__(self, w: torch.Tensor, quant_type: str):
+        import bitsandbytes as bnb
         from bitsandbytes.functional import quantize_4bit
 
         super().__init__(*w.shape)
+        self._matmul = bnb.matmul_4bit  # bound once: __call__ is on the per-token path
         self.format = quant_type
         self._dtype = w.dtype
         self._q, self._state = quantize_4bit(w.contiguous(), quant_type=quant_type, blocksize=BLOCK_4BIT)
@@ -112,9 +114,7 @@ class Bnb4bit(QuantMatrix):
         return self._bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        import bitsandbytes as bnb
-
-        return bnb.matmul_4bit(x.to(self._dtype), self._q.t(), quant_state=self._state).to(x.dtype)
+        return self._matmul(x.to(self._dtype), self._q.t(), quant_state=self._state).to(x.dtype)
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:

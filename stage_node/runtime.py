@@ -486,8 +486,8 @@ class StageRuntime:
             by_owner[p.seq.spec.owner].append(wire.token_event(p.seq.id, tokens, index, reason, k))
             if not self._orphaned(p.seq):  # finished: stage 0 is told, so it stops waiting for it
                 pos = p.work.stop - k + len(tokens) - 1
-                if not reason and p.seq.spec.speculate:
-                    offers.append((len(feeds), p.seq, *self._offer(eng, p, out)))
+                if not reason and p.seq.spec.speculate:  # nothing cut: `tokens` is `out`
+                    offers.append((len(feeds), p.seq, *self._offer(eng, p, out, pos)))
                 feeds.append(SeqWork(p.seq.id, pos, (tokens[-1],), finished=bool(reason)))
         for owner, events in by_owner.items():  # queued before the feed is sent: token order holds
             self.events.emit(owner, events)
@@ -531,17 +531,16 @@ class StageRuntime:
         elif feeds:
             eng.first_link.send(wire.step_batch(feeds, gen))
 
-    def _offer(self, eng: Engine, p, out: list[int]) -> tuple[int, list[int] | None]:
+    def _offer(self, eng: Engine, p, out: list[int], pos: int) -> tuple[int, list[int] | None]:
         """Last stage, a speculating sequence that goes on: record how its candidates fared, and
         offer candidates for the positions after `out` (the step's accepted candidates and its
-        sampled token) -> (how many it may send, prompt lookup's proposal; None: the draft model
-        drafts them)."""
+        sampled token, whose last goes at `pos`) -> (how many it may send, prompt lookup's
+        proposal; None: the draft model drafts them)."""
         s = p.seq
         k = p.work.num_candidates
         if s.draft is None:  # its context: what the KV holds before this step's candidates, then `out`
             s.draft = Drafter(eng.kv.tables[s.id].tokens[:p.work.stop - k], s.spec.speculate)
         s.draft.observe(k, len(out) - 1, out)
-        pos = p.work.stop - k + len(out) - 1  # where the last token of `out` goes
         limit = min(s.spec.max_new_tokens - s.generated - 1, s.spec.capacity - pos - 1)
         n = s.draft.budget(limit) if limit > 0 else 0
         if self.draft_model is not None:

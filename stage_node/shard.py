@@ -73,6 +73,8 @@ class Shard:
             log.warning("%s has no %s: using the input embeddings as LM head", model_dir, LM_HEAD)
         names = shard_tensor_names(config, start, end, first=first, last=last, tied=tied)
         t = read_tensors(model_dir, names, index)
+        if quantize != "none":
+            check_format(quantize, device.type)
         layers = [quantize_layer(build_layer(t, i, device=device, dtype=dtype), quantize) for i in range(start, end)]
         embed = t.pop(EMBED).to(device=device, dtype=dtype) if EMBED in t else None  # [vocab, hidden]
         norm = t.pop(FINAL_NORM).to(device=device, dtype=dtype) if last else None
@@ -195,7 +197,6 @@ def quantize_layer(w: LayerWeights, fmt: str) -> LayerWeights:
     """A layer with its four matrices quantized to `fmt` ("none": as it is); the float copies go."""
     if fmt == "none":
         return w
-    check_format(fmt, w.qkv.device.type)
     return dataclasses.replace(w, **{name: quantize_matrix(getattr(w, name), fmt)
                                      for name in ("qkv", "o", "gate_up", "down")})
 
