@@ -1,9 +1,15 @@
 """GPU figures of the stage engine: a Llama-3-8B-shaped model with random bf16 weights (made here,
-once), transformers `generate` against the 1- and 2-stage mesh on the same GPU, one stream and C
-concurrent requests; and a small random fp32 Llama whose greedy tokens through 1 and 2 CUDA stages
-must equal transformers' on CUDA.
+once), transformers `generate` against the 1- and 2-stage mesh, one stream and C concurrent
+requests; and a small random fp32 Llama whose greedy tokens through 1 and 2 CUDA stages must equal
+transformers' on CUDA.
 
     python bench/gpu_engine.py --work /tmp/gpu --out $OUT      # on the GPU machine
+
+Single-stream decode is also given as a fraction of the HBM-bandwidth limit: the weight bytes a
+token reads (every matrix; the embedding table is only indexed, so it is left out) over the GPU's
+memory bandwidth (`--hbm-tbps`, default by GPU name: H100 3.35, H200 4.8 TB/s). Variants:
+`--graphs on,off` (the stages' --cuda-graphs), `--spread` (stage i on GPU i: a mesh over GPUs),
+`--speculate K` (the controller's candidates; 0 by default here, so a step is one token).
 
 Prompts are token ids (the random models have no tokenizer); every request decodes `--tokens`
 new tokens (no EOS stop). tok/s = new tokens of all requests / wall time from the first submit to
@@ -123,6 +129,27 @@ def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, co
             "one_stream_step_ms_per_stage": ms[-1]}
 
 
+HBM_TBPS = {"H100": 3.35, "H200": 4.8}
+
+
+def read_bytes_per_token(path: Path) -> int:
+    """Bytes of weights one decode token reads: all tensors but the (indexed) embedding table."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                if "embed_tokens" not in name:
+                    t = st.get_slice(name)
+                    total += int(torch.tensor(t.get_shape()).prod()) * 2  # bf16
+    return total
+
+
+def hbm_limit_tps(path: Path, tbps: float) -> float:
+    return tbps * 1e12 / read_bytes_per_token(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lp-gpu"))
@@ -135,6 +162,11 @@ def main() -> None:
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script")
+    ap.add_argument("--graphs", default="on", help="comma list of --cuda-graphs settings to run (on,off)")
+    ap.add_argument("--spread", action="store_true", help="stage i on GPU i (CUDA_VISIBLE_DEVICES)")
+    ap.add_argument("--speculate", type=int, default=0, help="the controller's --speculate (default 0)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers of the 8B-shaped model (32; fewer to try)")
+    ap.add_argument("--hbm-tbps", type=float, default=0.0, help="memory bandwidth, TB/s (default by GPU name)")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -158,17 +190,32 @@ def main() -> None:
         save()
     if args.skip_8b:
         return
-    big = make_model(args.work / "llama3-8b-shape", LLAMA3_8B, torch.bfloat16)
+    big = make_model(args.work / f"llama3-8b-shape-{args.layers}", dict(LLAMA3_8B, num_hidden_layers=args.layers),
+                     torch.bfloat16)
     prompts = [[(31 * i + 7 * j) % 128000 for j in range(20 + 3 * i)] for i in range(args.concurrency)]
     if not args.skip_hf:
         results["transformers_tps"], _ = hf_generate(big, torch.bfloat16, prompts, args.tokens, args.rounds)
         save()
+    tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in results["device"]), 0.0)
+    if tbps:
+        results["hbm_tbps"] = tbps
+        results["read_gb_per_token"] = round(read_bytes_per_token(big) / 1e9, 2)
+        results["hbm_limit_tps"] = round(hbm_limit_tps(big, tbps), 1)
     for s in (int(x) for x in args.stages.split(",")):
-        with LocalMesh(s, big, args.work / f"big{s}", threads=4, device=DEVICE,
-                       controller_args=("--dtype", "bfloat16", "--strategy", "uniform")) as mesh:
-            results[f"mesh{s}"] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
-                                             args.concurrency, mesh.stage_addresses)
-        save()
+        for graphs in args.graphs.split(","):
+            name = f"mesh{s}" + ("" if graphs == "on" else "-eager") + ("-spread" if args.spread and s > 1 else "")
+            env = {i: {"CUDA_VISIBLE_DEVICES": str(i)} for i in range(s)} if args.spread else None
+            with LocalMesh(s, big, args.work / f"big{s}{graphs}", threads=4, device=DEVICE, stage_env=env,
+                           stage_args=("--cuda-graphs", graphs, "--max-kv-mib", "4096"),
+                           controller_args=("--dtype", "bfloat16", "--strategy", "uniform",
+                                            "--speculate", str(args.speculate))) as mesh:
+                r = results[name] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
+                                               args.concurrency, mesh.stage_addresses)
+            if tbps:
+                r["one_stream_of_hbm_limit"] = round(r["one_stream_tps"] / results["hbm_limit_tps"], 3)
+            if results.get("transformers_tps"):
+                r["one_stream_vs_transformers"] = round(r["one_stream_tps"] / results["transformers_tps"], 2)
+            save()
 
 
 if __name__ == "__main__":

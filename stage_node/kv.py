@@ -1,10 +1,13 @@
 """The KV pool of one stage (the tensors behind `stage_node.blocks.KVManager`'s bookkeeping) and
 what one forward needs to read and write it.
 
-Layout: keys and values are each [layers_local, kv_heads, num_blocks * block_size, head_dim]: a
+Layout: keys and values are each [layers_local, kv_heads, num_blocks * block_size + 1, head_dim]
+(views of one tensor with keys and values side by side per layer, so a CUDA graph writes and
+gathers both with one kernel each): a
 position of a sequence lives in one slot of the third axis, so a sequence whose blocks are
 consecutive is read as one strided view (as a contiguous cache would be), and any other is
-gathered by slot index.
+gathered by slot index. The pool is allocated once, for the stage's whole KV budget (on a GPU too:
+CUDA graphs hold its address); its last slot is a scratch slot that no block owns.
 """
 from __future__ import annotations
 
@@ -17,12 +20,15 @@ import torch
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        # one slot past the blocks: the scratch slot, where a CUDA graph's padding rows write
+        shape = (num_layers, 2, num_kv_heads, num_blocks * block_size + 1, head_dim)
         # torch.empty: on a CPU the pages are only touched (and counted) as blocks are first written
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # k: [layers, kv_heads, slots, head_dim]
-        self.v = torch.empty(shape, dtype=dtype, device=device)  # v: [layers, kv_heads, slots, head_dim]
+        self.kv = torch.empty(shape, dtype=dtype, device=device)  # kv: [layers, 2 (k, v), kv_heads, slots, head_dim]
+        self.k = self.kv[:, 0]  # k: [layers, kv_heads, slots, head_dim] (a view)
+        self.v = self.kv[:, 1]  # v: [layers, kv_heads, slots, head_dim]
         self.num_blocks = num_blocks
         self.block_size = block_size  # positions per block (tokens)
+        self.scratch_slot = num_blocks * block_size  # belongs to no block: written, never read
 
     @property
     def num_layers(self) -> int:
@@ -37,8 +43,7 @@ class KVPool:
         """Copy on write: block src's positions into block dst, every layer, keys and values."""
         bs = self.block_size
         for src, dst in copies:
-            for t in (self.k, self.v):
-                t[:, :, dst * bs:(dst + 1) * bs] = t[:, :, src * bs:(src + 1) * bs]
+            self.kv[..., dst * bs:(dst + 1) * bs, :] = self.kv[..., src * bs:(src + 1) * bs, :]
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quantize", default="none", choices=["none", "int8", "nf4", "fp4"],
                     help="hold this stage's layers quantized: int8 (CPU, torch fbgemm), nf4 or fp4 (bitsandbytes); "
                          "embeddings, norms and the LM head stay in the compute dtype (default none)")
+    ap.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
+                    help="CUDA stages: replay steps of up to 32 rows as CUDA graphs, captured per size bucket "
+                         "on first use (default %(default)s; off: every step eagerly)")
     ap.add_argument("--draft-model", default="", metavar="DIR",
                     help="as the last stage, draft candidate tokens with this small model (same tokenizer; "
                          "default: prompt lookup, no model)")
@@ -110,7 +113,8 @@ async def serve(args: argparse.Namespace) -> None:
     profile = None if args.no_profile else await runner.call(host_profile, device)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s,
-                           draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize)
+                           draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
+                           cuda_graphs=args.cuda_graphs == "on")
     runtime = StageRuntime(node_id, device, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir)
     servicer = StageNodeServicer(runtime, profile, await runner.call(compute_id, device))

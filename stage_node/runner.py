@@ -27,6 +27,7 @@ from stage_node.kv import KVPool, StepKV, seq_slice
 from stage_node.sampling import sample, verify
 from stage_node.scheduler import PlannedSeq, Step
 from stage_node.shard import Shard
+from stage_node.step_graphs import GraphRow
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def _input_rows(shard: Shard, step: Step, result: StepResult) -> dict[str, torch
     """Each sequence's input rows: embedded tokens (stage 0) or its rows of the received hidden
     states, which must be finite. rows: [num_tokens, hidden]"""
     if shard.first:
-        ids = torch.tensor([t for p in step.seqs for t in p.work.token_ids], dtype=torch.long, device=shard.device)
+        ids = torch.tensor([t for p in step.seqs for t in p.work.token_ids], dtype=torch.long)  # to the device in embed
         hidden = shard.embed(ids)
         out, row = {}, 0
         for p in step.seqs:
@@ -114,12 +115,18 @@ def _input_rows(shard: Shard, step: Step, result: StepResult) -> dict[str, torch
 
 
 def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The forward of `seqs` packed together -> each one's output rows."""
+    """The forward of `seqs` packed together -> each one's output rows: a CUDA graph's replay
+    where the step fits one (see `stage_node.step_graphs`), else the eager forward."""
     x = rows[seqs[0].seq.id] if len(seqs) == 1 else torch.cat([rows[p.seq.id] for p in seqs])
-    slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long, device=shard.device)
-    kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos, p.work.num_tokens, p.read_blocks, pool.block_size,
-                                             shard.device, decode_from(p)) for p in seqs))
-    out = shard.forward(x, kv)
+    out = None
+    if shard.graphs is not None:
+        out = shard.graphs.forward(x, [GraphRow(p.work.start_pos + j, p.plan.slots[j], p.read_blocks)
+                                       for p in seqs for j in range(p.work.num_tokens)])
+    if out is None:
+        slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long, device=shard.device)
+        kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos, p.work.num_tokens, p.read_blocks, pool.block_size,
+                                                 shard.device, decode_from(p)) for p in seqs))
+        out = shard.forward(x, kv)
     res, row = {}, 0
     for p in seqs:
         res[p.seq.id] = out[row: row + p.work.num_tokens]

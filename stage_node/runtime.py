@@ -28,6 +28,7 @@ from stage_node.runner import Runner, StepResult, execute
 from stage_node.scheduler import Budget, Failure, Scheduler, Step, StepMsg
 from stage_node.sequence import SeqSpec, SeqWork, Sequence
 from stage_node.shard import Shard
+from stage_node.step_graphs import StepGraphs
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class StageOptions:
     draft_model: str = ""                # last stage: draft candidates with this model ("": prompt lookup)
     draft_layers: int = 0                # ... keeping only its first N decoder layers (0: all)
     quantize: str = "none"               # its layers' matrices in int8 / nf4 / fp4 (stage_node.quant)
+    cuda_graphs: bool = True             # CUDA: small steps replayed as graphs (stage_node.step_graphs)
 
 
 @dataclass
@@ -287,7 +289,10 @@ class StageRuntime:
         num_blocks = self.options.max_kv_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {self.options.max_kv_bytes} bytes holds no block of {block_bytes}")
-        return shard, shard.new_pool(num_blocks, bs)
+        pool = shard.new_pool(num_blocks, bs)
+        if shard.device.type == "cuda" and self.options.cuda_graphs:
+            shard.graphs = StepGraphs(shard, pool)
+        return shard, pool
 
     def _new_engine(self, a: Assignment, shard: Shard, pool: KVPool, kv: KVManager | None, shard_dir: str) -> Engine:
         """An engine for `a`; `kv` (kept from the previous engine, its sequences closed first) keeps

@@ -46,6 +46,7 @@ class Shard:
         self.final_norm = final_norm  # [hidden] (last only)
         self.lm_head = lm_head  # [vocab, hidden] (last only)
         self.rope = rope
+        self.graphs = None  # a CUDA stage's StepGraphs (stage_node.step_graphs), set with its KV pool
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -117,10 +118,9 @@ class Shard:
         """token_ids: [T] int64 -> hidden states [T, hidden] (first stage only)."""
         if not self.first:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a first stage: it has no embeddings")
-        token_ids = token_ids.to(device=self.device, dtype=torch.long)
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        return F.embedding(token_ids, self.embed_tokens)
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")  # checked where they are (CPU)
+        return F.embedding(token_ids.to(device=self.device, dtype=torch.long), self.embed_tokens)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -148,12 +148,18 @@ class Shard:
             cos, sin = self.rope.gather(positions.to(self.device))  # [T, head_dim]
         masks = [causal_mask(s.start_pos, s.num_tokens, self.device) for s in seqs]
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device)
+
+        def attend(i, q, k, v):
+            return self._attention(i, q, k, v, kv, masks)
+
         for i, w in enumerate(self.layers):
-            hidden = self._layer(i, w, hidden, kv, cos, sin, masks, rows)
+            hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
         return hidden
 
-    def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, kv: StepKV,
-               cos: torch.Tensor, sin: torch.Tensor, masks: list, rows: Rows) -> torch.Tensor:
+    def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               rows: Rows, attend) -> torch.Tensor:
+        """One decoder layer over x [T, hidden]; `attend(i, q, k, v)` stores the new keys and
+        values of layer i and attends (the eager forward's per sequence, or a graph's batched one)."""
         c = self.config
         T = x.shape[0]
         qkv = linear(rms_norm(x, w.input_norm, c.rms_norm_eps), w.qkv, w.qkv_bias, rows)  # [T, q + 2 kv]
@@ -161,7 +167,7 @@ class Shard:
         qk = apply_rope(qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim), cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
         v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
-        attn = self._attention(i, q, k, v, kv, masks)  # [T, heads * head_dim]
+        attn = attend(i, q, k, v)  # [T, heads * head_dim]
         x = x + linear(attn, w.o, w.o_bias, rows)
         gate, up = linear(rms_norm(x, w.post_norm, c.rms_norm_eps), w.gate_up, w.gate_up_bias, rows).chunk(2, -1)
         return x + linear(F.silu(gate) * up, w.down, w.down_bias, rows)

@@ -58,7 +58,8 @@ class LocalMesh:
 
     def __init__(self, n_stages: int, model_dir: Path | str, workdir: Path | str, *, threads: int = 1,
                  device: str = "cpu", controller_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, mdns: bool = False):
+                 env: dict[str, str] | None = None, mdns: bool = False,
+                 stage_env: dict[int, dict[str, str]] | None = None):
         self.n_stages = n_stages
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
@@ -67,6 +68,7 @@ class LocalMesh:
         self.controller_args = tuple(controller_args)  # extra logicpipe-controller flags
         self.stage_args = tuple(stage_args)     # extra logicpipe-stage flags, every stage
         self.env = dict(env or {})              # extra environment of every process
+        self.stage_env = dict(stage_env or {})  # stage index -> its own extra environment (e.g. CUDA_VISIBLE_DEVICES)
         # mdns: the controller finds the stages by mDNS on 127.0.0.1 (a mesh name of its own keeps
         # other meshes on this host out); else it gets --nodes and nobody advertises
         self.mdns = mdns
@@ -76,10 +78,10 @@ class LocalMesh:
         self.controller_address = ""
 
     # ---- processes --------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env, **(env or {}))
         with open(log, "ab") as out:
             proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -93,7 +95,7 @@ class LocalMesh:
         proc, log = self._spawn(f"stage{i}", ["-m", "stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
                                               "--device", self.device, "--threads", str(self.threads),
                                               "--state-dir", str(self.workdir / f"state{i}"), *found,
-                                              *self.stage_args, *extra])
+                                              *self.stage_args, *extra], self.stage_env.get(i))
         wait_serving(addr, proc, log)
         return addr
 

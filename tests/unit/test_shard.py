@@ -266,7 +266,7 @@ def test_bad_forward_calls_raise(split3):
 
 def test_kv_sizes(full):
     pool = full.new_pool(10, 16)
-    assert pool.k.shape == (30, 3, 160, 64)
+    assert pool.k.shape == (30, 3, 161, 64)  # + the scratch slot
     assert pool.block_bytes == 16 * kv_bytes_per_token(full.config, 30, torch.float32)
 
 

@@ -1,0 +1,206 @@
+"""CUDA graphs of small steps: a stage's decode step replayed as one graph instead of hundreds of
+kernel launches.
+
+On a GPU a decode step of a large model is bound by kernel launches and Python, not by reading the
+weights: an 8B-shaped model issues about 40 small kernels per layer, 1,300 a step, each costing the
+host more than the GPU. A graph captured once per (rows, context) bucket replays the whole
+step's layers with one launch.
+
+What a graph needs is fixed shapes and fixed addresses, so the batched body differs from the eager
+forward in how it attends:
+  * every row is its own query: its position, the slot it writes and its sequence's block table
+    (padded to the bucket's context) are inputs; a row attends to the positions below its own
+    (`length` = position + 1), so several rows of one sequence (candidates, a short prompt) are
+    causal as in the eager forward, because all rows' keys are written before any row reads;
+  * keys and values are gathered from the paged pool by slot (the block table expanded in the
+    graph) and padded positions are masked out;
+  * the rows' query heads of one KV head are that head's queries (grouped-query attention without
+    repeating keys);
+  * rows past the step's own (the bucket's padding) write to the pool's scratch slot.
+The KV pool is static (allocated once for the stage's budget), and the RoPE tables are grown to the
+largest bucket before the first capture and held, so the captured addresses stay valid.
+
+Buckets: rows 1, 2, 4, 8, 16, 32; context a power of two from 256 up to the model's positions (at
+most 8,192). A step with more rows or a longer context runs eagerly. Graphs are captured when a
+bucket is first used (a few hundred ms for an 8B stage) into one shared memory pool. A capture that
+fails turns graphs off for the stage (logged), and it goes on eagerly.
+
+On a CPU the same body runs eagerly (`capture=False`): that is how the tests check its arithmetic
+against the forward.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .ops import DECODE_ROWS
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+MIN_CONTEXT = 256
+MAX_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class GraphRow:
+    """One row of a step: its position, the pool slot it writes, its sequence's block table."""
+
+    position: int
+    write_slot: int
+    blocks: list[int] | tuple[int, ...]
+
+
+class _Graph:
+    """Static inputs and outputs of one (rows, context) bucket, and its captured graph."""
+
+    def __init__(self, rows: int, context: int, block_size: int, hidden: int, dtype, device):
+        self.rows, self.context = rows, context
+        self.nblocks = context // block_size
+        self.x = torch.zeros(rows, hidden, dtype=dtype, device=device)  # x: [rows, hidden]
+        # ints: positions [rows], write slots [rows], lengths [rows], block tables [rows, nblocks]
+        self.ints = torch.zeros(rows * (3 + self.nblocks), dtype=torch.long, device=device)
+        cuda = torch.device(device).type == "cuda"
+        # their host side: pinned, copied without a sync; the event says when the copy has read it
+        self.host = torch.empty(self.ints.shape, dtype=torch.long, pin_memory=True) if cuda else None
+        self.copied = torch.cuda.Event() if cuda else None
+        self.out: torch.Tensor | None = None
+        self.graph = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.ints[: self.rows]
+
+    @property
+    def write(self) -> torch.Tensor:
+        return self.ints[self.rows: 2 * self.rows]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.ints[2 * self.rows: 3 * self.rows]
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.ints[3 * self.rows:].view(self.rows, self.nblocks)
+
+
+class StepGraphs:
+    """The graphs of one shard and its KV pool."""
+
+    def __init__(self, shard, pool, *, capture: bool = True):
+        self.shard, self.pool = shard, pool
+        c = shard.config
+        self.block_size = pool.block_size
+        top = min(MAX_CONTEXT, c.max_position_embeddings or MAX_CONTEXT)
+        self.max_context = max(self.block_size, top // self.block_size * self.block_size)
+        shard.rope.lookup(0, self.max_context)  # grow the tables once; held below
+        self.cos, self.sin = shard.rope.cos, shard.rope.sin_signed
+        self.capture = capture
+        self.disabled = False
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+        self._arange = torch.arange(self.max_context, device=shard.device)
+
+    def bucket(self, rows: int, stop: int) -> tuple[int, int] | None:
+        """The (rows, context) bucket of a step of `rows` rows reading up to position `stop`, or
+        None when it is too large for a graph."""
+        if self.disabled or rows > ROW_BUCKETS[-1] or stop > self.max_context:
+            return None
+        r = next(b for b in ROW_BUCKETS if b >= rows)
+        ctx = MIN_CONTEXT
+        while ctx < stop:
+            ctx *= 2
+        ctx = -(-min(ctx, self.max_context) // self.block_size) * self.block_size
+        return r, min(ctx, self.max_context)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, rows: list[GraphRow]) -> torch.Tensor | None:
+        """x: [R, hidden] -> the layers' output [R, hidden], or None when the step has no bucket
+        (the caller runs it eagerly)."""
+        key = self.bucket(len(rows), max(r.position for r in rows) + 1)
+        if key is None:
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._new(*key)
+            if g is None:
+                return None
+        n = len(rows)
+        ints = [r.position for r in rows] + [0] * (g.rows - n)
+        ints += [r.write_slot for r in rows] + [self.pool.scratch_slot] * (g.rows - n)
+        ints += [r.position + 1 for r in rows] + [1] * (g.rows - n)
+        for r in rows:
+            table = list(r.blocks[: g.nblocks])
+            ints += table + [table[0]] * (g.nblocks - len(table))
+        ints += [0] * (g.nblocks * (g.rows - n))
+        if g.host is not None:
+            g.copied.synchronize()  # the last step's copy has read the buffer
+            g.host.numpy()[:] = ints
+            g.ints.copy_(g.host, non_blocking=True)
+            g.copied.record()
+        else:
+            g.ints.copy_(torch.tensor(ints, dtype=torch.long))
+        g.x[:n].copy_(x)
+        if g.graph is not None:
+            g.graph.replay()
+            out = g.out
+        else:
+            out = self._body(g)
+        self.replays += 1
+        return out[:n].clone()
+
+    def _new(self, rows: int, context: int) -> _Graph | None:
+        s = self.shard
+        g = _Graph(rows, context, self.block_size, s.config.hidden_size, s.dtype, s.device)
+        g.write.fill_(self.pool.scratch_slot)
+        g.lengths.fill_(1)
+        if self.capture:
+            t0 = time.perf_counter()
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._body(g)  # warm-up: lazy cuBLAS/attention set-up happens outside the capture
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.mempool):
+                    g.out = self._body(g)
+                g.graph = graph
+            except Exception as exc:  # noqa: BLE001 — eager still works; say so once
+                self.disabled = True
+                log.warning("capturing a CUDA graph of layers [%d, %d) failed (%s); this stage runs its steps "
+                            "eagerly from now on", s.start, s.end, exc)
+                return None
+            log.info("captured the CUDA graph of layers [%d, %d) for %d rows, %d positions in %.0f ms",
+                     s.start, s.end, rows, context, (time.perf_counter() - t0) * 1000)
+        self.graphs[(rows, context)] = g
+        return g
+
+    def _body(self, g: _Graph) -> torch.Tensor:
+        """The layers over g's static inputs -> [rows, hidden] (what the graph records)."""
+        s, c = self.shard, self.shard.config
+        R, C, bs = g.rows, g.context, self.block_size
+        kvh, hd = c.num_kv_heads, c.head_dim
+        group = c.num_heads // kvh
+        cos, sin = self.cos[g.positions], self.sin[g.positions]  # [R, head_dim]
+        slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(-1)  # [R * C]
+        mask = (self._arange[:C][None, :] < g.lengths[:, None])[:, None, None, :]  # [R, 1, 1, C]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim]
+            kv.index_copy_(2, g.write, torch.stack((k, v)).transpose(1, 2))  # [2, kv_heads, R, hd]
+            both = kv.index_select(2, slots).view(2, kvh, R, C, hd).transpose(1, 2)  # [2, R, kv_heads, C, hd]
+            keys, values = both[0], both[1]
+            o = F.scaled_dot_product_attention(q.view(R, kvh, group, hd), keys, values, attn_mask=mask,
+                                               scale=s._scale)  # [R, kv_heads, group, hd]
+            return o.reshape(R, -1)
+
+        h = g.x
+        for i, w in enumerate(s.layers):
+            h = s._layer(i, w, h, cos, sin, DECODE_ROWS, attend)
+        return h
