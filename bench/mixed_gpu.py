@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/mixed"))
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--strategy", default="dp", help="the controller's --strategy (default dp: the plan costs each "
+                                                       "node in its own format)")
     args = ap.parse_args()
     model = random_model(args.work / "model")
     mesh = LocalMesh(3, model, args.work / "mesh", threads=4)
@@ -39,7 +41,7 @@ def main() -> None:
         mesh.stage_addresses = [mesh.start_stage(0, None, "--device", "cuda"),
                                 mesh.start_stage(1, None, "--device", "cuda", "--quantize", "nf4"),
                                 mesh.start_stage(2, None, "--device", "cpu")]
-        mesh.start_controller("--dtype", "bfloat16", "--strategy", "uniform", "--speculate", "0")
+        mesh.start_controller("--dtype", "bfloat16", "--strategy", args.strategy, "--speculate", "0")
         prompt = [(17 * i) % 30000 + 100 for i in range(40)]
         rates, runs = [], []
         for _ in range(args.rounds):
@@ -52,8 +54,13 @@ def main() -> None:
         for addr in mesh.stage_addresses:
             with grpc.insecure_channel(addr) as ch:
                 st = stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
+            p = st.profile
             stages.append({"layers": [st.start_layer, st.end_layer], "device": st.device, "dtype": st.dtype,
-                           "weight_format": st.weight_format, "weight_mib": round(st.weight_bytes / 2**20, 1)})
+                           "weight_format": st.weight_format, "weight_mib": round(st.weight_bytes / 2**20, 1),
+                           "offers": list(p.weight_formats), "compute_format": p.compute_format,
+                           "gflops": {f: round(v / 1e9) for f, v in p.format_flops.items()},
+                           "weight_gbps": round(p.weight_bandwidth / 1e9, 1),
+                           "bytes_per_param": round(p.weight_bytes_per_param, 3)})
         # later runs attach the prompt from the prefix cache and compute only its last row: bf16 on
         # CUDA (not batch-invariant) and a random model's near-ties may then pick other tokens
         out = {"stages": stages, "greedy_tokens": tokens, "decode_tok_s": round(statistics.median(rates), 2),

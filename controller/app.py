@@ -229,8 +229,8 @@ class ControllerApp:
         await self._measure_links(ids)
         usable = [m for m in usable if m.usable]  # a node whose links failed is out
         ids = {m.node_id: m.address for m in usable}
-        self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids})
-                         for m in usable]
+        self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
+                                                 self.spec) for m in usable]
         try:
             if self.plan is None:
                 plan = planning.reuse_or_plan(self.plan_path, self.profiles, self.spec, self.workload, self.strategy,
@@ -303,9 +303,9 @@ class ControllerApp:
                 pass
         try:
             await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
-                                        [StageAssignment(ids[s.node_id], s.start, s.end,
-                                                         planning.COMPUTE_DTYPE.get(s.weight_format, ""))
-                                         for s in plan.stages],
+                                        [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire)
+                                         for s, (dtype, fmt, wire) in zip(plan.stages,
+                                                                          planning.stage_formats(plan, self.profiles))],
                                         self.dtype, self.micro_batches, controller_address=self.address)
         except BaseException as exc:  # failed or cancelled half-way: no plan serves; plan again
             if isinstance(exc, MeshError):
@@ -348,7 +348,7 @@ class ControllerApp:
         if not usable:
             return "no other usable node"
         try:
-            planning.plan_for([planning.device_profile(x.status, self.links.get(x.node_id, {})) for x in usable],
+            planning.plan_for([planning.device_profile(x.status, self.links.get(x.node_id, {}), self.spec) for x in usable],
                               self.spec, self.workload, self.strategy, self.objective)
         except (InvalidArgument, Unavailable) as exc:
             return str(exc)

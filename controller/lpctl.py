@@ -147,14 +147,15 @@ def cmd_nodes(args) -> int:
         s = n.status
         use = "in plan" if n.in_plan else ("drained" if n.drained else (n.down or "spare"))
         if not n.reachable:
-            rows.append([n.address, n.node_id or "-", n.source, "unreachable", "-", "-", "-", "-", "-", n.error])
+            rows.append([n.address, n.node_id or "-", n.source, "unreachable", "-", "-", "-", "-", "-", "-", n.error])
             continue
         p = s.profile
         rows.append([n.address, s.node_id, n.source, s.state, s.device,
                      f"{s.start_layer}-{s.end_layer - 1}" if s.end_layer else "-",
+                     f"{s.weight_format or '-'} (offers {'/'.join(p.weight_formats) or '?'})",
                      s.open_sessions, f"{p.flops / 1e9:.0f} GFLOP/s" if p.flops else "-",
                      f"{p.memory_bytes / 2**30:.1f} GiB" if p.memory_bytes else "-", use])
-    header = ["address", "node", "found by", "state", "device", "layers", "sessions", "speed", "memory", "use"]
+    header = ["address", "node", "found by", "state", "device", "layers", "format", "sessions", "speed", "memory", "use"]
     if args.json:
         print(json.dumps([dict(zip(header, map(str, r))) for r in rows]))
     else:

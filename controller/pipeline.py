@@ -34,6 +34,8 @@ class StageAssignment:
     start: int  # first layer, inclusive
     end: int    # exclusive
     dtype: str = ""  # its compute dtype, from the plan ("": the pipeline's)
+    weight_format: str = ""  # its layers' format, from the plan ("": that of its dtype)
+    wire_dtype: str = ""     # the dtype its hidden states travel in ("": its dtype)
 
 
 @dataclass
@@ -129,6 +131,7 @@ class Pipeline:
                 num_layers=num_layers, stage_index=i, num_stages=n,
                 next_address=handles[i + 1].address if i + 1 < n else "",
                 first_address=handles[0].address if i > 0 else "", dtype=assignments[i].dtype or dtype,
+                weight_format=assignments[i].weight_format, wire_dtype=assignments[i].wire_dtype,
                 plan_id=self.plan_id,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address)
             try:

@@ -9,6 +9,7 @@ new model) still does, and the reason is logged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -19,11 +20,13 @@ from logicpipe.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2
 from planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload, format_plan_table,
                      make_plan, plan_from_json, plan_to_json, reuse_mismatch)
+from planner.model import device_weight_format
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-COMPUTE_DTYPE = {fmt: dtype for dtype, fmt in WEIGHT_FORMAT.items()}  # a plan stage's format -> its dtype
+COMPUTE_DTYPE = {fmt: dtype for dtype, fmt in WEIGHT_FORMAT.items()}  # a float format -> its dtype
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MEASURE_TIMEOUT_S = 30.0
 
 
@@ -57,14 +60,41 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         weight_format=WEIGHT_FORMAT[dtype], weights_digest=digest)
 
 
-def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link]) -> DeviceProfile:
+def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: ModelSpec | None = None) -> DeviceProfile:
+    """A node's planner profile; with `spec`, its FLOP/s are those it measured in the format it
+    will run `spec` in (a GPU's fp32 products are several times slower than its bf16 ones)."""
     p = status.profile
     if not p.flops or not p.mem_bandwidth:
         raise Unavailable(f"node {status.node_id} reports no measured profile (started with --no-profile?)")
-    return DeviceProfile(
+    profile = DeviceProfile(
         node_id=status.node_id, device_kind=p.device_kind or status.device.split(":")[0],
         memory_bytes=memory_floor(p.memory_bytes), flops=round_sig(p.flops, 2),
-        mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",))
+        mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",),
+        compute_format=p.compute_format, weight_bandwidth=round_sig(p.weight_bandwidth, 2),
+        weight_bytes_per_param=round_sig(p.weight_bytes_per_param, 3))
+    fmt = device_weight_format(profile, spec) if spec is not None else None
+    if fmt and p.format_flops.get(fmt):
+        profile = dataclasses.replace(profile, flops=round_sig(p.format_flops[fmt], 2))
+    return profile
+
+
+def stage_formats(plan: Plan, profiles: list[DeviceProfile]) -> list[tuple[str, str, str]]:
+    """Per plan stage: (compute dtype, weight format, dtype of the hidden states it sends on). The
+    weight format is the plan's; a quantized stage computes in its node's compute format; hidden
+    states travel in the narrower of the sender's and the receiver's dtype (the receiver converts)."""
+    by_id = {p.node_id: p for p in profiles}
+    dtypes = []
+    for s in plan.stages:
+        node = by_id.get(s.node_id)
+        fmt = s.weight_format if s.weight_format in COMPUTE_DTYPE else ((node.compute_format if node else "") or "fp32")
+        dtypes.append(COMPUTE_DTYPE[fmt])
+    out = []
+    for i, s in enumerate(plan.stages):
+        wire = dtypes[i]
+        if i + 1 < len(dtypes) and DTYPE_BYTES[dtypes[i + 1]] < DTYPE_BYTES[wire]:
+            wire = dtypes[i + 1]
+        out.append((dtypes[i], s.weight_format, wire))
+    return out
 
 
 async def measure_pairs(stubs: dict[str, object], addresses: dict[str, str],

@@ -2,21 +2,24 @@
 
 Notation: a workload runs T = tokens_per_step tokens per forward pass over B = batch sequences,
 each holding C = context_tokens of KV. A device has F FLOP/s, W bytes/s of memory bandwidth and
-runs the model at a format scale s (1, or 2 when it upcasts a 16-bit checkpoint to fp32; see
-`model.py`).
+Ww bytes/s of weight reading in its own format (`weight_bandwidth`, W when not measured). It holds
+the layers' matrices at a weight scale sw and everything in floats (embeddings, head, KV,
+activations) at a float scale sf, both relative to the model's format (see `model.py`: 2 for an
+fp32 upcast of a 16-bit model, 0.25 for int8 matrices of an fp32 model, ...).
 
 Compute (seconds per step). Every layer is memory- or compute-bound, whichever is slower:
 
     layer_s = max( T * (layer_flops_per_token + C * attention_flops_per_context_token) / F,
-                   s * (layer_weight_bytes + B * C * kv_bytes_per_token_per_layer) / W )
+                   sw * layer_weight_bytes / Ww  +  sf * B * C * kv_bytes_per_token_per_layer / W )
 
     stage compute_s = n_layers * layer_s  (+ embed_s on the first stage)  (+ head_s on the last)
-    embed_s = s * T * activation_bytes_per_token / W        (T embedding rows read)
-    head_s  = max( T * lm_head_flops_per_token / F,  s * lm_head_bytes / W )
+    embed_s = sf * T * activation_bytes_per_token / W        (T embedding rows read)
+    head_s  = max( T * lm_head_flops_per_token / F,  sf * lm_head_bytes / W )
 
 Transfer (seconds per step), over the sender's measured link to the receiver:
 
-    stage i -> i+1:  T * activation_bytes_per_token / bandwidth + latency
+    stage i -> i+1:  min(sf_i, sf_i+1) * T * activation_bytes_per_token / bandwidth + latency
+                     (hidden states travel in the narrower of the two float formats)
     last -> stage 0: T * TOKEN_ID_BYTES / bandwidth + latency   (the sampled tokens go back;
                      a single-stage pipeline uses LOOPBACK and pays nothing)
 
@@ -29,15 +32,17 @@ Memory (bytes). A stage holds its layers' weights and the KV for the workload, p
 on the first stage and the final norm + LM head on the last (a single stage with tied embeddings
 holds the shared matrix once):
 
-    stage memory_bytes = s * ( n_layers * (layer_weight_bytes + B * C * kv_bytes_per_token_per_layer)
-                               + embedding_bytes [first] + lm_head_bytes [last] )
+    stage memory_bytes = n_layers * (ceil(sw * layer_weight_bytes) + ceil(sf * B * C * kv_bytes_per_token_per_layer))
+                         + ceil(sf * (embedding_bytes [first] + lm_head_bytes [last]))
     and it must be <= Reserve.usable_bytes(profile.memory_bytes).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from planner.model import ModelSpec, device_weight_format, format_scale
+import math
+
+from planner.model import ModelSpec, device_weight_format, float_scale, weight_scale, wire_scale
 from planner.plan import Stage
 from planner.types import DeviceProfile, InfeasibleError, Objective, Reserve, Workload
 from planner.units import format_bytes
@@ -50,19 +55,20 @@ def layer_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -
     """Seconds one decoder layer takes on `profile` for one step of `workload`."""
     t, c = workload.tokens_per_step, workload.context_tokens
     flops = t * (model.layer_flops_per_token + c * model.attention_flops_per_context_token)
-    read = format_scale(profile, model) * (model.layer_weight_bytes + workload.batch * c * model.kv_bytes_per_token_per_layer)
-    return max(flops / profile.flops, read / profile.mem_bandwidth)
+    read_s = (weight_scale(profile, model) * model.layer_weight_bytes / (profile.weight_bandwidth or profile.mem_bandwidth)
+              + float_scale(profile, model) * workload.batch * c * model.kv_bytes_per_token_per_layer / profile.mem_bandwidth)
+    return max(flops / profile.flops, read_s)
 
 
 def embed_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> float:
     """Seconds the embedding lookup takes on the first stage (reading T rows)."""
-    return format_scale(profile, model) * workload.tokens_per_step * model.activation_bytes_per_token / profile.mem_bandwidth
+    return float_scale(profile, model) * workload.tokens_per_step * model.activation_bytes_per_token / profile.mem_bandwidth
 
 
 def head_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> float:
     """Seconds the final norm + LM head take on the last stage."""
     flops = workload.tokens_per_step * model.lm_head_flops_per_token
-    return max(flops / profile.flops, format_scale(profile, model) * model.lm_head_bytes / profile.mem_bandwidth)
+    return max(flops / profile.flops, float_scale(profile, model) * model.lm_head_bytes / profile.mem_bandwidth)
 
 
 def compose_compute_s(num_layers: int, layer_s: float, embed_s: float, head_s: float, *, is_first: bool, is_last: bool) -> float:
@@ -85,8 +91,8 @@ def stage_compute_s(profile: DeviceProfile, model: ModelSpec, workload: Workload
 
 def layer_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> int:
     """Bytes one layer takes on `profile`: weights + KV for B sequences of C tokens."""
-    per_layer = model.layer_weight_bytes + workload.batch * workload.context_tokens * model.kv_bytes_per_token_per_layer
-    return format_scale(profile, model) * per_layer
+    kv = workload.batch * workload.context_tokens * model.kv_bytes_per_token_per_layer
+    return math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(float_scale(profile, model) * kv)
 
 
 def edge_memory_bytes(profile: DeviceProfile, model: ModelSpec, *, is_first: bool, is_last: bool) -> int:
@@ -98,7 +104,7 @@ def edge_memory_bytes(profile: DeviceProfile, model: ModelSpec, *, is_first: boo
         total += model.lm_head_bytes
     if is_first and is_last and model.tied_embeddings:
         total -= model.embedding_bytes  # one process: the head reuses the embedding matrix
-    return format_scale(profile, model) * total
+    return math.ceil(float_scale(profile, model) * total)
 
 
 def stage_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload, num_layers: int, *,
@@ -126,7 +132,8 @@ def max_layers(profile: DeviceProfile, model: ModelSpec, workload: Workload, res
 def activation_transfer_s(src: DeviceProfile, dst: DeviceProfile, model: ModelSpec, workload: Workload) -> float:
     """Seconds to send one step's hidden states from stage `src` to the next stage `dst`."""
     link = src.link_to(dst.node_id)
-    return workload.tokens_per_step * model.activation_bytes_per_token / link.bandwidth + link.latency
+    wire = wire_scale(src, dst, model) if src.node_id != dst.node_id else 1.0
+    return wire * workload.tokens_per_step * model.activation_bytes_per_token / link.bandwidth + link.latency
 
 
 def return_transfer_s(last: DeviceProfile, first: DeviceProfile, workload: Workload) -> float:

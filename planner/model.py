@@ -3,10 +3,16 @@
 All decoder layers of a Llama-family model are alike, so one layer's numbers describe them all.
 `ModelSpec.llama(...)` derives the numbers from a config (formulas in its docstring).
 
-Weight formats. `weight_format` is the dtype the checkpoint is stored in. A device that lists it in
-its `weight_formats` runs the layers in it; a device that does not, but lists "fp32", runs a 16-bit
-float model upcast to fp32 (lossless), holding and reading twice the bytes (weights and KV alike);
-any other device cannot take part. Quantized formats ("int8", "nf4") are never converted.
+Weight formats. `weight_format` is the format the mesh runs the model in (the controller's --dtype).
+Each device runs it in one format of its own (`device_weight_format`):
+  * a node started quantized (it offers one of QUANT_FORMATS) holds a float model's layer matrices
+    in that format, and its embeddings, head, activations and KV in its `compute_format`;
+  * a device that lists the model's format runs it as it is;
+  * one that does not, but lists "fp32", runs a 16-bit float model upcast to fp32 (lossless);
+  * any other device cannot take part. A quantized model format is run only as it is.
+Sizes in a ModelSpec are in the model's format; a device's bytes are scaled from them:
+`weight_scale` for the layers' matrices, `float_scale` for everything held or sent in floats
+(embeddings, head, KV, activations).
 """
 from __future__ import annotations
 
@@ -15,8 +21,12 @@ from dataclasses import dataclass
 
 from planner.types import DeviceProfile
 
-FORMAT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5}
-"""Bytes per parameter of the weight formats the planner knows (quantization scales not counted)."""
+FORMAT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5, "fp4": 0.5}
+"""Nominal bytes per parameter of the weight formats the planner knows (quantization scales not
+counted; a node measures its own, `DeviceProfile.weight_bytes_per_param`)."""
+
+FLOAT_FORMATS = ("fp32", "fp16", "bf16")
+QUANT_FORMATS = ("int8", "nf4", "fp4")
 
 _LOSSLESS_UPCAST: dict[str, str] = {"fp16": "fp32", "bf16": "fp32"}
 
@@ -124,9 +134,17 @@ class ModelSpec:
         )
 
 
+def quantized_format(profile: DeviceProfile) -> str | None:
+    """The quantized format a node offers (it was started with --quantize), else None."""
+    return next((f for f in profile.weight_formats if f in QUANT_FORMATS), None)
+
+
 def device_weight_format(profile: DeviceProfile, model: ModelSpec) -> str | None:
-    """The format `profile` runs `model` in: the checkpoint's own if supported, fp32 for a 16-bit
-    float checkpoint on a device that lists fp32, else None (the device cannot take part)."""
+    """The format `profile` runs `model`'s layers in (see the module docstring), or None when the
+    device cannot take part."""
+    quant = quantized_format(profile)
+    if quant is not None and model.weight_format in FLOAT_FORMATS:
+        return quant
     if model.weight_format in profile.weight_formats:
         return model.weight_format
     upcast = _LOSSLESS_UPCAST.get(model.weight_format)
@@ -135,11 +153,42 @@ def device_weight_format(profile: DeviceProfile, model: ModelSpec) -> str | None
     return None
 
 
-def format_scale(profile: DeviceProfile, model: ModelSpec) -> int:
-    """How many times the checkpoint's weight and KV bytes the device holds and reads: 2 when it
-    upcasts 16-bit floats to fp32, else 1. ValueError if the device cannot run the model."""
+def device_compute_format(profile: DeviceProfile, model: ModelSpec) -> str:
+    """The float format of `profile`'s activations, KV, embeddings and head for `model`."""
+    fmt = _runnable(profile, model)
+    if fmt in QUANT_FORMATS and model.weight_format in FLOAT_FORMATS:
+        return profile.compute_format or "fp32"
+    return fmt
+
+
+def _runnable(profile: DeviceProfile, model: ModelSpec) -> str:
     fmt = device_weight_format(profile, model)
     if fmt is None:
         raise ValueError(f"node {profile.node_id!r} cannot run weight format {model.weight_format!r} "
                          f"(it offers {', '.join(profile.weight_formats)})")
-    return 1 if fmt == model.weight_format else 2
+    return fmt
+
+
+def weight_scale(profile: DeviceProfile, model: ModelSpec) -> float:
+    """Bytes of the layers' matrices on the device per byte in the model's format (2 for an fp32
+    upcast, 0.25 for int8 of an fp32 model, ...). ValueError if the device cannot run the model."""
+    fmt = _runnable(profile, model)
+    if fmt == model.weight_format:
+        return 1.0
+    per_param = profile.weight_bytes_per_param if fmt in QUANT_FORMATS and profile.weight_bytes_per_param else FORMAT_BYTES[fmt]
+    return per_param / FORMAT_BYTES[model.weight_format]
+
+
+def float_scale(profile: DeviceProfile, model: ModelSpec) -> float:
+    """Bytes of what the device holds or sends in floats (embeddings, head, KV, activations) per
+    byte in the model's format."""
+    fmt = device_compute_format(profile, model)
+    if fmt == model.weight_format:
+        return 1.0
+    return FORMAT_BYTES[fmt] / max(FORMAT_BYTES[model.weight_format], 2.0)
+
+
+def wire_scale(src: DeviceProfile, dst: DeviceProfile, model: ModelSpec) -> float:
+    """Bytes of the hidden states `src` sends to `dst` per byte in the model's format: they travel
+    in the narrower of the two compute formats (the receiver converts on receipt)."""
+    return min(float_scale(src, model), float_scale(dst, model))

@@ -101,7 +101,14 @@ class DeviceProfile:
     mem_bandwidth: float            # bytes/s, effective memory read bandwidth
     links: tuple[tuple[NodeId, Link], ...] = ()  # measured outgoing links: (other node id, Link), sorted
     default_link: Link = DEFAULT_LINK             # assumed for any other node missing from `links`
-    weight_formats: tuple[str, ...] = ("fp32", "fp16", "bf16")  # weight dtypes this node can compute with
+    weight_formats: tuple[str, ...] = ("fp32", "fp16", "bf16")  # weight formats this node runs, preferred first
+    # A node started quantized offers that one format ("int8", "nf4", "fp4"): its layers' matrices
+    # are held in it, while embeddings, head, activations and KV stay in `compute_format` ("": fp32).
+    compute_format: str = ""
+    # bytes/s at which a one-token product reads weights in the node's format (a quantized kernel
+    # may dequantize slower than memory streams); 0: mem_bandwidth
+    weight_bandwidth: float = 0.0
+    weight_bytes_per_param: float = 0.0  # measured bytes per parameter of a quantized format (scales included); 0: nominal
 
     def __post_init__(self) -> None:
         _require(isinstance(self.node_id, str) and self.node_id != "", f"node_id must be a non-empty string, got {self.node_id!r}")
@@ -121,6 +128,11 @@ class DeviceProfile:
         _require(all(isinstance(f, str) and f for f in formats), f"{where}: weight_formats must be non-empty strings")
         object.__setattr__(self, "weight_formats", formats)
         _require(all(math.isfinite(link.bandwidth) for _, link in links), f"{where}: link bandwidths must be finite")
+        _require(isinstance(self.compute_format, str), f"{where}: compute_format must be a string")
+        for name in ("weight_bandwidth", "weight_bytes_per_param"):
+            value = getattr(self, name)
+            _require(_is_real(value) and math.isfinite(value) and value >= 0,
+                     f"{where}: {name} must be a finite number >= 0, got {value!r}")
 
     def link_to(self, other: str) -> Link:
         """The link from this node to `other`: LOOPBACK for itself, the measured one if present,

@@ -45,6 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-mdns", action="store_true", help="do not advertise by mDNS")
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"],
                     help="compute device (default cuda when available, else cpu)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="compute dtype: auto (default) offers float32 on a CPU, bfloat16/float16/float32 on a GPU, "
+                         "and runs the one the mesh asks for (the controller's --dtype; a 16-bit mesh format is "
+                         "upcast to float32 where it is not offered); a named dtype is the only one this node runs")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--max-kv-mib", type=int, default=2048,
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
@@ -108,13 +112,19 @@ async def serve(args: argparse.Namespace) -> None:
     host, _, port = args.listen.rpartition(":")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     node_id = args.node_id or node_identity(state_dir, device, int(port))
-    from stage_node.profile import compute_id, host_profile
+    from stage_node.profile import compute_id, host_profile, offered_formats
 
-    profile = None if args.no_profile else await runner.call(host_profile, device)
+    try:
+        formats, compute = await runner.call(offered_formats, device, args.dtype, args.quantize)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    log.info("offers weight formats %s (compute %s)", ", ".join(formats), compute)
+    profile = None if args.no_profile else await runner.call(host_profile, device, dtype=args.dtype,
+                                                             quantize=args.quantize)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
-                           cuda_graphs=args.cuda_graphs == "on")
+                           cuda_graphs=args.cuda_graphs == "on", dtype=args.dtype)
     runtime = StageRuntime(node_id, device, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir)
     servicer = StageNodeServicer(runtime, profile, await runner.call(compute_id, device))

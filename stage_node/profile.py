@@ -1,8 +1,21 @@
-"""This node's resource profile: effective FLOP/s and memory bandwidth from a short
-micro-benchmark (about a second), and the memory available (OS or CUDA).
+"""This node's resource profile: what it computes in, how fast, and the memory available.
 
-The measured speeds are cached per host and device (speeds do not change between restarts; memory
-is read fresh every time) under the LogicPipe cache directory.
+Formats. A node runs its layers in the formats it offers, preferred first (`offered_formats`):
+with `--quantize int8|nf4|fp4` that one format (activations, KV, embeddings and head then in its
+compute dtype); else by `--dtype`: `auto` offers fp32 on a CPU (16-bit products are several times
+slower there) and bf16, fp16, fp32 on a GPU (fp16, fp32 without bf16); a named dtype offers that
+one. The mesh's format is the controller's --dtype; a node runs it, or upcasts a 16-bit one to fp32
+(see planner.model).
+
+Speeds are measured in those formats by short micro-benchmarks (about a second):
+  * FLOP/s of a matrix product in each offered float format (prompts are compute-bound) or through
+    the quantized kernel;
+  * memory bandwidth of a large copy (KV, embeddings, head);
+  * the weight bandwidth of a one-token product in the preferred format: weight bytes over its
+    time, which is what decode costs (a quantized kernel that dequantizes slower than memory
+    streams shows here), and the bytes per parameter it holds, scales included.
+They are cached per host, device and format (speeds do not change between restarts; memory is read
+fresh every time) under the LogicPipe cache directory.
 """
 from __future__ import annotations
 
@@ -22,7 +35,10 @@ from logicpipe.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+
+DTYPE_FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+FORMAT_DTYPE = {f: getattr(torch, d) for d, f in DTYPE_FORMAT.items()}
 
 
 @dataclass(frozen=True)
@@ -30,13 +46,17 @@ class HostProfile:
     device_kind: str                  # "cpu" | "cuda"
     device_name: str                  # CPU model or GPU name
     memory_bytes: int                 # memory available for weights and KV now, bytes
-    flops: float                      # effective FLOP/s of a float32 (CPU) / float16 (CUDA) matmul
+    flops: float                      # effective FLOP/s of a product in the preferred format
     mem_bandwidth: float              # bytes/s of a large copy (read + write counted)
-    weight_formats: tuple[str, ...]   # weight formats this device computes with
+    weight_formats: tuple[str, ...]   # weight formats this node runs, preferred first
+    compute_format: str = "fp32"      # float format of activations and KV beside a quantized format
+    weight_bandwidth: float = 0.0     # bytes/s of weights read by a one-token product, preferred format
+    weight_bytes_per_param: float = 0.0  # bytes per parameter held in the preferred format
+    format_flops: tuple[tuple[str, float], ...] = ()  # FLOP/s per offered format
 
 
-def _cache_path(device: str) -> Path:
-    return cache_root() / "profiles" / f"{socket.gethostname()}-{device}.json"
+def _cache_path(device: str, formats: tuple[str, ...] = ("fp32",), compute: str = "fp32") -> Path:
+    return cache_root() / "profiles" / f"{socket.gethostname()}-{device}-{'.'.join(formats)}-{compute}.json"
 
 
 def _device_name(device: str) -> str:
@@ -50,24 +70,51 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: str, repeats: int) -> float:
+def _time(fn, device: str, repeats: int, budget_s: float = 0.5) -> float:
+    """Best time of fn() over up to `repeats` runs (fewer once `budget_s` is spent: slow kernels)."""
     fn()
     _sync(device)
     best = float("inf")
+    start = time.perf_counter()
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         _sync(device)
         best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
     return best
 
 
-def measure_flops(device: str, n: int = 512, repeats: int = 5) -> float:
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    n = 4096 if device == "cuda" else n
+def measure_flops(device: str, fmt: str = "fp32", compute: str = "fp32", repeats: int = 3) -> float:
+    """FLOP/s of an n x n product (prompt-like) in float format `fmt`, or through the quantized
+    kernel of `fmt` with activations in `compute`."""
+    n = 4096 if device == "cuda" else 512
+    dtype = FORMAT_DTYPE.get(fmt, FORMAT_DTYPE[compute])
     a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _time(lambda: a @ b, device, repeats)
+    if fmt in FORMAT_DTYPE:
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        return 2 * n**3 / _time(lambda: a @ b, device, repeats)
+    from stage_node.quant import quantize
+
+    m = quantize(torch.randn(n, n, device=device, dtype=dtype), fmt)
+    return 2 * n**3 / _time(lambda: m(a), device, repeats)
+
+
+def measure_weight_bandwidth(device: str, fmt: str, compute: str = "fp32", repeats: int = 5) -> tuple[float, float]:
+    """(bytes/s, bytes per parameter) of a one-token product over a matrix larger than the caches,
+    held in `fmt`: the rate at which decode reads this node's weights."""
+    from stage_node.ops import DECODE_ROWS, linear
+    from stage_node.quant import quantize, tensor_bytes
+
+    out_f, in_f = 8192, 8192  # 64M parameters: past any CPU cache in every format (32 MiB in nf4)
+    dtype = FORMAT_DTYPE.get(fmt, FORMAT_DTYPE[compute])
+    w = torch.randn(out_f, in_f, device=device, dtype=dtype)
+    if fmt not in FORMAT_DTYPE:
+        w = quantize(w, fmt)
+    x = torch.randn(1, in_f, device=device, dtype=dtype)
+    nbytes = tensor_bytes(w)
+    return nbytes / _time(lambda: linear(x, w, None, DECODE_ROWS), device, repeats), nbytes / (out_f * in_f)
 
 
 def measure_bandwidth(device: str, nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
@@ -105,15 +152,32 @@ def compute_id(device: str) -> str:
     return f"cpu@{where}"
 
 
-def weight_formats(device: str) -> tuple[str, ...]:
+def float_formats(device: str) -> tuple[str, ...]:
+    """The float formats `device` computes in, preferred first."""
     if device == "cuda":
-        return ("fp32", "fp16", "bf16") if torch.cuda.is_bf16_supported() else ("fp32", "fp16")
+        return ("bf16", "fp16", "fp32") if torch.cuda.is_bf16_supported() else ("fp16", "fp32")
     return ("fp32", "bf16")
 
 
-def host_profile(device: str, *, refresh: bool = False) -> HostProfile:
-    """Measure (or read from the cache) this host's profile for `device`."""
-    path = _cache_path(device)
+def offered_formats(device: str, dtype: str = "auto", quantize: str = "none") -> tuple[tuple[str, ...], str]:
+    """(weight formats this node offers, preferred first; its compute format) for its --dtype and
+    --quantize (see the module docstring). ValueError for a dtype the device lacks."""
+    floats = float_formats(device)
+    if dtype == "auto":
+        compute = floats[0]
+        offered = ("fp32",) if device == "cpu" else floats
+    else:
+        compute = DTYPE_FORMAT.get(dtype, "")
+        if compute not in floats:
+            raise ValueError(f"--dtype {dtype}: this {device} computes in {', '.join(floats)} only")
+        offered = (compute,)
+    return ((quantize,) if quantize != "none" else offered), compute
+
+
+def host_profile(device: str, *, dtype: str = "auto", quantize: str = "none", refresh: bool = False) -> HostProfile:
+    """Measure (or read from the cache) this host's profile for `device`, `dtype` and `quantize`."""
+    formats, compute = offered_formats(device, dtype, quantize)
+    path = _cache_path(device, formats, compute)
     speeds = None
     if not refresh and path.is_file():
         try:
@@ -124,15 +188,22 @@ def host_profile(device: str, *, refresh: bool = False) -> HostProfile:
             speeds = None
     if speeds is None:
         t0 = time.monotonic()
+        wbw, per_param = measure_weight_bandwidth(device, formats[0], compute)
         speeds = {"version": PROFILE_VERSION, "torch": torch.__version__,
-                  "flops": measure_flops(device), "mem_bandwidth": measure_bandwidth(device)}
-        log.info("profiled %s in %.1f s: %.1f GFLOP/s, %.1f GB/s", device, time.monotonic() - t0,
-                 speeds["flops"] / 1e9, speeds["mem_bandwidth"] / 1e9)
+                  "format_flops": {f: measure_flops(device, f, compute) for f in formats},
+                  "mem_bandwidth": measure_bandwidth(device), "weight_bandwidth": wbw, "weight_bytes_per_param": per_param}
+        log.info("profiled %s (%s) in %.1f s: %s, %.1f GB/s copy, %.1f GB/s of %s weights (%.3g bytes/param)",
+                 device, "/".join(formats), time.monotonic() - t0,
+                 ", ".join(f"{f} {v / 1e9:.1f} GFLOP/s" for f, v in speeds["format_flops"].items()),
+                 speeds["mem_bandwidth"] / 1e9, wbw / 1e9, formats[0], per_param)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(speeds))
         except OSError as exc:
             log.warning("could not cache the profile at %s: %s", path, exc)
+    flops = {f: float(v) for f, v in speeds["format_flops"].items()}
     return HostProfile(device_kind=device, device_name=_device_name(device), memory_bytes=available_memory(device),
-                       flops=float(speeds["flops"]), mem_bandwidth=float(speeds["mem_bandwidth"]),
-                       weight_formats=weight_formats(device))
+                       flops=flops[formats[0]], mem_bandwidth=float(speeds["mem_bandwidth"]), weight_formats=formats,
+                       compute_format=compute, weight_bandwidth=float(speeds["weight_bandwidth"]),
+                       weight_bytes_per_param=float(speeds["weight_bytes_per_param"]),
+                       format_flops=tuple(flops.items()))

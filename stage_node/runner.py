@@ -61,8 +61,9 @@ class StepResult:
     failed: dict[str, MeshError] = field(default_factory=dict)
 
 
-def execute(shard: Shard, pool: KVPool, step: Step) -> StepResult:
-    """Compute one step (on the runner thread)."""
+def execute(shard: Shard, pool: KVPool, step: Step, wire_dtype: str = "") -> StepResult:
+    """Compute one step (on the runner thread); hidden states for the next stage leave in
+    `wire_dtype` ("": the shard's dtype)."""
     with torch.inference_mode():
         pool.copy_blocks([c for p in step.seqs for c in p.plan.copies])
         result = StepResult()
@@ -86,7 +87,8 @@ def execute(shard: Shard, pool: KVPool, step: Step) -> StepResult:
         if shard.last:
             _sample(shard, seqs, outs, result)
         elif seqs:
-            result.hidden = tensor_codec.from_tensor(torch.cat([outs[p.seq.id] for p in seqs]))
+            hidden = torch.cat([outs[p.seq.id] for p in seqs])
+            result.hidden = tensor_codec.from_tensor(hidden.to(getattr(torch, wire_dtype)) if wire_dtype else hidden)
         return result
 
 

@@ -33,6 +33,7 @@ from stage_node.step_graphs import StepGraphs
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
 LINK_CLOSE_S = 5.0     # closing an old link waits this long at most
 IDLE_RECHECK_S = 1.0  # an idle step loop looks again this often (stale in-flight steps, gone owners)
 MAX_PATH_CHARS = 4096
@@ -60,6 +61,8 @@ class Assignment:
     generation: int = 0     # plan generation: steps of another generation are refused (0: accept any)
     micro_batches: int = 0  # stage 0: sampled steps in flight at once (0: one per stage)
     controller_address: str = ""  # where to pull weights from and to say we leave ("" = unknown)
+    weight_format: str = ""  # the plan's format of its layers (float, or the quantized one offered; "": any)
+    wire_dtype: str = ""     # dtype of the hidden states it sends on ("": dtype)
 
     @property
     def first(self) -> bool:
@@ -72,6 +75,11 @@ class Assignment:
     def check(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:
             raise InvalidArgument(f"dtype {self.dtype[:40]!r} not supported; use one of {', '.join(COMPUTE_DTYPES)}")
+        if self.weight_format not in ("", *WEIGHT_FORMATS):
+            raise InvalidArgument(f"weight format {self.weight_format[:40]!r} not supported; use one of "
+                                  f"{', '.join(WEIGHT_FORMATS)}")
+        if self.wire_dtype not in ("", *COMPUTE_DTYPES):
+            raise InvalidArgument(f"wire dtype {self.wire_dtype[:40]!r} not supported; use one of {', '.join(COMPUTE_DTYPES)}")
         if not self.model_dir or len(self.model_dir) > MAX_PATH_CHARS:
             raise InvalidArgument(f"model_dir must be a path of 1 to {MAX_PATH_CHARS} characters")
         if not (0 <= self.start < self.end <= self.num_layers):
@@ -94,6 +102,7 @@ class StageOptions:
     draft_layers: int = 0                # ... keeping only its first N decoder layers (0: all)
     quantize: str = "none"               # its layers' matrices in int8 / nf4 / fp4 (stage_node.quant)
     cuda_graphs: bool = True             # CUDA: small steps replayed as graphs (stage_node.step_graphs)
+    dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in
 
 
 @dataclass
@@ -162,6 +171,7 @@ class StageRuntime:
         A new plan that keeps this node's layers keeps its weights and KV pool: no load, and the
         prefix cache still holds what was computed (replays attach it instead of recomputing)."""
         a.check()
+        self._check_formats(a)
         async with self._assign_lock:
             if self.engine is not None and self.engine.assignment == a:
                 return self.engine
@@ -277,10 +287,28 @@ class StageRuntime:
         self.weights_pulled_bytes += result.pulled_bytes
         return str(result.path)
 
+    def _check_formats(self, a: Assignment) -> None:
+        """Refuse an assignment in a format or dtype this node does not offer (its --quantize,
+        --dtype and device), saying what it runs."""
+        from stage_node.profile import DTYPE_FORMAT
+
+        q = self.options.quantize
+        if a.weight_format and a.weight_format != (q if q != "none" else DTYPE_FORMAT[a.dtype]):
+            runs = f"--quantize {q}" if q != "none" else f"{DTYPE_FORMAT[a.dtype]} for dtype {a.dtype}"
+            raise InvalidArgument(f"node {self.node_id} runs its layers in {runs}; the plan asked for "
+                                  f"{a.weight_format} (start the node with the format the mesh should use)")
+        if self.options.dtype != "auto" and a.dtype != self.options.dtype:
+            raise InvalidArgument(f"node {self.node_id} computes in {self.options.dtype} (--dtype); the plan asked "
+                                  f"for {a.dtype}")
+
     def _load(self, a: Assignment, model_dir: str) -> tuple[Shard, KVPool]:
         """Runner thread: the shard's weights and an empty KV pool sized by --max-kv-mib."""
         import torch
 
+        from stage_node.profile import DTYPE_FORMAT, float_formats
+
+        if DTYPE_FORMAT[a.dtype] not in float_formats(self.device):
+            raise ValueError(f"this {self.device} cannot compute in {a.dtype} (it has {', '.join(float_formats(self.device))})")
         dtype = getattr(torch, a.dtype)
         shard = Shard.load(model_dir, a.start, a.end, first=a.first, last=a.last, device=self.device, dtype=dtype,
                            quantize=self.options.quantize)
@@ -413,7 +441,7 @@ class StageRuntime:
                 if eng is not self.engine:  # re-assigned since it was scheduled: drop the step
                     continue
                 try:
-                    result = await self.runner.call(execute, eng.shard, eng.pool, step)
+                    result = await self.runner.call(execute, eng.shard, eng.pool, step, eng.assignment.wire_dtype)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 — a bad step must not stop the node

@@ -42,6 +42,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             next_address=request.next_address, first_address=request.first_address,
             dtype=request.dtype or "float32", plan_id=request.plan_id, model_digest=request.model_digest,
             generation=request.generation, micro_batches=request.micro_batches,
+            weight_format=request.weight_format, wire_dtype=request.wire_dtype,
             controller_address=caller_address(request.controller_address, context.peer()))
         t0 = time.monotonic()
         eng = await self.runtime.assign(a)

@@ -158,6 +158,8 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
     from stage_node.runtime import StageOptions, StageRuntime
     from stage_node.service import StageNodeServicer
 
+    if options.get("quantize", "none") != "none":  # a quantized node offers its one format
+        weight_formats = (options["quantize"],)
     runtime = StageRuntime(node_id, "cpu", options=StageOptions(max_kv_bytes=max_kv_bytes, **options))
     server = grpc_options.new_server()
     servicer = StageNodeServicer(runtime, fixed_profile(weight_formats) if profiled else None, f"cpu@{node_id}")

@@ -360,20 +360,27 @@ def test_drain_undrain_register_and_leave(runner, model_dir):
     arun(runner, main())
 
 
-def test_each_stage_computes_in_the_dtype_its_plan_stage_says(runner, model_dir):
+@pytest.mark.parametrize("order", ["bf16-then-fp32", "fp32-then-bf16"])
+def test_each_stage_computes_in_the_dtype_its_plan_stage_says(order, runner, model_dir):
     """--dtype bfloat16 over a node that offers bf16 and one that offers only fp32: the plan gives
     the second fp32 (an upcast), and the assignment says so, stage by stage (one global dtype would
-    make it compute in a dtype it does not offer); hidden states cross in the sender's dtype and
-    are converted on receipt, and the mixed pipeline answers."""
+    make it compute in a dtype it does not offer); hidden states cross in the narrower dtype of the
+    two (an fp32 sender converts to bf16 before sending), are converted on receipt, and the mixed
+    pipeline answers."""
+    formats = [("fp32", "bf16"), ("fp32",)] if order == "bf16-then-fp32" else [("fp32",), ("fp32", "bf16")]
+    dtypes = ["bfloat16", "float32"] if order == "bf16-then-fp32" else ["float32", "bfloat16"]
+
     async def main():
-        async with stage_node("bf16-first", weight_formats=("fp32", "bf16")) as first, \
-                stage_node("fp32-last") as last:
+        async with stage_node(f"{order}-a", weight_formats=formats[0]) as first, \
+                stage_node(f"{order}-b", weight_formats=formats[1]) as last:
             async with controller(model_dir, [first.address, last.address], dtype="bfloat16") as ctl:
                 plan = json.loads(ctl.app.plan_json)
-                assert [s["weight_format"] for s in plan["stages"]] == ["bf16", "fp32"]
-                dtypes = [(await n.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).dtype
-                          for n in (first, last)]
-                assert dtypes == ["bfloat16", "float32"]
+                assert [s["weight_format"] for s in plan["stages"]] == [d.replace("float32", "fp32").replace(
+                    "bfloat16", "bf16") for d in dtypes]
+                got = [(await n.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).dtype
+                       for n in (first, last)]
+                assert got == dtypes
+                assert first.runtime.engine.assignment.wire_dtype == "bfloat16"  # the narrower, either way
                 replies = await submit(ctl, prompt="Hello", max_tokens=4)
                 assert replies[-1].finished and sum(len(r.token_ids) for r in replies) == 4
     arun(runner, main())
@@ -381,8 +388,10 @@ def test_each_stage_computes_in_the_dtype_its_plan_stage_says(runner, model_dir)
 
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 def test_a_pipeline_with_a_quantized_stage_answers(fmt, runner, model_dir):
-    """Layers 0-14 in float32 on one node, 15-29 quantized (--quantize) on the other: the request
-    is answered; the quantized stage says its format and holds a fraction of the float weights."""
+    """One node in float32, the other quantized (--quantize, so it offers only that format): the
+    plan gives the quantized node its format and, since its layers take a fraction of the bytes,
+    at least half the layers; the request is answered; the quantized stage says its format and
+    holds a fraction of the float weights."""
     async def main():
         async with mesh_of_two(model_dir, f"q{fmt}", quantize=fmt) as m:
             replies = await submit(m.ctl, prompt="What is the capital of France?", max_tokens=12)
@@ -390,6 +399,7 @@ def test_a_pipeline_with_a_quantized_stage_answers(fmt, runner, model_dir):
             first, last = [await n.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S) for n in (m.first, m.last)]
         assert replies[-1].finished and 1 <= sum(len(r.token_ids) for r in replies) <= 12 and text.strip()
         assert (first.weight_format, last.weight_format) == ("float32", fmt)
+        assert last.end_layer - last.start_layer >= first.end_layer - first.start_layer
         # the last stage also holds the LM head (the tied embedding matrix, kept in float32)
         assert last.weight_bytes < first.weight_bytes
     arun(runner, main())

@@ -1,10 +1,12 @@
 """The controller's planner driver: profiles from node status, plan reuse, lpctl plan offline."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -87,3 +89,36 @@ def test_lpctl_plan_from_profiles_file(tmp_path, model_dir):
     assert doc["strategy"] == "uniform" and len(doc["stages"]) == 2
     bad = subprocess.run([*lpctl, "--strategy", "custom"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "boundaries" in bad.stderr
+
+
+def test_a_profile_is_costed_in_the_format_the_node_will_run(spec):
+    """A GPU offers bf16, fp16 and fp32: its FLOP/s are those measured in the mesh's format; a
+    quantized node reports its format, compute dtype, weight rate and bytes per parameter."""
+    gpu = stage_pb2.StatusReply(node_id="gpu", device="cuda", profile=stage_pb2.DeviceProfile(
+        device_kind="cuda", memory_bytes=80 * GIB, flops=700e12, mem_bandwidth=3e12,
+        weight_formats=["bf16", "fp16", "fp32"], format_flops={"bf16": 700e12, "fp16": 700e12, "fp32": 50e12}))
+    assert planning.device_profile(gpu, {}, spec).flops == 50e12  # spec is fp32 (the controller's default)
+    bf16 = dataclasses.replace(spec, weight_format="bf16")
+    assert planning.device_profile(gpu, {}, bf16).flops == 700e12
+    assert planning.device_profile(gpu, {}).flops == 700e12  # no spec: the preferred format's
+    q = stage_pb2.StatusReply(node_id="q", device="cpu", profile=stage_pb2.DeviceProfile(
+        device_kind="cpu", memory_bytes=8 * GIB, flops=1e10, mem_bandwidth=2e10, weight_formats=["int8"],
+        compute_format="fp32", weight_bandwidth=3.14e10, weight_bytes_per_param=1.0009, format_flops={"int8": 1.2e10}))
+    p = planning.device_profile(q, {}, spec)
+    assert (p.weight_formats, p.compute_format, p.weight_bandwidth, p.weight_bytes_per_param, p.flops) == \
+        (("int8",), "fp32", 3.1e10, 1.0, 1.2e10)
+
+
+def test_stage_formats_give_each_stage_its_dtype_format_and_wire(spec):
+    """fp32 CPU -> nf4 GPU stage computing in bf16 -> fp32 CPU: dtypes follow the plan (the
+    quantized stage its node's compute format); hidden states travel in the narrower dtype."""
+    from planner import DeviceProfile, Stage
+
+    profiles = [DeviceProfile(node_id=n, device_kind="cpu", memory_bytes=GIB, flops=1e10, mem_bandwidth=1e10,
+                              weight_formats=f, compute_format=c)
+                for n, f, c in (("a", ("fp32",), ""), ("b", ("nf4",), "bf16"), ("c", ("fp32",), ""))]
+    stages = tuple(Stage(node_id=n, device_kind="cpu", weight_format=f, start=i * 10, end=i * 10 + 10, compute_s=0.0,
+                         transfer_s=0.0, memory_bytes=1) for i, (n, f) in enumerate((("a", "fp32"), ("b", "nf4"), ("c", "fp32"))))
+    plan = types.SimpleNamespace(stages=stages)
+    assert planning.stage_formats(plan, profiles) == [("float32", "fp32", "bfloat16"), ("bfloat16", "nf4", "bfloat16"),
+                                                      ("float32", "fp32", "float32")]

@@ -188,3 +188,52 @@ def test_planner_is_pure():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in {"open", "print", "input", "exec", "eval"}, (path.name, node.func.id)
         assert len(path.read_text().splitlines()) < 420, path.name
+
+
+# ----------------------------------------------------------------------------- formats per device
+
+def node(node_id="n", formats=("fp32",), memory=8 * GiB, **kw) -> DeviceProfile:
+    return DeviceProfile(node_id=node_id, device_kind="cpu", memory_bytes=memory, flops=1e11, mem_bandwidth=2e10,
+                         weight_formats=formats, **kw)
+
+
+def test_each_device_runs_its_own_format():
+    from planner.model import device_compute_format, device_weight_format, float_scale, weight_scale, wire_scale
+
+    fp32, bf16 = ModelSpec.llama(**SMOL, weight_format="fp32"), ModelSpec.llama(**SMOL, weight_format="bf16")
+    gpu = node("gpu", ("bf16", "fp16", "fp32"))
+    cpu = node("cpu", ("fp32",))
+    int8 = node("int8", ("int8",), compute_format="fp32", weight_bytes_per_param=1.001)
+    nf4 = node("nf4", ("nf4",), compute_format="bf16")
+    assert [device_weight_format(p, bf16) for p in (gpu, cpu, int8, nf4)] == ["bf16", "fp32", "int8", "nf4"]
+    assert [device_weight_format(p, fp32) for p in (gpu, cpu, int8, nf4)] == ["fp32", "fp32", "int8", "nf4"]
+    assert device_weight_format(node("b", ("bf16",)), fp32) is None  # fp32 -> bf16 would lose precision
+    # weights: the node's measured bytes per parameter, else the nominal ones; floats: its compute format
+    assert weight_scale(int8, fp32) == pytest.approx(1.001 / 4) and weight_scale(nf4, fp32) == 0.5 / 4
+    assert weight_scale(cpu, bf16) == 2.0 and weight_scale(gpu, bf16) == 1.0
+    assert device_compute_format(nf4, fp32) == "bf16" and float_scale(nf4, fp32) == 0.5
+    assert float_scale(int8, fp32) == 1.0 and float_scale(cpu, bf16) == 2.0
+    # hidden states cross in the narrower dtype of the two
+    assert wire_scale(cpu, nf4, fp32) == wire_scale(nf4, cpu, fp32) == 0.5 and wire_scale(cpu, int8, fp32) == 1.0
+
+
+def test_quantized_bytes_count_against_memory_and_weights_read_at_their_rate():
+    fp32 = ModelSpec.llama(**SMOL, weight_format="fp32")
+    w = Workload(batch=1, context_tokens=1, tokens_per_step=1)  # KV: 1.5 KB a layer beside 14 MB of weights
+    memory = 40 * fp32.layer_weight_bytes
+    flt, q = node("f", memory=memory), node("q", ("int8",), memory=memory, weight_bytes_per_param=1.0)
+    r = Reserve(fraction=0.0)
+    assert max_layers(flt, fp32, w, r, is_first=False, is_last=False) == 30  # all the model's layers
+    assert stage_memory_bytes(q, fp32, w, 8, is_first=False, is_last=False) == \
+        8 * (math.ceil(fp32.layer_weight_bytes / 4) + fp32.kv_bytes_per_token_per_layer)
+    # decode reads a quarter of the bytes: 4x faster at the same rate, 2x at half the rate
+    assert layer_time_s(flt, fp32, w) == pytest.approx(4 * layer_time_s(q, fp32, w), rel=1e-3)
+    slow = node("s", ("int8",), weight_bandwidth=1e10, weight_bytes_per_param=1.0)
+    assert layer_time_s(flt, fp32, w) == pytest.approx(2 * layer_time_s(slow, fp32, w), rel=1e-3)
+    # a plan over a float node too small for the model and an int8 node: the int8 node takes most layers
+    small = node("small", memory=12 * fp32.layer_weight_bytes + 2 * fp32.lm_head_bytes)
+    big = node("big-int8", ("int8",), memory=8 * fp32.layer_weight_bytes + 2 * fp32.lm_head_bytes, weight_bytes_per_param=1.0)
+    plan = make_plan([small, big], fp32, w, reserve=r)
+    layers = {s.node_id: s.end - s.start for s in plan.stages}
+    assert layers["big-int8"] > layers["small"] and sum(layers.values()) == 30
+    assert {s.node_id: s.weight_format for s in plan.stages} == {"small": "fp32", "big-int8": "int8"}
