@@ -22,8 +22,11 @@ class KVPool:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         # one slot past the blocks: the scratch slot, where a CUDA graph's padding rows write
         shape = (num_layers, 2, num_kv_heads, num_blocks * block_size + 1, head_dim)
-        # torch.empty: on a CPU the pages are only touched (and counted) as blocks are first written
-        self.kv = torch.empty(shape, dtype=dtype, device=device)  # kv: [layers, 2 (k, v), kv_heads, slots, head_dim]
+        # torch.empty on a CPU: its pages are only touched (and counted) as blocks are first written.
+        # Zeros on a GPU: a CUDA graph's step reads whole blocks and masks the positions past a
+        # row's own, and a NaN left there by a former allocation would survive the mask.
+        alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
+        self.kv = alloc(shape, dtype=dtype, device=device)  # kv: [layers, 2 (k, v), kv_heads, slots, head_dim]
         self.k = self.kv[:, 0]  # k: [layers, kv_heads, slots, head_dim] (a view)
         self.v = self.kv[:, 1]  # v: [layers, kv_heads, slots, head_dim]
         self.num_blocks = num_blocks

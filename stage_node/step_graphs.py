@@ -17,7 +17,8 @@ forward in how it attends:
   * the rows' query heads of one KV head are that head's queries (grouped-query attention without
     repeating keys);
   * rows past the step's own (the bucket's padding) write to the pool's scratch slot.
-The KV pool is static (allocated once for the stage's budget), and the RoPE tables are grown to the
+The KV pool is static (allocated once for the stage's budget, zeroed: masked positions are read, and
+a NaN there would pass the mask), and the RoPE tables are grown to the
 largest bucket before the first capture and held, so the captured addresses stay valid.
 
 Buckets: rows 1, 2, 4, 8, 16, 32; context a power of two from 256 up to the model's positions (at

@@ -38,6 +38,7 @@ def step_rows(seqs):
 def test_graph_body_matches_forward(shard):
     torch.manual_seed(0)
     pool_a, pool_b = shard.new_pool(40, BS), shard.new_pool(40, BS)
+    pool_b.kv.zero_()  # as on a GPU: a graph reads masked positions, which must not hold NaN
     # three sequences: consecutive blocks, scattered blocks, one longer than a block table bucket row
     seqs = [([0, 1, 2, 3], 13, 1), ([9, 4, 17, 6, 30], 17, 3), ([20, 21, 22, 5, 8, 11, 12, 13, 14], 30, 1)]
     for pool in (pool_a, pool_b):
@@ -62,6 +63,7 @@ def test_graph_body_matches_forward(shard):
 
 def test_padding_rows_write_only_the_scratch_slot(shard):
     pool = shard.new_pool(8, BS)
+    pool.kv.zero_()  # torch.empty may hold NaNs, which never compare equal
     prefill(shard, pool, [2, 3], 6, seed=3)
     k0, v0 = pool.k[:, :, : pool.scratch_slot].clone(), pool.v[:, :, : pool.scratch_slot].clone()
     graphs = StepGraphs(shard, pool, capture=False)
