@@ -71,6 +71,7 @@ class ControllerApp:
         self.plan_json = ""
         self.plan = None
         self.profiles: list = []
+        self.revoked: set[str] = set()  # node ids never planned with (lpctl revoke; JoinAuthority's list)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.digest = model_digest(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -219,7 +220,7 @@ class ControllerApp:
         new one is better by replan_gain. Returns whether a new plan was installed."""
         since = since or time.monotonic()
         broken = self._broken()
-        usable = [m for m in self.members.usable() if m.status is not None]
+        usable = [m for m in self.members.usable() if m.status is not None and m.node_id not in self.revoked]
         if not usable:
             self._give_up(broken, "no stage nodes yet" if not self.members.by_address else
                           "no usable stage node (" + "; ".join(f"{m.address}: {m.why_not()}"
@@ -273,7 +274,7 @@ class ControllerApp:
         if not pairs:
             return
         t0 = time.monotonic()
-        channels = {nid: grpc_options.insecure_channel(addr) for nid, addr in ids.items()}
+        channels = {nid: grpc_options.channel(addr, "stage") for nid, addr in ids.items()}
         try:
             stubs = {nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}
             in_plan = {h.node_id for h in self.pipeline.stages}
@@ -303,7 +304,7 @@ class ControllerApp:
                 pass
         try:
             await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
-                                        [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire)
+                                        [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
                                          for s, (dtype, fmt, wire) in zip(plan.stages,
                                                                           planning.stage_formats(plan, self.profiles))],
                                         self.dtype, self.micro_batches, controller_address=self.address)
@@ -325,6 +326,17 @@ class ControllerApp:
         self.plan_changed = asyncio.Event()
 
     # ---- requests from lpctl ---------------------------------------------------------------------
+    async def revoke(self, node_id: str) -> str:
+        """Drop a revoked node at once: a new plan without it serves (or none, if none fits: its
+        requests then wait), and it is never planned with again."""
+        self.revoked.add(node_id)
+        m = self.members.find(node_id)
+        if m is None or not any(h.node_id == node_id for h in self.pipeline.stages):
+            return f"node {node_id} revoked (it was not in the plan)"
+        m.drained = True
+        await self._replan_now(f"node {node_id} revoked")
+        return f"node {node_id} revoked; plan generation {self.pipeline.generation} serves without it"
+
     async def drain(self, node: str, undrain: bool = False) -> str:
         """Take a node out of planning (its requests move) or let it back in. Answers once the
         plan that follows serves."""

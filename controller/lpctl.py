@@ -10,12 +10,56 @@ import grpc
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
 
 
+_TLS_DIR = ""  # --tls-dir: this client's bundle ("" = plaintext)
+
+
 def _stub(address: str):
-    from logicpipe import grpc_options
+    from logicpipe import grpc_options, tls
     from logicpipe.v1 import controller_pb2_grpc
 
-    channel = grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
-    return controller_pb2_grpc.ControllerStub(channel)
+    bundle = tls.Bundle.load(_TLS_DIR) if _TLS_DIR else None
+    return controller_pb2_grpc.ControllerStub(grpc_options.sync_channel(address, "controller", bundle))
+
+
+def cmd_token(args) -> int:
+    from logicpipe.v1 import controller_pb2
+
+    reply = _stub(args.controller).CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=args.ttl), timeout=args.timeout)
+    if args.json:
+        print(json.dumps({"token": reply.token, "expires_in_s": reply.expires_in_s}))
+    else:
+        print(reply.token)
+        print(f"good once, for {reply.expires_in_s / 60:.0f} min: logicpipe-stage --join-token {reply.token} "
+              "--join-address CONTROLLER:JOINPORT --tls-dir DIR ...", file=sys.stderr)
+    return 0
+
+
+def cmd_revoke(args) -> int:
+    from logicpipe.v1 import controller_pb2
+
+    print(_stub(args.controller).Revoke(controller_pb2.RevokeRequest(node=args.node), timeout=args.timeout).message)
+    return 0
+
+
+def cmd_ca(args) -> int:
+    from logicpipe import tls
+
+    try:
+        if args.action == "init":
+            d = tls.init_ca(args.dir)
+            print(f"made a CA in {d}: keep {d / tls.CA_KEY} secret (it signs every party of the mesh); "
+                  f"give only {tls.CA_CERT} away (every bundle carries it)")
+        else:
+            if not args.name or not args.role:
+                print("lpctl: ca issue needs NAME and --role controller|stage|client", file=sys.stderr)
+                return 2
+            out = tls.issue(args.dir, args.name, args.role, args.out or args.name)
+            print(f"wrote {out}/{tls.CA_CERT}, {args.name}.crt, {args.name}.key: start the {args.role} with "
+                  f"--tls-dir {out}")
+    except tls.TlsError as exc:
+        print(f"lpctl: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def cmd_submit(args) -> int:
@@ -214,6 +258,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="lpctl", description="Talk to a LogicPipe controller.")
     ap.add_argument("--controller", default=DEFAULT_CONTROLLER, help="controller HOST:PORT (default %(default)s)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up on a call")
+    ap.add_argument("--tls-dir", default="", metavar="DIR",
+                    help="a client certificate bundle (`lpctl ca issue NAME --role client`) for a mesh with mutual TLS")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("submit", help="generate from a prompt; tokens stream as they come")
@@ -266,6 +312,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
 
+    p = sub.add_parser("token", help="join tokens: `token create` makes a one-time token a new node joins with")
+    p.add_argument("action", choices=["create"])
+    p.add_argument("--ttl", type=float, default=3600.0, help="seconds the token can be used (default 1 hour)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_token)
+
+    p = sub.add_parser("revoke", help="drop a node from the mesh and refuse its certificate from then on")
+    p.add_argument("node", help="node id (its certificate's name)")
+    p.set_defaults(fn=cmd_revoke)
+
+    p = sub.add_parser("ca", help="the mesh's certificate authority: init once, then issue a bundle per party")
+    p.add_argument("action", choices=["init", "issue"])
+    p.add_argument("name", nargs="?", default="", help="issue: the party's name (a stage's node id)")
+    p.add_argument("--role", choices=["controller", "stage", "client"], help="issue: what the party may do")
+    p.add_argument("--dir", required=True, help="the CA's directory (ca.key, ca.crt)")
+    p.add_argument("--out", default="", help="issue: where to write the bundle (default ./NAME)")
+    p.set_defaults(fn=cmd_ca)
+
     p = sub.add_parser("model", help="prepare the embedded default model (GGUF -> safetensors, once)")
     p.add_argument("action", choices=["prepare"])
     p.add_argument("--out", default=None, help="target directory (default: the LogicPipe cache)")
@@ -275,7 +339,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    global _TLS_DIR
     args = parse_args(argv)
+    _TLS_DIR = args.tls_dir
     try:
         sys.exit(args.fn(args))
     except grpc.RpcError as exc:
@@ -285,7 +351,9 @@ def main(argv=None) -> None:
         from logicpipe.errors import MeshError
         from logicpipe.modeldir import ModelError
 
-        if not isinstance(exc, (MeshError, ModelError)):
+        from logicpipe.tls import TlsError
+
+        if not isinstance(exc, (MeshError, ModelError, TlsError)):
             raise
         print(f"lpctl: {exc}", file=sys.stderr)
         sys.exit(2)

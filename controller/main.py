@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import logging
 
-from logicpipe import grpc_options
+from logicpipe import grpc_options, tls
 from logicpipe.health import add_health
 from logicpipe.process import configure_logging, serve_until_signalled
 from logicpipe.v1 import controller_pb2_grpc
@@ -58,6 +58,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
                     help="prompt tokens per step, so a long prompt flows through the stages in chunks "
                          "(default 0: the chunk the planner's cost model finds fastest)")
+    ap.add_argument("--max-requests-per-client", type=int, default=64, metavar="N",
+                    help="requests one client (certificate, or host without TLS) may have running at once; more get "
+                         "RESOURCE_EXHAUSTED (default %(default)s)")
+    ap.add_argument("--ca-dir", default="", metavar="DIR",
+                    help="the mesh CA (ca.key, ca.crt from `lpctl ca init`): lets the controller issue join tokens "
+                         "(`lpctl token create`) and revoke nodes (`lpctl revoke`); revoked names are kept there")
+    ap.add_argument("--join-listen", default="", metavar="HOST:PORT",
+                    help="with --ca-dir: serve joining nodes here (plaintext; only Join, each call authenticated by "
+                         "a one-time token's HMAC)")
+    tls.add_flags(ap, "controller")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     if not 0 <= args.speculate <= MAX_SPECULATE:
@@ -74,17 +84,41 @@ async def serve(args: argparse.Namespace) -> None:
 
     model_dir = args.model or await asyncio.to_thread(prepare_default_model, progress=log.info)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-    server = grpc_options.new_server()
-    bound = server.add_insecure_port(args.listen)
+    authority = None
+    try:
+        tls.configure(args.tls_dir, args.insecure, args.listen, "controller", log)
+        if args.join_listen and not args.ca_dir:
+            raise tls.TlsError("--join-listen needs --ca-dir (the CA that signs the joining nodes' certificates)")
+        if args.ca_dir:
+            from controller.join import JoinAuthority
+
+            authority = JoinAuthority(args.ca_dir)
+    except tls.TlsError as exc:
+        raise SystemExit(str(exc)) from None
+    revoked = authority.revoked if authority else set()
+    server = grpc_options.new_server(tls.CONTROLLER_POLICY, revoked)
+    bound = grpc_options.add_port(server, args.listen)
     if bound == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
+    join_server = None
+    if args.join_listen:
+        from controller.service import JoinServicer
+
+        join_server = grpc_options.new_server()
+        controller_pb2_grpc.add_ControllerServicer_to_server(JoinServicer(authority), join_server)
+        if join_server.add_insecure_port(args.join_listen) == 0:
+            raise SystemExit(f"cannot listen on {args.join_listen}")
+        await join_server.start()
+        log.info("joining nodes served on %s (a join token authenticates each)", args.join_listen)
     host = args.listen.rpartition(":")[0]
     app = ControllerApp(model_dir, nodes, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
                         objective=args.objective, context=args.context, micro_batches=args.micro_batches,
                         address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
                         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns,
                         mesh=args.mesh, speculate=args.speculate, prefill_chunk=args.prefill_chunk)
-    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
+    app.revoked = revoked  # one set: the interceptor refuses these names, the planner leaves them out
+    controller_pb2_grpc.add_ControllerServicer_to_server(
+        ControllerServicer(app, args.max_requests_per_client, authority), server)
     health = await add_health(server, SERVICE_NAME)
     await server.start()
     log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
@@ -99,6 +133,8 @@ async def serve(args: argparse.Namespace) -> None:
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0, ready=ready)
     finally:
         await app.close()
+        if join_server is not None:
+            await join_server.stop(1.0)
 
 
 def main(argv=None) -> None:

@@ -36,6 +36,7 @@ class StageAssignment:
     dtype: str = ""  # its compute dtype, from the plan ("": the pipeline's)
     weight_format: str = ""  # its layers' format, from the plan ("": that of its dtype)
     wire_dtype: str = ""     # the dtype its hidden states travel in ("": its dtype)
+    node_id: str = ""        # the node's id (over TLS its certificate's name: who may stream to whom)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Pipeline:
     @staticmethod
     async def probe(address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it."""
-        async with grpc_options.insecure_channel(address) as ch:
+        async with grpc_options.channel(address, "stage") as ch:
             try:
                 return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as exc:
@@ -120,7 +121,7 @@ class Pipeline:
         self.micro_batches = micro_batches
         handles = []
         for a in assignments:
-            ch = grpc_options.insecure_channel(a.address)
+            ch = grpc_options.channel(a.address, "stage")
             handles.append(StageHandle(a.address, ch, stage_pb2_grpc.StageNodeStub(ch), start=a.start, end=a.end))
         n = len(handles)
 
@@ -132,6 +133,8 @@ class Pipeline:
                 next_address=handles[i + 1].address if i + 1 < n else "",
                 first_address=handles[0].address if i > 0 else "", dtype=assignments[i].dtype or dtype,
                 weight_format=assignments[i].weight_format, wire_dtype=assignments[i].wire_dtype,
+                prev_node_id=assignments[i - 1].node_id if i > 0 else "",
+                last_node_id=assignments[-1].node_id if i == 0 and n > 1 else "",
                 plan_id=self.plan_id,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address)
             try:

@@ -5,7 +5,8 @@ import asyncio
 import time
 
 
-from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe import tls
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted
 from logicpipe.grpc_options import caller_address
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
@@ -63,11 +64,40 @@ def timings_proto(req: Request) -> controller_pb2.Timings:
         accepted=req.accepted, speculate=req.speculate, prefill_chunk=req.prefill_chunk)
 
 
+DEFAULT_REQUESTS_PER_CLIENT = 64
+
+
+def client_identity(context) -> str:
+    """Who a call comes from: its certificate's name over TLS, else the peer's host."""
+    role, name = tls.peer(context)
+    if role:
+        return f"{role}:{name}"
+    return context.peer().rpartition(":")[0] or context.peer()
+
+
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
-    def __init__(self, app: ControllerApp):
+    def __init__(self, app: ControllerApp, requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT, authority=None):
         self.app = app
+        self.authority = authority  # controller.join.JoinAuthority (--ca-dir), or None
+        self.requests_per_client = requests_per_client  # requests one client may have running at once
+        self._running: dict[str, int] = {}
 
     async def Submit(self, request, context):
+        who = client_identity(context)
+        n = self._running.get(who, 0)
+        if n >= self.requests_per_client:
+            raise ResourceExhausted(f"{who} has {n} requests running, the cap per client "
+                                    f"(--max-requests-per-client); wait for one to finish")
+        self._running[who] = n + 1
+        try:
+            async for reply in self._submit(request, context):
+                yield reply
+        finally:
+            self._running[who] -= 1
+            if not self._running[who]:
+                del self._running[who]
+
+    async def _submit(self, request, context):
         app = self.app
         if len(request.prompt) > MAX_PROMPT_CHARS or len(request.prompt_token_ids) > MAX_PROMPT_TOKENS:
             raise InvalidArgument(
@@ -166,6 +196,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     async def Register(self, request, context):
         node_id = wire_id("node_id", request.node_id)
+        tls.check_self(context, node_id)
         address = caller_address(request.address, context.peer())
         if not address:
             raise InvalidArgument("address must be the node's host:port (an empty host means the caller's)")
@@ -174,6 +205,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     async def Leave(self, request, context):
         node_id = wire_id("node_id", request.node_id)
+        tls.check_self(context, node_id)
         timeout = request.timeout_s if 0 < request.timeout_s <= MAX_LEAVE_S else DEFAULT_LEAVE_S
         moved, message = await self.app.leave(node_id, timeout)
         return controller_pb2.LeaveReply(moved=moved, message=message)
@@ -190,6 +222,21 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         async for chunk in stream_weights(self.app.model_dir, self.app.digest, request, peer=context.peer()):
             yield chunk
 
+    def _authority(self):
+        if self.authority is None:
+            raise FailedPrecondition("this controller has no CA to sign with: start it with --ca-dir DIR "
+                                     "(and --join-listen HOST:PORT for nodes to join)")
+        return self.authority
+
+    async def CreateJoinToken(self, request, context):
+        token, ttl = self._authority().create(request.ttl_s)
+        return controller_pb2.JoinTokenReply(token=token, expires_in_s=ttl)
+
+    async def Revoke(self, request, context):
+        node_id = wire_id("node", request.node)
+        self._authority().revoke(node_id)
+        return controller_pb2.RevokeReply(message=await self.app.revoke(node_id))
+
     async def Plan(self, request, context):
         try:
             plan_json, table = await self.app.plan_preview(request.strategy, request.objective,
@@ -197,3 +244,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         except ValueError as err:
             raise InvalidArgument(str(err)) from err
         return controller_pb2.PlanReply(plan_json=plan_json, table=table)
+
+
+class JoinServicer(controller_pb2_grpc.ControllerServicer):
+    """The bootstrap port (--join-listen): Join only, authenticated by the token (every other
+    method answers UNIMPLEMENTED there)."""
+
+    def __init__(self, authority):
+        self.authority = authority
+
+    async def Join(self, request, context):
+        wire_id("token_id", request.token_id)
+        if len(request.csr_pem) > 16384 or len(request.mac) != 32:
+            raise InvalidArgument("a join request carries a PEM signing request (under 16 KiB) and a 32-byte HMAC")
+        cert, ca, mac = self.authority.join(request.token_id, request.csr_pem, request.mac)
+        return controller_pb2.JoinReply(cert_pem=cert, ca_pem=ca, mac=mac)

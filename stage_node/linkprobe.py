@@ -13,7 +13,7 @@ PROBE_TIMEOUT_S = 10.0
 
 async def measure_link(address: str, probes: int, payload_bytes: int) -> tuple[float, float]:
     """(one-way latency in s, bandwidth in bytes/s) to the StageNode at `address`."""
-    async with grpc_options.insecure_channel(address) as channel:
+    async with grpc_options.channel(address, "stage") as channel:
         stub = stage_pb2_grpc.StageNodeStub(channel)
         await stub.Echo(stage_pb2.EchoRequest(), timeout=PROBE_TIMEOUT_S)  # connect, warm up
         rtts = []

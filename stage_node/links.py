@@ -60,7 +60,7 @@ class PeerLink:
 
     async def _open(self):
         if self._channel is None:
-            self._channel = grpc_options.insecure_channel(self.address)
+            self._channel = grpc_options.channel(self.address, "stage")
         try:
             await asyncio.wait_for(self._channel.channel_ready(), CONNECT_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -7,8 +7,9 @@ import logging
 import os
 from pathlib import Path
 
-from logicpipe import grpc_options
+from logicpipe import grpc_options, tls
 from logicpipe.health import add_health
+from logicpipe.paths import cache_root
 from logicpipe.process import configure_logging, serve_until_signalled
 from logicpipe.v1 import stage_pb2_grpc
 
@@ -71,8 +72,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-layers", type=int, default=0, metavar="N",
                     help="with --draft-model: keep only its first N decoder layers (the model itself can then "
                          "be its own drafter; default 0: all)")
+    ap.add_argument("--model-root", default=None, metavar="DIR",
+                    help="load an assigned model directory only from under DIR (default: the LogicPipe cache); "
+                         "one elsewhere is pulled from the controller instead, never opened")
+    tls.add_flags(ap, "stage")
+    ap.add_argument("--join-token", default="", metavar="TOKEN",
+                    help="join a mesh with a one-time token (`lpctl token create`): the controller at --join-address "
+                         "signs this node's certificate into --tls-dir (once; later starts use it)")
+    ap.add_argument("--join-address", default="", metavar="HOST:PORT", help="the controller's --join-listen address")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
+
+
+async def join_once(args, state_dir: Path, device: str, port: int) -> None:
+    """--join-token: unless --tls-dir already holds this node's certificate, trade the token at
+    --join-address for one (the node's key is made here and never leaves)."""
+    if not args.tls_dir or not args.join_address:
+        raise tls.TlsError("--join-token needs --join-address HOST:PORT (the controller's --join-listen) and "
+                           "--tls-dir DIR (where the node keeps the certificate it gets)")
+    if any(p.name != tls.CA_CERT for p in Path(args.tls_dir).glob("*.crt")):
+        log.info("--tls-dir %s holds a certificate already: not joining again", args.tls_dir)
+        return
+    from logicpipe.identity import node_identity
+
+    node_id = args.node_id or node_identity(state_dir, device, port)
+    await asyncio.to_thread(tls.join_mesh, args.join_address, args.join_token, node_id, args.tls_dir)
+    log.info("joined the mesh at %s as %s: certificate kept in %s", args.join_address, node_id, args.tls_dir)
 
 
 def cuda_available() -> bool:
@@ -111,7 +136,15 @@ async def serve(args: argparse.Namespace) -> None:
             raise SystemExit(f"--quantize {args.quantize}: {exc}") from None
     host, _, port = args.listen.rpartition(":")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
-    node_id = args.node_id or node_identity(state_dir, device, int(port))
+    try:
+        if args.join_token:
+            await join_once(args, state_dir, device, int(port))
+        bundle = tls.configure(args.tls_dir, args.insecure, args.listen, "stage", log)
+    except tls.TlsError as exc:
+        raise SystemExit(str(exc)) from None
+    if bundle is not None and args.node_id and args.node_id != bundle.name:
+        raise SystemExit(f"--node-id {args.node_id}: over TLS a node's id is its certificate's name ({bundle.name})")
+    node_id = (bundle.name if bundle else args.node_id) or node_identity(state_dir, device, int(port))
     from stage_node.profile import compute_id, host_profile, offered_formats
 
     try:
@@ -124,14 +157,15 @@ async def serve(args: argparse.Namespace) -> None:
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
-                           cuda_graphs=args.cuda_graphs == "on", dtype=args.dtype)
+                           cuda_graphs=args.cuda_graphs == "on", dtype=args.dtype,
+                           model_root=str(args.model_root or cache_root()))
     runtime = StageRuntime(node_id, device, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir)
     servicer = StageNodeServicer(runtime, profile, await runner.call(compute_id, device))
-    server = grpc_options.new_server()
+    server = grpc_options.new_server(tls.STAGE_POLICY)
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, SERVICE_NAME)
-    bound = server.add_insecure_port(args.listen)
+    bound = grpc_options.add_port(server, args.listen)
     if bound == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
     runtime.start()

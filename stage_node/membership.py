@@ -58,7 +58,7 @@ class StageMembership:
 
     async def _register_loop(self) -> None:
         warned = False
-        async with grpc_options.insecure_channel(self.controller) as ch:
+        async with grpc_options.channel(self.controller, "controller") as ch:
             stub = controller_pb2_grpc.ControllerStub(ch)
             while True:
                 try:
@@ -90,7 +90,7 @@ class StageMembership:
         target = self.controller or (eng.assignment.controller_address if eng is not None else "")
         if not target:
             return
-        async with grpc_options.insecure_channel(target) as ch:
+        async with grpc_options.channel(target, "controller") as ch:
             try:
                 reply = await controller_pb2_grpc.ControllerStub(ch).Leave(
                     controller_pb2.LeaveRequest(node_id=self.runtime.node_id, timeout_s=LEAVE_TIMEOUT_S),

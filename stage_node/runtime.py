@@ -63,6 +63,8 @@ class Assignment:
     controller_address: str = ""  # where to pull weights from and to say we leave ("" = unknown)
     weight_format: str = ""  # the plan's format of its layers (float, or the quantized one offered; "": any)
     wire_dtype: str = ""     # dtype of the hidden states it sends on ("": dtype)
+    prev_node_id: str = ""   # over TLS: the stage that may stream steps here ("": any stage)
+    last_node_id: str = ""   # stage 0 over TLS: the last stage, whose tokens stream here
 
     @property
     def first(self) -> bool:
@@ -103,6 +105,7 @@ class StageOptions:
     quantize: str = "none"               # its layers' matrices in int8 / nf4 / fp4 (stage_node.quant)
     cuda_graphs: bool = True             # CUDA: small steps replayed as graphs (stage_node.step_graphs)
     dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in
+    model_root: str = ""                 # an assigned model directory must lie under this ("": anywhere)
 
 
 @dataclass
@@ -241,6 +244,11 @@ class StageRuntime:
         """The directory to load `a` from: the assigned model directory when this node has it (and
         its digest matches), else the tensors pulled from the controller into the state directory."""
         local = self.local_model_dir or a.model_dir
+        if not self.local_model_dir and not self._under_model_root(a.model_dir):
+            if a.controller_address and a.model_digest and self.pull_root is not None:
+                return await self._pull(a)  # never opened: the node takes the tensors from the controller
+            raise InvalidArgument(f"node {self.node_id} loads models only from under its --model-root "
+                                  f"{self.options.model_root}; {a.model_dir[:200]} is not")
         try:
             config = await asyncio.to_thread(ModelConfig.from_dir, local)
         except (ModelError, OSError) as exc:
@@ -266,6 +274,16 @@ class StageRuntime:
                     f"node {self.node_id}: the model at {local} differs from the controller's "
                     f"(digest {mine} != {a.model_digest}); copy the same model here")
         return local
+
+    def _under_model_root(self, path: str) -> bool:
+        """Whether `path` lies under --model-root (symlinks resolved; no root: anywhere)."""
+        import os
+
+        root = self.options.model_root
+        if not root:
+            return True
+        real, base = os.path.realpath(path), os.path.realpath(root)
+        return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
     async def _pull(self, a: Assignment) -> str:
         """Pull the assignment's tensors (those not cached yet) from the controller."""

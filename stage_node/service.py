@@ -8,7 +8,8 @@ import time
 import grpc
 
 from logicpipe.grpc_options import caller_address
-from logicpipe.errors import InvalidArgument, ResourceExhausted, Unavailable
+from logicpipe import tls
+from logicpipe.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from stage_node import __version__, wire
 from stage_node.runtime import Assignment, StageRuntime
@@ -43,6 +44,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             dtype=request.dtype or "float32", plan_id=request.plan_id, model_digest=request.model_digest,
             generation=request.generation, micro_batches=request.micro_batches,
             weight_format=request.weight_format, wire_dtype=request.wire_dtype,
+            prev_node_id=request.prev_node_id, last_node_id=request.last_node_id,
             controller_address=caller_address(request.controller_address, context.peer()))
         t0 = time.monotonic()
         eng = await self.runtime.assign(a)
@@ -57,9 +59,27 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
 
     async def Stream(self, request_iterator, context):
         self.runtime.require_ready()
+        self._check_streamer(context)
         async for batch in request_iterator:
             for sid, err in self.runtime.receive(batch):
                 yield wire.stream_reply(sid, err)
+
+    def _check_streamer(self, context) -> None:
+        """Over TLS a stage streams steps only to its successor (and the last stage its tokens to
+        stage 0): the caller's certificate must name the stage the assignment says."""
+        from logicpipe import grpc_options
+
+        eng = self.runtime.engine
+        if grpc_options.tls_bundle() is None or eng is None:
+            return
+        role, name = tls.peer(context)
+        if role != "stage":
+            return  # the controller (prompts to stage 0); RoleCheck admitted no other role
+        a = eng.assignment
+        allowed = {x for x in (a.prev_node_id, a.last_node_id) if x}
+        if allowed and name not in allowed:
+            raise PermissionDenied(f"node {self.runtime.node_id} takes steps only from "
+                                   f"{' or '.join(sorted(allowed))}, not from stage {name!r}")
 
     async def Events(self, request, context):
         owner = wire.check_id("owner", request.owner, empty_ok=True)

@@ -106,7 +106,7 @@ async def pull_shard(controller_address: str, digest: str, config_needed: bool, 
     t0 = time.perf_counter()
     meter = _Meter(progress, len(missing))
     batches = [missing[i: i + MAX_TENSORS_PER_PULL] for i in range(0, len(missing), MAX_TENSORS_PER_PULL)] or [[]]
-    async with grpc_options.insecure_channel(controller_address) as channel:
+    async with grpc_options.channel(controller_address, "controller") as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         for i, batch in enumerate(batches):
             request = controller_pb2.PullWeightsRequest(model_digest=digest, tensors=batch,

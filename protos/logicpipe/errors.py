@@ -34,7 +34,12 @@ class Unavailable(MeshError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted, Unavailable)}
+class PermissionDenied(MeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted, Unavailable,
+                                       PermissionDenied)}
 
 
 def from_code(code: int | grpc.StatusCode, message: str) -> MeshError:

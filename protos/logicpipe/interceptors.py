@@ -68,3 +68,52 @@ class ServiceErrors(grpc.aio.ServerInterceptor):
                 except MeshError as err:
                     await context.abort(err.code, str(err))
         return handler._replace(request_deserializer=tolerant, **{kind: behavior})
+
+
+class RoleCheck(grpc.aio.ServerInterceptor):
+    """While the process serves over mutual TLS: a call whose caller's certificate states a role
+    the method does not accept ends with PERMISSION_DENIED, saying which role it needs. `policy`
+    maps a method name ("Assign") to the roles that may call it; a method missing from it (the
+    health service) is open to every party the handshake admitted."""
+
+    def __init__(self, policy: dict[str, frozenset[str]], revoked: set[str] | None = None):
+        self.policy = policy
+        self.revoked = revoked if revoked is not None else set()  # certificate names refused outright
+
+    async def intercept_service(self, continuation, handler_call_details):
+        from logicpipe import grpc_options, tls
+
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        allowed = self.policy.get(method)
+        if handler is None or allowed is None or grpc_options.tls_bundle() is None:
+            return handler
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+               ("stream" if handler.response_streaming else "unary")
+        inner = getattr(handler, kind)
+
+        async def refuse(context) -> bool:
+            role, name = tls.peer(context)
+            if name in self.revoked:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the certificate of {name!r} was revoked")
+                return True
+            if role in allowed:
+                return False
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{method} accepts {' or '.join(sorted(allowed))} certificates; this caller presented "
+                                f"{'a ' + role if role else 'no role'} certificate ({name or 'unnamed'}): "
+                                f"issue the right one with `lpctl ca issue NAME --role {sorted(allowed)[0]}`")
+            return True
+
+        if handler.response_streaming:
+            async def behavior(request, context):
+                if await refuse(context):
+                    return
+                async for reply in inner(request, context):
+                    yield reply
+        else:
+            async def behavior(request, context):
+                if await refuse(context):
+                    return None
+                return await inner(request, context)
+        return handler._replace(**{kind: behavior})

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,10 +37,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = READY_TIMEOUT_S) -> None:
+_CA_DIR: Path | None = None  # one CA per process: its meshes share it and the client bundle
+
+
+def mesh_bundle(name: str, role: str) -> Path:
+    """A bundle directory for party `name` of `role`, from this process's throw-away mesh CA."""
+    global _CA_DIR
+    from logicpipe import tls
+
+    if _CA_DIR is None:
+        _CA_DIR = tls.init_ca(Path(tempfile.mkdtemp(prefix="logicpipe-ca-")) / "ca")
+    out = _CA_DIR.parent / f"{role}-{name}"
+    if not (out / f"{name}.crt").is_file():
+        tls.issue(_CA_DIR, name, role, out)
+    return out
+
+
+def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = READY_TIMEOUT_S,
+                 peer_role: str = "stage", bundle=None, plaintext: bool = False) -> None:
     """Until grpc.health.v1 at `address` says SERVING; raises with the log's tail if the process dies."""
+    from logicpipe import grpc_options
+
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with grpc_options.sync_channel(address, peer_role, bundle, plaintext=plaintext) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -59,7 +79,7 @@ class LocalMesh:
     def __init__(self, n_stages: int, model_dir: Path | str, workdir: Path | str, *, threads: int = 1,
                  device: str = "cpu", controller_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, mdns: bool = False,
-                 stage_env: dict[int, dict[str, str]] | None = None):
+                 stage_env: dict[int, dict[str, str]] | None = None, tls: bool | None = None):
         self.n_stages = n_stages
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
@@ -73,6 +93,16 @@ class LocalMesh:
         # other meshes on this host out); else it gets --nodes and nobody advertises
         self.mdns = mdns
         self.mesh_name = f"test-{os.getpid()}-{free_port()}"
+        # tls: every process with a certificate of one CA, and this process as a client (default:
+        # $LOGICPIPE_LOCALMESH_TLS=1; the mesh tests set it)
+        self.tls = tls if tls is not None else os.environ.get("LOGICPIPE_LOCALMESH_TLS") == "1"
+        self.client = None  # this process's client bundle for the mesh (TLS only)
+        if self.tls:
+            from logicpipe import grpc_options
+            from logicpipe.tls import Bundle
+
+            self.client = Bundle.load(mesh_bundle("client", "client"))
+            grpc_options.use_client_tls(self.client)  # the test's own channels
         self.procs: dict[str, subprocess.Popen] = {}
         self.stage_addresses: list[str] = []
         self.controller_address = ""
@@ -92,11 +122,14 @@ class LocalMesh:
         """Start stage process `stage{i}` (on `address`, else a free port) and wait until it serves."""
         addr = address or f"127.0.0.1:{free_port()}"
         found = ["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns else ["--no-mdns"]
+        if self.tls:
+            found += ["--tls-dir", str(mesh_bundle(f"stage{i}", "stage"))]
+        found += ["--model-root", str(self.model_dir.resolve().parent)]
         proc, log = self._spawn(f"stage{i}", ["-m", "stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
                                               "--device", self.device, "--threads", str(self.threads),
                                               "--state-dir", str(self.workdir / f"state{i}"), *found,
                                               *self.stage_args, *extra], self.stage_env.get(i))
-        wait_serving(addr, proc, log)
+        wait_serving(addr, proc, log, bundle=self.client, plaintext=not self.tls)
         return addr
 
     def start_controller(self, *extra: str, ready: bool = True) -> str:
@@ -104,18 +137,28 @@ class LocalMesh:
         self.controller_address = self.controller_address or f"127.0.0.1:{free_port()}"
         found = (["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns
                  else ["--no-mdns", "--nodes", ",".join(self.stage_addresses)])
+        if self.tls:
+            found += ["--tls-dir", str(mesh_bundle("controller", "controller"))]
         proc, log = self._spawn("controller", [
             "-m", "controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
             *found, *self.controller_args, *extra])
-        wait_serving(self.controller_address, proc, log)
+        wait_serving(self.controller_address, proc, log, peer_role="controller", bundle=self.client,
+                     plaintext=not self.tls)
         if ready:
             self.wait_plan(proc=proc, log=log)
         return self.controller_address
 
+    def lpctl(self) -> list[str]:
+        """The command line of lpctl for this mesh (with the client bundle when it uses TLS)."""
+        return [sys.executable, "-m", "controller.lpctl", "--controller", self.controller_address,
+                *(["--tls-dir", str(mesh_bundle("client", "client"))] if self.tls else [])]
+
     def controller_status(self, timeout: float = 5.0):
+        from logicpipe import grpc_options
         from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-        with grpc.insecure_channel(self.controller_address) as ch:
+        with grpc_options.sync_channel(self.controller_address, "controller", self.client,
+                                       plaintext=not self.tls) as ch:
             return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(),
                                                                  timeout=timeout)
 

@@ -60,7 +60,7 @@ def mesh(request, model_dir, tmp_path_factory):
 
 
 def submit(address: str, prompt: str, max_tokens: int = NEW_TOKENS, **kw) -> tuple[list[int], str, list]:
-    with grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS) as ch:
+    with grpc_options.sync_channel(address, "controller") as ch:
         replies = list(controller_pb2_grpc.ControllerStub(ch).Submit(
             controller_pb2.SubmitRequest(prompt=prompt, max_tokens=max_tokens, **kw), timeout=300))
     ids = [t for r in replies for t in r.token_ids]
@@ -79,7 +79,7 @@ def test_each_stage_holds_only_its_shard(mesh, hf_model):
     _, model = hf_model
     statuses = []
     for addr in mesh.stage_addresses:
-        with grpc.insecure_channel(addr) as ch:
+        with grpc_options.sync_channel(addr, "stage") as ch:
             statuses.append(stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10))
     ranges = sorted((s.start_layer, s.end_layer) for s in statuses)
     assert ranges[0][0] == 0 and ranges[-1][1] == model.config.num_hidden_layers
@@ -90,7 +90,7 @@ def test_each_stage_holds_only_its_shard(mesh, hf_model):
 
 
 def stage_status(address: str) -> stage_pb2.StatusReply:
-    with grpc.insecure_channel(address) as ch:
+    with grpc_options.sync_channel(address, "stage") as ch:
         return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
 
 
@@ -110,7 +110,7 @@ def test_lpctl_json_and_stream(mesh, model_dir):
     from logicpipe.modeldir import ModelConfig
 
     num_layers = ModelConfig.from_dir(model_dir).num_layers
-    lpctl = [sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address]
+    lpctl = mesh.lpctl()
     out = subprocess.run([*lpctl, "submit", PROMPTS[0], "--max-tokens", "12", "--json"],
                          capture_output=True, text=True, timeout=120, check=True)
     doc = json.loads(out.stdout)
@@ -130,7 +130,7 @@ def test_lpctl_json_and_stream(mesh, model_dir):
 def test_an_outline_request_end_to_end(mesh):
     """The model writes an outline, its points decode in parallel through 3 stages, and lpctl
     prints the DAG: at least 2 points, each with text, dependencies only on earlier points."""
-    out = subprocess.run([sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address,
+    out = subprocess.run([*mesh.lpctl(),
                           "submit", "Explain how a bicycle works.", "--outline", "--max-points", "4",
                           "--max-tokens", "24", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -151,7 +151,7 @@ def test_node_killed_mid_generation_finishes_on_the_survivor(model_dir, tmp_path
     the controller re-plans onto it alone and the (seeded, sampled) request finishes with the
     tokens it gives without the kill."""
     with Mesh(2, model_dir, tmp_path) as mesh:
-        with grpc.insecure_channel(mesh.controller_address) as ch:
+        with grpc_options.sync_channel(mesh.controller_address, "controller") as ch:
             stub = controller_pb2_grpc.ControllerStub(ch)
             request = controller_pb2.SubmitRequest(prompt=PROMPTS[1], max_tokens=60, ignore_eos=True,
                                                    sampling=stage_pb2.SamplingParams(temperature=0.8, seed=1))

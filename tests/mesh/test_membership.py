@@ -13,7 +13,8 @@ import time
 import grpc
 import pytest
 
-from logicpipe.localmesh import LocalMesh, free_port, wait_serving
+from logicpipe import grpc_options
+from logicpipe.localmesh import LocalMesh, free_port, mesh_bundle, wait_serving
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 pytestmark = pytest.mark.mesh
@@ -36,7 +37,7 @@ class Generation(threading.Thread):
 
     def run(self) -> None:
         try:
-            with grpc.insecure_channel(self.address) as ch:
+            with grpc_options.sync_channel(self.address, "controller") as ch:
                 for reply in controller_pb2_grpc.ControllerStub(ch).Submit(self.request, timeout=300):
                     self.tokens += reply.token_ids
                     self.first_stages = self.first_stages or list(reply.stages)
@@ -61,12 +62,12 @@ def run(address: str, prompt: str = PROMPT, max_tokens: int = 120, **sampling) -
 
 
 def stage_status(address: str) -> stage_pb2.StatusReply:
-    with grpc.insecure_channel(address) as ch:
+    with grpc_options.sync_channel(address, "stage") as ch:
         return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
 
 
 def lpctl(mesh: LocalMesh, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address, *args],
+    out = subprocess.run([*mesh.lpctl(), *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -163,7 +164,8 @@ def test_a_node_registers_itself_and_a_duplicate_id_is_refused(model_dir, tmp_pa
         dup = f"127.0.0.1:{free_port()}"
         proc, log = mesh._spawn("dup", ["-m", "stage_node.main", "--listen", dup, "--node-id", "stage1",
                                         "--threads", "1", "--no-mdns", "--controller", mesh.controller_address,
-                                        "--state-dir", str(tmp_path / "dup-state")])
+                                        "--state-dir", str(tmp_path / "dup-state"),
+                                        *(["--tls-dir", str(mesh_bundle("stage1", "stage"))] if mesh.tls else [])])
         wait_serving(dup, proc, log)
         deadline = time.monotonic() + 30
         while "refused this node" not in log.read_text():

@@ -38,7 +38,7 @@ def mesh(request, model_dir, tmp_path_factory):
 
 
 def submit(address: str, prompt: str, **kw) -> tuple[list[int], controller_pb2.Timings]:
-    with grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS) as ch:
+    with grpc_options.sync_channel(address, "controller") as ch:
         replies = list(controller_pb2_grpc.ControllerStub(ch).Submit(
             controller_pb2.SubmitRequest(prompt=prompt, max_tokens=kw.pop("max_tokens", NEW_TOKENS), **kw),
             timeout=300))
@@ -75,7 +75,7 @@ def test_a_long_prompt_in_small_pipelined_chunks_gives_the_same_tokens(mesh):
 
 
 def test_lpctl_reports_candidates_and_status_counts_them(mesh):
-    lpctl = [sys.executable, "-m", "controller.lpctl", "--controller", mesh.controller_address]
+    lpctl = mesh.lpctl()
     out = json.loads(subprocess.run([*lpctl, "submit", GROUNDED[0], "--max-tokens", "24", "--json", "--speculate", "3"],
                                     capture_output=True, text=True, timeout=120, check=True).stdout)
     t = out["timings"]

@@ -174,7 +174,7 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
         await server.start()
         if serving:
             await set_serving(health, True, STAGE_SERVICE)
-        channel = grpc_options.insecure_channel(address)
+        channel = grpc_options.channel(address, "stage")
         yield Node(node_id, runtime, server, health, address, channel, stage_pb2_grpc.StageNodeStub(channel))
     finally:
         if channel is not None:
@@ -381,7 +381,7 @@ class Controller:
 
 @contextlib.asynccontextmanager
 async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, strategy: str = "uniform",
-                     dtype: str = "float32"):
+                     dtype: str = "float32", requests_per_client: int = 64):
     """ControllerApp + ControllerServicer on 127.0.0.1:<ephemeral>; `start` profiles `nodes`, plans
     and installs the pipeline as logicpipe-controller does (strategy "uniform": every node gets a
     stage, in the given order, whatever the planner would prefer)."""
@@ -391,7 +391,7 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
 
     app = ControllerApp(model_dir, list(nodes), strategy=strategy, settle_s=0.5, dtype=dtype)
     server = grpc_options.new_server()
-    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app), server)
+    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, requests_per_client), server)
     port = server.add_insecure_port("127.0.0.1:0")
     assert port, "could not bind an ephemeral loopback port"
     address = f"127.0.0.1:{port}"
@@ -401,7 +401,7 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
         if start:
             await app.start()
             assert await app.wait_ready(120), f"no plan: {app.waiting}"
-        channel = grpc_options.insecure_channel(address)
+        channel = grpc_options.channel(address, "controller")
         yield Controller(app, server, address, channel, controller_pb2_grpc.ControllerStub(channel))
     finally:
         if channel is not None:

@@ -403,3 +403,24 @@ def test_a_pipeline_with_a_quantized_stage_answers(fmt, runner, model_dir):
         # the last stage also holds the LM head (the tied embedding matrix, kept in float32)
         assert last.weight_bytes < first.weight_bytes
     arun(runner, main())
+
+
+def test_requests_per_client_are_capped(runner, model_dir):
+    """--max-requests-per-client 1: a second request of the same client while its first runs gets
+    RESOURCE_EXHAUSTED saying so; the first finishes, and the client may then submit again."""
+    async def main():
+        async with stage_node("cap-a") as a, stage_node("cap-b") as b:
+            async with controller(model_dir, [a.address, b.address], requests_per_client=1) as ctl:
+                first = ctl.stub.Submit(controller_pb2.SubmitRequest(prompt="Count to fifty.", max_tokens=40,
+                                                                     ignore_eos=True), timeout=CALL_TIMEOUT_S)
+                got = [await first.read()]  # running now
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await submit(ctl, prompt="Hello", max_tokens=2)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "the cap per client" in info.value.details()
+                while not got[-1].finished:
+                    got.append(await first.read())
+                assert got[-1].finished and sum(len(r.token_ids) for r in got) == 40
+                replies = await submit(ctl, prompt="Hello", max_tokens=2)
+                assert replies[-1].finished
+    arun(runner, main())

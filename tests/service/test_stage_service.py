@@ -436,3 +436,26 @@ def test_dead_first_stage_is_unavailable_naming_it(tiny_model, monkeypatch):
             assert await close(last, sid) == 2
             assert (await status(last)).state == "ready"
     run(main())
+
+
+def test_a_model_outside_the_model_root_is_refused_unopened(tiny_model, tmp_path):
+    """--model-root: an assignment naming a directory elsewhere is refused before the node opens
+    it, with the same answer whether it exists or not (no probing the node's disk)."""
+    async def main():
+        async with stage_node("rooted", model_root=str(tmp_path / "root")) as node:
+            for where in (tiny_model.path, tmp_path / "no-such-dir", "/etc"):
+                await expect_status(node.stub.Assign(assign_request(where), timeout=RPC_TIMEOUT_S), IA,
+                                    "only from under its --model-root", str(tmp_path / "root"))
+            root = tmp_path / "root" / "m"
+            root.parent.mkdir()
+            root.symlink_to(tiny_model.path)  # a link inside the root to a model outside: resolved, refused
+            await expect_status(node.stub.Assign(assign_request(root), timeout=RPC_TIMEOUT_S), IA, "--model-root")
+    run(main())
+
+
+def test_a_model_under_the_model_root_loads(tiny_model, tmp_path):
+    async def main():
+        async with stage_node("rooted-ok", model_root=str(tiny_model.path.parent)) as node:
+            await assign(node, tiny_model.path)
+            await serve_valid_request(node, expect=tiny_model.greedy)
+    run(main())

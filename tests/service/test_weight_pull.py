@@ -139,7 +139,7 @@ def test_bad_requests_get_their_status(model_dir, digest, config, tmp_path):
             with pytest.raises(NotFound) as info:
                 await pull_shard(address, digest, False, layer0 + ["model.layers.99.mlp.up_proj.weight"], tmp_path)
             assert "model.layers.99.mlp.up_proj.weight" in str(info.value)
-            async with grpc_options.insecure_channel(address) as channel:
+            async with grpc_options.channel(address, "controller") as channel:
                 stub = controller_pb2_grpc.ControllerStub(channel)
 
                 async def pull(**fields):

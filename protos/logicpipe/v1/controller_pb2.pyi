@@ -294,3 +294,49 @@ class PlanReply(_message.Message):
     plan_json: str
     table: str
     def __init__(self, plan_json: _Optional[str] = ..., table: _Optional[str] = ...) -> None: ...
+
+class JoinTokenRequest(_message.Message):
+    __slots__ = ("ttl_s",)
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    def __init__(self, ttl_s: _Optional[float] = ...) -> None: ...
+
+class JoinTokenReply(_message.Message):
+    __slots__ = ("token", "expires_in_s")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_in_s: float
+    def __init__(self, token: _Optional[str] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("token_id", "csr_pem", "mac")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    token_id: str
+    csr_pem: bytes
+    mac: bytes
+    def __init__(self, token_id: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("cert_pem", "ca_pem", "mac")
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    cert_pem: bytes
+    ca_pem: bytes
+    mac: bytes
+    def __init__(self, cert_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class RevokeReply(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...

@@ -70,6 +70,21 @@ class ControllerStub(object):
                 request_serializer=logicpipe_dot_v1_dot_controller__pb2.PullWeightsRequest.SerializeToString,
                 response_deserializer=logicpipe_dot_v1_dot_controller__pb2.WeightChunk.FromString,
                 _registered_method=True)
+        self.CreateJoinToken = channel.unary_unary(
+                '/logicpipe.v1.Controller/CreateJoinToken',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.JoinTokenRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.JoinTokenReply.FromString,
+                _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/logicpipe.v1.Controller/Join',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.JoinRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.JoinReply.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/logicpipe.v1.Controller/Revoke',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.RevokeReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer(object):
@@ -128,6 +143,28 @@ class ControllerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateJoinToken(self, request, context):
+        """A one-time join token (clients): a new node trades it for a stage certificate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Join(self, request, context):
+        """Served only on the controller's --join-listen port: a node's signing request, authenticated
+        by a join token's secret (an HMAC each way), for a stage certificate. The token is then spent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Drop a node from the mesh and refuse its certificate from then on (clients).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +202,21 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.PullWeights,
                     request_deserializer=logicpipe_dot_v1_dot_controller__pb2.PullWeightsRequest.FromString,
                     response_serializer=logicpipe_dot_v1_dot_controller__pb2.WeightChunk.SerializeToString,
+            ),
+            'CreateJoinToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJoinToken,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.JoinTokenRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.JoinTokenReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.JoinRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.JoinReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.RevokeRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.RevokeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +409,87 @@ class Controller(object):
             '/logicpipe.v1.Controller/PullWeights',
             logicpipe_dot_v1_dot_controller__pb2.PullWeightsRequest.SerializeToString,
             logicpipe_dot_v1_dot_controller__pb2.WeightChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateJoinToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.Controller/CreateJoinToken',
+            logicpipe_dot_v1_dot_controller__pb2.JoinTokenRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.JoinTokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.Controller/Join',
+            logicpipe_dot_v1_dot_controller__pb2.JoinRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.Controller/Revoke',
+            logicpipe_dot_v1_dot_controller__pb2.RevokeRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.RevokeReply.FromString,
             options,
             channel_credentials,
             insecure,

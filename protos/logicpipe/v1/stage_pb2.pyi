@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype")
+    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype", "prev_node_id", "last_node_id")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class AssignRequest(_message.Message):
     CONTROLLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREV_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     model_digest: str
     start_layer: int
@@ -41,7 +43,9 @@ class AssignRequest(_message.Message):
     controller_address: str
     weight_format: str
     wire_dtype: str
-    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    prev_node_id: str
+    last_node_id: str
+    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., prev_node_id: _Optional[str] = ..., last_node_id: _Optional[str] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("parameter_count", "tied_copy_count", "load_seconds")
