@@ -346,6 +346,11 @@ def main(argv=None) -> None:
         sys.exit(args.fn(args))
     except grpc.RpcError as exc:
         print(f"lpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            print("lpctl: is the controller up at --controller? A mesh with mutual TLS needs --tls-dir with a client "
+                  "bundle of its CA (`lpctl ca issue NAME --role client`)" if not _TLS_DIR else
+                  f"lpctl: is the controller up at --controller, and is {_TLS_DIR} a client bundle of its CA?",
+                  file=sys.stderr)
         sys.exit(2)
     except Exception as exc:  # noqa: BLE001 — MeshError / ModelError from local work: say it, no traceback
         from logicpipe.errors import MeshError

@@ -23,11 +23,15 @@ MAX_MEASURE_WAITING = 16     # MeasureLink calls waiting for the one in progress
 MAX_SUBSCRIBERS = 64         # Events subscriptions open at once
 
 
+MAX_OPENERS = 65536  # session owners remembered before the gone ones are dropped
+
+
 class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
     def __init__(self, runtime: StageRuntime, profile=None, compute_id: str = ""):
         self.runtime = runtime
         self.profile = profile  # stage_node.profile.HostProfile, measured at start
         self.compute_id = compute_id  # stage_node.profile.compute_id
+        self._openers: dict[str, str] = {}  # session id -> the certificate name that opened it (TLS only)
         self._large_echoes = 0
         self._measuring = asyncio.Lock()
         self._measure_waiting = 0
@@ -52,10 +56,31 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
                                      tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 
     async def OpenSession(self, request, context):
-        return stage_pb2.OpenSessionReply(cached_tokens=self.runtime.open_session(request))
+        cached = self.runtime.open_session(request)
+        self._own(request.session_id, context)
+        return stage_pb2.OpenSessionReply(cached_tokens=cached)
 
     async def CloseSession(self, request, context):
-        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id))
+        opener = self._openers.get(request.session_id)
+        _, name = tls.peer(context)
+        if opener is not None and name != opener:
+            raise PermissionDenied(f"session {request.session_id[:wire.MAX_ID_CHARS]} belongs to {opener!r}, "
+                                   f"not to {name!r}")
+        held = self.runtime.close_session(request.session_id)
+        self._openers.pop(request.session_id, None)
+        return stage_pb2.CloseSessionReply(tokens_held=held)
+
+    def _own(self, session_id: str, context) -> None:
+        """Over TLS, remember who opened a session: only that party may close it. Entries of
+        sessions gone by other ways (finished, expired) are dropped as the map grows."""
+        _, name = tls.peer(context)
+        if not name:
+            return
+        if len(self._openers) >= MAX_OPENERS:
+            eng = self.runtime.engine
+            open_now = eng.scheduler.seqs if eng is not None else {}
+            self._openers = {sid: who for sid, who in self._openers.items() if sid in open_now}
+        self._openers[session_id] = name
 
     async def Stream(self, request_iterator, context):
         self.runtime.require_ready()

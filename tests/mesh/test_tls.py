@@ -172,3 +172,26 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
         assert code == grpc.StatusCode.PERMISSION_DENIED and "revoked" in msg
         time.sleep(1.0)
         assert [s.node_id for s in mesh.controller_status().stages] == ["stage0"]
+
+
+def test_a_session_belongs_to_the_controller_that_opened_it(mesh):
+    """Another controller's certificate (same CA) sees a running session id on a stage's Events
+    and tries to close it: PERMISSION_DENIED, and the victim's request finishes unchanged."""
+    want = generate(mesh, max_tokens=40)
+    got: list[int] = []
+    victim = threading.Thread(target=lambda: got.extend(generate(mesh, max_tokens=40)))
+    victim.start()
+    other = bundle("ctl2", "controller")
+    first, last = plan_order(mesh)[0], plan_order(mesh)[-1]
+    # the controller's owner id, as a (re-)registering stage learns it
+    with grpc_options.sync_channel(mesh.controller_address, "controller", bundle(first, "stage")) as ch:
+        owner = controller_pb2_grpc.ControllerStub(ch).Register(controller_pb2.RegisterRequest(
+            address=mesh.stage_addresses[int(first.removeprefix("stage"))], node_id=first), timeout=10).controller_id
+    events = stage_stub(mesh, last, other).Events(stage_pb2.EventsRequest(owner=owner), timeout=60)
+    sid = next(e.session_id for batch in events for e in batch.events if e.session_id)
+    events.cancel()
+    code, msg = code_of(lambda: stage_stub(mesh, last, other).CloseSession(
+        stage_pb2.CloseSessionRequest(session_id=sid), timeout=5))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "belongs to 'controller'" in msg, msg
+    victim.join(timeout=300)
+    assert got == want
