@@ -40,6 +40,7 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+MAX_CHAT_MESSAGES = 1024  # turns of one conversation
 REPLAN_GAIN = 0.10      # a join re-plans only when the new plan is at least this much faster (cost per step)
 DEBOUNCE_S = 0.3        # changes this close together make one re-plan
 RETRY_S = 1.0           # a re-plan that failed is tried again after this
@@ -414,6 +415,20 @@ class ControllerApp:
         plan = planning.plan_for(self.profiles, self.spec, self.workload, strategy, objective or self.objective,
                                  boundaries)
         return plan_to_json(plan), format_plan_table(plan)
+
+    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        """Token ids of a conversation [(role, content), ...] through the model's chat template,
+        ready for the assistant's answer."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise InvalidArgument(f"the model at {self.model_dir} has no chat template: send a raw prompt")
+        if not messages or len(messages) > MAX_CHAT_MESSAGES:
+            raise InvalidArgument(f"a conversation has 1 to {MAX_CHAT_MESSAGES} messages, not {len(messages)}")
+        for i, (role, _) in enumerate(messages):
+            if role not in ("system", "user", "assistant"):
+                raise InvalidArgument(f"messages[{i}]: role must be system, user or assistant, not {role[:20]!r}")
+        text = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
         if self.tokenizer is None:

@@ -21,6 +21,56 @@ def _stub(address: str):
     return controller_pb2_grpc.ControllerStub(grpc_options.sync_channel(address, "controller", bundle))
 
 
+def cmd_chat(args) -> int:
+    """An interactive conversation: history kept, tokens streamed, Ctrl-C stops the answer (what
+    was said stays in the history), Ctrl-D or /exit ends, /reset forgets."""
+    from logicpipe.sampling import SamplingParams
+    from logicpipe.v1 import controller_pb2
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    stub = _stub(args.controller)
+    system = [controller_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
+    history = list(system)
+    prompt = "you> " if sys.stdin.isatty() else ""
+    print("chat with the mesh: Ctrl-C stops an answer, Ctrl-D or /exit ends, /reset forgets", file=sys.stderr)
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            history = list(system)
+            print("(history forgotten)", file=sys.stderr)
+            continue
+        history.append(controller_pb2.ChatMessage(role="user", content=line))
+        call = stub.Submit(controller_pb2.SubmitRequest(messages=history, max_tokens=args.max_tokens,
+                                                        sampling=sampling.to_proto()), timeout=args.timeout)
+        answer = []
+        try:
+            for reply in call:
+                answer.append(reply.text)
+                sys.stdout.write(reply.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            call.cancel()
+            sys.stdout.write(" [stopped]")
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                history.pop()
+                print(f"\nlpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append(controller_pb2.ChatMessage(role="assistant", content="".join(answer)))
+
+
 def cmd_token(args) -> int:
     from logicpipe.v1 import controller_pb2
 
@@ -284,6 +334,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=non_negative_int, default=0, metavar="TOKENS",
                    help="prompt tokens per step (default 0: the controller's choice)")
     p.set_defaults(fn=cmd_submit)
+
+    p = sub.add_parser("chat", help="an interactive conversation (history kept; Ctrl-C stops an answer)")
+    p.add_argument("--system", default="", help="a system message that starts the conversation")
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="new tokens per answer at most (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(fn=cmd_chat)
 
     p = sub.add_parser("status", help="the plan in force and the request counts")
     p.add_argument("--json", action="store_true")

@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-requests-per-client", type=int, default=64, metavar="N",
                     help="requests one client (certificate, or host without TLS) may have running at once; more get "
                          "RESOURCE_EXHAUSTED (default %(default)s)")
+    ap.add_argument("--http", default="", metavar="HOST:PORT",
+                    help="also serve an OpenAI-compatible HTTP API here (/v1/chat/completions, /v1/completions, "
+                         "/v1/models, /health; off by default; bind 127.0.0.1 unless a proxy authenticates)")
     ap.add_argument("--ca-dir", default="", metavar="DIR",
                     help="the mesh CA (ca.key, ca.crt from `lpctl ca init`): lets the controller issue join tokens "
                          "(`lpctl token create`) and revoke nodes (`lpctl revoke`); revoked names are kept there")
@@ -122,6 +125,14 @@ async def serve(args: argparse.Namespace) -> None:
     health = await add_health(server, SERVICE_NAME)
     await server.start()
     log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
+    http = None
+    if args.http:
+        from controller.http_api import start_http
+
+        try:
+            http = await start_http(app, args.http)
+        except OSError as exc:
+            raise SystemExit(f"--http {args.http}: cannot listen there ({exc})") from None
 
     async def ready() -> str:
         await app.start(mdns_interface=args.mdns_interface)
@@ -132,6 +143,8 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0, ready=ready)
     finally:
+        if http is not None:
+            await http.cleanup()
         await app.close()
         if join_server is not None:
             await join_server.stop(1.0)

@@ -105,6 +105,11 @@ class Scheduler:
         self.active: dict[str, Request] = {}   # session id -> the request it serves
         self.waiting: deque[Request] = deque()
         self.completed = 0
+        self.failed = 0           # requests that ended without finishing (error, cancelled, client gone)
+        self.prompt_tokens = 0    # tokens of every prompt admitted
+        self.generated_tokens = 0  # tokens handed to clients
+        self.replays = 0          # requests moved to another pipeline and replayed there
+        self.observers: list = []  # callables(Request) on every request's end (metrics)
         self.preemptions = 0
         self._wake = asyncio.Event()
         self._admitter: asyncio.Task | None = None
@@ -239,26 +244,39 @@ class Scheduler:
                       speculate=self.speculate if speculate is None else speculate, chunk_asked=prefill_chunk)
         if on_open is not None:
             on_open(req)
+        self.prompt_tokens += len(req.prompt_ids)
         self.waiting.append(req)
         self._kick()
         try:
             while True:
                 item = await self._next_update(req)
                 req.tokens.append(item.token_id)
+                self.generated_tokens += 1
                 req.last_token = time.monotonic()
                 if len(req.tokens) == 1:
                     req.first_token = req.last_token
                 if item.finished:
                     req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), item.finish_reason
                     item.request = req
+                    self.completed += 1  # counted before the client takes it: it may close us right after
                 yield item
                 if item.finished:
-                    self.completed += 1
                     return
         finally:
             if req.state is not RequestState.FINISHED:
                 req.state = RequestState.FAILED
+                self.failed += 1
+            self.replays += req.replays
             self._release(req)
+            for observe in self.observers:
+                observe(req)
+
+    def stop_early(self, req: Request, reason: str = "stop") -> None:
+        """The client ends `req` as finished (a stop string it found): a completed request, not a
+        failed one, when its generator is closed next."""
+        if req.state is not RequestState.FINISHED:
+            req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), reason
+            self.completed += 1
 
     async def _next_update(self, req: Request) -> TokenUpdate:
         """The request's next token; a MeshError from the stages is raised. A request waiting in

@@ -109,6 +109,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             return
         if request.prompt_token_ids:
             prompt_ids = list(request.prompt_token_ids)
+        elif request.messages:
+            turns = [(m.role, m.content) for m in request.messages]
+            if sum(len(c) for _, c in turns) > MAX_PROMPT_CHARS:
+                raise InvalidArgument(f"the conversation is over the cap of {MAX_PROMPT_CHARS} characters")
+            prompt_ids = await asyncio.to_thread(app.encode_chat, turns)
         elif request.prompt.strip():  # tokenizing takes ~0.5 s per MiB: off the event loop
             prompt_ids = await asyncio.to_thread(app.encode_prompt, request.prompt, request.raw)
         else:
