@@ -8,7 +8,8 @@ served by aiohttp in the controller's own event loop.
 
 Request fields: `model`, `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`,
 `stop` (a string or up to 4), `n` (1 only), `stream`; the mesh's own options as extra fields:
-`speculate` (candidate tokens per step, 0 = off), `top_k`, `ignore_eos`. Streams are server-sent
+`speculate` (candidate tokens per step, 0 = off), `top_k`, `ignore_eos`, `outline` (an outline-DAG
+request, with `max_points`; `max_tokens` is then per point). Streams are server-sent
 events of the standard chunk objects, ending with `data: [DONE]`. Errors are OpenAI-style JSON
 bodies, {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 404 for an unknown
 model, 429 when the mesh's queue is full, 503 when no plan serves. A client that goes away
@@ -175,11 +176,61 @@ class HttpApi:
 
     async def chat(self, request):
         body = await self._body(request)
+        if body.get("outline"):
+            users = [m for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") == "user"]
+            question = users[-1].get("content") if users else None
+            return await self._outline(request, body, question, chat=True)
         return await self._run(request, self._chat_ids(body), self._options(body), chat=True)
 
     async def completions(self, request):
         body = await self._body(request)
+        if body.get("outline"):
+            return await self._outline(request, body, body.get("prompt"), chat=False)
         return await self._run(request, self._prompt_ids(body), self._options(body), chat=False)
+
+    async def _outline(self, request, body: dict, question, *, chat: bool):
+        """`outline: true` (and `max_points`): an outline-DAG request (README "Outline requests"):
+        the answer is its points in order, "N. Title" then the point's text; the response also
+        carries them as `outline` [{"id", "title", "deps", "text"}]. Streamed, it comes as one
+        chunk once every point is done."""
+        from controller.outline import OutlineRun
+
+        if not isinstance(question, str) or not question.strip():
+            raise ApiError(400, "an outline request needs a question (the last user message, or the prompt)")
+        if self.app.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: outline requests need one")
+        o = self._options(body)
+        run = OutlineRun(self.app.scheduler, self.app.tokenizer, question,
+                         max_points=_number(body, "max_points", int, 0, 0, 32), point_tokens=o["max_tokens"],
+                         sampling=o["sampling"], speculate=o["speculate"])
+        n = 0
+        async for _pid, _token, _finished in run.events():
+            n += 1
+        text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)
+        points = [{"id": p.id, "title": p.title, "deps": list(p.deps), "text": p.text} for p in run.points]
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        kind, created = ("chat.completion" if chat else "text_completion"), int(time.time())
+        usage = {"prompt_tokens": len(self.app.encode_prompt(question, raw=not chat)), "completion_tokens": n}
+        usage["total_tokens"] = usage["prompt_tokens"] + n
+        if o["stream"]:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            for delta, finish in ((text, None), ("", "stop")):
+                choice = ({"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {},
+                           "finish_reason": finish} if chat else
+                          {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
+                obj = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created,
+                       "model": self.model_id, "choices": [choice]}
+                if finish:
+                    obj["outline"] = points
+                await response.write(f"data: {json.dumps(obj)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat
+                  else {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None})
+        return web.json_response({"id": rid, "object": kind, "created": created, "model": self.model_id,
+                                  "choices": [choice], "usage": usage, "outline": points})
 
     async def _run(self, request, prompt_ids: list[int], o: dict, *, chat: bool):
         from controller.service import TextStream

@@ -199,3 +199,15 @@ def test_lpctl_chat_keeps_the_history_and_ctrl_c_stops_only_the_answer(mesh, cli
         p.kill()
     assert p.returncode == 0, err
     assert "[stopped]" in out and out.count("\n") >= 2
+
+
+def test_an_outline_request_over_http(mesh, client):
+    """`outline: true` as an extra field: the answer is the outline's points in order, and the
+    response carries them (at least 2, dependencies only on earlier points)."""
+    r = client.chat.completions.create(model=mesh.model_dir.name, max_tokens=24, temperature=0,
+                                       messages=[{"role": "user", "content": "Explain how a bicycle works."}],
+                                       extra_body={"outline": True, "max_points": 4})
+    points = r.model_extra["outline"]
+    assert len(points) >= 2 and all(p["text"] for p in points)
+    assert all(d < p["id"] for p in points for d in p["deps"])
+    assert r.choices[0].message.content.startswith("1. ") and r.usage.completion_tokens > 0
