@@ -213,8 +213,7 @@ class HttpApi:
         usage = {"prompt_tokens": len(self.app.encode_prompt(question, raw=not chat)), "completion_tokens": n}
         usage["total_tokens"] = usage["prompt_tokens"] + n
         if o["stream"]:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(request)
+            response = await _open_stream(request)
             for delta, finish in ((text, None), ("", "stop")):
                 choice = ({"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {},
                            "finish_reason": finish} if chat else
@@ -260,8 +259,9 @@ class HttpApi:
         try:
             async for u in updates:
                 n += 1
+                scan = max(0, len(out) - held)  # a stop can only end in the new text
                 out += text.push([u.token_id], u.finished)
-                cut = min((i for i in (out.find(s, max(0, sent - held)) for s in o["stops"]) if i >= 0), default=-1)
+                cut = min((i for i in (out.find(s, scan) for s in o["stops"]) if i >= 0), default=-1)
                 if cut >= 0:
                     out, reason = out[:cut], "stop"
                     self.app.scheduler.stop_early(opened[0])
@@ -269,9 +269,7 @@ class HttpApi:
                     reason = "stop" if u.finish_reason == "stop" else "length"
                 if o["stream"]:
                     if response is None:
-                        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                               "Cache-Control": "no-cache"})
-                        await response.prepare(request)
+                        response = await _open_stream(request)
                     upto = len(out) if reason else max(sent, len(out) - held)
                     if upto > sent:
                         await response.write(chunk(out[sent:upto], None))
@@ -283,8 +281,7 @@ class HttpApi:
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
         if o["stream"]:
             if response is None:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await response.prepare(request)
+                response = await _open_stream(request)
             await response.write(chunk("", reason or "length"))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -293,6 +290,13 @@ class HttpApi:
                   if chat else {"index": 0, "text": out, "finish_reason": reason or "length", "logprobs": None})
         return web.json_response({"id": rid, "object": kind, "created": created, "model": self.model_id,
                                   "choices": [choice], "usage": usage})
+
+
+async def _open_stream(request) -> web.StreamResponse:
+    """A server-sent-events response, headers sent."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
 
 
 async def start_http(app, address: str):

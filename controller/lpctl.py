@@ -304,6 +304,13 @@ def non_negative_int(text: str) -> int:
     return positive_int(text, low=0)
 
 
+def add_sampling_flags(p) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="lpctl", description="Talk to a LogicPipe controller.")
     ap.add_argument("--controller", default=DEFAULT_CONTROLLER, help="controller HOST:PORT (default %(default)s)")
@@ -315,10 +322,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("submit", help="generate from a prompt; tokens stream as they come")
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens at most (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_flags(p)
     p.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
     p.add_argument("--json", action="store_true", help='print one JSON object {"text","token_ids","stages","timings"}')
     p.add_argument("-v", "--verbose", action="store_true", help="print timings after the text (stderr)")
@@ -338,10 +342,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("chat", help="an interactive conversation (history kept; Ctrl-C stops an answer)")
     p.add_argument("--system", default="", help="a system message that starts the conversation")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="new tokens per answer at most (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_flags(p)
     p.set_defaults(fn=cmd_chat)
 
     p = sub.add_parser("status", help="the plan in force and the request counts")

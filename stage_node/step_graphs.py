@@ -116,8 +116,8 @@ class StepGraphs:
         ctx = MIN_CONTEXT
         while ctx < stop:
             ctx *= 2
-        ctx = -(-min(ctx, self.max_context) // self.block_size) * self.block_size
-        return r, min(ctx, self.max_context)
+        # max_context is a whole number of blocks, so rounding up to one stays within it
+        return r, -(-min(ctx, self.max_context) // self.block_size) * self.block_size
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, rows: list[GraphRow]) -> torch.Tensor | None:

@@ -91,19 +91,10 @@ def init_ca(directory, *, common_name: str = "LogicPipe mesh CA", days: int = 36
 
 def issue(ca_dir, name: str, role: str, out_dir, *, days: int = 365) -> Path:
     """A bundle for party `name` of `role` in `out_dir`: ca.crt, NAME.crt, NAME.key (0600)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-
     check_name(name)
     if role not in ROLES:
         raise TlsError(f"role {role!r}: use one of {', '.join(ROLES)}")
-    ca_dir = Path(ca_dir)
-    try:
-        ca_key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), None)
-        ca_pem = (ca_dir / CA_CERT).read_bytes()
-    except (OSError, ValueError) as exc:
-        raise TlsError(f"no usable CA in {ca_dir} ({exc}); make one with `lpctl ca init --dir {ca_dir}`") from exc
-    ca_cert = x509.load_pem_x509_certificate(ca_pem)
+    ca_key, ca_cert, ca_pem = _load_ca(ca_dir)
     key = _key()
     cert_pem = _sign(ca_key, ca_cert, key.public_key(), name, role, days)
     return write_bundle(out_dir, name, ca_pem, cert_pem, _pem_key(key))
@@ -263,7 +254,6 @@ def sign_csr(ca_dir, csr_pem: bytes, role: str, *, days: int = 365) -> tuple[str
     """(name, certificate PEM) for a signing request: the CA signs its key for `role` under the
     name it asks for (a valid name; its signature checked)."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
     from cryptography.x509.oid import NameOID
 
     try:
@@ -274,9 +264,22 @@ def sign_csr(ca_dir, csr_pem: bytes, role: str, *, days: int = 365) -> tuple[str
         raise TlsError("the signing request's signature does not verify")
     cn = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     name = check_name(cn[0].value if cn else "")
-    ca_key = serialization.load_pem_private_key((Path(ca_dir) / CA_KEY).read_bytes(), None)
-    ca_cert = x509.load_pem_x509_certificate((Path(ca_dir) / CA_CERT).read_bytes())
+    ca_key, ca_cert, _ = _load_ca(ca_dir)
     return name, _sign(ca_key, ca_cert, csr.public_key(), name, role, days)
+
+
+def _load_ca(ca_dir):
+    """(CA key, CA certificate, its PEM) from `ca_dir`; TlsError saying how to make one."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    ca_dir = Path(ca_dir)
+    try:
+        ca_pem = (ca_dir / CA_CERT).read_bytes()
+        return (serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), None),
+                x509.load_pem_x509_certificate(ca_pem), ca_pem)
+    except (OSError, ValueError) as exc:
+        raise TlsError(f"no usable CA in {ca_dir} ({exc}); make one with `lpctl ca init --dir {ca_dir}`") from exc
 
 
 def _sign(ca_key, ca_cert, public_key, name: str, role: str, days: int) -> bytes:
