@@ -149,7 +149,7 @@ def scenario_llamacpp(args, model_dir, work) -> dict:
         from llama_cpp import Llama
     except ImportError:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
-    from controller.model_prep import find_default_gguf
+    from logicpipe.controller.model_prep import find_default_gguf
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -289,7 +289,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
 
-    from controller.model_prep import prepare_default_model
+    from logicpipe.controller.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
     results = {}

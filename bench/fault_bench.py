@@ -88,7 +88,7 @@ def open_sessions(address: str) -> int | None:
 
 
 def supports(flag: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "stage_node.main", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "logicpipe.stage_node.main", "--help"], capture_output=True, text=True)
     return flag in out.stdout
 
 
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    from controller.model_prep import prepare_default_model
+    from logicpipe.controller.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
     rows = []

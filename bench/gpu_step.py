@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from gpu_engine import LLAMA3_8B, make_model  # noqa: E402
-from stage_node.kv import StepKV, seq_slice  # noqa: E402
-from stage_node.shard import Shard  # noqa: E402
-from stage_node.step_graphs import GraphRow, StepGraphs  # noqa: E402
+from logicpipe.stage_node.kv import StepKV, seq_slice  # noqa: E402
+from logicpipe.stage_node.shard import Shard  # noqa: E402
+from logicpipe.stage_node.step_graphs import GraphRow, StepGraphs  # noqa: E402
 
 
 def timed(fn, n: int) -> float:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from controller.app import encode_prompt  # noqa: E402
+from logicpipe.controller.app import encode_prompt  # noqa: E402
 from logicpipe import grpc_options  # noqa: E402
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
 from logicpipe.localmesh import LocalMesh as Mesh  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
 
-    from controller.model_prep import prepare_default_model
+    from logicpipe.controller.model_prep import prepare_default_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(args.model) if args.model else prepare_default_model()

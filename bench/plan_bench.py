@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from planner import DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Workload, make_plan
+from logicpipe.planner import DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Workload, make_plan
 
 GiB = 2**30
 LINK_SPEEDS = (12.5e6, 125e6, 1.25e9)  # bytes/s: 100 Mbit/s, 1 Gbit/s, 10 Gbit/s

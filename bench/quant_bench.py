@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from controller.model_prep import prepare_default_model
+    from logicpipe.controller.model_prep import prepare_default_model
 
     model_dir = prepare_default_model()
     rates: dict[str, list[float]] = {f: [] for f in FORMATS}

@@ -11,12 +11,12 @@ from logicpipe import grpc_options
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2_grpc
-from planner import Link, Workload, format_plan_table, plan_to_json
-from controller import planning
-from controller.membership import NOT_PROBED, Members
-from controller.pipeline import Pipeline, StageAssignment
-from controller.scheduler import DEFAULT_SPECULATE, Scheduler
-from planner.prefill import best_chunk
+from logicpipe.planner import Link, Workload, format_plan_table, plan_to_json
+from logicpipe.controller import planning
+from logicpipe.controller.membership import NOT_PROBED, Members
+from logicpipe.controller.pipeline import Pipeline, StageAssignment
+from logicpipe.controller.scheduler import DEFAULT_SPECULATE, Scheduler
+from logicpipe.planner.prefill import best_chunk
 
 log = logging.getLogger(__name__)
 

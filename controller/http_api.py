@@ -193,7 +193,7 @@ class HttpApi:
         the answer is its points in order, "N. Title" then the point's text; the response also
         carries them as `outline` [{"id", "title", "deps", "text"}]. Streamed, it comes as one
         chunk once every point is done."""
-        from controller.outline import OutlineRun
+        from logicpipe.controller.outline import OutlineRun
 
         if not isinstance(question, str) or not question.strip():
             raise ApiError(400, "an outline request needs a question (the last user message, or the prompt)")
@@ -232,7 +232,7 @@ class HttpApi:
                                   "choices": [choice], "usage": usage, "outline": points})
 
     async def _run(self, request, prompt_ids: list[int], o: dict, *, chat: bool):
-        from controller.service import TextStream
+        from logicpipe.controller.service import TextStream
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -346,7 +346,7 @@ class Metrics:
         """Probe the plan's stages (their KV blocks, step times) before a scrape."""
         import asyncio
 
-        from controller.pipeline import Pipeline
+        from logicpipe.controller.pipeline import Pipeline
 
         stages = list(self.app.pipeline.stages)
         probes = await asyncio.gather(*(Pipeline.probe(h.address, timeout=2.0) for h in stages), return_exceptions=True)

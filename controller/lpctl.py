@@ -268,7 +268,7 @@ def cmd_drain(args) -> int:
 
 def cmd_plan(args) -> int:
     if args.profiles:
-        from controller.planning import plan_from_profiles_file
+        from logicpipe.controller.planning import plan_from_profiles_file
 
         plan_json, table = plan_from_profiles_file(args.profiles, args.model, args.strategy, args.objective,
                                                    args.boundaries, args.context)
@@ -284,7 +284,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from controller.model_prep import prepare_default_model
+    from logicpipe.controller.model_prep import prepare_default_model
 
     print(prepare_default_model(args.out, force=args.force, progress=lambda m: print(m, file=sys.stderr)))
     return 0

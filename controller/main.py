@@ -9,7 +9,7 @@ from logicpipe import grpc_options, tls
 from logicpipe.health import add_health
 from logicpipe.process import configure_logging, serve_until_signalled
 from logicpipe.v1 import controller_pb2_grpc
-from controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
+from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 
 log = logging.getLogger("logicpipe.controller")
 
@@ -81,9 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from controller.app import ControllerApp
-    from controller.model_prep import prepare_default_model
-    from controller.service import ControllerServicer
+    from logicpipe.controller.app import ControllerApp
+    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.service import ControllerServicer
 
     model_dir = args.model or await asyncio.to_thread(prepare_default_model, progress=log.info)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
@@ -93,7 +93,7 @@ async def serve(args: argparse.Namespace) -> None:
         if args.join_listen and not args.ca_dir:
             raise tls.TlsError("--join-listen needs --ca-dir (the CA that signs the joining nodes' certificates)")
         if args.ca_dir:
-            from controller.join import JoinAuthority
+            from logicpipe.controller.join import JoinAuthority
 
             authority = JoinAuthority(args.ca_dir)
     except tls.TlsError as exc:
@@ -105,7 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"cannot listen on {args.listen}")
     join_server = None
     if args.join_listen:
-        from controller.service import JoinServicer
+        from logicpipe.controller.service import JoinServicer
 
         join_server = grpc_options.new_server()
         controller_pb2_grpc.add_ControllerServicer_to_server(JoinServicer(authority), join_server)
@@ -127,7 +127,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
     http = None
     if args.http:
-        from controller.http_api import start_http
+        from logicpipe.controller.http_api import start_http
 
         try:
             http = await start_http(app, args.http)

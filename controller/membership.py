@@ -16,7 +16,7 @@ from typing import Callable
 
 from logicpipe.errors import MeshError
 from logicpipe.v1 import stage_pb2
-from controller.pipeline import Pipeline
+from logicpipe.controller.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from logicpipe.errors import InvalidArgument, Unavailable
 from logicpipe.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2
-from planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload, format_plan_table,
+from logicpipe.planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload, format_plan_table,
                      make_plan, plan_from_json, plan_to_json, reuse_mismatch)
-from planner.model import device_weight_format
+from logicpipe.planner.model import device_weight_format
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def profiles_from_file(path: str) -> list[DeviceProfile]:
 def plan_from_profiles_file(profiles_path: str, model_dir: str | None, strategy: str | None, objective: str,
                             boundaries: list[int] | None, context: int) -> tuple[str, str]:
     """(plan JSON, table) for `lpctl plan --profiles FILE`: no controller, no nodes."""
-    from controller.model_prep import default_model_dir
+    from logicpipe.controller.model_prep import default_model_dir
 
     mdir = Path(model_dir) if model_dir else default_model_dir()
     spec = model_spec(ModelConfig.from_dir(mdir), mdir.name, model_digest(mdir))

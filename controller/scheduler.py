@@ -25,7 +25,7 @@ from logicpipe.errors import (InvalidArgument, MeshError, NotFound, ResourceExha
                               from_code)
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import stage_pb2
-from controller.pipeline import Pipeline
+from logicpipe.controller.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Res
 from logicpipe.grpc_options import caller_address
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
-from controller.app import ControllerApp
-from controller.pipeline import Pipeline
-from stage_node.wire import check_id as wire_id
-from controller.scheduler import DEFAULT_MAX_TOKENS, Request
+from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.pipeline import Pipeline
+from logicpipe.stage_node.wire import check_id as wire_id
+from logicpipe.controller.scheduler import DEFAULT_MAX_TOKENS, Request
 
 
 DEFAULT_LEAVE_S = 20.0  # a stopping node's Leave waits this long for its requests to move (unless it says)
@@ -138,7 +138,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def _outline(self, request):
         """An outline-DAG request: the outline's tokens (point 0), then every point's as they come,
         several points interleaved; the finished reply carries every point."""
-        from controller.outline import OutlineRun
+        from logicpipe.controller.outline import OutlineRun
 
         app = self.app
         if app.tokenizer is None:
@@ -222,7 +222,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.DrainReply(plan_generation=self.app.pipeline.generation, message=message)
 
     async def PullWeights(self, request, context):
-        from controller.weights_server import stream_weights
+        from logicpipe.controller.weights_server import stream_weights
 
         async for chunk in stream_weights(self.app.model_dir, self.app.digest, request, peer=context.peer()):
             yield chunk

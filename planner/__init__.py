@@ -12,14 +12,14 @@ Pure: standard library only, no I/O, nothing else of LogicPipe imported. Modules
     digest.py      stable digests                artifact.py    plan JSON, reuse check
     table.py       plan as a text table          api.py         make_plan
 """
-from planner.api import STRATEGIES, make_plan
-from planner.artifact import PlanFormatError, plan_from_json, plan_to_json, reuse_mismatch
-from planner.cost import build_stages, check_memory, plan_cost_s
-from planner.digest import model_digest, profile_digest, profiles_digest
-from planner.model import ModelSpec
-from planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
-from planner.table import format_plan_table
-from planner.types import (DEFAULT_LINK, DEFAULT_RESERVE, LOOPBACK, DeviceProfile, InfeasibleError, Link, NodeId,
+from logicpipe.planner.api import STRATEGIES, make_plan
+from logicpipe.planner.artifact import PlanFormatError, plan_from_json, plan_to_json, reuse_mismatch
+from logicpipe.planner.cost import build_stages, check_memory, plan_cost_s
+from logicpipe.planner.digest import model_digest, profile_digest, profiles_digest
+from logicpipe.planner.model import ModelSpec
+from logicpipe.planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
+from logicpipe.planner.table import format_plan_table
+from logicpipe.planner.types import (DEFAULT_LINK, DEFAULT_RESERVE, LOOPBACK, DeviceProfile, InfeasibleError, Link, NodeId,
                            Objective, Reserve, Workload)
 
 __all__ = [

@@ -15,16 +15,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from planner.bounds import infeasibility_message, lower_bound_s
-from planner.cost import build_stages, check_memory, plan_cost_s
-from planner.digest import make_metadata
-from planner.dp import EXACT_MAX_DEVICES, min_bottleneck_exact, min_latency_exact
-from planner.heuristic import heuristic_chain
-from planner.instance import Chain, eligible_profiles, make_instance
-from planner.model import ModelSpec
-from planner.plan import Plan
-from planner.strategies import FIXED_STRATEGIES, strategy_counts
-from planner.types import DEFAULT_RESERVE, DeviceProfile, InfeasibleError, Objective, Reserve, Workload, unique_profiles
+from logicpipe.planner.bounds import infeasibility_message, lower_bound_s
+from logicpipe.planner.cost import build_stages, check_memory, plan_cost_s
+from logicpipe.planner.digest import make_metadata
+from logicpipe.planner.dp import EXACT_MAX_DEVICES, min_bottleneck_exact, min_latency_exact
+from logicpipe.planner.heuristic import heuristic_chain
+from logicpipe.planner.instance import Chain, eligible_profiles, make_instance
+from logicpipe.planner.model import ModelSpec
+from logicpipe.planner.plan import Plan
+from logicpipe.planner.strategies import FIXED_STRATEGIES, strategy_counts
+from logicpipe.planner.types import DEFAULT_RESERVE, DeviceProfile, InfeasibleError, Objective, Reserve, Workload, unique_profiles
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import json
 import math
 from collections.abc import Iterable
 
-from planner.digest import digest_of_nodes, model_digest, node_digests
-from planner.model import ModelSpec
-from planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
-from planner.types import DeviceProfile, NodeId, Objective, Reserve, Workload
+from logicpipe.planner.digest import digest_of_nodes, model_digest, node_digests
+from logicpipe.planner.model import ModelSpec
+from logicpipe.planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
+from logicpipe.planner.types import DeviceProfile, NodeId, Objective, Reserve, Workload
 
 
 class PlanFormatError(ValueError):

@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.cost import edge_memory_bytes, layer_memory_bytes
-from planner.search import smallest_feasible
-from planner.instance import FIRST, LAST, MID, SINGLE, Instance, make_instance
-from planner.model import ModelSpec, device_weight_format
-from planner.types import DeviceProfile, Objective, Reserve, Workload
-from planner.units import format_bytes
+from logicpipe.planner.cost import edge_memory_bytes, layer_memory_bytes
+from logicpipe.planner.search import smallest_feasible
+from logicpipe.planner.instance import FIRST, LAST, MID, SINGLE, Instance, make_instance
+from logicpipe.planner.model import ModelSpec, device_weight_format
+from logicpipe.planner.types import DeviceProfile, Objective, Reserve, Workload
+from logicpipe.planner.units import format_bytes
 
 _SAFETY = 1.0 - 1e-12  # keeps rounding from lifting a bound above the optimum
 

@@ -42,10 +42,10 @@ from collections.abc import Mapping, Sequence
 
 import math
 
-from planner.model import ModelSpec, device_weight_format, float_scale, weight_scale, wire_scale
-from planner.plan import Stage
-from planner.types import DeviceProfile, InfeasibleError, Objective, Reserve, Workload
-from planner.units import format_bytes
+from logicpipe.planner.model import ModelSpec, device_weight_format, float_scale, weight_scale, wire_scale
+from logicpipe.planner.plan import Stage
+from logicpipe.planner.types import DeviceProfile, InfeasibleError, Objective, Reserve, Workload
+from logicpipe.planner.units import format_bytes
 
 TOKEN_ID_BYTES = 8
 """Bytes per token id the last stage sends back to stage 0 (an int64)."""

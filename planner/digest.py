@@ -14,9 +14,9 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict
 
-from planner.model import ModelSpec
-from planner.plan import FORMAT_VERSION, PlanMetadata
-from planner.types import DeviceProfile, Link, NodeId, Reserve, Workload
+from logicpipe.planner.model import ModelSpec
+from logicpipe.planner.plan import FORMAT_VERSION, PlanMetadata
+from logicpipe.planner.types import DeviceProfile, Link, NodeId, Reserve, Workload
 
 
 def canonical_json(value: object) -> str:

@@ -29,11 +29,11 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from planner.dp import (EXACT_MAX_DEVICES, Caps, cost_lists, caps_at, min_bottleneck_exact, min_latency_exact,
+from logicpipe.planner.dp import (EXACT_MAX_DEVICES, Caps, cost_lists, caps_at, min_bottleneck_exact, min_latency_exact,
                         stage_cost_candidates)
-from planner.search import smallest_feasible
-from planner.instance import FIRST, LAST, MID, SINGLE, Chain, Instance, fill_fastest
-from planner.types import Objective
+from logicpipe.planner.search import smallest_feasible
+from logicpipe.planner.instance import FIRST, LAST, MID, SINGLE, Chain, Instance, fill_fastest
+from logicpipe.planner.types import Objective
 
 NEAREST_NEIGHBOUR_STARTS = 4
 """Greedy tours are started from this many of the fastest devices."""

@@ -11,10 +11,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import (activation_transfer_s, compose_compute_s, embed_time_s, head_time_s, layer_time_s,
+from logicpipe.planner.cost import (activation_transfer_s, compose_compute_s, embed_time_s, head_time_s, layer_time_s,
                           max_layers, return_transfer_s)
-from planner.model import ModelSpec, device_weight_format
-from planner.types import DeviceProfile, Objective, Reserve, Workload
+from logicpipe.planner.model import ModelSpec, device_weight_format
+from logicpipe.planner.types import DeviceProfile, Objective, Reserve, Workload
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.types import DeviceProfile
+from logicpipe.planner.types import DeviceProfile
 
 FORMAT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5, "fp4": 0.5}
 """Nominal bytes per parameter of the weight formats the planner knows (quantization scales not

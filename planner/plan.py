@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.types import NodeId, Objective, Reserve, Workload
+from logicpipe.planner.types import NodeId, Objective, Reserve, Workload
 
 FORMAT_VERSION = 1
 """Version of the plan artifact (JSON) layout; bump it when the layout or the cost model changes."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.cost import build_stages
-from planner.model import ModelSpec
-from planner.types import DeviceProfile, Workload
+from logicpipe.planner.cost import build_stages
+from logicpipe.planner.model import ModelSpec
+from logicpipe.planner.types import DeviceProfile, Workload
 
 STEP_OVERHEAD_S = 0.015
 """Seconds one step costs a stage beyond its roofline compute and transfer: scheduling, packing

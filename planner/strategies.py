@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.cost import layer_memory_bytes, layer_time_s
-from planner.model import ModelSpec, device_weight_format
-from planner.types import DeviceProfile, InfeasibleError, Reserve, Workload
+from logicpipe.planner.cost import layer_memory_bytes, layer_time_s
+from logicpipe.planner.model import ModelSpec, device_weight_format
+from logicpipe.planner.types import DeviceProfile, InfeasibleError, Reserve, Workload
 
 FIXED_STRATEGIES = ("uniform", "memory", "compute", "mixed", "custom")
 

@@ -1,9 +1,9 @@
 """A plan as an aligned text table for people (`lpctl plan`, logs, the README)."""
 from __future__ import annotations
 
-from planner.plan import Plan
-from planner.types import Objective
-from planner.units import format_bytes, format_ms
+from logicpipe.planner.plan import Plan
+from logicpipe.planner.types import Objective
+from logicpipe.planner.units import format_bytes, format_ms
 
 _HEADERS = ("#", "node", "device", "layers", "memory", "compute ms", "transfer ms", "stage ms")
 _RIGHT = {0, 4, 5, 6, 7}  # numeric columns are right-aligned

@@ -108,11 +108,11 @@ def cuda_available() -> bool:
 
 async def serve(args: argparse.Namespace) -> None:
     from logicpipe.identity import default_state_dir, node_identity
-    from stage_node.membership import StageMembership
-    from stage_node.runner import Runner
-    from stage_node.runtime import StageOptions, StageRuntime
-    from stage_node.scheduler import Budget
-    from stage_node.service import StageNodeServicer
+    from logicpipe.stage_node.membership import StageMembership
+    from logicpipe.stage_node.runner import Runner
+    from logicpipe.stage_node.runtime import StageOptions, StageRuntime
+    from logicpipe.stage_node.scheduler import Budget
+    from logicpipe.stage_node.service import StageNodeServicer
 
     for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
         if getattr(args, flag) < 1:
@@ -128,7 +128,7 @@ async def serve(args: argparse.Namespace) -> None:
     if device == "cuda" and not has_cuda:
         raise SystemExit("--device cuda but torch sees no CUDA device")
     if args.quantize != "none":
-        from stage_node.quant import QuantError, check_format
+        from logicpipe.stage_node.quant import QuantError, check_format
 
         try:
             await runner.call(check_format, args.quantize, device)
@@ -145,7 +145,7 @@ async def serve(args: argparse.Namespace) -> None:
     if bundle is not None and args.node_id and args.node_id != bundle.name:
         raise SystemExit(f"--node-id {args.node_id}: over TLS a node's id is its certificate's name ({bundle.name})")
     node_id = (bundle.name if bundle else args.node_id) or node_identity(state_dir, device, int(port))
-    from stage_node.profile import compute_id, host_profile, offered_formats
+    from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats
 
     try:
         formats, compute = await runner.call(offered_formats, device, args.dtype, args.quantize)

@@ -95,7 +95,7 @@ def measure_flops(device: str, fmt: str = "fp32", compute: str = "fp32", repeats
     if fmt in FORMAT_DTYPE:
         b = torch.randn(n, n, device=device, dtype=dtype)
         return 2 * n**3 / _time(lambda: a @ b, device, repeats)
-    from stage_node.quant import quantize
+    from logicpipe.stage_node.quant import quantize
 
     m = quantize(torch.randn(n, n, device=device, dtype=dtype), fmt)
     return 2 * n**3 / _time(lambda: m(a), device, repeats)
@@ -104,8 +104,8 @@ def measure_flops(device: str, fmt: str = "fp32", compute: str = "fp32", repeats
 def measure_weight_bandwidth(device: str, fmt: str, compute: str = "fp32", repeats: int = 5) -> tuple[float, float]:
     """(bytes/s, bytes per parameter) of a one-token product over a matrix larger than the caches,
     held in `fmt`: the rate at which decode reads this node's weights."""
-    from stage_node.ops import DECODE_ROWS, linear
-    from stage_node.quant import quantize, tensor_bytes
+    from logicpipe.stage_node.ops import DECODE_ROWS, linear
+    from logicpipe.stage_node.quant import quantize, tensor_bytes
 
     out_f, in_f = 8192, 8192  # 64M parameters: past any CPU cache in every format (32 MiB in nf4)
     dtype = FORMAT_DTYPE.get(fmt, FORMAT_DTYPE[compute])

@@ -17,18 +17,18 @@ from enum import Enum
 
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.v1 import stage_pb2
-from stage_node import wire
-from stage_node.blocks import DEFAULT_BLOCK_SIZE, KVManager
-from stage_node.drafter import Drafter, allocate
+from logicpipe.stage_node import wire
+from logicpipe.stage_node.blocks import DEFAULT_BLOCK_SIZE, KVManager
+from logicpipe.stage_node.drafter import Drafter, allocate
 from logicpipe.modeldir import ModelConfig, ModelError, model_digest
-from stage_node.events import EventHub
-from stage_node.kv import KVPool, kv_bytes_per_token
-from stage_node.links import PeerLink
-from stage_node.runner import Runner, StepResult, execute
-from stage_node.scheduler import Budget, Failure, Scheduler, Step, StepMsg
-from stage_node.sequence import SeqSpec, SeqWork, Sequence
-from stage_node.shard import Shard
-from stage_node.step_graphs import StepGraphs
+from logicpipe.stage_node.events import EventHub
+from logicpipe.stage_node.kv import KVPool, kv_bytes_per_token
+from logicpipe.stage_node.links import PeerLink
+from logicpipe.stage_node.runner import Runner, StepResult, execute
+from logicpipe.stage_node.scheduler import Budget, Failure, Scheduler, Step, StepMsg
+from logicpipe.stage_node.sequence import SeqSpec, SeqWork, Sequence
+from logicpipe.stage_node.shard import Shard
+from logicpipe.stage_node.step_graphs import StepGraphs
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class StageRuntime:
     async def _load_draft_model(self, vocab_size: int) -> None:
         """Last stage with --draft-model: load it once. A draft model that cannot serve this model
         (unreadable, another vocabulary) is logged, and prompt lookup drafts instead."""
-        from stage_node.draft_model import DraftModel, DraftModelError
+        from logicpipe.stage_node.draft_model import DraftModel, DraftModelError
 
         opts = self.options
         if not opts.draft_model or (self.draft_model is not None and self.draft_model.vocab_size == vocab_size):
@@ -287,7 +287,7 @@ class StageRuntime:
 
     async def _pull(self, a: Assignment) -> str:
         """Pull the assignment's tensors (those not cached yet) from the controller."""
-        from stage_node.weight_cache import pull_assignment
+        from logicpipe.stage_node.weight_cache import pull_assignment
 
         before = self.state
         self.state = NodeState.LOADING
@@ -308,7 +308,7 @@ class StageRuntime:
     def _check_formats(self, a: Assignment) -> None:
         """Refuse an assignment in a format or dtype this node does not offer (its --quantize,
         --dtype and device), saying what it runs."""
-        from stage_node.profile import DTYPE_FORMAT
+        from logicpipe.stage_node.profile import DTYPE_FORMAT
 
         q = self.options.quantize
         if a.weight_format and a.weight_format != (q if q != "none" else DTYPE_FORMAT[a.dtype]):
@@ -323,7 +323,7 @@ class StageRuntime:
         """Runner thread: the shard's weights and an empty KV pool sized by --max-kv-mib."""
         import torch
 
-        from stage_node.profile import DTYPE_FORMAT, float_formats
+        from logicpipe.stage_node.profile import DTYPE_FORMAT, float_formats
 
         if DTYPE_FORMAT[a.dtype] not in float_formats(self.device):
             raise ValueError(f"this {self.device} cannot compute in {a.dtype} (it has {', '.join(float_formats(self.device))})")

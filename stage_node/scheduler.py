@@ -23,9 +23,9 @@ from typing import Callable
 
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, ResourceExhausted
 from logicpipe.tensor_codec import RawTensor
-from stage_node.blocks import BadWrite, KVManager, OutOfBlocks, WritePlan
-from stage_node.sampling import draw
-from stage_node.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
+from logicpipe.stage_node.blocks import BadWrite, KVManager, OutOfBlocks, WritePlan
+from logicpipe.stage_node.sampling import draw
+from logicpipe.stage_node.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
 
 log = logging.getLogger(__name__)
 

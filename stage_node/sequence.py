@@ -7,10 +7,10 @@ from enum import Enum
 
 from typing import TYPE_CHECKING
 
-from stage_node.sampling import SamplingParams
+from logicpipe.stage_node.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from stage_node.drafter import Drafter
+    from logicpipe.stage_node.drafter import Drafter
 
 
 class SeqStatus(Enum):

@@ -11,8 +11,8 @@ from logicpipe.grpc_options import caller_address
 from logicpipe import tls
 from logicpipe.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
-from stage_node import __version__, wire
-from stage_node.runtime import Assignment, StageRuntime
+from logicpipe.stage_node import __version__, wire
+from logicpipe.stage_node.runtime import Assignment, StageRuntime
 
 
 MAX_ECHO_BYTES = 32 * 2**20  # the payload an Echo sends back, bytes
@@ -165,7 +165,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             self._large_echoes -= 1
 
     async def MeasureLink(self, request, context):
-        from stage_node.linkprobe import measure_link
+        from logicpipe.stage_node.linkprobe import measure_link
 
         if not request.target_address or len(request.target_address) > 256:
             raise InvalidArgument("target_address must be a host:port of 1 to 256 characters")

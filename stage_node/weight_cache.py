@@ -34,7 +34,7 @@ from logicpipe import grpc_options
 from logicpipe.errors import FailedPrecondition, InvalidArgument, Unavailable, from_code
 from logicpipe.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_layout
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
-from stage_node.weights import shard_tensor_names
+from logicpipe.stage_node.weights import shard_tensor_names
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from logicpipe.errors import InvalidArgument, MeshError, code_number
 from logicpipe.tensor_codec import RawTensor
 from logicpipe.v1 import stage_pb2
 from logicpipe.sampling import SamplingParams
-from stage_node.scheduler import StepMsg
-from stage_node.sequence import SeqSpec, SeqWork
+from logicpipe.stage_node.scheduler import StepMsg
+from logicpipe.stage_node.sequence import SeqSpec, SeqWork
 
 MAX_ID_CHARS = 256          # session ids, owners
 MAX_STOP_IDS = 1024         # stop token ids of one session

@@ -125,7 +125,7 @@ class LocalMesh:
         if self.tls:
             found += ["--tls-dir", str(mesh_bundle(f"stage{i}", "stage"))]
         found += ["--model-root", str(self.model_dir.resolve().parent)]
-        proc, log = self._spawn(f"stage{i}", ["-m", "stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
+        proc, log = self._spawn(f"stage{i}", ["-m", "logicpipe.stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
                                               "--device", self.device, "--threads", str(self.threads),
                                               "--state-dir", str(self.workdir / f"state{i}"), *found,
                                               *self.stage_args, *extra], self.stage_env.get(i))
@@ -140,7 +140,7 @@ class LocalMesh:
         if self.tls:
             found += ["--tls-dir", str(mesh_bundle("controller", "controller"))]
         proc, log = self._spawn("controller", [
-            "-m", "controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
+            "-m", "logicpipe.controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
             *found, *self.controller_args, *extra])
         wait_serving(self.controller_address, proc, log, peer_role="controller", bundle=self.client,
                      plaintext=not self.tls)
@@ -150,7 +150,7 @@ class LocalMesh:
 
     def lpctl(self) -> list[str]:
         """The command line of lpctl for this mesh (with the client bundle when it uses TLS)."""
-        return [sys.executable, "-m", "controller.lpctl", "--controller", self.controller_address,
+        return [sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", self.controller_address,
                 *(["--tls-dir", str(mesh_bundle("client", "client"))] if self.tls else [])]
 
     def controller_status(self, timeout: float = 5.0):

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from controller.app import encode_prompt
+from logicpipe.controller.app import encode_prompt
 from logicpipe import grpc_options
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 from logicpipe.localmesh import LocalMesh as Mesh

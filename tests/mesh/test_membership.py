@@ -162,7 +162,7 @@ def test_a_node_registers_itself_and_a_duplicate_id_is_refused(model_dir, tmp_pa
         assert {n.node_id: n.source for n in st.nodes}["stage1"] == "registered"
         # another process calling itself stage1 is refused, and says so
         dup = f"127.0.0.1:{free_port()}"
-        proc, log = mesh._spawn("dup", ["-m", "stage_node.main", "--listen", dup, "--node-id", "stage1",
+        proc, log = mesh._spawn("dup", ["-m", "logicpipe.stage_node.main", "--listen", dup, "--node-id", "stage1",
                                         "--threads", "1", "--no-mdns", "--controller", mesh.controller_address,
                                         "--state-dir", str(tmp_path / "dup-state"),
                                         *(["--tls-dir", str(mesh_bundle("stage1", "stage"))] if mesh.tls else [])])

@@ -143,7 +143,7 @@ class Node:
 def fixed_profile(weight_formats: tuple[str, ...] = ("fp32",)):
     """A fixed resource profile (what `logicpipe-stage` measures at start; fixed here so the
     controller's plan does not depend on this machine's speed or load)."""
-    from stage_node.profile import HostProfile
+    from logicpipe.stage_node.profile import HostProfile
 
     return HostProfile(device_kind="cpu", device_name="service-test cpu", memory_bytes=8 * 2**30, flops=5e10,
                        mem_bandwidth=1e10, weight_formats=weight_formats)
@@ -155,8 +155,8 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
     """A StageNode server (+ grpc.health.v1) on 127.0.0.1:<ephemeral>, wired like stage_node.main;
     health says SERVING once started unless `serving` is False; `profiled=False` is a node started
     with --no-profile; `options`: more StageOptions fields (session_ttl_s, block_size, budget)."""
-    from stage_node.runtime import StageOptions, StageRuntime
-    from stage_node.service import StageNodeServicer
+    from logicpipe.stage_node.runtime import StageOptions, StageRuntime
+    from logicpipe.stage_node.service import StageNodeServicer
 
     if options.get("quantize", "none") != "none":  # a quantized node offers its one format
         weight_formats = (options["quantize"],)
@@ -385,8 +385,8 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
     """ControllerApp + ControllerServicer on 127.0.0.1:<ephemeral>; `start` profiles `nodes`, plans
     and installs the pipeline as logicpipe-controller does (strategy "uniform": every node gets a
     stage, in the given order, whatever the planner would prefer)."""
-    from controller.app import ControllerApp
-    from controller.service import ControllerServicer
+    from logicpipe.controller.app import ControllerApp
+    from logicpipe.controller.service import ControllerServicer
     from logicpipe.v1 import controller_pb2_grpc
 
     app = ControllerApp(model_dir, list(nodes), strategy=strategy, settle_s=0.5, dtype=dtype)

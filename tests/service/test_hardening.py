@@ -80,7 +80,7 @@ def test_measure_link_is_bounded_and_says_what_failed_in_one_line(tiny_model):
 
 
 def test_large_echo_calls_are_limited_and_small_ones_always_answered(tiny_model, monkeypatch):
-    import stage_node.service as service
+    import logicpipe.stage_node.service as service
 
     async def main():
         async with single_stage(tiny_model.path, "echo") as node:
@@ -104,7 +104,7 @@ def test_large_echo_calls_are_limited_and_small_ones_always_answered(tiny_model,
 
 
 def test_events_subscribers_are_capped(tiny_model, monkeypatch):
-    import stage_node.service as service
+    import logicpipe.stage_node.service as service
 
     monkeypatch.setattr(service, "MAX_SUBSCRIBERS", 3)
 

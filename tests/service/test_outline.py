@@ -22,7 +22,7 @@ async def tokens_of(scheduler, ids, n, stop_ids):
 
 
 def test_points_fork_hand_over_kv_and_match_decoding_from_scratch(runner, model_dir):
-    from controller.outline import OutlineRun
+    from logicpipe.controller.outline import OutlineRun
 
     async def main():
         async with stage_node("o-first") as a, stage_node("o-last") as b, controller(model_dir, [a.address, b.address]) as ctl:

@@ -240,7 +240,7 @@ def test_the_node_answers_while_a_long_generation_computes(tiny_model, monkeypat
     """Regression (DEADLINE_EXCEEDED under load): steps used to run on the event loop, so a long
     generation on one stage starved every other call. With every step on the runner thread,
     OpenSession and Status answer within a short deadline while steps compute."""
-    import stage_node.runtime as runtime_mod
+    import logicpipe.stage_node.runtime as runtime_mod
 
     real = runtime_mod.execute
 

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from logicpipe import grpc_options
 from logicpipe.health import set_serving
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
-from stage_node import links
-from stage_node.wire import MAX_STEP_ROWS
-from stage_node.service import MAX_ECHO_BYTES
+from logicpipe.stage_node import links
+from logicpipe.stage_node.wire import MAX_STEP_ROWS
+from logicpipe.stage_node.service import MAX_ECHO_BYTES
 
 from .conftest import (
     NEW_TOKENS, PROMPT, RPC_TIMEOUT_S, STAGE_SERVICE, TINY_CONTEXT, TINY_HIDDEN, TINY_KV_BYTES_PER_TOKEN,

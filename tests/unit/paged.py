@@ -6,9 +6,9 @@ from typing import Sequence
 
 import torch
 
-from stage_node.blocks import KVManager
-from stage_node.kv import StepKV, seq_slice
-from stage_node.shard import Shard
+from logicpipe.stage_node.blocks import KVManager
+from logicpipe.stage_node.kv import StepKV, seq_slice
+from logicpipe.stage_node.shard import Shard
 
 
 class PagedCache:

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from controller import planning
+from logicpipe.controller import planning
 from logicpipe.v1 import stage_pb2
-from planner import Link, Objective, Workload, plan_from_json
+from logicpipe.planner import Link, Objective, Workload, plan_from_json
 
 GIB = 2**30
 
@@ -52,7 +52,7 @@ def test_reuse_or_plan_reuses_and_names_the_change(tmp_path, spec, caplog):
     wl = Workload(context_tokens=1024)
     first = planning.reuse_or_plan(path, [fast, slow], spec, wl, "dp", "throughput")
     assert plan_from_json(open(path).read()) == first
-    caplog.set_level(logging.INFO, logger="controller.planning")
+    caplog.set_level(logging.INFO, logger="logicpipe.controller.planning")
     again = planning.reuse_or_plan(path, [fast, slow], spec, wl, "dp", "throughput")
     assert again == first and "reusing the plan" in caplog.text
     slower = planning.device_profile(status("cpu", 1e10, 8 * GIB), {"gpu": Link(1e9, 1e-4)})
@@ -81,7 +81,7 @@ def test_lpctl_plan_from_profiles_file(tmp_path, model_dir):
     ]
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps(profiles))
-    lpctl = [sys.executable, "-m", "controller.lpctl", "plan", "--profiles", str(path), "--model", str(model_dir)]
+    lpctl = [sys.executable, "-m", "logicpipe.controller.lpctl", "plan", "--profiles", str(path), "--model", str(model_dir)]
     table = subprocess.run(lpctl, capture_output=True, text=True, timeout=120, check=True).stdout
     assert "jetson" in table and "objective throughput" in table
     doc = json.loads(subprocess.run([*lpctl, "--json", "--strategy", "uniform"], capture_output=True, text=True,
@@ -112,7 +112,7 @@ def test_a_profile_is_costed_in_the_format_the_node_will_run(spec):
 def test_stage_formats_give_each_stage_its_dtype_format_and_wire(spec):
     """fp32 CPU -> nf4 GPU stage computing in bf16 -> fp32 CPU: dtypes follow the plan (the
     quantized stage its node's compute format); hidden states travel in the narrower dtype."""
-    from planner import DeviceProfile, Stage
+    from logicpipe.planner import DeviceProfile, Stage
 
     profiles = [DeviceProfile(node_id=n, device_kind="cpu", memory_bytes=GIB, flops=1e10, mem_bandwidth=1e10,
                               weight_formats=f, compute_format=c)

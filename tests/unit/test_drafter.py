@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stage_node.drafter import (FREE_ROWS, MAX_PAUSE, MISSES_TO_PAUSE, Drafter, PromptLookup, allocate, best_k,
+from logicpipe.stage_node.drafter import (FREE_ROWS, MAX_PAUSE, MISSES_TO_PAUSE, Drafter, PromptLookup, allocate, best_k,
                                 expected_tokens, step_cost)
 
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from controller import membership
-from controller.membership import Members
+from logicpipe.controller import membership
+from logicpipe.controller.membership import Members
 from logicpipe.errors import Unavailable
 from logicpipe.grpc_options import caller_address
 from logicpipe.v1 import stage_pb2

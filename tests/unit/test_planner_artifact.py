@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from planner import (FORMAT_VERSION, DeviceProfile, Link, ModelSpec, Objective, PlanFormatError, Reserve, Workload,
+from logicpipe.planner import (FORMAT_VERSION, DeviceProfile, Link, ModelSpec, Objective, PlanFormatError, Reserve, Workload,
                      format_plan_table, make_plan, plan_from_json, plan_to_json, profiles_digest, reuse_mismatch)
-from planner.digest import model_digest, profile_digest
+from logicpipe.planner.digest import model_digest, profile_digest
 
 GiB = 2**30
 MODEL = ModelSpec.llama(name="SmolLM2-135M-Instruct", hidden_size=576, intermediate_size=1536, num_heads=9,

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve, Workload, build_stages,
+from logicpipe.planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve, Workload, build_stages,
                      make_plan, plan_cost_s)
-from planner.cost import memory_overflow_bytes
-from planner.heuristic import heuristic_chain
-from planner.instance import eligible_profiles, make_instance
-from planner.bounds import lower_bound_s
-from planner.dp import min_bottleneck_exact, min_latency_exact
-from planner.model import device_weight_format
+from logicpipe.planner.cost import memory_overflow_bytes
+from logicpipe.planner.heuristic import heuristic_chain
+from logicpipe.planner.instance import eligible_profiles, make_instance
+from logicpipe.planner.bounds import lower_bound_s
+from logicpipe.planner.dp import min_bottleneck_exact, min_latency_exact
+from logicpipe.planner.model import device_weight_format
 
 GiB = 2**30
 REL = 1e-9

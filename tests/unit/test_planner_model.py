@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from planner import (DEFAULT_LINK, LOOPBACK, DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve,
+from logicpipe.planner import (DEFAULT_LINK, LOOPBACK, DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve,
                      Workload, build_stages, make_plan, plan_cost_s)
-from planner.cost import (TOKEN_ID_BYTES, activation_transfer_s, head_time_s, layer_time_s, max_layers,
+from logicpipe.planner.cost import (TOKEN_ID_BYTES, activation_transfer_s, head_time_s, layer_time_s, max_layers,
                           return_transfer_s, stage_memory_bytes)
-from planner.units import format_bytes, format_ms
+from logicpipe.planner.units import format_bytes, format_ms
 
 GiB = 2**30
 SMOL = dict(name="SmolLM2-135M-Instruct", hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
@@ -184,7 +184,8 @@ def test_planner_is_pure():
                 names = [node.module or ""]
             for name in names:
                 top = name.split(".")[0]
-                assert top == "planner" or (top in sys.stdlib_module_names and top not in forbidden), (path.name, name)
+                ours = name == "logicpipe.planner" or name.startswith("logicpipe.planner.")
+                assert ours or (top in sys.stdlib_module_names and top not in forbidden), (path.name, name)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in {"open", "print", "input", "exec", "eval"}, (path.name, node.func.id)
         assert len(path.read_text().splitlines()) < 420, path.name
@@ -198,7 +199,7 @@ def node(node_id="n", formats=("fp32",), memory=8 * GiB, **kw) -> DeviceProfile:
 
 
 def test_each_device_runs_its_own_format():
-    from planner.model import device_compute_format, device_weight_format, float_scale, weight_scale, wire_scale
+    from logicpipe.planner.model import device_compute_format, device_weight_format, float_scale, weight_scale, wire_scale
 
     fp32, bf16 = ModelSpec.llama(**SMOL, weight_format="fp32"), ModelSpec.llama(**SMOL, weight_format="bf16")
     gpu = node("gpu", ("bf16", "fp16", "fp32"))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner import DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve, Workload, make_plan, plan_cost_s
-from planner.strategies import apportion, counts_from_boundaries
+from logicpipe.planner import DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve, Workload, make_plan, plan_cost_s
+from logicpipe.planner.strategies import apportion, counts_from_boundaries
 
 GiB = 2**30
 MODEL = ModelSpec.llama(name="small", hidden_size=1024, intermediate_size=2816, num_heads=16, num_kv_heads=4,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 from logicpipe.sampling import SamplingParams
-from planner import DeviceProfile, Link, ModelSpec
-from planner.prefill import best_chunk, chunk_times_s, prefill_time_s
-from stage_node.blocks import KVManager
-from stage_node.scheduler import Budget, Scheduler
-from stage_node.sequence import SeqSpec, SeqWork
+from logicpipe.planner import DeviceProfile, Link, ModelSpec
+from logicpipe.planner.prefill import best_chunk, chunk_times_s, prefill_time_s
+from logicpipe.stage_node.blocks import KVManager
+from logicpipe.stage_node.scheduler import Budget, Scheduler
+from logicpipe.stage_node.sequence import SeqSpec, SeqWork
 
 MODEL = ModelSpec.llama(name="m", hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
                         vocab_size=49152, num_layers=30, head_dim=64, tied_embeddings=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stage_node import profile
+from logicpipe.stage_node import profile
 
 
 def test_profile_is_measured_then_cached(tmp_path, monkeypatch):
@@ -61,7 +61,7 @@ def test_a_quantized_profile_measures_its_own_format(tmp_path, monkeypatch):
 def test_a_dtype_the_device_lacks_is_refused_at_start(tmp_path):
     """logicpipe-stage --dtype float16 on a CPU: it exits at once, saying what the device has."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "stage_node.main", "--device", "cpu", "--dtype", "float16", "--no-mdns",
+    proc = subprocess.run([sys.executable, "-m", "logicpipe.stage_node.main", "--device", "cpu", "--dtype", "float16", "--no-mdns",
                            "--no-profile", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=root,
                           env={**os.environ, "PYTHONPATH": f"{root}:{root / 'protos'}"})

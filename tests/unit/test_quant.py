@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_node.quant import QuantError, check_format, quantize, tensor_bytes
-from stage_node.shard import Shard
+from logicpipe.stage_node.quant import QuantError, check_format, quantize, tensor_bytes
+from logicpipe.stage_node.shard import Shard
 
 from .paged import PagedCache
 
@@ -76,7 +76,7 @@ def reference(model_dir):
     """The float32 model's greedy tokens for each prompt (its own top-1, fed back)."""
     from transformers import AutoTokenizer
 
-    from controller.app import encode_prompt
+    from logicpipe.controller.app import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     full = Shard.load(model_dir, 0, 30, first=True, last=True)

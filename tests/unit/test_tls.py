@@ -62,7 +62,7 @@ def test_configure_needs_tls_or_insecure_off_loopback(ca, tmp_path, caplog):
 
 
 def test_join_token_works_once_and_replies_are_authenticated(ca, tmp_path, monkeypatch):
-    from controller.join import JoinAuthority
+    from logicpipe.controller.join import JoinAuthority
     from logicpipe.errors import PermissionDenied
 
     auth = JoinAuthority(ca)
@@ -77,7 +77,7 @@ def test_join_token_works_once_and_replies_are_authenticated(ca, tmp_path, monke
     with pytest.raises(PermissionDenied, match="used or expired"):
         auth.join(token_id, csr, tls.mac(secret, token_id.encode(), csr))  # spent
     expired, _ = auth.create(ttl_s=5)
-    monkeypatch.setattr("controller.join.time.monotonic", lambda: 1e12)
+    monkeypatch.setattr("logicpipe.controller.join.time.monotonic", lambda: 1e12)
     eid, esecret = tls.parse_token(expired)
     with pytest.raises(PermissionDenied, match="used or expired"):
         auth.join(eid, csr, tls.mac(esecret, eid.encode(), csr))
