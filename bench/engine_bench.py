@@ -19,7 +19,7 @@ same script measures any version of the mesh. Scenarios (all by default):
                16 new tokens, the same with 160 prompt tokens shared by all (and seen once before
                the burst, as a system prompt in use is), and 40-token prompts with 160 new tokens.
 
-    python bench/engine_bench.py --stages 3 --concurrency 8 --tokens 64 --rounds 5 --threads 2
+    python -m bench.engine_bench --stages 3 --concurrency 8 --tokens 64 --rounds 5 --threads 2
 """
 from __future__ import annotations
 
@@ -33,15 +33,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
+import grpc
+from logicpipe.common.transport import CHANNEL_OPTIONS
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
-import grpc  # noqa: E402
-
-from logicpipe import grpc_options  # noqa: E402
-from logicpipe.localmesh import LocalMesh  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
+from tests.localmesh import LocalMesh
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -66,7 +62,7 @@ def submit(address: str, *, prompt: str = "", ids: list[int] | None = None, toke
                                        ignore_eos=ignore_eos)
     out = {"ids": [], "first_token_s": None, "total_s": None, "error": ""}
     t0 = time.perf_counter()
-    with grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS) as ch:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         try:
             for reply in controller_pb2_grpc.ControllerStub(ch).Submit(req, timeout=1800):
                 if reply.token_ids and out["first_token_s"] is None:

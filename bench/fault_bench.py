@@ -9,8 +9,8 @@ processes on 127.0.0.1. Prints one row per fault:
   leaked     sessions still open on the live stages once things settle (after the session TTL)
   state      the controller's state once things settle
 
-    python bench/fault_bench.py                 # all faults
-    python bench/fault_bench.py --faults stage-sigstop --ttl 3
+    python -m bench.fault_bench                 # all faults
+    python -m bench.fault_bench --faults stage-sigstop --ttl 3
 """
 from __future__ import annotations
 
@@ -24,14 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
+import grpc
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
-import grpc  # noqa: E402
-
-from logicpipe.localmesh import LocalMesh  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
+from tests.localmesh import LocalMesh
 
 FAULTS = {
     # name: (process, signal)

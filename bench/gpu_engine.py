@@ -3,7 +3,7 @@ once), transformers `generate` against the 1- and 2-stage mesh, one stream and C
 requests; and a small random fp32 Llama whose greedy tokens through 1 and 2 CUDA stages must equal
 transformers' on CUDA.
 
-    python bench/gpu_engine.py --work /tmp/gpu --out $OUT      # on the GPU machine
+    python -m bench.gpu_engine --work /tmp/gpu --out $OUT      # on the GPU machine
 
 Single-stream decode is also given as a fraction of the HBM-bandwidth limit: the weight bytes a
 token reads (every matrix; the embedding table is only indexed, so it is left out) over the GPU's
@@ -20,20 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
 
-import torch  # noqa: E402
-
-from engine_bench import submit  # noqa: E402
-from logicpipe.localmesh import LocalMesh  # noqa: E402
+from bench.engine_bench import submit
+from tests.localmesh import LocalMesh
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
@@ -99,7 +93,6 @@ def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens
 def step_ms(stages: list[str], before: list) -> list[float]:
     """Each stage's mean compute time per step (ms) since `before` (its Status then)."""
     import grpc
-
     from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
     out = []

@@ -2,28 +2,22 @@
 makes it), a one-row decode step eager and as a CUDA graph replay, the LM head and sampling, and
 the GPU time of each kernel kind in one step (torch.profiler), beside the HBM-bandwidth limit.
 
-    python bench/gpu_step.py --work /tmp/gpu --out $OUT      # on the GPU machine
+    python -m bench.gpu_step --work /tmp/gpu --out $OUT      # on the GPU machine
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
+from logicpipe.stage_node.kv import StepKV, seq_slice
+from logicpipe.stage_node.shard import Shard
+from logicpipe.stage_node.step_graphs import GraphRow, StepGraphs
 
-import torch  # noqa: E402
-
-from gpu_engine import LLAMA3_8B, make_model  # noqa: E402
-from logicpipe.stage_node.kv import StepKV, seq_slice  # noqa: E402
-from logicpipe.stage_node.shard import Shard  # noqa: E402
-from logicpipe.stage_node.step_graphs import GraphRow, StepGraphs  # noqa: E402
+from bench.gpu_engine import LLAMA3_8B, make_model
 
 
 def timed(fn, n: int) -> float:

@@ -8,26 +8,21 @@ hop = (per-token time of S stages - per-token time of 1 stage) / S  (a token cro
 and the median over rounds is reported. The hop includes everything the mesh adds: encoding,
 gRPC on loopback, decoding and validation, the receiving stage's queue.
 
-    python bench/hop_bench.py --stages 2,3 --tokens 200 --rounds 7
+    python -m bench.hop_bench --stages 2,3 --tokens 200 --rounds 7
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+from logicpipe.common.transport import Transport
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
-
-from logicpipe import grpc_options  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
-from logicpipe.localmesh import LocalMesh as Mesh  # noqa: E402
+from tests.localmesh import LocalMesh as Mesh
 
 HIDDEN = 576
 
@@ -45,7 +40,7 @@ def make_model(path: Path, layers: int = 6) -> Path:
 
 def run(address: str, tokens: int, bundle=None) -> float:
     """Seconds for one request of `tokens` new tokens (over TLS with `bundle`)."""
-    with grpc_options.sync_channel(address, "controller", bundle, plaintext=bundle is None) as ch:
+    with Transport(bundle).sync_channel(address, "controller") as ch:
         stub = controller_pb2_grpc.ControllerStub(ch)
         t0 = time.perf_counter()
         n = sum(len(r.token_ids) for r in stub.Submit(controller_pb2.SubmitRequest(

@@ -6,32 +6,27 @@ default model, `--max-tokens` new tokens, EOS ignored) through gRPC Submit with 
 `openai` client). Time to first token and decode tok/s (tokens after the first ÷ their time),
 medians over rounds, and each HTTP figure ÷ its gRPC one.
 
-    python bench/http_bench.py --rounds 5
+    python -m bench.http_bench --rounds 5
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
+import openai
+from logicpipe.common.transport import Transport
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-import openai  # noqa: E402
-
-from logicpipe import grpc_options  # noqa: E402
-from logicpipe.localmesh import LocalMesh, free_port  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
+from tests.localmesh import LocalMesh, free_port
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
 
 def grpc_stream(address: str, tokens: int) -> tuple[float, float]:
     """(TTFT s, decode tok/s) of one streamed request over gRPC."""
-    with grpc_options.sync_channel(address, "controller", plaintext=True) as ch:
+    with Transport(plaintext=True).sync_channel(address, "controller") as ch:
         t0 = time.perf_counter()
         first, n = None, 0
         for r in controller_pb2_grpc.ControllerStub(ch).Submit(controller_pb2.SubmitRequest(

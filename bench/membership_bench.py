@@ -8,8 +8,8 @@
            it); the output is checked against a run without the kill. Repeated --rounds times,
            restarting the node in between (it is re-admitted by itself).
 
-    python bench/membership_bench.py                 # both, 3 kill rounds
-    python bench/membership_bench.py --scenarios kill --rounds 5
+    python -m bench.membership_bench                 # both, 3 kill rounds
+    python -m bench.membership_bench --scenarios kill --rounds 5
 
 Goals (issue 9): join <= 10 s, kill <= 5 s.
 """
@@ -24,14 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
+import grpc
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-import grpc  # noqa: E402
-
-from logicpipe.localmesh import LocalMesh  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
+from tests.localmesh import LocalMesh
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 

@@ -11,8 +11,8 @@ mesh, same round) / S, since a token
 crosses S links for S stages (S-1 between stages plus the last stage back to stage 0) and the
 1-stage mesh runs the same code with none.
 
-    python bench/mesh_bench.py                     # CPU, 2 and 3 stages
-    python bench/mesh_bench.py --device cuda --stages 2
+    python -m bench.mesh_bench                     # CPU, 2 and 3 stages
+    python -m bench.mesh_bench --device cuda --stages 2
 """
 from __future__ import annotations
 
@@ -24,16 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpc
+import torch
+from logicpipe.common.transport import CHANNEL_OPTIONS
+from logicpipe.controller.app import encode_prompt
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
-
-from logicpipe.controller.app import encode_prompt  # noqa: E402
-from logicpipe import grpc_options  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
-from logicpipe.localmesh import LocalMesh as Mesh  # noqa: E402
+from tests.localmesh import LocalMesh as Mesh
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -57,7 +54,7 @@ def baseline_run(model, ids: list[int], tokens: int, device: str) -> tuple[float
 
 
 def mesh_run(address: str, prompt: str, tokens: int) -> tuple[float, list[int]]:
-    with grpc.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS) as ch:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = controller_pb2_grpc.ControllerStub(ch)
         t0 = time.perf_counter()
         replies = list(stub.Submit(controller_pb2.SubmitRequest(prompt=prompt, max_tokens=tokens, ignore_eos=True),

@@ -1,7 +1,7 @@
 """A mixed mesh on the GPU machine: a CUDA stage in bf16, a CUDA stage in nf4 (--quantize) and a
 CPU stage, in one pipeline; greedy output and tokens/s, each stage's device, dtype and weights.
 
-    python bench/mixed_gpu.py --work /tmp/mixed           # needs bitsandbytes and a GPU
+    python -m bench.mixed_gpu --work /tmp/mixed           # needs bitsandbytes and a GPU
 
 The model has the default model's shape and random weights (made once in --work; the GPU machine
 has no copy of the model), so its text is meaningless; prompts are token ids.
@@ -11,19 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import grpc
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
-import grpc  # noqa: E402
-
-from logicpipe.localmesh import LocalMesh  # noqa: E402
-from logicpipe.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
-from speculative_bench import random_model, submit  # noqa: E402
+from bench.speculative_bench import random_model, submit
+from tests.localmesh import LocalMesh
 
 
 def main() -> None:

@@ -3,8 +3,8 @@ a fixed outline (so runs compare), on CPU meshes of real processes on 127.0.0.1;
 what a plain request answers to the same question (its length, and how many of the outline's
 points it touches), honestly.
 
-    python bench/outline_bench.py                      # 2 and 4 stages
-    python bench/outline_bench.py --stages 2 --rounds 3
+    python -m bench.outline_bench                      # 2 and 4 stages
+    python -m bench.outline_bench --stages 2 --rounds 3
 
 Greedy decoding: both modes decode exactly the same tokens (each point's sequence is the same),
 so the ratio is the wall time of the same work. Goal (issue 10): <= 0.5.
@@ -19,14 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
+import grpc
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-import grpc  # noqa: E402
-
-from logicpipe.localmesh import LocalMesh  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
+from tests.localmesh import LocalMesh
 
 QUESTION = "How does a city keep its drinking water safe?"
 OUTLINES = {  # name: a fixed outline

@@ -1,7 +1,7 @@
 """Planner speed: make_plan (strategy "dp") on seeded random heterogeneous meshes.
 
-    python bench/plan_bench.py                       # 4, 8, 16, 32 devices x 32, 80 layers
-    python bench/plan_bench.py --devices 16 --layers 80 --repeats 5
+    python -m bench.plan_bench                       # 4, 8, 16, 32 devices x 32, 80 layers
+    python -m bench.plan_bench --devices 16 --layers 80 --repeats 5
 
 Each mesh mixes CUDA desktops, Jetson-class boards and CPU boxes (memory, FLOP/s and memory
 bandwidth drawn per kind) joined by links of 100 Mbit/s, 1 Gbit/s or 10 Gbit/s with 0.1-2 ms
@@ -17,7 +17,15 @@ import random
 import statistics
 import time
 
-from logicpipe.planner import DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Workload, make_plan
+from logicpipe.planner import (
+    DeviceProfile,
+    InfeasibleError,
+    Link,
+    ModelSpec,
+    Objective,
+    Workload,
+    make_plan,
+)
 
 GiB = 2**30
 LINK_SPEEDS = (12.5e6, 125e6, 1.25e9)  # bytes/s: 100 Mbit/s, 1 Gbit/s, 10 Gbit/s

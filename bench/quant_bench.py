@@ -1,6 +1,6 @@
 """Quantized stages on the CPU: weight memory and decode tok/s for --quantize none / int8 / nf4.
 
-    python bench/quant_bench.py --rounds 3
+    python -m bench.quant_bench --rounds 3
 
 One single-stage mesh per format (the default model, every layer in the stage; its embeddings,
 norms and tied LM head stay float32), all up at once; requests go to each in turn, round by
@@ -15,20 +15,14 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import grpc
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
-import grpc  # noqa: E402
-
-from logicpipe.localmesh import LocalMesh  # noqa: E402
-from logicpipe.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
-from speculative_bench import OPEN, submit  # noqa: E402
+from bench.speculative_bench import OPEN, submit
+from tests.localmesh import LocalMesh
 
 FORMATS = ("none", "int8", "nf4")
 

@@ -1,9 +1,9 @@
 """Candidate tokens and pipelined prefill on a CPU mesh of real processes on 127.0.0.1.
 
-    python bench/speculative_bench.py                    # 3 stages, every part
-    python bench/speculative_bench.py --part decode --rounds 3 --speculate 4
-    python bench/speculative_bench.py --part prefill --prompt-tokens 1500
-    python bench/speculative_bench.py --part concurrent --concurrency 8
+    python -m bench.speculative_bench                    # 3 stages, every part
+    python -m bench.speculative_bench --part decode --rounds 3 --speculate 4
+    python -m bench.speculative_bench --part prefill --prompt-tokens 1500
+    python -m bench.speculative_bench --part concurrent --concurrency 8
 
 decode: single-stream greedy decode tok/s with prompt-lookup candidates ÷ without, request by
 request in alternation on one mesh (the same tokens come out: it checks), over input-grounded
@@ -21,26 +21,21 @@ each stage process to N cores of its own (like separate boxes), and `--random-mo
 a model of the default model's shape with random weights, for a machine without the model
 (prompts are then token ids; the time to first token does not depend on the weights):
 
-    python bench/speculative_bench.py --part prefill --random-model /tmp/rnd --pin-cores 4 --threads 4
+    python -m bench.speculative_bench --part prefill --random-model /tmp/rnd --pin-cores 4 --threads 4
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
+import grpc
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-import grpc  # noqa: E402
-
-from logicpipe.localmesh import LocalMesh  # noqa: E402
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc  # noqa: E402
+from tests.localmesh import LocalMesh
 
 TEXT = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the "
         "lanes made the street safer for children walking to school, but several shop owners worried that "

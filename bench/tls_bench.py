@@ -6,24 +6,19 @@ round, so both see the same machine:
   * the added latency per hop (bench/hop_bench.py's synthetic model with the real hidden size:
     (per-token time of 3 stages - of 1 stage) / 3), plaintext and TLS.
 
-    python bench/tls_bench.py --rounds 5
+    python -m bench.tls_bench --rounds 5
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "protos"))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from logicpipe.common.security.bundle import Bundle
 
-from hop_bench import make_model, run  # noqa: E402
-from logicpipe import tls  # noqa: E402
-from logicpipe.localmesh import LocalMesh, mesh_bundle  # noqa: E402
+from bench.hop_bench import make_model, run
+from tests.localmesh import LocalMesh, mesh_bundle
 
 
 def main() -> None:
@@ -34,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     from logicpipe.controller.model_prep import prepare_default_model
 
-    client = tls.Bundle.load(mesh_bundle("client", "client"))
+    client = Bundle.load(mesh_bundle("client", "client"))
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         synthetic = make_model(work / "synthetic", layers=6)

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
 
-from logicpipe import grpc_options
+from logicpipe.common.discovery import Browser
+from logicpipe.common.security.revocations import Revocations
+from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
-from logicpipe.modeldir import ModelConfig, model_digest
+from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2_grpc
 from logicpipe.planner import Link, Workload, format_plan_table, plan_to_json
 from logicpipe.controller import planning
@@ -52,7 +53,8 @@ class ControllerApp:
     joins, is drained, leaves, dies, comes back) re-plan: running requests move to the new plan
     by replaying their tokens, so none is lost and greedy output does not change."""
 
-    def __init__(self, model_dir: str | Path, nodes: list[str], *, dtype: str = "float32",
+    def __init__(self, model_dir: str | Path, nodes: list[str], *, transport: Transport,
+                 revocations: Revocations | None = None, dtype: str = "float32",
                  plan_path: str | None = None, strategy: str = "dp", objective: str = "throughput",
                  context: int = 2048, micro_batches: int = 0, address: str = "", settle_s: float = 2.0,
                  replan_gain: float = REPLAN_GAIN, wait_for_nodes_s: float | None = None, mdns: bool = False,
@@ -72,14 +74,15 @@ class ControllerApp:
         self.plan_json = ""
         self.plan = None
         self.profiles: list = []
-        self.revoked: set[str] = set()  # node ids never planned with (lpctl revoke; JoinAuthority's list)
+        self.transport = transport  # the process's: channels to the stages
+        self.revocations = revocations if revocations is not None else Revocations()  # never planned with
         self.config = ModelConfig.from_dir(self.model_dir)
         self.digest = model_digest(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.num_layers = self.config.num_layers
         self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, dtype)
         self.workload = Workload(context_tokens=min(context, self.config.max_position_embeddings))
-        self.pipeline = Pipeline(self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
+        self.pipeline = Pipeline(transport, self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
         self.scheduler = Scheduler(self.pipeline, self.config.max_position_embeddings,
                                    frozenset(self.config.eos_token_ids), self.config.vocab_size)
         if wait_for_nodes_s is not None:
@@ -89,7 +92,7 @@ class ControllerApp:
         self.scheduler.prefill_chunk = self.prefill_chunk_for
         self.fixed_prefill_chunk = prefill_chunk  # --prefill-chunk (0: from the cost model)
         self._chunks: dict[tuple[int, int], int] = {}
-        self.members = Members(self.request_replan)
+        self.members = Members(self.pipeline.probe, self.request_replan)
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.state = "waiting"
         self.waiting = "no stage nodes yet"
@@ -151,8 +154,6 @@ class ControllerApp:
             self.members.add(a, "static")
         self.members.start()
         if self.mdns:
-            from logicpipe.discovery import Browser
-
             self._browser = Browser(lambda ad: self.members.add(ad.address, "mdns"),
                                     lambda node_id: self.members.gone(node_id, "its mDNS record was withdrawn"),
                                     interface=mdns_interface, mesh=self.mesh)
@@ -221,7 +222,7 @@ class ControllerApp:
         new one is better by replan_gain. Returns whether a new plan was installed."""
         since = since or time.monotonic()
         broken = self._broken()
-        usable = [m for m in self.members.usable() if m.status is not None and m.node_id not in self.revoked]
+        usable = [m for m in self.members.usable() if m.status is not None and m.node_id not in self.revocations]
         if not usable:
             self._give_up(broken, "no stage nodes yet" if not self.members.by_address else
                           "no usable stage node (" + "; ".join(f"{m.address}: {m.why_not()}"
@@ -275,7 +276,7 @@ class ControllerApp:
         if not pairs:
             return
         t0 = time.monotonic()
-        channels = {nid: grpc_options.channel(addr, "stage") for nid, addr in ids.items()}
+        channels = {nid: self.transport.channel(addr, "stage") for nid, addr in ids.items()}
         try:
             stubs = {nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}
             in_plan = {h.node_id for h in self.pipeline.stages}
@@ -330,7 +331,7 @@ class ControllerApp:
     async def revoke(self, node_id: str) -> str:
         """Drop a revoked node at once: a new plan without it serves (or none, if none fits: its
         requests then wait), and it is never planned with again."""
-        self.revoked.add(node_id)
+        self.revocations.add(node_id)
         m = self.members.find(node_id)
         if m is None or not any(h.node_id == node_id for h in self.pipeline.stages):
             return f"node {node_id} revoked (it was not in the plan)"

@@ -24,6 +24,7 @@ import uuid
 
 from aiohttp import web
 
+from logicpipe.common.transport import is_loopback
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from logicpipe.sampling import SamplingParams
 
@@ -307,8 +308,6 @@ async def start_http(app, address: str):
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     await site.start()
     log.info("OpenAI-compatible HTTP API on http://%s:%s/v1", host or "127.0.0.1", port)
-    from logicpipe.grpc_options import is_loopback
-
     if not is_loopback(host or "127.0.0.1"):
         log.warning("the HTTP API on %s has no authentication: anyone who reaches it can submit requests "
                     "(put an authenticating reverse proxy in front, or bind it to 127.0.0.1)", address)
@@ -346,10 +345,8 @@ class Metrics:
         """Probe the plan's stages (their KV blocks, step times) before a scrape."""
         import asyncio
 
-        from logicpipe.controller.pipeline import Pipeline
-
         stages = list(self.app.pipeline.stages)
-        probes = await asyncio.gather(*(Pipeline.probe(h.address, timeout=2.0) for h in stages), return_exceptions=True)
+        probes = await asyncio.gather(*(self.app.pipeline.probe(h.address, timeout=2.0) for h in stages), return_exceptions=True)
         self._stages = [(h.node_id or h.address, p) for h, p in zip(stages, probes) if not isinstance(p, BaseException)]
 
     def describe(self):

@@ -1,5 +1,6 @@
-"""Joining and leaving for good: one-time join tokens a new node trades for a stage certificate,
-and revoked node names (like kubeadm/k3s join tokens, over the mesh's own CA).
+"""Joining: one-time join tokens a new node trades for a stage certificate (like kubeadm/k3s join
+tokens, over the mesh's own CA). The controller's half; the node's is
+logicpipe.common.security.tokens.join_mesh.
 
 `lpctl token create` asks the controller (a client certificate) for a token `lpj1.<id>.<secret>`:
 the secret is 128 random bits, kept in the controller's memory, good once and for `ttl_s`. The
@@ -10,21 +11,21 @@ the HMAC, signs the request as a stage certificate and answers with it, the CA c
 HMAC of both, which the node checks before it trusts the CA. The secret itself never crosses the
 wire, a reply cannot be forged without it, and the token is spent by the first valid use.
 
-Revoked names (`lpctl revoke NODE`) are kept in the CA directory (revoked.json), so they stay
-refused across restarts: the controller drops the node from its plan, refuses its calls, and
-never plans with it again.
+A revoked name (logicpipe.common.security.revocations) never joins again.
 """
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from logicpipe import tls
+from logicpipe.common.security.bundle import CA_CERT, CA_KEY, TlsError
+from logicpipe.common.security.ca import sign_csr
+from logicpipe.common.security.revocations import Revocations
+from logicpipe.common.security.tokens import TOKEN_PREFIX, mac
 from logicpipe.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 log = logging.getLogger(__name__)
@@ -41,20 +42,14 @@ class _Token:
 
 
 class JoinAuthority:
-    """The controller's join tokens and revocation list, over the CA in `ca_dir`."""
+    """The controller's join tokens, over the CA in `ca_dir`; `revocations`: names never signed."""
 
-    def __init__(self, ca_dir):
+    def __init__(self, ca_dir, revocations: Revocations):
         self.ca_dir = Path(ca_dir)
-        if not (self.ca_dir / tls.CA_KEY).is_file():
-            raise tls.TlsError(f"--ca-dir {self.ca_dir}: no {tls.CA_KEY} there (make a CA with `lpctl ca init`)")
+        if not (self.ca_dir / CA_KEY).is_file():
+            raise TlsError(f"--ca-dir {self.ca_dir}: no {CA_KEY} there (make a CA with `lpctl ca init`)")
+        self.revocations = revocations
         self._tokens: dict[str, _Token] = {}
-        self._revoked_path = self.ca_dir / "revoked.json"
-        try:
-            self.revoked: set[str] = set(json.loads(self._revoked_path.read_text()))
-        except FileNotFoundError:
-            self.revoked = set()
-        except (OSError, ValueError) as exc:
-            raise tls.TlsError(f"{self._revoked_path}: unreadable ({exc}); fix or remove it") from exc
 
     def create(self, ttl_s: float = 0.0) -> tuple[str, float]:
         """A new one-time token and its lifetime (s)."""
@@ -65,34 +60,23 @@ class JoinAuthority:
             raise FailedPrecondition(f"{MAX_TOKENS} join tokens are live already; wait for some to expire")
         token_id, secret = secrets.token_hex(6), secrets.token_hex(16)
         self._tokens[token_id] = _Token(secret, now + ttl)
-        return f"{tls.TOKEN_PREFIX}.{token_id}.{secret}", ttl
+        return f"{TOKEN_PREFIX}.{token_id}.{secret}", ttl
 
-    def join(self, token_id: str, csr_pem: bytes, mac: bytes) -> tuple[bytes, bytes, bytes]:
+    def join(self, token_id: str, csr_pem: bytes, request_mac: bytes) -> tuple[bytes, bytes, bytes]:
         """(stage certificate, CA certificate, reply HMAC) for a valid, unspent, unexpired token."""
         t = self._tokens.get(token_id)
         if t is None or t.expires <= time.monotonic():
             self._tokens.pop(token_id, None)
             raise PermissionDenied("unknown, used or expired join token: make a new one with `lpctl token create`")
-        if not hmac.compare_digest(mac, tls.mac(t.secret, token_id.encode(), csr_pem)):
+        if not hmac.compare_digest(request_mac, mac(t.secret, token_id.encode(), csr_pem)):
             raise PermissionDenied("the join request's HMAC does not match the token: wrong secret")
         try:
-            name, cert = tls.sign_csr(self.ca_dir, csr_pem, "stage")
-        except tls.TlsError as exc:
+            name, cert = sign_csr(self.ca_dir, csr_pem, "stage")
+        except TlsError as exc:
             raise InvalidArgument(f"join request: {exc}") from exc
-        if name in self.revoked:
+        if name in self.revocations:
             raise PermissionDenied(f"node {name} was revoked; it cannot join again under that name")
         del self._tokens[token_id]  # spent
-        ca = (self.ca_dir / tls.CA_CERT).read_bytes()
+        ca = (self.ca_dir / CA_CERT).read_bytes()
         log.info("node %s joined with token %s: stage certificate issued", name, token_id)
-        return cert, ca, tls.mac(t.secret, cert, ca)
-
-    def revoke(self, name: str) -> bool:
-        """Refuse `name` from now on (persisted); False if it already was."""
-        if name in self.revoked:
-            return False
-        self.revoked.add(name)
-        tmp = self._revoked_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(self.revoked)))
-        tmp.replace(self._revoked_path)
-        log.warning("node %s revoked: its certificate is refused from now on", name)
-        return True
+        return cert, ca, mac(t.secret, cert, ca)

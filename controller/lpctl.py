@@ -6,29 +6,33 @@ import json
 import sys
 
 import grpc
+from google.protobuf.json_format import MessageToDict
+
+from logicpipe.common.modeldir import ModelError
+from logicpipe.common.security import ca
+from logicpipe.common.security.bundle import CA_CERT, CA_KEY, Bundle, TlsError
+from logicpipe.common.transport import PLAINTEXT, Transport
+from logicpipe.controller.model_prep import prepare_default_model
+from logicpipe.controller.planning import plan_from_profiles_file
+from logicpipe.errors import MeshError
+from logicpipe.sampling import SamplingParams
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
 
 
-_TLS_DIR = ""  # --tls-dir: this client's bundle ("" = plaintext)
-
-
-def _stub(address: str):
-    from logicpipe import grpc_options, tls
-    from logicpipe.v1 import controller_pb2_grpc
-
-    bundle = tls.Bundle.load(_TLS_DIR) if _TLS_DIR else None
-    return controller_pb2_grpc.ControllerStub(grpc_options.sync_channel(address, "controller", bundle))
+def _stub(args):
+    """A stub of the controller at --controller, over mutual TLS with --tls-dir's bundle if given."""
+    transport = Transport(Bundle.load(args.tls_dir)) if args.tls_dir else PLAINTEXT
+    return controller_pb2_grpc.ControllerStub(transport.sync_channel(args.controller, "controller"))
 
 
 def cmd_chat(args) -> int:
     """An interactive conversation: history kept, tokens streamed, Ctrl-C stops the answer (what
     was said stays in the history), Ctrl-D or /exit ends, /reset forgets."""
-    from logicpipe.sampling import SamplingParams
-    from logicpipe.v1 import controller_pb2
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
-    stub = _stub(args.controller)
+    stub = _stub(args)
     system = [controller_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     history = list(system)
     prompt = "you> " if sys.stdin.isatty() else ""
@@ -72,9 +76,8 @@ def cmd_chat(args) -> int:
 
 
 def cmd_token(args) -> int:
-    from logicpipe.v1 import controller_pb2
 
-    reply = _stub(args.controller).CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=args.ttl), timeout=args.timeout)
+    reply = _stub(args).CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=args.ttl), timeout=args.timeout)
     if args.json:
         print(json.dumps({"token": reply.token, "expires_in_s": reply.expires_in_s}))
     else:
@@ -85,36 +88,32 @@ def cmd_token(args) -> int:
 
 
 def cmd_revoke(args) -> int:
-    from logicpipe.v1 import controller_pb2
 
-    print(_stub(args.controller).Revoke(controller_pb2.RevokeRequest(node=args.node), timeout=args.timeout).message)
+    print(_stub(args).Revoke(controller_pb2.RevokeRequest(node=args.node), timeout=args.timeout).message)
     return 0
 
 
 def cmd_ca(args) -> int:
-    from logicpipe import tls
 
     try:
         if args.action == "init":
-            d = tls.init_ca(args.dir)
-            print(f"made a CA in {d}: keep {d / tls.CA_KEY} secret (it signs every party of the mesh); "
-                  f"give only {tls.CA_CERT} away (every bundle carries it)")
+            d = ca.init_ca(args.dir)
+            print(f"made a CA in {d}: keep {d / CA_KEY} secret (it signs every party of the mesh); "
+                  f"give only {CA_CERT} away (every bundle carries it)")
         else:
             if not args.name or not args.role:
                 print("lpctl: ca issue needs NAME and --role controller|stage|client", file=sys.stderr)
                 return 2
-            out = tls.issue(args.dir, args.name, args.role, args.out or args.name)
-            print(f"wrote {out}/{tls.CA_CERT}, {args.name}.crt, {args.name}.key: start the {args.role} with "
+            out = ca.issue(args.dir, args.name, args.role, args.out or args.name)
+            print(f"wrote {out}/{CA_CERT}, {args.name}.crt, {args.name}.key: start the {args.role} with "
                   f"--tls-dir {out}")
-    except tls.TlsError as exc:
+    except TlsError as exc:
         print(f"lpctl: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
 def cmd_submit(args) -> int:
-    from logicpipe.sampling import SamplingParams
-    from logicpipe.v1 import controller_pb2
 
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
@@ -132,7 +131,7 @@ def cmd_submit(args) -> int:
             req.outline_text = open(args.outline_text, encoding="utf-8").read()
         return _submit_outline(args, req)
     text, ids, stages, timings, reason = [], [], [], None, ""
-    for reply in _stub(args.controller).Submit(req, timeout=args.timeout):
+    for reply in _stub(args).Submit(req, timeout=args.timeout):
         ids.extend(reply.token_ids)
         text.append(reply.text)
         if reply.stages:
@@ -174,7 +173,7 @@ def _submit_outline(args, req) -> int:
     order (or, --json, the answer and the DAG)."""
     counts: dict[int, int] = {}
     final = None
-    for reply in _stub(args.controller).Submit(req, timeout=args.timeout):
+    for reply in _stub(args).Submit(req, timeout=args.timeout):
         if reply.finished:
             final = reply
             break
@@ -209,10 +208,8 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_status(args) -> int:
-    from google.protobuf.json_format import MessageToDict
-    from logicpipe.v1 import controller_pb2
 
-    st = _stub(args.controller).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
+    st = _stub(args).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
     if args.json:
         print(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
         return 0
@@ -233,9 +230,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_nodes(args) -> int:
-    from logicpipe.v1 import controller_pb2
 
-    st = _stub(args.controller).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
+    st = _stub(args).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
     rows = []
     for n in st.nodes:
         s = n.status
@@ -258,9 +254,8 @@ def cmd_nodes(args) -> int:
 
 
 def cmd_drain(args) -> int:
-    from logicpipe.v1 import controller_pb2
 
-    reply = _stub(args.controller).Drain(controller_pb2.DrainRequest(node=args.node, undrain=args.undrain),
+    reply = _stub(args).Drain(controller_pb2.DrainRequest(node=args.node, undrain=args.undrain),
                                          timeout=args.timeout)
     print(reply.message)
     return 0
@@ -268,14 +263,12 @@ def cmd_drain(args) -> int:
 
 def cmd_plan(args) -> int:
     if args.profiles:
-        from logicpipe.controller.planning import plan_from_profiles_file
 
         plan_json, table = plan_from_profiles_file(args.profiles, args.model, args.strategy, args.objective,
                                                    args.boundaries, args.context)
     else:
-        from logicpipe.v1 import controller_pb2
 
-        reply = _stub(args.controller).Plan(controller_pb2.PlanRequest(
+        reply = _stub(args).Plan(controller_pb2.PlanRequest(
             strategy=args.strategy or "", objective=args.objective, boundaries=args.boundaries or []),
             timeout=args.timeout)
         plan_json, table = reply.plan_json, reply.table
@@ -284,7 +277,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from logicpipe.controller.model_prep import prepare_default_model
 
     print(prepare_default_model(args.out, force=args.force, progress=lambda m: print(m, file=sys.stderr)))
     return 0
@@ -399,27 +391,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    global _TLS_DIR
     args = parse_args(argv)
-    _TLS_DIR = args.tls_dir
     try:
         sys.exit(args.fn(args))
     except grpc.RpcError as exc:
         print(f"lpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             print("lpctl: is the controller up at --controller? A mesh with mutual TLS needs --tls-dir with a client "
-                  "bundle of its CA (`lpctl ca issue NAME --role client`)" if not _TLS_DIR else
-                  f"lpctl: is the controller up at --controller, and is {_TLS_DIR} a client bundle of its CA?",
+                  "bundle of its CA (`lpctl ca issue NAME --role client`)" if not args.tls_dir else
+                  f"lpctl: is the controller up at --controller, and is {args.tls_dir} a client bundle of its CA?",
                   file=sys.stderr)
         sys.exit(2)
-    except Exception as exc:  # noqa: BLE001 — MeshError / ModelError from local work: say it, no traceback
-        from logicpipe.errors import MeshError
-        from logicpipe.modeldir import ModelError
-
-        from logicpipe.tls import TlsError
-
-        if not isinstance(exc, (MeshError, ModelError, TlsError)):
-            raise
+    except (MeshError, ModelError, TlsError) as exc:  # from local work: say it, no traceback
         print(f"lpctl: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

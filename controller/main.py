@@ -5,11 +5,19 @@ import argparse
 import asyncio
 import logging
 
-from logicpipe import grpc_options, tls
-from logicpipe.health import add_health
-from logicpipe.process import configure_logging, serve_until_signalled
-from logicpipe.v1 import controller_pb2_grpc
+from logicpipe.common.health import add_health
+from logicpipe.common.process import configure_logging, serve_until_signalled
+from logicpipe.common.security.bundle import TlsError
+from logicpipe.common.security.revocations import Revocations
+from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
+from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.http_api import start_http
+from logicpipe.controller.join import JoinAuthority
+from logicpipe.controller.model_prep import prepare_default_model
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
+from logicpipe.controller.service import ControllerServicer, JoinServicer
+from logicpipe.policy import CONTROLLER_POLICY
+from logicpipe.v1 import controller_pb2_grpc
 
 log = logging.getLogger("logicpipe.controller")
 
@@ -70,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--join-listen", default="", metavar="HOST:PORT",
                     help="with --ca-dir: serve joining nodes here (plaintext; only Join, each call authenticated by "
                          "a one-time token's HMAC)")
-    tls.add_flags(ap, "controller")
+    add_flags(ap, "controller")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     if not 0 <= args.speculate <= MAX_SPECULATE:
@@ -81,54 +89,44 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from logicpipe.controller.app import ControllerApp
-    from logicpipe.controller.model_prep import prepare_default_model
-    from logicpipe.controller.service import ControllerServicer
-
     model_dir = args.model or await asyncio.to_thread(prepare_default_model, progress=log.info)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
     authority = None
     try:
-        tls.configure(args.tls_dir, args.insecure, args.listen, "controller", log)
+        transport = from_flags(args.tls_dir, args.insecure, args.listen, "controller", log)
         if args.join_listen and not args.ca_dir:
-            raise tls.TlsError("--join-listen needs --ca-dir (the CA that signs the joining nodes' certificates)")
+            raise TlsError("--join-listen needs --ca-dir (the CA that signs the joining nodes' certificates)")
+        # one list: the server refuses these names, the planner leaves them out, joins never sign them
+        revocations = Revocations.in_ca_dir(args.ca_dir) if args.ca_dir else Revocations()
         if args.ca_dir:
-            from logicpipe.controller.join import JoinAuthority
-
-            authority = JoinAuthority(args.ca_dir)
-    except tls.TlsError as exc:
+            authority = JoinAuthority(args.ca_dir, revocations)
+    except TlsError as exc:
         raise SystemExit(str(exc)) from None
-    revoked = authority.revoked if authority else set()
-    server = grpc_options.new_server(tls.CONTROLLER_POLICY, revoked)
-    bound = grpc_options.add_port(server, args.listen)
+    server = transport.server(CONTROLLER_POLICY, revocations)
+    bound = transport.add_port(server, args.listen)
     if bound == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
     join_server = None
     if args.join_listen:
-        from logicpipe.controller.service import JoinServicer
-
-        join_server = grpc_options.new_server()
+        join_server = PLAINTEXT.server()  # a join is authenticated by its token's HMAC, not TLS
         controller_pb2_grpc.add_ControllerServicer_to_server(JoinServicer(authority), join_server)
         if join_server.add_insecure_port(args.join_listen) == 0:
             raise SystemExit(f"cannot listen on {args.join_listen}")
         await join_server.start()
         log.info("joining nodes served on %s (a join token authenticates each)", args.join_listen)
     host = args.listen.rpartition(":")[0]
-    app = ControllerApp(model_dir, nodes, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
+    app = ControllerApp(model_dir, nodes, transport=transport, revocations=revocations, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
                         objective=args.objective, context=args.context, micro_batches=args.micro_batches,
                         address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
                         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns,
                         mesh=args.mesh, speculate=args.speculate, prefill_chunk=args.prefill_chunk)
-    app.revoked = revoked  # one set: the interceptor refuses these names, the planner leaves them out
     controller_pb2_grpc.add_ControllerServicer_to_server(
-        ControllerServicer(app, args.max_requests_per_client, authority), server)
+        ControllerServicer(app, transport, args.max_requests_per_client, authority), server)
     health = await add_health(server, SERVICE_NAME)
     await server.start()
     log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
     http = None
     if args.http:
-        from logicpipe.controller.http_api import start_http
-
         try:
             http = await start_http(app, args.http)
         except OSError as exc:

@@ -12,11 +12,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 from logicpipe.errors import MeshError
 from logicpipe.v1 import stage_pb2
-from logicpipe.controller.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,8 @@ def same_process(a: stage_pb2.StatusReply | None, b: stage_pb2.StatusReply) -> b
 
 
 class Members:
-    def __init__(self, on_change: Callable[[str], None]):
+    def __init__(self, probe: Callable[..., Awaitable[stage_pb2.StatusReply]], on_change: Callable[[str], None]):
+        self._status = probe        # (address, timeout=) -> the node's Status, or a MeshError
         self.on_change = on_change
         self.by_address: dict[str, Member] = {}
         self._task: asyncio.Task | None = None
@@ -107,7 +107,7 @@ class Members:
 
     async def probe(self, m: Member, hint: str = "") -> None:
         try:
-            st = await Pipeline.probe(m.address, timeout=PROBE_TIMEOUT_S)
+            st = await self._status(m.address, timeout=PROBE_TIMEOUT_S)
         except MeshError as exc:
             m.misses += 1
             if m.misses >= DOWN_AFTER_MISSES or m.down == NOT_PROBED or hint:  # one slow answer is not death

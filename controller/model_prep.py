@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from logicpipe.modeldir import ModelError
-from logicpipe.paths import cache_root
+from logicpipe.common.modeldir import ModelError
+from logicpipe.common.paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import grpc
 
-from logicpipe import grpc_options
+from logicpipe.common.transport import Transport
 from logicpipe.errors import MeshError, Unavailable, from_code
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
@@ -77,8 +77,10 @@ def compute_groups(statuses: list[stage_pb2.StatusReply]) -> int:
 class Pipeline:
     """Stage handles in pipeline order, event fan-in, and the input stream to stage 0."""
 
-    def __init__(self, on_event: Callable[[stage_pb2.Event], None], on_stage_lost: Callable[[str, str], None],
-                 owner: str = "", on_stage_back: Callable[[str], None] = lambda address: None):
+    def __init__(self, transport: Transport, on_event: Callable[[stage_pb2.Event], None],
+                 on_stage_lost: Callable[[str, str], None], owner: str = "",
+                 on_stage_back: Callable[[str], None] = lambda address: None):
+        self.transport = transport
         self._on_event = on_event
         self._on_stage_lost = on_stage_lost
         self._on_stage_back = on_stage_back
@@ -95,10 +97,9 @@ class Pipeline:
         self._tasks: set[asyncio.Task] = set()
 
     # ---- set-up ---------------------------------------------------------------------------
-    @staticmethod
-    async def probe(address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
+    async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it."""
-        async with grpc_options.channel(address, "stage") as ch:
+        async with self.transport.channel(address, "stage") as ch:
             try:
                 return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as exc:
@@ -121,7 +122,7 @@ class Pipeline:
         self.micro_batches = micro_batches
         handles = []
         for a in assignments:
-            ch = grpc_options.channel(a.address, "stage")
+            ch = self.transport.channel(a.address, "stage")
             handles.append(StageHandle(a.address, ch, stage_pb2_grpc.StageNodeStub(ch), start=a.start, end=a.end))
         n = len(handles)
 
@@ -271,10 +272,6 @@ class Pipeline:
                                                                          grpc.StatusCode.FAILED_PRECONDITION)
             if isinstance(r, BaseException) and not gone and h in self.stages and not h.lost:
                 self._pending_closes.setdefault(h.address, set()).add(sid)
-
-    @property
-    def pending_closes(self) -> int:
-        return sum(len(s) for s in self._pending_closes.values())
 
     def close_session_soon(self, session_id: str) -> None:
         """Close a session on every stage in the background (the task is kept until done)."""

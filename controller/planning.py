@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from logicpipe.errors import InvalidArgument, Unavailable
-from logicpipe.modeldir import ModelConfig, model_digest
+from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.v1 import stage_pb2
 from logicpipe.planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload, format_plan_table,
                      make_plan, plan_from_json, plan_to_json, reuse_mismatch)

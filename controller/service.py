@@ -5,14 +5,13 @@ import asyncio
 import time
 
 
-from logicpipe import tls
-from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted
-from logicpipe.grpc_options import caller_address
+from logicpipe.common.transport import Transport, caller_address
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, PermissionDenied, ResourceExhausted
+from logicpipe.limits import check_id
+from logicpipe.policy import STAGE
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from logicpipe.controller.app import ControllerApp
-from logicpipe.controller.pipeline import Pipeline
-from logicpipe.stage_node.wire import check_id as wire_id
 from logicpipe.controller.scheduler import DEFAULT_MAX_TOKENS, Request
 
 
@@ -67,23 +66,25 @@ def timings_proto(req: Request) -> controller_pb2.Timings:
 DEFAULT_REQUESTS_PER_CLIENT = 64
 
 
-def client_identity(context) -> str:
+def client_identity(transport: Transport, context) -> str:
     """Who a call comes from: its certificate's name over TLS, else the peer's host."""
-    role, name = tls.peer(context)
+    role, name = transport.peer(context)
     if role:
         return f"{role}:{name}"
     return context.peer().rpartition(":")[0] or context.peer()
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
-    def __init__(self, app: ControllerApp, requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT, authority=None):
+    def __init__(self, app: ControllerApp, transport: Transport, requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT,
+                 authority=None):
         self.app = app
+        self.transport = transport  # the process's: who a caller is
         self.authority = authority  # controller.join.JoinAuthority (--ca-dir), or None
         self.requests_per_client = requests_per_client  # requests one client may have running at once
         self._running: dict[str, int] = {}
 
     async def Submit(self, request, context):
-        who = client_identity(context)
+        who = client_identity(self.transport, context)
         n = self._running.get(who, 0)
         if n >= self.requests_per_client:
             raise ResourceExhausted(f"{who} has {n} requests running, the cap per client "
@@ -185,7 +186,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         reply.last_replan, reply.last_replan_s, reply.replans = app.last_replan, app.last_replan_s, app.replans
         reply.waiting = app.waiting if app.state == "waiting" else ""
         members = list(app.members.by_address.values())
-        probes = await asyncio.gather(*(Pipeline.probe(m.address, timeout=STATUS_PROBE_TIMEOUT_S) for m in members),
+        probes = await asyncio.gather(*(app.pipeline.probe(m.address, timeout=STATUS_PROBE_TIMEOUT_S) for m in members),
                                       return_exceptions=True)
         in_plan = {h.address for h in app.pipeline.stages}
         for m, probe in zip(members, probes):
@@ -200,8 +201,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return reply
 
     async def Register(self, request, context):
-        node_id = wire_id("node_id", request.node_id)
-        tls.check_self(context, node_id)
+        node_id = check_id("node_id", request.node_id)
+        self._check_self(context, node_id)
         address = caller_address(request.address, context.peer())
         if not address:
             raise InvalidArgument("address must be the node's host:port (an empty host means the caller's)")
@@ -209,11 +210,17 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.RegisterReply(controller_id=self.app.pipeline.owner, admitted=admitted, message=message)
 
     async def Leave(self, request, context):
-        node_id = wire_id("node_id", request.node_id)
-        tls.check_self(context, node_id)
+        node_id = check_id("node_id", request.node_id)
+        self._check_self(context, node_id)
         timeout = request.timeout_s if 0 < request.timeout_s <= MAX_LEAVE_S else DEFAULT_LEAVE_S
         moved, message = await self.app.leave(node_id, timeout)
         return controller_pb2.LeaveReply(moved=moved, message=message)
+
+    def _check_self(self, context, node_id: str) -> None:
+        """Over TLS, a stage speaks only for itself: `node_id` must be its certificate's name."""
+        role, name = self.transport.peer(context)
+        if role == STAGE and node_id != name:
+            raise PermissionDenied(f"a stage certificate for {name!r} cannot speak for node {node_id!r}")
 
     async def Drain(self, request, context):
         if not request.node or len(request.node) > 256:
@@ -238,8 +245,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.JoinTokenReply(token=token, expires_in_s=ttl)
 
     async def Revoke(self, request, context):
-        node_id = wire_id("node", request.node)
-        self._authority().revoke(node_id)
+        node_id = check_id("node", request.node)
+        self._authority()
         return controller_pb2.RevokeReply(message=await self.app.revoke(node_id))
 
     async def Plan(self, request, context):
@@ -259,7 +266,7 @@ class JoinServicer(controller_pb2_grpc.ControllerServicer):
         self.authority = authority
 
     async def Join(self, request, context):
-        wire_id("token_id", request.token_id)
+        check_id("token_id", request.token_id)
         if len(request.csr_pem) > 16384 or len(request.mac) != 32:
             raise InvalidArgument("a join request carries a PEM signing request (under 16 KiB) and a 32-byte HMAC")
         cert, ca, mac = self.authority.join(request.token_id, request.csr_pem, request.mac)

@@ -1,3 +1,2 @@
-"""The stage process: shard loading, the Llama-family forward for its layers, KV, sampling,
-the StageNode gRPC service."""
-__version__ = "0.1.0"
+"""The stage process: loading its layers, the forward, the engine (scheduler, runner, KV blocks),
+the last stage's sampling and candidates, its gRPC service and its mDNS advertisement."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 import statistics
 import time
 
-from logicpipe import grpc_options
+from logicpipe.common.transport import Transport
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 PROBE_TIMEOUT_S = 10.0
 
 
-async def measure_link(address: str, probes: int, payload_bytes: int) -> tuple[float, float]:
+async def measure_link(transport: Transport, address: str, probes: int, payload_bytes: int) -> tuple[float, float]:
     """(one-way latency in s, bandwidth in bytes/s) to the StageNode at `address`."""
-    async with grpc_options.channel(address, "stage") as channel:
+    async with transport.channel(address, "stage") as channel:
         stub = stage_pb2_grpc.StageNodeStub(channel)
         await stub.Echo(stage_pb2.EchoRequest(), timeout=PROBE_TIMEOUT_S)  # connect, warm up
         rtts = []

@@ -13,7 +13,7 @@ from typing import Callable
 
 import grpc
 
-from logicpipe import grpc_options
+from logicpipe.common.transport import Transport
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,10 @@ class LinkDown(Exception):
 
 
 class PeerLink:
-    def __init__(self, address: str, on_reply: Callable[[stage_pb2.StreamReply], None],
+    def __init__(self, address: str, transport: Transport, on_reply: Callable[[stage_pb2.StreamReply], None],
                  on_down: Callable[[list[str], str], None], *, name: str = "peer"):
         self.address = address
+        self.transport = transport
         self.name = name
         self._on_reply = on_reply
         self._on_down = on_down
@@ -45,10 +46,6 @@ class PeerLink:
         """Queue a message for the peer (in order)."""
         self._queue.put_nowait(batch)
 
-    @property
-    def backlog(self) -> int:
-        return self._queue.qsize()
-
     async def _send_loop(self) -> None:
         while True:
             batch = await self._queue.get()
@@ -60,7 +57,7 @@ class PeerLink:
 
     async def _open(self):
         if self._channel is None:
-            self._channel = grpc_options.channel(self.address, "stage")
+            self._channel = self.transport.channel(self.address, "stage")
         try:
             await asyncio.wait_for(self._channel.channel_ready(), CONNECT_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -7,22 +7,38 @@ import logging
 import os
 from pathlib import Path
 
-from logicpipe import grpc_options, tls
-from logicpipe.health import add_health
-from logicpipe.paths import cache_root
-from logicpipe.process import configure_logging, serve_until_signalled
-from logicpipe.v1 import stage_pb2_grpc
-
-log = logging.getLogger("logicpipe.stage")
-
-SERVICE_NAME = "logicpipe.v1.StageNode"
 # OpenMP workers (torch's CPU thread team) spin this many iterations waiting for the next parallel
 # region before they sleep. GNU OpenMP's default (300000, a few ms) keeps a stage's idle team
 # spinning into the next stage's compute when stages share a machine's cores; a short spin still
 # bridges the microsecond gaps inside one forward. Measured (3-stage CPU mesh on 2 cores, ms per
 # decoded token): default 71-78, 30000: 56-59, 10000: 57-60; a 1-stage mesh is unchanged. Set the
-# variable yourself to override.
+# variable yourself to override. It must be set before torch (and its OpenMP) loads: before the
+# imports below.
 GOMP_SPINCOUNT = "20000"
+os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+
+import torch  # noqa: E402
+
+from logicpipe.common.health import add_health  # noqa: E402
+from logicpipe.common.paths import cache_root  # noqa: E402
+from logicpipe.common.process import configure_logging, serve_until_signalled  # noqa: E402
+from logicpipe.common.security.bundle import CA_CERT, TlsError  # noqa: E402
+from logicpipe.common.security.tokens import join_mesh  # noqa: E402
+from logicpipe.common.transport import add_flags, from_flags  # noqa: E402
+from logicpipe.policy import STAGE_POLICY  # noqa: E402
+from logicpipe.stage_node.identity import default_state_dir, node_identity  # noqa: E402
+from logicpipe.stage_node.membership import StageMembership  # noqa: E402
+from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
+from logicpipe.stage_node.quant import QuantError, check_format  # noqa: E402
+from logicpipe.stage_node.runner import Runner  # noqa: E402
+from logicpipe.stage_node.runtime import StageOptions, StageRuntime  # noqa: E402
+from logicpipe.stage_node.scheduler import Budget  # noqa: E402
+from logicpipe.stage_node.service import StageNodeServicer  # noqa: E402
+from logicpipe.v1 import stage_pb2_grpc  # noqa: E402
+
+log = logging.getLogger("logicpipe.stage")
+
+SERVICE_NAME = "logicpipe.v1.StageNode"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model-root", default=None, metavar="DIR",
                     help="load an assigned model directory only from under DIR (default: the LogicPipe cache); "
                          "one elsewhere is pulled from the controller instead, never opened")
-    tls.add_flags(ap, "stage")
+    add_flags(ap, "stage")
     ap.add_argument("--join-token", default="", metavar="TOKEN",
                     help="join a mesh with a one-time token (`lpctl token create`): the controller at --join-address "
                          "signs this node's certificate into --tls-dir (once; later starts use it)")
@@ -88,32 +104,21 @@ async def join_once(args, state_dir: Path, device: str, port: int) -> None:
     """--join-token: unless --tls-dir already holds this node's certificate, trade the token at
     --join-address for one (the node's key is made here and never leaves)."""
     if not args.tls_dir or not args.join_address:
-        raise tls.TlsError("--join-token needs --join-address HOST:PORT (the controller's --join-listen) and "
+        raise TlsError("--join-token needs --join-address HOST:PORT (the controller's --join-listen) and "
                            "--tls-dir DIR (where the node keeps the certificate it gets)")
-    if any(p.name != tls.CA_CERT for p in Path(args.tls_dir).glob("*.crt")):
+    if any(p.name != CA_CERT for p in Path(args.tls_dir).glob("*.crt")):
         log.info("--tls-dir %s holds a certificate already: not joining again", args.tls_dir)
         return
-    from logicpipe.identity import node_identity
-
     node_id = args.node_id or node_identity(state_dir, device, port)
-    await asyncio.to_thread(tls.join_mesh, args.join_address, args.join_token, node_id, args.tls_dir)
+    await asyncio.to_thread(join_mesh, args.join_address, args.join_token, node_id, args.tls_dir)
     log.info("joined the mesh at %s as %s: certificate kept in %s", args.join_address, node_id, args.tls_dir)
 
 
 def cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from logicpipe.identity import default_state_dir, node_identity
-    from logicpipe.stage_node.membership import StageMembership
-    from logicpipe.stage_node.runner import Runner
-    from logicpipe.stage_node.runtime import StageOptions, StageRuntime
-    from logicpipe.stage_node.scheduler import Budget
-    from logicpipe.stage_node.service import StageNodeServicer
-
     for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
@@ -128,8 +133,6 @@ async def serve(args: argparse.Namespace) -> None:
     if device == "cuda" and not has_cuda:
         raise SystemExit("--device cuda but torch sees no CUDA device")
     if args.quantize != "none":
-        from logicpipe.stage_node.quant import QuantError, check_format
-
         try:
             await runner.call(check_format, args.quantize, device)
         except QuantError as exc:
@@ -139,14 +142,13 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         if args.join_token:
             await join_once(args, state_dir, device, int(port))
-        bundle = tls.configure(args.tls_dir, args.insecure, args.listen, "stage", log)
-    except tls.TlsError as exc:
+        transport = from_flags(args.tls_dir, args.insecure, args.listen, "stage", log)
+    except TlsError as exc:
         raise SystemExit(str(exc)) from None
+    bundle = transport.bundle
     if bundle is not None and args.node_id and args.node_id != bundle.name:
         raise SystemExit(f"--node-id {args.node_id}: over TLS a node's id is its certificate's name ({bundle.name})")
     node_id = (bundle.name if bundle else args.node_id) or node_identity(state_dir, device, int(port))
-    from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats
-
     try:
         formats, compute = await runner.call(offered_formats, device, args.dtype, args.quantize)
     except ValueError as exc:
@@ -159,19 +161,19 @@ async def serve(args: argparse.Namespace) -> None:
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()))
-    runtime = StageRuntime(node_id, device, options=options, runner=runner, pull_root=state_dir / "models",
+    runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir)
-    servicer = StageNodeServicer(runtime, profile, await runner.call(compute_id, device))
-    server = grpc_options.new_server(tls.STAGE_POLICY)
+    servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))
+    server = transport.server(STAGE_POLICY)
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, SERVICE_NAME)
-    bound = grpc_options.add_port(server, args.listen)
+    bound = transport.add_port(server, args.listen)
     if bound == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
     runtime.start()
     await server.start()
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
-    members = StageMembership(runtime, f"{host}:{bound}", controller=args.controller,
+    members = StageMembership(runtime, f"{host}:{bound}", transport, controller=args.controller,
                               mdns=not args.no_mdns, mdns_interface=args.mdns_interface, mesh=args.mesh,
                               profile_digest=servicer.profile_digest())
     try:
@@ -183,7 +185,6 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> None:
-    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)  # before torch (and its OpenMP) loads
     args = parse_args(argv)
     configure_logging(args.log_level)
     asyncio.run(serve(args))

@@ -10,7 +10,8 @@ import logging
 
 import grpc
 
-from logicpipe import grpc_options
+from logicpipe.common.discovery import Advertiser
+from logicpipe.common.transport import Transport
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -21,9 +22,10 @@ LEAVE_TIMEOUT_S = 20.0      # a stopping node waits this long for its sequences 
 
 
 class StageMembership:
-    def __init__(self, runtime, address: str, *, controller: str | None, mdns: bool, mdns_interface: str | None,
-                 profile_digest: str, mesh: str = "default"):
+    def __init__(self, runtime, address: str, transport: Transport, *, controller: str | None, mdns: bool,
+                 mdns_interface: str | None, profile_digest: str, mesh: str = "default"):
         self.runtime = runtime
+        self.transport = transport
         self.address = address            # host:port we serve on (a wildcard host: the controller fills it)
         self.controller = controller      # --controller HOST:PORT
         self.mdns = mdns
@@ -39,8 +41,6 @@ class StageMembership:
         its first registration attempt is over: a controller that is down must not hold the start)."""
         said = []
         if self.mdns:
-            from logicpipe.discovery import Advertiser
-
             port = int(self.address.rpartition(":")[2])
             host = self.address.rpartition(":")[0]
             self._advertiser = Advertiser(self.runtime.node_id, port, profile_digest=self.profile_digest,
@@ -58,7 +58,7 @@ class StageMembership:
 
     async def _register_loop(self) -> None:
         warned = False
-        async with grpc_options.channel(self.controller, "controller") as ch:
+        async with self.transport.channel(self.controller, "controller") as ch:
             stub = controller_pb2_grpc.ControllerStub(ch)
             while True:
                 try:
@@ -90,7 +90,7 @@ class StageMembership:
         target = self.controller or (eng.assignment.controller_address if eng is not None else "")
         if not target:
             return
-        async with grpc_options.channel(target, "controller") as ch:
+        async with self.transport.channel(target, "controller") as ch:
             try:
                 reply = await controller_pb2_grpc.ControllerStub(ch).Leave(
                     controller_pb2.LeaveRequest(node_id=self.runtime.node_id, timeout_s=LEAVE_TIMEOUT_S),

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from logicpipe.paths import cache_root
+from logicpipe.common.paths import cache_root
 
 log = logging.getLogger(__name__)
 

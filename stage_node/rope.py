@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from logicpipe.modeldir import SUPPORTED_ROPE_TYPES, ModelError
+from logicpipe.common.modeldir import SUPPORTED_ROPE_TYPES, ModelError
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,13 @@ from logicpipe.v1 import stage_pb2
 from logicpipe.stage_node import wire
 from logicpipe.stage_node.blocks import DEFAULT_BLOCK_SIZE, KVManager
 from logicpipe.stage_node.drafter import Drafter, allocate
-from logicpipe.modeldir import ModelConfig, ModelError, model_digest
+from logicpipe.common.modeldir import ModelConfig, ModelError, model_digest
 from logicpipe.stage_node.events import EventHub
 from logicpipe.stage_node.kv import KVPool, kv_bytes_per_token
+from logicpipe.common.transport import Transport
 from logicpipe.stage_node.links import PeerLink
 from logicpipe.stage_node.runner import Runner, StepResult, execute
-from logicpipe.stage_node.scheduler import Budget, Failure, Scheduler, Step, StepMsg
+from logicpipe.stage_node.scheduler import Budget, Failure, Scheduler, Step
 from logicpipe.stage_node.sequence import SeqSpec, SeqWork, Sequence
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.step_graphs import StepGraphs
@@ -123,9 +124,10 @@ class Engine:
 
 
 class StageRuntime:
-    def __init__(self, node_id: str, device: str = "cpu", *, options: StageOptions = StageOptions(),
+    def __init__(self, node_id: str, device: str = "cpu", *, transport: Transport, options: StageOptions = StageOptions(),
                  runner: Runner | None = None, pull_root=None, local_model_dir: str | None = None):
         self.node_id = node_id
+        self.transport = transport  # channels to the next stage, stage 0 and the controller (pulls)
         self.device = device
         self.options = options
         self.runner = runner or Runner()
@@ -292,7 +294,7 @@ class StageRuntime:
         before = self.state
         self.state = NodeState.LOADING
         try:
-            result = await pull_assignment(a.controller_address, a.model_digest, a.start, a.end, a.num_layers,
+            result = await pull_assignment(self.transport, a.controller_address, a.model_digest, a.start, a.end, a.num_layers,
                                            self.pull_root)
         except MeshError:
             self.state = before
@@ -348,10 +350,10 @@ class StageRuntime:
                               micro_batches=a.micro_batches or a.num_stages, is_orphaned=self._orphaned)
         eng = Engine(a, shard, pool, kv, scheduler, shard_dir=shard_dir)
         if not a.last:
-            eng.next_link = PeerLink(a.next_address, self._on_peer_reply, self._on_link_down,
+            eng.next_link = PeerLink(a.next_address, self.transport, self._on_peer_reply, self._on_link_down,
                                      name=f"stage {a.stage_index + 1}")
         if a.last and not a.first:
-            eng.first_link = PeerLink(a.first_address, self._on_peer_reply, self._on_link_down, name="stage 0")
+            eng.first_link = PeerLink(a.first_address, self.transport, self._on_peer_reply, self._on_link_down, name="stage 0")
         return eng
 
     def _end_sessions(self, eng: Engine, why: str) -> None:

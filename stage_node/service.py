@@ -7,11 +7,12 @@ import time
 
 import grpc
 
-from logicpipe.grpc_options import caller_address
-from logicpipe import tls
+from logicpipe.common.transport import Transport, caller_address
 from logicpipe.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
-from logicpipe.stage_node import __version__, wire
+from logicpipe import __version__
+from logicpipe.stage_node import wire
+from logicpipe.stage_node.linkprobe import measure_link
 from logicpipe.stage_node.runtime import Assignment, StageRuntime
 
 
@@ -27,8 +28,9 @@ MAX_OPENERS = 65536  # session owners remembered before the gone ones are droppe
 
 
 class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
-    def __init__(self, runtime: StageRuntime, profile=None, compute_id: str = ""):
+    def __init__(self, runtime: StageRuntime, transport: Transport, profile=None, compute_id: str = ""):
         self.runtime = runtime
+        self.transport = transport  # the process's: who a caller is (TLS), how MeasureLink dials
         self.profile = profile  # stage_node.profile.HostProfile, measured at start
         self.compute_id = compute_id  # stage_node.profile.compute_id
         self._openers: dict[str, str] = {}  # session id -> the certificate name that opened it (TLS only)
@@ -62,7 +64,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
 
     async def CloseSession(self, request, context):
         opener = self._openers.get(request.session_id)
-        _, name = tls.peer(context)
+        _, name = self.transport.peer(context)
         if opener is not None and name != opener:
             raise PermissionDenied(f"session {request.session_id[:wire.MAX_ID_CHARS]} belongs to {opener!r}, "
                                    f"not to {name!r}")
@@ -73,7 +75,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
     def _own(self, session_id: str, context) -> None:
         """Over TLS, remember who opened a session: only that party may close it. Entries of
         sessions gone by other ways (finished, expired) are dropped as the map grows."""
-        _, name = tls.peer(context)
+        _, name = self.transport.peer(context)
         if not name:
             return
         if len(self._openers) >= MAX_OPENERS:
@@ -92,12 +94,10 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
     def _check_streamer(self, context) -> None:
         """Over TLS a stage streams steps only to its successor (and the last stage its tokens to
         stage 0): the caller's certificate must name the stage the assignment says."""
-        from logicpipe import grpc_options
-
         eng = self.runtime.engine
-        if grpc_options.tls_bundle() is None or eng is None:
+        if not self.transport.tls or eng is None:
             return
-        role, name = tls.peer(context)
+        role, name = self.transport.peer(context)
         if role != "stage":
             return  # the controller (prompts to stage 0); RoleCheck admitted no other role
         a = eng.assignment
@@ -165,8 +165,6 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             self._large_echoes -= 1
 
     async def MeasureLink(self, request, context):
-        from logicpipe.stage_node.linkprobe import measure_link
-
         if not request.target_address or len(request.target_address) > 256:
             raise InvalidArgument("target_address must be a host:port of 1 to 256 characters")
         if request.probes > MAX_PROBES:
@@ -181,7 +179,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             self._measure_waiting -= 1
         try:
             try:
-                latency, bandwidth = await measure_link(request.target_address, request.probes or 5,
+                latency, bandwidth = await measure_link(self.transport, request.target_address, request.probes or 5,
                                                         min(request.payload_bytes or 2**20, MAX_ECHO_BYTES))
             except grpc.aio.AioRpcError as exc:
                 detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""

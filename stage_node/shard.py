@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from logicpipe.modeldir import ModelConfig, checkpoint_index
+from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from .kv import KVPool, StepKV
 from .ops import Rows, causal_mask, decode_mm, linear, rms_norm
 from .rope import RopeTables, apply_rope, rope_parameters

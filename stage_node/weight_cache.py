@@ -30,9 +30,9 @@ from typing import Callable
 
 import grpc
 
-from logicpipe import grpc_options
+from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, InvalidArgument, Unavailable, from_code
-from logicpipe.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_layout
+from logicpipe.common.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_layout
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from logicpipe.stage_node.weights import shard_tensor_names
 
@@ -71,12 +71,12 @@ def needed_tensors(config: ModelConfig, start: int, end: int, *, first: bool, la
     return shard_tensor_names(config, start, end, first=first, last=last, tied=config.tie_word_embeddings)
 
 
-async def pull_assignment(controller_address: str, digest: str, start: int, end: int, num_layers: int,
+async def pull_assignment(transport: Transport, controller_address: str, digest: str, start: int, end: int, num_layers: int,
                           cache_root: Path, *, progress: Progress = log.info) -> PullResult:
     """Pull what layers [start, end) of a `num_layers` model need (config first, on a fresh cache)."""
     cache_dir = cache_dir_for(cache_root, digest)
     if not (cache_dir / "config.json").is_file():
-        await pull_shard(controller_address, digest, True, [], cache_root, progress=progress)
+        await pull_shard(transport, controller_address, digest, True, [], cache_root, progress=progress)
     try:
         layout = await asyncio.to_thread(ModelConfig.from_dir, cache_dir, False)  # weights may be to come
     except ModelError as e:
@@ -85,10 +85,10 @@ async def pull_assignment(controller_address: str, digest: str, start: int, end:
         raise FailedPrecondition(f"the controller's model (digest {digest}) has {layout.num_layers} layers, "
                                  f"the assignment says {num_layers}")
     names = needed_tensors(layout, start, end, first=start == 0, last=end == num_layers)
-    return await pull_shard(controller_address, digest, True, names, cache_root, progress=progress)
+    return await pull_shard(transport, controller_address, digest, True, names, cache_root, progress=progress)
 
 
-async def pull_shard(controller_address: str, digest: str, config_needed: bool, names: list[str],
+async def pull_shard(transport: Transport, controller_address: str, digest: str, config_needed: bool, names: list[str],
                      cache_root: Path, *, progress: Progress = log.info) -> PullResult:
     """Make `cache_root/<digest>/` hold `names` (and the config files when `config_needed`),
     pulling from the controller only what it lacks. Raises a MeshError: the controller's status
@@ -106,7 +106,7 @@ async def pull_shard(controller_address: str, digest: str, config_needed: bool, 
     t0 = time.perf_counter()
     meter = _Meter(progress, len(missing))
     batches = [missing[i: i + MAX_TENSORS_PER_PULL] for i in range(0, len(missing), MAX_TENSORS_PER_PULL)] or [[]]
-    async with grpc_options.channel(controller_address, "controller") as channel:
+    async with transport.channel(controller_address, "controller") as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         for i, batch in enumerate(batches):
             request = controller_pb2.PullWeightsRequest(model_digest=digest, tensors=batch,

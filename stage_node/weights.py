@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from logicpipe.modeldir import ModelConfig, ModelError
+from logicpipe.common.modeldir import ModelConfig, ModelError
 
 
 EMBED = "model.embed_tokens.weight"

@@ -5,24 +5,16 @@ from __future__ import annotations
 
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
+from logicpipe.limits import MAX_ID_CHARS, check_id
 from logicpipe.tensor_codec import RawTensor
 from logicpipe.v1 import stage_pb2
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.scheduler import StepMsg
 from logicpipe.stage_node.sequence import SeqSpec, SeqWork
 
-MAX_ID_CHARS = 256          # session ids, owners
 MAX_STOP_IDS = 1024         # stop token ids of one session
 MAX_STEP_ROWS = 16384       # token rows in one step or feed message
 MAX_CANDIDATES = 64         # candidate tokens per sequence per step
-
-
-def check_id(what: str, value: str, *, empty_ok: bool = False) -> str:
-    if not value and not empty_ok:
-        raise InvalidArgument(f"{what} is empty")
-    if len(value) > MAX_ID_CHARS:
-        raise InvalidArgument(f"{what} is {len(value)} characters, over the {MAX_ID_CHARS}-character cap")
-    return value
 
 
 def sampling_from_proto(p: stage_pb2.SamplingParams) -> SamplingParams:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from logicpipe.grpc_options import MAX_MESSAGE_BYTES
+from logicpipe.limits import MAX_MESSAGE_BYTES
 from logicpipe.v1 import tensor_pb2
 
 # dtype name on the wire -> torch dtype. Anything else is rejected.

@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from logicpipe import grpc_options
-from logicpipe.localmesh import LocalMesh
+from tests.localmesh import client_transport, LocalMesh
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 pytestmark = pytest.mark.mesh
@@ -31,19 +30,19 @@ def prompts(n: int) -> list[tuple[str, int]]:
 
 
 def submit(address: str, prompt: str, max_tokens: int, **kw) -> list[int]:
-    with grpc_options.sync_channel(address, "controller") as ch:
+    with client_transport().sync_channel(address, "controller") as ch:
         replies = controller_pb2_grpc.ControllerStub(ch).Submit(
             controller_pb2.SubmitRequest(prompt=prompt, max_tokens=max_tokens, **kw), timeout=600)
         return [t for r in replies for t in r.token_ids]
 
 
 def stage_status(address: str) -> stage_pb2.StatusReply:
-    with grpc_options.sync_channel(address, "stage") as ch:
+    with client_transport().sync_channel(address, "stage") as ch:
         return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
 
 
 def controller_status(address: str) -> controller_pb2.ControllerStatusReply:
-    with grpc_options.sync_channel(address, "controller") as ch:
+    with client_transport().sync_channel(address, "controller") as ch:
         return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(), timeout=10)
 
 
@@ -123,7 +122,7 @@ def test_a_killed_controller_leaves_no_session_after_the_ttl(model_dir, tmp_path
 
         def long_request():
             try:
-                with grpc_options.sync_channel(mesh.controller_address, "controller") as ch:
+                with client_transport().sync_channel(mesh.controller_address, "controller") as ch:
                     for reply in controller_pb2_grpc.ControllerStub(ch).Submit(
                             controller_pb2.SubmitRequest(prompt="Tell me a long story.", max_tokens=2000,
                                                          ignore_eos=True), timeout=120):

@@ -10,8 +10,7 @@ import time
 import grpc
 import pytest
 
-from logicpipe import grpc_options
-from logicpipe.localmesh import LocalMesh
+from tests.localmesh import client_transport, LocalMesh
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 pytestmark = pytest.mark.mesh
@@ -28,7 +27,7 @@ class Request(threading.Thread):
 
     def run(self) -> None:
         try:
-            with grpc_options.sync_channel(self.address, "controller") as ch:
+            with client_transport().sync_channel(self.address, "controller") as ch:
                 for reply in controller_pb2_grpc.ControllerStub(ch).Submit(controller_pb2.SubmitRequest(
                         prompt=self.prompt, max_tokens=self.max_tokens, ignore_eos=True), timeout=300):
                     self.tokens += reply.token_ids
@@ -48,12 +47,12 @@ PROMPTS = ["Tell me a very long story.", "Describe every planet of the solar sys
 
 
 def controller_status(address: str, timeout: float) -> controller_pb2.ControllerStatusReply:
-    with grpc_options.sync_channel(address, "controller") as ch:
+    with client_transport().sync_channel(address, "controller") as ch:
         return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(), timeout=timeout)
 
 
 def open_sessions(address: str) -> int:
-    with grpc_options.sync_channel(address, "stage") as ch:
+    with client_transport().sync_channel(address, "stage") as ch:
         return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10).open_sessions
 
 

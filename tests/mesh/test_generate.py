@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 import torch
 
 from logicpipe.controller.app import encode_prompt
-from logicpipe import grpc_options
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
-from logicpipe.localmesh import LocalMesh as Mesh
+from tests.localmesh import client_transport, LocalMesh as Mesh
 
 pytestmark = pytest.mark.mesh
 
@@ -60,7 +57,7 @@ def mesh(request, model_dir, tmp_path_factory):
 
 
 def submit(address: str, prompt: str, max_tokens: int = NEW_TOKENS, **kw) -> tuple[list[int], str, list]:
-    with grpc_options.sync_channel(address, "controller") as ch:
+    with client_transport().sync_channel(address, "controller") as ch:
         replies = list(controller_pb2_grpc.ControllerStub(ch).Submit(
             controller_pb2.SubmitRequest(prompt=prompt, max_tokens=max_tokens, **kw), timeout=300))
     ids = [t for r in replies for t in r.token_ids]
@@ -79,7 +76,7 @@ def test_each_stage_holds_only_its_shard(mesh, hf_model):
     _, model = hf_model
     statuses = []
     for addr in mesh.stage_addresses:
-        with grpc_options.sync_channel(addr, "stage") as ch:
+        with client_transport().sync_channel(addr, "stage") as ch:
             statuses.append(stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10))
     ranges = sorted((s.start_layer, s.end_layer) for s in statuses)
     assert ranges[0][0] == 0 and ranges[-1][1] == model.config.num_hidden_layers
@@ -90,7 +87,7 @@ def test_each_stage_holds_only_its_shard(mesh, hf_model):
 
 
 def stage_status(address: str) -> stage_pb2.StatusReply:
-    with grpc_options.sync_channel(address, "stage") as ch:
+    with client_transport().sync_channel(address, "stage") as ch:
         return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
 
 
@@ -107,7 +104,7 @@ def test_concurrent_requests_share_the_pipeline(mesh, reference):
 
 
 def test_lpctl_json_and_stream(mesh, model_dir):
-    from logicpipe.modeldir import ModelConfig
+    from logicpipe.common.modeldir import ModelConfig
 
     num_layers = ModelConfig.from_dir(model_dir).num_layers
     lpctl = mesh.lpctl()
@@ -151,7 +148,7 @@ def test_node_killed_mid_generation_finishes_on_the_survivor(model_dir, tmp_path
     the controller re-plans onto it alone and the (seeded, sampled) request finishes with the
     tokens it gives without the kill."""
     with Mesh(2, model_dir, tmp_path) as mesh:
-        with grpc_options.sync_channel(mesh.controller_address, "controller") as ch:
+        with client_transport().sync_channel(mesh.controller_address, "controller") as ch:
             stub = controller_pb2_grpc.ControllerStub(ch)
             request = controller_pb2.SubmitRequest(prompt=PROMPTS[1], max_tokens=60, ignore_eos=True,
                                                    sampling=stage_pb2.SamplingParams(temperature=0.8, seed=1))

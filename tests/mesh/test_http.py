@@ -14,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from logicpipe import grpc_options
-from logicpipe.localmesh import LocalMesh, free_port
+from tests.localmesh import client_transport, free_port, LocalMesh
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 PROMPT = "What is the capital of France?"
@@ -110,7 +109,7 @@ def test_bad_requests_get_openai_errors_and_the_mesh_serves_on(mesh, client):
 def open_sessions(mesh) -> int:
     total = 0
     for addr in mesh.stage_addresses:
-        with grpc_options.sync_channel(addr, "stage") as ch:
+        with client_transport().sync_channel(addr, "stage") as ch:
             total += stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10).open_sessions
     return total
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import grpc
 import pytest
 
-from logicpipe import grpc_options
-from logicpipe.localmesh import LocalMesh, free_port, mesh_bundle, wait_serving
+from tests.localmesh import client_transport, free_port, LocalMesh, mesh_bundle, wait_serving
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 pytestmark = pytest.mark.mesh
@@ -37,7 +35,7 @@ class Generation(threading.Thread):
 
     def run(self) -> None:
         try:
-            with grpc_options.sync_channel(self.address, "controller") as ch:
+            with client_transport().sync_channel(self.address, "controller") as ch:
                 for reply in controller_pb2_grpc.ControllerStub(ch).Submit(self.request, timeout=300):
                     self.tokens += reply.token_ids
                     self.first_stages = self.first_stages or list(reply.stages)
@@ -62,7 +60,7 @@ def run(address: str, prompt: str = PROMPT, max_tokens: int = 120, **sampling) -
 
 
 def stage_status(address: str) -> stage_pb2.StatusReply:
-    with grpc_options.sync_channel(address, "stage") as ch:
+    with client_transport().sync_channel(address, "stage") as ch:
         return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
 
 
@@ -166,7 +164,7 @@ def test_a_node_registers_itself_and_a_duplicate_id_is_refused(model_dir, tmp_pa
                                         "--threads", "1", "--no-mdns", "--controller", mesh.controller_address,
                                         "--state-dir", str(tmp_path / "dup-state"),
                                         *(["--tls-dir", str(mesh_bundle("stage1", "stage"))] if mesh.tls else [])])
-        wait_serving(dup, proc, log)
+        wait_serving(dup, proc, log, transport=mesh.transport)
         deadline = time.monotonic() + 30
         while "refused this node" not in log.read_text():
             assert time.monotonic() < deadline, log.read_text()

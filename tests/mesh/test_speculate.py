@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
-import grpc
 import pytest
 
-from logicpipe import grpc_options
-from logicpipe.localmesh import LocalMesh as Mesh
+from tests.localmesh import client_transport, LocalMesh as Mesh
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2
 
 pytestmark = pytest.mark.mesh
@@ -38,7 +35,7 @@ def mesh(request, model_dir, tmp_path_factory):
 
 
 def submit(address: str, prompt: str, **kw) -> tuple[list[int], controller_pb2.Timings]:
-    with grpc_options.sync_channel(address, "controller") as ch:
+    with client_transport().sync_channel(address, "controller") as ch:
         replies = list(controller_pb2_grpc.ControllerStub(ch).Submit(
             controller_pb2.SubmitRequest(prompt=prompt, max_tokens=kw.pop("max_tokens", NEW_TOKENS), **kw),
             timeout=300))

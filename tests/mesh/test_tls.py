@@ -8,8 +8,10 @@ import threading
 import grpc
 import pytest
 
-from logicpipe import grpc_options, tls
-from logicpipe.localmesh import LocalMesh, mesh_bundle
+from logicpipe.common.security import ca
+from logicpipe.common.security.bundle import Bundle
+from logicpipe.common.transport import Transport
+from tests.localmesh import LocalMesh, mesh_bundle
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 PROMPT = "Write a short poem about the sea."
@@ -21,12 +23,13 @@ def mesh(model_dir, tmp_path_factory):
         yield m
 
 
-def bundle(name: str, role: str) -> tls.Bundle:
-    return tls.Bundle.load(mesh_bundle(name, role))
+def bundle(name: str, role: str) -> Bundle:
+    return Bundle.load(mesh_bundle(name, role))
 
 
 def generate(mesh, bundle_=None, max_tokens: int = 24) -> list[int]:
-    with grpc_options.sync_channel(mesh.controller_address, "controller", bundle_) as ch:
+    transport = Transport(bundle_) if bundle_ is not None else mesh.transport  # default: the mesh's client
+    with transport.sync_channel(mesh.controller_address, "controller") as ch:
         replies = controller_pb2_grpc.ControllerStub(ch).Submit(
             controller_pb2.SubmitRequest(prompt=PROMPT, max_tokens=max_tokens, ignore_eos=True), timeout=300)
         return [t for r in replies for t in r.token_ids]
@@ -40,9 +43,9 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def stage_stub(mesh, node_id: str, who: tls.Bundle | None):
+def stage_stub(mesh, node_id: str, who: Bundle | None):
     address = mesh.stage_addresses[int(node_id.removeprefix("stage"))]
-    return stage_pb2_grpc.StageNodeStub(grpc_options.sync_channel(address, "stage", who))
+    return stage_pb2_grpc.StageNodeStub(Transport(who).sync_channel(address, "stage"))
 
 
 def plan_order(mesh) -> list[str]:
@@ -60,9 +63,9 @@ def test_no_or_a_foreign_certificate_fails_the_handshake(mesh, tmp_path):
         code, _ = code_of(lambda: controller_pb2_grpc.ControllerStub(ch).Status(
             controller_pb2.ControllerStatusRequest(), timeout=5))
     assert code == grpc.StatusCode.UNAVAILABLE
-    tls.init_ca(tmp_path / "other-ca")  # a client of another mesh's CA
-    tls.issue(tmp_path / "other-ca", "mallory", "client", tmp_path / "mallory")
-    foreign = tls.Bundle.load(tmp_path / "mallory")
+    ca.init_ca(tmp_path / "other-ca")  # a client of another mesh's CA
+    ca.issue(tmp_path / "other-ca", "mallory", "client", tmp_path / "mallory")
+    foreign = Bundle.load(tmp_path / "mallory")
     code, _ = code_of(lambda: generate(mesh, foreign))
     assert code == grpc.StatusCode.UNAVAILABLE
     assert len(generate(mesh, max_tokens=4)) == 4  # still serving
@@ -104,12 +107,12 @@ def test_wrong_roles_and_wrong_peers_are_refused(mesh):
     # a stage cannot submit, nor speak for another node
     code, msg = code_of(lambda: generate(mesh, stage))
     assert code == grpc.StatusCode.PERMISSION_DENIED and "Submit accepts client" in msg
-    with grpc_options.sync_channel(mesh.controller_address, "controller", stage) as ch:
+    with Transport(stage).sync_channel(mesh.controller_address, "controller") as ch:
         code, msg = code_of(lambda: controller_pb2_grpc.ControllerStub(ch).Leave(
             controller_pb2.LeaveRequest(node_id=first), timeout=5))
     assert code == grpc.StatusCode.PERMISSION_DENIED and f"cannot speak for node {first!r}" in msg
     # a client cannot pull weights or register
-    with grpc_options.sync_channel(mesh.controller_address, "controller", client) as ch:
+    with Transport(client).sync_channel(mesh.controller_address, "controller") as ch:
         code, _ = code_of(lambda: controller_pb2_grpc.ControllerStub(ch).Register(
             controller_pb2.RegisterRequest(address="127.0.0.1:1", node_id="evil"), timeout=5))
     assert code == grpc.StatusCode.PERMISSION_DENIED
@@ -118,7 +121,7 @@ def test_wrong_roles_and_wrong_peers_are_refused(mesh):
     code, msg = code_of(lambda: list(call))
     assert code == grpc.StatusCode.PERMISSION_DENIED and f"only from {first}" in msg, msg
     # a channel that expects a controller but reaches a stage: the stage's certificate does not match
-    with grpc_options.sync_channel(mesh.stage_addresses[0], "controller", client) as ch:
+    with Transport(client).sync_channel(mesh.stage_addresses[0], "controller") as ch:
         code, _ = code_of(lambda: controller_pb2_grpc.ControllerStub(ch).Status(
             controller_pb2.ControllerStatusRequest(), timeout=5))
     assert code == grpc.StatusCode.UNAVAILABLE
@@ -131,14 +134,14 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
     `lpctl revoke` drops the node, the mesh serves on, and its certificate is refused from then on."""
     import time
 
-    from logicpipe.localmesh import free_port, wait_serving
+    from tests.localmesh import free_port, wait_serving
 
     ca_dir = mesh_bundle("client", "client").parent / "ca"
     join = f"127.0.0.1:{free_port()}"
     client = bundle("client", "client")
     with LocalMesh(1, model_dir, tmp_path / "mesh", threads=1, tls=True,
                    controller_args=("--ca-dir", str(ca_dir), "--join-listen", join)) as mesh:
-        with grpc_options.sync_channel(mesh.controller_address, "controller", client) as ch:
+        with Transport(client).sync_channel(mesh.controller_address, "controller") as ch:
             stub = controller_pb2_grpc.ControllerStub(ch)
             token = stub.CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=120), timeout=10).token
 
@@ -152,10 +155,10 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
                 return addr, proc, log
 
             addr, proc, log = start("newbie", tmp_path / "newbie-tls")
-            wait_serving(addr, proc, log)
+            wait_serving(addr, proc, log, transport=mesh.transport)
             st = mesh.wait_plan(stages=2, timeout=120)
             assert "newbie" in [s.node_id for s in st.stages]
-            assert tls.Bundle.load(tmp_path / "newbie-tls").name == "newbie"
+            assert Bundle.load(tmp_path / "newbie-tls").name == "newbie"
             # the token is spent: a second node with it is refused and says why
             _, again, again_log = start("copycat", tmp_path / "copycat-tls")
             assert again.wait(timeout=60) != 0
@@ -165,8 +168,8 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
             assert "revoked" in msg
             assert [s.node_id for s in mesh.controller_status().stages] == ["stage0"]
             assert len(generate(mesh, max_tokens=4)) == 4
-        newbie = tls.Bundle.load(tmp_path / "newbie-tls")
-        with grpc_options.sync_channel(mesh.controller_address, "controller", newbie) as ch:
+        newbie = Bundle.load(tmp_path / "newbie-tls")
+        with Transport(newbie).sync_channel(mesh.controller_address, "controller") as ch:
             code, msg = code_of(lambda: controller_pb2_grpc.ControllerStub(ch).Register(
                 controller_pb2.RegisterRequest(address=addr, node_id="newbie"), timeout=5))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "revoked" in msg
@@ -184,7 +187,7 @@ def test_a_session_belongs_to_the_controller_that_opened_it(mesh):
     other = bundle("ctl2", "controller")
     first, last = plan_order(mesh)[0], plan_order(mesh)[-1]
     # the controller's owner id, as a (re-)registering stage learns it
-    with grpc_options.sync_channel(mesh.controller_address, "controller", bundle(first, "stage")) as ch:
+    with Transport(bundle(first, "stage")).sync_channel(mesh.controller_address, "controller") as ch:
         owner = controller_pb2_grpc.ControllerStub(ch).Register(controller_pb2.RegisterRequest(
             address=mesh.stage_addresses[int(first.removeprefix("stage"))], node_id=first), timeout=10).controller_id
     events = stage_stub(mesh, last, other).Events(stage_pb2.EventsRequest(owner=owner), timeout=60)

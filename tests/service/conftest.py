@@ -21,8 +21,8 @@ from typing import Awaitable, Sequence
 import grpc
 import pytest
 
-from logicpipe import grpc_options
-from logicpipe.health import add_health, set_serving
+from logicpipe.common.transport import PLAINTEXT
+from logicpipe.common.health import add_health, set_serving
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 RPC_TIMEOUT_S = 20.0   # any single call in these tests; generous for a loaded 2-core machine
@@ -160,9 +160,9 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
 
     if options.get("quantize", "none") != "none":  # a quantized node offers its one format
         weight_formats = (options["quantize"],)
-    runtime = StageRuntime(node_id, "cpu", options=StageOptions(max_kv_bytes=max_kv_bytes, **options))
-    server = grpc_options.new_server()
-    servicer = StageNodeServicer(runtime, fixed_profile(weight_formats) if profiled else None, f"cpu@{node_id}")
+    runtime = StageRuntime(node_id, "cpu", transport=PLAINTEXT, options=StageOptions(max_kv_bytes=max_kv_bytes, **options))
+    server = PLAINTEXT.server()
+    servicer = StageNodeServicer(runtime, PLAINTEXT, fixed_profile(weight_formats) if profiled else None, f"cpu@{node_id}")
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, STAGE_SERVICE)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -174,7 +174,7 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
         await server.start()
         if serving:
             await set_serving(health, True, STAGE_SERVICE)
-        channel = grpc_options.channel(address, "stage")
+        channel = PLAINTEXT.channel(address, "stage")
         yield Node(node_id, runtime, server, health, address, channel, stage_pb2_grpc.StageNodeStub(channel))
     finally:
         if channel is not None:
@@ -389,9 +389,9 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
     from logicpipe.controller.service import ControllerServicer
     from logicpipe.v1 import controller_pb2_grpc
 
-    app = ControllerApp(model_dir, list(nodes), strategy=strategy, settle_s=0.5, dtype=dtype)
-    server = grpc_options.new_server()
-    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, requests_per_client), server)
+    app = ControllerApp(model_dir, list(nodes), transport=PLAINTEXT, strategy=strategy, settle_s=0.5, dtype=dtype)
+    server = PLAINTEXT.server()
+    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, PLAINTEXT, requests_per_client), server)
     port = server.add_insecure_port("127.0.0.1:0")
     assert port, "could not bind an ephemeral loopback port"
     address = f"127.0.0.1:{port}"
@@ -401,7 +401,7 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
         if start:
             await app.start()
             assert await app.wait_ready(120), f"no plan: {app.waiting}"
-        channel = grpc_options.channel(address, "controller")
+        channel = PLAINTEXT.channel(address, "controller")
         yield Controller(app, server, address, channel, controller_pb2_grpc.ControllerStub(channel))
     finally:
         if channel is not None:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 from dataclasses import dataclass
 
 import grpc
 import pytest
 
-from logicpipe.errors import Unavailable
 from logicpipe.v1 import controller_pb2, stage_pb2
 
 from .conftest import (

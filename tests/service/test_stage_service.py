@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from logicpipe import grpc_options
-from logicpipe.health import set_serving
+from logicpipe.limits import MAX_MESSAGE_BYTES
+from logicpipe.common.health import set_serving
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from logicpipe.stage_node import links
 from logicpipe.stage_node.wire import MAX_STEP_ROWS
@@ -304,7 +304,7 @@ def test_step_at_the_wrong_position_or_past_capacity_fails_that_session_only(tin
 # ----------------------------------------------------------------------------- oversize messages
 
 def test_oversize_messages_are_resource_exhausted_and_the_node_keeps_serving(tiny_model):
-    cap = grpc_options.MAX_MESSAGE_BYTES
+    cap = MAX_MESSAGE_BYTES
 
     async def main():
         async with single_stage(tiny_model.path) as node:

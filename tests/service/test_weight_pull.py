@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from logicpipe.controller.weights_server import MAX_TENSORS_PER_REQUEST, stream_weights
-from logicpipe import grpc_options
+from logicpipe.common.transport import PLAINTEXT
 from logicpipe.errors import FailedPrecondition, NotFound, Unavailable
-from logicpipe.modeldir import ModelConfig, model_digest, safetensors_files, safetensors_header
+from logicpipe.common.modeldir import ModelConfig, model_digest, safetensors_files, safetensors_header
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.weight_cache import PullResult, needed_tensors, pull_assignment, pull_shard
@@ -43,7 +43,7 @@ class WeightsServicer(controller_pb2_grpc.ControllerServicer):
 @contextlib.asynccontextmanager
 async def weights_server(model_dir: Path, digest: str, tamper: Tamper | None = None):
     """host:port of a server with the interceptors of the real ones (MeshError -> status)."""
-    server = grpc_options.new_server()
+    server = PLAINTEXT.server()
     controller_pb2_grpc.add_ControllerServicer_to_server(WeightsServicer(model_dir, digest, tamper), server)
     port = server.add_insecure_port("127.0.0.1:0")
     assert port, "could not bind an ephemeral loopback port"
@@ -83,8 +83,8 @@ def test_pull_first_stage_then_only_new_layers(model_dir, digest, config, tmp_pa
 
     async def scenario() -> tuple[PullResult, PullResult]:
         async with weights_server(model_dir, digest) as address:
-            a = await pull_shard(address, digest, True, first10, cache_root)
-            b = await pull_shard(address, digest, True, needed_tensors(config, 0, 15, first=True, last=False),
+            a = await pull_shard(PLAINTEXT, address, digest, True, first10, cache_root)
+            b = await pull_shard(PLAINTEXT, address, digest, True, needed_tensors(config, 0, 15, first=True, last=False),
                                  cache_root)
             return a, b
 
@@ -118,7 +118,7 @@ def test_last_stage_with_tied_embeddings_pulls_embed_and_final_norm(model_dir, d
     async def scenario() -> PullResult:
         async with weights_server(model_dir, digest) as address:
             # the stage's path: config first (fresh cache), then the tensors the config says
-            return await pull_assignment(address, digest, SMOL_LAYERS - 1, SMOL_LAYERS, SMOL_LAYERS, tmp_path)
+            return await pull_assignment(PLAINTEXT, address, digest, SMOL_LAYERS - 1, SMOL_LAYERS, SMOL_LAYERS, tmp_path)
 
     result = run(scenario())
     assert result.tensors == len(names) and result.pulled_bytes == tensor_bytes(model_dir, names)
@@ -134,12 +134,12 @@ def test_bad_requests_get_their_status(model_dir, digest, config, tmp_path):
     async def scenario():
         async with weights_server(model_dir, digest) as address:
             with pytest.raises(FailedPrecondition) as info:
-                await pull_shard(address, "0123456789abcdef", False, layer0, tmp_path)
+                await pull_shard(PLAINTEXT, address, "0123456789abcdef", False, layer0, tmp_path)
             assert digest in str(info.value) and "0123456789abcdef" in str(info.value)
             with pytest.raises(NotFound) as info:
-                await pull_shard(address, digest, False, layer0 + ["model.layers.99.mlp.up_proj.weight"], tmp_path)
+                await pull_shard(PLAINTEXT, address, digest, False, layer0 + ["model.layers.99.mlp.up_proj.weight"], tmp_path)
             assert "model.layers.99.mlp.up_proj.weight" in str(info.value)
-            async with grpc_options.channel(address, "controller") as channel:
+            async with PLAINTEXT.channel(address, "controller") as channel:
                 stub = controller_pb2_grpc.ControllerStub(channel)
 
                 async def pull(**fields):
@@ -177,7 +177,7 @@ def test_broken_stream_leaves_no_file(model_dir, digest, config, tmp_path, tampe
 
     async def scenario():
         async with weights_server(model_dir, digest, tamper) as address:
-            await pull_shard(address, digest, True, layer0, tmp_path)
+            await pull_shard(PLAINTEXT, address, digest, True, layer0, tmp_path)
 
     with pytest.raises(Unavailable) as info:
         run(scenario())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from logicpipe.modeldir import ModelConfig, ModelError, model_digest
+from logicpipe.common.modeldir import ModelConfig, ModelError, model_digest
 
 LLAMA = {
     "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 16, "intermediate_size": 32,

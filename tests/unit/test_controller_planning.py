@@ -24,7 +24,7 @@ def status(node_id: str, flops: float, memory: int) -> stage_pb2.StatusReply:
 
 @pytest.fixture()
 def spec(model_dir):
-    from logicpipe.modeldir import ModelConfig, model_digest
+    from logicpipe.common.modeldir import ModelConfig, model_digest
 
     return planning.model_spec(ModelConfig.from_dir(model_dir), "smol", model_digest(model_dir))
 

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from logicpipe.discovery import (PROTOCOL_VERSION, SERVICE_TYPE, Advert, Advertiser, Browser, DuplicateNode,
+from logicpipe.common.discovery import (PROTOCOL_VERSION, SERVICE_TYPE, Advert, Advertiser, Browser, DuplicateNode,
                                  _instance_name)
 
 LOOPBACK = "127.0.0.1"

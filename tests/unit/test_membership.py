@@ -7,10 +7,9 @@ import asyncio
 
 import pytest
 
-from logicpipe.controller import membership
 from logicpipe.controller.membership import Members
 from logicpipe.errors import Unavailable
-from logicpipe.grpc_options import caller_address
+from logicpipe.common.transport import caller_address
 from logicpipe.v1 import stage_pb2
 
 
@@ -20,24 +19,24 @@ def status(node_id: str, profiled: bool = True, stopping: bool = False, uptime: 
                                  compute_id="cpu@host")
 
 
-@pytest.fixture
-def world(monkeypatch):
+class World(dict):
     """address -> StatusReply (or None: it does not answer); what Members' probes see."""
-    nodes: dict[str, stage_pb2.StatusReply | None] = {}
 
-    async def probe(address, timeout=0):
-        if nodes.get(address) is None:
+    async def probe(self, address, timeout=0):
+        if self.get(address) is None:
             raise Unavailable(f"stage node {address} is unreachable")
-        return nodes[address]
+        return self[address]
 
-    monkeypatch.setattr(membership.Pipeline, "probe", staticmethod(probe))
-    return nodes
+
+@pytest.fixture
+def world():
+    return World()
 
 
 def test_members_learn_ids_refuse_a_taken_one_and_come_back(world):
     async def main():
         changes: list[str] = []
-        m = Members(changes.append)
+        m = Members(world.probe, changes.append)
         world.update({"a:1": status("a"), "b:1": status("a", uptime=30.0), "c:1": status("c", profiled=False)})
         for addr in world:
             m.add(addr, "static")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from logicpipe import sdnotify
+from logicpipe.common import sdnotify
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNITS = {"controller": SYSTEMD_DIR / "logicpipe-controller.service", "stage": SYSTEMD_DIR / "logicpipe-stage.service"}

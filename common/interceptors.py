@@ -1,4 +1,4 @@
-"""The server interceptor every LogicPipe server installs (through grpc_options.new_server): it
+"""The server interceptors every LogicPipe server installs (through Transport.server). ServiceErrors
 turns what a handler raises or receives into the right gRPC status, so servicers only translate.
 
 - a MeshError raised by a handler (unary or streaming) ends the call with its status and message;
@@ -10,6 +10,7 @@ from __future__ import annotations
 import grpc
 from google.protobuf.message import DecodeError
 
+from logicpipe.common.security.bundle import peer
 from logicpipe.errors import MeshError
 
 
@@ -71,34 +72,37 @@ class ServiceErrors(grpc.aio.ServerInterceptor):
 
 
 class RoleCheck(grpc.aio.ServerInterceptor):
-    """While the process serves over mutual TLS: a call whose caller's certificate states a role
-    the method does not accept ends with PERMISSION_DENIED, saying which role it needs. `policy`
-    maps a method name ("Assign") to the roles that may call it; a method missing from it (the
-    health service) is open to every party the handshake admitted."""
+    """While the process serves over mutual TLS (`tls`): a call whose caller's certificate states
+    a role the method does not accept, or a revoked name, ends with PERMISSION_DENIED, saying which
+    role it needs. `policy` maps a method name ("Assign") to the roles that may call it
+    (logicpipe.policy); a method missing from it (the health service) is open to every party the
+    handshake admitted."""
 
-    def __init__(self, policy: dict[str, frozenset[str]], revoked: set[str] | None = None):
+    def __init__(self, tls: bool, policy: dict[str, frozenset[str]], revocations=None):
+        self.tls = tls
         self.policy = policy
-        self.revoked = revoked if revoked is not None else set()  # certificate names refused outright
+        self.revocations = revocations if revocations is not None else frozenset()  # names refused outright
 
     async def intercept_service(self, continuation, handler_call_details):
-        from logicpipe import grpc_options, tls
-
         handler = await continuation(handler_call_details)
         method = handler_call_details.method.rsplit("/", 1)[-1]
         allowed = self.policy.get(method)
-        if handler is None or allowed is None or grpc_options.tls_bundle() is None:
+        if handler is None or allowed is None or not self.tls:
             return handler
         kind = ("stream" if handler.request_streaming else "unary") + "_" + \
                ("stream" if handler.response_streaming else "unary")
         inner = getattr(handler, kind)
 
         async def refuse(context) -> bool:
-            role, name = tls.peer(context)
-            if name in self.revoked:
+            role, name = peer(context)
+            if name in self.revocations:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the certificate of {name!r} was revoked")
                 return True
             if role in allowed:
                 return False
+            if not allowed:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method} is not served on this port")
+                return True
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{method} accepts {' or '.join(sorted(allowed))} certificates; this caller presented "
                                 f"{'a ' + role if role else 'no role'} certificate ({name or 'unnamed'}): "

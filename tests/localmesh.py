@@ -26,6 +26,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from logicpipe.common.security import ca
+from logicpipe.common.security.bundle import Bundle
+from logicpipe.common.transport import PLAINTEXT, Transport
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+
 READY_TIMEOUT_S = 120.0  # a process must report SERVING within this (model loading included)
 STOP_GRACE_S = 10.0      # SIGTERM, then SIGKILL after this
 
@@ -43,23 +48,33 @@ _CA_DIR: Path | None = None  # one CA per process: its meshes share it and the c
 def mesh_bundle(name: str, role: str) -> Path:
     """A bundle directory for party `name` of `role`, from this process's throw-away mesh CA."""
     global _CA_DIR
-    from logicpipe import tls
-
     if _CA_DIR is None:
-        _CA_DIR = tls.init_ca(Path(tempfile.mkdtemp(prefix="logicpipe-ca-")) / "ca")
+        _CA_DIR = ca.init_ca(Path(tempfile.mkdtemp(prefix="logicpipe-ca-")) / "ca")
     out = _CA_DIR.parent / f"{role}-{name}"
     if not (out / f"{name}.crt").is_file():
-        tls.issue(_CA_DIR, name, role, out)
+        ca.issue(_CA_DIR, name, role, out)
     return out
 
 
-def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = READY_TIMEOUT_S,
-                 peer_role: str = "stage", bundle=None, plaintext: bool = False) -> None:
-    """Until grpc.health.v1 at `address` says SERVING; raises with the log's tail if the process dies."""
-    from logicpipe import grpc_options
+def tls_by_default() -> bool:
+    """Whether meshes of this process run over mutual TLS unless told (the mesh tests set
+    $LOGICPIPE_LOCALMESH_TLS=1)."""
+    return os.environ.get("LOGICPIPE_LOCALMESH_TLS") == "1"
 
+
+def client_transport(tls: bool | None = None) -> Transport:
+    """This process's transport as a client of its meshes: the client bundle of its throw-away CA
+    when they run over TLS (`tls`, default `tls_by_default()`), else plaintext."""
+    if tls if tls is not None else tls_by_default():
+        return Transport(Bundle.load(mesh_bundle("client", "client")))
+    return PLAINTEXT
+
+
+def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = READY_TIMEOUT_S,
+                 peer_role: str = "stage", transport: Transport = PLAINTEXT) -> None:
+    """Until grpc.health.v1 at `address` says SERVING; raises with the log's tail if the process dies."""
     deadline = time.monotonic() + timeout
-    with grpc_options.sync_channel(address, peer_role, bundle, plaintext=plaintext) as ch:
+    with transport.sync_channel(address, peer_role) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -95,14 +110,8 @@ class LocalMesh:
         self.mesh_name = f"test-{os.getpid()}-{free_port()}"
         # tls: every process with a certificate of one CA, and this process as a client (default:
         # $LOGICPIPE_LOCALMESH_TLS=1; the mesh tests set it)
-        self.tls = tls if tls is not None else os.environ.get("LOGICPIPE_LOCALMESH_TLS") == "1"
-        self.client = None  # this process's client bundle for the mesh (TLS only)
-        if self.tls:
-            from logicpipe import grpc_options
-            from logicpipe.tls import Bundle
-
-            self.client = Bundle.load(mesh_bundle("client", "client"))
-            grpc_options.use_client_tls(self.client)  # the test's own channels
+        self.tls = tls if tls is not None else tls_by_default()
+        self.transport = client_transport(self.tls)  # this process's channels to the mesh
         self.procs: dict[str, subprocess.Popen] = {}
         self.stage_addresses: list[str] = []
         self.controller_address = ""
@@ -129,7 +138,7 @@ class LocalMesh:
                                               "--device", self.device, "--threads", str(self.threads),
                                               "--state-dir", str(self.workdir / f"state{i}"), *found,
                                               *self.stage_args, *extra], self.stage_env.get(i))
-        wait_serving(addr, proc, log, bundle=self.client, plaintext=not self.tls)
+        wait_serving(addr, proc, log, transport=self.transport)
         return addr
 
     def start_controller(self, *extra: str, ready: bool = True) -> str:
@@ -142,8 +151,7 @@ class LocalMesh:
         proc, log = self._spawn("controller", [
             "-m", "logicpipe.controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
             *found, *self.controller_args, *extra])
-        wait_serving(self.controller_address, proc, log, peer_role="controller", bundle=self.client,
-                     plaintext=not self.tls)
+        wait_serving(self.controller_address, proc, log, peer_role="controller", transport=self.transport)
         if ready:
             self.wait_plan(proc=proc, log=log)
         return self.controller_address
@@ -154,11 +162,7 @@ class LocalMesh:
                 *(["--tls-dir", str(mesh_bundle("client", "client"))] if self.tls else [])]
 
     def controller_status(self, timeout: float = 5.0):
-        from logicpipe import grpc_options
-        from logicpipe.v1 import controller_pb2, controller_pb2_grpc
-
-        with grpc_options.sync_channel(self.controller_address, "controller", self.client,
-                                       plaintext=not self.tls) as ch:
+        with self.transport.sync_channel(self.controller_address, "controller") as ch:
             return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(),
                                                                  timeout=timeout)
 

@@ -6,6 +6,9 @@ import logging
 import signal
 from typing import Awaitable, Callable
 
+from logicpipe.common import sdnotify
+from logicpipe.common.health import set_serving
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -21,9 +24,6 @@ async def serve_until_signalled(server, health, service_name: str, grace_s: floa
     status line), tell systemd READY=1 and ping its watchdog while `alive()`; wait for SIGINT or
     SIGTERM (systemd's stop), then report NOT_SERVING, run `on_stop` (hand work over) and stop the
     server, giving in-flight calls `grace_s` seconds."""
-    from logicpipe import sdnotify
-    from logicpipe.health import set_serving
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

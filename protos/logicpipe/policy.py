@@ -1,0 +1,34 @@
+"""Who may call what, once the mesh runs over mutual TLS.
+
+Every party holds a certificate of the mesh's CA that states its role (controller, stage or
+client) and its name (a stage's node id). A dialer checks that its peer holds the role it expects
+by the DNS name "<role>.logicpipe" in the peer's certificate; a server checks the caller's role
+against the tables below (logicpipe.common.interceptors.RoleCheck)."""
+from __future__ import annotations
+
+CONTROLLER, STAGE, CLIENT = "controller", "stage", "client"
+ROLES = (CONTROLLER, STAGE, CLIENT)
+DOMAIN = "logicpipe"
+
+
+def role_host(role: str, name: str = "") -> str:
+    """The DNS name a certificate of `role` (and `name`) carries: "<role>.logicpipe", "<name>.<role>.logicpipe"."""
+    return f"{name}.{role}.{DOMAIN}" if name else f"{role}.{DOMAIN}"
+
+
+STAGE_POLICY: dict[str, frozenset[str]] = {
+    "Assign": frozenset({CONTROLLER}), "OpenSession": frozenset({CONTROLLER}), "CloseSession": frozenset({CONTROLLER}),
+    "Events": frozenset({CONTROLLER}), "MeasureLink": frozenset({CONTROLLER}),
+    "Stream": frozenset({CONTROLLER, STAGE}),  # the controller's prompts (stage 0) and the previous stage's steps
+    "Echo": frozenset({CONTROLLER, STAGE}), "Status": frozenset({CONTROLLER, STAGE, CLIENT}),
+}
+"""Who may call each StageNode method."""
+
+CONTROLLER_POLICY: dict[str, frozenset[str]] = {
+    "Submit": frozenset({CLIENT}), "Plan": frozenset({CLIENT}), "Drain": frozenset({CLIENT}),
+    "Status": frozenset({CONTROLLER, STAGE, CLIENT}),
+    "Register": frozenset({STAGE}), "Leave": frozenset({STAGE}), "PullWeights": frozenset({STAGE}),
+    "CreateJoinToken": frozenset({CLIENT}), "Revoke": frozenset({CLIENT}),
+    "Join": frozenset(),  # served on the bootstrap port only (--join-listen), authenticated by a token
+}
+"""Who may call each Controller method."""
