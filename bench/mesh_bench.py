@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import torch
 from logicpipe.common.transport import CHANNEL_OPTIONS
-from logicpipe.controller.app import encode_prompt
+from logicpipe.controller.text import encode_prompt
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 from tests.localmesh import LocalMesh as Mesh

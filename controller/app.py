@@ -1,101 +1,118 @@
-"""The controller's state: model, tokenizer, pipeline, scheduler; start-up from a node list."""
+"""The controller's mesh: the model, the nodes, the plan in force and the requests on it. The app
+owns the mesh state (controller.state) and re-plans when membership changes (a node joins, is
+drained, leaves, dies, comes back): running requests move to the new plan by replaying their
+tokens, so none is lost and greedy output does not change."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from logicpipe.common.discovery import Browser
+from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import Transport
-from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
-from logicpipe.common.modeldir import ModelConfig, model_digest
-from logicpipe.v1 import stage_pb2_grpc
-from logicpipe.planner import Link, Workload, format_plan_table, plan_to_json
 from logicpipe.controller import planning
 from logicpipe.controller.membership import NOT_PROBED, Members
 from logicpipe.controller.pipeline import Pipeline, StageAssignment
-from logicpipe.controller.scheduler import DEFAULT_SPECULATE, Scheduler
-from logicpipe.planner.prefill import best_chunk
+from logicpipe.controller.scheduler import (DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler,
+                                           SchedulerConfig)
+from logicpipe.controller.state import MeshState, Phase
+from logicpipe.controller.text import load_tokenizer
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
+from logicpipe.planner import Link, Workload, format_plan_table, plan_to_json
+from logicpipe.v1 import stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-
-def load_tokenizer(model_dir: Path):
-    """The model's tokenizer, or None for a directory without one (then prompts come as token ids)."""
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        log.warning("%s has no tokenizer: only prompt_token_ids can be submitted", model_dir)
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
-    """Token ids of a user prompt: wrapped in the model's chat template unless `raw`."""
-    if raw or not tokenizer.chat_template:
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-MAX_CHAT_MESSAGES = 1024  # turns of one conversation
-REPLAN_GAIN = 0.10      # a join re-plans only when the new plan is at least this much faster (cost per step)
 DEBOUNCE_S = 0.3        # changes this close together make one re-plan
 RETRY_S = 1.0           # a re-plan that failed is tried again after this
 CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
 
 
-class ControllerApp:
-    """The model, the nodes, the plan in force and the requests. Membership changes (a node
-    joins, is drained, leaves, dies, comes back) re-plan: running requests move to the new plan
-    by replaying their tokens, so none is lost and greedy output does not change."""
+@dataclass(frozen=True)
+class ControllerOptions:
+    """How the controller plans and serves (logicpipe-controller's flags)."""
 
+    dtype: str = "float32"            # compute dtype on the stages (a stage without it computes in float32)
+    plan_path: str | None = None      # plan artifact to reuse while it matches, and to write the plan to
+    strategy: str = "dp"              # partition strategy: dp | uniform | memory | compute | mixed
+    objective: str = "throughput"     # throughput | latency
+    context: int = 2048               # tokens of context per sequence the plan reserves KV for
+    micro_batches: int = 0            # micro-batches in flight (0: one per distinct compute device)
+    address: str = ""                 # host:port the stages reach the controller at (weights, Leave)
+    settle_s: float = 2.0             # the first plan waits this long after the first node for others, s
+    replan_gain: float = 0.10         # a join re-plans only when the new plan's step cost is this much lower
+    wait_for_nodes_s: float = WAIT_FOR_NODES_S  # a queued request waits this long while no plan fits, s
+    mdns: bool = False                # browse mDNS for nodes (else only --nodes and Register)
+    mesh: str = "default"             # ... of this mesh name
+    speculate: int = DEFAULT_SPECULATE  # candidate tokens per step unless a request says
+    prefill_chunk: int = 0            # prompt tokens per step (0: the cost model's choice)
+
+
+@dataclass(frozen=True)
+class StageView:
+    """A stage of the plan in force, as Status and the first reply of a request show it."""
+
+    node_id: str
+    address: str
+    start: int
+    end: int  # exclusive
+    device: str
+    parameter_count: int
+
+
+@dataclass(frozen=True)
+class ControllerSnapshot:
+    """The controller at one moment, for Status, `lpctl status` and /metrics."""
+
+    model_dir: str
+    phase: Phase
+    reason: str                 # why it is not ready ("" when it is)
+    plan_id: str
+    plan_generation: int
+    plan_json: str
+    micro_batches: int
+    speculate: int
+    running: int
+    queued: int
+    stats: RequestStats
+    stages: list[StageView] = field(default_factory=list)
+    last_replan: str = ""
+    last_replan_s: float = 0.0
+    replans: int = 0
+    links: dict = field(default_factory=dict)  # links[a][b]: planner.Link measured from node a to b
+
+
+class ControllerApp:
     def __init__(self, model_dir: str | Path, nodes: list[str], *, transport: Transport,
-                 revocations: Revocations | None = None, dtype: str = "float32",
-                 plan_path: str | None = None, strategy: str = "dp", objective: str = "throughput",
-                 context: int = 2048, micro_batches: int = 0, address: str = "", settle_s: float = 2.0,
-                 replan_gain: float = REPLAN_GAIN, wait_for_nodes_s: float | None = None, mdns: bool = False,
-                 mesh: str = "default", speculate: int = DEFAULT_SPECULATE, prefill_chunk: int = 0):
+                 revocations: Revocations | None = None, options: ControllerOptions = ControllerOptions()):
         self.model_dir = Path(model_dir).resolve()
-        self.nodes = list(nodes)  # --nodes: always members
-        self.dtype = dtype
-        self.plan_path = plan_path
-        self.strategy = strategy
-        self.objective = objective
-        self.micro_batches = micro_batches  # 0: one per distinct compute device of the plan
-        self.address = address      # host:port the stages reach us at (weights, Leave)
-        self.settle_s = settle_s    # the first plan waits this long after the first node for others
-        self.mdns = mdns            # browse mDNS for nodes (else only --nodes and Register)
-        self.mesh = mesh            # ... of this mesh name
-        self.replan_gain = replan_gain
-        self.plan_json = ""
-        self.plan = None
-        self.profiles: list = []
+        self.nodes = list(nodes)    # --nodes: always members
+        self.options = options
         self.transport = transport  # the process's: channels to the stages
         self.revocations = revocations if revocations is not None else Revocations()  # never planned with
         self.config = ModelConfig.from_dir(self.model_dir)
         self.digest = model_digest(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.num_layers = self.config.num_layers
-        self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, dtype)
-        self.workload = Workload(context_tokens=min(context, self.config.max_position_embeddings))
-        self.pipeline = Pipeline(transport, self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
-        self.scheduler = Scheduler(self.pipeline, self.config.max_position_embeddings,
-                                   frozenset(self.config.eos_token_ids), self.config.vocab_size)
-        if wait_for_nodes_s is not None:
-            self.scheduler.wait_for_nodes_s = wait_for_nodes_s
-        self.scheduler.on_trouble = lambda why: self.request_replan(f"a stage fault: {why}")
-        self.scheduler.speculate = speculate
-        self.scheduler.prefill_chunk = self.prefill_chunk_for
-        self.fixed_prefill_chunk = prefill_chunk  # --prefill-chunk (0: from the cost model)
-        self._chunks: dict[tuple[int, int], int] = {}
-        self.members = Members(self.pipeline.probe, self.request_replan)
+        self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, options.dtype)
+        self.workload = Workload(context_tokens=min(options.context, self.config.max_position_embeddings))
+        self.plan = None
+        self.plan_json = ""
+        self.profiles: list = []
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
-        self.state = "waiting"
-        self.waiting = "no stage nodes yet"
+        self.state = MeshState()    # its one owner: set here only
+        self.pipeline = Pipeline(transport, self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
+        self.chunks = planning.PrefillChunks(options.prefill_chunk)
+        self.scheduler = Scheduler(
+            self.pipeline, self.state,
+            SchedulerConfig(self.config.max_position_embeddings, frozenset(self.config.eos_token_ids),
+                            self.config.vocab_size, options.speculate, options.wait_for_nodes_s),
+            prefill_chunk=self.prefill_chunk_for, on_trouble=lambda why: self.request_replan(f"a stage fault: {why}"))
+        self.members = Members(self.pipeline.probe, self.request_replan)
         self.last_replan, self.last_replan_s, self.replans = "", 0.0, 0
         self.plan_changed = asyncio.Event()  # set (and replaced) each time a plan is installed or given up
         self._reasons: list[str] = []
@@ -104,27 +121,25 @@ class ControllerApp:
         self._replanner: asyncio.Task | None = None
         self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
         self._tasks: set[asyncio.Task] = set()
-        self._browser = None
-        self.scheduler.pause(self.waiting, blocked=True)
+        self._browser: Browser | None = None
 
     def prefill_chunk_for(self, prompt_tokens: int) -> int:
-        """Prompt rows per step on stage 0 for a prompt of this many tokens: --prefill-chunk, else
-        the chunk the cost model says brings the first token soonest on the plan in force (see
-        planner.prefill), 0 (the stages' budget) without a plan."""
-        if self.fixed_prefill_chunk:
-            return self.fixed_prefill_chunk
-        key = (self.pipeline.generation, -(-prompt_tokens // 16))
-        if key in self._chunks:
-            return self._chunks[key]
-        plan = self.plan
-        by_id = {p.node_id: p for p in self.profiles}
-        if plan is None or any(s.node_id not in by_id for s in plan.stages):
-            return 0
-        if len(self._chunks) > 4096:
-            self._chunks.clear()
-        self._chunks[key] = best_chunk([by_id[s.node_id] for s in plan.stages],
-                                       [s.end - s.start for s in plan.stages], self.spec, key[1] * 16)
-        return self._chunks[key]
+        """Prompt rows per step on stage 0 for a prompt of this many tokens (planning.PrefillChunks)."""
+        return self.chunks.choose(prompt_tokens, self.pipeline.generation, self.plan, self.profiles, self.spec)
+
+    def stage_views(self) -> list[StageView]:
+        return [StageView(h.node_id, h.address, h.start, h.end, h.device, h.parameter_count)
+                for h in self.pipeline.stages]
+
+    def snapshot(self) -> ControllerSnapshot:
+        sched = self.scheduler
+        return ControllerSnapshot(
+            model_dir=str(self.model_dir), phase=self.state.phase, reason=self.state.reason,
+            plan_id=self.pipeline.plan_id, plan_generation=self.pipeline.generation, plan_json=self.plan_json,
+            micro_batches=self.pipeline.micro_batches, speculate=sched.config.speculate, running=sched.running,
+            queued=len(sched.waiting), stats=replace(sched.stats), stages=self.stage_views(),
+            last_replan=self.last_replan, last_replan_s=self.last_replan_s, replans=self.replans,
+            links={a: dict(b) for a, b in self.links.items()})
 
     # ---- membership ---------------------------------------------------------------------------
     def request_replan(self, why: str) -> None:
@@ -138,14 +153,13 @@ class ControllerApp:
         self.scheduler.on_event(ev)
 
     def _on_stage_lost(self, address: str, reason: str) -> None:
-        self.state = "degraded"
-        self.scheduler.pause(f"stage {address} is down ({reason}); re-planning")
+        self.state.set(Phase.DEGRADED, f"stage {address} is down ({reason}); re-planning")
         self.members.mark_down(address, reason)
         self.request_replan(f"stage {address} lost: {reason}")
 
     def _on_stage_back(self, address: str) -> None:
-        if not self.pipeline.down and self.state == "degraded":
-            self.state = "ready"
+        if not self.pipeline.down and self.state.phase is Phase.DEGRADED:
+            self.state.set(Phase.READY)
 
     async def start(self, mdns_interface: str | None = None) -> None:
         """Know the --nodes, browse mDNS, and plan as nodes come (the first plan waits settle_s
@@ -153,22 +167,22 @@ class ControllerApp:
         for a in self.nodes:
             self.members.add(a, "static")
         self.members.start()
-        if self.mdns:
+        if self.options.mdns:
             self._browser = Browser(lambda ad: self.members.add(ad.address, "mdns"),
                                     lambda node_id: self.members.gone(node_id, "its mDNS record was withdrawn"),
-                                    interface=mdns_interface, mesh=self.mesh)
+                                    interface=mdns_interface, mesh=self.options.mesh)
             await self._browser.start()
         self._replanner = asyncio.create_task(self._replan_loop(), name="replanner")
 
     async def wait_ready(self, timeout: float) -> bool:
         """Until a plan serves (or `timeout` s)."""
         deadline = time.monotonic() + timeout
-        while self.state != "ready" and time.monotonic() < deadline:
+        while not self.state.admitting and time.monotonic() < deadline:
             try:
                 await asyncio.wait_for(self.plan_changed.wait(), max(0.01, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 break
-        return self.state == "ready"
+        return self.state.admitting
 
     # ---- planning -----------------------------------------------------------------------------
     async def _replan_loop(self) -> None:
@@ -189,21 +203,19 @@ class ControllerApp:
                 log.warning("re-plan (%s) failed: %s; trying again in %.0f s", why, exc, RETRY_S,
                             exc_info=not isinstance(exc, MeshError))
                 if self._broken():  # no plan serves: requests wait for one, bounded
-                    self.state, self.waiting = "waiting", f"re-plan failed: {exc}"
-                    self.scheduler.pause(self.waiting, blocked=True)
+                    self.state.set(Phase.WAITING, f"re-plan failed: {exc}")
                 else:  # the plan in force still serves
-                    self.state, self.waiting = "ready", ""
-                    self.scheduler.resume()
+                    self.state.set(Phase.READY)
                 await asyncio.sleep(RETRY_S)
                 self.request_replan(why)
 
     async def _settle(self) -> None:
         """Before the first plan: until every known node has answered once, and (with mDNS, where
         nodes show up one by one) settle_s after the first trigger, so the first plan sees them all."""
-        deadline = self._since + self.settle_s
+        deadline = self._since + self.options.settle_s
         while time.monotonic() < deadline:
             unprobed = any(m.down == NOT_PROBED for m in self.members.by_address.values())
-            if not unprobed and not self.mdns and self.members.by_address:
+            if not unprobed and not self.options.mdns and self.members.by_address:
                 return
             await asyncio.sleep(0.1)
 
@@ -234,23 +246,23 @@ class ControllerApp:
         ids = {m.node_id: m.address for m in usable}
         self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
                                                  self.spec) for m in usable]
+        o = self.options
         try:
             if self.plan is None:
-                plan = planning.reuse_or_plan(self.plan_path, self.profiles, self.spec, self.workload, self.strategy,
-                                              self.objective)
+                plan = planning.reuse_or_plan(o.plan_path, self.profiles, self.spec, self.workload, o.strategy,
+                                              o.objective)
             else:
-                plan = planning.plan_for(self.profiles, self.spec, self.workload, self.strategy, self.objective)
+                plan = planning.plan_for(self.profiles, self.spec, self.workload, o.strategy, o.objective)
         except InvalidArgument as exc:
             self._give_up(broken, f"no plan fits the {len(usable)} usable node(s): {exc}")
             return False
         if not broken and self.plan is not None:
             same = [(s.node_id, s.start, s.end) for s in plan.stages] == \
                    [(s.node_id, s.start, s.end) for s in self.plan.stages]
-            if same or plan.cost_s > self.plan.cost_s * (1 - self.replan_gain):
+            if same or plan.cost_s > self.plan.cost_s * (1 - o.replan_gain):
                 log.info("%s: keeping the plan in force (new plan %.1f ms/step vs %.1f)", why, plan.cost_s * 1e3,
                          self.plan.cost_s * 1e3)
-                self.state, self.waiting = "ready", ""
-                self.scheduler.resume()  # a fault that healed before the re-plan may have paused admission
+                self.state.set(Phase.READY)  # a fault that healed before the re-plan may have paused admission
                 return False
         await self._install(plan, ids, why, since)
         return True
@@ -259,12 +271,11 @@ class ControllerApp:
         """No plan now: when the one in force is broken, requests wait (bounded) for nodes."""
         if not broken:
             log.info("keeping the plan in force: %s", why)
-            self.scheduler.resume()
+            self.state.set(Phase.READY)
             return
         log.warning("waiting for nodes: %s", why)
-        self.state, self.waiting = "waiting", why
+        self.state.set(Phase.WAITING, why)
         sessions = self.scheduler.detach_all()
-        self.scheduler.pause(why, blocked=True)
         for session in sessions:
             self.pipeline.close_session_soon(session)
         self.plan_changed.set()
@@ -295,8 +306,7 @@ class ControllerApp:
 
     async def _install(self, plan, ids: dict[str, str], why: str, since: float) -> None:
         log.info("plan (%s, %s) because %s:\n%s", plan.strategy, plan.objective.value, why, format_plan_table(plan))
-        self.state = "replanning" if self.plan is not None else "planning"
-        self.scheduler.pause(f"installing a new plan ({why})")
+        self.state.set(Phase.REPLANNING if self.plan is not None else Phase.PLANNING, f"installing a new plan ({why})")
         old_stages = [h for h in self.pipeline.stages if not h.lost and not h.down_reason]
         sessions = self.scheduler.detach_all()
         if sessions and old_stages:  # free them on the old stages still there (else their TTL does)
@@ -309,7 +319,8 @@ class ControllerApp:
                                         [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
                                          for s, (dtype, fmt, wire) in zip(plan.stages,
                                                                           planning.stage_formats(plan, self.profiles))],
-                                        self.dtype, self.micro_batches, controller_address=self.address)
+                                        self.options.dtype, self.options.micro_batches,
+                                        controller_address=self.options.address)
         except BaseException as exc:  # failed or cancelled half-way: no plan serves; plan again
             if isinstance(exc, MeshError):
                 for m in self.members.usable():  # the node that failed is left out until it answers again
@@ -318,12 +329,11 @@ class ControllerApp:
             self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
             raise
         self.plan, self.plan_json = plan, plan_to_json(plan)
-        self.state, self.waiting = "ready", ""
         self.replans += 1
         self.last_replan, self.last_replan_s = why, time.monotonic() - since
         log.info("plan generation %d serves (%d stages) %.1f s after: %s; %d requests replay",
                  self.pipeline.generation, len(plan.stages), self.last_replan_s, why, len(sessions))
-        self.scheduler.resume()
+        self.state.set(Phase.READY)
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
 
@@ -363,7 +373,7 @@ class ControllerApp:
             return "no other usable node"
         try:
             planning.plan_for([planning.device_profile(x.status, self.links.get(x.node_id, {}), self.spec) for x in usable],
-                              self.spec, self.workload, self.strategy, self.objective)
+                              self.spec, self.workload, self.options.strategy, self.options.objective)
         except (InvalidArgument, Unavailable) as exc:
             return str(exc)
         return ""
@@ -381,7 +391,8 @@ class ControllerApp:
         except asyncio.TimeoutError:
             return False, f"no new plan within {timeout:.0f} s"
         moved = not any(h.address == m.address for h in self.pipeline.stages)
-        return moved, ("its requests moved to plan generation %d" % self.pipeline.generation) if moved else self.waiting
+        return moved, ("its requests moved to plan generation %d" % self.pipeline.generation) if moved else \
+            self.state.reason
 
     async def _replan_now(self, why: str) -> None:
         """Re-plan now and return once the outcome serves (a new plan, or the one kept). The
@@ -409,32 +420,13 @@ class ControllerApp:
         """The plan in force (strategy "") or the plan another strategy/objective would make now."""
         if not strategy:
             if self.plan is None:
-                raise Unavailable(f"no plan is in force yet ({self.waiting})")
+                raise Unavailable(f"no plan is in force yet ({self.state.reason})")
             return self.plan_json, format_plan_table(self.plan)
         if not self.profiles:
             raise Unavailable("the controller has not profiled any node yet")
-        plan = planning.plan_for(self.profiles, self.spec, self.workload, strategy, objective or self.objective,
+        plan = planning.plan_for(self.profiles, self.spec, self.workload, strategy, objective or self.options.objective,
                                  boundaries)
         return plan_to_json(plan), format_plan_table(plan)
-
-    def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
-        """Token ids of a conversation [(role, content), ...] through the model's chat template,
-        ready for the assistant's answer."""
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise InvalidArgument(f"the model at {self.model_dir} has no chat template: send a raw prompt")
-        if not messages or len(messages) > MAX_CHAT_MESSAGES:
-            raise InvalidArgument(f"a conversation has 1 to {MAX_CHAT_MESSAGES} messages, not {len(messages)}")
-        for i, (role, _) in enumerate(messages):
-            if role not in ("system", "user", "assistant"):
-                raise InvalidArgument(f"messages[{i}]: role must be system, user or assistant, not {role[:20]!r}")
-        text = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
-                                                  add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: submit prompt_token_ids")
-        return encode_prompt(self.tokenizer, prompt, raw)
 
     async def close(self) -> None:
         """Fail what is in flight and close every sequence we opened, then the pipeline."""

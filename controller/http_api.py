@@ -1,38 +1,46 @@
-"""An OpenAI-compatible HTTP API on the controller (`logicpipe-controller --http HOST:PORT`),
-served by aiohttp in the controller's own event loop.
+"""The OpenAI-compatible HTTP adapter (`logicpipe-controller --http HOST:PORT`), served by aiohttp
+in the controller's own event loop. Every request goes through the front door
+(controller.requests), exactly as one from gRPC Submit does: the same caps, tokenizing, chat
+template, stop strings and outline requests.
 
     POST /v1/chat/completions   messages (system/user/assistant) through the model's chat template
-    POST /v1/completions        a raw prompt
+    POST /v1/completions        a raw prompt (a string, or a list of token ids)
     GET  /v1/models             the one model the mesh serves
     GET  /health                200 while a plan serves, 503 otherwise
+    GET  /metrics               Prometheus (controller.metrics)
 
 Request fields: `model`, `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`,
 `stop` (a string or up to 4), `n` (1 only), `stream`; the mesh's own options as extra fields:
 `speculate` (candidate tokens per step, 0 = off), `top_k`, `ignore_eos`, `outline` (an outline-DAG
-request, with `max_points`; `max_tokens` is then per point). Streams are server-sent
-events of the standard chunk objects, ending with `data: [DONE]`. Errors are OpenAI-style JSON
-bodies, {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 404 for an unknown
-model, 429 when the mesh's queue is full, 503 when no plan serves. A client that goes away
-mid-stream cancels its request, which closes its sequences on every stage.
+request, with `max_points`; `max_tokens` is then per point). Streams are server-sent events of the
+standard chunk objects, ending with `data: [DONE]`. Errors are OpenAI-style JSON bodies,
+{"error": {"message", "type", "param", "code"}}: 400 for a bad request, 404 for an unknown model,
+413 for a body over MAX_BODY_BYTES, 429 when the mesh's queue or the client's cap is full, 503
+when no plan serves. A client that goes away mid-stream cancels its request, which closes its
+sequences on every stage.
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
-import uuid
 
 from aiohttp import web
 
 from logicpipe.common.transport import is_loopback
+from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.metrics import Metrics
+from logicpipe.controller.requests import (Completion, FrontDoor, OutlineOptions, Prompt, RequestOptions,
+                                           host_client)
+from logicpipe.controller.state import Phase
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from logicpipe.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 * 2**20
-MAX_STOPS = 4
+MAX_BODY_BYTES = 8 * 2**20  # a request body, bytes: room for the front door's prompt cap, JSON-escaped
 DEFAULT_MAX_TOKENS = 256
+MAX_OUTLINE_POINTS = 32
 
 
 class ApiError(Exception):
@@ -46,7 +54,7 @@ class ApiError(Exception):
                                             "code": self.code}}, status=self.status)
 
 
-def _mesh_error(err: MeshError) -> ApiError:
+def mesh_error(err: MeshError) -> ApiError:
     if isinstance(err, InvalidArgument):
         return ApiError(400, str(err))
     if isinstance(err, ResourceExhausted):
@@ -56,7 +64,7 @@ def _mesh_error(err: MeshError) -> ApiError:
     return ApiError(500, str(err), "server_error")
 
 
-def _number(body: dict, name: str, kind, default, low=None, high=None):
+def number(body: dict, name: str, kind, default, low=None, high=None):
     value = body.get(name, default)
     if value is None:
         return default
@@ -67,11 +75,64 @@ def _number(body: dict, name: str, kind, default, low=None, high=None):
     return kind(value)
 
 
-class HttpApi:
-    """The routes over a ControllerApp."""
+def request_options(body: dict) -> RequestOptions:
+    """The body's generation fields as the front door's options."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = number({"max_tokens": max_tokens}, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, None)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
+    sampling = SamplingParams(number(body, "temperature", float, 1.0, 0.0, 2.0), number(body, "top_k", int, 0, 0, None),
+                              number(body, "top_p", float, 1.0, 0.0, 1.0), number(body, "seed", int, None, 0, 2**63 - 1))
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    speculate = body.get("speculate")
+    if speculate is not None:
+        speculate = number(body, "speculate", int, None, 0, None)
+    outline = None
+    if body.get("outline"):
+        outline = OutlineOptions(max_points=number(body, "max_points", int, 0, 0, MAX_OUTLINE_POINTS))
+    return RequestOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=bool(body.get("ignore_eos", False)),
+                          speculate=speculate, stop=tuple(stops), outline=outline)
 
-    def __init__(self, app):
+
+def chat_prompt(body: dict) -> Prompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}]: an object with a role and content", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}]: content must be text", param="messages")
+        turns.append((m["role"], content))
+    return Prompt(messages=tuple(turns))
+
+
+def completion_prompt(body: dict) -> Prompt:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return Prompt(token_ids=tuple(prompt))
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "prompt must be a non-empty string (or a list of token ids)", param="prompt")
+    return Prompt(text=prompt, raw=True)
+
+
+class HttpApi:
+    """The routes over the front door."""
+
+    def __init__(self, app: ControllerApp, door: FrontDoor):
         self.app = app
+        self.door = door
         self.model_id = app.model_dir.name
         self.created = int(time.time())
         self.metrics = Metrics(app)
@@ -90,7 +151,7 @@ class HttpApi:
         except ApiError as err:
             return err.response()
         except MeshError as err:
-            return _mesh_error(err).response()
+            return mesh_error(err).response()
         except web.HTTPException as exc:  # unknown route, wrong method, body too large
             return ApiError(exc.status, exc.reason or "bad request", "invalid_request_error").response()
         except Exception:  # noqa: BLE001 — never a stack trace to the client
@@ -98,16 +159,14 @@ class HttpApi:
             return ApiError(500, "internal error (see the controller's log)", "server_error").response()
 
     async def health(self, request):
-        ready = self.app.state == "ready"
-        return web.json_response({"status": "ok" if ready else self.app.state, "waiting": self.app.waiting},
+        ready = self.app.state.admitting
+        return web.json_response({"status": "ok" if ready else self.app.state.phase.value,
+                                  "waiting": self.app.state.reason if self.app.state.phase is Phase.WAITING else ""},
                                  status=200 if ready else 503)
 
     async def scrape(self, request):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        await self.metrics.refresh()
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body, content_type = await self.metrics.scrape()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [
@@ -115,6 +174,8 @@ class HttpApi:
 
     # ---- requests -----------------------------------------------------------------------------
     async def _body(self, request) -> dict:
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is {request.content_length} bytes, over the {MAX_BODY_BYTES}-byte cap")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
@@ -125,185 +186,103 @@ class HttpApi:
         if model not in (None, self.model_id):
             raise ApiError(404, f"the model {str(model)[:100]!r} does not exist; this mesh serves {self.model_id!r}",
                            code="model_not_found", param="model")
-        if _number(body, "n", int, 1, 1, 1) != 1:
+        if number(body, "n", int, 1, 1, 1) != 1:
             raise ApiError(400, "n must be 1", param="n")
         return body
 
-    def _options(self, body: dict) -> dict:
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, None)
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-            raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOPS} non-empty strings", param="stop")
-        sampling = SamplingParams(_number(body, "temperature", float, 1.0, 0.0, 2.0),
-                                  _number(body, "top_k", int, 0, 0, None), _number(body, "top_p", float, 1.0, 0.0, 1.0),
-                                  _number(body, "seed", int, None, 0, 2**63 - 1))
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        speculate = body.get("speculate")
-        if speculate is not None:
-            speculate = _number(body, "speculate", int, None, 0, None)
-        return {"max_tokens": max_tokens, "stops": stops, "sampling": sampling, "speculate": speculate,
-                "ignore_eos": bool(body.get("ignore_eos", False)), "stream": bool(body.get("stream", False))}
-
-    def _chat_ids(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", param="messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}]: an object with a role and content", param="messages")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-            if not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}]: content must be text", param="messages")
-            clean.append((m["role"], content))
-        return self.app.encode_chat(clean)
-
-    def _prompt_ids(self, body: dict) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "prompt must be a non-empty string (or a list of token ids)", param="prompt")
-        return self.app.encode_prompt(prompt, raw=True)
-
     async def chat(self, request):
         body = await self._body(request)
-        if body.get("outline"):
-            users = [m for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") == "user"]
-            question = users[-1].get("content") if users else None
-            return await self._outline(request, body, question, chat=True)
-        return await self._run(request, self._chat_ids(body), self._options(body), chat=True)
+        return await self._complete(request, body, chat_prompt(body), chat=True)
 
     async def completions(self, request):
         body = await self._body(request)
-        if body.get("outline"):
-            return await self._outline(request, body, body.get("prompt"), chat=False)
-        return await self._run(request, self._prompt_ids(body), self._options(body), chat=False)
+        return await self._complete(request, body, completion_prompt(body), chat=False)
 
-    async def _outline(self, request, body: dict, question, *, chat: bool):
-        """`outline: true` (and `max_points`): an outline-DAG request (README "Outline requests"):
-        the answer is its points in order, "N. Title" then the point's text; the response also
-        carries them as `outline` [{"id", "title", "deps", "text"}]. Streamed, it comes as one
-        chunk once every point is done."""
-        from logicpipe.controller.outline import OutlineRun
-
-        if not isinstance(question, str) or not question.strip():
-            raise ApiError(400, "an outline request needs a question (the last user message, or the prompt)")
-        if self.app.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer: outline requests need one")
-        o = self._options(body)
-        run = OutlineRun(self.app.scheduler, self.app.tokenizer, question,
-                         max_points=_number(body, "max_points", int, 0, 0, 32), point_tokens=o["max_tokens"],
-                         sampling=o["sampling"], speculate=o["speculate"])
-        n = 0
-        async for _pid, _token, _finished in run.events():
-            n += 1
-        text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)
-        points = [{"id": p.id, "title": p.title, "deps": list(p.deps), "text": p.text} for p in run.points]
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        kind, created = ("chat.completion" if chat else "text_completion"), int(time.time())
-        usage = {"prompt_tokens": len(self.app.encode_prompt(question, raw=not chat)), "completion_tokens": n}
-        usage["total_tokens"] = usage["prompt_tokens"] + n
-        if o["stream"]:
-            response = await _open_stream(request)
-            for delta, finish in ((text, None), ("", "stop")):
-                choice = ({"index": 0, "delta": {"role": "assistant", "content": delta} if delta else {},
-                           "finish_reason": finish} if chat else
-                          {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
-                obj = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created,
-                       "model": self.model_id, "choices": [choice]}
-                if finish:
-                    obj["outline"] = points
-                await response.write(f"data: {json.dumps(obj)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-            return response
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat
-                  else {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None})
-        return web.json_response({"id": rid, "object": kind, "created": created, "model": self.model_id,
-                                  "choices": [choice], "usage": usage, "outline": points})
-
-    async def _run(self, request, prompt_ids: list[int], o: dict, *, chat: bool):
-        from logicpipe.controller.service import TextStream
-
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        text = TextStream(self.app.tokenizer)
-        opened = []
-        updates = self.app.scheduler.generate(prompt_ids, o["max_tokens"], o["sampling"], o["ignore_eos"],
-                                              speculate=o["speculate"], on_open=opened.append)
-        out, n, reason = "", 0, None
-        held = max((len(s) for s in o["stops"]), default=1) - 1  # text held back: a stop may be starting
-        sent = 0
-        response = None
-
-        def chunk(delta: str, finish: str | None) -> bytes:
-            if chat:
-                choice = {"index": 0, "delta": ({"role": "assistant", "content": delta} if not sent and delta
-                                                else {"content": delta} if delta else {}), "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-            obj = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created,
-                   "model": self.model_id, "choices": [choice]}
-            return f"data: {json.dumps(obj)}\n\n".encode()
-
-        try:
-            async for u in updates:
-                n += 1
-                scan = max(0, len(out) - held)  # a stop can only end in the new text
-                out += text.push([u.token_id], u.finished)
-                cut = min((i for i in (out.find(s, scan) for s in o["stops"]) if i >= 0), default=-1)
-                if cut >= 0:
-                    out, reason = out[:cut], "stop"
-                    self.app.scheduler.stop_early(opened[0])
-                elif u.finished:
-                    reason = "stop" if u.finish_reason == "stop" else "length"
-                if o["stream"]:
-                    if response is None:
-                        response = await _open_stream(request)
-                    upto = len(out) if reason else max(sent, len(out) - held)
-                    if upto > sent:
-                        await response.write(chunk(out[sent:upto], None))
-                        sent = upto
-                if reason:
-                    break
-        finally:
-            await updates.aclose()  # a stop string or a gone client: the request's sequences close now
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
-        if o["stream"]:
-            if response is None:
-                response = await _open_stream(request)
-            await response.write(chunk("", reason or "length"))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-            return response
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": reason or "length"}
-                  if chat else {"index": 0, "text": out, "finish_reason": reason or "length", "logprobs": None})
-        return web.json_response({"id": rid, "object": kind, "created": created, "model": self.model_id,
-                                  "choices": [choice], "usage": usage})
+    async def _complete(self, request, body: dict, prompt: Prompt, *, chat: bool):
+        options = request_options(body)
+        stream = bool(body.get("stream", False))
+        async with self.door.open(prompt, options, host_client(request.remote or "")) as completion:
+            form = Form(self.model_id, chat, completion)
+            if options.outline is not None:  # one piece at the end: points do not map onto one delta stream
+                async for _ in completion:
+                    pass
+                if not stream:
+                    return web.json_response(form.whole(outline=True))
+                response = await open_stream(request)
+                await response.write(form.chunk(completion.text, None))
+                await response.write(form.chunk("", "stop", outline=True))
+                return await close_stream(response)
+            if not stream:
+                async for _ in completion:
+                    pass
+                return web.json_response(form.whole())
+            response = None  # opened with the first token: an error before it still gets its status
+            async for piece in completion:
+                response = response or await open_stream(request)
+                if piece.text:
+                    await response.write(form.chunk(piece.text, None))
+            response = response or await open_stream(request)
+            await response.write(form.chunk("", completion.finish_reason or "length"))
+            return await close_stream(response)
 
 
-async def _open_stream(request) -> web.StreamResponse:
+class Form:
+    """OpenAI's response objects for one completion: chat or text, whole or in chunks."""
+
+    def __init__(self, model_id: str, chat: bool, completion: Completion):
+        self.model_id, self.chat, self.c = model_id, chat, completion
+        self.id = ("chatcmpl-" if chat else "cmpl-") + completion.id[:24]
+        self.created = int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.started = False  # the first chat delta carries the role
+
+    def outline(self) -> list[dict]:
+        return [{"id": p.id, "title": p.title, "deps": list(p.deps), "text": p.text} for p in self.c.points]
+
+    def chunk(self, delta: str, finish: str | None, *, outline: bool = False) -> bytes:
+        if self.chat:
+            content = ({"role": "assistant", "content": delta} if not self.started else {"content": delta}) if delta \
+                else {}
+            choice = {"index": 0, "delta": content, "finish_reason": finish}
+            self.started = self.started or bool(delta)
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+        obj = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind, "created": self.created,
+               "model": self.model_id, "choices": [choice]}
+        if outline:
+            obj["outline"] = self.outline()
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    def whole(self, *, outline: bool = False) -> dict:
+        c, reason = self.c, self.c.finish_reason or "length"
+        choice = ({"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason}
+                  if self.chat else {"index": 0, "text": c.text, "finish_reason": reason, "logprobs": None})
+        n = len(c.tokens)
+        obj = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,
+               "choices": [choice],
+               "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": n, "total_tokens": c.prompt_tokens + n}}
+        if outline:
+            obj["outline"] = self.outline()
+        return obj
+
+
+async def open_stream(request) -> web.StreamResponse:
     """A server-sent-events response, headers sent."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     return response
 
 
-async def start_http(app, address: str):
+async def close_stream(response: web.StreamResponse) -> web.StreamResponse:
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def start_http(app: ControllerApp, door: FrontDoor, address: str) -> web.AppRunner:
     """Serve the API on `address` ("HOST:PORT") in the running loop; returns the runner (cleanup())."""
     host, _, port = address.rpartition(":")
-    runner = web.AppRunner(HttpApi(app).web_app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(HttpApi(app, door).web_app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     await site.start()
@@ -312,78 +291,3 @@ async def start_http(app, address: str):
         log.warning("the HTTP API on %s has no authentication: anyone who reaches it can submit requests "
                     "(put an authenticating reverse proxy in front, or bind it to 127.0.0.1)", address)
     return runner
-
-
-class Metrics:
-    """`GET /metrics` in Prometheus' format (prometheus_client): counters and gauges read from the
-    controller at scrape time, per-stage figures from a Status probe of each stage, and latency
-    histograms observed as each request ends."""
-
-    BUCKETS_TTFT = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
-    BUCKETS_ITL = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
-
-    def __init__(self, app):
-        from prometheus_client import CollectorRegistry, Histogram
-
-        self.app = app
-        self.registry = CollectorRegistry()
-        self.ttft = Histogram("logicpipe_time_to_first_token_seconds", "Submission to first token",
-                              buckets=self.BUCKETS_TTFT, registry=self.registry)
-        self.itl = Histogram("logicpipe_inter_token_latency_seconds", "Mean time between a request's tokens",
-                             buckets=self.BUCKETS_ITL, registry=self.registry)
-        self._stages: list = []  # (node id, StatusReply) of the last probe
-        app.scheduler.observers.append(self._observe)
-        self.registry.register(self)
-
-    def _observe(self, req) -> None:
-        if req.first_token:
-            self.ttft.observe(req.first_token - req.submitted)
-        if len(req.tokens) > 1 and req.last_token > req.first_token:
-            self.itl.observe((req.last_token - req.first_token) / (len(req.tokens) - 1))
-
-    async def refresh(self) -> None:
-        """Probe the plan's stages (their KV blocks, step times) before a scrape."""
-        import asyncio
-
-        stages = list(self.app.pipeline.stages)
-        probes = await asyncio.gather(*(self.app.pipeline.probe(h.address, timeout=2.0) for h in stages), return_exceptions=True)
-        self._stages = [(h.node_id or h.address, p) for h, p in zip(stages, probes) if not isinstance(p, BaseException)]
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        app, sched = self.app, self.app.scheduler
-        requests = CounterMetricFamily("logicpipe_requests", "Requests by outcome", labels=["outcome"])
-        requests.add_metric(["completed"], sched.completed)
-        requests.add_metric(["failed"], sched.failed)
-        yield requests
-        tokens = CounterMetricFamily("logicpipe_tokens", "Tokens in (prompts) and out (generated)", labels=["direction"])
-        tokens.add_metric(["in"], sched.prompt_tokens)
-        tokens.add_metric(["out"], sched.generated_tokens)
-        yield tokens
-        yield GaugeMetricFamily("logicpipe_active_sequences", "Requests running on the stages", value=sched.running)
-        yield GaugeMetricFamily("logicpipe_queued_sequences", "Requests waiting for the mesh", value=len(sched.waiting))
-        yield CounterMetricFamily("logicpipe_replans", "Plans installed", value=app.replans)
-        yield CounterMetricFamily("logicpipe_replays", "Requests moved to another pipeline and replayed",
-                                  value=sched.replays)
-        yield CounterMetricFamily("logicpipe_preemptions", "Requests preempted for KV blocks", value=sched.preemptions)
-        rate = sched.candidates_accepted / sched.candidates if sched.candidates else 0.0
-        yield GaugeMetricFamily("logicpipe_candidate_acceptance_ratio", "Candidate tokens accepted / verified",
-                                value=rate)
-        blocks = GaugeMetricFamily("logicpipe_stage_kv_blocks_used", "KV blocks in use per stage", labels=["node"])
-        step = GaugeMetricFamily("logicpipe_stage_step_seconds", "Mean compute time per step per stage",
-                                 labels=["node"])
-        for node, st in self._stages:
-            blocks.add_metric([node], st.kv_blocks_used)
-            step.add_metric([node], st.compute_s / st.steps if st.steps else 0.0)
-        yield blocks
-        yield step
-        hop = GaugeMetricFamily("logicpipe_link_latency_seconds", "Measured one-way latency between nodes",
-                                labels=["src", "dst"])
-        for src, links in app.links.items():
-            for dst, link in links.items():
-                hop.add_metric([src, dst], link.latency)
-        yield hop

@@ -30,8 +30,11 @@ def _stub(args):
 def cmd_chat(args) -> int:
     """An interactive conversation: history kept, tokens streamed, Ctrl-C stops the answer (what
     was said stays in the history), Ctrl-D or /exit ends, /reset forgets."""
-
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    except ValueError as exc:
+        print(f"lpctl: {exc}", file=sys.stderr)
+        return 2
     stub = _stub(args)
     system = [controller_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     history = list(system)
@@ -76,7 +79,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_token(args) -> int:
-
     reply = _stub(args).CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=args.ttl), timeout=args.timeout)
     if args.json:
         print(json.dumps({"token": reply.token, "expires_in_s": reply.expires_in_s}))
@@ -88,13 +90,11 @@ def cmd_token(args) -> int:
 
 
 def cmd_revoke(args) -> int:
-
     print(_stub(args).Revoke(controller_pb2.RevokeRequest(node=args.node), timeout=args.timeout).message)
     return 0
 
 
 def cmd_ca(args) -> int:
-
     try:
         if args.action == "init":
             d = ca.init_ca(args.dir)
@@ -114,7 +114,6 @@ def cmd_ca(args) -> int:
 
 
 def cmd_submit(args) -> int:
-
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
     except ValueError as exc:
@@ -208,7 +207,6 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_status(args) -> int:
-
     st = _stub(args).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
     if args.json:
         print(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
@@ -230,7 +228,6 @@ def cmd_status(args) -> int:
 
 
 def cmd_nodes(args) -> int:
-
     st = _stub(args).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
     rows = []
     for n in st.nodes:
@@ -254,20 +251,16 @@ def cmd_nodes(args) -> int:
 
 
 def cmd_drain(args) -> int:
-
-    reply = _stub(args).Drain(controller_pb2.DrainRequest(node=args.node, undrain=args.undrain),
-                                         timeout=args.timeout)
+    reply = _stub(args).Drain(controller_pb2.DrainRequest(node=args.node, undrain=args.undrain), timeout=args.timeout)
     print(reply.message)
     return 0
 
 
 def cmd_plan(args) -> int:
     if args.profiles:
-
         plan_json, table = plan_from_profiles_file(args.profiles, args.model, args.strategy, args.objective,
                                                    args.boundaries, args.context)
     else:
-
         reply = _stub(args).Plan(controller_pb2.PlanRequest(
             strategy=args.strategy or "", objective=args.objective, boundaries=args.boundaries or []),
             timeout=args.timeout)
@@ -277,7 +270,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_model(args) -> int:
-
     print(prepare_default_model(args.out, force=args.force, progress=lambda m: print(m, file=sys.stderr)))
     return 0
 

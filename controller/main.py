@@ -10,10 +10,11 @@ from logicpipe.common.process import configure_logging, serve_until_signalled
 from logicpipe.common.security.bundle import TlsError
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
-from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.app import ControllerApp, ControllerOptions
 from logicpipe.controller.http_api import start_http
 from logicpipe.controller.join import JoinAuthority
 from logicpipe.controller.model_prep import prepare_default_model
+from logicpipe.controller.requests import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.service import ControllerServicer, JoinServicer
 from logicpipe.policy import CONTROLLER_POLICY
@@ -66,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
                     help="prompt tokens per step, so a long prompt flows through the stages in chunks "
                          "(default 0: the chunk the planner's cost model finds fastest)")
-    ap.add_argument("--max-requests-per-client", type=int, default=64, metavar="N",
+    ap.add_argument("--max-requests-per-client", type=int, default=DEFAULT_REQUESTS_PER_CLIENT, metavar="N",
                     help="requests one client (certificate, or host without TLS) may have running at once; more get "
                          "RESOURCE_EXHAUSTED (default %(default)s)")
     ap.add_argument("--http", default="", metavar="HOST:PORT",
@@ -115,20 +116,22 @@ async def serve(args: argparse.Namespace) -> None:
         await join_server.start()
         log.info("joining nodes served on %s (a join token authenticates each)", args.join_listen)
     host = args.listen.rpartition(":")[0]
-    app = ControllerApp(model_dir, nodes, transport=transport, revocations=revocations, dtype=args.dtype, plan_path=args.plan, strategy=args.strategy,
-                        objective=args.objective, context=args.context, micro_batches=args.micro_batches,
-                        address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
-                        replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns,
-                        mesh=args.mesh, speculate=args.speculate, prefill_chunk=args.prefill_chunk)
-    controller_pb2_grpc.add_ControllerServicer_to_server(
-        ControllerServicer(app, transport, args.max_requests_per_client, authority), server)
+    options = ControllerOptions(
+        dtype=args.dtype, plan_path=args.plan, strategy=args.strategy, objective=args.objective, context=args.context,
+        micro_batches=args.micro_batches, address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
+        replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
+        speculate=args.speculate, prefill_chunk=args.prefill_chunk)
+    app = ControllerApp(model_dir, nodes, transport=transport, revocations=revocations, options=options)
+    door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
+                     requests_per_client=args.max_requests_per_client)
+    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, door, transport, authority), server)
     health = await add_health(server, SERVICE_NAME)
     await server.start()
     log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
     http = None
     if args.http:
         try:
-            http = await start_http(app, args.http)
+            http = await start_http(app, door, args.http)
         except OSError as exc:
             raise SystemExit(f"--http {args.http}: cannot listen there ({exc})") from None
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from logicpipe.controller.scheduler import Job, RequestHandle, Scheduler
 from logicpipe.errors import InvalidArgument
 from logicpipe.sampling import SamplingParams
 
@@ -52,7 +53,7 @@ class Point:
     shared: str = ""             # whose KV it forked: "outline", "point N", "none (recomputed)"
     start: float = 0.0
     end: float = 0.0
-    request: object = None       # its scheduler Request (kept open while later points may fork it)
+    request: RequestHandle | None = None  # its request (its sequence kept open while later points may fork it)
     line_end: int = 0            # offset in the outline text just past its line
 
 
@@ -113,7 +114,7 @@ def ancestors(points: list[Point], p: Point) -> list[int]:
 class OutlineRun:
     """One outline request: the outline, then its points, decoded as they become ready."""
 
-    def __init__(self, scheduler, tokenizer, question: str, *, outline_text: str = "", max_points: int = 0,
+    def __init__(self, scheduler: Scheduler, tokenizer, question: str, *, outline_text: str = "", max_points: int = 0,
                  point_tokens: int = 96, sampling: SamplingParams = SamplingParams(), sequential: bool = False,
                  speculate: int | None = None):
         if max_points > MAX_POINTS:
@@ -130,7 +131,7 @@ class OutlineRun:
         self.warnings: list[str] = []
         self.submitted = time.monotonic()
         self.outline_tokens: list[int] = []
-        self._kept: list = []    # requests whose sequences stay open for forks
+        self._kept: list[RequestHandle] = []  # every request of the run (released at its end)
         # a blank line ends the outline and each point
         self.stop_ids = frozenset(t for t in (self._single_token("\n\n"),) if t is not None)
 
@@ -191,28 +192,31 @@ class OutlineRun:
             async for ev in self._run():
                 yield ev
         finally:
-            for req in self._kept:
-                self.scheduler.close_kept(req)
+            for handle in self._kept:
+                handle.release()
+
+    def _submit(self, job: Job) -> RequestHandle:
+        handle = self.scheduler.submit(job)
+        self._kept.append(handle)
+        return handle
 
     async def _run(self) -> AsyncIterator[tuple[int, int, bool]]:
         prefix = self.prefix_ids()
-        outline_req: list = []
         if self.outline_text:  # given: the prefix is computed once (one token sampled, unused)
             prefix = prefix[:-len(self.encode("1."))] + self.encode(self.outline_text.strip())
-            async for u in self.scheduler.generate(prefix, 1, self.sampling, keep_open=True,
-                                                   on_open=outline_req.append, speculate=self.speculate):
+            outline = self._submit(Job(tuple(prefix), 1, self.sampling, keep_open=True, speculate=self.speculate))
+            async for _ in outline:
                 pass
             text = self.outline_text
             outline_ids, outline_len = prefix, len(prefix)
         else:
             budget = 16 + OUTLINE_TOKENS_PER_POINT * self.max_points
-            async for u in self.scheduler.generate(prefix, budget, SamplingParams(), keep_open=True,
-                                                   stop_ids=self.stop_ids, on_open=outline_req.append,
-                                                   speculate=self.speculate):
+            outline = self._submit(Job(tuple(prefix), budget, SamplingParams(), stop_ids=self.stop_ids, keep_open=True,
+                                       speculate=self.speculate))
+            async for u in outline:
                 self.outline_tokens.append(u.token_id)
                 yield 0, u.token_id, u.finished
             text = "1." + self.tokenizer.decode(self.outline_tokens, skip_special_tokens=True)
-        self._kept += outline_req
         self.points, self.warnings = parse_outline(text, self.max_points)
         if not self.outline_text:  # the points see the outline only, not what the model wrote after it
             k = self._tokens_covering(self.outline_tokens, self.points[-1].line_end - len("1.") if self.points else 0)
@@ -234,7 +238,7 @@ class OutlineRun:
                 for pid in ready:
                     pending.discard(pid)
                     p = self.points[pid - 1]
-                    running[pid] = asyncio.create_task(self._point(p, outline_ids, outline_len, outline_req[0], queue))
+                    running[pid] = asyncio.create_task(self._point(p, outline_ids, outline_len, outline, queue))
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
@@ -247,7 +251,8 @@ class OutlineRun:
             for task in running.values():
                 task.cancel()
 
-    async def _point(self, p: Point, outline_ids: list[int], outline_len: int, outline_req, queue) -> None:
+    async def _point(self, p: Point, outline_ids: list[int], outline_len: int, outline: RequestHandle,
+                     queue: asyncio.Queue) -> None:
         try:
             segments = ancestors(self.points, p)
             ids = list(outline_ids)
@@ -263,19 +268,17 @@ class OutlineRun:
                 if p.ids[:n] == base.ids + base.tokens and base.request is not None and base.request.session_id:
                     fork, p.shared = (base.request.session_id, n - 1), f"point {base.id}"
                     break
-            if fork is None and outline_req.session_id:
-                fork, p.shared = (outline_req.session_id, outline_len), "outline"
+            if fork is None and outline.session_id:
+                fork, p.shared = (outline.session_id, outline_len), "outline"
             keep = any(p.id in q.deps for q in self.points)
-            kept: list = []
             p.start = time.monotonic() - self.submitted
-            async for u in self.scheduler.generate(p.ids, self.point_tokens, self.sampling, stop_ids=self.stop_ids,
-                                                   parent=fork, keep_open=keep, on_open=kept.append,
-                                                   speculate=self.speculate):
+            handle = self._submit(Job(tuple(p.ids), self.point_tokens, self.sampling, stop_ids=self.stop_ids,
+                                      parent=fork, keep_open=keep, speculate=self.speculate))
+            async for u in handle:
                 if u.token_id not in self.stop_ids:
                     p.tokens.append(u.token_id)
                 queue.put_nowait((p.id, u.token_id, u.finished))
-            p.request = kept[0]
-            self._kept += kept
+            p.request = handle
             p.end = time.monotonic() - self.submitted
             p.text = self.tokenizer.decode(p.tokens, skip_special_tokens=True).strip()
         except BaseException as exc:  # noqa: BLE001 — the run fails with it

@@ -15,12 +15,14 @@ import logging
 import math
 from pathlib import Path
 
-from logicpipe.errors import InvalidArgument, Unavailable
 from logicpipe.common.modeldir import ModelConfig, model_digest
-from logicpipe.v1 import stage_pb2
-from logicpipe.planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload, format_plan_table,
-                     make_plan, plan_from_json, plan_to_json, reuse_mismatch)
+from logicpipe.controller.model_prep import default_model_dir
+from logicpipe.errors import InvalidArgument, Unavailable
+from logicpipe.planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload,
+                               format_plan_table, make_plan, plan_from_json, plan_to_json, reuse_mismatch)
 from logicpipe.planner.model import device_weight_format
+from logicpipe.planner.prefill import best_chunk
+from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +172,37 @@ def profiles_from_file(path: str) -> list[DeviceProfile]:
 def plan_from_profiles_file(profiles_path: str, model_dir: str | None, strategy: str | None, objective: str,
                             boundaries: list[int] | None, context: int) -> tuple[str, str]:
     """(plan JSON, table) for `lpctl plan --profiles FILE`: no controller, no nodes."""
-    from logicpipe.controller.model_prep import default_model_dir
-
     mdir = Path(model_dir) if model_dir else default_model_dir()
     spec = model_spec(ModelConfig.from_dir(mdir), mdir.name, model_digest(mdir))
     plan = plan_for(profiles_from_file(profiles_path), spec, Workload(context_tokens=context),
                     strategy or "dp", objective, boundaries)
     return plan_to_json(plan), format_plan_table(plan)
+
+
+class PrefillChunks:
+    """Prompt rows per step on stage 0 for a prompt of N tokens: `fixed` (--prefill-chunk), else the
+    chunk the cost model says brings the first token soonest on the plan in force
+    (planner.prefill), cached per (plan generation, 16-token bucket); 0 (the stages' budget)
+    without a plan."""
+
+    MAX_CACHED = 4096
+
+    def __init__(self, fixed: int = 0):
+        self.fixed = fixed
+        self._cache: dict[tuple[int, int], int] = {}
+
+    def choose(self, prompt_tokens: int, generation: int, plan: Plan | None, profiles: list[DeviceProfile],
+               spec: ModelSpec) -> int:
+        if self.fixed:
+            return self.fixed
+        key = (generation, -(-prompt_tokens // 16))
+        if key in self._cache:
+            return self._cache[key]
+        by_id = {p.node_id: p for p in profiles}
+        if plan is None or any(s.node_id not in by_id for s in plan.stages):
+            return 0
+        if len(self._cache) > self.MAX_CACHED:
+            self._cache.clear()
+        self._cache[key] = best_chunk([by_id[s.node_id] for s in plan.stages], [s.end - s.start for s in plan.stages],
+                                      spec, key[1] * 16)
+        return self._cache[key]

@@ -21,11 +21,12 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from logicpipe.controller.pipeline import Pipeline
+from logicpipe.controller.state import MeshState
 from logicpipe.errors import (InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable, code_number,
                               from_code)
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import stage_pb2
-from logicpipe.controller.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,27 @@ class RequestState(Enum):
     FAILED = "failed"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenUpdate:
     request_id: str
     token_id: int
     finished: bool
     finish_reason: str
-    request: "Request | None" = None  # set on the finished update, for its timings
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one sequence asks of the mesh."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int                        # new tokens at most
+    sampling: SamplingParams = SamplingParams()
+    ignore_eos: bool = False               # the model's stop tokens do not end it
+    stop_ids: frozenset[int] = frozenset()  # stop tokens besides the model's
+    speculate: int | None = None           # candidates per step at most (None: the controller's --speculate)
+    prefill_chunk: int = 0                 # prompt tokens per step (0: the controller's choice)
+    parent: tuple[str, int] | None = None  # (session, positions): share its KV (the prompt starts with its tokens)
+    keep_open: bool = False                # the sequence stays open after it finishes, until released (forks)
 
 
 @dataclass
@@ -82,6 +97,7 @@ class Request:
     accepted: int = 0         # ... and accepted
     parent: tuple[str, int] | None = None  # (session, positions) to fork from: its prompt starts with them
     keep_open: bool = False   # its sequence stays open when it finishes (a parent of later forks)
+    ended: bool = False       # over for the mesh (counted, out of the queue and of `active`)
     submitted: float = field(default_factory=time.monotonic)
     queued_since: float = field(default_factory=time.monotonic)
     opened: float = 0.0       # first opened on the stages
@@ -96,34 +112,88 @@ class Request:
         return len(self.prompt_ids) + self.max_tokens
 
 
+@dataclass
+class RequestStats:
+    """Counters since the controller started (Status, lpctl status and /metrics read a copy)."""
+
+    completed: int = 0
+    failed: int = 0            # ended without finishing (error, cancelled, client gone)
+    prompt_tokens: int = 0     # tokens of every prompt admitted
+    generated_tokens: int = 0  # tokens handed to clients
+    replays: int = 0           # requests moved to another pipeline and replayed there
+    preemptions: int = 0       # sequences given up by a stage for KV blocks, replayed later
+    decode_steps: int = 0      # pipeline trips that reported tokens
+    decode_tokens: int = 0     # ... the tokens they reported
+    candidates: int = 0        # candidate tokens verified
+    candidates_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_context: int                      # the model's context, tokens
+    stop_ids: frozenset[int]              # the model's stop tokens
+    vocab_size: int
+    speculate: int = DEFAULT_SPECULATE    # candidates per step a request gets unless it says
+    wait_for_nodes_s: float = WAIT_FOR_NODES_S  # a queued request waits this long while no plan fits
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its tokens as the last stage reports them (a MeshError
+    raised on failure); `stop` ends it as finished (a stop string found); `release` when done
+    with it (its sequence closes, a kept one too). `async with` releases on the way out, also
+    when the client goes away."""
+
+    def __init__(self, scheduler: "Scheduler", request: Request):
+        self._scheduler = scheduler
+        self.request = request
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def session_id(self) -> str:
+        """The sequence open for it now ("" when none: queued, or closed)."""
+        return self.request.session_id
+
+    def updates(self) -> AsyncIterator[TokenUpdate]:
+        return self._scheduler._updates(self.request)
+
+    def __aiter__(self) -> AsyncIterator[TokenUpdate]:
+        return self.updates()
+
+    def stop(self, reason: str = "stop") -> None:
+        self._scheduler._stop(self.request, reason)
+
+    def release(self) -> None:
+        self._scheduler._release(self.request)
+
+    async def __aenter__(self) -> "RequestHandle":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, max_context: int, stop_ids: frozenset[int], vocab_size: int):
+    def __init__(self, pipeline: Pipeline, state: MeshState, config: SchedulerConfig, *,
+                 prefill_chunk: Callable[[int], int] = lambda prompt_tokens: 0,
+                 on_trouble: Callable[[str], None] = lambda why: None):
         self.pipeline = pipeline
-        self.max_context = max_context  # the model's context, tokens
-        self.stop_ids = stop_ids
-        self.vocab_size = vocab_size
+        self.state = state              # admission runs while it is READY (its owner is the app)
+        self.config = config
+        self.prefill_chunk = prefill_chunk  # prompt tokens -> rows per step on the plan in force (0: budget)
+        self.on_trouble = on_trouble        # a stage fault seen: check the plan
         self.active: dict[str, Request] = {}   # session id -> the request it serves
         self.waiting: deque[Request] = deque()
-        self.completed = 0
-        self.failed = 0           # requests that ended without finishing (error, cancelled, client gone)
-        self.prompt_tokens = 0    # tokens of every prompt admitted
-        self.generated_tokens = 0  # tokens handed to clients
-        self.replays = 0          # requests moved to another pipeline and replayed there
-        self.observers: list = []  # callables(Request) on every request's end (metrics)
-        self.preemptions = 0
+        self.stats = RequestStats()
+        self.observers: list[Callable[[Request], None]] = []  # called as each request ends (metrics)
         self._wake = asyncio.Event()
         self._admitter: asyncio.Task | None = None
         self._arrivals = itertools.count(1)
         self._hold_replays = False  # a preemption happened: replays wait until some request ends
         self.epoch = 0              # bumped when running requests are detached (a new plan comes)
-        self.paused = ""            # why admission waits now ("" = it does not): re-planning, no plan fits
-        self.blocked_since = 0.0    # the mesh has no usable plan since then (0: it has one)
-        self.wait_for_nodes_s = WAIT_FOR_NODES_S
-        self.on_trouble: Callable[[str], None] = lambda why: None  # a stage fault seen: check the plan
-        self.speculate = 0          # candidates per step a request gets unless it says
-        self.prefill_chunk: Callable[[int], int] = lambda prompt_tokens: 0  # prompt rows per step (0: budget)
-        # since start: trips that reported tokens, those tokens, candidates verified and accepted
-        self.decode_steps = self.decode_tokens = self.candidates = self.candidates_accepted = 0
+        state.watch(self.kick)
 
     @property
     def running(self) -> int:
@@ -145,10 +215,11 @@ class Scheduler:
             req.decode_steps += 1
             req.candidates += t.candidates
             req.accepted += accepted
-            self.decode_steps += 1
-            self.decode_tokens += len(t.token_ids)
-            self.candidates += t.candidates
-            self.candidates_accepted += accepted
+            st = self.stats
+            st.decode_steps += 1
+            st.decode_tokens += len(t.token_ids)
+            st.candidates += t.candidates
+            st.candidates_accepted += accepted
             n = len(t.token_ids)
             for i, tok in enumerate(t.token_ids):
                 last = i == n - 1
@@ -156,9 +227,9 @@ class Scheduler:
             return
         err = from_code(ev.error.code, ev.error.message)
         if ev.error.code == code_number(grpc.StatusCode.RESOURCE_EXHAUSTED):
-            self._preempted(req, err)
+            self._requeue(req, err, preempted=True)
         elif ev.error.code == code_number(grpc.StatusCode.UNAVAILABLE):  # a stage or link fault: replay
-            self._replay(req, err)
+            self._requeue(req, err)
             self.on_trouble(str(err))
         else:
             req.queue.put_nowait(err)
@@ -175,108 +246,82 @@ class Scheduler:
             req.session_id = ""
             if req.done:  # finished; its client reads what is queued
                 continue
-            req.replays += 1
-            if req.replays > MAX_REPLAYS:
-                req.queue.put_nowait(Unavailable(f"moved to another plan {req.replays - 1} times; giving up"))
-                continue
-            req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
-            self.waiting.appendleft(req)
+            self._back_in_queue(req, Unavailable("its plan was replaced"))
         self._hold_replays = False
         return [session for session, _ in running]
 
-    def pause(self, why: str, blocked: bool = False) -> None:
-        """Admission waits (`why` is told to whoever asks); `blocked`: no plan fits the nodes there
-        are, so queued requests fail after wait_for_nodes_s with `why`."""
-        self.paused = why
-        if blocked and not self.blocked_since:
-            self.blocked_since = time.monotonic()
-        elif not blocked:
-            self.blocked_since = 0.0
-
-    def resume(self) -> None:
-        self.paused, self.blocked_since = "", 0.0
-        self._kick()
-
     # ---- requests ---------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams) -> None:
+    def validate(self, job: Job) -> None:
+        prompt_ids, max_tokens, cfg = job.prompt_ids, job.max_tokens, self.config
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
         if bad:
-            raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         if max_tokens < 1:
             raise InvalidArgument("max_tokens must be at least 1")
-        if len(prompt_ids) + max_tokens > self.max_context:
+        if len(prompt_ids) + max_tokens > cfg.max_context:
             raise InvalidArgument(
                 f"{len(prompt_ids)} prompt tokens + {max_tokens} new tokens exceed the model's "
-                f"{self.max_context}-token context; shorten the prompt or lower --max-tokens")
+                f"{cfg.max_context}-token context; shorten the prompt or lower --max-tokens")
         try:
-            sampling.validate()
+            job.sampling.validate()
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
+        if job.speculate is not None and not 0 <= job.speculate <= MAX_SPECULATE:
+            raise InvalidArgument(f"speculate must be 0 (off) to {MAX_SPECULATE} candidates per step, "
+                                  f"not {job.speculate}")
         largest = self.pipeline.largest_request() if self.pipeline.stages else 0
         if largest and len(prompt_ids) + max_tokens > largest:
             raise ResourceExhausted(
                 f"{len(prompt_ids)} prompt tokens + {max_tokens} new tokens need more KV than a stage holds in all "
                 f"({largest} positions); lower --max-tokens, or give the stages more --max-kv-mib")
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                       ignore_eos: bool = False, *, stop_ids: frozenset[int] | None = None,
-                       parent: tuple[str, int] | None = None, keep_open: bool = False,
-                       on_open: Callable[[Request], None] | None = None,
-                       speculate: int | None = None, prefill_chunk: int = 0) -> AsyncIterator[TokenUpdate]:
-        """Yield each new token as the last stage reports it. Raises a MeshError on failure.
-        `stop_ids` add to the model's; `parent` (session, positions): share that session's KV for
-        the first positions (the prompt must begin with its tokens); `keep_open`: the sequence
-        stays open after it finishes (close it with close_kept); `on_open` gets the Request;
-        `speculate`: candidates per step at most (None: the controller's default, 0: none);
-        `prefill_chunk`: prompt tokens per step (0: the controller's choice)."""
-        self.validate(prompt_ids, max_tokens, sampling)
+    def submit(self, job: Job) -> RequestHandle:
+        """Queue `job` (checked first: a MeshError says why it cannot run); its handle yields its
+        tokens as they come."""
+        self.validate(job)
         if len(self.waiting) >= MAX_QUEUED:
             raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting for the mesh; retry later")
-        if speculate is not None and not 0 <= speculate <= MAX_SPECULATE:
-            raise InvalidArgument(f"speculate must be 0 (off) to {MAX_SPECULATE} candidates per step, not {speculate}")
+        sampling = job.sampling
         if not sampling.greedy and sampling.seed is None:  # a seed of our own: replays draw the same
             sampling = sampling.with_seed(random.getrandbits(63))
-        stops = frozenset() if ignore_eos else self.stop_ids
-        req = Request(uuid.uuid4().hex, list(prompt_ids), max_tokens, sampling, stops | (stop_ids or frozenset()),
-                      priority=next(self._arrivals), parent=parent, keep_open=keep_open,
-                      speculate=self.speculate if speculate is None else speculate, chunk_asked=prefill_chunk)
-        if on_open is not None:
-            on_open(req)
-        self.prompt_tokens += len(req.prompt_ids)
+        stops = (frozenset() if job.ignore_eos else self.config.stop_ids) | job.stop_ids
+        req = Request(uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, sampling, stops,
+                      priority=next(self._arrivals), parent=job.parent, keep_open=job.keep_open,
+                      speculate=self.config.speculate if job.speculate is None else job.speculate,
+                      chunk_asked=job.prefill_chunk)
+        self.stats.prompt_tokens += len(req.prompt_ids)
         self.waiting.append(req)
-        self._kick()
+        self.kick()
+        return RequestHandle(self, req)
+
+    async def _updates(self, req: Request) -> AsyncIterator[TokenUpdate]:
+        """`req`'s tokens as they come; however this ends, the request is over for the mesh (its
+        sequence closed unless kept open for forks)."""
         try:
             while True:
                 item = await self._next_update(req)
                 req.tokens.append(item.token_id)
-                self.generated_tokens += 1
+                self.stats.generated_tokens += 1
                 req.last_token = time.monotonic()
                 if len(req.tokens) == 1:
                     req.first_token = req.last_token
                 if item.finished:
                     req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), item.finish_reason
-                    item.request = req
-                    self.completed += 1  # counted before the client takes it: it may close us right after
+                    self.stats.completed += 1  # counted before the client takes it: it may close us right after
                 yield item
                 if item.finished:
                     return
         finally:
-            if req.state is not RequestState.FINISHED:
-                req.state = RequestState.FAILED
-                self.failed += 1
-            self.replays += req.replays
-            self._release(req)
-            for observe in self.observers:
-                observe(req)
+            self._end(req)
 
-    def stop_early(self, req: Request, reason: str = "stop") -> None:
+    def _stop(self, req: Request, reason: str) -> None:
         """The client ends `req` as finished (a stop string it found): a completed request, not a
-        failed one, when its generator is closed next."""
+        failed one."""
         if req.state is not RequestState.FINISHED:
             req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), reason
-            self.completed += 1
+            self.stats.completed += 1
 
     async def _next_update(self, req: Request) -> TokenUpdate:
         """The request's next token; a MeshError from the stages is raised. A request waiting in
@@ -290,9 +335,10 @@ class Scheduler:
                 since = max(req.last_token, req.opened_now)
                 if req.state is RequestState.RUNNING and now - since > TOKEN_TIMEOUT_S:
                     raise Unavailable(f"no token from the pipeline in {TOKEN_TIMEOUT_S:.0f} s") from None
-                if (req.state is RequestState.QUEUED and self.blocked_since
-                        and now - max(req.queued_since, self.blocked_since) > self.wait_for_nodes_s):
-                    raise ResourceExhausted(f"waited {self.wait_for_nodes_s:.0f} s for the mesh: {self.paused}") from None
+                wait_s = self.config.wait_for_nodes_s
+                if (req.state is RequestState.QUEUED and self.state.waiting
+                        and now - max(req.queued_since, self.state.since) > wait_s):
+                    raise ResourceExhausted(f"waited {wait_s:.0f} s for the mesh: {self.state.reason}") from None
                 if req.state is RequestState.QUEUED and now - req.queued_since > QUEUE_TIMEOUT_S + TOKEN_TIMEOUT_S:
                     raise ResourceExhausted(f"waited {now - req.queued_since:.0f} s for the mesh; retry later") from None
                 if req.state is RequestState.QUEUED and req not in self.waiting:  # lost by the queue: never hang
@@ -302,8 +348,16 @@ class Scheduler:
                 raise item
             return item
 
-    def _release(self, req: Request) -> None:
-        """The request is over (or its client left): out of the queue, its sequence closed."""
+    def _end(self, req: Request) -> None:
+        """The request is over for the mesh (finished, failed, or its client left): out of the
+        queue; its sequence closed, unless it finished and is kept open for forks."""
+        if req.ended:
+            return
+        req.ended = True
+        if req.state is not RequestState.FINISHED:
+            req.state = RequestState.FAILED
+            self.stats.failed += 1
+        self.stats.replays += req.replays
         self._hold_replays = False
         if req in self.waiting:
             self.waiting.remove(req)
@@ -311,47 +365,54 @@ class Scheduler:
             del self.active[req.session_id]
             if not (req.keep_open and req.state is RequestState.FINISHED):
                 self.pipeline.close_session_soon(req.session_id)
-        self._kick()
+                req.session_id = ""
+        self.kick()
+        for observe in self.observers:
+            observe(req)
 
-    def close_kept(self, req: Request) -> None:
-        """Close the sequence a keep_open request left open (if a re-plan has not already)."""
-        if req.keep_open and req.session_id and req.session_id not in self.active:
+    def _release(self, req: Request) -> None:
+        """The client is done with `req`: it ends (if it has not), and a sequence kept open for
+        forks closes (unless a re-plan already did)."""
+        self._end(req)
+        if req.session_id and req.session_id not in self.active:
             self.pipeline.close_session_soon(req.session_id)
-            req.session_id = ""
+        req.session_id = ""
 
-    def _replay(self, req: Request, err: MeshError) -> None:
-        """A stage fault ended the request's sequence: replay it (on this pipeline once it is
-        healthy again, or on the next one)."""
-        del self.active[req.session_id]
-        self.pipeline.close_session_soon(req.session_id)
-        req.session_id, req.replays = "", req.replays + 1
-        if req.replays > MAX_REPLAYS:
-            req.queue.put_nowait(err)
-            return
-        log.info("request %s: %s; replaying it with its %d tokens", req.id, err, len(req.received))
-        req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
-        self.waiting.appendleft(req)
-        self._kick()
-
-    def _preempted(self, req: Request, err: MeshError) -> None:
-        """A stage gave the request's sequence up to free KV blocks: replay it when there is room."""
+    def _requeue(self, req: Request, err: MeshError, *, preempted: bool = False) -> None:
+        """A stage ended the request's sequence: a fault (replay it, on this pipeline once it is
+        healthy again or on the next one) or, `preempted`, to free KV blocks (replay it when there
+        is room, once another request has ended, else it would thrash)."""
         del self.active[req.session_id]
         self.pipeline.close_session_soon(req.session_id)
         req.session_id = ""
-        req.preemptions += 1
-        self.preemptions += 1
-        if req.preemptions > MAX_PREEMPTIONS:
-            req.queue.put_nowait(ResourceExhausted(f"preempted {req.preemptions} times for lack of KV blocks "
-                                                   f"(last: {err}); the mesh is overloaded, retry later"))
-            return
-        log.info("request %s preempted (%s); replaying it with its %d tokens", req.id, err, len(req.received))
+        if preempted:
+            self.stats.preemptions += 1
+            self._hold_replays = True
+        self._back_in_queue(req, err, preempted=preempted)
+
+    def _back_in_queue(self, req: Request, err: MeshError, *, preempted: bool = False) -> None:
+        """`req` to the front of the queue (the oldest work goes first), to be replayed from its
+        prompt and the tokens it has; it fails instead once it has been moved too often."""
+        if preempted:
+            req.preemptions += 1
+            if req.preemptions > MAX_PREEMPTIONS:
+                req.queue.put_nowait(ResourceExhausted(f"preempted {req.preemptions} times for lack of KV blocks "
+                                                       f"(last: {err}); the mesh is overloaded, retry later"))
+                return
+        else:
+            req.replays += 1
+            if req.replays > MAX_REPLAYS:
+                req.queue.put_nowait(Unavailable(f"moved to another plan {req.replays - 1} times; giving up (last: "
+                                                 f"{err})"))
+                return
+        log.info("request %s %s (%s); replaying it with its %d tokens", req.id,
+                 "preempted" if preempted else "interrupted", err, len(req.received))
         req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
-        self.waiting.appendleft(req)  # the oldest work goes first
-        self._hold_replays = True     # ... once a request has ended (else it would thrash)
-        self._kick()
+        self.waiting.appendleft(req)
+        self.kick()
 
     # ---- admission --------------------------------------------------------------------------
-    def _kick(self) -> None:
+    def kick(self) -> None:
         self._wake.set()
         if self._admitter is None or self._admitter.done():
             self._admitter = asyncio.get_running_loop().create_task(self._admit_loop(), name="admission")
@@ -362,7 +423,7 @@ class Scheduler:
         while self.waiting:
             self._wake.clear()
             req = self.waiting[0]
-            if self.paused or not self.pipeline.stages or self.pipeline.down:
+            if not self.state.admitting or not self.pipeline.stages or self.pipeline.down:
                 try:  # the app resumes us; the timeout re-checks a stage that came back
                     await asyncio.wait_for(self._wake.wait(), ADMIT_RETRY_S)
                 except asyncio.TimeoutError:
@@ -459,7 +520,7 @@ class Scheduler:
                     prefill_only=a + FEED_CHUNK < len(inputs))]))  # more of the input follows
         except Unavailable as err:
             if self.active.get(session) is req:
-                self._replay(req, err)
+                self._requeue(req, err)
             if self.epoch == epoch:
                 raise
             # else detached meanwhile by a re-plan: it waits for the new plan

@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
 
+from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.v1 import stage_pb2
 from logicpipe.stage_node import wire
@@ -397,7 +398,7 @@ class StageRuntime:
                                      "it holds no sessions")
         sched = self.engine.scheduler
         if session_id not in sched.seqs:
-            raise NotFound(f"session {session_id[:wire.MAX_ID_CHARS]} is not open on node {self.node_id}")
+            raise NotFound(f"session {session_id[:MAX_ID_CHARS]} is not open on node {self.node_id}")
         held = self.engine.kv.tables[session_id].length
         sched.close(session_id)
         self._wake.set()  # a micro-batch slot or blocks may have freed

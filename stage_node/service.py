@@ -8,6 +8,7 @@ import time
 import grpc
 
 from logicpipe.common.transport import Transport, caller_address
+from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from logicpipe import __version__
@@ -66,7 +67,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         opener = self._openers.get(request.session_id)
         _, name = self.transport.peer(context)
         if opener is not None and name != opener:
-            raise PermissionDenied(f"session {request.session_id[:wire.MAX_ID_CHARS]} belongs to {opener!r}, "
+            raise PermissionDenied(f"session {request.session_id[:MAX_ID_CHARS]} belongs to {opener!r}, "
                                    f"not to {name!r}")
         held = self.runtime.close_session(request.session_id)
         self._openers.pop(request.session_id, None)

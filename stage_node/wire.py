@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
-from logicpipe.limits import MAX_ID_CHARS, check_id
+from logicpipe.limits import check_id
 from logicpipe.tensor_codec import RawTensor
 from logicpipe.v1 import stage_pb2
 from logicpipe.sampling import SamplingParams

@@ -22,6 +22,10 @@ import grpc
 import pytest
 
 from logicpipe.common.transport import PLAINTEXT
+from logicpipe.controller.app import ControllerApp, ControllerOptions
+from logicpipe.controller.requests import FrontDoor
+from logicpipe.controller.service import ControllerServicer
+from logicpipe.v1 import controller_pb2_grpc
 from logicpipe.common.health import add_health, set_serving
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
@@ -373,6 +377,7 @@ async def serve_valid_request(first: Node, last: Node | None = None, *, call=Non
 @dataclass
 class Controller:
     app: object  # controller.app.ControllerApp
+    door: object  # controller.requests.FrontDoor
     server: grpc.aio.Server
     address: str
     channel: grpc.aio.Channel
@@ -381,17 +386,15 @@ class Controller:
 
 @contextlib.asynccontextmanager
 async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, strategy: str = "uniform",
-                     dtype: str = "float32", requests_per_client: int = 64):
+                     dtype: str = "float32", requests_per_client: int = 64, wait_for_nodes_s: float = 60.0):
     """ControllerApp + ControllerServicer on 127.0.0.1:<ephemeral>; `start` profiles `nodes`, plans
     and installs the pipeline as logicpipe-controller does (strategy "uniform": every node gets a
     stage, in the given order, whatever the planner would prefer)."""
-    from logicpipe.controller.app import ControllerApp
-    from logicpipe.controller.service import ControllerServicer
-    from logicpipe.v1 import controller_pb2_grpc
-
-    app = ControllerApp(model_dir, list(nodes), transport=PLAINTEXT, strategy=strategy, settle_s=0.5, dtype=dtype)
+    options = ControllerOptions(strategy=strategy, settle_s=0.5, dtype=dtype, wait_for_nodes_s=wait_for_nodes_s)
+    app = ControllerApp(model_dir, list(nodes), transport=PLAINTEXT, options=options)
+    door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir, requests_per_client=requests_per_client)
     server = PLAINTEXT.server()
-    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, PLAINTEXT, requests_per_client), server)
+    controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, door, PLAINTEXT), server)
     port = server.add_insecure_port("127.0.0.1:0")
     assert port, "could not bind an ephemeral loopback port"
     address = f"127.0.0.1:{port}"
@@ -400,9 +403,9 @@ async def controller(model_dir, nodes: Sequence[str], *, start: bool = True, str
         await server.start()
         if start:
             await app.start()
-            assert await app.wait_ready(120), f"no plan: {app.waiting}"
+            assert await app.wait_ready(120), f"no plan: {app.state.reason}"
         channel = PLAINTEXT.channel(address, "controller")
-        yield Controller(app, server, address, channel, controller_pb2_grpc.ControllerStub(channel))
+        yield Controller(app, door, server, address, channel, controller_pb2_grpc.ControllerStub(channel))
     finally:
         if channel is not None:
             await channel.close()

@@ -135,15 +135,15 @@ def test_valid_submit_streams_tokens_and_finishes_with_timings(runner, mesh):
     prompt, max_tokens = "The capital of France is", 8
 
     async def main():
-        done = mesh.ctl.app.scheduler.completed
+        done = mesh.ctl.app.scheduler.stats.completed
         replies = await submit(mesh.ctl, prompt=prompt, raw=True, max_tokens=max_tokens)
         ids = check_finished_stream(replies, mesh, max_tokens)
-        prompt_ids = mesh.ctl.app.encode_prompt(prompt, raw=True)
+        prompt_ids = mesh.ctl.door.encode_prompt(prompt, raw=True)
         assert replies[-1].timings.prompt_tokens == len(prompt_ids)
         # the same prompt, already tokenized: the same greedy tokens
         again = await submit(mesh.ctl, prompt_token_ids=prompt_ids, max_tokens=max_tokens)
         assert check_finished_stream(again, mesh, max_tokens) == ids
-        assert mesh.ctl.app.scheduler.completed == done + 2
+        assert mesh.ctl.app.scheduler.stats.completed == done + 2
         await eventually_no_sessions(mesh.first, mesh.last)
     arun(runner, main())
 
@@ -223,7 +223,7 @@ def test_a_preempted_request_is_replayed_to_the_same_tokens(runner, model_dir):
             assert [[t for r in replies for t in r.token_ids] for replies in together] == alone
             assert all([len(r.token_ids) for r in replies] == [1] * 90 for replies in together)
             st = await m.last.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
-            assert st.preempted > before and m.ctl.app.scheduler.preemptions >= 1
+            assert st.preempted > before and m.ctl.app.scheduler.stats.preemptions >= 1
             await eventually_no_sessions(m.first, m.last)
     arun(runner, main(), timeout=300)
 
@@ -236,8 +236,7 @@ def test_without_a_usable_node_requests_wait_then_fail_saying_why(runner, model_
     nowhere = closed_port_address()
 
     async def main():
-        async with controller(model_dir, [nowhere], start=False) as ctl:
-            ctl.app.scheduler.wait_for_nodes_s = 1.0
+        async with controller(model_dir, [nowhere], start=False, wait_for_nodes_s=1.0) as ctl:
             await ctl.app.start()
             await asyncio.sleep(1.0)
             st = await ctl.stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)
@@ -255,8 +254,7 @@ def test_without_a_usable_node_requests_wait_then_fail_saying_why(runner, model_
             assert st.state == "waiting" and st.waiting == "no stage nodes yet" and not st.nodes
         # a node started with --no-profile cannot be planned for, and the controller says why
         async with stage_node("unmeasured", profiled=False) as node:
-            async with controller(model_dir, [node.address], start=False) as ctl:
-                ctl.app.scheduler.wait_for_nodes_s = 1.0
+            async with controller(model_dir, [node.address], start=False, wait_for_nodes_s=1.0) as ctl:
                 await ctl.app.start()
                 await expect_status(submit(ctl, prompt="Hello", max_tokens=2), grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     "unmeasured", "--no-profile")
@@ -267,10 +265,10 @@ def test_without_a_usable_node_requests_wait_then_fail_saying_why(runner, model_
 def test_a_huge_prompt_is_refused_before_any_work_while_others_are_served(runner, mesh, monkeypatch):
     """30 MiB of prompt used to be tokenized inside the handler (~0.5 s per MiB), freezing every
     other user; now it is refused before it is tokenized, and a request beside it runs as usual."""
-    app = mesh.ctl.app
+    door = mesh.ctl.door
     seen: list[int] = []
-    real = app.encode_prompt
-    monkeypatch.setattr(app, "encode_prompt", lambda prompt, raw: seen.append(len(prompt)) or real(prompt, raw))
+    real = door.encode_prompt
+    monkeypatch.setattr(door, "encode_prompt", lambda prompt, raw: seen.append(len(prompt)) or real(prompt, raw))
 
     async def main():
         small = asyncio.ensure_future(submit(mesh.ctl, prompt="Hi", max_tokens=6))

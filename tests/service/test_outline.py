@@ -8,6 +8,7 @@ import asyncio
 
 import grpc
 
+from logicpipe.controller.scheduler import Job
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2
 
@@ -18,7 +19,8 @@ QUESTION = "How do I make coffee?"
 
 
 async def tokens_of(scheduler, ids, n, stop_ids):
-    return [u.token_id async for u in scheduler.generate(ids, n, SamplingParams(), stop_ids=stop_ids)]
+    async with scheduler.submit(Job(tuple(ids), n, SamplingParams(), stop_ids=stop_ids)) as handle:
+        return [u.token_id async for u in handle]
 
 
 def test_points_fork_hand_over_kv_and_match_decoding_from_scratch(runner, model_dir):

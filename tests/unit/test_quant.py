@@ -76,7 +76,7 @@ def reference(model_dir):
     """The float32 model's greedy tokens for each prompt (its own top-1, fed back)."""
     from transformers import AutoTokenizer
 
-    from logicpipe.controller.app import encode_prompt
+    from logicpipe.controller.text import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     full = Shard.load(model_dir, 0, 30, first=True, last=True)

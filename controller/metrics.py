@@ -1,0 +1,83 @@
+"""`GET /metrics` in Prometheus' format (prometheus_client): counters and gauges from the
+controller's snapshot at scrape time (the same one Status and `lpctl status` read), per-stage
+figures from a Status probe of each stage, and latency histograms observed as each request ends."""
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.scheduler import Request
+
+STAGE_PROBE_TIMEOUT_S = 2.0
+
+
+class Metrics:
+    BUCKETS_TTFT = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+    BUCKETS_ITL = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+
+    def __init__(self, app: ControllerApp):
+        self.app = app
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("logicpipe_time_to_first_token_seconds", "Submission to first token",
+                              buckets=self.BUCKETS_TTFT, registry=self.registry)
+        self.itl = Histogram("logicpipe_inter_token_latency_seconds", "Mean time between a request's tokens",
+                             buckets=self.BUCKETS_ITL, registry=self.registry)
+        self._stages: list = []  # (node id, stage StatusReply) of the last probe
+        app.scheduler.observers.append(self._observe)
+        self.registry.register(self)
+
+    def _observe(self, req: Request) -> None:
+        if req.first_token:
+            self.ttft.observe(req.first_token - req.submitted)
+        if len(req.tokens) > 1 and req.last_token > req.first_token:
+            self.itl.observe((req.last_token - req.first_token) / (len(req.tokens) - 1))
+
+    async def scrape(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, after probing the plan's stages (their KV
+        blocks, step times)."""
+        stages = list(self.app.pipeline.stages)
+        probes = await asyncio.gather(*(self.app.pipeline.probe(h.address, timeout=STAGE_PROBE_TIMEOUT_S)
+                                        for h in stages), return_exceptions=True)
+        self._stages = [(h.node_id or h.address, p) for h, p in zip(stages, probes) if not isinstance(p, BaseException)]
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        snap = self.app.snapshot()
+        st = snap.stats
+        requests = CounterMetricFamily("logicpipe_requests", "Requests by outcome", labels=["outcome"])
+        requests.add_metric(["completed"], st.completed)
+        requests.add_metric(["failed"], st.failed)
+        yield requests
+        tokens = CounterMetricFamily("logicpipe_tokens", "Tokens in (prompts) and out (generated)", labels=["direction"])
+        tokens.add_metric(["in"], st.prompt_tokens)
+        tokens.add_metric(["out"], st.generated_tokens)
+        yield tokens
+        yield GaugeMetricFamily("logicpipe_active_sequences", "Requests running on the stages", value=snap.running)
+        yield GaugeMetricFamily("logicpipe_queued_sequences", "Requests waiting for the mesh", value=snap.queued)
+        yield CounterMetricFamily("logicpipe_replans", "Plans installed", value=snap.replans)
+        yield CounterMetricFamily("logicpipe_replays", "Requests moved to another pipeline and replayed",
+                                  value=st.replays)
+        yield CounterMetricFamily("logicpipe_preemptions", "Requests preempted for KV blocks", value=st.preemptions)
+        rate = st.candidates_accepted / st.candidates if st.candidates else 0.0
+        yield GaugeMetricFamily("logicpipe_candidate_acceptance_ratio", "Candidate tokens accepted / verified",
+                                value=rate)
+        blocks = GaugeMetricFamily("logicpipe_stage_kv_blocks_used", "KV blocks in use per stage", labels=["node"])
+        step = GaugeMetricFamily("logicpipe_stage_step_seconds", "Mean compute time per step per stage",
+                                 labels=["node"])
+        for node, s in self._stages:
+            blocks.add_metric([node], s.kv_blocks_used)
+            step.add_metric([node], s.compute_s / s.steps if s.steps else 0.0)
+        yield blocks
+        yield step
+        hop = GaugeMetricFamily("logicpipe_link_latency_seconds", "Measured one-way latency between nodes",
+                                labels=["src", "dst"])
+        for src, links in snap.links.items():
+            for dst, link in links.items():
+                hop.add_metric([src, dst], link.latency)
+        yield hop

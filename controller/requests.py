@@ -1,0 +1,257 @@
+"""The one front door for requests. Whichever API a request comes by (gRPC `Submit`, the HTTP API),
+its adapter turns it into a `Prompt` and `RequestOptions` and opens a `Completion` here; this
+module owns every rule a request meets on the way in and out, so they are the same at every door:
+requests per client, prompt and conversation size, tokenizing (off the event loop), the chat
+template, stop strings, detokenizing, and outline-DAG requests.
+
+    async with door.open(prompt, options, client) as completion:   # a MeshError says why not
+        async for piece in completion:                             # its tokens and text as they come
+            ...
+    completion.finish_reason, completion.tokens, completion.timings()  # afterwards
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from logicpipe.controller.outline import MAX_POINTS, OutlineRun
+from logicpipe.controller.scheduler import Job, Request, RequestHandle, Scheduler
+from logicpipe.controller.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
+from logicpipe.errors import InvalidArgument, ResourceExhausted
+from logicpipe.sampling import SamplingParams
+
+MAX_PROMPT_CHARS = 2**20   # characters of one prompt or conversation (refused before any work beyond that)
+MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
+MAX_CHAT_MESSAGES = 1024   # turns of one conversation
+MAX_STOPS = 4              # stop strings of one request
+DEFAULT_REQUESTS_PER_CLIENT = 64  # requests one client may have open at once (--max-requests-per-client)
+
+
+def host_client(host: str) -> str:
+    """The client a call without a certificate counts as: its host (IPv6 in brackets), whichever
+    door it came by."""
+    return f"host [{host}]" if ":" in host and not host.startswith("[") else f"host {host}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What to continue: exactly one of a text, a conversation or token ids."""
+
+    text: str = ""
+    raw: bool = False                                  # the text as is, no chat template
+    messages: tuple[tuple[str, str], ...] = ()         # (role, content) turns, through the chat template
+    token_ids: tuple[int, ...] = ()                    # already tokenized
+
+    def check(self) -> None:
+        given = [name for name, v in (("a prompt", self.text.strip()), ("messages", self.messages),
+                                      ("prompt token ids", self.token_ids)) if v]
+        if not given:
+            raise InvalidArgument("the prompt is empty: give a prompt, messages or prompt token ids")
+        if len(given) > 1:
+            raise InvalidArgument(f"give one of a prompt, messages or prompt token ids, not {' and '.join(given)}")
+        chars = len(self.text) + sum(len(c) for _, c in self.messages)
+        if chars > MAX_PROMPT_CHARS or len(self.token_ids) > MAX_PROMPT_TOKENS:
+            raise InvalidArgument(f"the prompt is {chars} characters / {len(self.token_ids)} token ids, over the cap "
+                                  f"of {MAX_PROMPT_CHARS} characters / {MAX_PROMPT_TOKENS} ids")
+        if self.messages and len(self.messages) > MAX_CHAT_MESSAGES:
+            raise InvalidArgument(f"a conversation has 1 to {MAX_CHAT_MESSAGES} messages, not {len(self.messages)}")
+        for i, (role, _) in enumerate(self.messages):
+            if role not in CHAT_ROLES:
+                raise InvalidArgument(f"messages[{i}]: role must be system, user or assistant, not {role[:20]!r}")
+
+
+@dataclass(frozen=True)
+class OutlineOptions:
+    """An outline-DAG request (see controller/outline.py); `max_tokens` is then per point."""
+
+    max_points: int = 0          # 0: the default (8)
+    outline_text: str = ""       # use this outline instead of asking the model for one
+    sequential: bool = False     # decode the points one after another (for comparison)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    max_tokens: int                                 # new tokens at most (per point for an outline)
+    sampling: SamplingParams = SamplingParams()
+    ignore_eos: bool = False                        # go on past the model's stop tokens (benchmarks)
+    speculate: int | None = None                    # candidates per step at most (None: the controller's)
+    prefill_chunk: int = 0                          # prompt tokens per step (0: the controller's choice)
+    stop: tuple[str, ...] = ()                      # stop strings: the text ends before the first
+    outline: OutlineOptions | None = None
+
+    def check(self) -> None:
+        if len(self.stop) > MAX_STOPS or not all(self.stop):
+            raise InvalidArgument(f"stop: up to {MAX_STOPS} non-empty strings")
+        if self.outline is not None and self.outline.max_points > MAX_POINTS:
+            raise InvalidArgument(f"max_points {self.outline.max_points} is over the cap of {MAX_POINTS}")
+        if self.outline is not None and len(self.outline.outline_text) > MAX_PROMPT_CHARS:
+            raise InvalidArgument(f"outline_text is over the cap of {MAX_PROMPT_CHARS} characters")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What a completion adds as it runs: a token and the text it releases."""
+
+    token_ids: tuple[int, ...]
+    text: str                 # new text, safe to show (a stop string never leaks)
+    point: int = 0            # outline requests: whose token (0: the outline itself)
+    finished: bool = False    # the last piece of a plain request
+    finish_reason: str = ""   # on the last piece: "stop" (a stop token or string) or "length"
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float
+    first_token_s: float
+    total_s: float
+    decode_tokens_per_s: float
+    decode_steps: int
+    candidates: int
+    accepted: int
+    speculate: int
+    prefill_chunk: int
+
+
+def request_timings(req: Request) -> Timings:
+    n = len(req.tokens)
+    decode = req.finished - req.first_token
+    return Timings(queue_s=req.opened - req.submitted, first_token_s=req.first_token - req.submitted,
+                   total_s=req.finished - req.submitted,
+                   decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
+                   decode_steps=req.decode_steps, candidates=req.candidates, accepted=req.accepted,
+                   speculate=req.speculate, prefill_chunk=req.prefill_chunk)
+
+
+@dataclass
+class Completion:
+    """One request through the front door: iterate it for its pieces; afterwards it holds the
+    outcome (what the adapters report: text, tokens, finish reason, timings, an outline's points)."""
+
+    id: str
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)   # every token received
+    text: str = ""                                    # the answer (cut at a stop string)
+    finish_reason: str = ""                           # "stop" | "length" once finished
+    points: list = field(default_factory=list)        # outline requests: controller.outline.Point, in order
+    warnings: list[str] = field(default_factory=list)  # ... the outline parser's repairs
+    submitted: float = field(default_factory=time.monotonic)
+    handle: RequestHandle | None = None               # a plain request's, once submitted
+    _pieces: AsyncIterator[Piece] | None = None
+
+    def __aiter__(self) -> AsyncIterator[Piece]:
+        return self._pieces
+
+    def timings(self) -> Timings | None:
+        """A plain request's timings, once it has finished."""
+        return request_timings(self.handle.request) if self.handle is not None and self.finish_reason else None
+
+
+class FrontDoor:
+    """Requests in, completions out, over the scheduler (see the module's docstring)."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, *, model_dir: Path,
+                 requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer          # None: a model without one takes token ids only
+        self.model_dir = model_dir
+        self.requests_per_client = requests_per_client
+        self._open: dict[str, int] = {}     # client -> its completions open now
+
+    @contextlib.asynccontextmanager
+    async def open(self, prompt: Prompt, options: RequestOptions, client: str) -> AsyncIterator[Completion]:
+        """A completion of `prompt` for `client` (a certificate name or a host), refused with a
+        MeshError before any work when it breaks a rule; it ends (its sequences closed) when the
+        block is left, also when the client went away."""
+        n = self._open.get(client, 0)
+        if n >= self.requests_per_client:
+            raise ResourceExhausted(f"{client} has {n} requests running, the cap per client "
+                                    f"(--max-requests-per-client); wait for one to finish")
+        self._open[client] = n + 1
+        try:
+            prompt.check()
+            options.check()
+            completion = await (self._outline(prompt, options) if options.outline is not None
+                                else self._plain(prompt, options))
+            try:
+                yield completion
+            finally:
+                await completion._pieces.aclose()
+                if completion.handle is not None:
+                    completion.handle.release()
+        finally:
+            self._open[client] -= 1
+            if not self._open[client]:
+                del self._open[client]
+
+    # ---- plain requests ------------------------------------------------------------------------
+    async def _plain(self, prompt: Prompt, o: RequestOptions) -> Completion:
+        ids = await self.token_ids(prompt)
+        handle = self.scheduler.submit(Job(tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
+                                           prefill_chunk=o.prefill_chunk))
+        c = Completion(handle.id, len(ids), handle=handle)
+        c._pieces = self._plain_pieces(c, handle, o)
+        return c
+
+    async def _plain_pieces(self, c: Completion, handle: RequestHandle, o: RequestOptions) -> AsyncIterator[Piece]:
+        text, stops = TextStream(self.tokenizer), StopScan(o.stop)
+        async with contextlib.aclosing(handle.updates()) as updates:
+            async for u in updates:
+                c.tokens.append(u.token_id)
+                released = stops.push(text.push([u.token_id], u.finished), final=u.finished)
+                c.text += released
+                if stops.stopped:
+                    handle.stop("stop")
+                    c.finish_reason = "stop"
+                elif u.finished:
+                    c.finish_reason = "stop" if u.finish_reason == "stop" else "length"
+                yield Piece((u.token_id,), released, finished=bool(c.finish_reason), finish_reason=c.finish_reason)
+                if c.finish_reason:
+                    return
+
+    async def token_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids: tokenizing takes ~0.5 s per MiB, so it runs off the event loop."""
+        if prompt.token_ids:
+            return list(prompt.token_ids)
+        if prompt.messages:
+            if self.tokenizer is None or not self.tokenizer.chat_template:
+                raise InvalidArgument(f"the model at {self.model_dir} has no chat template: send a raw prompt")
+            return await asyncio.to_thread(encode_chat, self.tokenizer, list(prompt.messages))
+        if self.tokenizer is None:
+            raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: submit prompt_token_ids")
+        return await asyncio.to_thread(self.encode_prompt, prompt.text, prompt.raw)
+
+    def encode_prompt(self, text: str, raw: bool) -> list[int]:
+        return encode_prompt(self.tokenizer, text, raw)
+
+    # ---- outline requests ----------------------------------------------------------------------
+    async def _outline(self, prompt: Prompt, o: RequestOptions) -> Completion:
+        """The question is the prompt's text, or the last user message of a conversation."""
+        if self.tokenizer is None:
+            raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: outline requests need one")
+        users = [c for r, c in prompt.messages if r == "user"]
+        question = users[-1] if prompt.messages and users else prompt.text
+        if not question.strip():
+            raise InvalidArgument("an outline request needs a prompt (the question)")
+        raw = prompt.raw and not prompt.messages
+        prompt_tokens = len(await asyncio.to_thread(self.encode_prompt, question, raw))
+        run = OutlineRun(self.scheduler, self.tokenizer, question, outline_text=o.outline.outline_text,
+                         max_points=o.outline.max_points, point_tokens=o.max_tokens, sampling=o.sampling,
+                         sequential=o.outline.sequential, speculate=o.speculate)
+        c = Completion(uuid.uuid4().hex, prompt_tokens)
+        c._pieces = self._outline_pieces(c, run)
+        return c
+
+    async def _outline_pieces(self, c: Completion, run: OutlineRun) -> AsyncIterator[Piece]:
+        streams: dict[int, TextStream] = {}
+        async with contextlib.aclosing(run.events()) as events:
+            async for pid, token, finished in events:
+                c.tokens.append(token)
+                text = streams.setdefault(pid, TextStream(self.tokenizer)).push([token], finished)
+                yield Piece((token,), text, point=pid)
+        c.points, c.warnings, c.finish_reason = run.points, run.warnings, "stop"
+        c.text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)
