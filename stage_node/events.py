@@ -1,14 +1,40 @@
-"""Event fan-out by owner: each Events subscription hears only its owner's sessions, through a
-bounded queue; and the liveness of owners, which decides how long their sessions live."""
+"""What a stage tells a session's owner (a token event, or an error), and the fan-out by owner:
+each Events subscription hears only its owner's sessions, through a bounded queue; and the
+liveness of owners, which decides how long their sessions live. The wire adapter turns events
+into protobuf (stage_node.wire); nothing here does."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
-from logicpipe.v1 import stage_pb2
+from logicpipe.errors import MeshError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """The last stage's new tokens for a session (its accepted candidates, then the sampled one)."""
+
+    session_id: str
+    token_ids: tuple[int, ...]
+    index: int               # how many tokens the session had generated before these
+    finish_reason: str = ""  # "stop" | "length" when they end it
+    candidates: int = 0      # candidates verified in the step that made them
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """A session failed on this stage (it may be replayed by its owner)."""
+
+    session_id: str
+    error: MeshError
+    node_id: str
+
+
+Event = TokenEvent | ErrorEvent
 
 MAX_QUEUED_BATCHES = 4096  # event batches a subscriber may fall behind before it is cut off
 
@@ -16,10 +42,10 @@ MAX_QUEUED_BATCHES = 4096  # event batches a subscriber may fall behind before i
 class Subscriber:
     def __init__(self, owner: str):
         self.owner = owner
-        self.queue: asyncio.Queue[list[stage_pb2.Event]] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.overflowed = False  # it fell too far behind: its stream ends
 
-    async def next_batch(self) -> list[stage_pb2.Event]:
+    async def next_batch(self) -> list[Event]:
         """Every event waiting (at least one batch)."""
         events = list(await self.queue.get())
         while not self.queue.empty():
@@ -57,7 +83,7 @@ class EventHub:
     def forget(self, owner: str) -> None:
         self._left.pop(owner, None)
 
-    def emit(self, owner: str, events: list[stage_pb2.Event]) -> None:
+    def emit(self, owner: str, events: list[Event]) -> None:
         for sub in list(self._subs.get(owner, ())):
             if sub.queue.qsize() >= MAX_QUEUED_BATCHES:
                 log.warning("an Events subscriber of owner %r is %d batches behind: cutting it off",

@@ -3,7 +3,8 @@
 `send` only queues: a sender task writes the messages in order, so the step loop never waits on
 the network. The stream opens lazily on the first message and re-opens after a failure, so a
 restarted peer is picked up without re-assigning. A message that cannot be written is reported
-through `on_down(session ids, reason)`; rejections the peer sends back go to `on_reply`.
+through `on_down(session ids, reason)`; rejections the peer sends back are logged (the peer tells
+the sessions' owners itself). Messages are built by the wire adapter (stage_node.wire).
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Callable
 import grpc
 
 from logicpipe.common.transport import Transport
+from logicpipe.stage_node import wire
+from logicpipe.stage_node.sequence import SeqWork
+from logicpipe.tensor_codec import RawTensor
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -27,12 +31,11 @@ class LinkDown(Exception):
 
 
 class PeerLink:
-    def __init__(self, address: str, transport: Transport, on_reply: Callable[[stage_pb2.StreamReply], None],
-                 on_down: Callable[[list[str], str], None], *, name: str = "peer"):
+    def __init__(self, address: str, transport: Transport, on_down: Callable[[list[str], str], None], *,
+                 name: str = "peer"):
         self.address = address
         self.transport = transport
         self.name = name
-        self._on_reply = on_reply
         self._on_down = on_down
         self._channel: grpc.aio.Channel | None = None
         self._call = None
@@ -42,9 +45,9 @@ class PeerLink:
         self._down_until = 0.0
         self._down_reason = ""
 
-    def send(self, batch: stage_pb2.StepBatch) -> None:
-        """Queue a message for the peer (in order)."""
-        self._queue.put_nowait(batch)
+    def send(self, works: list[SeqWork], generation: int, hidden: RawTensor | None = None) -> None:
+        """Queue a step (with its hidden states) or a feed (without) for the peer, in order."""
+        self._queue.put_nowait(wire.step_batch(works, generation, hidden))
 
     async def _send_loop(self) -> None:
         while True:
@@ -72,7 +75,7 @@ class PeerLink:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
                     break
-                self._on_reply(reply)
+                log.debug("%s rejected session %s: %s", self.name, reply.session_id, reply.message)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:

@@ -31,7 +31,8 @@ from logicpipe.stage_node.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
 from logicpipe.stage_node.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.runner import Runner  # noqa: E402
-from logicpipe.stage_node.runtime import StageOptions, StageRuntime  # noqa: E402
+from logicpipe.stage_node.config import StageOptions  # noqa: E402
+from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.service import StageNodeServicer  # noqa: E402
 from logicpipe.v1 import stage_pb2_grpc  # noqa: E402

@@ -30,8 +30,8 @@ from logicpipe.stage_node.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
 log = logging.getLogger(__name__)
 
 RECENTLY_CLOSED = 4096    # closed sessions whose owner is remembered (late steps' errors reach it)
-STALE_IN_FLIGHT_S = 30.0
-PREFILL_SHARE = 64        # token rows of a step decode rows leave to waiting prompts  # a sampled step whose token has not come back in this long stops holding a micro-batch slot
+STALE_IN_FLIGHT_S = 30.0  # a sampled step whose token has not come back in this long stops holding a micro-batch slot
+PREFILL_SHARE = 64        # token rows of a step decode rows leave to waiting prompts
 
 
 class _NoRoom(Exception):
@@ -197,9 +197,6 @@ class Scheduler:
     def enqueue(self, msg: StepMsg) -> None:
         """Later stages: a computed step from the previous stage, to run in order."""
         self.inbox.append(msg)
-
-    def has_work(self) -> bool:
-        return bool(self.inbox) or any(s.pending for s in self.seqs.values())
 
     def _open_seq(self, session_id: str) -> Sequence:
         s = self.seqs.get(session_id)

@@ -48,7 +48,8 @@ class SeqSpec:
     sampling: SamplingParams
     max_new_tokens: int                    # finish with "length" once this many are generated
     stop_ids: frozenset[int]               # finish with "stop" on any of these
-    owner: str = ""                        # who opened it ("" = nobody: lives while stepped)
+    owner: str = ""                        # whose Events hear of it ("" = nobody: lives while stepped)
+    opener: str = ""                       # over TLS: the certificate name that opened it (only it may close it)
     prompt: tuple[int, ...] = ()           # input from position 0 (prefix-cache lookup, admission)
     generated: int = 0                     # replay: tokens generated before
     parent: str = ""                       # fork: share the parent's first parent_length positions

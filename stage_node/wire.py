@@ -1,16 +1,20 @@
 """The wire adapter of a stage: the only code that reads or builds protobuf (for `service.py` and
-the runtime's links and events). Reading validates: a message that can never work raises
-InvalidArgument with a message that says what is wrong; nothing here touches torch."""
+the links). Reading validates: a message that can never work raises InvalidArgument with a
+message that says what is wrong; nothing here touches torch. The runtime and the engine see only
+their own types."""
 from __future__ import annotations
 
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
 from logicpipe.limits import check_id
-from logicpipe.tensor_codec import RawTensor
-from logicpipe.v1 import stage_pb2
 from logicpipe.sampling import SamplingParams
+from logicpipe.stage_node.config import Assignment
+from logicpipe.stage_node.events import Event, TokenEvent
 from logicpipe.stage_node.scheduler import StepMsg
 from logicpipe.stage_node.sequence import SeqSpec, SeqWork
+from logicpipe.stage_node.stats import StageSnapshot
+from logicpipe.tensor_codec import RawTensor
+from logicpipe.v1 import stage_pb2
 
 MAX_STOP_IDS = 1024         # stop token ids of one session
 MAX_STEP_ROWS = 16384       # token rows in one step or feed message
@@ -24,8 +28,21 @@ def sampling_from_proto(p: stage_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(str(exc)) from exc
 
 
-def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int) -> SeqSpec:
-    """OpenSession -> SeqSpec, checked against the model's context and vocabulary."""
+def assignment_from_proto(req: stage_pb2.AssignRequest, controller_address: str) -> Assignment:
+    """Assign -> Assignment (checked by Assignment.check); `controller_address`: the request's, with
+    the caller's host filled in."""
+    return Assignment(
+        model_dir=req.model_dir, start=req.start_layer, end=req.end_layer, num_layers=req.num_layers,
+        stage_index=req.stage_index, num_stages=req.num_stages, next_address=req.next_address,
+        first_address=req.first_address, dtype=req.dtype or "float32", plan_id=req.plan_id,
+        model_digest=req.model_digest, generation=req.generation, micro_batches=req.micro_batches,
+        weight_format=req.weight_format, wire_dtype=req.wire_dtype, prev_node_id=req.prev_node_id,
+        last_node_id=req.last_node_id, controller_address=controller_address)
+
+
+def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int, opener: str = "") -> SeqSpec:
+    """OpenSession -> SeqSpec, checked against the model's context and vocabulary; `opener`: the
+    caller's certificate name (TLS)."""
     check_id("session_id", req.session_id)
     check_id("owner", req.owner, empty_ok=True)
     if not 1 <= req.capacity <= context:
@@ -45,7 +62,7 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                                   "(a fork's prompt is its whole input from position 0)")
     return SeqSpec(session_id=req.session_id, capacity=req.capacity, sampling=sampling_from_proto(req.sampling),
                    max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
-                   owner=req.owner, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
+                   owner=req.owner, opener=opener, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
                    parent_length=req.parent_length, index=req.sequence, priority=req.priority,
                    speculate=min(req.speculate, MAX_CANDIDATES), prefill_chunk=req.prefill_chunk)
 
@@ -108,21 +125,13 @@ def step_batch(works: list[SeqWork], generation: int, hidden: RawTensor | None =
     return msg
 
 
-def keep_rows(raw: RawTensor, rows: list[tuple[int, int]]) -> RawTensor:
-    """Rows [a, b) of each range of a [rows, width] tensor, concatenated (bytes only)."""
-    row_bytes = raw.nbytes // raw.shape[0] if raw.shape[0] else 0
-    data = b"".join(raw.data[a * row_bytes: b * row_bytes] for a, b in rows)
-    return RawTensor(raw.dtype, (sum(b - a for a, b in rows), raw.shape[1]), data)
-
-
-def token_event(session_id: str, tokens: list[int], index: int, reason: str, candidates: int) -> stage_pb2.Event:
-    return stage_pb2.Event(session_id=session_id, token=stage_pb2.TokenEvent(
-        token_ids=tokens, index=index, finished=bool(reason), finish_reason=reason, candidates=candidates))
-
-
-def error_event(session_id: str, err: MeshError, node_id: str) -> stage_pb2.Event:
-    return stage_pb2.Event(session_id=session_id, error=stage_pb2.SessionError(
-        code=code_number(err.code), message=str(err), node_id=node_id))
+def event_to_proto(ev: Event) -> stage_pb2.Event:
+    if isinstance(ev, TokenEvent):
+        return stage_pb2.Event(session_id=ev.session_id, token=stage_pb2.TokenEvent(
+            token_ids=ev.token_ids, index=ev.index, finished=bool(ev.finish_reason), finish_reason=ev.finish_reason,
+            candidates=ev.candidates))
+    return stage_pb2.Event(session_id=ev.session_id, error=stage_pb2.SessionError(
+        code=code_number(ev.error.code), message=str(ev.error), node_id=ev.node_id))
 
 
 def stream_reply(session_id: str, err: MeshError) -> stage_pb2.StreamReply:
@@ -137,3 +146,28 @@ def profile_to_proto(profile) -> stage_pb2.DeviceProfile:
         flops=profile.flops, mem_bandwidth=profile.mem_bandwidth, weight_formats=list(profile.weight_formats),
         compute_format=profile.compute_format, weight_bandwidth=profile.weight_bandwidth,
         weight_bytes_per_param=profile.weight_bytes_per_param, format_flops=dict(profile.format_flops))
+
+
+def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str) -> stage_pb2.StatusReply:
+    st = snap.stats
+    reply = stage_pb2.StatusReply(
+        node_id=snap.node_id, state=snap.state, device=snap.device, steps=st.steps, tokens=st.rows,
+        seq_rows=st.seq_rows, max_step_seqs=st.max_step_seqs, uptime_s=snap.uptime_s,
+        profile=profile_to_proto(profile), version=version, sessions_expired=st.sessions_expired,
+        session_ttl_s=snap.session_ttl_s, block_size=snap.block_size, compute_id=compute_id, compute_s=st.compute_s,
+        stopping=snap.stopping, weights_pulled_bytes=st.weights_pulled_bytes, sampled_steps=st.sampled_steps,
+        sampled_tokens=st.sampled_tokens, candidates_verified=st.candidates_verified,
+        candidates_accepted=st.candidates_accepted, drafter=snap.drafter)
+    e = snap.engine
+    if e is not None:
+        reply.model_dir, reply.model_digest, reply.plan_id = e.model_dir, e.model_digest, e.plan_id
+        reply.start_layer, reply.end_layer, reply.num_layers = e.start, e.end, e.num_layers
+        reply.stage_index, reply.num_stages, reply.generation = e.stage_index, e.num_stages, e.generation
+        reply.parameter_count, reply.tied_copy_count = e.parameter_count, e.tied_copy_count
+        reply.dtype, reply.weight_format, reply.weight_bytes = e.dtype, e.weight_format, e.weight_bytes
+        reply.open_sessions, reply.orphaned_sessions = e.open_sessions, e.orphaned_sessions
+        reply.block_size, reply.kv_blocks_total = e.block_size, e.kv_blocks_total
+        reply.kv_blocks_used, reply.kv_blocks_cached, reply.kv_bytes = e.kv_blocks_used, e.kv_blocks_cached, e.kv_bytes
+        reply.prefix_hit_tokens, reply.preempted = e.prefix_hit_tokens, e.preempted
+        reply.micro_batches = e.micro_batches
+    return reply

@@ -48,6 +48,12 @@ class RawTensor:
     def nbytes(self) -> int:
         return len(self.data)
 
+    def take_rows(self, spans: list[tuple[int, int]]) -> "RawTensor":
+        """Rows [a, b) of each span of a [rows, width] tensor, concatenated (bytes only)."""
+        row_bytes = self.nbytes // self.shape[0] if self.shape[0] else 0
+        data = b"".join(self.data[a * row_bytes: b * row_bytes] for a, b in spans)
+        return RawTensor(self.dtype, (sum(b - a for a, b in spans), self.shape[1]), data)
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:

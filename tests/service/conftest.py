@@ -159,7 +159,8 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
     """A StageNode server (+ grpc.health.v1) on 127.0.0.1:<ephemeral>, wired like stage_node.main;
     health says SERVING once started unless `serving` is False; `profiled=False` is a node started
     with --no-profile; `options`: more StageOptions fields (session_ttl_s, block_size, budget)."""
-    from logicpipe.stage_node.runtime import StageOptions, StageRuntime
+    from logicpipe.stage_node.config import StageOptions
+    from logicpipe.stage_node.runtime import StageRuntime
     from logicpipe.stage_node.service import StageNodeServicer
 
     if options.get("quantize", "none") != "none":  # a quantized node offers its one format

@@ -240,15 +240,15 @@ def test_the_node_answers_while_a_long_generation_computes(tiny_model, monkeypat
     """Regression (DEADLINE_EXCEEDED under load): steps used to run on the event loop, so a long
     generation on one stage starved every other call. With every step on the runner thread,
     OpenSession and Status answer within a short deadline while steps compute."""
-    import logicpipe.stage_node.runtime as runtime_mod
+    import logicpipe.stage_node.engine as engine_mod
 
-    real = runtime_mod.execute
+    real = engine_mod.execute
 
     def slow_execute(*args):
         time.sleep(0.02)  # a slow model: 20 ms of compute per step, on the runner thread
         return real(*args)
 
-    monkeypatch.setattr(runtime_mod, "execute", slow_execute)
+    monkeypatch.setattr(engine_mod, "execute", slow_execute)
 
     async def main():
         async with single_stage(tiny_model.path, "busy") as node:

@@ -1,0 +1,82 @@
+"""What a stage node is told: its own configuration (StageOptions, from its flags) and the
+assignment the controller gives it (Assignment: a layer range of a model, its place in the
+pipeline, its formats), checked before anything is loaded."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from logicpipe.errors import InvalidArgument
+from logicpipe.stage_node.blocks import DEFAULT_BLOCK_SIZE
+from logicpipe.stage_node.scheduler import Budget
+
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
+MAX_PATH_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    max_kv_bytes: int = 2 * 2**30        # KV pool of this stage, bytes
+    block_size: int = DEFAULT_BLOCK_SIZE  # KV positions per block
+    budget: Budget = Budget()            # per-step token rows and sequences
+    session_ttl_s: float = 30.0          # a session outlives its gone owner (or its last step) this long, s
+    draft_model: str = ""                # last stage: draft candidates with this model ("": prompt lookup)
+    draft_layers: int = 0                # ... keeping only its first N decoder layers (0: all)
+    quantize: str = "none"               # its layers' matrices in int8 / nf4 / fp4 (stage_node.quant)
+    cuda_graphs: bool = True             # CUDA: small steps replayed as graphs (stage_node.step_graphs)
+    dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in
+    model_root: str = ""                 # an assigned model directory must lie under this ("": anywhere)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    model_dir: str
+    start: int          # first layer, inclusive
+    end: int            # last layer, exclusive
+    num_layers: int     # the model's layer count
+    stage_index: int
+    num_stages: int
+    next_address: str   # "" on the last stage
+    first_address: str  # "" on stage 0
+    dtype: str = "float32"
+    plan_id: str = ""
+    model_digest: str = ""
+    generation: int = 0     # plan generation: steps of another generation are refused (0: accept any)
+    micro_batches: int = 0  # stage 0: sampled steps in flight at once (0: one per stage)
+    controller_address: str = ""  # where to pull weights from and to say we leave ("" = unknown)
+    weight_format: str = ""  # the plan's format of its layers (float, or the quantized one offered; "": any)
+    wire_dtype: str = ""     # dtype of the hidden states it sends on ("": dtype)
+    prev_node_id: str = ""   # over TLS: the stage that may stream steps here ("": any stage)
+    last_node_id: str = ""   # stage 0 over TLS: the last stage, whose tokens stream here
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.num_layers
+
+    def check(self) -> None:
+        if self.dtype not in COMPUTE_DTYPES:
+            raise InvalidArgument(f"dtype {self.dtype[:40]!r} not supported; use one of {', '.join(COMPUTE_DTYPES)}")
+        if self.weight_format not in ("", *WEIGHT_FORMATS):
+            raise InvalidArgument(f"weight format {self.weight_format[:40]!r} not supported; use one of "
+                                  f"{', '.join(WEIGHT_FORMATS)}")
+        if self.wire_dtype not in ("", *COMPUTE_DTYPES):
+            raise InvalidArgument(f"wire dtype {self.wire_dtype[:40]!r} not supported; use one of {', '.join(COMPUTE_DTYPES)}")
+        if not self.model_dir or len(self.model_dir) > MAX_PATH_CHARS:
+            raise InvalidArgument(f"model_dir must be a path of 1 to {MAX_PATH_CHARS} characters")
+        if not (0 <= self.start < self.end <= self.num_layers):
+            raise InvalidArgument(f"layer range [{self.start}, {self.end}) is not inside [0, {self.num_layers})")
+        if not (0 <= self.stage_index < self.num_stages):
+            raise InvalidArgument(f"stage index {self.stage_index} out of range for {self.num_stages} stages")
+        if not self.last and not self.next_address:
+            raise InvalidArgument(f"stage ending at layer {self.end} < {self.num_layers} needs a next_address")
+        if self.last and not self.first and not self.first_address:
+            raise InvalidArgument("the last stage needs first_address (where new tokens go)")
+
+    def same_weights(self, other: "Assignment") -> bool:
+        """Whether `other` needs exactly these weights (a re-assignment keeping them keeps the pool too)."""
+        return (self.model_dir, self.model_digest, self.start, self.end, self.num_layers, self.dtype) == \
+            (other.model_dir, other.model_digest, other.start, other.end, other.num_layers, other.dtype)

@@ -1,0 +1,67 @@
+"""A stage node's counters, and the one snapshot of the node that Status reports (the controller's
+`lpctl status`/`nodes` and /metrics read it from there)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageStats:
+    """Counters since the node started (over every assignment it has had)."""
+
+    steps: int = 0                 # steps computed
+    rows: int = 0                  # token rows in them
+    seq_rows: int = 0              # sequences in them (summed over steps)
+    max_step_seqs: int = 0         # most sequences in one step
+    compute_s: float = 0.0         # seconds spent in the runner on steps
+    sessions_expired: int = 0      # sessions freed because their owner was gone
+    weights_pulled_bytes: int = 0  # tensor bytes pulled from the controller
+    # last stage: sampled steps, the tokens they reported, candidates verified and accepted
+    sampled_steps: int = 0
+    sampled_tokens: int = 0
+    candidates_verified: int = 0
+    candidates_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """The assignment in force and what it holds."""
+
+    model_dir: str
+    model_digest: str
+    plan_id: str
+    start: int
+    end: int
+    num_layers: int
+    stage_index: int
+    num_stages: int
+    generation: int
+    dtype: str
+    weight_format: str
+    weight_bytes: int
+    parameter_count: int
+    tied_copy_count: int
+    open_sessions: int
+    orphaned_sessions: int         # open, their owner gone (freed after the TTL)
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_bytes: int
+    prefix_hit_tokens: int
+    preempted: int
+    micro_batches: int             # stage 0: micro-batches in flight at most (0 elsewhere)
+
+
+@dataclass(frozen=True)
+class StageSnapshot:
+    node_id: str
+    state: str                     # idle | loading | ready
+    device: str
+    uptime_s: float
+    stats: StageStats
+    session_ttl_s: float
+    block_size: int                # --block-size (the engine's, once assigned)
+    stopping: bool
+    drafter: str                   # what drafts candidates on the last stage
+    engine: EngineView | None = field(default=None)
