@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+
 from logicpipe.common.transport import CHANNEL_OPTIONS
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
-
 from tests.localmesh import LocalMesh
 
 PROMPTS = [
@@ -145,8 +145,9 @@ def scenario_llamacpp(args, model_dir, work) -> dict:
         from llama_cpp import Llama
     except ImportError:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
-    from logicpipe.controller.model_prep import find_default_gguf
     from transformers import AutoTokenizer
+
+    from logicpipe.controller.model_prep import find_default_gguf
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], tokenize=False,

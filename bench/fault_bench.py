@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import grpc
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh
 
 FAULTS = {

@@ -93,6 +93,7 @@ def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens
 def step_ms(stages: list[str], before: list) -> list[float]:
     """Each stage's mean compute time per step (ms) since `before` (its Status then)."""
     import grpc
+
     from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
     out = []

@@ -13,11 +13,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from bench.gpu_engine import LLAMA3_8B, make_model
 from logicpipe.stage_node.kv import StepKV, seq_slice
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.step_graphs import GraphRow, StepGraphs
-
-from bench.gpu_engine import LLAMA3_8B, make_model
 
 
 def timed(fn, n: int) -> float:

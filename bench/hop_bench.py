@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
+
 from logicpipe.common.transport import Transport
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
-
 from tests.localmesh import LocalMesh as Mesh
 
 HIDDEN = 576

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import openai
+
 from logicpipe.common.transport import Transport
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
-
 from tests.localmesh import LocalMesh, free_port
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."

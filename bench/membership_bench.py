@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import grpc
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.localmesh import LocalMesh
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."

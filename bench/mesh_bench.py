@@ -26,10 +26,10 @@ from pathlib import Path
 
 import grpc
 import torch
+
 from logicpipe.common.transport import CHANNEL_OPTIONS
 from logicpipe.controller.text import encode_prompt
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
-
 from tests.localmesh import LocalMesh as Mesh
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -76,8 +76,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
 
-    from logicpipe.controller.model_prep import prepare_default_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from logicpipe.controller.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
     torch.set_num_threads(args.threads)

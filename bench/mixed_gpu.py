@@ -14,9 +14,9 @@ import statistics
 from pathlib import Path
 
 import grpc
-from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from bench.speculative_bench import random_model, submit
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh
 
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import grpc
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.localmesh import LocalMesh
 
 QUESTION = "How does a city keep its drinking water safe?"

@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 import grpc
-from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from bench.speculative_bench import OPEN, submit
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh
 
 FORMATS = ("none", "int8", "nf4")

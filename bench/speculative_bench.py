@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 import grpc
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.localmesh import LocalMesh
 
 TEXT = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents said the "
@@ -88,7 +88,7 @@ def decode(address: str, prompts: list[str], rounds: int, speculate: int, max_to
                 s["candidates"] += t.candidates
                 s["accepted"] += t.accepted
             mismatches += ids["on"] != ids["off"]
-    on, off = sums["on"], sums["off"]
+    on = sums["on"]
     tps = {m: sums[m]["tokens"] / sums[m]["seconds"] for m in sums}
     return {"tok_s_off": round(tps["off"], 2), "tok_s_on": round(tps["on"], 2),
             "ratio": round(tps["on"] / tps["off"], 3),

@@ -15,9 +15,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from logicpipe.common.security.bundle import Bundle
-
 from bench.hop_bench import make_model, run
+from logicpipe.common.security.bundle import Bundle
 from tests.localmesh import LocalMesh, mesh_bundle
 
 

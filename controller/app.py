@@ -17,8 +17,7 @@ from logicpipe.common.transport import Transport
 from logicpipe.controller import planning
 from logicpipe.controller.membership import NOT_PROBED, Members
 from logicpipe.controller.pipeline import Pipeline, StageAssignment
-from logicpipe.controller.scheduler import (DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler,
-                                           SchedulerConfig)
+from logicpipe.controller.scheduler import DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler, SchedulerConfig
 from logicpipe.controller.state import MeshState, Phase
 from logicpipe.controller.text import load_tokenizer
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable

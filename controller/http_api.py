@@ -30,8 +30,7 @@ from aiohttp import web
 from logicpipe.common.transport import is_loopback
 from logicpipe.controller.app import ControllerApp
 from logicpipe.controller.metrics import Metrics
-from logicpipe.controller.requests import (Completion, FrontDoor, OutlineOptions, Prompt, RequestOptions,
-                                           host_client)
+from logicpipe.controller.requests import Completion, FrontDoor, OutlineOptions, Prompt, RequestOptions, host_client
 from logicpipe.controller.state import Phase
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from logicpipe.sampling import SamplingParams

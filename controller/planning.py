@@ -18,8 +18,20 @@ from pathlib import Path
 from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.controller.model_prep import default_model_dir
 from logicpipe.errors import InvalidArgument, Unavailable
-from logicpipe.planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Plan, Workload,
-                               format_plan_table, make_plan, plan_from_json, plan_to_json, reuse_mismatch)
+from logicpipe.planner import (
+    DeviceProfile,
+    InfeasibleError,
+    Link,
+    ModelSpec,
+    Objective,
+    Plan,
+    Workload,
+    format_plan_table,
+    make_plan,
+    plan_from_json,
+    plan_to_json,
+    reuse_mismatch,
+)
 from logicpipe.planner.model import device_weight_format
 from logicpipe.planner.prefill import best_chunk
 from logicpipe.v1 import stage_pb2

@@ -23,8 +23,15 @@ import grpc
 
 from logicpipe.controller.pipeline import Pipeline
 from logicpipe.controller.state import MeshState
-from logicpipe.errors import (InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable, code_number,
-                              from_code)
+from logicpipe.errors import (
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    code_number,
+    from_code,
+)
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import stage_pb2
 

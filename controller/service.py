@@ -8,8 +8,15 @@ import time
 from logicpipe.common.transport import Transport, caller_address
 from logicpipe.controller.app import ControllerApp, ControllerSnapshot, StageView
 from logicpipe.controller.join import JoinAuthority
-from logicpipe.controller.requests import (Completion, FrontDoor, OutlineOptions, Prompt, RequestOptions, Timings,
-                                           host_client)
+from logicpipe.controller.requests import (
+    Completion,
+    FrontDoor,
+    OutlineOptions,
+    Prompt,
+    RequestOptions,
+    Timings,
+    host_client,
+)
 from logicpipe.controller.scheduler import DEFAULT_MAX_TOKENS
 from logicpipe.controller.state import Phase
 from logicpipe.controller.weights_server import stream_weights

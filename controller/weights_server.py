@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Iterable
 
-from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from logicpipe.common.modeldir import ModelError, checkpoint_index, safetensors_layout
+from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from logicpipe.v1 import controller_pb2
 
 log = logging.getLogger(__name__)

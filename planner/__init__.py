@@ -19,8 +19,18 @@ from logicpipe.planner.digest import model_digest, profile_digest, profiles_dige
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
 from logicpipe.planner.table import format_plan_table
-from logicpipe.planner.types import (DEFAULT_LINK, DEFAULT_RESERVE, LOOPBACK, DeviceProfile, InfeasibleError, Link, NodeId,
-                           Objective, Reserve, Workload)
+from logicpipe.planner.types import (
+                           DEFAULT_LINK,
+                           DEFAULT_RESERVE,
+                           LOOPBACK,
+                           DeviceProfile,
+                           InfeasibleError,
+                           Link,
+                           NodeId,
+                           Objective,
+                           Reserve,
+                           Workload,
+)
 
 __all__ = [
     "DEFAULT_LINK", "DEFAULT_RESERVE", "FORMAT_VERSION", "LOOPBACK", "STRATEGIES",

@@ -24,7 +24,15 @@ from logicpipe.planner.instance import Chain, eligible_profiles, make_instance
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import Plan
 from logicpipe.planner.strategies import FIXED_STRATEGIES, strategy_counts
-from logicpipe.planner.types import DEFAULT_RESERVE, DeviceProfile, InfeasibleError, Objective, Reserve, Workload, unique_profiles
+from logicpipe.planner.types import (
+    DEFAULT_RESERVE,
+    DeviceProfile,
+    InfeasibleError,
+    Objective,
+    Reserve,
+    Workload,
+    unique_profiles,
+)
 
 log = logging.getLogger(__name__)
 

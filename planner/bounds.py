@@ -18,9 +18,9 @@ import math
 from collections.abc import Sequence
 
 from logicpipe.planner.cost import edge_memory_bytes, layer_memory_bytes
-from logicpipe.planner.search import smallest_feasible
 from logicpipe.planner.instance import FIRST, LAST, MID, SINGLE, Instance, make_instance
 from logicpipe.planner.model import ModelSpec, device_weight_format
+from logicpipe.planner.search import smallest_feasible
 from logicpipe.planner.types import DeviceProfile, Objective, Reserve, Workload
 from logicpipe.planner.units import format_bytes
 

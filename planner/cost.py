@@ -38,9 +38,8 @@ holds the shared matrix once):
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import math
+from collections.abc import Mapping, Sequence
 
 from logicpipe.planner.model import ModelSpec, device_weight_format, float_scale, weight_scale, wire_scale
 from logicpipe.planner.plan import Stage

@@ -30,8 +30,8 @@ from __future__ import annotations
 import bisect
 import math
 
-from logicpipe.planner.search import parent_path, smallest_feasible
 from logicpipe.planner.instance import FIRST, LAST, MID, SINGLE, Chain, Instance, fill_fastest
+from logicpipe.planner.search import parent_path, smallest_feasible
 
 EXACT_MAX_DEVICES = 8
 """Above this many eligible devices `make_plan` uses the heuristic of `heuristic.py`."""

@@ -29,10 +29,17 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from logicpipe.planner.dp import (EXACT_MAX_DEVICES, Caps, cost_lists, caps_at, min_bottleneck_exact, min_latency_exact,
-                        stage_cost_candidates)
-from logicpipe.planner.search import smallest_feasible
+from logicpipe.planner.dp import (
+    EXACT_MAX_DEVICES,
+    Caps,
+    caps_at,
+    cost_lists,
+    min_bottleneck_exact,
+    min_latency_exact,
+    stage_cost_candidates,
+)
 from logicpipe.planner.instance import FIRST, LAST, MID, SINGLE, Chain, Instance, fill_fastest
+from logicpipe.planner.search import smallest_feasible
 from logicpipe.planner.types import Objective
 
 NEAREST_NEIGHBOUR_STARTS = 4

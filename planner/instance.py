@@ -11,8 +11,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from logicpipe.planner.cost import (activation_transfer_s, compose_compute_s, embed_time_s, head_time_s, layer_time_s,
-                          max_layers, return_transfer_s)
+from logicpipe.planner.cost import (
+    activation_transfer_s,
+    compose_compute_s,
+    embed_time_s,
+    head_time_s,
+    layer_time_s,
+    max_layers,
+    return_transfer_s,
+)
 from logicpipe.planner.model import ModelSpec, device_weight_format
 from logicpipe.planner.types import DeviceProfile, Objective, Reserve, Workload
 

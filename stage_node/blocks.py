@@ -23,7 +23,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-
 DEFAULT_BLOCK_SIZE = 16  # KV positions per block (tokens)
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 

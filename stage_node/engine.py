@@ -17,7 +17,6 @@ from typing import Callable
 
 from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, MeshError, Unavailable
-from logicpipe.tensor_codec import RawTensor
 from logicpipe.stage_node import last_stage
 from logicpipe.stage_node.blocks import KVManager
 from logicpipe.stage_node.config import Assignment
@@ -30,6 +29,7 @@ from logicpipe.stage_node.scheduler import Budget, Failure, PlannedSeq, Schedule
 from logicpipe.stage_node.sequence import Sequence, SeqWork
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.stats import StageStats
+from logicpipe.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
 

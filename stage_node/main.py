@@ -26,12 +26,12 @@ from logicpipe.common.security.bundle import CA_CERT, TlsError  # noqa: E402
 from logicpipe.common.security.tokens import join_mesh  # noqa: E402
 from logicpipe.common.transport import add_flags, from_flags  # noqa: E402
 from logicpipe.policy import STAGE_POLICY  # noqa: E402
+from logicpipe.stage_node.config import StageOptions  # noqa: E402
 from logicpipe.stage_node.identity import default_state_dir, node_identity  # noqa: E402
 from logicpipe.stage_node.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
 from logicpipe.stage_node.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.runner import Runner  # noqa: E402
-from logicpipe.stage_node.config import StageOptions  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.service import StageNodeServicer  # noqa: E402

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .quant import QuantMatrix
+from logicpipe.stage_node.quant import QuantMatrix
 
 MIN_ROWS = 4   # below this both kernels switch to another kind of product
 DECODE_CHUNK = 8  # `w @ x.T` gives the same rows for 4..8 rows

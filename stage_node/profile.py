@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from logicpipe.common.paths import cache_root
+from logicpipe.stage_node.ops import DECODE_ROWS, linear
+from logicpipe.stage_node.quant import quantize, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +97,6 @@ def measure_flops(device: str, fmt: str = "fp32", compute: str = "fp32", repeats
     if fmt in FORMAT_DTYPE:
         b = torch.randn(n, n, device=device, dtype=dtype)
         return 2 * n**3 / _time(lambda: a @ b, device, repeats)
-    from logicpipe.stage_node.quant import quantize
-
     m = quantize(torch.randn(n, n, device=device, dtype=dtype), fmt)
     return 2 * n**3 / _time(lambda: m(a), device, repeats)
 
@@ -104,9 +104,6 @@ def measure_flops(device: str, fmt: str = "fp32", compute: str = "fp32", repeats
 def measure_weight_bandwidth(device: str, fmt: str, compute: str = "fp32", repeats: int = 5) -> tuple[float, float]:
     """(bytes/s, bytes per parameter) of a one-token product over a matrix larger than the caches,
     held in `fmt`: the rate at which decode reads this node's weights."""
-    from logicpipe.stage_node.ops import DECODE_ROWS, linear
-    from logicpipe.stage_node.quant import quantize, tensor_bytes
-
     out_f, in_f = 8192, 8192  # 64M parameters: past any CPU cache in every format (32 MiB in nf4)
     dtype = FORMAT_DTYPE.get(fmt, FORMAT_DTYPE[compute])
     w = torch.randn(out_f, in_f, device=device, dtype=dtype)

@@ -22,12 +22,12 @@ import torch
 
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError
-from logicpipe.tensor_codec import RawTensor
 from logicpipe.stage_node.kv import KVPool, StepKV, seq_slice
 from logicpipe.stage_node.sampling import sample, verify
 from logicpipe.stage_node.scheduler import PlannedSeq, Step
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.step_graphs import GraphRow
+from logicpipe.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
 

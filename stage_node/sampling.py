@@ -16,7 +16,6 @@ import torch
 
 from logicpipe.sampling import SamplingParams
 
-
 __all__ = ["SamplingParams", "draw", "filter_logits", "pick", "sample", "verify", "verify_greedy"]
 
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, ResourceExhausted
-from logicpipe.tensor_codec import RawTensor
 from logicpipe.stage_node.blocks import BadWrite, KVManager, OutOfBlocks, WritePlan
 from logicpipe.stage_node.sampling import draw
 from logicpipe.stage_node.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
+from logicpipe.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
 

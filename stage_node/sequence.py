@@ -5,12 +5,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from typing import TYPE_CHECKING
-
-from logicpipe.stage_node.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from logicpipe.stage_node.drafter import Drafter
+from logicpipe.sampling import SamplingParams
+from logicpipe.stage_node.drafter import Drafter
 
 
 class SeqStatus(Enum):

@@ -18,11 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from logicpipe.common.modeldir import ModelConfig, checkpoint_index
-from .kv import KVPool, StepKV
-from .ops import Rows, causal_mask, decode_mm, linear, rms_norm
-from .rope import RopeTables, apply_rope, rope_parameters
-from .quant import check_format, quantize as quantize_matrix, tensor_bytes
-from .weights import EMBED, FINAL_NORM, LM_HEAD, LayerWeights, build_layer, read_tensors, shard_tensor_names
+from logicpipe.stage_node.kv import KVPool, StepKV
+from logicpipe.stage_node.ops import Rows, causal_mask, decode_mm, linear, rms_norm
+from logicpipe.stage_node.quant import check_format, tensor_bytes
+from logicpipe.stage_node.quant import quantize as quantize_matrix
+from logicpipe.stage_node.rope import RopeTables, apply_rope, rope_parameters
+from logicpipe.stage_node.weights import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    LayerWeights,
+    build_layer,
+    read_tensors,
+    shard_tensor_names,
+)
 
 log = logging.getLogger(__name__)
 

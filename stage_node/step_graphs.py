@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .ops import DECODE_ROWS
+from logicpipe.stage_node.ops import DECODE_ROWS
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from typing import Callable
 
 import grpc
 
+from logicpipe.common.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_layout
 from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, InvalidArgument, Unavailable, from_code
-from logicpipe.common.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_layout
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from logicpipe.stage_node.weights import shard_tensor_names
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from safetensors import safe_open
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
 
-
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"

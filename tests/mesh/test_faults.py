@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from tests.localmesh import client_transport, LocalMesh
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.localmesh import LocalMesh, client_transport
 
 pytestmark = pytest.mark.mesh
 

@@ -14,7 +14,8 @@ import torch
 
 from logicpipe.controller.text import encode_prompt
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
-from tests.localmesh import client_transport, LocalMesh as Mesh
+from tests.localmesh import LocalMesh as Mesh
+from tests.localmesh import client_transport
 
 pytestmark = pytest.mark.mesh
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.localmesh import client_transport, free_port, LocalMesh
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
+from tests.localmesh import LocalMesh, client_transport, free_port
 
 PROMPT = "What is the capital of France?"
 

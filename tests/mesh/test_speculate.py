@@ -10,8 +10,9 @@ import subprocess
 
 import pytest
 
-from tests.localmesh import client_transport, LocalMesh as Mesh
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2
+from tests.localmesh import LocalMesh as Mesh
+from tests.localmesh import client_transport
 
 pytestmark = pytest.mark.mesh
 

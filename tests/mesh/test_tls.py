@@ -11,8 +11,8 @@ import pytest
 from logicpipe.common.security import ca
 from logicpipe.common.security.bundle import Bundle
 from logicpipe.common.transport import Transport
-from tests.localmesh import LocalMesh, mesh_bundle
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.localmesh import LocalMesh, mesh_bundle
 
 PROMPT = "Write a short poem about the sea."
 

@@ -21,13 +21,12 @@ from typing import Awaitable, Sequence
 import grpc
 import pytest
 
+from logicpipe.common.health import add_health, set_serving
 from logicpipe.common.transport import PLAINTEXT
 from logicpipe.controller.app import ControllerApp, ControllerOptions
 from logicpipe.controller.requests import FrontDoor
 from logicpipe.controller.service import ControllerServicer
-from logicpipe.v1 import controller_pb2_grpc
-from logicpipe.common.health import add_health, set_serving
-from logicpipe.v1 import stage_pb2, stage_pb2_grpc
+from logicpipe.v1 import controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 RPC_TIMEOUT_S = 20.0   # any single call in these tests; generous for a loaded 2-core machine
 TEST_TIMEOUT_S = 90.0  # one test's coroutine

@@ -12,7 +12,12 @@ import pytest
 from logicpipe.v1 import stage_pb2
 
 from .conftest import (
-    RPC_TIMEOUT_S, Events, expect_status, run, serve_valid_request, single_stage,
+    RPC_TIMEOUT_S,
+    Events,
+    expect_status,
+    run,
+    serve_valid_request,
+    single_stage,
 )
 
 IA = grpc.StatusCode.INVALID_ARGUMENT

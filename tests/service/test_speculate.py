@@ -11,8 +11,20 @@ import pytest
 
 from logicpipe.v1 import stage_pb2
 
-from .conftest import (RPC_TIMEOUT_S, TINY_LAYERS, Events, assign, hf_greedy, new_session_id, open_request,
-                       prompt_step, run, stage_node, three_stages, two_stages)
+from .conftest import (
+    RPC_TIMEOUT_S,
+    TINY_LAYERS,
+    Events,
+    assign,
+    hf_greedy,
+    new_session_id,
+    open_request,
+    prompt_step,
+    run,
+    stage_node,
+    three_stages,
+    two_stages,
+)
 
 LONG_PROMPT = tuple((7 * i + 3) % 120 for i in range(40))
 LOOPING_PROMPT = tuple([11, 22, 33, 44, 55] * 6)  # prompt lookup finds its n-grams at once

@@ -15,8 +15,19 @@ import torch
 from logicpipe.v1 import stage_pb2, tensor_pb2
 
 from .conftest import (
-    RPC_TIMEOUT_S, TINY_HIDDEN, Events, assign, expect_status, hf_greedy, new_session_id, open_request,
-    prompt_step, run, single_stage, stage_node, two_stages,
+    RPC_TIMEOUT_S,
+    TINY_HIDDEN,
+    Events,
+    assign,
+    expect_status,
+    hf_greedy,
+    new_session_id,
+    open_request,
+    prompt_step,
+    run,
+    single_stage,
+    stage_node,
+    two_stages,
 )
 
 FP = grpc.StatusCode.FAILED_PRECONDITION

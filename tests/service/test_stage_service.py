@@ -9,17 +9,36 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from logicpipe.limits import MAX_MESSAGE_BYTES
 from logicpipe.common.health import set_serving
-from logicpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from logicpipe.limits import MAX_MESSAGE_BYTES
 from logicpipe.stage_node import links
-from logicpipe.stage_node.wire import MAX_STEP_ROWS
 from logicpipe.stage_node.service import MAX_ECHO_BYTES
+from logicpipe.stage_node.wire import MAX_STEP_ROWS
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 from .conftest import (
-    NEW_TOKENS, PROMPT, RPC_TIMEOUT_S, STAGE_SERVICE, TINY_CONTEXT, TINY_HIDDEN, TINY_KV_BYTES_PER_TOKEN,
-    TINY_LAYERS, TINY_VOCAB, Events, assign, closed_port_address, assign_request, expect_status, expect_stream_abort,
-    new_session_id, open_request, prompt_step, run, serve_valid_request, single_stage, stage_node,
+    NEW_TOKENS,
+    PROMPT,
+    RPC_TIMEOUT_S,
+    STAGE_SERVICE,
+    TINY_CONTEXT,
+    TINY_HIDDEN,
+    TINY_KV_BYTES_PER_TOKEN,
+    TINY_LAYERS,
+    TINY_VOCAB,
+    Events,
+    assign,
+    assign_request,
+    closed_port_address,
+    expect_status,
+    expect_stream_abort,
+    new_session_id,
+    open_request,
+    prompt_step,
+    run,
+    serve_valid_request,
+    single_stage,
+    stage_node,
     two_stages,
 )
 

@@ -14,14 +14,14 @@ import grpc
 import pytest
 import torch
 
-from logicpipe.controller.weights_server import MAX_TENSORS_PER_REQUEST, stream_weights
-from logicpipe.common.transport import PLAINTEXT
-from logicpipe.errors import FailedPrecondition, NotFound, Unavailable
 from logicpipe.common.modeldir import ModelConfig, model_digest, safetensors_files, safetensors_header
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+from logicpipe.common.transport import PLAINTEXT
+from logicpipe.controller.weights_server import MAX_TENSORS_PER_REQUEST, stream_weights
+from logicpipe.errors import FailedPrecondition, NotFound, Unavailable
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.weight_cache import PullResult, needed_tensors, pull_assignment, pull_shard
 from logicpipe.stage_node.weights import EMBED, FINAL_NORM, LM_HEAD, layer_tensor_names
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 from .conftest import RPC_TIMEOUT_S, expect_status, run
 

@@ -11,8 +11,8 @@ import types
 import pytest
 
 from logicpipe.controller import planning
-from logicpipe.v1 import stage_pb2
 from logicpipe.planner import Link, Objective, Workload, plan_from_json
+from logicpipe.v1 import stage_pb2
 
 GIB = 2**30
 

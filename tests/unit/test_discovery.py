@@ -9,8 +9,15 @@ import uuid
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from logicpipe.common.discovery import (PROTOCOL_VERSION, SERVICE_TYPE, Advert, Advertiser, Browser, DuplicateNode,
-                                 _instance_name)
+from logicpipe.common.discovery import (
+    PROTOCOL_VERSION,
+    SERVICE_TYPE,
+    Advert,
+    Advertiser,
+    Browser,
+    DuplicateNode,
+    _instance_name,
+)
 
 LOOPBACK = "127.0.0.1"
 WAIT_S = 6.0  # a browser sees an announcement or a goodbye well within this

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from logicpipe.stage_node.drafter import (FREE_ROWS, MAX_PAUSE, MISSES_TO_PAUSE, Drafter, PromptLookup, allocate, best_k,
-                                expected_tokens, step_cost)
+from logicpipe.stage_node.drafter import (
+    FREE_ROWS,
+    MAX_PAUSE,
+    MISSES_TO_PAUSE,
+    Drafter,
+    PromptLookup,
+    allocate,
+    best_k,
+    expected_tokens,
+    step_cost,
+)
 
 
 def test_lookup_proposes_what_followed_the_latest_earlier_occurrence():

@@ -5,9 +5,9 @@ import asyncio
 import subprocess
 import sys
 
-from logicpipe.v1 import stage_pb2
 from logicpipe.stage_node import events as events_mod
 from logicpipe.stage_node.events import EventHub
+from logicpipe.v1 import stage_pb2
 
 
 def test_events_reach_only_their_owner_and_a_slow_subscriber_is_cut_off(monkeypatch):
@@ -33,8 +33,19 @@ def test_events_reach_only_their_owner_and_a_slow_subscriber_is_cut_off(monkeypa
 
 def test_lpctl_refuses_bad_flags_in_one_line_without_a_traceback():
     for args in (["--max-tokens", "-1"], ["--max-tokens", "abc"], ["--temperature", "inf"]):
-        out = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", "127.0.0.1:1", "submit", "hi",
+        out = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", "127.0.0.1:1", "submit",
+                              "hi",
                               *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and out.stderr.strip(), (args, out.stderr)
         assert len(out.stderr.strip().splitlines()[-1]) < 300
+
+
+def test_lpctl_chat_refuses_a_bad_temperature_in_one_line():
+    for args in (["--temperature", "-1"], ["--top-p", "0"]):
+        out = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", "127.0.0.1:1", "chat",
+                              *args], input="hi\n", capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr and out.stderr.strip().splitlines() == [
+            line for line in out.stderr.strip().splitlines() if line.startswith("lpctl: ")], (args, out.stderr)
+        assert ("temperature" if args[0] == "--temperature" else "top_p") in out.stderr

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from logicpipe import tensor_codec
 from logicpipe.errors import MeshError
-from logicpipe.v1 import controller_pb2, stage_pb2, tensor_pb2
 from logicpipe.stage_node import wire
+from logicpipe.v1 import controller_pb2, stage_pb2, tensor_pb2
 
 BUDGET = 400  # inputs per target
 FUZZ = settings(max_examples=BUDGET, deadline=None, derandomize=True,

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from logicpipe.common.transport import caller_address
 from logicpipe.controller.membership import Members
 from logicpipe.errors import Unavailable
-from logicpipe.common.transport import caller_address
 from logicpipe.v1 import stage_pb2
 
 

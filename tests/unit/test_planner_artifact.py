@@ -6,8 +6,22 @@ import json
 
 import pytest
 
-from logicpipe.planner import (FORMAT_VERSION, DeviceProfile, Link, ModelSpec, Objective, PlanFormatError, Reserve, Workload,
-                     format_plan_table, make_plan, plan_from_json, plan_to_json, profiles_digest, reuse_mismatch)
+from logicpipe.planner import (
+    FORMAT_VERSION,
+    DeviceProfile,
+    Link,
+    ModelSpec,
+    Objective,
+    PlanFormatError,
+    Reserve,
+    Workload,
+    format_plan_table,
+    make_plan,
+    plan_from_json,
+    plan_to_json,
+    profiles_digest,
+    reuse_mismatch,
+)
 from logicpipe.planner.digest import model_digest, profile_digest
 
 GiB = 2**30

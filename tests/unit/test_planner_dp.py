@@ -7,13 +7,23 @@ import random
 
 import pytest
 
-from logicpipe.planner import (DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve, Workload, build_stages,
-                     make_plan, plan_cost_s)
+from logicpipe.planner import (
+    DeviceProfile,
+    InfeasibleError,
+    Link,
+    ModelSpec,
+    Objective,
+    Reserve,
+    Workload,
+    build_stages,
+    make_plan,
+    plan_cost_s,
+)
+from logicpipe.planner.bounds import lower_bound_s
 from logicpipe.planner.cost import memory_overflow_bytes
+from logicpipe.planner.dp import min_bottleneck_exact, min_latency_exact
 from logicpipe.planner.heuristic import heuristic_chain
 from logicpipe.planner.instance import eligible_profiles, make_instance
-from logicpipe.planner.bounds import lower_bound_s
-from logicpipe.planner.dp import min_bottleneck_exact, min_latency_exact
 from logicpipe.planner.model import device_weight_format
 
 GiB = 2**30

@@ -8,8 +8,15 @@ import random
 from logicpipe.planner import DeviceProfile, Link, ModelSpec, Objective, Reserve, Workload
 from logicpipe.planner.bounds import lower_bound_s
 from logicpipe.planner.dp import min_bottleneck_exact
-from logicpipe.planner.heuristic import (insertion_order, memory_chain, restrict, ring_min_bottleneck, ring_min_latency,
-                               ring_orders, shortlists)
+from logicpipe.planner.heuristic import (
+    insertion_order,
+    memory_chain,
+    restrict,
+    ring_min_bottleneck,
+    ring_min_latency,
+    ring_orders,
+    shortlists,
+)
 from logicpipe.planner.instance import Instance, eligible_profiles, make_instance, role_of
 
 REL = 1e-9

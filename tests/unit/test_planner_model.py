@@ -8,10 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from logicpipe.planner import (DEFAULT_LINK, LOOPBACK, DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve,
-                     Workload, build_stages, make_plan, plan_cost_s)
-from logicpipe.planner.cost import (TOKEN_ID_BYTES, activation_transfer_s, head_time_s, layer_time_s, max_layers,
-                          return_transfer_s, stage_memory_bytes)
+from logicpipe.planner import (
+    DEFAULT_LINK,
+    LOOPBACK,
+    DeviceProfile,
+    InfeasibleError,
+    Link,
+    ModelSpec,
+    Objective,
+    Reserve,
+    Workload,
+    build_stages,
+    make_plan,
+    plan_cost_s,
+)
+from logicpipe.planner.cost import (
+    TOKEN_ID_BYTES,
+    activation_transfer_s,
+    head_time_s,
+    layer_time_s,
+    max_layers,
+    return_transfer_s,
+    stage_memory_bytes,
+)
 from logicpipe.planner.units import format_bytes, format_ms
 
 GiB = 2**30
@@ -199,7 +218,13 @@ def node(node_id="n", formats=("fp32",), memory=8 * GiB, **kw) -> DeviceProfile:
 
 
 def test_each_device_runs_its_own_format():
-    from logicpipe.planner.model import device_compute_format, device_weight_format, float_scale, weight_scale, wire_scale
+    from logicpipe.planner.model import (
+        device_compute_format,
+        device_weight_format,
+        float_scale,
+        weight_scale,
+        wire_scale,
+    )
 
     fp32, bf16 = ModelSpec.llama(**SMOL, weight_format="fp32"), ModelSpec.llama(**SMOL, weight_format="bf16")
     gpu = node("gpu", ("bf16", "fp16", "fp32"))

@@ -3,7 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from logicpipe.planner import DeviceProfile, InfeasibleError, Link, ModelSpec, Objective, Reserve, Workload, make_plan, plan_cost_s
+from logicpipe.planner import (
+    DeviceProfile,
+    InfeasibleError,
+    Link,
+    ModelSpec,
+    Objective,
+    Reserve,
+    Workload,
+    make_plan,
+    plan_cost_s,
+)
 from logicpipe.planner.strategies import apportion, counts_from_boundaries
 
 GiB = 2**30

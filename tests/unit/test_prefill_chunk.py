@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from logicpipe.sampling import SamplingParams
 from logicpipe.planner import DeviceProfile, Link, ModelSpec
 from logicpipe.planner.prefill import best_chunk, chunk_times_s, prefill_time_s
+from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.blocks import KVManager
 from logicpipe.stage_node.scheduler import Budget, Scheduler
 from logicpipe.stage_node.sequence import SeqSpec, SeqWork

@@ -6,14 +6,13 @@ import logging
 import stat
 
 import pytest
-
 from cryptography import x509
 
 from logicpipe.common.security import ca as tls_ca
 from logicpipe.common.security.bundle import CA_CERT, CA_KEY, Bundle, TlsError, identity
+from logicpipe.common.security.ca import make_csr
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.security.tokens import mac, parse_token
-from logicpipe.common.security.ca import make_csr
 from logicpipe.common.transport import from_flags, is_loopback
 from logicpipe.controller.join import JoinAuthority
 from logicpipe.errors import PermissionDenied
