@@ -59,7 +59,6 @@ class RequestState(Enum):
 
 @dataclass(frozen=True)
 class TokenUpdate:
-    request_id: str
     token_id: int
     finished: bool
     finish_reason: str
@@ -230,7 +229,7 @@ class Scheduler:
             n = len(t.token_ids)
             for i, tok in enumerate(t.token_ids):
                 last = i == n - 1
-                req.queue.put_nowait(TokenUpdate(req.id, tok, t.finished and last, t.finish_reason if last else ""))
+                req.queue.put_nowait(TokenUpdate(tok, t.finished and last, t.finish_reason if last else ""))
             return
         err = from_code(ev.error.code, ev.error.message)
         if ev.error.code == code_number(grpc.StatusCode.RESOURCE_EXHAUSTED):

@@ -3,6 +3,7 @@ no function-local import but the listed optional ones, and a wheel that installs
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -111,8 +112,13 @@ def test_no_function_local_imports_but_the_listed_ones():
 
 def test_the_wheel_installs_logicpipe_only(tmp_path):
     """`pip install .` puts one package in site-packages, and every console script resolves in it."""
+    src = tmp_path / "src"  # a copy: a build writes build/ and *.egg-info beside its sources
+    for folder in PACKAGES:
+        shutil.copytree(folder, src / folder.relative_to(ROOT), ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+                    str(tmp_path), str(src)], check=True, capture_output=True, cwd=tmp_path)
     wheel = next(tmp_path.glob("logicpipe-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
