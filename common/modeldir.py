@@ -1,11 +1,11 @@
 """A model directory, read once for everyone: config.json (and generation_config.json) as the
-forward needs it, the supported architectures, EOS ids, the safetensors headers, and the digest
-that tells two copies of a model apart. The controller and every stage use this module; it imports
-neither torch nor transformers, so checking a directory is cheap.
+forward needs it (its family's description: common.families), EOS ids, the safetensors headers,
+and the digest that tells two copies of a model apart. The controller and every stage use this
+module; it imports neither torch nor transformers, so checking a directory is cheap.
 
-Anything the compact forward cannot run exactly (another architecture, a RoPE variant whose
-frequencies depend on the sequence length, weights not in safetensors) is refused with a
-ModelError that says what to do.
+Anything the forward cannot run exactly (another architecture, a RoPE variant whose frequencies
+depend on the sequence length, weights not in safetensors) is refused with a ModelError that says
+what to do.
 """
 from __future__ import annotations
 
@@ -16,27 +16,27 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from logicpipe.common.families import MODEL_TYPES, TIED_BY_DEFAULT, Arch, ModelError, arch_of
+
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+__all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "Arch", "ModelConfig", "ModelError", "checkpoint_index",
+           "model_digest", "read_config_json", "safetensors_files", "safetensors_header", "safetensors_layout"]
+
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 # RoPE types whose inverse frequencies are fixed (do not depend on the current sequence length),
 # so one cos/sin table serves every position. "dynamic" and "longrope" recompute them per batch.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-SUPPORTED_ACTIVATIONS = ("silu",)
-
-
-class ModelError(ValueError):
-    """Model dir missing / incomplete / not Llama-family / corrupt; a message a person can act on."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, as the stage forward needs it."""
+    """A decoder of one of the supported families, as the stage forward needs it."""
 
     model_type: str  # Hugging Face model_type; always one of SUPPORTED_MODEL_TYPES
     num_layers: int  # decoder layers in the whole model (count)
     hidden_size: int  # residual stream width (elements per token)
-    intermediate_size: int  # SwiGLU MLP inner width (elements per token)
+    intermediate_size: int  # gated MLP inner width (elements per token; an expert's, for Mixtral)
     num_heads: int  # query heads (count)
     num_kv_heads: int  # key/value heads (count); num_heads is a multiple of it (GQA)
     head_dim: int  # elements per attention head
@@ -48,6 +48,11 @@ class ModelConfig:
     max_position_embeddings: int  # longest context the model was configured for (tokens)
     eos_token_ids: tuple[int, ...]  # token ids that end a generation (may be empty)
     rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    arch: Arch = Arch("llama")  # where its forward differs from Llama's (common.families)
+
+    @property
+    def family(self) -> str:
+        return self.arch.family
 
     @classmethod
     def from_dir(cls, model_dir, require_weights: bool = True) -> "ModelConfig":
@@ -59,36 +64,36 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelError(
                 f"{path / 'config.json'}: model_type {model_type!r} is not supported; "
-                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)"
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if require_weights and not safetensors_files(path):
             raise ModelError(
                 f"{path} has no *.safetensors weights; convert the checkpoint to safetensors first "
                 "(e.g. `model.save_pretrained(dir, safe_serialization=True)` in transformers)"
             )
-        act = raw.get("hidden_act", "silu")
-        if act not in SUPPORTED_ACTIVATIONS:
-            raise ModelError(f"{path / 'config.json'}: hidden_act {act!r} is not supported; supported: silu")
         rope_type = _rope_type(raw, path)
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
+            head_dim = int(raw.get("head_dim") or hidden // num_heads)
+            num_layers = int(raw["num_hidden_layers"])
             cfg = cls(
                 model_type=model_type,
-                num_layers=int(raw["num_hidden_layers"]),
+                num_layers=num_layers,
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                head_dim=head_dim,
                 vocab_size=int(raw["vocab_size"]),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", MODEL_TYPES[model_type] in TIED_BY_DEFAULT)),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 eos_token_ids=_eos_token_ids(path, raw),
                 rope_type=rope_type,
+                arch=arch_of(raw, path, num_layers=num_layers, hidden_size=hidden, head_dim=head_dim),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelError(f"{path / 'config.json'} is incomplete or malformed: {e!r}") from e
@@ -125,15 +130,20 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def _rope_type(raw: dict, path: Path) -> str:
-    # transformers 5 writes `rope_parameters`; 4.x wrote `rope_scaling` (+ `rope_theta`).
+    """The RoPE type of the (full-attention) layers, every layer type's checked."""
+    # transformers 5 writes `rope_parameters` (per layer type for Gemma 3); 4.x wrote `rope_scaling`.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelError(
-            f"{path / 'config.json'}: RoPE type {rope_type!r} is not supported (its frequencies depend on "
-            f"the sequence length); supported RoPE types: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    return rope_type
+    per_type = params if params and all(isinstance(v, dict) for v in params.values()) else {"full_attention": params}
+    types = {}
+    for layer_type, p in per_type.items():
+        rope_type = p.get("rope_type") or p.get("type") or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelError(
+                f"{path / 'config.json'}: RoPE type {rope_type!r} is not supported (its frequencies depend on "
+                f"the sequence length); supported RoPE types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        types[layer_type] = rope_type
+    return types.get("full_attention", next(iter(types.values()), "default"))
 
 
 def _eos_token_ids(path: Path, raw: dict) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from logicpipe.controller.scheduler import DEFAULT_SPECULATE, WAIT_FOR_NODES_S, 
 from logicpipe.controller.state import MeshState, Phase
 from logicpipe.controller.text import load_tokenizer
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
-from logicpipe.planner import Link, Workload, format_plan_table, plan_to_json
+from logicpipe.planner import Link, Workload, plan_to_json
 from logicpipe.v1 import stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ class ControllerApp:
         log.info("measured %d links in %.1f s", len(pairs), time.monotonic() - t0)
 
     async def _install(self, plan, ids: dict[str, str], why: str, since: float) -> None:
-        log.info("plan (%s, %s) because %s:\n%s", plan.strategy, plan.objective.value, why, format_plan_table(plan))
+        log.info("plan (%s, %s) because %s:\n%s", plan.strategy, plan.objective.value, why, planning.plan_table(plan, self.spec))
         self.state.set(Phase.REPLANNING if self.plan is not None else Phase.PLANNING, f"installing a new plan ({why})")
         old_stages = [h for h in self.pipeline.stages if not h.lost and not h.down_reason]
         sessions = self.scheduler.detach_all()
@@ -420,12 +420,12 @@ class ControllerApp:
         if not strategy:
             if self.plan is None:
                 raise Unavailable(f"no plan is in force yet ({self.state.reason})")
-            return self.plan_json, format_plan_table(self.plan)
+            return self.plan_json, planning.plan_table(self.plan, self.spec)
         if not self.profiles:
             raise Unavailable("the controller has not profiled any node yet")
         plan = planning.plan_for(self.profiles, self.spec, self.workload, strategy, objective or self.options.objective,
                                  boundaries)
-        return plan_to_json(plan), format_plan_table(plan)
+        return plan_to_json(plan), planning.plan_table(plan, self.spec)
 
     async def close(self) -> None:
         """Fail what is in flight and close every sequence we opened, then the pipeline."""

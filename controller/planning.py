@@ -26,6 +26,7 @@ from logicpipe.planner import (
     Objective,
     Plan,
     Workload,
+    format_model_note,
     format_plan_table,
     make_plan,
     plan_from_json,
@@ -66,12 +67,17 @@ def memory_floor(nbytes: int) -> int:
 
 
 def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float32") -> ModelSpec:
-    """The planner's view of a Llama-family model."""
-    return ModelSpec.llama(
+    """The planner's view of a model of any supported family (its biases, norms, experts)."""
+    a, moe = config.arch, config.arch.moe
+    return ModelSpec.decoder(
         name=name, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, vocab_size=config.vocab_size,
         num_layers=config.num_layers, head_dim=config.head_dim, tied_embeddings=config.tie_word_embeddings,
-        weight_format=WEIGHT_FORMAT[dtype], weights_digest=digest)
+        weight_format=WEIGHT_FORMAT[dtype], weights_digest=digest, qkv_bias=a.qkv_bias, o_bias=a.o_bias,
+        qk_norm=a.qk_norm, norms=4 if a.sandwich else 2,
+        num_experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0,
+        expert_intermediate_size=moe.intermediate_size if moe else 0,
+        moe_layers=sum(moe.layers) if moe else None)
 
 
 def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: ModelSpec | None = None) -> DeviceProfile:
@@ -188,7 +194,13 @@ def plan_from_profiles_file(profiles_path: str, model_dir: str | None, strategy:
     spec = model_spec(ModelConfig.from_dir(mdir), mdir.name, model_digest(mdir))
     plan = plan_for(profiles_from_file(profiles_path), spec, Workload(context_tokens=context),
                     strategy or "dp", objective, boundaries)
-    return plan_to_json(plan), format_plan_table(plan)
+    return plan_to_json(plan), plan_table(plan, spec)
+
+
+def plan_table(plan: Plan, spec: ModelSpec) -> str:
+    """The plan's table, with what a mixture-of-experts layer holds and what a token reads of it."""
+    note = format_model_note(spec)
+    return format_plan_table(plan) + (f"\n{note}" if note else "")
 
 
 class PrefillChunks:

@@ -10,7 +10,10 @@ fp32 upcast of a 16-bit model, 0.25 for int8 matrices of an fp32 model, ...).
 Compute (seconds per step). Every layer is memory- or compute-bound, whichever is slower:
 
     layer_s = max( T * (layer_flops_per_token + C * attention_flops_per_context_token) / F,
-                   sw * layer_weight_bytes / Ww  +  sf * B * C * kv_bytes_per_token_per_layer / W )
+                   sw * layer_read_bytes(T) / Ww  +  sf * B * C * kv_bytes_per_token_per_layer / W )
+
+    (layer_read_bytes(T) is layer_weight_bytes for a dense model; for a mixture of experts, the
+    dense part and the experts T rows are expected to route to: see `model.py`.)
 
     stage compute_s = n_layers * layer_s  (+ embed_s on the first stage)  (+ head_s on the last)
     embed_s = sf * T * activation_bytes_per_token / W        (T embedding rows read)
@@ -54,7 +57,7 @@ def layer_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -
     """Seconds one decoder layer takes on `profile` for one step of `workload`."""
     t, c = workload.tokens_per_step, workload.context_tokens
     flops = t * (model.layer_flops_per_token + c * model.attention_flops_per_context_token)
-    read_s = (weight_scale(profile, model) * model.layer_weight_bytes / (profile.weight_bandwidth or profile.mem_bandwidth)
+    read_s = (weight_scale(profile, model) * model.layer_read_bytes(t) / (profile.weight_bandwidth or profile.mem_bandwidth)
               + float_scale(profile, model) * workload.batch * c * model.kv_bytes_per_token_per_layer / profile.mem_bandwidth)
     return max(flops / profile.flops, read_s)
 

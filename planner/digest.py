@@ -67,8 +67,13 @@ def digest_of_nodes(nodes: Iterable[tuple[str, str]]) -> str:
 
 
 def model_digest(model: ModelSpec) -> str:
-    """sha256 (hex) of the ModelSpec's canonical JSON (its weights_digest included)."""
-    return _sha256(asdict(model))
+    """sha256 (hex) of the ModelSpec's canonical JSON (its weights_digest included; a dense model's
+    empty mixture-of-experts fields left out, so its digest is what it was before they existed)."""
+    fields = asdict(model)
+    if not model.num_experts:
+        for name in ("num_experts", "experts_per_token", "expert_bytes"):
+            fields.pop(name)
+    return _sha256(fields)
 
 
 def make_metadata(profiles: Iterable[DeviceProfile], model: ModelSpec, workload: Workload,

@@ -1,7 +1,12 @@
 """What a model needs from the devices: per-layer weights, FLOPs, KV and activation sizes.
 
-All decoder layers of a Llama-family model are alike, so one layer's numbers describe them all.
-`ModelSpec.llama(...)` derives the numbers from a config (formulas in its docstring).
+The decoder layers of a model are taken to be alike (where they are not, as in a mixture of
+experts with some dense layers, a layer's numbers are the average), so one layer's numbers
+describe them all. `ModelSpec.decoder(...)` derives them from a config (formulas in its docstring).
+
+A mixture-of-experts layer holds every expert but a step reads only those its rows route to:
+`layer_weight_bytes` counts them all (memory), `layer_flops_per_token` the experts one token runs,
+and `layer_read_bytes(rows)` the experts a step of `rows` rows is expected to read.
 
 Weight formats. `weight_format` is the format the mesh runs the model in (the controller's --dtype).
 Each device runs it in one format of its own (`device_weight_format`):
@@ -54,6 +59,19 @@ class ModelSpec:
     tied_embeddings: bool = False              # LM head shares the embedding matrix: a single stage holds it once
     weight_format: str = "fp16"                # dtype of the checkpoint's weights ("fp32", "fp16", "bf16", "int8", "nf4")
     weights_digest: str = ""                   # opaque digest of the weight files ("" when unknown); part of the model digest
+    num_experts: int = 0                       # a mixture of experts: experts per layer (0: a dense model)
+    experts_per_token: int = 0                 # ... the experts each token routes to
+    expert_bytes: int = 0                      # ... bytes of one expert's matrices (averaged over the layers)
+
+    def layer_read_bytes(self, rows: int) -> float:
+        """Bytes of one layer's weights a step of `rows` rows reads: all of a dense layer; of a
+        mixture, its dense part and the distinct experts the rows are expected to route to,
+        E * (1 - (1 - k/E)^rows) with routing taken as uniform."""
+        if not self.num_experts:
+            return float(self.layer_weight_bytes)
+        e, k = self.num_experts, self.experts_per_token
+        distinct = e * (1.0 - (1.0 - k / e) ** max(1, rows))
+        return self.layer_weight_bytes - e * self.expert_bytes + distinct * self.expert_bytes
 
     def __post_init__(self) -> None:
         where = f"model spec {self.name!r}"
@@ -73,9 +91,18 @@ class ModelSpec:
         _check(isinstance(self.weights_digest, str), f"{where}: weights_digest must be a string")
         _check(not self.tied_embeddings or self.lm_head_bytes >= self.embedding_bytes,
                f"{where}: with tied embeddings lm_head_bytes (norm + matrix) must be >= embedding_bytes")
+        _check(self.num_experts == 0 or 1 <= self.experts_per_token <= self.num_experts,
+               f"{where}: experts_per_token must lie in [1, num_experts]")
+        _check(self.num_experts * self.expert_bytes <= self.layer_weight_bytes,
+               f"{where}: a layer's experts cannot outweigh the layer")
 
     @classmethod
-    def llama(
+    def llama(cls, **kwargs) -> "ModelSpec":
+        """A Llama-shaped decoder (`decoder` with none of the other families' extras)."""
+        return cls.decoder(**kwargs)
+
+    @classmethod
+    def decoder(
         cls,
         *,
         name: str,
@@ -90,16 +117,29 @@ class ModelSpec:
         tied_embeddings: bool = False,
         weight_format: str = "fp16",
         weights_digest: str = "",
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        norms: int = 2,
+        num_experts: int = 0,
+        experts_per_token: int = 0,
+        expert_intermediate_size: int = 0,
+        moe_layers: int | None = None,
     ) -> "ModelSpec":
-        """A Llama-family model from its config.
+        """A decoder from its config.
 
         With h = hidden_size, i = intermediate_size, d = head_dim (default h / num_heads),
         a = num_heads, g = num_kv_heads, V = vocab_size, b = bytes_per_param (default from
         `weight_format`), e = compute bytes per element = max(b, 2):
 
-        - layer params P = h*d*(2a + 2g)  [q, o; k, v]  + 3*h*i  [gate, up, down] + 2*h  [two norms]
-        - layer_weight_bytes = ceil(P * b)
-        - layer_flops_per_token = 2 * P  (one multiply-add per weight)
+        - attention params A = h*d*(2a + 2g)  [q, o; k, v]  + d*(a + 2g) [q/k/v biases]  + h [o bias]
+          + 2*d [q/k norms]  + norms*h [the layer's norms: 2, Gemma's 4]
+        - a dense MLP's params M = 3*h*i  [gate, up, down]
+        - a mixture (E = num_experts, k = experts_per_token, f = expert_intermediate_size, on s of
+          the layers, `moe_layers`, default all): X = 3*h*f per expert, router R = E*h; the
+          average layer's MLP holds (s*(R + E*X) + (L - s)*M) / L and runs (s*(R + k*X) + (L - s)*M) / L
+        - layer_weight_bytes = ceil((A + MLP held) * b) ;  layer_flops_per_token = 2 * (A + MLP run)
+        - expert_bytes = ceil(X * b * s / L)  (the average layer's share of one expert)
         - attention_flops_per_context_token = 4 * a * d  (QK^T and AV, 2 FLOPs per multiply-add)
         - kv_bytes_per_token_per_layer = 2 * g * d * e ;  activation_bytes_per_token = h * e
         - embedding_bytes = ceil(V*h*b) ;  lm_head_bytes = ceil((V*h + h) * b)  [matrix + final norm]
@@ -114,14 +154,26 @@ class ModelSpec:
             _check(isinstance(value, int) and value >= 1, f"{label} must be an integer >= 1, got {value!r}")
         d = head_dim if head_dim is not None else hidden_size // num_heads
         _check(isinstance(d, int) and d >= 1, f"head_dim must be an integer >= 1, got {d!r}")
+        h, a, g, L = hidden_size, num_heads, num_kv_heads, num_layers
         element_bytes = max(bytes_per_param, 2.0)
-        layer_params = hidden_size * d * (2 * num_heads + 2 * num_kv_heads) + 3 * hidden_size * intermediate_size + 2 * hidden_size
+        attn = h * d * (2 * a + 2 * g) + (d * (a + 2 * g) if qkv_bias else 0) + (h if o_bias else 0) \
+            + (2 * d if qk_norm else 0) + norms * h
+        dense = 3 * h * intermediate_size
+        held = run = float(dense)
+        expert = 0
+        if num_experts:
+            s = L if moe_layers is None else moe_layers
+            expert = 3 * h * expert_intermediate_size
+            router = num_experts * h
+            held = (s * (router + num_experts * expert) + (L - s) * dense) / L
+            run = (s * (router + experts_per_token * expert) + (L - s) * dense) / L
+            expert = expert * s / L
         matrix = vocab_size * hidden_size
         return cls(
             name=name,
             num_layers=num_layers,
-            layer_weight_bytes=math.ceil(layer_params * bytes_per_param),
-            layer_flops_per_token=2.0 * layer_params,
+            layer_weight_bytes=math.ceil((attn + held) * bytes_per_param),
+            layer_flops_per_token=2.0 * (attn + run),
             attention_flops_per_context_token=4.0 * num_heads * d,
             kv_bytes_per_token_per_layer=math.ceil(2 * num_kv_heads * d * element_bytes),
             activation_bytes_per_token=math.ceil(hidden_size * element_bytes),
@@ -131,6 +183,9 @@ class ModelSpec:
             tied_embeddings=tied_embeddings,
             weight_format=weight_format,
             weights_digest=weights_digest,
+            num_experts=num_experts,
+            experts_per_token=experts_per_token if num_experts else 0,
+            expert_bytes=math.floor(expert * bytes_per_param),
         )
 
 

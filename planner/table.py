@@ -1,6 +1,7 @@
 """A plan as an aligned text table for people (`lpctl plan`, logs, the README)."""
 from __future__ import annotations
 
+from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import Plan
 from logicpipe.planner.types import Objective
 from logicpipe.planner.units import format_bytes, format_ms
@@ -37,3 +38,13 @@ def format_plan_table(plan: Plan) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(rows[0]), rule, *(line(r) for r in rows[1:]), _footer(plan)])
+
+
+def format_model_note(model: ModelSpec) -> str:
+    """For a mixture of experts, what a layer holds and what a token reads of it (memory vs speed,
+    in the model's format); "" for a dense model."""
+    if not model.num_experts:
+        return ""
+    return (f"mixture of experts: {model.num_experts} experts per layer, {model.experts_per_token} per token; a layer "
+            f"holds {format_bytes(model.layer_weight_bytes)}, one token reads {format_bytes(model.layer_read_bytes(1))} "
+            f"of it, a step of 8 rows {format_bytes(model.layer_read_bytes(8))} ({model.weight_format})")

@@ -1,15 +1,16 @@
 """The forward's math: matrix products that give every row the same result whatever else is in the
-batch, HF's RMSNorm, and the causal mask.
+batch, HF's RMSNorm (Llama's and Gemma's), the gated MLP's activations, masks and attention.
 
 Why the matrix products are split by row kind. A BLAS picks its kernel by the shape of the
 product, and different kernels round differently, so a row's result can depend on how many other
-rows share the step. Measured on MKL (torch's CPU BLAS): `x @ w.T` is the same for every row
-count from 4 to 512 but different for 1, 2 and 3; `w @ x.T` (x a transposed view) is the same
-for 4 to 8 rows, and for those sizes reads the weights close to the memory's speed (8 rows cost
-1.2x one row, where `x @ w.T` costs 2.2x). So:
+rows share the step. Measured on MKL (torch's CPU BLAS, torch 2.13): `x @ w.T` computes rows in
+panels of 4, the rows of a last, partial panel by another kernel; `w @ x.T` (x a transposed view)
+gives the same columns for 4 and 8 rows (not for 5 to 7), and for those sizes reads the weights
+close to the memory's speed (8 rows cost 1.2x one row, where `x @ w.T` costs 2.2x). Within those
+shapes a row's result does not depend on its place or its neighbours. So:
   * decode rows (generated tokens, candidates; the rows that are sampled) go through `w @ x.T` in
-    chunks of 4 to 8 rows, padded up to 4;
-  * prompt rows go through `x @ w.T` with at least 4 rows.
+    chunks of 8, the last padded to 4 or 8;
+  * prompt rows go through `x @ w.T` padded to a multiple of 4 rows.
 A row's numbers then depend only on its own kind, never on how a step was batched: a request
 gives the same tokens alone or among 64 others, and in a replay its generated tokens are
 recomputed by the kernel that first computed them.
@@ -27,8 +28,8 @@ import torch.nn.functional as F
 
 from logicpipe.stage_node.quant import QuantMatrix
 
-MIN_ROWS = 4   # below this both kernels switch to another kind of product
-DECODE_CHUNK = 8  # `w @ x.T` gives the same rows for 4..8 rows
+MIN_ROWS = 4   # `x @ w.T` computes rows in panels of this many; `w @ x.T` gives the same columns for 4 and 8
+DECODE_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Rows:
     prompt: torch.Tensor | None
     all_decode: bool = False
     all_prompt: bool = False
+    flags: tuple[bool, ...] = ()  # per row: a decode row (kept when the kinds are mixed)
 
     @classmethod
     def split(cls, is_decode: list[bool], device) -> "Rows":
@@ -48,7 +50,13 @@ class Rows:
             return cls(None, None, all_prompt=True)
         idx = torch.arange(len(is_decode), device=device)
         mask = torch.tensor(is_decode, device=device)
-        return cls(idx[mask], idx[~mask])
+        return cls(idx[mask], idx[~mask], flags=tuple(is_decode))
+
+    def subset(self, rows: list[int], device) -> "Rows":
+        """The kinds of `rows` (indices into this batch), as a batch of their own."""
+        if self.all_decode or self.all_prompt:
+            return self
+        return Rows.split([self.flags[r] for r in rows], device)
 
 
 DECODE_ROWS = Rows(None, None, all_decode=True)
@@ -59,22 +67,27 @@ def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] >= rows else torch.cat([x, x[-1:].expand(rows - x.shape[0], -1)])
 
 
+def _chunk_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`w @ x.T` of up to 8 rows, padded to 4 or 8 -> [rows, out]"""
+    m = x.shape[0]
+    return torch.mm(w, _pad(x, MIN_ROWS if m <= MIN_ROWS else DECODE_CHUNK).t()).t()[:m]
+
+
 def decode_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [M, in] @ w: [out, in].T -> [M, out], as `w @ x.T` on chunks of 4 to 8 rows (CPU)."""
+    """x: [M, in] @ w: [out, in].T -> [M, out], as `w @ x.T` on chunks of 8 rows, the last padded
+    to 4 or 8 (CPU)."""
     if x.is_cuda:
         return F.linear(x, w)
     m = x.shape[0]
     if m <= DECODE_CHUNK:
-        return torch.mm(w, _pad(x, MIN_ROWS).t()).t()[:m].contiguous()
-    n = -(-m // DECODE_CHUNK)  # chunks of equal size, each within [4, 8]
-    bounds = [m * i // n for i in range(n + 1)]
-    return torch.cat([torch.mm(w, x[a:b].t()).t() for a, b in zip(bounds, bounds[1:])])
+        return _chunk_mm(x, w).contiguous()
+    return torch.cat([_chunk_mm(x[a: a + DECODE_CHUNK], w) for a in range(0, m, DECODE_CHUNK)])
 
 
 def prompt_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [M, in] @ w: [out, in].T -> [M, out], as `x @ w.T` with at least 4 rows."""
+    """x: [M, in] @ w: [out, in].T -> [M, out], as `x @ w.T` padded to a multiple of 4 rows."""
     m = x.shape[0]
-    return F.linear(_pad(x, MIN_ROWS), w)[:m] if m < MIN_ROWS else F.linear(x, w)
+    return F.linear(_pad(x, -(-m // MIN_ROWS) * MIN_ROWS), w)[:m] if m % MIN_ROWS else F.linear(x, w)
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None, rows: Rows) -> torch.Tensor:
@@ -96,18 +109,63 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None, rows: Rows) -> torch.Tens
     return out if b is None else out + b
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in float32, scale in the model dtype. x: [T, hidden]"""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """HF's RMSNorm over the last dim. Llama's: normalise in float32, scale in the model dtype;
+    `gemma`: normalise and scale by (1 + weight) in float32, then cast. x: [..., dim]"""
     # F.rms_norm is one fused op, bit-identical in float32 to HF's
     # `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)` (then scaled in the model dtype)
+    if gemma:
+        return (F.rms_norm(x.float(), weight.shape, None, eps) * (1.0 + weight.float())).to(x.dtype)
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def causal_mask(start_pos: int, n: int, device) -> torch.Tensor | None:
-    """Bool mask [n, start_pos + n] for new rows at start_pos.., or None where SDPA needs none."""
+def activation(name: str):
+    """The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu_pytorch_tanh)."""
+    return F.silu if name == "silu" else _gelu_tanh
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's soft-capping of attention scores and logits); x without a cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def causal_mask(start_pos: int, n: int, device, window: int | None = None) -> torch.Tensor | None:
+    """Bool mask [n, start_pos + n] for new rows at start_pos.. (with a sliding `window`: each sees
+    only the last `window` positions, its own included), or None where SDPA needs none."""
+    stop = start_pos + n
+    if window is not None and stop > window:
+        keys = torch.arange(stop, device=device)
+        pos = torch.arange(start_pos, stop, device=device)[:, None]
+        return (keys[None, :] <= pos) & (keys[None, :] > pos - window)
     if n == 1 or start_pos == 0:
         return None  # one row sees everything; a fresh prefill uses is_causal
-    keys = torch.arange(start_pos + n, device=device)
-    return keys[None, :] <= torch.arange(start_pos, start_pos + n, device=device)[:, None]
+    keys = torch.arange(stop, device=device)
+    return keys[None, :] <= torch.arange(start_pos, stop, device=device)[:, None]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, scale: float,
+              cap: float | None = None) -> torch.Tensor:
+    """q: [1, heads, n, hd]; k, v: [1, kv_heads, L, hd]; mask: bool [n, L], or None: the n rows see
+    everything (n = 1) or are a fresh prefill (causal). -> [1, heads, n, hd]. Without a cap: SDPA
+    with grouped-query attention, as HF calls it; with one (Gemma 2), the eager form HF runs:
+    scores scaled, soft-capped, masked, softmax in float32."""
+    n = q.shape[2]
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    L = k.shape[2]
+    qg = q.view(1, k.shape[1], group, n, q.shape[3])  # [1, kv_heads, group, n, hd]
+    scores = softcap(qg @ k[:, :, None].transpose(-1, -2) * scale, cap)  # [1, kv_heads, group, n, L]
+    if mask is None and n > 1:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v[:, :, None]
+    return o.flatten(1, 2)

@@ -127,7 +127,14 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
 
 
 def tensor_bytes(x) -> int:
-    """Bytes a weight takes: a tensor's storage, or a quantized matrix's."""
+    """Bytes a weight takes: a tensor's storage, a quantized matrix's, a list's or a dataclass's
+    (a layer's experts) in all."""
     if x is None:
         return 0
-    return x.nbytes if isinstance(x, QuantMatrix) else x.numel() * x.element_size()
+    if isinstance(x, QuantMatrix):
+        return x.nbytes
+    if isinstance(x, (list, tuple)):
+        return sum(tensor_bytes(m) for m in x)
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(tensor_bytes(v) for v in vars(x).values())

@@ -17,23 +17,29 @@ log = logging.getLogger(__name__)
 MIN_TABLE_POSITIONS = 1024  # first table size (positions); it doubles as longer contexts arrive
 
 
-def rope_parameters(model_dir) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention_scaling) of a model directory's RoPE."""
+def rope_parameters(model_dir, kind: str = "full") -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention_scaling) of a model directory's RoPE for its
+    layers of `kind` ("full", or "sliding": Gemma 3's local layers have a RoPE of their own)."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf = AutoConfig.from_pretrained(str(model_dir))
-    # transformers 5: `rope_parameters`; 4.x: `rope_scaling` + `rope_theta`.
+    # transformers 5: `rope_parameters` (per layer type for Gemma 3); 4.x: `rope_scaling` + `rope_theta`.
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    layer_type = None
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+        layer_type = "sliding_attention" if kind == "sliding" and "sliding_attention" in params else "full_attention"
+        params = params[layer_type]
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
+    if rope_type == "default":  # the same formula for every family (transformers 5 keeps it per model class)
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    extra = {"layer_type": layer_type} if layer_type else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None, **extra)
     return inv_freq.float(), float(scaling)
 
 

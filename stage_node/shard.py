@@ -1,11 +1,15 @@
-"""A stage's slice of a Llama-family model: the weights of decoder layers [start, end) and their forward.
+"""A stage's slice of a model: the weights of decoder layers [start, end) and their forward.
+
+One forward serves every family (common.families): it reads the checkpoint's `Arch` where the
+families differ (biases, q/k norms, norm style, activation, embedding scale, soft-capping,
+sliding-window layers and their RoPE, a mixture of experts: stage_node.moe).
 
 The forward runs on packed rows: the new tokens of several sequences, one after the other, go
 through every projection and MLP together, and only attention is done per sequence, against that
-sequence's keys and values in the paged KV pool. The arithmetic follows transformers'
-`LlamaForCausalLM` operation for operation (RMSNorm in float32, HF's RoPE tables, SDPA with GQA),
-so logits agree to float32 rounding and greedy tokens match; and a row's result never depends on
-what else is in its batch (see `stage_node.ops`).
+sequence's keys and values in the paged KV pool. The arithmetic follows transformers' models
+operation for operation (RMSNorm in float32, HF's RoPE tables, SDPA with GQA, HF's eager attention
+where scores are soft-capped), so logits agree to float32 rounding and greedy tokens match; and a
+row's result never depends on what else is in its batch (see `stage_node.ops`).
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import torch.nn.functional as F
 
 from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kv import KVPool, StepKV
-from logicpipe.stage_node.ops import Rows, causal_mask, decode_mm, linear, rms_norm
+from logicpipe.stage_node.moe import experts_forward
+from logicpipe.stage_node.ops import Rows, activation, attention, causal_mask, decode_mm, linear, rms_norm, softcap
 from logicpipe.stage_node.quant import check_format, tensor_bytes
 from logicpipe.stage_node.quant import quantize as quantize_matrix
 from logicpipe.stage_node.rope import RopeTables, apply_rope, rope_parameters
@@ -27,6 +32,7 @@ from logicpipe.stage_node.weights import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
+    Experts,
     LayerWeights,
     build_layer,
     read_tensors,
@@ -44,8 +50,9 @@ class Shard:
     def __init__(self, config: ModelConfig, start: int, end: int, *, first: bool, last: bool,
                  layers: list[LayerWeights], embed_tokens: torch.Tensor | None,
                  final_norm: torch.Tensor | None, lm_head: torch.Tensor | None, lm_head_tied: bool,
-                 rope: RopeTables, device: torch.device, dtype: torch.dtype):
+                 ropes: dict[str, RopeTables], device: torch.device, dtype: torch.dtype):
         self.config = config
+        self.arch = config.arch
         self.start, self.end = start, end  # decoder layers [start, end) of the whole model
         self.first, self.last = first, last  # first: holds embed_tokens; last: final norm + LM head
         self.device, self.dtype = device, dtype
@@ -54,7 +61,8 @@ class Shard:
         self.embed_tokens = embed_tokens  # [vocab, hidden] (first only); the LM head itself when tied
         self.final_norm = final_norm  # [hidden] (last only)
         self.lm_head = lm_head  # [vocab, hidden] (last only)
-        self.rope = rope
+        self.ropes = ropes  # layer kind ("full", "sliding") -> its RoPE tables (one object when they agree)
+        self.rope = ropes["full"]
         self.graphs = None  # a CUDA stage's StepGraphs (stage_node.step_graphs), set with its KV pool
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
@@ -62,10 +70,20 @@ class Shard:
         self.parameter_count = owned  # parameters this stage owns (count)
         # parameters held as a copy of a tied weight owned by the first stage (count)
         self.tied_copy_count = lm_head.numel() if last and lm_head_tied and not first else 0
-        c = config
+        c, a = config, config.arch
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
-        self._scale = c.head_dim ** -0.5
+        self._scale = a.attn_scale or c.head_dim ** -0.5
+        self._gemma = a.norm == "gemma"
+        self._act = activation(a.activation)
+        self._embed_scale = torch.tensor(a.embed_scale, dtype=dtype, device=device) if a.embed_scale != 1.0 else None
+
+    def kind(self, i: int) -> str:
+        """Local layer i's attention: "full" or "sliding"."""
+        return "sliding" if self.arch.sliding(self.start + i) else "full"
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.config.rms_norm_eps, self._gemma)
 
     @classmethod
     def load(cls, model_dir, start: int, end: int, *, first: bool, last: bool,
@@ -85,18 +103,22 @@ class Shard:
         t = read_tensors(model_dir, names, index)
         if quantize != "none":
             check_format(quantize, device.type)
-        layers = [quantize_layer(build_layer(t, i, device=device, dtype=dtype), quantize) for i in range(start, end)]
+        layers = [quantize_layer(build_layer(t, i, config, device=device, dtype=dtype), quantize)
+                  for i in range(start, end)]
         embed = t.pop(EMBED).to(device=device, dtype=dtype) if EMBED in t else None  # [vocab, hidden]
         norm = t.pop(FINAL_NORM).to(device=device, dtype=dtype) if last else None
         head = None
         if last:  # tied: the embeddings serve as the head (one tensor on a stage that is both)
             head = embed if tied else t.pop(LM_HEAD).to(device=device, dtype=dtype)  # [vocab, hidden]
         del t
-        inv_freq, scaling = rope_parameters(model_dir)
-        rope = RopeTables(inv_freq, scaling, dtype=dtype, device=device)
+        ropes = {"full": RopeTables(*rope_parameters(model_dir, "full"), dtype=dtype, device=device)}
+        if "sliding" in config.arch.layer_types:
+            sliding = rope_parameters(model_dir, "sliding")
+            same = torch.equal(sliding[0], ropes["full"].inv_freq.cpu()) and sliding[1] == ropes["full"].scaling
+            ropes["sliding"] = ropes["full"] if same else RopeTables(*sliding, dtype=dtype, device=device)
         shard = cls(config, start, end, first=first, last=last, layers=layers,
                     embed_tokens=embed if first else None, final_norm=norm, lm_head=head,
-                    lm_head_tied=tied, rope=rope, device=device, dtype=dtype)
+                    lm_head_tied=tied, ropes=ropes, device=device, dtype=dtype)
         shard.weight_format = quantize if quantize != "none" else str(dtype).removeprefix("torch.")
         log.info("loaded layers [%d, %d) of %s%s%s: %.1fM params (+%.1fM tied copy), %s %s, weights %s in %.1f MiB, "
                  "%.2f s", start, end, model_dir.name, " +embed" if first else "", " +head" if last else "",
@@ -129,7 +151,8 @@ class Shard:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a first stage: it has no embeddings")
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")  # checked where they are (CPU)
-        return F.embedding(token_ids.to(device=self.device, dtype=torch.long), self.embed_tokens)
+        x = F.embedding(token_ids.to(device=self.device, dtype=torch.long), self.embed_tokens)
+        return x if self._embed_scale is None else x * self._embed_scale
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -137,7 +160,7 @@ class Shard:
         if not self.last:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
         hidden = hidden.to(device=self.device, dtype=self.dtype)
-        return decode_mm(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+        return softcap(decode_mm(self.norm(hidden, self.final_norm), self.lm_head), self.arch.final_softcap).float()
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
@@ -151,35 +174,49 @@ class Shard:
         seqs = kv.seqs
         if len(seqs) == 1:
             s = seqs[0]
-            cos, sin = self.rope.lookup(s.start_pos, s.stop)  # [T, head_dim]
+            tables = {kind: rope.lookup(s.start_pos, s.stop) for kind, rope in self.ropes.items()}  # [T, head_dim]
         else:
-            positions = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs])
-            cos, sin = self.rope.gather(positions.to(self.device))  # [T, head_dim]
-        masks = [causal_mask(s.start_pos, s.num_tokens, self.device) for s in seqs]
+            positions = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs]).to(self.device)
+            tables = {kind: rope.gather(positions) for kind, rope in self.ropes.items()}  # [T, head_dim]
+        window = self.arch.sliding_window
+        masks = {kind: [causal_mask(s.start_pos, s.num_tokens, self.device, window if kind == "sliding" else None)
+                        for s in seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device)
 
-        def attend(i, q, k, v):
-            return self._attention(i, q, k, v, kv, masks)
-
         for i, w in enumerate(self.layers):
+            kind = self.kind(i)
+            cos, sin = tables[kind]
+
+            def attend(i, q, k, v, masks=masks[kind]):
+                return self._attention(i, q, k, v, kv, masks)
+
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
         return hidden
 
     def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                rows: Rows, attend) -> torch.Tensor:
-        """One decoder layer over x [T, hidden]; `attend(i, q, k, v)` stores the new keys and
-        values of layer i and attends (the eager forward's per sequence, or a graph's batched one)."""
+        """One decoder layer over x [T, hidden] (cos, sin: its RoPE at the rows' positions);
+        `attend(i, q, k, v)` stores the new keys and values of layer i and attends (the eager
+        forward's per sequence, or a graph's batched one)."""
         c = self.config
         T = x.shape[0]
-        qkv = linear(rms_norm(x, w.input_norm, c.rms_norm_eps), w.qkv, w.qkv_bias, rows)  # [T, q + 2 kv]
+        qkv = linear(self.norm(x, w.input_norm), w.qkv, w.qkv_bias, rows)  # [T, q + 2 kv]
         qk_heads = c.num_heads + c.num_kv_heads
-        qk = apply_rope(qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim), cos, sin)
+        qk = qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim)
+        if w.q_norm is not None:  # per-head norms, before RoPE
+            qk = torch.cat([self.norm(qk[:, : c.num_heads], w.q_norm), self.norm(qk[:, c.num_heads:], w.k_norm)], 1)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
         v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
-        attn = attend(i, q, k, v)  # [T, heads * head_dim]
-        x = x + linear(attn, w.o, w.o_bias, rows)
-        gate, up = linear(rms_norm(x, w.post_norm, c.rms_norm_eps), w.gate_up, w.gate_up_bias, rows).chunk(2, -1)
-        return x + linear(F.silu(gate) * up, w.down, w.down_bias, rows)
+        attn = linear(attend(i, q, k, v), w.o, w.o_bias, rows)  # attend: [T, heads * head_dim]
+        x = x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm))
+        h = self.norm(x, w.post_norm)
+        if w.experts is not None:
+            mlp = experts_forward(h, w.experts, self.arch.moe, self._act, rows)
+        else:
+            gate, up = linear(h, w.gate_up, w.gate_up_bias, rows).chunk(2, -1)
+            mlp = linear(self._act(gate) * up, w.down, w.down_bias, rows)
+        return x + (mlp if w.mlp_out_norm is None else self.norm(mlp, w.mlp_out_norm))
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
                    masks: list) -> torch.Tensor:
@@ -203,15 +240,20 @@ class Shard:
         """q: [n, heads, hd]; k, v: [1, kv_heads, L, hd] -> [n, heads * hd]"""
         # enable_gqa, no mask for one row, is_causal for a fresh prefill: the calls HF's sdpa path makes
         n = q.shape[0]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
-                                           is_causal=mask is None and n > 1, scale=self._scale, enable_gqa=True)
+        o = attention(q.transpose(0, 1)[None], k, v, mask, scale=self._scale, cap=self.arch.attn_softcap)
         return o[0].transpose(0, 1).reshape(n, -1)  # o: [1, heads, n, hd]
 
 
 def quantize_layer(w: LayerWeights, fmt: str) -> LayerWeights:
-    """A layer with its four matrices quantized to `fmt` ("none": as it is); the float copies go."""
+    """A layer with its matrices quantized to `fmt` ("none": as it is), each expert's on its own
+    (the router stays in floats); the float copies go."""
     if fmt == "none":
         return w
+    if w.experts is not None:
+        e = w.experts
+        experts = Experts(e.router, [quantize_matrix(m, fmt) for m in e.gate_up.unbind(0)],
+                          [quantize_matrix(m, fmt) for m in e.down.unbind(0)])
+        return dataclasses.replace(w, qkv=quantize_matrix(w.qkv, fmt), o=quantize_matrix(w.o, fmt), experts=experts)
     return dataclasses.replace(w, **{name: quantize_matrix(getattr(w, name), fmt)
                                      for name in ("qkv", "o", "gate_up", "down")})
 

@@ -16,7 +16,10 @@ forward in how it attends:
     graph) and padded positions are masked out;
   * the rows' query heads of one KV head are that head's queries (grouped-query attention without
     repeating keys);
-  * rows past the step's own (the bucket's padding) write to the pool's scratch slot.
+  * rows past the step's own (the bucket's padding) write to the pool's scratch slot;
+  * a sliding-window layer masks the positions before the window too, and soft-capped scores
+    (Gemma 2) go the eager way (scores, cap, mask, softmax in float32); a mixture of experts
+    gathers each row's experts (stage_node.moe), which keeps its shapes fixed.
 The KV pool is static (allocated once for the stage's budget, zeroed: masked positions are read, and
 a NaN there would pass the mask), and the RoPE tables are grown to the
 largest bucket before the first capture and held, so the captured addresses stay valid.
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from logicpipe.stage_node.ops import DECODE_ROWS
+from logicpipe.stage_node.ops import DECODE_ROWS, softcap
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +101,10 @@ class StepGraphs:
         self.block_size = pool.block_size
         top = min(MAX_CONTEXT, c.max_position_embeddings or MAX_CONTEXT)
         self.max_context = max(self.block_size, top // self.block_size * self.block_size)
-        shard.rope.lookup(0, self.max_context)  # grow the tables once; held below
-        self.cos, self.sin = shard.rope.cos, shard.rope.sin_signed
+        self.tables = {}  # layer kind -> (cos, sin_signed) [max_context, head_dim], grown once and held
+        for kind, rope in shard.ropes.items():
+            rope.lookup(0, self.max_context)
+            self.tables[kind] = (rope.cos, rope.sin_signed)
         self.capture = capture
         self.disabled = False
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -188,20 +193,31 @@ class StepGraphs:
         R, C, bs = g.rows, g.context, self.block_size
         kvh, hd = c.num_kv_heads, c.head_dim
         group = c.num_heads // kvh
-        cos, sin = self.cos[g.positions], self.sin[g.positions]  # [R, head_dim]
+        tables = {kind: (cos[g.positions], sin[g.positions]) for kind, (cos, sin) in self.tables.items()}  # [R, hd]
         slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(-1)  # [R * C]
-        mask = (self._arange[:C][None, :] < g.lengths[:, None])[:, None, None, :]  # [R, 1, 1, C]
+        keys_at = self._arange[:C][None, :]  # [1, C]
+        full = keys_at < g.lengths[:, None]  # [R, C]: a row sees the positions up to its own
+        masks = {"full": full[:, None, None, :]}  # [R, 1, 1, C]
+        if "sliding" in self.tables:  # ... and no further back than the window
+            masks["sliding"] = (full & (keys_at >= g.lengths[:, None] - s.arch.sliding_window))[:, None, None, :]
+        cap = s.arch.attn_softcap
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim]
             kv.index_copy_(2, g.write, torch.stack((k, v)).transpose(1, 2))  # [2, kv_heads, R, hd]
             both = kv.index_select(2, slots).view(2, kvh, R, C, hd).transpose(1, 2)  # [2, R, kv_heads, C, hd]
             keys, values = both[0], both[1]
-            o = F.scaled_dot_product_attention(q.view(R, kvh, group, hd), keys, values, attn_mask=mask,
-                                               scale=s._scale)  # [R, kv_heads, group, hd]
-            return o.reshape(R, -1)
+            mask = masks[s.kind(i)]
+            q = q.view(R, kvh, group, hd)
+            if cap is None:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s._scale)
+            else:  # [R, kv_heads, group, C]
+                scores = softcap(q @ keys.transpose(-1, -2) * s._scale, cap).masked_fill(~mask, float("-inf"))
+                o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+            return o.reshape(R, -1)  # o: [R, kv_heads, group, hd]
 
         h = g.x
         for i, w in enumerate(s.layers):
+            cos, sin = tables[s.kind(i)]
             h = s._layer(i, w, h, cos, sin, DECODE_ROWS, attend)
         return h

@@ -1,5 +1,10 @@
 """Reading a stage's weights from a safetensors checkpoint: exactly the tensors of its layers (and
-embeddings / final norm / LM head where it holds them), fused per layer as the forward wants them."""
+embeddings / final norm / LM head where it holds them), fused per layer as the forward wants them.
+
+Tensor names follow the family's checkpoint (common.families.Arch.checkpoint): Llama's
+(q/k/v/o, gate/up/down, two norms; Qwen3 and Gemma 3 add q/k norms, Gemma its pre/post feed-forward
+norms), Phi-3's (q/k/v and gate/up already fused), and the experts of Qwen3-MoE and Mixtral.
+"""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -18,6 +23,23 @@ LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture of experts: the router, and every expert's gated MLP stacked along dim 0 (or, held
+    quantized, a list of one matrix per expert)."""
+
+    router: torch.Tensor  # [experts, hidden]
+    gate_up: torch.Tensor | list  # [experts, 2 * expert_intermediate, hidden]
+    down: torch.Tensor | list  # [experts, hidden, expert_intermediate]
+
+    def numel(self) -> int:
+        return self.router.numel() + sum(_numel(x) for x in (self.gate_up, self.down))
+
+
+def _numel(x) -> int:
+    return sum(m.numel() for m in x) if isinstance(x, list) else x.numel()
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer. q/k/v and gate/up are fused into one matrix each; every matrix is kept
     in the checkpoint's [out, in] layout (see `stage_node.ops.linear` for how it is multiplied)."""
@@ -27,11 +49,16 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
     o: torch.Tensor  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None  # [hidden]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    post_norm: torch.Tensor  # [hidden]: the norm before the MLP (Llama's post_attention_layernorm)
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden] (None: the layer routes to experts)
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: torch.Tensor | None  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's post_attention_layernorm (of the attention's output)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's post_feedforward_layernorm
+    experts: Experts | None = None  # a mixture of experts in place of the MLP
 
     def numel(self) -> int:
         return sum(t.numel() for t in vars(self).values() if t is not None)
@@ -68,22 +95,49 @@ def read_tensors(model_dir: Path, names: Sequence[str], index: dict[str, Path]) 
     return out
 
 
+def _expert_names(config: ModelConfig, p: str, e: int) -> tuple[str, str, str]:
+    """(gate, up, down) of expert e of the layer whose prefix is p."""
+    if config.arch.checkpoint == "mixtral":
+        q = f"{p}block_sparse_moe.experts.{e}."
+        return q + "w1.weight", q + "w3.weight", q + "w2.weight"
+    q = f"{p}mlp.experts.{e}."
+    return q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"
+
+
+def _router_name(config: ModelConfig, p: str) -> str:
+    return f"{p}block_sparse_moe.gate.weight" if config.arch.checkpoint == "mixtral" else f"{p}mlp.gate.weight"
+
+
 def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
+    a = config.arch
     p = f"model.layers.{layer}."
     names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        names.append(f"{p}self_attn.{proj}.weight")
-        if config.attention_bias:
-            names.append(f"{p}self_attn.{proj}.bias")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        names.append(f"{p}mlp.{proj}.weight")
-        if config.mlp_bias:
-            names.append(f"{p}mlp.{proj}.bias")
+    if a.sandwich:
+        names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
+    if a.checkpoint == "phi3":
+        names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
+    else:
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+    if a.qkv_bias:
+        names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+    if a.o_bias:
+        names.append(p + "self_attn.o_proj.bias")
+    if a.qk_norm:
+        names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if a.routes(layer):
+        names.append(_router_name(config, p))
+        names += [n for e in range(a.moe.num_experts) for n in _expert_names(config, p, e)]
+        return names
+    mlp = ("gate_up_proj", "down_proj") if a.checkpoint == "phi3" else ("gate_proj", "up_proj", "down_proj")
+    names += [f"{p}mlp.{x}.weight" for x in mlp]
+    if a.mlp_bias:
+        names += [f"{p}mlp.{x}.bias" for x in mlp]
     return names
 
 
-def build_layer(t: dict[str, torch.Tensor], layer: int, *, device, dtype) -> LayerWeights:
+def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, device, dtype) -> LayerWeights:
     """Take (pop) layer `layer`'s tensors out of `t`, so the unfused copies are freed as we go."""
+    a = config.arch
     p = f"model.layers.{layer}."
 
     def get(name: str) -> torch.Tensor | None:
@@ -98,15 +152,35 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, *, device, dtype) -> Lay
         return cat(*names).contiguous()
 
     attn, mlp = "self_attn.", "mlp."
+    qkv = (matrix(attn + "qkv_proj.weight") if a.checkpoint == "phi3"
+           else matrix(*(f"{attn}{x}_proj.weight" for x in "qkv")))
+    experts = gate_up = gate_up_bias = down = down_bias = None
+    if a.routes(layer):
+        gates, downs = [], []
+        for e in range(a.moe.num_experts):
+            g, u, d = (t.pop(n) for n in _expert_names(config, p, e))
+            gates.append(torch.cat([g, u], dim=0).to(device=device, dtype=dtype))  # [2 * inter, hidden]
+            downs.append(d.to(device=device, dtype=dtype))  # [hidden, inter]
+        router = t.pop(_router_name(config, p)).to(device=device, dtype=dtype)
+        experts = Experts(router, torch.stack(gates), torch.stack(downs))
+    elif a.checkpoint == "phi3":
+        gate_up, gate_up_bias = matrix(mlp + "gate_up_proj.weight"), get(mlp + "gate_up_proj.bias")
+        down, down_bias = matrix(mlp + "down_proj.weight"), get(mlp + "down_proj.bias")
+    else:
+        gate_up = matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+        gate_up_bias = cat(mlp + "gate_proj.bias", mlp + "up_proj.bias")
+        down, down_bias = matrix(mlp + "down_proj.weight"), get(mlp + "down_proj.bias")
+    sandwich = a.sandwich
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
-        qkv=matrix(*(f"{attn}{x}_proj.weight" for x in "qkv")),
-        qkv_bias=cat(*(f"{attn}{x}_proj.bias" for x in "qkv")),
+        qkv=qkv,
+        qkv_bias=cat(*(f"{attn}{x}_proj.bias" for x in "qkv")) if a.qkv_bias else None,
         o=matrix(attn + "o_proj.weight"),
         o_bias=get(attn + "o_proj.bias"),
-        post_norm=get("post_attention_layernorm.weight"),
-        gate_up=matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-        gate_up_bias=cat(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
-        down=matrix(mlp + "down_proj.weight"),
-        down_bias=get(mlp + "down_proj.bias"),
+        post_norm=get("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
+        gate_up=gate_up, gate_up_bias=gate_up_bias, down=down, down_bias=down_bias,
+        q_norm=get(attn + "q_norm.weight"), k_norm=get(attn + "k_norm.weight"),
+        attn_out_norm=get("post_attention_layernorm.weight") if sandwich else None,
+        mlp_out_norm=get("post_feedforward_layernorm.weight") if sandwich else None,
+        experts=experts,
     )

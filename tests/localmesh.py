@@ -203,6 +203,19 @@ class LocalMesh:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def restart_controller(self, model_dir: Path | str | None = None, *extra: str):
+        """Stop the controller (SIGTERM, then wait) and start a new one on the same address, over
+        the same stages (with another model, if given: it must lie under the stages' --model-root,
+        the first model's parent directory); returns its Status once a plan serves."""
+        proc = self.procs.get("controller")
+        if proc is not None and proc.poll() is None:
+            self.signal("controller", signal.SIGTERM)
+            proc.wait(STOP_GRACE_S)
+        if model_dir is not None:
+            self.model_dir = Path(model_dir)
+        self.start_controller(*extra)
+        return self.controller_status()
+
     def signal(self, name: str, sig: int) -> None:
         """Send `sig` to process `name`'s group (SIGSTOP / SIGCONT / SIGTERM for fault tests)."""
         with contextlib.suppress(ProcessLookupError):

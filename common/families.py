@@ -1,0 +1,170 @@
+"""The model families the forward runs, and the small description (`Arch`) of a checkpoint that the
+stage's one forward reads: where the families differ, nothing else.
+
+    family      model_type            what differs from Llama
+    llama       llama                 -
+    mistral     mistral               sliding-window attention (every layer, when the config has a window)
+    qwen2       qwen2                 q/k/v biases; sliding window on the layers past max_window_layers
+    qwen3       qwen3                 per-head RMSNorm of q and k before RoPE
+    qwen3_moe   qwen3_moe             q/k norms; a mixture of experts in place of the MLP (top-k routing)
+    mixtral     mixtral               a mixture of experts (its top-k weights always renormalised)
+    gemma2      gemma2                (1 + w) RMSNorm in float32; GeGLU; embeddings times sqrt(hidden); the
+                                      attention and MLP outputs normed too; local/global layers; soft-capped
+                                      attention scores and logits; q·k scaled by query_pre_attn_scalar
+    gemma3      gemma3, gemma3_text   as gemma2, with per-head q/k norms instead of attention soft-capping,
+                                      and local layers with their own RoPE base
+    phi3        phi3                  q/k/v and gate/up fused in the checkpoint
+
+Everything here is read from config.json alone (no torch, no transformers); what the forward cannot
+run exactly is refused with a ModelError naming what is supported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+               "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3"}
+"""config.json's model_type -> the family that runs it."""
+
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+GEMMA = ("gemma2", "gemma3")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3")
+TIED_BY_DEFAULT = GEMMA  # families whose config.json may leave tie_word_embeddings out, meaning tied
+
+
+class ModelError(ValueError):
+    """Model dir missing / incomplete / of an unsupported kind / corrupt; a message a person can act on."""
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts MLP: a router picks `top_k` of `num_experts` experts per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int      # of one expert (elements per token)
+    norm_topk_prob: bool        # the top-k router probabilities renormalised to sum to 1
+    weights_in_float: bool      # the routing weights scale the experts' outputs in float32 (Mixtral),
+                                # else in the model dtype (Qwen3-MoE)
+    layers: tuple[bool, ...]    # which decoder layers route (the others run a dense MLP)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Where a checkpoint's forward differs from Llama's (see the module docstring)."""
+
+    family: str
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False                   # per-head RMSNorm of q and k (before RoPE)
+    norm: str = "llama"                     # "llama": normalise in float32, cast, then * w;
+                                            # "gemma": normalise and * (1 + w) in float32, then cast
+    sandwich: bool = False                  # the attention and MLP outputs are normed before the residual
+    activation: str = "silu"                # of the gated MLP: "silu" | "gelu_tanh"
+    embed_scale: float = 1.0                # embeddings are multiplied by this (gemma: sqrt(hidden))
+    attn_scale: float = 0.0                 # q·k is multiplied by this (0: head_dim ** -0.5)
+    attn_softcap: float | None = None       # scores -> cap * tanh(scores / cap), before the mask
+    final_softcap: float | None = None      # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None       # a sliding layer attends to the last `window` positions
+    layer_types: tuple[str, ...] = ()       # per decoder layer: "full" | "sliding"
+    moe: MoE | None = None
+    checkpoint: str = "llama"               # tensor naming: "llama" | "phi3" (fused) | "qwen3_moe" | "mixtral"
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    def routes(self, layer: int) -> bool:
+        """Whether decoder `layer` runs a mixture of experts."""
+        return self.moe is not None and self.moe.layers[layer]
+
+
+def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_dim: int) -> Arch:
+    """The Arch of a config.json (already known to name a supported model_type)."""
+    family = MODEL_TYPES[raw["model_type"]]
+    where = path / "config.json"
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if family in GEMMA and act == "gelu":  # Gemma's "gelu" is the tanh approximation (as transformers runs it)
+        act = "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise ModelError(f"{where}: activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if rotary not in (None, 1, 1.0):
+        raise ModelError(f"{where}: partial_rotary_factor {rotary} is not supported (RoPE over the whole head only)")
+    attention_bias = bool(raw.get("attention_bias", False))
+    window = raw.get("sliding_window")
+    window = int(window) if window else None
+    pre_attn = raw.get("query_pre_attn_scalar")
+    moe = _moe_of(family, raw, where, num_layers)
+    return Arch(
+        family=family,
+        qkv_bias=family == "qwen2" or attention_bias,
+        o_bias=family != "qwen2" and attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=family in QK_NORM,
+        norm="gemma" if family in GEMMA else "llama",
+        sandwich=family in GEMMA,
+        activation=ACTIVATIONS[act],
+        embed_scale=hidden_size ** 0.5 if family in GEMMA else 1.0,
+        attn_scale=float(pre_attn) ** -0.5 if family in GEMMA and pre_attn else head_dim ** -0.5,
+        attn_softcap=_cap(raw.get("attn_logit_softcapping")) if family == "gemma2" else None,
+        final_softcap=_cap(raw.get("final_logit_softcapping")) if family in GEMMA else None,
+        sliding_window=window,
+        layer_types=_layer_types(family, raw, where, num_layers, window),
+        moe=moe,
+        checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(family, "llama"),
+    )
+
+
+def _cap(value) -> float | None:
+    return float(value) if value else None
+
+
+def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: int | None) -> tuple[str, ...]:
+    """"full" or "sliding" per layer: config.json's layer_types when it has them, else the family's rule."""
+    if not window:
+        return ("full",) * num_layers
+    named = raw.get("layer_types")
+    if named:
+        kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+        bad = sorted({t for t in named if t not in kinds})
+        if bad or len(named) != num_layers:
+            raise ModelError(f"{where}: layer_types must give one of {', '.join(kinds)} for each of the "
+                             f"{num_layers} layers (got {len(named)}{', ' + ', '.join(map(str, bad)) if bad else ''})")
+        return tuple(kinds[t] for t in named)
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
+        first = int(raw.get("max_window_layers", num_layers))
+        on = bool(raw.get("use_sliding_window", False))
+        return tuple("sliding" if on and i >= first else "full" for i in range(num_layers))
+    if family == "gemma2":
+        return tuple("sliding" if i % 2 == 0 else "full" for i in range(num_layers))
+    if family == "gemma3":
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+    return ("sliding",) * num_layers  # mistral, phi3, llama with a window: every layer
+
+
+def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
+    if family not in ("qwen3_moe", "mixtral"):
+        return None
+    try:
+        experts = int(raw.get("num_experts") or raw["num_local_experts"])
+        top_k = int(raw["num_experts_per_tok"])
+        if family == "qwen3_moe":
+            size = int(raw["moe_intermediate_size"])
+            skip = set(raw.get("mlp_only_layers") or [])
+            step = int(raw.get("decoder_sparse_step", 1))
+            layers = tuple(i not in skip and (i + 1) % step == 0 for i in range(num_layers))
+        else:
+            size = int(raw["intermediate_size"])
+            layers = (True,) * num_layers
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{where}: an incomplete mixture-of-experts config: {e!r}") from e
+    if not 1 <= top_k <= experts:
+        raise ModelError(f"{where}: num_experts_per_tok {top_k} must lie in [1, {experts}] (the experts)")
+    if family == "qwen3_moe" and int(raw.get("shared_expert_intermediate_size") or 0):
+        raise ModelError(f"{where}: shared experts are not supported")
+    return MoE(num_experts=experts, top_k=top_k, intermediate_size=size,
+               norm_topk_prob=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+               weights_in_float=family == "mixtral", layers=layers)

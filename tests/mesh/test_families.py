@@ -1,0 +1,84 @@
+"""Mesh tier, every family: three stage processes, and a controller started for each family's tiny
+random checkpoint in turn (tests/families.py). Greedy tokens through 3, 2 and 1 stages equal
+transformers' generate for a prompt longer than the sliding window, alone and among 8 concurrent
+requests, with candidate tokens on (drafted by a small model) and off; and each family serves
+`lpctl submit` and the OpenAI API."""
+from __future__ import annotations
+
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+from tests.families import FAMILIES, WINDOW, build, hf_greedy, hf_model
+from tests.localmesh import LocalMesh, free_port
+
+NEW = 6
+torch.manual_seed(11)
+PROMPTS = [torch.randint(0, 49152, (2 * WINDOW + i,)).tolist() for i in range(8)]  # past the sliding window
+
+
+@pytest.fixture(scope="module")
+def models(model_dir, tmp_path_factory):
+    """Every family's model (the default model's tokenizer), under one directory: the stages'
+    --model-root."""
+    root = tmp_path_factory.mktemp("families")
+    return {f: build(f, root / f, model_dir) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def mesh(models, tmp_path_factory):
+    http = f"127.0.0.1:{free_port()}"
+    first = next(iter(models.values()))
+    # the last stage drafts candidate tokens with a small model of the same vocabulary (the tiny Llama): it
+    # proposes some on every step, whatever the text, so every family verifies candidates
+    with LocalMesh(3, first, tmp_path_factory.mktemp("families-mesh"), threads=1,
+                   controller_args=("--http", http, "--strategy", "uniform", "--settle-s", "0.5"),
+                   stage_args=("--draft-model", str(models["llama"]))) as m:
+        m.http = http
+        yield m
+
+
+def submit(mesh, ids, speculate: int, timings: list | None = None) -> list[int]:
+    with mesh.transport.sync_channel(mesh.controller_address, "controller") as ch:
+        replies = list(controller_pb2_grpc.ControllerStub(ch).Submit(controller_pb2.SubmitRequest(
+            prompt_token_ids=ids, max_tokens=NEW, ignore_eos=True, speculate=speculate), timeout=300))
+    if timings is not None:
+        timings.append(replies[-1].timings)
+    return [t for r in replies for t in r.token_ids]
+
+
+def lpctl(mesh, *args: str) -> str:
+    out = subprocess.run([*mesh.lpctl(), *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_through_3_2_and_1_stages(family, models, mesh):
+    st = mesh.restart_controller(models[family])
+    assert [s.end_layer - s.start_layer for s in st.stages] == [1, 1, 1]
+    model = hf_model(models[family])
+    prompts = PROMPTS
+    want = [hf_greedy(model, p, NEW) for p in prompts]
+    # 3 stages: alone with and without candidates, then all 8 at once
+    t: list = []
+    assert submit(mesh, prompts[0], 4, t) == want[0] and submit(mesh, prompts[0], 0) == want[0]
+    assert t[0].candidates > 0  # drafted, verified
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(lambda p: submit(mesh, p, 4), prompts)) == want
+    # lpctl and the OpenAI API serve it (text through the chat template)
+    text = json.loads(lpctl(mesh, "submit", "Hello there", "--max-tokens", "5", "--json"))
+    client = openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key="none", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=models[family].name, max_tokens=5, temperature=0,
+                                          messages=[{"role": "user", "content": "Hello there"}])
+    assert chat.choices[0].message.content == text["text"] and chat.usage.completion_tokens == len(text["token_ids"])
+    # 2 stages, then 1
+    for node, stages in (("stage2", 2), ("stage1", 1)):
+        assert "drained" in lpctl(mesh, "drain", node)
+        assert len(mesh.controller_status().stages) == stages
+        assert submit(mesh, prompts[1], 4) == want[1] and submit(mesh, prompts[0], 4) == want[0]

@@ -1,0 +1,164 @@
+"""Every family's forward against transformers' own model of it (tiny random checkpoints, special
+features on; tests/families.py): the same logits and greedy tokens in one shard and split in three,
+for a prompt longer than the sliding window; and a row's result does not depend on what shares its
+step (prompt rows and decode rows, experts included)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logicpipe.common.modeldir import ModelConfig
+from logicpipe.stage_node.shard import Shard
+from tests.families import FAMILIES, WINDOW, build, hf_greedy, hf_model
+
+from .paged import PagedCache
+
+RTOL = 1e-4
+STEPS = 8
+torch.manual_seed(7)
+PROMPT = torch.randint(0, 49152, (3 * WINDOW - 3,)).tolist()  # past the sliding window
+OTHER = torch.randint(0, 49152, (WINDOW + 5,)).tolist()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    path = build(request.param, tmp_path_factory.mktemp(request.param) / "model")
+    model = hf_model(path)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, -1]
+    return request.param, path, model, logits, hf_greedy(model, PROMPT, STEPS)
+
+
+def shards_of(path, bounds) -> list[Shard]:
+    return [Shard.load(path, s, e, first=i == 0, last=i == len(bounds) - 1) for i, (s, e) in enumerate(bounds)]
+
+
+def greedy(shards: list[Shard], prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's last logits and `steps` greedy tokens through the shards, on a paged KV each."""
+    caches = [PagedCache(s) for s in shards]
+    ids, pos, out, first = prompt, 0, [], None
+    for _ in range(steps):
+        h = shards[0].embed(torch.tensor(ids))
+        for c in caches:
+            h = c.forward(h, [("s", pos, ids)], decode_from={"s": len(prompt)})
+        logits = shards[-1].logits(h)[-1]
+        first = logits if first is None else first
+        pos += len(ids)
+        ids = [int(logits.argmax())]
+        out.append(ids[0])
+    return first, out
+
+
+@pytest.mark.parametrize("bounds", [[(0, 3)], [(0, 1), (1, 2), (2, 3)]], ids=["one-shard", "three-shards"])
+def test_logits_and_greedy_tokens_equal_transformers(family, bounds):
+    name, path, _, ref_logits, ref_tokens = family
+    logits, tokens = greedy(shards_of(path, bounds), PROMPT, STEPS)
+    err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+    assert err <= RTOL, f"{name}: relative logit error {err:.3g}"
+    assert tokens == ref_tokens, name
+
+
+def test_a_row_does_not_depend_on_its_step(family):
+    """The prompt alone, then packed with another sequence; a decode row alone, then among others:
+    bit-identical rows (what makes replays and concurrency exact)."""
+    name, path, *_ = family
+    shard = shards_of(path, [(0, 3)])[0]
+    alone, both = PagedCache(shard), PagedCache(shard)
+    a = alone.forward(shard.embed(torch.tensor(PROMPT)), [("a", 0, PROMPT)], {"a": len(PROMPT)})
+    ab = both.forward(shard.embed(torch.tensor(PROMPT + OTHER)), [("a", 0, PROMPT), ("b", 0, OTHER)],
+                      {"a": len(PROMPT), "b": len(OTHER)})
+    assert torch.equal(a, ab[: len(PROMPT)]), name
+    t = [int(shard.logits(a)[-1].argmax())]
+    one = alone.forward(shard.embed(torch.tensor(t)), [("a", len(PROMPT), t)], {"a": len(PROMPT)})
+    three = both.forward(shard.embed(torch.tensor(t + [5, 6])),
+                         [("a", len(PROMPT), t), ("b", len(OTHER), [5]), ("c", 0, [6])],
+                         {"a": len(PROMPT), "b": len(OTHER), "c": 0})
+    assert torch.equal(one, three[:1]), name
+
+
+def test_the_description_says_what_the_forward_runs(family):
+    name, path, model, *_ = family
+    arch = ModelConfig.from_dir(path).arch
+    assert arch.family == name
+    assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3"))
+    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral"))
+    assert (arch.norm == "gemma") == name.startswith("gemma")
+    sliding = [t == "sliding" for t in arch.layer_types]
+    hf_types = getattr(model.config, "layer_types", None)
+    if hf_types:
+        assert sliding == [t == "sliding_attention" for t in hf_types]
+    if name in ("mistral", "phi3"):
+        assert all(sliding) and arch.sliding_window == WINDOW
+    if name == "qwen3_moe":
+        assert arch.moe.layers == (True, False, True) and arch.moe.top_k == 2 and arch.moe.norm_topk_prob
+
+
+def test_the_graph_step_body_equals_the_forward(family):
+    """The CUDA-graph body (run eagerly here) of every family: sliding masks, soft-capping, q/k
+    norms and gathered experts give the forward's rows and keys, past the window."""
+    from logicpipe.stage_node.kv import StepKV, seq_slice
+    from logicpipe.stage_node.step_graphs import GraphRow, StepGraphs
+
+    name, path, *_ = family
+    shard = shards_of(path, [(0, 3)])[0]
+    bs = 4
+    pool_a, pool_b = shard.new_pool(40, bs), shard.new_pool(40, bs)
+    pool_b.kv.zero_()
+    seqs = [([0, 1, 2, 3, 4, 5], 2 * WINDOW + 1, 1), ([9, 14, 17, 6, 30, 31], WINDOW + 3, 3)]  # (blocks, start, rows)
+    g = torch.Generator().manual_seed(0)
+    for pool in (pool_a, pool_b):
+        for blocks, start, _ in seqs:
+            x = torch.randn(start, shard.config.hidden_size, generator=torch.Generator().manual_seed(start))
+            slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start)])
+            shard.forward(x, StepKV(pool, slots, (seq_slice(0, start, blocks, bs),)))
+    rows = [GraphRow(start + j, blocks[(start + j) // bs] * bs + (start + j) % bs, blocks)
+            for blocks, start, n in seqs for j in range(n)]
+    x = torch.randn(len(rows), shard.config.hidden_size, generator=g)
+    kv = StepKV(pool_a, torch.tensor([r.write_slot for r in rows]),
+                tuple(seq_slice(start, n, blocks, bs) for blocks, start, n in seqs))
+    want = shard.forward(x, kv)
+    got = StepGraphs(shard, pool_b, capture=False).forward(x, rows)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-5, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_gathered_experts_equal_grouped_experts(name, tmp_path):
+    """The CUDA graphs' way to the experts (each row's gathered, fixed shapes) computes what the
+    grouped way does (here on the CPU)."""
+    from logicpipe.stage_node.moe import experts_gathered, experts_grouped, route
+    from logicpipe.stage_node.ops import Rows, activation
+
+    shard = shards_of(build(name, tmp_path / name), [(0, 3)])[0]
+    w = shard.layers[0].experts
+    h = torch.randn(11, shard.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    rows = Rows(None, None, all_decode=True)
+    weights, idx = route(h, w, shard.arch.moe, rows)
+    act = activation(shard.arch.activation)
+    grouped = experts_grouped(h, w, weights, idx, act, rows)
+    gathered = experts_gathered(h, w, weights, idx, act)
+    assert ((grouped - gathered).abs().max() / grouped.abs().max()).item() <= 1e-5
+
+
+def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share(family):
+    """The planner's model of each family holds exactly the checkpoint's parameters; a mixture's
+    layer holds every expert while a token reads only its top-k (`lpctl plan` says both)."""
+    from logicpipe.controller.planning import model_spec
+    from logicpipe.planner import format_model_note
+
+    name, path, model, *_ = family
+    config = ModelConfig.from_dir(path)
+    spec = model_spec(config, name, "d" * 16, "float32")
+    held = spec.num_layers * spec.layer_weight_bytes + spec.embedding_bytes + (
+        4 * config.hidden_size if config.tie_word_embeddings else spec.lm_head_bytes)
+    assert abs(held - 4 * model.num_parameters()) <= 4 * spec.num_layers, name
+    note = format_model_note(spec)
+    if config.arch.moe is None:
+        assert spec.layer_read_bytes(1) == spec.layer_read_bytes(64) == spec.layer_weight_bytes and not note
+        return
+    moe = config.arch.moe
+    assert spec.layer_read_bytes(1) < spec.layer_read_bytes(8) < spec.layer_weight_bytes
+    one_expert = 3 * config.hidden_size * moe.intermediate_size * 4 * sum(moe.layers) / config.num_layers
+    dense_part = spec.layer_weight_bytes - moe.num_experts * spec.expert_bytes
+    assert abs(spec.layer_read_bytes(1) - (dense_part + moe.top_k * one_expert)) <= moe.num_experts
+    assert "experts per layer" in note and f"{moe.top_k} per token" in note
