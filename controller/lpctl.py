@@ -12,7 +12,8 @@ from logicpipe.common.modeldir import ModelError
 from logicpipe.common.security import ca
 from logicpipe.common.security.bundle import CA_CERT, CA_KEY, Bundle, TlsError
 from logicpipe.common.transport import PLAINTEXT, Transport
-from logicpipe.controller.model_prep import prepare_default_model
+from logicpipe.controller.gguf_convert import DTYPES, prepare_gguf
+from logicpipe.controller.model_prep import GGUF_DTYPE, prepare_default_model
 from logicpipe.controller.planning import plan_from_profiles_file
 from logicpipe.errors import MeshError
 from logicpipe.sampling import SamplingParams
@@ -270,7 +271,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_model(args) -> int:
-    print(prepare_default_model(args.out, force=args.force, progress=lambda m: print(m, file=sys.stderr)))
+    say = lambda m: print(m, file=sys.stderr)
+    if args.gguf:
+        out = prepare_gguf(args.gguf, args.out, dtype=args.dtype or GGUF_DTYPE, force=args.force, progress=say)
+    elif args.dtype:
+        raise ModelError("--dtype is for --gguf FILE (the embedded default model is float32)")
+    else:
+        out = prepare_default_model(args.out, force=args.force, progress=say)
+    print(out)
     return 0
 
 
@@ -374,10 +382,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="", help="issue: where to write the bundle (default ./NAME)")
     p.set_defaults(fn=cmd_ca)
 
-    p = sub.add_parser("model", help="prepare the embedded default model (GGUF -> safetensors, once)")
+    p = sub.add_parser("model", help="prepare a model directory from a GGUF file (default: the embedded model), once")
     p.add_argument("action", choices=["prepare"])
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="a GGUF file of a supported family (llama, mistral/mixtral as llama, qwen2, qwen3, qwen3moe, "
+                        "gemma2, gemma3, phi3), converted tensor by tensor")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help=f"with --gguf: the weights' dtype (default {GGUF_DTYPE})")
     p.add_argument("--out", default=None, help="target directory (default: the LogicPipe cache)")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--force", action="store_true", help="convert again even if a finished conversion matches")
     p.set_defaults(fn=cmd_model)
     return ap.parse_args(argv)
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from logicpipe.common.health import add_health
+from logicpipe.common.modeldir import ModelError
 from logicpipe.common.process import configure_logging, serve_until_signalled
 from logicpipe.common.security.bundle import TlsError
 from logicpipe.common.security.revocations import Revocations
@@ -13,7 +14,7 @@ from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
 from logicpipe.controller.app import ControllerApp, ControllerOptions
 from logicpipe.controller.http_api import start_http
 from logicpipe.controller.join import JoinAuthority
-from logicpipe.controller.model_prep import prepare_default_model
+from logicpipe.controller.model_prep import GGUF_DTYPE, resolve_model
 from logicpipe.controller.requests import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.service import ControllerServicer, JoinServicer
@@ -46,9 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--wait-for-nodes-s", type=float, default=60.0,
                     help="with no plan that fits the nodes there are, a request waits this long for one "
                          "(default %(default)s)")
-    ap.add_argument("--model", default=None,
-                    help="Llama-family safetensors model directory (default: the embedded SmolLM2-135M-Instruct, "
-                         "converted on first use)")
+    ap.add_argument("--model", default=None, metavar="DIR|FILE.gguf",
+                    help="a safetensors model directory of a supported family (Llama, Mistral, Mixtral, Qwen2/2.5, "
+                         "Qwen3, Qwen3-MoE, Gemma 2/3, Phi-3), or a GGUF file of one, converted once into the cache "
+                         "(default: the embedded SmolLM2-135M-Instruct, converted on first use)")
+    ap.add_argument("--gguf-dtype", default=GGUF_DTYPE, choices=["bfloat16", "float32"],
+                    help="with --model FILE.gguf: the dtype its weights are converted to (default %(default)s)")
     ap.add_argument("--plan", default=None, help="plan artifact (JSON) to reuse when it still matches, and to "
                                                  "write the plan in force to")
     ap.add_argument("--strategy", default="dp", help="partition strategy: dp | uniform | memory | compute | mixed")
@@ -90,7 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    model_dir = args.model or await asyncio.to_thread(prepare_default_model, progress=log.info)
+    try:
+        model_dir = await asyncio.to_thread(resolve_model, args.model, dtype=args.gguf_dtype, progress=log.info)
+    except ModelError as exc:
+        raise SystemExit(f"--model: {exc}") from None
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
     authority = None
     try:

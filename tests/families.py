@@ -64,10 +64,11 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
 }
 
 
-def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
-    """A random `family` model saved (safetensors) in `path`, with the tokenizer of `tokenizer_dir`."""
+def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, **overrides) -> Path:
+    """A random `family` model saved (safetensors) in `path`, with the tokenizer of `tokenizer_dir`
+    (`overrides`: settings of its config other than the family's test defaults)."""
     config_cls, model_cls, own = FAMILIES[family]
-    config = config_cls(**{**COMMON, **own})
+    config = config_cls(**{**COMMON, **own, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     path.mkdir(parents=True, exist_ok=True)

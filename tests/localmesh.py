@@ -141,8 +141,9 @@ class LocalMesh:
         wait_serving(addr, proc, log, transport=self.transport)
         return addr
 
-    def start_controller(self, *extra: str, ready: bool = True) -> str:
-        """Start the controller; `ready`: wait until a plan serves (its Status says "ready")."""
+    def start_controller(self, *extra: str, ready: bool = True, env: dict[str, str] | None = None) -> str:
+        """Start the controller (`env`: its own extra environment); `ready`: wait until a plan serves
+        (its Status says "ready")."""
         self.controller_address = self.controller_address or f"127.0.0.1:{free_port()}"
         found = (["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns
                  else ["--no-mdns", "--nodes", ",".join(self.stage_addresses)])
@@ -150,7 +151,7 @@ class LocalMesh:
             found += ["--tls-dir", str(mesh_bundle("controller", "controller"))]
         proc, log = self._spawn("controller", [
             "-m", "logicpipe.controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
-            *found, *self.controller_args, *extra])
+            *found, *self.controller_args, *extra], env)
         wait_serving(self.controller_address, proc, log, peer_role="controller", transport=self.transport)
         if ready:
             self.wait_plan(proc=proc, log=log)
@@ -203,7 +204,7 @@ class LocalMesh:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def restart_controller(self, model_dir: Path | str | None = None, *extra: str):
+    def restart_controller(self, model_dir: Path | str | None = None, *extra: str, env: dict[str, str] | None = None):
         """Stop the controller (SIGTERM, then wait) and start a new one on the same address, over
         the same stages (with another model, if given: it must lie under the stages' --model-root,
         the first model's parent directory); returns its Status once a plan serves."""
@@ -213,7 +214,7 @@ class LocalMesh:
             proc.wait(STOP_GRACE_S)
         if model_dir is not None:
             self.model_dir = Path(model_dir)
-        self.start_controller(*extra)
+        self.start_controller(*extra, env=env)
         return self.controller_status()
 
     def signal(self, name: str, sig: int) -> None:

@@ -13,8 +13,10 @@ import openai
 import pytest
 import torch
 
+from logicpipe.controller.model_prep import find_default_gguf
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.families import FAMILIES, WINDOW, build, hf_greedy, hf_model
+from tests.gguf_files import write_gguf
 from tests.localmesh import LocalMesh, free_port
 
 NEW = 6
@@ -82,3 +84,15 @@ def test_a_family_through_3_2_and_1_stages(family, models, mesh):
         assert "drained" in lpctl(mesh, "drain", node)
         assert len(mesh.controller_status().stages) == stages
         assert submit(mesh, prompts[1], 4) == want[1] and submit(mesh, prompts[0], 4) == want[0]
+
+
+def test_a_gguf_file_is_converted_and_served(models, mesh, tmp_path):
+    """`--model FILE.gguf`: the controller converts the file into its cache (stages outside it pull
+    their layers), and the mesh serves transformers' tokens of the checkpoint the file was written from."""
+    gguf = write_gguf("qwen3_moe", models["qwen3_moe"], tmp_path / "tiny-qwen3-moe.gguf", find_default_gguf())
+    st = mesh.restart_controller(gguf, "--gguf-dtype", "float32", env={"LOGICPIPE_CACHE": str(tmp_path / "cache")})
+    assert st.model_dir == str(tmp_path / "cache" / "models" / "tiny-qwen3-moe-float32")
+    assert [s.end_layer - s.start_layer for s in st.stages] == [1, 1, 1]
+    model = hf_model(models["qwen3_moe"])
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda p: submit(mesh, p, 4), PROMPTS[:4])) == [hf_greedy(model, p, NEW) for p in PROMPTS[:4]]

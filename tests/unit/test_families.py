@@ -162,3 +162,24 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
     dense_part = spec.layer_weight_bytes - moe.num_experts * spec.expert_bytes
     assert abs(spec.layer_read_bytes(1) - (dense_part + moe.top_k * one_expert)) <= moe.num_experts
     assert "experts per layer" in note and f"{moe.top_k} per token" in note
+
+
+@pytest.mark.parametrize("fmt, floor, share", [("int8", 0.99, 0.35), ("nf4", 0.5, 0.2)])
+def test_quantized_experts(fmt, floor, share, tmp_path):
+    """--quantize holds each expert's matrices quantized (the router stays float): their bytes shrink
+    to the format's and the logits stay close to the float model's."""
+    from logicpipe.stage_node.quant import QuantMatrix, tensor_bytes
+
+    path = build("qwen3_moe", tmp_path / "moe")
+    full = shards_of(path, [(0, 3)])[0]
+    quant = Shard.load(path, 0, 3, first=True, last=True, quantize=fmt)
+    experts = quant.layers[0].experts
+    assert all(isinstance(m, QuantMatrix) for m in [*experts.gate_up, *experts.down])
+    assert not isinstance(experts.router, QuantMatrix)
+    assert tensor_bytes(experts) < share * tensor_bytes(full.layers[0].experts)
+
+    def last_logits(shard):
+        return shard.logits(PagedCache(shard).forward(shard.embed(torch.tensor(PROMPT)), [("s", 0, PROMPT)]))[-1]
+
+    cos = torch.nn.functional.cosine_similarity(last_logits(full), last_logits(quant), dim=0).item()
+    assert cos >= floor, f"{fmt}: cosine {cos:.3f}"

@@ -27,7 +27,7 @@ ALLOWED = {
 }
 # function-local imports that stay, and why: optional or heavy dependencies off the common path
 LOCAL_IMPORTS = {
-    "controller/model_prep.py": {"gguf", "torch", "safetensors", "transformers"},  # converting the GGUF once (the
+    "controller/gguf_convert.py": {"gguf", "numpy", "torch", "transformers"},  # converting a GGUF once (the
     # `convert` extra); lpctl reaches this module and must not load torch to print a status
     "stage_node/draft_model.py": {"torch", "transformers"},  # --draft-model only: transformers costs seconds to load
     "stage_node/rope.py": {"transformers"},  # RoPE scaling variants only (the default RoPE needs none)

@@ -1,0 +1,360 @@
+"""GGUF files as users have them, turned into the mesh's model directory (`lpctl model prepare
+--gguf FILE`, `logicpipe-controller --model FILE.gguf`).
+
+Tensor by tensor: the file is memory-mapped, each tensor dequantized on its own (gguf's own
+dequantizers: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K quants, ...), undone where llama.cpp's
+converter changed it (Llama's q/k rows permuted for its RoPE layout, Gemma's norms stored as
+1 + w), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
+straight into one safetensors file whose header is laid out first: never the whole model in
+memory. config.json is written from the GGUF's metadata; the tokenizer and its chat template come
+from the GGUF too (transformers builds them from the metadata alone). The work happens in a
+temporary sibling directory renamed into place at the end, so an interrupted conversion leaves
+nothing half-written; a finished one is reused while the source file's size and mtime match.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from logicpipe.common.modeldir import ModelError
+from logicpipe.common.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+MARKER = ".logicpipe-converted.json"
+DTYPES = {"bfloat16": ("BF16", 2), "float32": ("F32", 4)}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+                 "gemma3": "gemma3", "phi3": "phi3"}
+"""GGUF general.architecture -> the family it converts to ("llama" with experts: Mixtral; llama.cpp
+writes Mistral as "llama" too)."""
+
+# GGUF tensor name (after "blk.N.") -> the checkpoint's (after "model.layers.N."); per family where it differs
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+}
+_GEMMA = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+          "post_attention_norm.weight": "post_attention_layernorm.weight",
+          "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_PHI3 = {"ffn_up.weight": "mlp.gate_up_proj.weight"}  # llama.cpp keeps Phi-3's gate/up fused, in ffn_up
+_MIXTRAL = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps\.weight")
+
+
+@dataclass(frozen=True)
+class Out:
+    """One tensor of the output: its name, shape, and how to make it from the GGUF."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: object        # the GGUF tensor (gguf.ReaderTensor)
+    expert: int = -1      # of a stacked experts tensor: which expert (-1: the whole tensor)
+    permute_heads: int = 0  # Llama's q/k: undo llama.cpp's RoPE permutation over this many heads
+    minus_one: bool = False  # Gemma's norms: llama.cpp stored 1 + w
+
+
+def default_out_dir(gguf_path: Path, dtype: str) -> Path:
+    return cache_root() / "models" / f"{gguf_path.stem}-{dtype}"
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"source": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def is_converted(out_dir: Path, gguf_path: Path, dtype: str) -> bool:
+    try:
+        marker = json.loads((out_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("stamp") == _stamp(gguf_path) and marker.get("dtype") == dtype
+
+
+def prepare_gguf(gguf_path, out_dir=None, *, dtype: str = "bfloat16", force: bool = False,
+                 progress: Callable[[str], None] | None = None) -> Path:
+    """Convert the GGUF at `gguf_path` into a model directory (default: in the LogicPipe cache),
+    once. Returns the directory. ModelError says what cannot be converted and why."""
+    say = progress or log.info
+    src = Path(gguf_path)
+    if not src.is_file():
+        raise ModelError(f"{src}: no such GGUF file")
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype {dtype!r}: convert to one of {', '.join(DTYPES)}")
+    out = Path(out_dir) if out_dir else default_out_dir(src, dtype)
+    if not force and is_converted(out, src, dtype):
+        say(f"model ready: {out}")
+        return out
+    try:
+        import gguf  # noqa: F401 — the `convert` extra
+    except ImportError as exc:
+        raise ModelError("converting a GGUF file needs the `gguf` package: pip install 'logicpipe[convert]'") from exc
+    from gguf import GGUFReader
+
+    t0 = time.monotonic()
+    try:
+        reader = GGUFReader(str(src))
+    except (ValueError, OSError, struct.error) as exc:
+        raise ModelError(f"{src} is not a readable GGUF file: {exc}") from exc
+    meta = {name: _contents(field) for name, field in reader.fields.items()}
+    arch = str(meta.get("general.architecture", ""))
+    config = {**hf_config(meta, reader, src), "dtype": dtype}
+    outs = plan_tensors(reader, config)
+    say(f"[1/3] {src.name}: {config['model_type']} ({arch}), {config['num_hidden_layers']} layers, "
+        f"{len(outs)} tensors -> {dtype}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        write_safetensors(tmp / "model.safetensors", outs, dtype, say)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}))
+        say("[3/3] writing the tokenizer and its chat template")
+        write_tokenizer(src, tmp)
+        (tmp / MARKER).write_text(json.dumps({"stamp": _stamp(src), "dtype": dtype, "created": time.time()}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"model ready: {out} ({time.monotonic() - t0:.0f} s)")
+    return out
+
+
+def _contents(field):
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 — a field gguf cannot decode is one we do not need
+        return None
+
+
+def hf_config(meta: dict, reader, src: Path) -> dict:
+    """config.json of the model, from the GGUF's metadata (ModelError for an architecture the mesh
+    does not run)."""
+    arch = str(meta.get("general.architecture", ""))
+    names = {t.name for t in reader.tensors}
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    family = "mixtral" if arch == "llama" and experts else ARCHITECTURES.get(arch)
+    if family is None:
+        raise ModelError(f"{src}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)} (and Mixtral as llama with experts)")
+    if int(meta.get("split.count") or 1) > 1:
+        raise ModelError(f"{src} is one part of a split GGUF; merge the parts first (llama.cpp's `llama-gguf-split "
+                         "--merge`)")
+    if any(n.startswith("rope_factors") for n in names):
+        raise ModelError(f"{src}: LongRoPE factors (rope_factors_*, Phi-3's 128k variants) are not supported; use a "
+                         "4k-context variant")
+    if "rope_freqs.weight" in names:
+        raise ModelError(f"{src}: a RoPE frequency table (rope_freqs, e.g. Llama 3.1's scaling) is not supported from "
+                         "GGUF yet; convert the model's safetensors checkpoint instead")
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}")
+        return default if value is None else value
+
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    layers = int(get("block_count"))
+    config = {
+        "model_type": {"gemma3": "gemma3_text"}.get(family, family),
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                           "phi3": "Phi3ForCausalLM"}[family]],
+        "num_hidden_layers": layers, "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", 0) or 0),
+        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "vocab_size": int(get("vocab_size", len(tokens))),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise ModelError(f"{src}: RoPE scaling {scaling!r} is not supported from GGUF (linear, yarn are)")
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+        if scaling == "yarn":
+            config["rope_scaling"]["original_max_position_embeddings"] = int(
+                get("rope.scaling.original_context_length", config["max_position_embeddings"]))
+    window = get("attention.sliding_window")
+    if family in ("qwen2",) and any(n.endswith("attn_q.bias") for n in names):
+        config["attention_bias"] = True  # (qwen2 always has them; said for clarity)
+    if family in ("qwen3_moe", "mixtral"):
+        config["num_experts" if family == "qwen3_moe" else "num_local_experts"] = experts
+        config["num_experts_per_tok"] = int(get("expert_used_count"))
+        if family == "qwen3_moe":
+            config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+            config["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+    if family in ("qwen3_moe", "mixtral"):  # layers without a router have a dense MLP (Qwen3-MoE's mlp_only_layers)
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+        if dense and family == "mixtral":
+            raise ModelError(f"{src}: Mixtral layers {dense} have no router")
+        if dense:
+            config["mlp_only_layers"] = dense
+    if family in ("gemma2", "gemma3"):
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        # as llama.cpp: the 27B models scale queries by hidden/heads, the others by head_dim
+        big = layers == (46 if family == "gemma2" else 62)
+        config["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        config["sliding_window"] = int(window or 4096)
+        if family == "gemma2":
+            config["attn_logit_softcapping"] = float(get("attn_logit_softcapping", 50.0))
+            config["final_logit_softcapping"] = float(get("final_logit_softcapping", 30.0))
+        else:  # llama.cpp: every 6th layer global unless the file says another period
+            pattern = get("attention.sliding_window_pattern", 6)  # a period, or per layer: sliding or not
+            sliding = ([bool(x) for x in pattern] if isinstance(pattern, (list, tuple))
+                       else [(i + 1) % int(pattern) != 0 for i in range(layers)])
+            config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+            full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+            if "rope_scaling" in config:  # Gemma 3 scales the global layers' RoPE only
+                full = {**config.pop("rope_scaling"), "rope_theta": full["rope_theta"]}
+            config["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}}
+    elif window:
+        config["sliding_window"] = int(window)
+        if family in ("qwen2", "qwen3", "qwen3_moe"):
+            config["use_sliding_window"] = True
+    return config
+
+
+def plan_tensors(reader, config: dict) -> list[Out]:
+    """Every output tensor in file order (experts split one per tensor), ModelError for a tensor
+    whose quantization cannot be undone or whose name means nothing to the family."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    family = ARCHITECTURES.get(config["model_type"], config["model_type"])
+    family = {"gemma3_text": "gemma3"}.get(family, family)
+    layer_names = dict(_LAYER)
+    if family in ("gemma2", "gemma3"):
+        layer_names.update(_GEMMA)
+    if family == "phi3":
+        layer_names.update(_PHI3)
+    if family == "mixtral":
+        layer_names.update(_MIXTRAL)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    outs: list[Out] = []
+    undone: set = set()  # quantization types gguf has dequantized a row of
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype not in undone:
+            try:
+                dequantize(t.data[:1], qtype)
+            except NotImplementedError:
+                raise ModelError(f"tensor {t.name} is stored as {qtype.name}, a quantization gguf cannot undo; use a "
+                                 "GGUF in F16, BF16, Q8_0, Q4_0/1, Q5_0/1 or a K quant") from None
+            undone.add(qtype)
+        shape = tuple(int(x) for x in reversed([int(s) for s in t.shape]))
+        gemma_norm = family in ("gemma2", "gemma3") and t.name.endswith("norm.weight")
+        if t.name in _GLOBAL:
+            outs.append(Out(_GLOBAL[t.name], shape, t, minus_one=gemma_norm))
+            continue
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        if m is None:
+            raise ModelError(f"tensor {t.name} means nothing to a {family} model")
+        layer, rest = m.group(1), m.group(2)
+        p = f"model.layers.{layer}."
+        e = _EXPERTS.fullmatch(rest)
+        if e is not None:  # [experts, out, in]: one tensor per expert
+            kind = e.group(1)
+            w = {"gate": "w1", "up": "w3", "down": "w2"}[kind]
+            for x in range(shape[0]):
+                name = (f"{p}block_sparse_moe.experts.{x}.{w}.weight" if family == "mixtral"
+                        else f"{p}mlp.experts.{x}.{kind}_proj.weight")
+                outs.append(Out(name, shape[1:], t, expert=x))
+            continue
+        if rest not in layer_names:
+            raise ModelError(f"tensor {t.name} means nothing to a {family} model")
+        permute = 0
+        if family in ("llama", "mixtral") and rest in ("attn_q.weight", "attn_k.weight"):
+            permute = heads if rest == "attn_q.weight" else kv_heads
+        outs.append(Out(p + layer_names[rest], shape, t, permute_heads=permute, minus_one=gemma_norm))
+    return outs
+
+
+def tensor_values(o: Out):
+    """The float32 values (numpy) of one output tensor, as the checkpoint had them."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    t = o.source
+    data = t.data[o.expert] if o.expert >= 0 else t.data
+    w = np.array(dequantize(data, t.tensor_type), dtype=np.float32).reshape(o.shape)  # a copy: the file is read-only
+    if o.permute_heads:  # llama.cpp: reshape(heads, 2, d/2, in).swapaxes(1, 2); undone
+        n = o.permute_heads
+        w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(o.shape)
+    if o.minus_one:
+        w = w - 1.0
+    return w
+
+
+def write_safetensors(path: Path, outs: list[Out], dtype: str, say: Callable[[str], None]) -> None:
+    """One safetensors file: the header with every tensor's place first, then each tensor's bytes
+    as it is converted (one tensor in memory at a time)."""
+    import numpy as np
+    import torch
+
+    tag, size = DTYPES[dtype]
+    header, offset = {}, 0
+    for o in outs:
+        n = int(np.prod(o.shape)) * size
+        header[o.name] = {"dtype": tag, "shape": list(o.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    total = offset
+    step = max(1, len(outs) // 20)
+    say(f"[2/3] writing {total / 2**20:.0f} MiB of {dtype} weights")
+    t0 = time.monotonic()
+    written = 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for i, o in enumerate(outs):
+            x = torch.from_numpy(tensor_values(o))
+            data = x.to(getattr(torch, dtype)).contiguous()
+            f.write(data.view(torch.uint8).numpy().tobytes() if dtype == "bfloat16" else data.numpy().tobytes())
+            written += data.numel() * size
+            if (i + 1) % step == 0 or i + 1 == len(outs):
+                say(f"      {i + 1}/{len(outs)} tensors, {written / 2**20:.0f}/{total / 2**20:.0f} MiB "
+                    f"({time.monotonic() - t0:.0f} s)")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_tokenizer(src: Path, out: Path) -> None:
+    """The tokenizer (and chat template) transformers builds from the GGUF's metadata."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception as exc:
+        raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
+    tokenizer.save_pretrained(str(out))

@@ -1,0 +1,150 @@
+"""GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, made in the test from a
+tiny checkpoint of tests/families.py with the `gguf` package's writer: llama.cpp's tensor names,
+Llama's q/k rows permuted for its RoPE, Gemma's norms stored as 1 + w, experts stacked in one
+tensor per projection, Phi-3's fused projections kept fused; the tokenizer (and chat template) of
+the default model's GGUF. Written independently of the converter under test, from llama.cpp's
+naming, so a mistake on either side shows."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+LAYER = {  # checkpoint name after "model.layers.N." -> llama.cpp's after "blk.N."
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+GEMMA_POST_ATTENTION = "post_attention_norm.weight"  # Gemma's post_attention_layernorm is a sandwich norm
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: q/k rows from rotate-half to interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
+    """The tokenizer fields of another GGUF (the default model's: a GPT-2 BPE with a chat template)."""
+    from gguf import GGUFReader
+
+    meta = {k: f.contents() for k, f in GGUFReader(str(tokenizer_gguf)).fields.items() if k.startswith("tokenizer.")}
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta.get("tokenizer.ggml.pre", "default"))
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *, qtype: str = "F32",
+               arch: str | None = None) -> Path:
+    """The GGUF llama.cpp would write for the checkpoint in `model_dir` (2-D weights stored as
+    `qtype`: F32, F16 or Q8_0; norms and biases F32)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    state = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    gemma = family in ("gemma2", "gemma3")
+    heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    w = GGUFWriter(str(out), arch or ARCH[family])
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    rope = cfg.get("rope_parameters") or {}
+    if family == "gemma3":
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    else:
+        w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if cfg.get("sliding_window") and (gemma or family == "phi3"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if family == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+    copy_tokenizer(w, tokenizer_gguf)
+
+    def add(name: str, x: np.ndarray) -> None:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim < 2 or qtype == "F32":
+            w.add_tensor(name, x)
+        elif qtype == "F16":
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            q = GGMLQuantizationType[qtype]
+            w.add_tensor(name, quantize(x, q), raw_dtype=q)
+
+    stacked: dict[str, dict[int, np.ndarray]] = {}
+    for name, x in state.items():
+        if gemma and name.endswith("norm.weight"):
+            x = x + 1.0
+        if name in GLOBAL:
+            add(GLOBAL[name], x)
+            continue
+        layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+        e = EXPERT.fullmatch(rest)
+        if e is not None:
+            stacked.setdefault(f"blk.{layer}.ffn_{EXPERT_KIND[e.group(2)]}_exps.weight", {})[int(e.group(1))] = x
+            continue
+        if rest.endswith("experts.gate_up_proj") or rest.endswith("experts.down_proj"):
+            raise AssertionError(f"{name}: fused experts; save per expert")
+        target = GEMMA_POST_ATTENTION if gemma and rest == "post_attention_layernorm.weight" else LAYER[rest]
+        if ARCH[family] == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            x = permute(x, heads if "q_proj" in rest else kv_heads)
+        add(f"blk.{layer}.{target}", x)
+    for name, per_expert in stacked.items():
+        add(name, np.stack([per_expert[i] for i in range(experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def dequantized(x: torch.Tensor, qtype: str) -> torch.Tensor:
+    """What a 2-D weight is after a round trip through `qtype` (F32: itself)."""
+    if x.ndim < 2 or qtype == "F32":
+        return x
+    if qtype == "F16":
+        return x.half().float()
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    q = GGMLQuantizationType[qtype]
+    return torch.from_numpy(dequantize(quantize(x.float().numpy(), q), q).reshape(x.shape).copy())

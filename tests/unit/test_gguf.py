@@ -1,0 +1,140 @@
+"""GGUF files as users have them (tests/gguf_files.py writes them as llama.cpp does, from tiny
+checkpoints of every family GGUF carries): converted tensor by tensor, they give back the very
+checkpoint (float32), or its round trip through the file's quantization (bfloat16 out), and the
+stages' greedy tokens equal transformers' on the original; what cannot be converted is refused
+naming why; a conversion is done once and redone when the file changes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from logicpipe.common.modeldir import ModelConfig, ModelError
+from logicpipe.controller.gguf_convert import prepare_gguf
+from logicpipe.controller.model_prep import find_default_gguf, resolve_model
+from tests.families import build, hf_greedy, hf_model
+from tests.gguf_files import dequantized, write_gguf
+
+from .test_families import PROMPT, STEPS, greedy, shards_of
+
+# what llama.cpp keeps of each family (it has no sliding window for Qwen2, and scales Gemma 2's queries by head_dim)
+FAMILIES = {"llama": {}, "qwen2": dict(use_sliding_window=False), "qwen3": {}, "qwen3_moe": {}, "mixtral": {},
+            "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_gguf():
+    return find_default_gguf()
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_gguf_converts_back_to_its_checkpoint_and_serves_its_tokens(family, tmp_path, tokenizer_gguf):
+    original = build(family, tmp_path / "hf", **FAMILIES[family])
+    gguf = write_gguf(family, original, tmp_path / f"{family}.gguf", tokenizer_gguf)
+    messages: list[str] = []
+    out = prepare_gguf(gguf, tmp_path / "prepared", dtype="float32", progress=messages.append)
+    assert any(m.startswith("[2/3]") for m in messages) and messages[-1].startswith("model ready")
+    want, got = load_file(str(original / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, x in want.items():
+        assert torch.equal(got[name], x), name
+    config = ModelConfig.from_dir(out)
+    assert config.family == ModelConfig.from_dir(original).family
+    tokens = greedy(shards_of(out, [(0, 1), (1, 2), (2, 3)]), PROMPT, STEPS)[1]
+    assert tokens == hf_greedy(hf_model(original), PROMPT, STEPS)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16"])
+def test_quantized_tensors_come_out_as_their_values_in_bfloat16(qtype, tmp_path, tokenizer_gguf):
+    original = build("qwen3_moe", tmp_path / "hf")
+    gguf = write_gguf("qwen3_moe", original, tmp_path / "m.gguf", tokenizer_gguf, qtype=qtype)
+    out = prepare_gguf(gguf, tmp_path / "prepared", progress=quiet)  # bfloat16 unless asked
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    got = load_file(str(out / "model.safetensors"))
+    for name, x in load_file(str(original / "model.safetensors")).items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], dequantized(x, qtype).to(torch.bfloat16)), name
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path, tokenizer_gguf, model_dir):
+    from transformers import AutoTokenizer
+
+    original = build("llama", tmp_path / "hf")
+    out = prepare_gguf(write_gguf("llama", original, tmp_path / "m.gguf", tokenizer_gguf), tmp_path / "p",
+                       progress=quiet)
+    ours, default = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(model_dir)
+    text = "GGUF files, as users have them: 3 + 4 = 7."
+    assert ours.encode(text) == default.encode(text)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == default.apply_chat_template(chat, tokenize=False)
+
+
+def test_a_conversion_is_done_once_and_redone_when_the_file_changes(tmp_path, tokenizer_gguf):
+    gguf = write_gguf("llama", build("llama", tmp_path / "hf"), tmp_path / "m.gguf", tokenizer_gguf)
+    out = prepare_gguf(gguf, tmp_path / "p", progress=quiet)
+    weights = out / "model.safetensors"
+    first = weights.stat().st_mtime_ns
+    messages: list[str] = []
+    assert prepare_gguf(gguf, tmp_path / "p", progress=messages.append) == out
+    assert weights.stat().st_mtime_ns == first and messages == [f"model ready: {out}"]
+    os.utime(gguf, ns=(first + 10**9, first + 10**9))
+    prepare_gguf(gguf, tmp_path / "p", progress=quiet)
+    assert weights.stat().st_mtime_ns != first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".p.")]  # no temporary left behind
+
+
+def test_resolve_model_takes_a_directory_as_it_is_and_converts_a_gguf(tmp_path, tokenizer_gguf, monkeypatch):
+    original = build("qwen3", tmp_path / "hf")
+    assert resolve_model(str(original)) == original
+    monkeypatch.setenv("LOGICPIPE_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf("qwen3", original, tmp_path / "q.gguf", tokenizer_gguf)
+    out = resolve_model(str(gguf), dtype="float32", progress=quiet)
+    assert out.is_relative_to(tmp_path / "cache") and ModelConfig.from_dir(out).model_type == "qwen3"
+    with pytest.raises(ModelError, match="not a model directory or a .gguf file"):
+        resolve_model(str(tmp_path / "nothing"))
+    with pytest.raises(ModelError, match="bfloat16, float32"):
+        resolve_model(str(gguf), dtype="float16")
+
+
+def test_lpctl_model_prepare_converts_a_gguf_with_progress(tmp_path, tokenizer_gguf):
+    gguf = write_gguf("gemma3", build("gemma3", tmp_path / "hf"), tmp_path / "g.gguf", tokenizer_gguf)
+    run = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "model", "prepare", "--gguf", str(gguf),
+                          "--dtype", "float32", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(tmp_path / "out") and "tensors" in run.stderr
+    assert ModelConfig.from_dir(tmp_path / "out").model_type == "gemma3_text"
+    bad = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "model", "prepare", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--dtype is for --gguf FILE" in bad.stderr
+
+
+def test_what_cannot_be_converted_is_refused_saying_why(tmp_path, tokenizer_gguf):
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    original = build("llama", tmp_path / "hf")
+    with pytest.raises(ModelError, match="architecture 'mamba' is not supported; supported: llama, qwen2"):
+        prepare_gguf(write_gguf("llama", original, tmp_path / "a.gguf", tokenizer_gguf, arch="mamba"), tmp_path / "o")
+    w = GGUFWriter(str(tmp_path / "q81.gguf"), "llama")  # a quantization gguf cannot undo
+    w.add_block_count(1), w.add_embedding_length(32), w.add_head_count(4)
+    q81 = GGMLQuantizationType.Q8_1
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((32, GGML_QUANT_SIZES[q81][1]), np.uint8), raw_dtype=q81)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ModelError, match="blk.0.attn_q.weight is stored as Q8_1"):
+        prepare_gguf(tmp_path / "q81.gguf", tmp_path / "o")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(ModelError, match="not a readable GGUF file"):
+        prepare_gguf(tmp_path / "junk.gguf", tmp_path / "o")
+    with pytest.raises(ModelError, match="no such GGUF file"):
+        prepare_gguf(tmp_path / "absent.gguf", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
