@@ -45,30 +45,37 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def make_model(path: Path, shape: dict, dtype: torch.dtype) -> Path:
-    """A random Llama of `shape` saved as safetensors at `path` (kept when it is already there)."""
+def make_model(path: Path, shape: dict, dtype: torch.dtype, family: str = "llama") -> Path:
+    """A random model of `family` (tests/families.py) and `shape` saved as safetensors at `path`
+    (kept when it is already there)."""
     if (path / "config.json").is_file():
         return path
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.families import FAMILIES
 
+    config_cls, model_cls, _ = FAMILIES[family]
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # made in its dtype: an 8B model never exists in float32
     try:
         with torch.device(DEVICE):
-            model = LlamaForCausalLM(LlamaConfig(**shape))
+            model = model_cls(config_cls(**shape))
     finally:
         torch.set_default_dtype(default)
     model.save_pretrained(path, max_shard_size="4GB")
     del model
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()  # the stages started next measure the GPU's free memory
     return path
 
 
-def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens: int, rounds: int) -> tuple[float, list]:
-    """(median tok/s of one stream, greedy tokens of each prompt) with transformers on CUDA."""
+def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens: int, rounds: int,
+                attn: str | None = None) -> tuple[float, list]:
+    """(median tok/s of one stream, greedy tokens of each prompt) with transformers on CUDA
+    (`attn`: its attention implementation, default its own choice)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE).eval()
+    extra = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(DEVICE).eval()
     model.generation_config.eos_token_id = None
     outs, rates = [], []
     with torch.inference_mode():
@@ -90,18 +97,22 @@ def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens
     return statistics.median(rates) if rates else 0.0, outs
 
 
-def step_ms(stages: list[str], before: list) -> list[float]:
-    """Each stage's mean compute time per step (ms) since `before` (its Status then)."""
+def stage_status(stages: list[str]) -> list:
     import grpc
 
     from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
     out = []
-    for a, b in zip(stages, before):
+    for a in stages:
         with grpc.insecure_channel(a) as ch:
-            st = stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
-        out.append(round((st.compute_s - b.compute_s) / max(1, st.steps - b.steps) * 1000, 2) if b else st)
+            out.append(stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10))
     return out
+
+
+def step_ms(stages: list[str], before: list) -> list[float]:
+    """Each stage's mean compute time per step (ms) since `before` (its Status then)."""
+    return [round((st.compute_s - b.compute_s) / max(1, st.steps - b.steps) * 1000, 2)
+            for st, b in zip(stage_status(stages), before)]
 
 
 def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: int,
@@ -109,18 +120,24 @@ def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, co
     submit(addr, ids=prompts[0], tokens=4)  # warm-up
     one, many, ms = [], [], []
     for _ in range(rounds):
-        before = step_ms(stages, [None] * len(stages))
+        before = stage_status(stages)
         r = submit(addr, ids=prompts[0], tokens=tokens)
         assert not r["error"], r["error"]
         ms.append(step_ms(stages, before))
         one.append(tokens / r["total_s"])
+        before = stage_status(stages)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             res = list(pool.map(lambda p: submit(addr, ids=p, tokens=tokens), prompts[:concurrency]))
         assert all(not x["error"] for x in res), [x["error"] for x in res]
         many.append(concurrency * tokens / (time.perf_counter() - t0))
+        after = stage_status(stages)
     return {"one_stream_tps": statistics.median(one), "concurrent_tps": statistics.median(many),
-            "one_stream_step_ms_per_stage": ms[-1]}
+            "one_stream_step_ms_per_stage": ms[-1],
+            # the last concurrent round, stage by stage: steps taken and compute ms per step
+            "concurrent_steps_per_stage": [a.steps - b.steps for a, b in zip(after, before)],
+            "concurrent_step_ms_per_stage": [round((a.compute_s - b.compute_s) / max(1, a.steps - b.steps) * 1000, 2)
+                                             for a, b in zip(after, before)]}
 
 
 HBM_TBPS = {"H100": 3.35, "H200": 4.8}

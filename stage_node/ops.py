@@ -121,6 +121,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
+def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """`rms_norm` of each head of x [T, heads, head_dim], head h scaled by weight[h] ([heads,
+    head_dim]): the q and k norms of a layer (Qwen3, Gemma 3) in one call, element by element the
+    same as one norm per head kind (fewer kernels in a CUDA graph's layer)."""
+    dim = (x.shape[-1],)
+    if gemma:
+        return (F.rms_norm(x.float(), dim, None, eps) * (1.0 + weight.float())).to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, dim, None, eps) * weight
+    return weight * F.rms_norm(x.float(), dim, None, eps).to(x.dtype)
+
+
 def activation(name: str):
     """The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu_pytorch_tanh)."""
     return F.silu if name == "silu" else _gelu_tanh

@@ -24,7 +24,17 @@ import torch.nn.functional as F
 from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kv import KVPool, StepKV
 from logicpipe.stage_node.moe import experts_forward
-from logicpipe.stage_node.ops import Rows, activation, attention, causal_mask, decode_mm, linear, rms_norm, softcap
+from logicpipe.stage_node.ops import (
+    Rows,
+    activation,
+    attention,
+    causal_mask,
+    decode_mm,
+    head_norm,
+    linear,
+    rms_norm,
+    softcap,
+)
 from logicpipe.stage_node.quant import check_format, tensor_bytes
 from logicpipe.stage_node.quant import quantize as quantize_matrix
 from logicpipe.stage_node.rope import RopeTables, apply_rope, rope_parameters
@@ -77,6 +87,9 @@ class Shard:
         self._gemma = a.norm == "gemma"
         self._act = activation(a.activation)
         self._embed_scale = torch.tensor(a.embed_scale, dtype=dtype, device=device) if a.embed_scale != 1.0 else None
+        # each layer's q and k norm weights as one [heads + kv_heads, head_dim]: one norm call per layer
+        self._qk_norms = {i: torch.cat([w.q_norm.expand(c.num_heads, -1), w.k_norm.expand(c.num_kv_heads, -1)])
+                          for i, w in enumerate(layers) if w.q_norm is not None}
 
     def kind(self, i: int) -> str:
         """Local layer i's attention: "full" or "sliding"."""
@@ -203,8 +216,8 @@ class Shard:
         qkv = linear(self.norm(x, w.input_norm), w.qkv, w.qkv_bias, rows)  # [T, q + 2 kv]
         qk_heads = c.num_heads + c.num_kv_heads
         qk = qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim)
-        if w.q_norm is not None:  # per-head norms, before RoPE
-            qk = torch.cat([self.norm(qk[:, : c.num_heads], w.q_norm), self.norm(qk[:, c.num_heads:], w.k_norm)], 1)
+        if w.q_norm is not None:  # per-head norms, before RoPE: q's heads by q_norm, k's by k_norm, in one call
+            qk = head_norm(qk, self._qk_norms[i], c.rms_norm_eps, self._gemma)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
         v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)

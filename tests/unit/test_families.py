@@ -183,3 +183,18 @@ def test_quantized_experts(fmt, floor, share, tmp_path):
 
     cos = torch.nn.functional.cosine_similarity(last_logits(full), last_logits(quant), dim=0).item()
     assert cos >= floor, f"{fmt}: cosine {cos:.3f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_one_head_norm_call_equals_a_norm_per_head_kind(dtype, gemma):
+    """The layer's q and k norms in one call (ops.head_norm) give the bits of one norm each."""
+    from logicpipe.stage_node.ops import head_norm, rms_norm
+
+    torch.manual_seed(3)
+    heads, kv_heads, hd = 8, 2, 32
+    x = (torch.randn(7, heads + kv_heads, hd) * 3).to(dtype)
+    q_norm, k_norm = torch.randn(hd).to(dtype), torch.randn(hd).to(dtype)
+    both = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)])
+    apart = torch.cat([rms_norm(x[:, :heads], q_norm, 1e-6, gemma), rms_norm(x[:, heads:], k_norm, 1e-6, gemma)], 1)
+    assert torch.equal(head_norm(x, both, 1e-6, gemma), apart)
