@@ -204,8 +204,6 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
     window = get("attention.sliding_window")
-    if family in ("qwen2",) and any(n.endswith("attn_q.bias") for n in names):
-        config["attention_bias"] = True  # (qwen2 always has them; said for clarity)
     if family in ("qwen3_moe", "mixtral"):
         config["num_experts" if family == "qwen3_moe" else "num_local_experts"] = experts
         config["num_experts_per_tok"] = int(get("expert_used_count"))
@@ -340,7 +338,7 @@ def write_safetensors(path: Path, outs: list[Out], dtype: str, say: Callable[[st
         for i, o in enumerate(outs):
             x = torch.from_numpy(tensor_values(o))
             data = x.to(getattr(torch, dtype)).contiguous()
-            f.write(data.view(torch.uint8).numpy().tobytes() if dtype == "bfloat16" else data.numpy().tobytes())
+            f.write(data.view(torch.uint8).numpy())  # the raw bytes (numpy has no bfloat16), no copy
             written += data.numel() * size
             if (i + 1) % step == 0 or i + 1 == len(outs):
                 say(f"      {i + 1}/{len(outs)} tensors, {written / 2**20:.0f}/{total / 2**20:.0f} MiB "

@@ -271,7 +271,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_model(args) -> int:
-    say = lambda m: print(m, file=sys.stderr)
+    def say(message: str) -> None:  # progress on stderr, the directory on stdout
+        print(message, file=sys.stderr)
+
     if args.gguf:
         out = prepare_gguf(args.gguf, args.out, dtype=args.dtype or GGUF_DTYPE, force=args.force, progress=say)
     elif args.dtype:

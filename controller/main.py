@@ -12,6 +12,7 @@ from logicpipe.common.security.bundle import TlsError
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
 from logicpipe.controller.app import ControllerApp, ControllerOptions
+from logicpipe.controller.gguf_convert import DTYPES
 from logicpipe.controller.http_api import start_http
 from logicpipe.controller.join import JoinAuthority
 from logicpipe.controller.model_prep import GGUF_DTYPE, resolve_model
@@ -51,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="a safetensors model directory of a supported family (Llama, Mistral, Mixtral, Qwen2/2.5, "
                          "Qwen3, Qwen3-MoE, Gemma 2/3, Phi-3), or a GGUF file of one, converted once into the cache "
                          "(default: the embedded SmolLM2-135M-Instruct, converted on first use)")
-    ap.add_argument("--gguf-dtype", default=GGUF_DTYPE, choices=["bfloat16", "float32"],
+    ap.add_argument("--gguf-dtype", default=GGUF_DTYPE, choices=list(DTYPES),
                     help="with --model FILE.gguf: the dtype its weights are converted to (default %(default)s)")
     ap.add_argument("--plan", default=None, help="plan artifact (JSON) to reuse when it still matches, and to "
                                                  "write the plan in force to")
