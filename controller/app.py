@@ -15,18 +15,23 @@ from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import Transport
 from logicpipe.controller import planning
+from logicpipe.controller.journal import Journal
 from logicpipe.controller.membership import NOT_PROBED, Members
 from logicpipe.controller.pipeline import Pipeline, StageAssignment
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler, SchedulerConfig
 from logicpipe.controller.state import MeshState, Phase
 from logicpipe.controller.text import load_tokenizer
-from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
+from logicpipe.errors import FailedPrecondition, Fenced, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.planner import Link, Workload, plan_to_json
 from logicpipe.v1 import stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-DEBOUNCE_S = 0.3        # changes this close together make one re-plan
+DEBOUNCE_S = 0.3        # changes this close together make one re-plan (a burst: until it is quiet this long ...)
+MAX_DEBOUNCE_S = 2.0    # ... or this long after its first change)
+HOLD_S = 10.0           # a plan that still serves is replaced for a better one (a node back, a join) only once
+                        # the last plan has served this long: in a storm of faults, running requests move once
+                        # per fault, not again for every node that comes back
 RETRY_S = 1.0           # a re-plan that failed is tried again after this
 CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
 
@@ -83,11 +88,16 @@ class ControllerSnapshot:
     last_replan_s: float = 0.0
     replans: int = 0
     links: dict = field(default_factory=dict)  # links[a][b]: planner.Link measured from node a to b
+    role: str = "active"        # "active" | "standby"
+    epoch: int = 0              # the fencing epoch it holds (active) or last saw (standby)
+    active: str = ""            # a standby: the active controller it follows
+    journaled: int = 0          # requests in the journal
 
 
 class ControllerApp:
     def __init__(self, model_dir: str | Path, nodes: list[str], *, transport: Transport,
-                 revocations: Revocations | None = None, options: ControllerOptions = ControllerOptions()):
+                 revocations: Revocations | None = None, options: ControllerOptions = ControllerOptions(),
+                 journal: Journal | None = None):
         self.model_dir = Path(model_dir).resolve()
         self.nodes = list(nodes)    # --nodes: always members
         self.options = options
@@ -96,6 +106,12 @@ class ControllerApp:
         self.config = ModelConfig.from_dir(self.model_dir)
         self.digest = model_digest(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        # every admitted request, durably (None: in memory only); opened (locked, read) by the caller
+        self.journal = journal if journal is not None else Journal(None, self.digest)
+        self.role = "active"   # "standby": it follows another controller's journal (controller.standby)
+        self.active_peer = ""  # a standby: the active controller's address
+        self.fenced = ""       # why a stage refused us for a newer controller ("" : not refused)
+        self.on_step_down: list = []  # callbacks run once when fenced (main: stop the process)
         self.num_layers = self.config.num_layers
         self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, options.dtype)
         self.workload = Workload(context_tokens=min(options.context, self.config.max_position_embeddings))
@@ -110,7 +126,8 @@ class ControllerApp:
             self.pipeline, self.state,
             SchedulerConfig(self.config.max_position_embeddings, frozenset(self.config.eos_token_ids),
                             self.config.vocab_size, options.speculate, options.wait_for_nodes_s),
-            prefill_chunk=self.prefill_chunk_for, on_trouble=lambda why: self.request_replan(f"a stage fault: {why}"))
+            prefill_chunk=self.prefill_chunk_for, on_trouble=lambda why: self.request_replan(f"a stage fault: {why}"),
+            journal=self.journal, on_fenced=self.on_fenced)
         self.members = Members(self.pipeline.probe, self.request_replan)
         self.last_replan, self.last_replan_s, self.replans = "", 0.0, 0
         self.plan_changed = asyncio.Event()  # set (and replaced) each time a plan is installed or given up
@@ -121,6 +138,9 @@ class ControllerApp:
         self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
         self._tasks: set[asyncio.Task] = set()
         self._browser: Browser | None = None
+        self._installed_at = 0.0      # when the plan in force was installed (monotonic)
+        self._now = False             # the re-plan in progress was asked for by an operator (drain, revoke, leave)
+        self._recheck: asyncio.TimerHandle | None = None
 
     def prefill_chunk_for(self, prompt_tokens: int) -> int:
         """Prompt rows per step on stage 0 for a prompt of this many tokens (planning.PrefillChunks)."""
@@ -138,7 +158,9 @@ class ControllerApp:
             micro_batches=self.pipeline.micro_batches, speculate=sched.config.speculate, running=sched.running,
             queued=len(sched.waiting), stats=replace(sched.stats), stages=self.stage_views(),
             last_replan=self.last_replan, last_replan_s=self.last_replan_s, replans=self.replans,
-            links={a: dict(b) for a, b in self.links.items()})
+            links={a: dict(b) for a, b in self.links.items()}, role=self.role,
+            epoch=self.pipeline.epoch or self.journal.epoch, active=self.active_peer,
+            journaled=len(self.journal.entries))
 
     # ---- membership ---------------------------------------------------------------------------
     def request_replan(self, why: str) -> None:
@@ -147,6 +169,11 @@ class ControllerApp:
             self._since = time.monotonic()
         self._reasons.append(why)
         self._trigger.set()
+
+    def _later(self, delay: float, why: str) -> None:
+        """Plan again after `delay` s (once, however often asked meanwhile)."""
+        if self._recheck is None or self._recheck.cancelled() or self._recheck.when() < asyncio.get_running_loop().time():
+            self._recheck = asyncio.get_running_loop().call_later(max(0.1, delay), self.request_replan, why)
 
     def _on_event(self, ev) -> None:
         self.scheduler.on_event(ev)
@@ -160,9 +187,44 @@ class ControllerApp:
         if not self.pipeline.down and self.state.phase is Phase.DEGRADED:
             self.state.set(Phase.READY)
 
-    async def start(self, mdns_interface: str | None = None) -> None:
-        """Know the --nodes, browse mDNS, and plan as nodes come (the first plan waits settle_s
-        after the first node for the others)."""
+    def not_serving(self) -> str:
+        """Why this controller takes no requests now ("" when it does)."""
+        if self.fenced:
+            return f"this controller was replaced by a newer one ({self.fenced}); use the other controller"
+        if self.role == "standby":
+            return ("standby: this controller is the standby; the active controller is "
+                    + (self.active_peer or "not known yet (a takeover may be under way)"))
+        return ""
+
+    def on_fenced(self, why: str) -> None:
+        """A stage follows a newer controller (a standby took over): step down. Requests are not
+        failed here; the process stops (controller.main exits with EXIT_FENCED and its service
+        manager starts it again, as the standby of the new active)."""
+        if self.fenced:
+            return
+        self.fenced = why
+        log.error("another controller took over the mesh (%s); stepping down", why)
+        self.state.set(Phase.WAITING, f"replaced by a newer controller: {why}")
+        for cb in self.on_step_down:
+            cb()
+
+    async def start(self, mdns_interface: str | None = None, *, nodes: dict[str, str] | None = None) -> None:
+        """Take the mesh as the active controller: a fencing epoch above any before it (the stages
+        refuse older controllers from then on), the journal's requests restored to run again from
+        their tokens; then know the --nodes (and `nodes`: a plan's, from the controller taken over
+        from), browse mDNS, and plan as nodes come (the first plan waits settle_s after the first
+        node for the others)."""
+        self.role, self.active_peer = "active", ""
+        epoch = self.journal.epoch + 1
+        self.journal.set_epoch(epoch)
+        await asyncio.to_thread(self.journal.flush)  # on disk before any stage sees it
+        self.journal.start()
+        self.pipeline.epoch = epoch
+        restored = self.scheduler.restore(list(self.journal.entries.values()))
+        if restored:
+            log.info("resuming %d journaled requests (fencing epoch %d)", restored, epoch)
+        for a in (nodes or {}).values():
+            self.members.add(a, "static")
         for a in self.nodes:
             self.members.add(a, "static")
         self.members.start()
@@ -187,7 +249,12 @@ class ControllerApp:
     async def _replan_loop(self) -> None:
         while True:
             await self._trigger.wait()
-            await asyncio.sleep(DEBOUNCE_S)
+            first = time.monotonic()
+            while True:  # a burst of changes (deaths, restarts, joins) makes one re-plan
+                self._trigger.clear()
+                await asyncio.sleep(DEBOUNCE_S)
+                if not self._trigger.is_set() or time.monotonic() - first >= MAX_DEBOUNCE_S:
+                    break
             if self.plan is None:
                 await self._settle()
             self._trigger.clear()
@@ -232,6 +299,8 @@ class ControllerApp:
         """Plan over the usable nodes and install the plan when the one in force is broken or the
         new one is better by replan_gain. Returns whether a new plan was installed."""
         since = since or time.monotonic()
+        if self.fenced:
+            return False  # stepping down: another controller steers the mesh
         broken = self._broken()
         usable = [m for m in self.members.usable() if m.status is not None and m.node_id not in self.revocations]
         if not usable:
@@ -262,6 +331,15 @@ class ControllerApp:
                 log.info("%s: keeping the plan in force (new plan %.1f ms/step vs %.1f)", why, plan.cost_s * 1e3,
                          self.plan.cost_s * 1e3)
                 self.state.set(Phase.READY)  # a fault that healed before the re-plan may have paused admission
+                return False
+            served = time.monotonic() - self._installed_at
+            if self.scheduler.running and served < HOLD_S and not self._now:
+                # better, but the plan in force serves and was installed just now: moving its running
+                # requests again waits until the mesh has been quiet for a while
+                log.info("%s: a better plan (%.1f ms/step vs %.1f) waits %.1f s more (the plan in force is new)",
+                         why, plan.cost_s * 1e3, self.plan.cost_s * 1e3, HOLD_S - served)
+                self.state.set(Phase.READY)
+                self._later(HOLD_S - served, why)
                 return False
         await self._install(plan, ids, why, since)
         return True
@@ -321,6 +399,9 @@ class ControllerApp:
                                         self.options.dtype, self.options.micro_batches,
                                         controller_address=self.options.address)
         except BaseException as exc:  # failed or cancelled half-way: no plan serves; plan again
+            if isinstance(exc, MeshError) and Fenced.seen_in(str(exc)):
+                self.on_fenced(str(exc))
+                raise
             if isinstance(exc, MeshError):
                 for m in self.members.usable():  # the node that failed is left out until it answers again
                     if m.address in str(exc):
@@ -328,6 +409,7 @@ class ControllerApp:
             self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
             raise
         self.plan, self.plan_json = plan, plan_to_json(plan)
+        self._installed_at = time.monotonic()
         self.replans += 1
         self.last_replan, self.last_replan_s = why, time.monotonic() - since
         log.info("plan generation %d serves (%d stages) %.1f s after: %s; %d requests replay",
@@ -398,7 +480,11 @@ class ControllerApp:
         re-plan runs on whether or not our caller (an RPC) is cancelled or times out."""
         async def locked() -> None:
             async with self._plan_lock:
-                await self.replan(why)
+                self._now = True
+                try:
+                    await self.replan(why)
+                finally:
+                    self._now = False
 
         task = asyncio.get_running_loop().create_task(locked())
         self._tasks.add(task)
@@ -438,3 +524,4 @@ class ControllerApp:
         await self.members.close()
         await self.scheduler.shutdown()
         await self.pipeline.close()
+        await self.journal.close()

@@ -8,6 +8,14 @@ template, stop strings and outline requests.
     GET  /v1/models             the one model the mesh serves
     GET  /health                200 while a plan serves, 503 otherwise
     GET  /metrics               Prometheus (controller.metrics)
+    GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
+
+Resuming a stream. Every response names its request in the header X-Request-Id (a client may
+choose the id by sending that header itself), and every server-sent event of a stream carries
+`id: N`, N the tokens the client has with it. A client whose stream broke (the controller
+restarted, or a standby took over: give clients both addresses) asks GET /v1/requests/{id}/stream
+with the header Last-Event-ID: N (the last id it got; 0 or none: from the start) and receives the
+rest, the same chunks the first stream would have carried. 404: the request ended or is unknown.
 
 Request fields: `model`, `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`,
 `stop` (a string or up to 4), `n` (1 only), `stream`; the mesh's own options as extra fields:
@@ -24,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -32,7 +41,15 @@ from logicpipe.controller.app import ControllerApp
 from logicpipe.controller.metrics import Metrics
 from logicpipe.controller.requests import Completion, FrontDoor, OutlineOptions, Prompt, RequestOptions, host_client
 from logicpipe.controller.state import Phase
-from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted, Unavailable
+from logicpipe.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from logicpipe.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -56,6 +73,10 @@ class ApiError(Exception):
 def mesh_error(err: MeshError) -> ApiError:
     if isinstance(err, InvalidArgument):
         return ApiError(400, str(err))
+    if isinstance(err, NotFound):
+        return ApiError(404, str(err), code="request_not_found")
+    if isinstance(err, AlreadyExists):
+        return ApiError(409, str(err), code="request_exists")
     if isinstance(err, ResourceExhausted):
         return ApiError(429, str(err), "rate_limit_error", code="mesh_full")
     if isinstance(err, (Unavailable, FailedPrecondition)):
@@ -140,7 +161,7 @@ class HttpApi:
         w = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         w.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
                       web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
-                      web.get("/metrics", self.scrape)])
+                      web.get("/metrics", self.scrape), web.get("/v1/requests/{id}/stream", self.resume)])
         return w
 
     @web.middleware
@@ -198,7 +219,8 @@ class HttpApi:
         return await self._complete(request, body, completion_prompt(body), chat=False)
 
     async def _complete(self, request, body: dict, prompt: Prompt, *, chat: bool):
-        options = request_options(body)
+        options = replace(request_options(body), request_id=request.headers.get("X-Request-Id", ""),
+                          api="chat" if chat else "completions")
         stream = bool(body.get("stream", False))
         async with self.door.open(prompt, options, host_client(request.remote or "")) as completion:
             form = Form(self.model_id, chat, completion)
@@ -214,15 +236,29 @@ class HttpApi:
             if not stream:
                 async for _ in completion:
                     pass
-                return web.json_response(form.whole())
-            response = None  # opened with the first token: an error before it still gets its status
-            async for piece in completion:
-                response = response or await open_stream(request)
-                if piece.text:
-                    await response.write(form.chunk(piece.text, None))
-            response = response or await open_stream(request)
-            await response.write(form.chunk("", completion.finish_reason or "length"))
-            return await close_stream(response)
+                return web.json_response(form.whole(), headers={"X-Request-Id": completion.id})
+            return await self._stream(request, completion, form)
+
+    async def _stream(self, request, completion: Completion, form: "Form"):
+        """The completion's pieces as server-sent events, each with the client's token count as its id."""
+        response = None  # opened with the first token: an error before it still gets its status
+        async for piece in completion:
+            response = response or await open_stream(request, completion.id)
+            if piece.text or piece.token_ids:
+                await response.write(form.chunk(piece.text, None, event_id=len(completion.tokens)))
+        response = response or await open_stream(request, completion.id)
+        await response.write(form.chunk("", completion.finish_reason or "length", event_id=len(completion.tokens)))
+        return await close_stream(response)
+
+    async def resume(self, request):
+        rid = request.match_info["id"]
+        last = request.headers.get("Last-Event-ID", request.query.get("after", "0")) or "0"
+        if not last.isdigit():
+            raise ApiError(400, f"Last-Event-ID must be the id of the last event received (a number), not {last[:20]!r}",
+                           param="Last-Event-ID")
+        async with self.door.resume(rid, int(last), host_client(request.remote or "")) as completion:
+            return await self._stream(request, completion, Form(self.model_id, completion.api != "completions",
+                                                                completion))
 
 
 class Form:
@@ -238,7 +274,7 @@ class Form:
     def outline(self) -> list[dict]:
         return [{"id": p.id, "title": p.title, "deps": list(p.deps), "text": p.text} for p in self.c.points]
 
-    def chunk(self, delta: str, finish: str | None, *, outline: bool = False) -> bytes:
+    def chunk(self, delta: str, finish: str | None, *, outline: bool = False, event_id: int | None = None) -> bytes:
         if self.chat:
             content = ({"role": "assistant", "content": delta} if not self.started else {"content": delta}) if delta \
                 else {}
@@ -250,7 +286,8 @@ class Form:
                "model": self.model_id, "choices": [choice]}
         if outline:
             obj["outline"] = self.outline()
-        return f"data: {json.dumps(obj)}\n\n".encode()
+        head = f"id: {event_id}\n" if event_id is not None else ""
+        return f"{head}data: {json.dumps(obj)}\n\n".encode()
 
     def whole(self, *, outline: bool = False) -> dict:
         c, reason = self.c, self.c.finish_reason or "length"
@@ -265,9 +302,12 @@ class Form:
         return obj
 
 
-async def open_stream(request) -> web.StreamResponse:
+async def open_stream(request, request_id: str = "") -> web.StreamResponse:
     """A server-sent-events response, headers sent."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     return response
 

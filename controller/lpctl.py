@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
+import time
+import uuid
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -22,10 +25,101 @@ from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
 
 
-def _stub(args):
-    """A stub of the controller at --controller, over mutual TLS with --tls-dir's bundle if given."""
+RESUME_RETRY_S = 0.3  # a broken stream is resumed again this often until --resume-s runs out
+
+
+def _controllers(args) -> list[str]:
+    return [a.strip() for a in args.controller.split(",") if a.strip()] or [DEFAULT_CONTROLLER]
+
+
+def _stub_at(args, address: str):
     transport = Transport(Bundle.load(args.tls_dir)) if args.tls_dir else PLAINTEXT
-    return controller_pb2_grpc.ControllerStub(transport.sync_channel(args.controller, "controller"))
+    return controller_pb2_grpc.ControllerStub(transport.sync_channel(address, "controller"))
+
+
+def _stub(args):
+    """A stub of the controller at --controller (over mutual TLS with --tls-dir's bundle if given);
+    of several (an active and a standby), the one that answers as active, else the first."""
+    addresses = _controllers(args)
+    if len(addresses) > 1:
+        for a in addresses:
+            try:
+                if _stub_at(args, a).Status(controller_pb2.ControllerStatusRequest(), timeout=2.0).role != "standby":
+                    return _stub_at(args, a)
+            except grpc.RpcError:
+                continue
+    return _stub_at(args, addresses[0])
+
+
+def _resumable(exc: grpc.RpcError) -> bool:
+    """The stream broke on the controller's side (it stopped, died, or is not the active one now)."""
+    details = exc.details() or ""
+    return (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            or exc.code() == grpc.StatusCode.FAILED_PRECONDITION and
+            (details.startswith("standby:") or "replaced by a newer one" in details))
+
+
+def stream_resuming(args, req: controller_pb2.SubmitRequest):
+    """The replies of `req`, however often the controller stops, dies or hands over meanwhile: a
+    broken stream is resumed by the request's id (made here) from the tokens already received, at
+    whichever of --controller answers as active, for up to --resume-s. Without a journal entry
+    (never admitted, or lost) it is submitted again under the same id, its tokens up to those held
+    skipped: replay is exact, and a sampled request carries its seed (drawn here when not given)."""
+    req.request_id = req.request_id or uuid.uuid4().hex
+    if req.sampling.temperature > 0 and not req.sampling.HasField("seed"):
+        req.sampling.seed = random.getrandbits(63)
+    have, broke, resume = 0, 0.0, False
+    while True:
+        skip = 0
+        try:
+            stub = _stub(args)
+            if resume:
+                try:
+                    call = stub.Resume(controller_pb2.ResumeRequest(request_id=req.request_id, have_tokens=have),
+                                       timeout=args.timeout)
+                    first = next(call)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    call, skip = stub.Submit(req, timeout=args.timeout), have  # not journaled: again, from the start
+                    first = next(call)
+            else:
+                call = stub.Submit(req, timeout=args.timeout)
+                first = next(call)
+            if broke:
+                print(f"[lpctl: resumed request {req.request_id} after {time.monotonic() - broke:.1f} s]",
+                      file=sys.stderr)
+            broke = 0.0
+            for reply in _chain(first, call):
+                if skip:  # the tokens of a submitted-again request that the client holds already
+                    n = min(skip, len(reply.token_ids))
+                    skip -= n
+                    if n and not reply.finished:
+                        continue
+                    del reply.token_ids[:n]
+                    if n:
+                        reply.text = ""
+                have += len(reply.token_ids)
+                yield reply
+            return
+        except StopIteration:
+            return
+        except grpc.RpcError as exc:
+            if not _resumable(exc) or args.resume_s <= 0:
+                raise
+            broke = broke or time.monotonic()
+            if time.monotonic() - broke > args.resume_s:
+                raise
+            if not resume:
+                print(f"[lpctl: {exc.code().name}: {exc.details()}; resuming request {req.request_id}]",
+                      file=sys.stderr)
+            resume = True
+            time.sleep(RESUME_RETRY_S)
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
 
 
 def cmd_chat(args) -> int:
@@ -121,7 +215,7 @@ def cmd_submit(args) -> int:
         print(f"lpctl: {exc}", file=sys.stderr)
         return 2
     req = controller_pb2.SubmitRequest(prompt=args.prompt, raw=args.raw, max_tokens=args.max_tokens,
-                                       sampling=sampling.to_proto())
+                                       sampling=sampling.to_proto(), ignore_eos=args.ignore_eos)
     if args.speculate is not None:
         req.speculate = args.speculate
     req.prefill_chunk = args.prefill_chunk
@@ -131,7 +225,7 @@ def cmd_submit(args) -> int:
             req.outline_text = open(args.outline_text, encoding="utf-8").read()
         return _submit_outline(args, req)
     text, ids, stages, timings, reason = [], [], [], None, ""
-    for reply in _stub(args).Submit(req, timeout=args.timeout):
+    for reply in stream_resuming(args, req):
         ids.extend(reply.token_ids)
         text.append(reply.text)
         if reply.stages:
@@ -144,6 +238,7 @@ def cmd_submit(args) -> int:
             sys.stdout.flush()
     if args.json:
         out = {"text": "".join(text), "token_ids": ids, "stages": stages, "finish_reason": reason,
+               "request_id": req.request_id,
                "timings": timings_json(timings) if timings is not None else {}}
         print(json.dumps(out))
     else:
@@ -307,7 +402,12 @@ def add_sampling_flags(p) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="lpctl", description="Talk to a LogicPipe controller.")
-    ap.add_argument("--controller", default=DEFAULT_CONTROLLER, help="controller HOST:PORT (default %(default)s)")
+    ap.add_argument("--controller", default=DEFAULT_CONTROLLER,
+                    help="controller HOST:PORT, or several comma-separated (an active and its standby: the active one "
+                         "is used, and a broken stream resumes at whichever is active then; default %(default)s)")
+    ap.add_argument("--resume-s", type=float, default=120.0,
+                    help="submit: a stream broken by the controller (restart, takeover) is resumed for this long "
+                         "(0 = never; default %(default)s)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up on a call")
     ap.add_argument("--tls-dir", default="", metavar="DIR",
                     help="a client certificate bundle (`lpctl ca issue NAME --role client`) for a mesh with mutual TLS")
@@ -318,6 +418,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens at most (default %(default)s)")
     add_sampling_flags(p)
     p.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past the model's stop tokens")
     p.add_argument("--json", action="store_true", help='print one JSON object {"text","token_ids","stages","timings"}')
     p.add_argument("-v", "--verbose", action="store_true", help="print timings after the text (stderr)")
     p.add_argument("--outline", action="store_true",

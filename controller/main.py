@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
+from pathlib import Path
 
 from logicpipe.common.health import add_health
 from logicpipe.common.modeldir import ModelError
@@ -15,16 +18,30 @@ from logicpipe.controller.app import ControllerApp, ControllerOptions
 from logicpipe.controller.gguf_convert import DTYPES
 from logicpipe.controller.http_api import start_http
 from logicpipe.controller.join import JoinAuthority
+from logicpipe.controller.journal import Journal, JournalError
 from logicpipe.controller.model_prep import GGUF_DTYPE, resolve_model
 from logicpipe.controller.requests import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.service import ControllerServicer, JoinServicer
+from logicpipe.controller.standby import Standby
 from logicpipe.policy import CONTROLLER_POLICY
 from logicpipe.v1 import controller_pb2_grpc
 
 log = logging.getLogger("logicpipe.controller")
 
 SERVICE_NAME = "logicpipe.v1.Controller"
+EXIT_FENCED = 75  # another controller took over: stopped, to be started again (as its standby) by systemd
+
+
+def default_state_dir(listen: str) -> Path:
+    """$STATE_DIRECTORY/controller-PORT under systemd, else $XDG_STATE_HOME (~/.local/state)/logicpipe/...:
+    one per port, so two controllers on one host never share a journal."""
+    port = listen.rpartition(":")[2] or "50051"
+    base = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if not base:
+        base = os.path.join(os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state"),
+                            "logicpipe")
+    return Path(base) / f"controller-{port}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,6 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ca-dir", default="", metavar="DIR",
                     help="the mesh CA (ca.key, ca.crt from `lpctl ca init`): lets the controller issue join tokens "
                          "(`lpctl token create`) and revoke nodes (`lpctl revoke`); revoked names are kept there")
+    ap.add_argument("--state-dir", default=None, metavar="DIR",
+                    help="where the request journal lives (every admitted request, so that a restarted controller "
+                         "resumes them; default $STATE_DIRECTORY or ~/.local/state/logicpipe, controller-PORT)")
+    ap.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                    help="another controller of this mesh (repeat, or comma-separate): the one that finds no active "
+                         "peer at start is active, the other its standby, which copies its journal and takes over "
+                         "within seconds when it dies")
     ap.add_argument("--join-listen", default="", metavar="HOST:PORT",
                     help="with --ca-dir: serve joining nodes here (plaintext; only Join, each call authenticated by "
                          "a one-time token's HMAC)")
@@ -129,9 +153,17 @@ async def serve(args: argparse.Namespace) -> None:
         micro_batches=args.micro_batches, address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
         speculate=args.speculate, prefill_chunk=args.prefill_chunk)
-    app = ControllerApp(model_dir, nodes, transport=transport, revocations=revocations, options=options)
+    journal = Journal(Path(args.state_dir) if args.state_dir else default_state_dir(args.listen))
+    app = ControllerApp(model_dir, nodes, transport=transport, revocations=revocations, options=options,
+                        journal=journal)
+    try:
+        journal.open(app.digest)
+    except JournalError as exc:
+        raise SystemExit(f"--state-dir: {exc}") from None
+    app.on_step_down.append(lambda: os.kill(os.getpid(), signal.SIGTERM))
+    peers = [p.strip() for arg in args.peer for p in arg.split(",") if p.strip()]
     door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
-                     requests_per_client=args.max_requests_per_client)
+                     requests_per_client=args.max_requests_per_client, serving=app.not_serving)
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, door, transport, authority), server)
     health = await add_health(server, SERVICE_NAME)
     await server.start()
@@ -143,20 +175,35 @@ async def serve(args: argparse.Namespace) -> None:
         except OSError as exc:
             raise SystemExit(f"--http {args.http}: cannot listen there ({exc})") from None
 
+    takeover: asyncio.Task | None = None
+
+    async def follow_then_take_over() -> None:
+        nodes = await Standby(app, peers, transport, options.address).run()
+        await app.start(mdns_interface=args.mdns_interface, nodes=nodes)
+
     async def ready() -> str:
+        nonlocal takeover
+        if peers:  # the standby until no peer answers as the active one (at once when none does)
+            takeover = asyncio.create_task(follow_then_take_over(), name="standby")
+            return f"standby of {', '.join(peers)} (active once none of them is)"
         await app.start(mdns_interface=args.mdns_interface)
         where = "by mDNS" + (f" on {args.mdns_interface}" if args.mdns_interface else "") if not args.no_mdns else ""
         listed = f"{len(nodes)} listed" if nodes else ""
         return f"serving; looking for stage nodes ({', '.join(x for x in (listed, where) if x) or 'Register'})"
 
     try:
-        await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0, ready=ready)
+        await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0, ready=ready,
+                                    on_stop=app.scheduler.suspend)
     finally:
+        if takeover is not None:
+            takeover.cancel()
         if http is not None:
             await http.cleanup()
         await app.close()
         if join_server is not None:
             await join_server.stop(1.0)
+    if app.fenced:
+        raise SystemExit(EXIT_FENCED)
 
 
 def main(argv=None) -> None:

@@ -90,6 +90,7 @@ class Pipeline:
         self.stages: list[StageHandle] = []
         self.plan_id = ""
         self.generation = 0
+        self.epoch = 0        # the controller's fencing epoch: stages refuse an older one (another controller took over)
         self.micro_batches = 1
         self.model_dir = ""
         self._prompt_call = None
@@ -136,7 +137,7 @@ class Pipeline:
                 weight_format=assignments[i].weight_format, wire_dtype=assignments[i].wire_dtype,
                 prev_node_id=assignments[i - 1].node_id if i > 0 else "",
                 last_node_id=assignments[-1].node_id if i == 0 and n > 1 else "",
-                plan_id=self.plan_id,
+                plan_id=self.plan_id, controller_epoch=self.epoch, controller_id=self.owner,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address)
             try:
                 reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
@@ -246,14 +247,24 @@ class Pipeline:
         """Open on every stage; returns the leading input positions every stage already holds (the
         prefix cache's hits). On any failure close those opened and raise the first error."""
         request.owner = self.owner
-        results = await asyncio.gather(*(h.stub.OpenSession(request, timeout=OPEN_TIMEOUT_S) for h in self.stages),
+        request.controller_epoch = self.epoch
+        # the stages as they are now: a re-plan may replace the list (and close these channels,
+        # cancelling the calls) while we wait
+        stages, generation = list(self.stages), self.generation
+        if not stages:
+            raise Unavailable("no pipeline serves now (a new plan is being installed)")
+        results = await asyncio.gather(*(h.stub.OpenSession(request, timeout=OPEN_TIMEOUT_S) for h in stages),
                                        return_exceptions=True)
-        errors = [(h, r) for h, r in zip(self.stages, results) if isinstance(r, BaseException)]
+        errors = [(h, r) for h, r in zip(stages, results) if isinstance(r, BaseException)]
         if errors:  # closed everywhere: a stage whose answer timed out may still have admitted it
-            await self.close_session(request.session_id)
+            await self.close_session_many([request.session_id], [h for h in stages if h in self.stages])
             h, exc = errors[0]
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise _mesh_error(exc, h.address) from exc
+            if isinstance(exc, asyncio.CancelledError) or self.generation != generation:
+                # the channel closed under it: its plan was replaced (our own cancellation is not this:
+                # gather would have raised it)
+                raise Unavailable(f"stage {h.address} left the plan while the request opened")
             raise exc
         return min(r.cached_tokens for r in results)
 

@@ -8,6 +8,14 @@ template, stop strings, detokenizing, and outline-DAG requests.
         async for piece in completion:                             # its tokens and text as they come
             ...
     completion.finish_reason, completion.tokens, completion.timings()  # afterwards
+
+    async with door.resume(request_id, have, client) as completion:  # the same, from token `have` on
+        ...
+
+A plain request is journaled (controller.journal) with what resuming it needs: its stop strings
+and which API it came by; a client whose stream broke (the controller restarted, a standby took
+over) resumes it by its id and gets what it would have got, from the tokens it already holds on.
+Outline requests are not resumable (their points are forks of one another).
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ from typing import AsyncIterator
 from logicpipe.controller.outline import MAX_POINTS, OutlineRun
 from logicpipe.controller.scheduler import Job, Request, RequestHandle, Scheduler
 from logicpipe.controller.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
-from logicpipe.errors import InvalidArgument, ResourceExhausted
+from logicpipe.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from logicpipe.limits import check_id
 from logicpipe.sampling import SamplingParams
 
 MAX_PROMPT_CHARS = 2**20   # characters of one prompt or conversation (refused before any work beyond that)
@@ -83,8 +92,12 @@ class RequestOptions:
     prefill_chunk: int = 0                          # prompt tokens per step (0: the controller's choice)
     stop: tuple[str, ...] = ()                      # stop strings: the text ends before the first
     outline: OutlineOptions | None = None
+    request_id: str = ""                            # the client's id for it ("" : the controller makes one)
+    api: str = ""                                   # which door it came by ("grpc", "chat", "completions")
 
     def check(self) -> None:
+        if self.request_id:
+            check_id("request_id", self.request_id)
         if len(self.stop) > MAX_STOPS or not all(self.stop):
             raise InvalidArgument(f"stop: up to {MAX_STOPS} non-empty strings")
         if self.outline is not None and self.outline.max_points > MAX_POINTS:
@@ -141,6 +154,7 @@ class Completion:
     warnings: list[str] = field(default_factory=list)  # ... the outline parser's repairs
     submitted: float = field(default_factory=time.monotonic)
     handle: RequestHandle | None = None               # a plain request's, once submitted
+    api: str = ""                                     # the door it was submitted by (a resume answers in its form)
     _pieces: AsyncIterator[Piece] | None = None
 
     def __aiter__(self) -> AsyncIterator[Piece]:
@@ -155,8 +169,9 @@ class FrontDoor:
     """Requests in, completions out, over the scheduler (see the module's docstring)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, *, model_dir: Path,
-                 requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT):
+                 requests_per_client: int = DEFAULT_REQUESTS_PER_CLIENT, serving=lambda: ""):
         self.scheduler = scheduler
+        self.serving = serving              # "" while this controller serves requests, else why not (a standby)
         self.tokenizer = tokenizer          # None: a model without one takes token ids only
         self.model_dir = model_dir
         self.requests_per_client = requests_per_client
@@ -167,12 +182,7 @@ class FrontDoor:
         """A completion of `prompt` for `client` (a certificate name or a host), refused with a
         MeshError before any work when it breaks a rule; it ends (its sequences closed) when the
         block is left, also when the client went away."""
-        n = self._open.get(client, 0)
-        if n >= self.requests_per_client:
-            raise ResourceExhausted(f"{client} has {n} requests running, the cap per client "
-                                    f"(--max-requests-per-client); wait for one to finish")
-        self._open[client] = n + 1
-        try:
+        async with self._client(client):
             prompt.check()
             options.check()
             completion = await (self._outline(prompt, options) if options.outline is not None
@@ -183,6 +193,37 @@ class FrontDoor:
                 await completion._pieces.aclose()
                 if completion.handle is not None:
                     completion.handle.release()
+
+    @contextlib.asynccontextmanager
+    async def resume(self, request_id: str, have: int, client: str) -> AsyncIterator[Completion]:
+        """Request `request_id` again, from its token `have` on (the client holds the ones before):
+        its pieces are those the first stream would have carried from there."""
+        async with self._client(client):
+            check_id("request_id", request_id)
+            handle = self.scheduler.attach(request_id)
+            req = handle.request
+            o = RequestOptions(req.max_tokens, req.sampling, stop=tuple(req.meta.get("stop", ())))
+            c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=req.meta.get("api", ""))
+            c._pieces = self._plain_pieces(c, handle, o, skip=have)
+            try:
+                yield c
+            finally:
+                await c._pieces.aclose()
+                handle.release()
+
+    @contextlib.asynccontextmanager
+    async def _client(self, client: str):
+        """One more request of `client` open while inside (refused past its cap)."""
+        why_not = self.serving()
+        if why_not:
+            raise FailedPrecondition(why_not)
+        n = self._open.get(client, 0)
+        if n >= self.requests_per_client:
+            raise ResourceExhausted(f"{client} has {n} requests running, the cap per client "
+                                    f"(--max-requests-per-client); wait for one to finish")
+        self._open[client] = n + 1
+        try:
+            yield
         finally:
             self._open[client] -= 1
             if not self._open[client]:
@@ -192,12 +233,16 @@ class FrontDoor:
     async def _plain(self, prompt: Prompt, o: RequestOptions) -> Completion:
         ids = await self.token_ids(prompt)
         handle = self.scheduler.submit(Job(tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
-                                           prefill_chunk=o.prefill_chunk))
-        c = Completion(handle.id, len(ids), handle=handle)
+                                           prefill_chunk=o.prefill_chunk, request_id=o.request_id,
+                                           meta={"stop": list(o.stop), "api": o.api}))
+        c = Completion(handle.id, len(ids), handle=handle, api=o.api)
         c._pieces = self._plain_pieces(c, handle, o)
         return c
 
-    async def _plain_pieces(self, c: Completion, handle: RequestHandle, o: RequestOptions) -> AsyncIterator[Piece]:
+    async def _plain_pieces(self, c: Completion, handle: RequestHandle, o: RequestOptions,
+                            skip: int = 0) -> AsyncIterator[Piece]:
+        """Its pieces; `skip`: the first tokens are the client's already (their text is worked out,
+        so what follows comes out as it would have, but not sent)."""
         text, stops = TextStream(self.tokenizer), StopScan(o.stop)
         async with contextlib.aclosing(handle.updates()) as updates:
             async for u in updates:
@@ -209,7 +254,9 @@ class FrontDoor:
                     c.finish_reason = "stop"
                 elif u.finished:
                     c.finish_reason = "stop" if u.finish_reason == "stop" else "length"
-                yield Piece((u.token_id,), released, finished=bool(c.finish_reason), finish_reason=c.finish_reason)
+                if len(c.tokens) > skip or c.finish_reason:
+                    yield Piece((u.token_id,) if len(c.tokens) > skip else (), released if len(c.tokens) > skip else "",
+                                finished=bool(c.finish_reason), finish_reason=c.finish_reason)
                 if c.finish_reason:
                     return
 

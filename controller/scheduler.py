@@ -5,6 +5,12 @@ The controller keeps every request's prompt and tokens, so a request whose seque
 up (preempted to free KV blocks) is replayed: opened again with its prompt and the tokens it has
 so far; the prefix cache makes that cheap, and each sampled token's draw depends only on (seed,
 sequence, position), so the replay continues exactly where it was.
+
+Every admitted request is also journaled (controller.journal): a controller that restarts, or a
+standby that takes over, restores them (`restore`) and they go on from their tokens. A request's
+tokens are read by its clients (`RequestHandle.updates(start)`): one at first, another that
+resumes it later (after the controller came back, by its id); a request with no reader left ends
+(its client went away), except one restored from the journal, which waits RETAIN_S for its client.
 """
 from __future__ import annotations
 
@@ -21,9 +27,12 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from logicpipe.controller.journal import Journal
 from logicpipe.controller.pipeline import Pipeline
 from logicpipe.controller.state import MeshState
 from logicpipe.errors import (
+    AlreadyExists,
+    Fenced,
     InvalidArgument,
     MeshError,
     NotFound,
@@ -43,7 +52,8 @@ TOKEN_TIMEOUT_S = 120.0     # no token for this long fails a running request
 QUEUE_TIMEOUT_S = 600.0     # a request waiting for KV blocks this long fails with RESOURCE_EXHAUSTED
 MAX_QUEUED = 4096           # requests waiting at once; more are refused at once
 MAX_PREEMPTIONS = 64        # a request preempted this often fails (the mesh is thrashing)
-MAX_REPLAYS = 16            # a request replayed this often after a stage fault or a re-plan fails
+MAX_REPLAYS = 16            # a request whose sequence fails this often in a row, without a token between, fails
+RETAIN_S = 300.0            # a request restored from the journal waits this long for its client to resume it
 WAIT_FOR_NODES_S = 60.0     # no plan fits the nodes there are: a queued request waits this long for one
 DEFAULT_SPECULATE = 4       # candidates per step unless the controller or the request says (rows 1..4 cost one step)
 MAX_SPECULATE = 16          # candidates per step a request may ask for (each is a row on every stage)
@@ -77,6 +87,16 @@ class Job:
     prefill_chunk: int = 0                 # prompt tokens per step (0: the controller's choice)
     parent: tuple[str, int] | None = None  # (session, positions): share its KV (the prompt starts with its tokens)
     keep_open: bool = False                # the sequence stays open after it finishes, until released (forks)
+    request_id: str = ""                   # the client's id for it ("" : one is made); resumed by this id
+    meta: dict = field(default_factory=dict, hash=False, compare=False)  # the adapter's (stop strings, API), journaled
+
+
+def job_to_json(req: "Request") -> dict:
+    """What the journal keeps of a request: enough to open it again as it was (the seed included)."""
+    s = req.sampling
+    return {"prompt": req.prompt_ids, "max_tokens": req.max_tokens,
+            "sampling": [s.temperature, s.top_k, s.top_p, s.seed], "stop_ids": sorted(req.stop_ids),
+            "speculate": req.speculate, "chunk": req.chunk_asked, "meta": req.meta}
 
 
 @dataclass
@@ -86,14 +106,20 @@ class Request:
     max_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)     # handed to the client
     received: list[int] = field(default_factory=list)   # reported by the last stage (a replay's input)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenUpdate | MeshError, to the client
+    delivered: int = 0        # tokens handed to a client (the most any of its readers got)
+    error: MeshError | None = None  # why it failed (its readers raise it after the tokens they have not read)
+    stage_reason: str = ""    # the finish reason the last stage reported with its last token
+    readers: int = 0          # clients reading its tokens now
+    restored: bool = False    # restored from the journal (no client yet: kept RETAIN_S for one to resume it)
+    detached_since: float = 0.0  # a restored request with no reader: since when
+    meta: dict = field(default_factory=dict)  # the adapter's (journaled)
     state: RequestState = RequestState.QUEUED
     session_id: str = ""      # the sequence open for it now (a new one per admission)
     priority: int = 0         # arrival order: the stages preempt younger requests first
     preemptions: int = 0
     replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
+    failures: int = 0         # its sequence failed (a stage fault) with no token since the last failure
     done: bool = False        # its last token was reported (the client may not have read it yet)
     speculate: int = 0        # candidates per step at most (0: none)
     chunk_asked: int = 0      # prompt rows per step the client asked for (0: the controller chooses)
@@ -113,9 +139,27 @@ class Request:
     finished: float = 0.0
     finish_reason: str = ""
 
+    _changed: asyncio.Event | None = None
+
     @property
     def capacity(self) -> int:
         return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens handed to its client(s)."""
+        return self.received[: self.delivered]
+
+    def changed(self) -> asyncio.Event:
+        """Set at the next change (a token, the end, an error, a state change)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def notify(self) -> None:
+        ev, self._changed = self._changed, None
+        if ev is not None:
+            ev.set()
 
 
 @dataclass
@@ -162,8 +206,9 @@ class RequestHandle:
         """The sequence open for it now ("" when none: queued, or closed)."""
         return self.request.session_id
 
-    def updates(self) -> AsyncIterator[TokenUpdate]:
-        return self._scheduler._updates(self.request)
+    def updates(self, start: int = 0) -> AsyncIterator[TokenUpdate]:
+        """Its tokens from index `start` on (a client resuming says how many it holds)."""
+        return self._scheduler._updates(self.request, start)
 
     def __aiter__(self) -> AsyncIterator[TokenUpdate]:
         return self.updates()
@@ -184,13 +229,19 @@ class RequestHandle:
 class Scheduler:
     def __init__(self, pipeline: Pipeline, state: MeshState, config: SchedulerConfig, *,
                  prefill_chunk: Callable[[int], int] = lambda prompt_tokens: 0,
-                 on_trouble: Callable[[str], None] = lambda why: None):
+                 on_trouble: Callable[[str], None] = lambda why: None, journal: Journal | None = None,
+                 on_fenced: Callable[[str], None] = lambda why: None):
         self.pipeline = pipeline
+        self.journal = journal if journal is not None else Journal(None, "")  # every admitted request, durably
         self.state = state              # admission runs while it is READY (its owner is the app)
         self.config = config
         self.prefill_chunk = prefill_chunk  # prompt tokens -> rows per step on the plan in force (0: budget)
         self.on_trouble = on_trouble        # a stage fault seen: check the plan
+        self.on_fenced = on_fenced          # a stage follows a newer controller: this one must step down
         self.active: dict[str, Request] = {}   # session id -> the request it serves
+        self.requests: dict[str, Request] = {}  # request id -> every request not ended yet
+        self.suspended = False      # the controller is stopping: requests stay journaled for the next one
+        self._sweeper: asyncio.Task | None = None
         self.waiting: deque[Request] = deque()
         self.stats = RequestStats()
         self.observers: list[Callable[[Request], None]] = []  # called as each request ends (metrics)
@@ -215,8 +266,11 @@ class Scheduler:
             if t.index != len(req.received):  # not the continuation of what we have: stale, ignore
                 log.warning("request %s: token index %d, expected %d", req.id, t.index, len(req.received))
                 return
+            self.journal.tokens(req.id, len(req.received), t.token_ids)
             req.received.extend(t.token_ids)
+            req.failures = 0  # it moves again
             req.done = t.finished
+            req.stage_reason = t.finish_reason
             accepted = len(t.token_ids) - 1 if t.candidates else 0
             req.decode_steps += 1
             req.candidates += t.candidates
@@ -226,10 +280,11 @@ class Scheduler:
             st.decode_tokens += len(t.token_ids)
             st.candidates += t.candidates
             st.candidates_accepted += accepted
-            n = len(t.token_ids)
-            for i, tok in enumerate(t.token_ids):
-                last = i == n - 1
-                req.queue.put_nowait(TokenUpdate(tok, t.finished and last, t.finish_reason if last else ""))
+            if req.done and not req.readers and not req.keep_open:  # nobody reads it yet: free its KV now
+                del self.active[req.session_id]
+                self.pipeline.close_session_soon(req.session_id)
+                req.session_id = ""
+            req.notify()
             return
         err = from_code(ev.error.code, ev.error.message)
         if ev.error.code == code_number(grpc.StatusCode.RESOURCE_EXHAUSTED):
@@ -238,7 +293,7 @@ class Scheduler:
             self._requeue(req, err)
             self.on_trouble(str(err))
         else:
-            req.queue.put_nowait(err)
+            self._fail(req, err)
 
     # ---- re-planning (called by the app) -----------------------------------------------------
     def detach_all(self) -> list[str]:
@@ -252,7 +307,7 @@ class Scheduler:
             req.session_id = ""
             if req.done:  # finished; its client reads what is queued
                 continue
-            self._back_in_queue(req, Unavailable("its plan was replaced"))
+            self._back_in_queue(req, Unavailable("its plan was replaced"), moved=True)
         self._hold_replays = False
         return [session for session, _ in running]
 
@@ -289,38 +344,96 @@ class Scheduler:
         self.validate(job)
         if len(self.waiting) >= MAX_QUEUED:
             raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting for the mesh; retry later")
+        if job.request_id in self.requests:
+            raise AlreadyExists(f"request {job.request_id} exists; resume it instead of submitting it again")
         sampling = job.sampling
         if not sampling.greedy and sampling.seed is None:  # a seed of our own: replays draw the same
             sampling = sampling.with_seed(random.getrandbits(63))
         stops = (frozenset() if job.ignore_eos else self.config.stop_ids) | job.stop_ids
-        req = Request(uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, sampling, stops,
+        req = Request(job.request_id or uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, sampling, stops,
                       priority=next(self._arrivals), parent=job.parent, keep_open=job.keep_open,
                       speculate=self.config.speculate if job.speculate is None else job.speculate,
-                      chunk_asked=job.prefill_chunk)
+                      chunk_asked=job.prefill_chunk, meta=dict(job.meta))
         self.stats.prompt_tokens += len(req.prompt_ids)
+        self.requests[req.id] = req
+        if job.parent is None and not job.keep_open:  # forks (outline points) live and die with their run
+            self.journal.admit(req.id, job_to_json(req), req.priority)
         self.waiting.append(req)
         self.kick()
         return RequestHandle(self, req)
 
-    async def _updates(self, req: Request) -> AsyncIterator[TokenUpdate]:
-        """`req`'s tokens as they come; however this ends, the request is over for the mesh (its
-        sequence closed unless kept open for forks)."""
+    def find(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def attach(self, request_id: str) -> RequestHandle:
+        """A handle on a request not ended yet (a client resuming it)."""
+        req = self.requests.get(request_id)
+        if req is None or req.ended:
+            raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or it "
+                           "failed) or was never admitted; submit it again")
+        return RequestHandle(self, req)
+
+    def restore(self, entries) -> int:
+        """Requests from the journal (journal.Entry), oldest first, to run again from their tokens;
+        each waits RETAIN_S for its client to resume it. Returns how many."""
+        now = time.monotonic()
+        top = 0
+        for e in sorted(entries, key=lambda e: e.priority):
+            if e.id in self.requests:
+                continue
+            j = e.job
+            t, k, p, seed = j["sampling"]
+            req = Request(e.id, list(j["prompt"]), int(j["max_tokens"]), SamplingParams(t, k, p, seed),
+                          frozenset(j["stop_ids"]), received=list(e.tokens), priority=e.priority,
+                          speculate=int(j["speculate"]), chunk_asked=int(j["chunk"]), meta=dict(j.get("meta") or {}),
+                          restored=True, detached_since=now)
+            top = max(top, e.priority)
+            self.requests[req.id] = req
+            self.waiting.append(req)
+        self._arrivals = itertools.count(max(top + 1, next(self._arrivals)))
+        if self.requests:
+            self.kick()
+            self._ensure_sweeper()
+        return len(entries)
+
+    async def _updates(self, req: Request, start: int = 0) -> AsyncIterator[TokenUpdate]:
+        """`req`'s tokens from index `start` on, as they come; when its last reader leaves, the
+        request is over for the mesh (its sequence closed unless kept open for forks)."""
+        req.readers += 1
+        req.detached_since = 0.0
+        i = max(0, start)
         try:
             while True:
-                item = await self._next_update(req)
-                req.tokens.append(item.token_id)
-                self.stats.generated_tokens += 1
-                req.last_token = time.monotonic()
-                if len(req.tokens) == 1:
-                    req.first_token = req.last_token
-                if item.finished:
-                    req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), item.finish_reason
-                    self.stats.completed += 1  # counted before the client takes it: it may close us right after
-                yield item
-                if item.finished:
+                while i < len(req.received):
+                    token = req.received[i]
+                    i += 1
+                    last = req.done and i == len(req.received)
+                    if i > req.delivered:
+                        req.delivered = i
+                        self.stats.generated_tokens += 1
+                        req.last_token = time.monotonic()
+                        if i == 1:
+                            req.first_token = req.last_token
+                    if last and req.state is not RequestState.FINISHED:
+                        req.state, req.finished, req.finish_reason = (RequestState.FINISHED, time.monotonic(),
+                                                                      req.stage_reason)
+                        self.stats.completed += 1  # counted before the client takes it: it may close us right after
+                    yield TokenUpdate(token, last, req.stage_reason if last else "")
+                    if last:
+                        return
+                if req.done and i >= len(req.received) and req.received:
+                    return  # a resume that already holds every token
+                if req.error is not None:
+                    raise req.error
+                if req.state is RequestState.FINISHED:  # stopped by a client
                     return
+                await self._wait_change(req)
         finally:
-            self._end(req)
+            req.readers -= 1
+            # the last reader gone: its client left (or got everything); unless the controller is
+            # stopping, when it stays journaled for the next one to resume
+            if not req.readers and not self.suspended:
+                self._end(req)
 
     def _stop(self, req: Request, reason: str) -> None:
         """The client ends `req` as finished (a stop string it found): a completed request, not a
@@ -328,14 +441,17 @@ class Scheduler:
         if req.state is not RequestState.FINISHED:
             req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), reason
             self.stats.completed += 1
+        req.notify()
 
-    async def _next_update(self, req: Request) -> TokenUpdate:
-        """The request's next token; a MeshError from the stages is raised. A request waiting in
-        the queue is held up by the queue (which fails it after QUEUE_TIMEOUT_S); a running one
-        fails when no token came for TOKEN_TIMEOUT_S."""
+    async def _wait_change(self, req: Request) -> None:
+        """Until `req` changes (a MeshError raised when it is stuck). A request waiting in the
+        queue is held up by the queue (which fails it after QUEUE_TIMEOUT_S); a running one fails
+        when no token came for TOKEN_TIMEOUT_S."""
+        changed = req.changed()
         while True:
             try:
-                item = await asyncio.wait_for(req.queue.get(), 1.0)
+                await asyncio.wait_for(changed.wait(), 1.0)
+                return
             except asyncio.TimeoutError:
                 now = time.monotonic()
                 since = max(req.last_token, req.opened_now)
@@ -347,12 +463,17 @@ class Scheduler:
                     raise ResourceExhausted(f"waited {wait_s:.0f} s for the mesh: {self.state.reason}") from None
                 if req.state is RequestState.QUEUED and now - req.queued_since > QUEUE_TIMEOUT_S + TOKEN_TIMEOUT_S:
                     raise ResourceExhausted(f"waited {now - req.queued_since:.0f} s for the mesh; retry later") from None
-                if req.state is RequestState.QUEUED and req not in self.waiting:  # lost by the queue: never hang
+                if req.state is RequestState.QUEUED and req not in self.waiting and req.error is None:
                     raise Unavailable("the request left the admission queue without being opened") from None
+                if req.error is not None or req.received and len(req.received) > req.delivered:
+                    return
                 continue
-            if isinstance(item, Exception):
-                raise item
-            return item
+
+    def _fail(self, req: Request, err: MeshError) -> None:
+        """`req` fails with `err` (its readers get the tokens they have not read, then the error)."""
+        if req.error is None:
+            req.error = err
+        req.notify()
 
     def _end(self, req: Request) -> None:
         """The request is over for the mesh (finished, failed, or its client left): out of the
@@ -364,6 +485,9 @@ class Scheduler:
             req.state = RequestState.FAILED
             self.stats.failed += 1
         self.stats.replays += req.replays
+        if self.requests.get(req.id) is req:
+            del self.requests[req.id]
+        self.journal.drop(req.id)
         self._hold_replays = False
         if req in self.waiting:
             self.waiting.remove(req)
@@ -396,25 +520,31 @@ class Scheduler:
             self._hold_replays = True
         self._back_in_queue(req, err, preempted=preempted)
 
-    def _back_in_queue(self, req: Request, err: MeshError, *, preempted: bool = False) -> None:
+    def _back_in_queue(self, req: Request, err: MeshError, *, preempted: bool = False, moved: bool = False) -> None:
         """`req` to the front of the queue (the oldest work goes first), to be replayed from its
-        prompt and the tokens it has; it fails instead once it has been moved too often."""
+        prompt and the tokens it has. `moved`: a new plan replaces the one it ran on (not its
+        failure: the mesh changed). It fails instead once preempted too often, or once its own
+        sequence failed MAX_REPLAYS times in a row with no token between (a request that breaks
+        whatever runs it)."""
         if preempted:
             req.preemptions += 1
             if req.preemptions > MAX_PREEMPTIONS:
-                req.queue.put_nowait(ResourceExhausted(f"preempted {req.preemptions} times for lack of KV blocks "
-                                                       f"(last: {err}); the mesh is overloaded, retry later"))
+                self._fail(req, ResourceExhausted(f"preempted {req.preemptions} times for lack of KV blocks "
+                                                  f"(last: {err}); the mesh is overloaded, retry later"))
                 return
         else:
             req.replays += 1
-            if req.replays > MAX_REPLAYS:
-                req.queue.put_nowait(Unavailable(f"moved to another plan {req.replays - 1} times; giving up (last: "
-                                                 f"{err})"))
-                return
+            if not moved:
+                req.failures += 1
+                if req.failures > MAX_REPLAYS:
+                    self._fail(req, Unavailable(f"its sequence failed {req.failures - 1} times in a row with no new "
+                                                f"token; giving up (last: {err})"))
+                    return
         log.info("request %s %s (%s); replaying it with its %d tokens", req.id,
                  "preempted" if preempted else "interrupted", err, len(req.received))
         req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
         self.waiting.appendleft(req)
+        req.notify()
         self.kick()
 
     # ---- admission --------------------------------------------------------------------------
@@ -441,7 +571,7 @@ class Scheduler:
             largest = self.pipeline.largest_request()
             if largest and req.capacity > largest:  # this plan's smallest pool can never hold it
                 self.waiting.remove(req)
-                req.queue.put_nowait(ResourceExhausted(
+                self._fail(req, ResourceExhausted(
                     f"{len(req.prompt_ids)} prompt tokens + {req.max_tokens} new tokens need more KV than a stage "
                     f"of the plan in force holds in all ({largest} positions); lower the tokens, or give the "
                     "stages more --max-kv-mib"))
@@ -452,7 +582,7 @@ class Scheduler:
                 if time.monotonic() - req.queued_since > QUEUE_TIMEOUT_S:
                     if req in self.waiting:
                         self.waiting.remove(req)
-                    req.queue.put_nowait(ResourceExhausted(
+                    self._fail(req, ResourceExhausted(
                         f"waited {QUEUE_TIMEOUT_S:.0f} s for KV blocks on the stages ({err}); retry later"))
                     continue
                 try:
@@ -465,15 +595,19 @@ class Scheduler:
                 await asyncio.sleep(ADMIT_RETRY_S)
                 continue
             except MeshError as err:
+                if Fenced.seen_in(str(err)):  # not the request's fault: it resumes at the new controller
+                    self.on_fenced(str(err))
+                    await asyncio.sleep(ADMIT_RETRY_S)
+                    continue
                 if req in self.waiting:
                     self.waiting.remove(req)
-                req.queue.put_nowait(err)
+                self._fail(req, err)
                 continue
             except Exception as exc:  # noqa: BLE001 — the queue must keep moving
                 log.exception("opening request %s failed", req.id)
                 if req in self.waiting:
                     self.waiting.remove(req)
-                req.queue.put_nowait(Unavailable(f"the controller could not open the request: {exc}"))
+                self._fail(req, Unavailable(f"the controller could not open the request: {exc}"))
                 continue
 
     async def _open(self, req: Request) -> None:
@@ -531,11 +665,35 @@ class Scheduler:
                 raise
             # else detached meanwhile by a re-plan: it waits for the new plan
 
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="restored-requests")
+
+    async def _sweep(self) -> None:
+        """Restored requests that no client resumed within RETAIN_S end (finished or not)."""
+        while any(r.restored for r in self.requests.values()):
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for req in [r for r in self.requests.values() if r.restored and not r.readers and r.detached_since]:
+                if now - req.detached_since > RETAIN_S:
+                    log.info("request %s: no client resumed it in %.0f s; dropping it", req.id, RETAIN_S)
+                    self._fail(req, Unavailable("no client resumed it in time"))
+                    self._end(req)
+
+    async def suspend(self) -> None:
+        """The controller is stopping: from now on no request leaves the journal as its client's
+        stream is cut (they resume at the controller that follows)."""
+        self.suspended = True
+
     async def shutdown(self) -> None:
-        """Fail every request and close every sequence we hold (the controller is stopping)."""
-        err = Unavailable("the controller is shutting down")
+        """Close every sequence we hold (the controller is stopping); the requests stay journaled,
+        and their clients are told to resume them at the controller that follows."""
+        self.suspended = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for req in [*self.active.values(), *self.waiting]:
-            req.queue.put_nowait(err)
+            self._fail(req, Unavailable(f"the controller is stopping; resume request {req.id} at the controller "
+                                        "that follows (it keeps its journal) or at the standby"))
         sessions = list(self.active)
         self.active.clear()
         self.waiting.clear()

@@ -18,6 +18,7 @@ from logicpipe.controller.requests import (
     host_client,
 )
 from logicpipe.controller.scheduler import DEFAULT_MAX_TOKENS
+from logicpipe.controller.standby import Replicator
 from logicpipe.controller.state import Phase
 from logicpipe.controller.weights_server import stream_weights
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, PermissionDenied
@@ -53,7 +54,7 @@ def submit_request(request: controller_pb2.SubmitRequest) -> tuple[Prompt, Reque
         max_tokens=request.max_tokens or (DEFAULT_POINT_TOKENS if outline else DEFAULT_MAX_TOKENS),
         sampling=SamplingParams.from_proto(request.sampling), ignore_eos=request.ignore_eos,
         speculate=request.speculate if request.HasField("speculate") else None, prefill_chunk=request.prefill_chunk,
-        outline=outline)
+        outline=outline, request_id=request.request_id, api="grpc")
     return prompt, options
 
 
@@ -90,13 +91,15 @@ def status_reply(snap: ControllerSnapshot) -> controller_pb2.ControllerStatusRep
         tokens_per_step=st.decode_tokens / st.decode_steps if st.decode_steps else 0.0,
         acceptance_rate=st.candidates_accepted / st.candidates if st.candidates else 0.0,
         stages=[stage_info(s) for s in snap.stages], last_replan=snap.last_replan, last_replan_s=snap.last_replan_s,
-        replans=snap.replans, waiting=snap.reason if snap.phase is Phase.WAITING else "")
+        replans=snap.replans, waiting=snap.reason if snap.phase is Phase.WAITING else "", role=snap.role,
+        epoch=snap.epoch, active=snap.active, journaled=snap.journaled)
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(self, app: ControllerApp, door: FrontDoor, transport: Transport,
-                 authority: JoinAuthority | None = None):
+                 authority: JoinAuthority | None = None, replicator=None):
         self.app = app
+        self.replicator = replicator if replicator is not None else Replicator(app)  # a standby follows us
         self.door = door
         self.transport = transport  # the process's: who a caller is
         self.authority = authority  # --ca-dir: join tokens and revocations (None: refused)
@@ -104,19 +107,35 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def Submit(self, request, context):
         prompt, options = submit_request(request)
         async with self.door.open(prompt, options, client_identity(self.transport, context)) as completion:
-            first = True
-            async for piece in completion:
-                reply = controller_pb2.SubmitReply(request_id=completion.id if options.outline is None else "",
-                                                   token_ids=piece.token_ids, text=piece.text, point=piece.point,
-                                                   finished=piece.finished, finish_reason=piece.finish_reason)
-                if first:
-                    reply.stages.extend(stage_info(s) for s in self.app.stage_views())
-                    first = False
-                if piece.finished:
-                    reply.timings.CopyFrom(timings_proto(completion.timings(), completion))
+            async for reply in self._replies(completion, options.outline is not None):
                 yield reply
-            if options.outline is not None:
-                yield outline_reply(completion)
+
+    async def Resume(self, request, context):
+        async with self.door.resume(request.request_id, request.have_tokens,
+                                    client_identity(self.transport, context)) as completion:
+            async for reply in self._replies(completion, False):
+                yield reply
+
+    async def Replicate(self, request, context):
+        async for op in self.replicator.follow(request.follower or context.peer()):
+            yield op
+
+    async def _replies(self, completion: Completion, outline: bool):
+        """The stream of a completion's replies: its pieces, the stages on the first, the timings
+        on the last (an outline request's points after its pieces)."""
+        first = True
+        async for piece in completion:
+            reply = controller_pb2.SubmitReply(request_id=completion.id if not outline else "",
+                                               token_ids=piece.token_ids, text=piece.text, point=piece.point,
+                                               finished=piece.finished, finish_reason=piece.finish_reason)
+            if first:
+                reply.stages.extend(stage_info(s) for s in self.app.stage_views())
+                first = False
+            if piece.finished:
+                reply.timings.CopyFrom(timings_proto(completion.timings(), completion))
+            yield reply
+        if outline:
+            yield outline_reply(completion)
 
     async def Status(self, request, context):
         reply = status_reply(self.app.snapshot())

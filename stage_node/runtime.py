@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 
 from logicpipe.common.transport import Transport
-from logicpipe.errors import FailedPrecondition, MeshError, NotFound, PermissionDenied
+from logicpipe.errors import FailedPrecondition, Fenced, MeshError, NotFound, PermissionDenied
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node import loading
 from logicpipe.stage_node.blocks import KVManager
@@ -47,6 +47,7 @@ class StageRuntime:
                  options: StageOptions = StageOptions(), runner: Runner | None = None, pull_root: Path | None = None,
                  local_model_dir: str | None = None):
         self.node_id = node_id
+        self.controller_epoch, self.controller_id = 0, ""  # the newest controller seen (see `fence`)
         self.device = device
         self.transport = transport  # the process's: channels to the next stage, stage 0, the controller
         self.options = options
@@ -165,6 +166,21 @@ class StageRuntime:
         return self.engine
 
     # ---- sessions --------------------------------------------------------------------------
+    def fence(self, epoch: int, controller_id: str) -> None:
+        """Refuse a controller older than the newest one seen (another took over): its epoch lower,
+        or the same epoch held by another controller. A newer epoch is adopted. 0: unfenced, taken
+        only while no epoch was seen."""
+        held, holder = self.controller_epoch, self.controller_id
+        if epoch > held:
+            if held:
+                log.info("controller %s (epoch %d) takes over from %s (epoch %d)", controller_id, epoch, holder, held)
+            self.controller_epoch, self.controller_id = epoch, controller_id
+            return
+        if epoch == held and (not epoch or controller_id == holder):
+            return
+        raise Fenced(f"{Fenced.PREFIX} node {self.node_id} follows controller {holder} of epoch {held}; controller "
+                     f"{controller_id or '?'} of epoch {epoch} was replaced")
+
     def open_session(self, spec: SeqSpec) -> int:
         """Admit a sequence; returns the leading positions it already holds (prefix cache, parent)."""
         _, cached = self.require_ready().scheduler.admit(spec)

@@ -43,6 +43,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         return hashlib.sha256(wire.profile_to_proto(self.profile).SerializeToString(deterministic=True)).hexdigest()[:12]
 
     async def Assign(self, request, context):
+        self.runtime.fence(request.controller_epoch, request.controller_id)
         a = wire.assignment_from_proto(request, caller_address(request.controller_address, context.peer()))
         t0 = time.monotonic()
         eng = await self.runtime.assign(a)
@@ -50,6 +51,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
                                      tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 
     async def OpenSession(self, request, context):
+        self.runtime.fence(request.controller_epoch, request.owner)
         cfg = self.runtime.require_ready().shard.config
         _, opener = self.transport.peer(context)
         spec = wire.spec_from_proto(request, context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
@@ -106,8 +108,10 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             self.runtime.events.unsubscribe(sub)
 
     async def Status(self, request, context):
-        return wire.status_reply(self.runtime.snapshot(), profile=self.profile, compute_id=self.compute_id,
-                                 version=__version__)
+        reply = wire.status_reply(self.runtime.snapshot(), profile=self.profile, compute_id=self.compute_id,
+                                  version=__version__)
+        reply.controller_epoch, reply.controller_id = self.runtime.controller_epoch, self.runtime.controller_id
+        return reply
 
     async def Echo(self, request, context):
         if request.reply_bytes > MAX_ECHO_BYTES:

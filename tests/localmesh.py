@@ -141,34 +141,37 @@ class LocalMesh:
         wait_serving(addr, proc, log, transport=self.transport)
         return addr
 
-    def start_controller(self, *extra: str, ready: bool = True, env: dict[str, str] | None = None) -> str:
+    def start_controller(self, *extra: str, ready: bool = True, env: dict[str, str] | None = None,
+                         name: str = "controller", address: str | None = None) -> str:
         """Start the controller (`env`: its own extra environment); `ready`: wait until a plan serves
-        (its Status says "ready")."""
-        self.controller_address = self.controller_address or f"127.0.0.1:{free_port()}"
+        (its Status says "ready"). `name` and `address`: another controller (a standby), with
+        its own journal (--state-dir under the work directory, by name: a restart keeps it)."""
+        if address is None:
+            self.controller_address = address = self.controller_address or f"127.0.0.1:{free_port()}"
         found = (["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns
                  else ["--no-mdns", "--nodes", ",".join(self.stage_addresses)])
         if self.tls:
             found += ["--tls-dir", str(mesh_bundle("controller", "controller"))]
-        proc, log = self._spawn("controller", [
-            "-m", "logicpipe.controller.main", "--listen", self.controller_address, "--model", str(self.model_dir),
-            *found, *self.controller_args, *extra], env)
-        wait_serving(self.controller_address, proc, log, peer_role="controller", transport=self.transport)
+        proc, log = self._spawn(name, [
+            "-m", "logicpipe.controller.main", "--listen", address, "--model", str(self.model_dir),
+            "--state-dir", str(self.workdir / f"{name}-state"), *found, *self.controller_args, *extra], env)
+        wait_serving(address, proc, log, peer_role="controller", transport=self.transport)
         if ready:
-            self.wait_plan(proc=proc, log=log)
-        return self.controller_address
+            self.wait_plan(proc=proc, log=log, address=address)
+        return address
 
     def lpctl(self) -> list[str]:
         """The command line of lpctl for this mesh (with the client bundle when it uses TLS)."""
         return [sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", self.controller_address,
                 *(["--tls-dir", str(mesh_bundle("client", "client"))] if self.tls else [])]
 
-    def controller_status(self, timeout: float = 5.0):
-        with self.transport.sync_channel(self.controller_address, "controller") as ch:
+    def controller_status(self, timeout: float = 5.0, address: str | None = None):
+        with self.transport.sync_channel(address or self.controller_address, "controller") as ch:
             return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(),
                                                                  timeout=timeout)
 
     def wait_plan(self, stages: int | None = None, generation_above: int = 0, timeout: float = READY_TIMEOUT_S,
-                  proc: subprocess.Popen | None = None, log: Path | None = None):
+                  proc: subprocess.Popen | None = None, log: Path | None = None, address: str | None = None):
         """Until the controller serves a plan (of `stages` stages, of a generation above
         `generation_above`); returns its Status."""
         deadline = time.monotonic() + timeout
@@ -177,7 +180,7 @@ class LocalMesh:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the controller exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
             try:
-                st = self.controller_status()
+                st = self.controller_status(address=address)
                 if (st.state == "ready" and (stages is None or len(st.stages) == stages)
                         and st.plan_generation > generation_above):
                     return st
@@ -204,13 +207,14 @@ class LocalMesh:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def restart_controller(self, model_dir: Path | str | None = None, *extra: str, env: dict[str, str] | None = None):
-        """Stop the controller (SIGTERM, then wait) and start a new one on the same address, over
-        the same stages (with another model, if given: it must lie under the stages' --model-root,
-        the first model's parent directory); returns its Status once a plan serves."""
+    def restart_controller(self, model_dir: Path | str | None = None, *extra: str, env: dict[str, str] | None = None,
+                           sig: int = signal.SIGTERM):
+        """Stop the controller (`sig`, then wait) and start a new one on the same address, over
+        the same stages and journal (with another model, if given: it must lie under the stages'
+        --model-root, the first model's parent directory); returns its Status once a plan serves."""
         proc = self.procs.get("controller")
         if proc is not None and proc.poll() is None:
-            self.signal("controller", signal.SIGTERM)
+            self.signal("controller", sig)
             proc.wait(STOP_GRACE_S)
         if model_dir is not None:
             self.model_dir = Path(model_dir)

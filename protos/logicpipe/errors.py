@@ -38,8 +38,23 @@ class PermissionDenied(MeshError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class AlreadyExists(MeshError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Fenced(FailedPrecondition):
+    """A stage refuses a controller whose fencing epoch is older than one it has seen (another
+    controller took over). The message starts with FENCED, which is how the controller knows."""
+
+    PREFIX = "FENCED:"
+
+    @classmethod
+    def seen_in(cls, message: str) -> bool:
+        return cls.PREFIX in message
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted, Unavailable,
-                                       PermissionDenied)}
+                                       PermissionDenied, AlreadyExists)}
 
 
 def from_code(code: int | grpc.StatusCode, message: str) -> MeshError:

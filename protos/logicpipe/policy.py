@@ -29,6 +29,7 @@ CONTROLLER_POLICY: dict[str, frozenset[str]] = {
     "Status": frozenset({CONTROLLER, STAGE, CLIENT}),
     "Register": frozenset({STAGE}), "Leave": frozenset({STAGE}), "PullWeights": frozenset({STAGE}),
     "CreateJoinToken": frozenset({CLIENT}), "Revoke": frozenset({CLIENT}),
+    "Resume": frozenset({CLIENT}), "Replicate": frozenset({CONTROLLER}),  # a standby controller follows the active
     "Join": frozenset(),  # served on the bootstrap port only (--join-listen), authenticated by a token
 }
 """Who may call each Controller method."""

@@ -7,6 +7,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "have_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    have_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., have_tokens: _Optional[int] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("follower",)
+    FOLLOWER_FIELD_NUMBER: _ClassVar[int]
+    follower: str
+    def __init__(self, follower: _Optional[str] = ...) -> None: ...
+
+class JournalOp(_message.Message):
+    __slots__ = ("kind", "request_id", "job_json", "priority", "start", "tokens", "epoch", "plan_json", "nodes_json")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_JSON_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    NODES_JSON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    request_id: str
+    job_json: str
+    priority: int
+    start: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    epoch: int
+    plan_json: str
+    nodes_json: str
+    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., job_json: _Optional[str] = ..., priority: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., plan_json: _Optional[str] = ..., nodes_json: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -16,7 +52,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points", "speculate", "prefill_chunk", "messages")
+    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points", "speculate", "prefill_chunk", "messages", "request_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +66,7 @@ class SubmitRequest(_message.Message):
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     max_tokens: int
@@ -43,7 +80,8 @@ class SubmitRequest(_message.Message):
     speculate: int
     prefill_chunk: int
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class OutlinePoint(_message.Message):
     __slots__ = ("id", "title", "deps", "tokens", "text", "start_s", "end_s", "shared")
@@ -158,7 +196,7 @@ class NodeStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ..., node_id: _Optional[str] = ..., source: _Optional[str] = ..., in_plan: bool = ..., drained: bool = ..., down: _Optional[str] = ...) -> None: ...
 
 class ControllerStatusReply(_message.Message):
-    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting", "speculate", "decode_steps", "decode_tokens", "candidates", "candidates_accepted", "tokens_per_step", "acceptance_rate")
+    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting", "speculate", "decode_steps", "decode_tokens", "candidates", "candidates_accepted", "tokens_per_step", "acceptance_rate", "role", "epoch", "active", "journaled")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +220,10 @@ class ControllerStatusReply(_message.Message):
     CANDIDATES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    JOURNALED_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     plan_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
@@ -205,7 +247,11 @@ class ControllerStatusReply(_message.Message):
     candidates_accepted: int
     tokens_per_step: float
     acceptance_rate: float
-    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ..., speculate: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., candidates: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
+    role: str
+    epoch: int
+    active: str
+    journaled: int
+    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ..., speculate: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., candidates: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., active: _Optional[str] = ..., journaled: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("address", "node_id")

@@ -85,6 +85,16 @@ class ControllerStub(object):
                 request_serializer=logicpipe_dot_v1_dot_controller__pb2.RevokeRequest.SerializeToString,
                 response_deserializer=logicpipe_dot_v1_dot_controller__pb2.RevokeReply.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/logicpipe.v1.Controller/Resume',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.SubmitReply.FromString,
+                _registered_method=True)
+        self.Replicate = channel.unary_stream(
+                '/logicpipe.v1.Controller/Replicate',
+                request_serializer=logicpipe_dot_v1_dot_controller__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_controller__pb2.JournalOp.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer(object):
@@ -165,6 +175,24 @@ class ControllerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """A request's tokens from have_tokens on, by its id (a client whose stream broke: the controller
+        restarted, a standby took over). The replies are those Submit would have sent from there.
+        NOT_FOUND: the request ended or was never admitted (submit it again); FAILED_PRECONDITION
+        "standby": this controller is not the active one (the message names it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request, context):
+        """The active controller's journal, for a standby (controllers): what it holds now, then every
+        change as it is made, and a heartbeat every HEARTBEAT_S while nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +245,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Revoke,
                     request_deserializer=logicpipe_dot_v1_dot_controller__pb2.RevokeRequest.FromString,
                     response_serializer=logicpipe_dot_v1_dot_controller__pb2.RevokeReply.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.ResumeRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.SubmitReply.SerializeToString,
+            ),
+            'Replicate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=logicpipe_dot_v1_dot_controller__pb2.ReplicateRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_controller__pb2.JournalOp.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +528,60 @@ class Controller(object):
             '/logicpipe.v1.Controller/Revoke',
             logicpipe_dot_v1_dot_controller__pb2.RevokeRequest.SerializeToString,
             logicpipe_dot_v1_dot_controller__pb2.RevokeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/logicpipe.v1.Controller/Resume',
+            logicpipe_dot_v1_dot_controller__pb2.ResumeRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/logicpipe.v1.Controller/Replicate',
+            logicpipe_dot_v1_dot_controller__pb2.ReplicateRequest.SerializeToString,
+            logicpipe_dot_v1_dot_controller__pb2.JournalOp.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype", "prev_node_id", "last_node_id")
+    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype", "prev_node_id", "last_node_id", "controller_epoch", "controller_id")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class AssignRequest(_message.Message):
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREV_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     model_digest: str
     start_layer: int
@@ -45,7 +47,9 @@ class AssignRequest(_message.Message):
     wire_dtype: str
     prev_node_id: str
     last_node_id: str
-    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., prev_node_id: _Optional[str] = ..., last_node_id: _Optional[str] = ...) -> None: ...
+    controller_epoch: int
+    controller_id: str
+    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., prev_node_id: _Optional[str] = ..., last_node_id: _Optional[str] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("parameter_count", "tied_copy_count", "load_seconds")
@@ -70,7 +74,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk")
+    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk", "controller_epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +89,7 @@ class OpenSessionRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capacity: int
     sampling: SamplingParams
@@ -99,7 +104,8 @@ class OpenSessionRequest(_message.Message):
     priority: int
     speculate: int
     prefill_chunk: int
-    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
+    controller_epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., controller_epoch: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("cached_tokens",)
@@ -239,7 +245,7 @@ class DeviceProfile(_message.Message):
     def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes")
+    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +291,8 @@ class StatusReply(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     device: str
@@ -330,7 +338,9 @@ class StatusReply(_message.Message):
     dtype: str
     weight_format: str
     weight_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    controller_epoch: int
+    controller_id: str
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")

@@ -1,0 +1,293 @@
+"""The request journal: every admitted request, durably, so that a controller that dies (SIGKILL, a
+crash, a power cut short of the disk) or stops resumes each one from its tokens, and a standby
+controller can take over from a copy.
+
+What is kept per request: its id, the job (prompt token ids, options, the seed it samples with),
+its arrival order, and the tokens the last stage reported so far. Tokens are written in batches:
+operations queue in memory and a writer thread commits them together every FLUSH_S, so a decode
+step costs one list append, not a disk write. A token that had not reached the disk when the
+controller died is simply computed again on resume (replay is exact: greedy, and seeded sampling,
+whose draws depend only on seed, sequence and position), and a client that already holds it says
+so when it resumes.
+
+The store is SQLite in WAL mode (Python's own `sqlite3`: no new dependency, one file, crash-safe:
+a committed transaction survives the process being killed; with synchronous=NORMAL only a power
+cut can lose the last few batches, which replay recomputes). A finished or failed request leaves
+the journal (its rows are deleted), so the journal holds the requests in flight and no more; the
+WAL is truncated back to JOURNAL_SIZE_LIMIT after each checkpoint.
+
+The journal also keeps a mirror of what it holds in memory: the state a standby needs to start
+from (`snapshot`), and every operation after that in order (`subscribe`), which is how the active
+controller ships its journal to a standby (controller.standby).
+"""
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 0.05                 # queued operations are committed together this often
+JOURNAL_SIZE_LIMIT = 8 * 2**20  # the WAL file is cut back to this after a checkpoint, bytes
+SCHEMA = 1
+
+ADMIT, TOKENS, DROP, EPOCH = "admit", "tokens", "drop", "epoch"
+
+
+class JournalError(Exception):
+    """The journal cannot be used (another controller holds it, an unreadable file)."""
+
+
+@dataclass
+class Entry:
+    """One journaled request."""
+
+    id: str
+    job: dict                 # the scheduler's Job, as JSON (scheduler.job_to_json)
+    priority: int             # arrival order
+    tokens: list[int] = field(default_factory=list)  # reported by the last stage so far
+    admitted: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One change to the journal, in the order it was made (what a standby receives)."""
+
+    kind: str                 # ADMIT | TOKENS | DROP | EPOCH
+    id: str = ""
+    job: dict | None = None   # ADMIT
+    priority: int = 0         # ADMIT
+    start: int = 0            # TOKENS: the index of the first token
+    tokens: tuple[int, ...] = ()
+    epoch: int = 0            # EPOCH
+
+
+def _pack(tokens) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def _unpack(blob: bytes) -> list[int]:
+    return array("q", blob).tolist()
+
+
+class Journal:
+    """The requests in flight, on disk under `directory` (journal.sqlite3), and in memory."""
+
+    def __init__(self, directory: Path | str | None, model_digest: str = ""):
+        """`directory` None: in memory only (nothing survives the process; tests, embedded use)."""
+        self.directory = Path(directory) if directory is not None else None
+        self.model_digest = model_digest
+        self.entries: dict[str, Entry] = {}
+        self.epoch = 0                      # the fencing epoch of the last active controller
+        self.dropped_on_open: list[str] = []  # requests of another model found at open (not resumed)
+        self._pending: list[Op] = []
+        self._subscribers: list[Callable[[Op], None]] = []
+        self._db: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
+        self._flusher: asyncio.Task | None = None
+        self._write_lock = threading.Lock()
+        self.seq = 0                        # operations made since open (a standby's position)
+
+    # ---- opening ----------------------------------------------------------------------------
+    def open(self, model_digest: str | None = None) -> "Journal":
+        """Lock the directory (one controller per journal), read what is there; requests of
+        another model are dropped (their token ids mean something else now), with a warning."""
+        self.model_digest = model_digest if model_digest is not None else self.model_digest
+        if self.directory is None:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock = self.directory / "journal.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JournalError(f"another controller uses the journal in {self.directory}; give each controller "
+                               "its own --state-dir") from None
+        self._lock_fd = fd
+        try:
+            self._db = sqlite3.connect(self.directory / "journal.sqlite3", check_same_thread=False,
+                                       isolation_level=None)
+            db = self._db
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
+            db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            db.execute("CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY, priority INTEGER NOT NULL, "
+                       "admitted REAL NOT NULL, job TEXT NOT NULL)")
+            db.execute("CREATE TABLE IF NOT EXISTS tokens (id TEXT NOT NULL, start INTEGER NOT NULL, "
+                       "ids BLOB NOT NULL, PRIMARY KEY (id, start))")
+            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            if meta.get("schema", str(SCHEMA)) != str(SCHEMA):
+                raise JournalError(f"the journal in {self.directory} has schema {meta['schema']}, not {SCHEMA}")
+            self.epoch = int(meta.get("epoch", 0))
+            rows = db.execute("SELECT id, priority, admitted, job FROM requests").fetchall()
+            tokens: dict[str, list[tuple[int, bytes]]] = {}
+            for rid, start, blob in db.execute("SELECT id, start, ids FROM tokens"):
+                tokens.setdefault(rid, []).append((start, blob))
+            stale = meta.get("model_digest") not in (None, self.model_digest)
+            for rid, priority, admitted, job in rows:
+                if stale:
+                    self.dropped_on_open.append(rid)
+                    continue
+                got: list[int] = []
+                for start, blob in sorted(tokens.get(rid, ())):
+                    if start != len(got):  # a gap cannot happen (batches commit in order); keep the prefix
+                        break
+                    got.extend(_unpack(blob))
+                self.entries[rid] = Entry(rid, json.loads(job), priority, got, admitted)
+            if stale:
+                log.warning("the journal in %s holds %d requests of another model; they are not resumed",
+                            self.directory, len(self.dropped_on_open))
+                db.execute("DELETE FROM requests")
+                db.execute("DELETE FROM tokens")
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?), ('model_digest', ?)",
+                       (str(SCHEMA), self.model_digest))
+        except sqlite3.Error as exc:
+            self.close_now()
+            raise JournalError(f"the journal in {self.directory} cannot be read: {exc}") from None
+        return self
+
+    def start(self) -> None:
+        """Commit queued operations in the background from now on (in the running loop)."""
+        if self._db is not None and self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="journal-writer")
+
+    # ---- changes ----------------------------------------------------------------------------
+    def admit(self, rid: str, job: dict, priority: int) -> None:
+        self._apply(Op(ADMIT, rid, job=job, priority=priority))
+
+    def tokens(self, rid: str, start: int, tokens) -> None:
+        self._apply(Op(TOKENS, rid, start=start, tokens=tuple(tokens)))
+
+    def drop(self, rid: str) -> None:
+        if rid in self.entries:
+            self._apply(Op(DROP, rid))
+
+    def set_epoch(self, epoch: int) -> None:
+        self._apply(Op(EPOCH, epoch=epoch))
+
+    def apply(self, op: Op) -> None:
+        """An operation from the active controller (a standby's copy)."""
+        self._apply(op)
+
+    def _apply(self, op: Op) -> None:
+        if op.kind == ADMIT:
+            self.entries[op.id] = Entry(op.id, op.job or {}, op.priority)
+        elif op.kind == TOKENS:
+            e = self.entries.get(op.id)
+            if e is None or op.start != len(e.tokens):
+                return  # not the continuation of what is kept (a late report): nothing to keep
+            e.tokens.extend(op.tokens)
+        elif op.kind == DROP:
+            if self.entries.pop(op.id, None) is None:
+                return
+        elif op.kind == EPOCH:
+            self.epoch = op.epoch
+        self.seq += 1
+        if self._db is not None:
+            self._pending.append(op)
+        for send in list(self._subscribers):
+            send(op)
+
+    # ---- shipping ---------------------------------------------------------------------------
+    def snapshot(self) -> list[Op]:
+        """Operations that rebuild what the journal holds now (a standby's starting point)."""
+        ops = [Op(EPOCH, epoch=self.epoch)]
+        for e in sorted(self.entries.values(), key=lambda e: e.priority):
+            ops.append(Op(ADMIT, e.id, job=e.job, priority=e.priority))
+            if e.tokens:
+                ops.append(Op(TOKENS, e.id, start=0, tokens=tuple(e.tokens)))
+        return ops
+
+    def subscribe(self, send: Callable[[Op], None]) -> Callable[[], None]:
+        """`send` gets every operation from now on; returns the unsubscribe."""
+        self._subscribers.append(send)
+        return lambda: self._subscribers.remove(send) if send in self._subscribers else None
+
+    def replace(self, ops: list[Op]) -> None:
+        """Become exactly the state these operations build (a standby receiving a snapshot)."""
+        for rid in list(self.entries):
+            self._apply(Op(DROP, rid))
+        for op in ops:
+            self._apply(op)
+
+    # ---- writing ----------------------------------------------------------------------------
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if self._pending:
+                try:
+                    await asyncio.to_thread(self._commit)
+                except sqlite3.Error as exc:  # keep serving; the operations stay queued and are retried
+                    log.error("writing the request journal failed: %s (retrying)", exc)
+
+    def flush(self) -> None:
+        """Commit what is queued now (synchronously)."""
+        if self._db is not None and self._pending:
+            self._commit()
+
+    def _commit(self) -> None:
+        with self._write_lock:
+            ops, self._pending = self._pending, []
+            if not ops or self._db is None:
+                return
+            db = self._db
+            try:
+                db.execute("BEGIN")
+                for op in ops:
+                    if op.kind == ADMIT:
+                        db.execute("INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?)",
+                                   (op.id, op.priority, time.time(), json.dumps(op.job, separators=(",", ":"))))
+                        db.execute("DELETE FROM tokens WHERE id = ?", (op.id,))
+                    elif op.kind == TOKENS:
+                        db.execute("INSERT OR REPLACE INTO tokens VALUES (?, ?, ?)", (op.id, op.start, _pack(op.tokens)))
+                    elif op.kind == DROP:
+                        db.execute("DELETE FROM requests WHERE id = ?", (op.id,))
+                        db.execute("DELETE FROM tokens WHERE id = ?", (op.id,))
+                    elif op.kind == EPOCH:
+                        db.execute("INSERT OR REPLACE INTO meta VALUES ('epoch', ?)", (str(op.epoch),))
+                db.execute("COMMIT")
+            except sqlite3.Error:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                self._pending = ops + self._pending
+                raise
+
+    def rows(self) -> int:
+        """Requests on disk (after a flush): what the journal's size is bounded by."""
+        if self._db is None:
+            return len(self.entries)
+        with self._write_lock:
+            return self._db.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+
+    async def close(self) -> None:
+        """Commit what is queued and let go of the file and the lock."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        if self._db is not None:
+            try:
+                await asyncio.to_thread(self._commit)
+            except sqlite3.Error as exc:
+                log.error("writing the request journal at stop failed: %s", exc)
+        self.close_now()
+
+    def close_now(self) -> None:
+        if self._db is not None:
+            with self._write_lock:
+                self._db.close()
+            self._db = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,197 @@
+"""Durable requests without a mesh: the journal on disk (batches, restart, bound, another model,
+one controller per journal), the scheduler journaling and restoring requests and resuming their
+readers, the replay cap that counts a request's own failures and not the mesh's re-plans, an
+OpenSession whose plan is replaced under it, and the stages' fencing of replaced controllers."""
+from __future__ import annotations
+
+import asyncio
+import types
+
+import grpc
+import pytest
+
+from logicpipe.controller.journal import Journal, JournalError
+from logicpipe.controller.pipeline import Pipeline, StageHandle
+from logicpipe.controller.scheduler import MAX_REPLAYS, Job, Scheduler, SchedulerConfig
+from logicpipe.controller.state import MeshState, Phase
+from logicpipe.errors import Fenced, Unavailable, code_number
+from logicpipe.stage_node.runtime import StageRuntime
+from logicpipe.v1 import stage_pb2
+
+
+def test_the_journal_keeps_requests_and_their_token_batches_across_a_restart(tmp_path):
+    async def main():
+        j = Journal(tmp_path, "digest-a").open()
+        j.start()
+        j.admit("r1", {"prompt": [1, 2]}, 1)
+        j.admit("r2", {"prompt": [3]}, 2)
+        j.tokens("r1", 0, [5, 6])
+        j.tokens("r1", 2, [7])
+        j.tokens("r1", 9, [8])  # not the continuation: not kept
+        j.drop("r2")
+        await asyncio.sleep(0.2)  # the writer commits in the background
+        assert j.rows() == 1
+        j.close_now()  # as a SIGKILL leaves it: no final flush
+        again = Journal(tmp_path, "digest-a").open()
+        assert list(again.entries) == ["r1"] and again.entries["r1"].tokens == [5, 6, 7]
+        assert again.entries["r1"].job == {"prompt": [1, 2]}
+        again.close_now()
+
+    asyncio.run(main())
+
+
+def test_a_journal_of_another_model_is_not_resumed_and_one_controller_holds_it(tmp_path):
+    j = Journal(tmp_path, "digest-a").open()
+    j.admit("r1", {}, 1)
+    j.flush()
+    with pytest.raises(JournalError, match="another controller"):
+        Journal(tmp_path, "digest-a").open()
+    j.close_now()
+    other = Journal(tmp_path, "digest-b").open()
+    assert other.entries == {} and other.dropped_on_open == ["r1"]
+    other.close_now()
+
+
+class FakePipeline:
+    """Opens sessions, takes feeds, closes sessions: records them."""
+
+    def __init__(self):
+        self.stages, self.down, self.generation = [object()], [], 1
+        self.opened, self.closed = [], []
+
+    def largest_request(self) -> int:
+        return 0
+
+    async def open_session(self, request) -> int:
+        self.opened.append(request)
+        return 0
+
+    async def send_feed(self, batch) -> None:
+        pass
+
+    def close_session_soon(self, session_id: str) -> None:
+        self.closed.append(session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        self.closed.append(session_id)
+
+
+def scheduler(journal: Journal) -> tuple[Scheduler, FakePipeline]:
+    pipe = FakePipeline()
+    sched = Scheduler(pipe, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100), journal=journal)
+    return sched, pipe
+
+
+def tokens(sched: Scheduler, req, ids, finished=False):
+    sched.on_event(stage_pb2.Event(session_id=req.session_id, token=stage_pb2.TokenEvent(
+        token_ids=ids, index=len(req.received), finished=finished, finish_reason="length" if finished else "")))
+
+
+async def until(check, what: str):
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+def test_a_request_is_journaled_restored_and_resumed_from_the_tokens_its_client_holds():
+    async def main():
+        journal = Journal(None, "d")
+        sched, pipe = scheduler(journal)
+        handle = sched.submit(Job((1, 2, 3), 6, request_id="abc"))
+        req = handle.request
+        await until(lambda: req.session_id, "opened")
+        assert journal.entries["abc"].job["prompt"] == [1, 2, 3]
+        tokens(sched, req, [4, 5])
+        tokens(sched, req, [6])
+        assert journal.entries["abc"].tokens == [4, 5, 6]
+        # the controller dies: a new one restores the journal's requests
+        sched2, pipe2 = scheduler(journal)
+        assert sched2.restore(list(journal.entries.values())) == 1
+        r2 = sched2.find("abc")
+        await until(lambda: r2.session_id, "re-opened")
+        assert list(pipe2.opened[0].prompt_token_ids) == [1, 2, 3, 4, 5, 6] and pipe2.opened[0].generated == 3
+        got = []
+
+        async def read():
+            async for u in sched2.attach("abc").updates(start=2):  # the client holds 2 tokens
+                got.append(u.token_id)
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.05)
+        tokens(sched2, r2, [7, 8, 9], finished=True)
+        await asyncio.wait_for(reader, 5)
+        assert got == [6, 7, 8, 9]
+        assert "abc" not in journal.entries  # delivered to the end: out of the journal
+        assert sched2.find("abc") is None
+
+    asyncio.run(main())
+
+
+def test_the_replay_cap_counts_a_requests_own_failures_not_the_meshs_re_plans():
+    async def main():
+        sched, pipe = scheduler(Journal(None, "d"))
+        req = sched.submit(Job((1, 2), 50)).request
+        unavailable = stage_pb2.SessionError(code=code_number(grpc.StatusCode.UNAVAILABLE), message="stage gone")
+        for _ in range(3 * MAX_REPLAYS):  # a storm of re-plans: each moves it; none is its failure
+            await until(lambda: req.session_id, "opened")
+            tokens(sched, req, [1])
+            sched.detach_all()
+        assert req.error is None and req.replays == 3 * MAX_REPLAYS
+        for n in range(MAX_REPLAYS + 1):  # its own sequence fails again and again with no token between
+            await until(lambda: req.session_id or req.error, "opened")
+            if req.error:
+                break
+            sched.on_event(stage_pb2.Event(session_id=req.session_id, error=unavailable))
+            if n == MAX_REPLAYS // 2:  # ... a token between starts the count again
+                await until(lambda: req.session_id, "opened")
+                tokens(sched, req, [2])
+        assert req.error is None
+        for _ in range(MAX_REPLAYS + 1):
+            await until(lambda: req.session_id or req.error, "opened")
+            if req.error:
+                break
+            sched.on_event(stage_pb2.Event(session_id=req.session_id, error=unavailable))
+        assert isinstance(req.error, Unavailable) and "in a row" in str(req.error)
+
+    asyncio.run(main())
+
+
+def test_an_open_whose_plan_is_replaced_meanwhile_is_unavailable_not_a_crash():
+    """The CancelledError race: the old plan's channels close while OpenSession waits on them."""
+    async def main():
+        pipe = Pipeline(transport=None, on_event=lambda ev: None, on_stage_lost=lambda a, r: None)
+
+        class Stub:
+            async def OpenSession(self, request, timeout):
+                pipe.stages = [StageHandle("new:1", None, Stub2())]  # a re-plan replaces the stages ...
+                pipe.generation += 1
+                raise asyncio.CancelledError()                        # ... and closes this channel
+
+            async def CloseSession(self, request, timeout):
+                return stage_pb2.CloseSessionReply()
+
+        class Stub2(Stub):
+            pass
+
+        pipe.stages = [StageHandle("old:1", None, Stub()), StageHandle("old:2", None, Stub())]
+        with pytest.raises(Unavailable, match="left the plan"):
+            await pipe.open_session(stage_pb2.OpenSessionRequest(session_id="s"))
+
+    asyncio.run(main())
+
+
+def test_a_stage_refuses_a_controller_older_than_one_it_follows():
+    rt = types.SimpleNamespace(controller_epoch=0, controller_id="", node_id="n1")
+    fence = StageRuntime.fence
+    fence(rt, 0, "a")                      # unfenced: taken while no epoch was seen
+    fence(rt, 3, "a")
+    fence(rt, 3, "a")                      # the holder again
+    with pytest.raises(Fenced, match="FENCED"):
+        fence(rt, 3, "b")                  # the same epoch from another controller (both think they are active)
+    fence(rt, 4, "b")                      # a takeover: a newer epoch
+    for epoch, who in ((3, "a"), (0, "a"), (4, "a")):
+        with pytest.raises(Fenced):
+            fence(rt, epoch, who)
+    assert (rt.controller_epoch, rt.controller_id) == (4, "b")
