@@ -9,14 +9,32 @@ processes on 127.0.0.1. Prints one row per fault:
   leaked     sessions still open on the live stages once things settle (after the session TTL)
   state      the controller's state once things settle
 
-    python -m bench.fault_bench                 # all faults
+Durability rows (issue 22), each with four requests of 400 tokens whose clients resume by
+request id (Resume) when their stream breaks:
+
+  controller-restart-sigkill / -sigterm   the controller killed (stopped) mid-generation and
+                                          started again at once, as systemd does
+  standby-takeover                        two controllers (--peer); the active one killed
+  storm                                   21 stage faults (SIGKILL, SIGSTOP 3 s, SIGTERM; killed
+                                          stages started again at once) one every 4 s, every 4th
+                                          0.3 s after the one before; 12 requests
+
+  lost       requests that failed (or hung)
+  resumed    seconds until every request had a token again: after the restarted controller's
+             start (restarts), after the kill (takeover); for the storm, the median and the
+             largest gap between two tokens of a request
+
+    python -m bench.fault_bench                 # every row
     python -m bench.fault_bench --faults stage-sigstop --ttl 3
+    python -m bench.fault_bench --faults controller-restart-sigkill,standby-takeover,storm
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +57,60 @@ FAULTS = {
 }
 WAIT_S = 90.0  # a request still running this long after the fault counts as hung
 MAX_TOKENS = 400
+DURABILITY = ("controller-restart-sigkill", "controller-restart-sigterm", "standby-takeover", "storm")
+PROMPTS = ("Tell me a long story about a dragon.", "Describe every planet of the solar system.",
+           "Write a poem about the sea.", "List the kings of France.")
+
+
+RESUMABLE = "request_id" in controller_pb2.SubmitRequest.DESCRIPTOR.fields_by_name  # (older versions: not)
+
+
+class Resuming:
+    """A request whose client resumes it by id at any of `addresses` when its stream breaks."""
+
+    def __init__(self, addresses: list[str], prompt: str, max_tokens: int = MAX_TOKENS):
+        self.addresses, self.prompt, self.max_tokens = addresses, prompt, max_tokens
+        self.id = f"bench-{random.getrandbits(48):012x}"
+        self.tokens, self.times, self.error, self.ended = [], [], "", None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        resume, i, deadline = False, 0, time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                with grpc.insecure_channel(self.addresses[i % len(self.addresses)]) as ch:
+                    stub = controller_pb2_grpc.ControllerStub(ch)
+                    if resume and not hasattr(controller_pb2, "ResumeRequest"):
+                        self.error = "UNAVAILABLE, and this version has no Resume"
+                        break
+                    ident = {"request_id": self.id} if RESUMABLE else {}
+                    call = (stub.Resume(controller_pb2.ResumeRequest(request_id=self.id, have_tokens=len(self.tokens)),
+                                        timeout=600) if resume else
+                            stub.Submit(controller_pb2.SubmitRequest(prompt=self.prompt, max_tokens=self.max_tokens,
+                                                                     ignore_eos=True, **ident), timeout=600))
+                    for reply in call:
+                        self.tokens += reply.token_ids
+                        self.times += [time.monotonic()] * len(reply.token_ids)
+                        if len(self.tokens) >= 3:
+                            self.started.set()
+                    break
+            except grpc.RpcError as exc:
+                retry = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+                    exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "standby" in (exc.details() or ""))
+                if not retry:
+                    self.error = f"{exc.code().name}: {exc.details()}"
+                    break
+                resume, i = True, i + 1
+                time.sleep(0.2)
+        if len(self.tokens) < self.max_tokens and not self.error:
+            self.error = "incomplete"
+        self.ended = time.monotonic()
+        self.started.set()
+
+    def first_after(self, t: float) -> float | None:
+        return next((x for x in self.times if x > t), None)
 
 
 class Running:
@@ -83,8 +155,8 @@ def open_sessions(address: str) -> int | None:
         return None
 
 
-def supports(flag: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "logicpipe.stage_node.main", "--help"], capture_output=True, text=True)
+def supports(flag: str, module: str = "logicpipe.stage_node.main") -> bool:
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
     return flag in out.stdout
 
 
@@ -117,9 +189,95 @@ def run_fault(name: str, model_dir: Path, work: Path, ttl: float) -> dict:
                 "state": state, "errors": sorted({r.error.split(":")[0] for r in requests if r.error})}
 
 
+def _resume_s(requests: list[Resuming], since: float) -> float | None:
+    after = [r.first_after(since) for r in requests if not r.error]
+    return max(after) - since if after and all(a is not None for a in after) else None
+
+
+def run_restart(sig: int, model_dir: Path, work: Path) -> dict:
+    """The controller stopped by `sig` mid-generation and started again at once over its journal."""
+    with LocalMesh(3, model_dir, work, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+        reqs = [Resuming([mesh.controller_address], p) for p in PROMPTS]
+        for r in reqs:
+            r.started.wait(120)
+        mesh.signal("controller", sig)
+        mesh.procs["controller"].wait(30)
+        t0 = time.monotonic()
+        mesh.start_controller(ready=False)
+        for r in reqs:
+            r.thread.join(WAIT_S + 60)
+        name = "controller-restart-" + ("sigkill" if sig == signal.SIGKILL else "sigterm")
+        return {"fault": name, "lost": sum(1 for r in reqs if r.error), "of": len(reqs),
+                "resumed_s": _resume_s(reqs, t0), "errors": sorted({r.error for r in reqs if r.error})}
+
+
+def run_takeover(model_dir: Path, work: Path) -> dict:
+    """Two controllers naming each other (--peer); the active one SIGKILLed mid-generation."""
+    if not supports("--peer", "logicpipe.controller.main"):
+        return {"fault": "standby-takeover", "lost": len(PROMPTS), "of": len(PROMPTS), "resumed_s": None,
+                "errors": ["no standby controller in this version"]}
+    from tests.localmesh import free_port
+
+    mesh = LocalMesh(3, model_dir, work, threads=1, controller_args=("--strategy", "uniform"))
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    try:
+        mesh.stage_addresses = [mesh.start_stage(i) for i in range(3)]
+        mesh.start_controller("--peer", b, address=a)
+        mesh.start_controller("--peer", a, name="controller-b", address=b, ready=False)
+        while not mesh.controller_status(address=b).active:
+            time.sleep(0.2)
+        reqs = [Resuming([a, b], p) for p in PROMPTS]
+        for r in reqs:
+            r.started.wait(120)
+        t0 = time.monotonic()
+        mesh.signal("controller", signal.SIGKILL)
+        for r in reqs:
+            r.thread.join(WAIT_S + 60)
+        return {"fault": "standby-takeover", "lost": sum(1 for r in reqs if r.error), "of": len(reqs),
+                "resumed_s": _resume_s(reqs, t0), "errors": sorted({r.error for r in reqs if r.error})}
+    finally:
+        mesh.stop()
+
+
+def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.0) -> dict:
+    """`faults` stage faults, one every `spacing` s and every 4th 0.3 s after the one before, on a
+    3-stage mesh serving 12 requests long enough to outlast the storm."""
+    rng = random.Random(22)
+    tokens = int(faults * spacing * 9)  # ~ the storm's length at a few tokens per second per request
+    with LocalMesh(3, model_dir, work, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+        reqs = [Resuming([mesh.controller_address], PROMPTS[i % 4], tokens) for i in range(12)]
+        for r in reqs:
+            r.started.wait(120)
+        restarting: dict[int, threading.Thread] = {}
+
+        def restart(i: int, proc) -> None:
+            proc.wait(60)
+            mesh.start_stage(i, mesh.stage_addresses[i])
+
+        kinds = [signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM]
+        for n in range(faults):
+            time.sleep(0.3 if n % 4 == 3 else spacing)
+            live = [i for i in range(3) if not (i in restarting and restarting[i].is_alive())]
+            if not live:
+                continue
+            i, sig = rng.choice(live), kinds[n % 3]
+            mesh.signal(f"stage{i}", sig)
+            if sig == signal.SIGSTOP:
+                threading.Timer(3.0, mesh.signal, (f"stage{i}", signal.SIGCONT)).start()
+            else:
+                restarting[i] = threading.Thread(target=restart, args=(i, mesh.procs[f"stage{i}"]), daemon=True)
+                restarting[i].start()
+        for r in reqs:
+            r.thread.join(WAIT_S + 300)
+        gaps = [max(b - a for a, b in zip(r.times, r.times[1:])) for r in reqs if len(r.times) > 1]
+        return {"fault": f"storm ({faults} faults, {spacing:.0f} s apart)", "lost": sum(1 for r in reqs if r.error),
+                "of": len(reqs), "resumed_s": statistics.median(gaps) if gaps else None,
+                "resumed_max_s": max(gaps) if gaps else None, "errors": sorted({r.error for r in reqs if r.error})}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--faults", default=",".join((*FAULTS, *DURABILITY)))
     ap.add_argument("--ttl", type=float, default=5.0, help="the stages' --session-ttl-s (where they have it)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -130,16 +288,37 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.faults.split(","):
-            rows.append(run_fault(name, model_dir, Path(tmp), args.ttl))
+            work = Path(tmp) / name
+            if name in FAULTS:
+                rows.append(run_fault(name, model_dir, work, args.ttl))
+            elif name.startswith("controller-restart-"):
+                rows.append(run_restart(signal.SIGKILL if name.endswith("sigkill") else signal.SIGTERM, model_dir, work))
+            elif name == "standby-takeover":
+                rows.append(run_takeover(model_dir, work))
+            elif name == "storm":
+                rows.append(run_storm(model_dir, work))
+            else:
+                raise SystemExit(f"--faults: no fault {name!r}")
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print("| fault | resumed (or ended) | controller Status during it | requests lost | sessions leaked | state after |")
-    print("|---|---|---|---|---|---|")
+    durable = [r for r in rows if "of" in r]
+    rows = [r for r in rows if "of" not in r]
+    if durable:
+        print("| fault | requests lost | resumed |")
+        print("|---|---|---|")
+        for r in durable:
+            res = "-" if r["resumed_s"] is None else f"{r['resumed_s']:.1f} s"
+            if r.get("resumed_max_s") is not None:
+                res = f"longest pause of a request: median {r['resumed_s']:.1f} s, max {r['resumed_max_s']:.1f} s"
+            print(f"| {r['fault']} | {r['lost']} of {r['of']} | {res} |")
+    if rows:
+        print("| fault | resumed (or ended) | controller Status during it | requests lost | sessions leaked | state after |")
+        print("|---|---|---|---|---|---|")
     for r in rows:
         det = f"{r['resumed_s']:.1f} s" if r["resumed_s"] is not None else f"hung > {WAIT_S:.0f} s"
         st = f"{r['status_s']:.1f} s" if r["status_s"] else "-"
         print(f"| {r['fault']} | {det} | {st} | {r['lost']} of 2 | {r['leaked_sessions']} | {r['state']} |")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps(durable + rows, indent=2))
 
 
 if __name__ == "__main__":

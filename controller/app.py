@@ -208,21 +208,30 @@ class ControllerApp:
         for cb in self.on_step_down:
             cb()
 
+    def take_journal(self) -> int:
+        """Become the active controller over the journal, in one step of the loop (a client that
+        resumes never finds this controller active without its requests): a fencing epoch above
+        the last one, on disk before any stage sees it, and every journaled request restored to
+        run again from its tokens. Returns how many."""
+        epoch = self.journal.epoch + 1
+        self.journal.set_epoch(epoch)
+        self.journal.flush()
+        self.pipeline.epoch = epoch
+        restored = self.scheduler.restore(list(self.journal.entries.values()))
+        self.role, self.active_peer = "active", ""
+        if restored:
+            log.info("resuming %d journaled requests (fencing epoch %d)", restored, epoch)
+        return restored
+
     async def start(self, mdns_interface: str | None = None, *, nodes: dict[str, str] | None = None) -> None:
         """Take the mesh as the active controller: a fencing epoch above any before it (the stages
         refuse older controllers from then on), the journal's requests restored to run again from
         their tokens; then know the --nodes (and `nodes`: a plan's, from the controller taken over
         from), browse mDNS, and plan as nodes come (the first plan waits settle_s after the first
         node for the others)."""
-        self.role, self.active_peer = "active", ""
-        epoch = self.journal.epoch + 1
-        self.journal.set_epoch(epoch)
-        await asyncio.to_thread(self.journal.flush)  # on disk before any stage sees it
+        if self.role != "active" or not self.pipeline.epoch:
+            self.take_journal()
         self.journal.start()
-        self.pipeline.epoch = epoch
-        restored = self.scheduler.restore(list(self.journal.entries.values()))
-        if restored:
-            log.info("resuming %d journaled requests (fencing epoch %d)", restored, epoch)
         for a in (nodes or {}).values():
             self.members.add(a, "static")
         for a in self.nodes:

@@ -164,6 +164,10 @@ async def serve(args: argparse.Namespace) -> None:
     peers = [p.strip() for arg in args.peer for p in arg.split(",") if p.strip()]
     door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
                      requests_per_client=args.max_requests_per_client, serving=app.not_serving)
+    if not peers:  # the journal's requests are there before the first client can ask to resume one
+        app.take_journal()
+    else:  # a standby until it finds no active peer (Standby.run): it takes no request before that
+        app.role = "standby"
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, door, transport, authority), server)
     health = await add_health(server, SERVICE_NAME)
     await server.start()

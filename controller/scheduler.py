@@ -32,6 +32,7 @@ from logicpipe.controller.pipeline import Pipeline
 from logicpipe.controller.state import MeshState
 from logicpipe.errors import (
     AlreadyExists,
+    FailedPrecondition,
     Fenced,
     InvalidArgument,
     MeshError,
@@ -289,11 +290,14 @@ class Scheduler:
         err = from_code(ev.error.code, ev.error.message)
         if ev.error.code == code_number(grpc.StatusCode.RESOURCE_EXHAUSTED):
             self._requeue(req, err, preempted=True)
-        elif ev.error.code == code_number(grpc.StatusCode.UNAVAILABLE):  # a stage or link fault: replay
+        elif ev.error.code == code_number(grpc.StatusCode.INVALID_ARGUMENT):  # the request itself is wrong
+            self._fail(req, err)
+        else:
+            # a stage or link fault (UNAVAILABLE), a stage that lost the sequence (restarted: NOT_FOUND,
+            # unassigned: FAILED_PRECONDITION), an internal error: replay it (its own failures in a row
+            # are capped, so a request that breaks every stage still ends)
             self._requeue(req, err)
             self.on_trouble(str(err))
-        else:
-            self._fail(req, err)
 
     # ---- re-planning (called by the app) -----------------------------------------------------
     def detach_all(self) -> list[str]:
@@ -487,7 +491,8 @@ class Scheduler:
         self.stats.replays += req.replays
         if self.requests.get(req.id) is req:
             del self.requests[req.id]
-        self.journal.drop(req.id)
+        if not self.suspended:  # stopping: it stays journaled for the controller that follows
+            self.journal.drop(req.id)
         self._hold_replays = False
         if req in self.waiting:
             self.waiting.remove(req)
@@ -590,15 +595,18 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            except Unavailable as err:  # a stage fault: the request waits for the pipeline to heal
-                self.on_trouble(str(err))
+            except (Unavailable, FailedPrecondition) as err:
+                # not the request's fault: a stage fault, or a stage's state (restarted and not yet
+                # assigned, loading, stopping, on another plan) that a re-plan sets right; the
+                # request waits for the pipeline to heal. A stage that follows a newer controller:
+                # this one steps down, and the request resumes at the new one.
+                if Fenced.seen_in(str(err)):
+                    self.on_fenced(str(err))
+                else:
+                    self.on_trouble(str(err))
                 await asyncio.sleep(ADMIT_RETRY_S)
                 continue
             except MeshError as err:
-                if Fenced.seen_in(str(err)):  # not the request's fault: it resumes at the new controller
-                    self.on_fenced(str(err))
-                    await asyncio.sleep(ADMIT_RETRY_S)
-                    continue
                 if req in self.waiting:
                     self.waiting.remove(req)
                 self._fail(req, err)

@@ -17,7 +17,7 @@ S0=127.0.0.1:${LP_PORT0:-50061}; S1=127.0.0.1:${LP_PORT1:-50062}; C=127.0.0.1:${
 MDNS=(--mdns-interface 127.0.0.1 --mesh "demo-$$")
 "$BIN/logicpipe-stage" --listen "$S0" --node-id stage0 --state-dir "$LOGS/state0" "${MDNS[@]}" > "$LOGS/stage0.log" 2>&1 & pids+=($!)
 "$BIN/logicpipe-stage" --listen "$S1" --node-id stage1 --state-dir "$LOGS/state1" "${MDNS[@]}" > "$LOGS/stage1.log" 2>&1 & pids+=($!)
-"$BIN/logicpipe-controller" --listen "$C" "${MDNS[@]}" > "$LOGS/controller.log" 2>&1 & pids+=($!)
+"$BIN/logicpipe-controller" --listen "$C" --state-dir "$LOGS/controller-state" "${MDNS[@]}" > "$LOGS/controller.log" 2>&1 & pids+=($!)
 echo "demo: starting 2 stage nodes and a controller that finds them by mDNS (logs in $LOGS)" >&2
 for _ in $(seq 1 240); do
     if [ "$("$BIN/lpctl" --controller "$C" --timeout 2 status 2>/dev/null | grep -cE '^[0-9]+ +stage[01] ')" = 2 ]; then

@@ -102,4 +102,7 @@ def test_a_controller_stopped_with_sigterm_closes_every_session(model_dir, tmp_p
         for r in requests:
             r.join(10)
             assert r.error is not None and r.error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "resume request" in r.error.details()  # the client is told what to do
         assert all(open_sessions(s) == 0 for s in mesh.stage_addresses), mesh.logs()
+        # ... and the requests stay journaled: the controller started again has them, to resume
+        assert mesh.restart_controller().journaled == 2, mesh.logs()

@@ -188,8 +188,10 @@ def test_unit_is_a_notify_service_with_watchdog_state_and_hardening(kind):
     text = UNITS[kind].read_text()
     d = directives(text)
     for key, value in {
-        "Type": "notify", "NotifyAccess": "main", "WatchdogSec": "30", "Restart": "on-failure",
-        "RestartSec": "3", "StateDirectory": "logicpipe", "CacheDirectory": "logicpipe",
+        "Type": "notify", "NotifyAccess": "main", "WatchdogSec": "30",
+        # the controller restarts whatever its exit: a replaced one exits 75 to come back as the standby
+        "Restart": {"controller": "always", "stage": "on-failure"}[kind],
+        "RestartSec": {"controller": "1", "stage": "3"}[kind], "StateDirectory": "logicpipe", "CacheDirectory": "logicpipe",
         "NoNewPrivileges": "true", "ProtectSystem": "strict", "ProtectHome": "true", "PrivateTmp": "true",
         "ReadOnlyPaths": "/opt/logicpipe", "TimeoutStopSec": {"controller": "20", "stage": "40"}[kind],
     }.items():
