@@ -15,9 +15,11 @@ A row's numbers then depend only on its own kind, never on how a step was batche
 gives the same tokens alone or among 64 others, and in a replay its generated tokens are
 recomputed by the kernel that first computed them.
 
-On a GPU, decode is bound by kernel launches rather than by reading weights, and one cuBLAS call
-per product is what counts: `linear` is then plain `x @ w.T` for every row (cuBLAS may still pick
-another kernel for another row count, so the same-tokens-in-any-batch property is the CPU's).
+On a GPU the row kinds do not apply: cuBLAS picks its kernel by the whole product's shape. Rows of a
+step marked `invariant` (a CUDA stage with `--batch-invariant`, the default there) go through one
+Triton kernel whose tiling and order of the sum over K never depend on the row count, for every
+row kind (stage_node.invariant); without it `linear` is plain `x @ w.T` by cuBLAS, and a row's bits
+can change with the number of rows in its step.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from logicpipe.stage_node import invariant
 from logicpipe.stage_node.quant import QuantMatrix
 
 MIN_ROWS = 4   # `x @ w.T` computes rows in panels of this many; `w @ x.T` gives the same columns for 4 and 8
@@ -41,9 +44,12 @@ class Rows:
     all_decode: bool = False
     all_prompt: bool = False
     flags: tuple[bool, ...] = ()  # per row: a decode row (kept when the kinds are mixed)
+    invariant: bool = False       # CUDA: every row by the batch-invariant kernel (stage_node.invariant)
 
     @classmethod
-    def split(cls, is_decode: list[bool], device) -> "Rows":
+    def split(cls, is_decode: list[bool], device, invariant: bool = False) -> "Rows":
+        if invariant:  # one kernel for every kind: the kinds need not be told apart
+            return INVARIANT_ROWS
         if all(is_decode):
             return cls(None, None, all_decode=True)
         if not any(is_decode):
@@ -61,6 +67,7 @@ class Rows:
 
 DECODE_ROWS = Rows(None, None, all_decode=True)
 PROMPT_ROWS = Rows(None, None, all_prompt=True)
+INVARIANT_ROWS = Rows(None, None, all_decode=True, invariant=True)  # CUDA, --batch-invariant: any kind
 
 
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -97,7 +104,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None, rows: Rows) -> torch.Tens
         out = w(x)
         return out if b is None else out + b
     if x.is_cuda:
-        return F.linear(x, w, b)
+        return invariant.linear(x, w, b) if rows.invariant else F.linear(x, w, b)
     if rows.all_decode:
         out = decode_mm(x, w)
     elif rows.all_prompt:

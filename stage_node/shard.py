@@ -9,7 +9,8 @@ through every projection and MLP together, and only attention is done per sequen
 sequence's keys and values in the paged KV pool. The arithmetic follows transformers' models
 operation for operation (RMSNorm in float32, HF's RoPE tables, SDPA with GQA, HF's eager attention
 where scores are soft-capped), so logits agree to float32 rounding and greedy tokens match; and a
-row's result never depends on what else is in its batch (see `stage_node.ops`).
+row's result never depends on what else is in its batch (see `stage_node.ops`; on CUDA with
+`batch_invariant`, products and attention by the kernels of `stage_node.invariant`).
 """
 from __future__ import annotations
 
@@ -22,14 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from logicpipe.common.modeldir import ModelConfig, checkpoint_index
+from logicpipe.stage_node import invariant
 from logicpipe.stage_node.kv import KVPool, StepKV
 from logicpipe.stage_node.moe import experts_forward
 from logicpipe.stage_node.ops import (
+    DECODE_ROWS,
+    INVARIANT_ROWS,
     Rows,
     activation,
     attention,
     causal_mask,
-    decode_mm,
     head_norm,
     linear,
     rms_norm,
@@ -74,6 +77,9 @@ class Shard:
         self.ropes = ropes  # layer kind ("full", "sliding") -> its RoPE tables (one object when they agree)
         self.rope = ropes["full"]
         self.graphs = None  # a CUDA stage's StepGraphs (stage_node.step_graphs), set with its KV pool
+        # CUDA: products and attention by the batch-invariant kernels (stage_node.invariant; set by the
+        # stage's --batch-invariant); a CPU shard is batch-invariant by its row kinds and ignores it
+        self.batch_invariant = False
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -94,6 +100,11 @@ class Shard:
     def kind(self, i: int) -> str:
         """Local layer i's attention: "full" or "sliding"."""
         return "sliding" if self.arch.sliding(self.start + i) else "full"
+
+    @property
+    def decode_rows(self) -> Rows:
+        """The rows of a step of decode rows only (a CUDA graph's step; the LM head's rows)."""
+        return INVARIANT_ROWS if self.batch_invariant else DECODE_ROWS
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.config.rms_norm_eps, self._gemma)
@@ -173,7 +184,8 @@ class Shard:
         if not self.last:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
         hidden = hidden.to(device=self.device, dtype=self.dtype)
-        return softcap(decode_mm(self.norm(hidden, self.final_norm), self.lm_head), self.arch.final_softcap).float()
+        logits = linear(self.norm(hidden, self.final_norm), self.lm_head, None, self.decode_rows)
+        return softcap(logits, self.arch.final_softcap).float()
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
@@ -194,13 +206,17 @@ class Shard:
         window = self.arch.sliding_window
         masks = {kind: [causal_mask(s.start_pos, s.num_tokens, self.device, window if kind == "sliding" else None)
                         for s in seqs] for kind in self.ropes}
-        rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device)
+        rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
+                          invariant=self.batch_invariant)
+        reads = self._invariant_reads(kv) if self.batch_invariant else None
 
         for i, w in enumerate(self.layers):
             kind = self.kind(i)
             cos, sin = tables[kind]
 
-            def attend(i, q, k, v, masks=masks[kind]):
+            def attend(i, q, k, v, masks=masks[kind], kind=kind):
+                if reads is not None:
+                    return self._attention_invariant(i, q, k, v, kv, reads, kind)
                 return self._attention(i, q, k, v, kv, masks)
 
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
@@ -248,6 +264,33 @@ class Shard:
             outs.append(self._sdpa(q[row: row + s.num_tokens], keys[None], values[None], mask))
             row += s.num_tokens
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _invariant_reads(self, kv: StepKV) -> tuple:
+        """What the batch-invariant attention reads, for every layer of a step: each sequence's slot
+        of each of its positions [seqs, longest] int64, each row's position [T] int64, the tiles and
+        their first rows (stage_node.invariant.attention)."""
+        seqs = kv.seqs
+        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            if s.span is not None:
+                table[i, : s.stop] = torch.arange(s.span, s.span + s.stop, device=self.device)
+            else:
+                table[i, : s.stop] = s.slots
+        positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.stop)], dtype=torch.long)
+        tiles = invariant.seq_tiles([s.num_tokens for s in seqs], self.config.num_heads // self.config.num_kv_heads)
+        return (table, positions.to(self.device, non_blocking=True), invariant.tiles_tensor(tiles, self.device),
+                [t[0] for t in tiles])
+
+    def _attention_invariant(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
+                             reads: tuple, kind: str) -> torch.Tensor:
+        """Store the new rows' k/v, then every row attends by the batch-invariant kernel. -> [T, heads * hd]"""
+        k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
+        k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
+        v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
+        table, positions, tiles, tiles_at = reads
+        return invariant.attention(q, k_pool, v_pool, table, positions, tiles, scale=self._scale,
+                                   cap=self.arch.attn_softcap, tiles_at=tiles_at,
+                                   window=self.arch.sliding_window if kind == "sliding" else None)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
         """q: [n, heads, hd]; k, v: [1, kv_heads, L, hd] -> [n, heads * hd]"""

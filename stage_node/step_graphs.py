@@ -19,7 +19,10 @@ forward in how it attends:
   * rows past the step's own (the bucket's padding) write to the pool's scratch slot;
   * a sliding-window layer masks the positions before the window too, and soft-capped scores
     (Gemma 2) go the eager way (scores, cap, mask, softmax in float32); a mixture of experts
-    gathers each row's experts (stage_node.moe), which keeps its shapes fixed.
+    gathers each row's experts (stage_node.moe), which keeps its shapes fixed;
+  * with batch-invariant kernels (stage_node.invariant) every row attends by the same kernel as
+    in the eager forward, reading its keys from the pool by slot (no gather, no padded context):
+    a row gets the same bits in any bucket, and in a graph or not.
 The KV pool is static (allocated once for the stage's budget, zeroed: masked positions are read, and
 a NaN there would pass the mask), and the RoPE tables are grown to the
 largest bucket before the first capture and held, so the captured addresses stay valid.
@@ -41,7 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from logicpipe.stage_node.ops import DECODE_ROWS, softcap
+from logicpipe.stage_node import invariant
+from logicpipe.stage_node.ops import softcap
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,9 @@ class _Graph:
         # their host side: pinned, copied without a sync; the event says when the copy has read it
         self.host = torch.empty(self.ints.shape, dtype=torch.long, pin_memory=True) if cuda else None
         self.copied = torch.cuda.Event() if cuda else None
+        # batch-invariant attention: a tile per row, row r reading slot table row r
+        self.tiles = torch.arange(rows, dtype=torch.int32, device=device).repeat(3, 1)
+        self.tiles[1] = 1
         self.out: torch.Tensor | None = None
         self.graph = None
 
@@ -205,6 +212,9 @@ class StepGraphs:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim]
             kv.index_copy_(2, g.write, torch.stack((k, v)).transpose(1, 2))  # [2, kv_heads, R, hd]
+            if s.batch_invariant:
+                return invariant.attention(q, kv[0], kv[1], slots.view(R, C), g.positions, g.tiles, scale=s._scale,
+                                           cap=cap, window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
             both = kv.index_select(2, slots).view(2, kvh, R, C, hd).transpose(1, 2)  # [2, R, kv_heads, C, hd]
             keys, values = both[0], both[1]
             mask = masks[s.kind(i)]
@@ -219,5 +229,5 @@ class StepGraphs:
         h = g.x
         for i, w in enumerate(s.layers):
             cos, sin = tables[s.kind(i)]
-            h = s._layer(i, w, h, cos, sin, DECODE_ROWS, attend)
+            h = s._layer(i, w, h, cos, sin, s.decode_rows, attend)
         return h

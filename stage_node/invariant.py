@@ -1,0 +1,356 @@
+"""Batch-invariant CUDA kernels (`--batch-invariant`): a row's result never depends on the other
+rows of its step, nor on how the step was batched or padded.
+
+Why they are needed. cuBLAS picks a kernel by the product's shape, and kernels differ in how they
+tile and split the sum over K, so `x @ w.T` gives a row other bits with 1 row than with 8; SDPA
+picks its backend and its split of the keys by shape too. On an H100 the same prompt then gives
+other greedy tokens alone than among 8 concurrent requests. The cure is the one published by
+Thinking Machines ("Defeating nondeterminism in LLM inference") and shipped by vLLM as its
+batch-invariant mode: kernels whose reduction order per row is fixed, whatever the row count.
+
+  * `mm`: x [M, K] @ w [N, K].T by one Triton kernel, float32 accumulation. Each output element's
+    sum over K is taken in an order that never depends on M: K in parts fixed per matrix (added in
+    order by a second kernel), each part in 16-wide slices in ascending order (the tensor cores'
+    steps, whatever the tile; the tile itself follows M, see `mm_config`). The same kernel serves
+    decode rows and prompt rows, so a replay (a prefill of prompt + generated tokens) recomputes
+    each generated token's row with the arithmetic that first computed it.
+  * `attention`: every query row attends over the keys of its own sequence read from the paged KV
+    pool by slot, the positions in splits of ATTN_CHUNK at fixed places, each in blocks of
+    ATTN_BLOCK_N at multiples of ATTN_BLOCK_N, softmax online in float32; then each row merges its
+    own splits in order. A tile holds a few rows of one sequence (the eager forward) or one row (a
+    CUDA graph); blocks past a row's own keys, or before its sliding window, are exact no-ops for
+    it (its running max is unchanged and they add exact zeros). So a row's output is the same in a
+    graph or eagerly, in any context bucket, alone or with its prompt.
+  * RMSNorm, RoPE, activations: torch's own kernels, which are elementwise or reduce one row in one
+    block (checked on the H100 by bench/gpu_invariance.py: same bits for a row in batches of 1 to
+    512 rows).
+
+Not covered: quantized matrices (their own kernels, stage_node.quant: they scale a step's
+activations as a whole), and a mixture of experts' gathered products on CUDA (batched one-row
+products by cuBLAS, stage_node.moe). Triton is imported only when a CUDA stage turns this on.
+Measured and checked on the H100: bench/gpu_invariance.py; figures in docs/engine.md.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SETTINGS = ("auto", "on", "off")
+AUTO_ON = True  # "auto" on CUDA turns the kernels on: decode measured faster with them (docs/engine.md)
+
+
+class InvariantError(RuntimeError):
+    """`--batch-invariant on` where the kernels cannot run."""
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve(setting: str, device: str, *, has_triton=triton_available) -> bool:
+    """Whether a stage on `device` runs the batch-invariant CUDA kernels, for `--batch-invariant
+    setting` (auto / on / off). A CPU stage never does: its products are batch-invariant by their
+    row kinds already (stage_node.ops), and the flag does not change them."""
+    if setting not in SETTINGS:
+        raise ValueError(f"--batch-invariant {setting!r}: use one of {', '.join(SETTINGS)}")
+    if torch.device(device).type != "cuda" or setting == "off":
+        return False
+    if has_triton():
+        return setting == "on" or AUTO_ON
+    if setting == "on":
+        raise InvariantError("--batch-invariant on needs triton (it ships with torch's CUDA wheels)")
+    log.warning("triton is not installed: products on this CUDA stage may change with the batch (--batch-invariant)")
+    return False
+
+
+# ---- the product -----------------------------------------------------------------------------------
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M", "sys_"])
+    def mm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, k_part, sxm, sxk, swn, swk, sys_, sym, syn,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        # program (m block, n block, part of K): y[part] = x[m block, part] @ w[n block, part].T
+        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        rk = tl.arange(0, BK)
+        k0 = part * k_part
+        k1 = tl.minimum(k0 + k_part, K)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(k0, k1, BK):
+            kk = k + rk
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < k1),
+                        other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < k1),
+                        other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        out = y_ptr + part * sys_ + rm[:, None] * sym + rn[None, :] * syn
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit(do_not_specialize=["total"])
+    def sum_parts(ws_ptr, y_ptr, total, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+        # y = ws[0] + ws[1] + ... in this order (float32), cast to y's dtype
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = i < total
+        acc = tl.load(ws_ptr + i, mask=keep, other=0.0)
+        for p in tl.static_range(1, PARTS):
+            acc += tl.load(ws_ptr + p * total + i, mask=keep, other=0.0)
+        tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit(do_not_specialize=["n_tiles", "row_base", "s_tab", "window", "scale_log2", "cap", "chunks"])
+    def attn_part(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, slot_ptr, pos_ptr, tiles_ptr, n_tiles, row_base,
+                  sq_t, sq_h, sk_h, sk_s, sv_h, sv_s, s_tab, window, scale_log2, cap, chunks,
+                  HEADS: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,
+                  HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        # program (tile, kv head, chunk): the tile's rows (consecutive rows of one sequence, whose slot
+        # table row is `tab`) times the kv head's GROUP query heads are the BLOCK_M rows of the
+        # products; the keys are those of positions [chunk * CHUNK, (chunk + 1) * CHUNK) the tile needs,
+        # in blocks of BLOCK_N at multiples of BLOCK_N. Writes each row's running max, sum and
+        # unnormalised output of the chunk (float32).
+        t, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row0 = tl.load(tiles_ptr + t)
+        nrows = tl.load(tiles_ptr + n_tiles + t)
+        tab = tl.load(tiles_ptr + 2 * n_tiles + t).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        r = m // GROUP
+        valid = r < nrows
+        row = (row0 + tl.where(valid, r, 0)).to(tl.int64)
+        qh = h * GROUP + m % GROUP
+        pos = tl.load(pos_ptr + row, mask=valid, other=0)
+        hi = tl.minimum(tl.max(tl.where(valid, pos, 0), axis=0) + 1, (c + 1) * CHUNK)
+        lo = c * CHUNK
+        if HAS_WINDOW:
+            first = tl.min(tl.where(valid, pos, 2**30), axis=0) - window + 1
+            lo = tl.maximum(lo, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
+        if lo < hi:
+            d = tl.arange(0, D)
+            dmask = d < HD
+            q = tl.load(q_ptr + row[:, None] * sq_t + qh[:, None] * sq_h + d[None, :],
+                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: a wholly masked block leaves it
+            l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for start in range(lo, hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                inb = n < hi
+                slot = tl.load(slot_ptr + tab * s_tab + n, mask=inb, other=0).to(tl.int64)
+                k = tl.load(k_ptr + h * sk_h + slot[:, None] * sk_s + d[None, :], mask=inb[:, None] & dmask[None, :],
+                            other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                if HAS_CAP:  # Gemma 2: cap * tanh(s * scale / cap), in log2 units
+                    z = s * (scale_log2 / 1.4426950408889634 / cap)
+                    s = (cap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+                else:
+                    s = s * scale_log2
+                seen = (n[None, :] <= pos[:, None]) & inb[None, :]
+                if HAS_WINDOW:
+                    seen = seen & (n[None, :] > pos[:, None] - window)
+                s = tl.where(seen, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + h * sv_h + slot[:, None] * sv_s + d[None, :], mask=inb[:, None] & dmask[None, :],
+                            other=0.0)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            at = ((row - row_base) * HEADS + qh) * chunks + c  # [BLOCK_M]
+            tl.store(m_ptr + at, m_i, mask=valid)
+            tl.store(l_ptr + at, l_i, mask=valid)
+            tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
+
+    @triton.jit(do_not_specialize=["row_base", "window", "chunks"])
+    def attn_merge(m_ptr, l_ptr, acc_ptr, pos_ptr, o_ptr, row_base, so_t, so_h, window, chunks,
+                   HEADS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+                   HD: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        # program (row, query head): the row's own chunks (those holding a position it sees) merged in
+        # order; chunks of other rows' positions are not read
+        i, hq = tl.program_id(0), tl.program_id(1)
+        row = row_base + i
+        pos = tl.load(pos_ptr + row)
+        c_lo = 0
+        if HAS_WINDOW:
+            c_lo = tl.maximum(pos - window + 1, 0) // CHUNK
+        c_hi = pos // CHUNK
+        base = (i * HEADS + hq) * chunks
+        big = tl.load(m_ptr + base + c_lo)
+        for c in range(c_lo + 1, c_hi + 1):
+            big = tl.maximum(big, tl.load(m_ptr + base + c))
+        d = tl.arange(0, D)
+        total = tl.zeros((1,), dtype=tl.float32)
+        out = tl.zeros((D,), dtype=tl.float32)
+        for c in range(c_lo, c_hi + 1):
+            w = tl.exp2(tl.load(m_ptr + base + c) - big)
+            total += tl.load(l_ptr + base + c) * w
+            out += tl.load(acc_ptr + (base + c) * D + d) * w
+        out = out / total
+        tl.store(o_ptr + row * so_t + hq * so_h + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
+
+    return triton, mm_kernel, sum_parts, attn_part, attn_merge
+
+
+# The sum over K of one output element is what must not change with the row count: the parts of K
+# are a function of the matrix alone, and within a part the tensor cores add 16-wide slices of K in
+# ascending order whatever the tile (bench/gpu_invariance.py --part tiles checks on the H100 that
+# tiles of 16 to 128 rows, 32 to 256 columns and 64 to 256 of K give the same bits; --part kernels
+# that a row's bits are the same in products of 1 to 512 rows). So the tile may follow the row count:
+#   * up to 32 rows (decode; bound by reading the weights): 16 x 32 x 128, 4 warps, 5 stages: the
+#     grid fills the GPU's 132 SMs, and where a matrix has fewer column blocks than ~1.2 per SM (an
+#     8B model's o and down), K is summed in 2 fixed parts, added in order by a second kernel;
+#   * more rows (prompts; bound by compute): larger tiles, tensor-core products of 64 or 128 rows.
+# float32 (tests on CUDA; no TF32, so no tensor cores) keeps one tile for every row count.
+SMS = 132
+DECODE_ROWS = 32
+
+
+@functools.cache
+def k_parts(n: int, k: int) -> int:
+    """Parts of K the product with w [n, k] sums separately (then adds in order): never a function of M."""
+    return 2 if -(-n // 32) < 1.2 * SMS and k >= 2048 else 1
+
+
+def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, parts of K) of an m-row product with w [n, k]."""
+    if dtype == torch.float32:  # exact float32 (no TF32): one tile
+        return 16, 32, 32, 4, 3, 1
+    parts = k_parts(n, k)
+    if m <= DECODE_ROWS:
+        return 16, 32, 128, 4, 5, parts
+    if m <= 128:
+        return 64, 128, 64, 4, 3, parts
+    return 128, 128, 64, 8, 3, parts
+
+
+def mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, each row independent of the others (see the
+    module's docstring); `config` overrides mm_config (the bench's sweep)."""
+    triton, kernel, sum_parts, _, _ = _kernels()
+    M, K = x.shape
+    N = w.shape[0]
+    bm, bn, bk, warps, stages, parts = config or mm_config(N, K, w.dtype, M)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    k_part = -(-K // parts)
+    k_part = -(-k_part // 256) * 256  # parts start at multiples of 256, whatever BK (a divisor of 256)
+    parts = -(-K // k_part)
+    ws = y if parts == 1 else torch.empty(parts, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), parts)
+    kernel[grid](x, w, ws, M, N, K, k_part, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                 M * N if parts > 1 else 0, N, 1, BM=bm, BN=bn, BK=bk, IEEE=x.dtype == torch.float32,
+                 num_warps=warps, num_stages=stages)
+    if parts > 1:
+        sum_parts[(triton.cdiv(M * N, 1024),)](ws, y, M * N, PARTS=parts, BLOCK=1024, num_warps=4)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = mm(x, w)
+    return out if b is None else out + b
+
+
+# ---- attention ---------------------------------------------------------------------------------------
+ATTN_BLOCK_N = 64
+ATTN_CHUNK = 256   # positions per split of the keys (fixed: a row's splits depend on its own position only)
+ATTN_WORKSPACE = 64 * 2**20  # bytes of partial results per launch at most (a long prompt goes in parts)
+
+
+def tile_rows(group: int) -> int:
+    """Rows of one sequence in an attention tile: BLOCK_M (at least 16) // the heads of a group."""
+    return _attn_block_m(group) // group
+
+
+def _attn_block_m(group: int) -> int:
+    return max(16, 1 << (group - 1).bit_length())
+
+
+def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor, tiles: torch.Tensor, *, scale: float, cap: float | None = None,
+              window: int | None = None, context: int | None = None, tiles_at: list[int] | None = None) -> torch.Tensor:
+    """q: [T, heads, hd] (the step's rows, packed); k_pool, v_pool: [kv_heads, slots, hd] (one layer's
+    pool, new keys already written); slots: [tables, L] int64, the pool slot of each position of a
+    sequence (a table per sequence or per row; L >= every row's position + 1); positions: [T] int64,
+    each row's position (it sees positions <= its own, and > its own - window); tiles: [3, n] int32,
+    per tile its first row, its row count (at most `tile_rows(group)`, consecutive rows of one
+    sequence) and its slot table row, in row order. `context`: positions the splits cover (default
+    L); `tiles_at`: the first row of each tile (host side: a long step goes in parts by it).
+    -> [T, heads * hd]
+
+    Two kernels: each (tile, kv head, split of ATTN_CHUNK positions) computes its rows' softmax
+    statistics and output over that split's keys; then each (row, head) merges its own splits in
+    order. Splits a row does not see are never read by its merge, and within a split the keys past
+    a row's own (or before its window) are exact no-ops for it."""
+    triton, _, _, part_kernel, merge_kernel = _kernels()
+    T, heads, hd = q.shape
+    kvh = k_pool.shape[0]
+    group = heads // kvh
+    D = max(16, 1 << (hd - 1).bit_length())
+    chunks = triton.cdiv(context or slots.shape[1], ATTN_CHUNK)
+    out = torch.empty(T, heads, hd, dtype=q.dtype, device=q.device)
+    assert q.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and slots.stride(1) == 1
+    per_row = heads * chunks * (D + 2) * 4
+    n = tiles.shape[1]
+    if tiles_at is None or T * per_row <= ATTN_WORKSPACE:
+        parts = [(0, n)]
+    else:  # tiles in groups of at most ATTN_WORKSPACE bytes of partials (at least one tile a group)
+        cap_rows, parts, a = max(1, ATTN_WORKSPACE // per_row), [], 0
+        for b in range(1, n + 1):
+            if b == n or tiles_at[b] - tiles_at[a] > cap_rows:
+                parts.append((a, b))
+                a = b
+    for a, b in parts:
+        sub = tiles if (a, b) == (0, n) else tiles[:, a:b].contiguous()
+        first = 0 if a == 0 else tiles_at[a]
+        rows = (T if b == n else tiles_at[b]) - first
+        m_ws = torch.empty(rows, heads, chunks, dtype=torch.float32, device=q.device)
+        l_ws = torch.empty_like(m_ws)
+        acc_ws = torch.empty(rows, heads, chunks, D, dtype=torch.float32, device=q.device)
+        part_kernel[(b - a, kvh, chunks)](
+            q, k_pool, v_pool, m_ws, l_ws, acc_ws, slots, positions, sub, b - a, first, q.stride(0), q.stride(1),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), slots.stride(0), window or 0,
+            scale * 1.4426950408889634, cap or 1.0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK, GROUP=group,
+            BLOCK_M=_attn_block_m(group), BLOCK_N=ATTN_BLOCK_N, D=D, HD=hd, HAS_CAP=cap is not None,
+            HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, first, out.stride(0), out.stride(1),
+                                    window or 0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK, D=D, HD=hd,
+                                    HAS_WINDOW=window is not None, num_warps=1)
+    return out.view(T, heads * hd)
+
+
+def seq_tiles(counts: list[int], group: int) -> list[tuple[int, int, int]]:
+    """Tiles of packed sequences with `counts` rows each: (first row, rows, sequence index), at most
+    tile_rows(group) rows of one sequence each."""
+    per = tile_rows(group)
+    out, row = [], 0
+    for i, c in enumerate(counts):
+        for a in range(0, c, per):
+            out.append((row + a, min(per, c - a), i))
+        row += c
+    return out
+
+
+def tiles_tensor(tiles: list[tuple[int, int, int]], device) -> torch.Tensor:
+    """[3, n] int32: first rows, row counts, table rows."""
+    return torch.tensor(list(zip(*tiles)), dtype=torch.int32).to(device, non_blocking=True)
