@@ -24,6 +24,7 @@ class StageOptions:
     draft_layers: int = 0                # ... keeping only its first N decoder layers (0: all)
     quantize: str = "none"               # its layers' matrices in int8 / nf4 / fp4 (stage_node.quant)
     cuda_graphs: bool = True             # CUDA: small steps replayed as graphs (stage_node.step_graphs)
+    batch_invariant: str = "auto"        # CUDA: auto / on / off, batch-invariant kernels (stage_node.invariant)
     dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in
     model_root: str = ""                 # an assigned model directory must lie under this ("": anywhere)
 

@@ -15,6 +15,7 @@ from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Unavailable
 from logicpipe.stage_node.config import Assignment, StageOptions
 from logicpipe.stage_node.draft_model import DraftModel, DraftModelError
+from logicpipe.stage_node.invariant import resolve as resolve_invariant
 from logicpipe.stage_node.kv import KVPool, kv_bytes_per_token
 from logicpipe.stage_node.profile import DTYPE_FORMAT, float_formats
 from logicpipe.stage_node.shard import Shard
@@ -123,6 +124,7 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
     pool = shard.new_pool(num_blocks, bs)
+    shard.batch_invariant = resolve_invariant(options.batch_invariant, device)
     if shard.device.type == "cuda" and options.cuda_graphs:
         shard.graphs = StepGraphs(shard, pool)
     return shard, pool

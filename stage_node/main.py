@@ -28,6 +28,8 @@ from logicpipe.common.transport import add_flags, from_flags  # noqa: E402
 from logicpipe.policy import STAGE_POLICY  # noqa: E402
 from logicpipe.stage_node.config import StageOptions  # noqa: E402
 from logicpipe.stage_node.identity import default_state_dir, node_identity  # noqa: E402
+from logicpipe.stage_node.invariant import SETTINGS as INVARIANT_SETTINGS  # noqa: E402
+from logicpipe.stage_node.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
 from logicpipe.stage_node.quant import QuantError, check_format  # noqa: E402
@@ -83,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                     help="CUDA stages: replay steps of up to 32 rows as CUDA graphs, captured per size bucket "
                          "on first use (default %(default)s; off: every step eagerly)")
+    ap.add_argument("--batch-invariant", default="auto", choices=list(INVARIANT_SETTINGS),
+                    help="CUDA stages: compute products and attention by kernels whose result for a row never "
+                         "depends on the other rows of its step, so a request gives the same tokens alone or among "
+                         "others, and a replay recomputes them exactly (auto, the default: on where triton is "
+                         "installed, as it is with torch's CUDA wheels; a CPU stage is batch-invariant always and "
+                         "ignores this; quantized layers keep their own kernels)")
     ap.add_argument("--draft-model", default="", metavar="DIR",
                     help="as the last stage, draft candidate tokens with this small model (same tokenizer; "
                          "default: prompt lookup, no model)")
@@ -138,6 +146,13 @@ async def serve(args: argparse.Namespace) -> None:
             await runner.call(check_format, args.quantize, device)
         except QuantError as exc:
             raise SystemExit(f"--quantize {args.quantize}: {exc}") from None
+    try:
+        invariant = await runner.call(resolve, args.batch_invariant, device)
+    except InvariantError as exc:
+        raise SystemExit(str(exc)) from None
+    if device == "cuda":
+        log.info("batch-invariant kernels %s (--batch-invariant %s)", "on" if invariant else "off",
+                 args.batch_invariant)
     host, _, port = args.listen.rpartition(":")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     try:
@@ -160,7 +175,7 @@ async def serve(args: argparse.Namespace) -> None:
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
-                           cuda_graphs=args.cuda_graphs == "on", dtype=args.dtype,
+                           cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()))
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir)

@@ -32,6 +32,7 @@ LOCAL_IMPORTS = {
     "stage_node/draft_model.py": {"torch", "transformers"},  # --draft-model only: transformers costs seconds to load
     "stage_node/rope.py": {"transformers"},  # RoPE scaling variants only (the default RoPE needs none)
     "stage_node/quant.py": {"bitsandbytes"},  # the `quant` extra: --quantize nf4|fp4
+    "stage_node/invariant.py": {"triton"},  # CUDA stages only (--batch-invariant; ships with torch's CUDA wheels)
 }
 
 

@@ -1,0 +1,96 @@
+"""--batch-invariant: the setting and where it applies (stage_node.invariant.resolve, the stage's flag,
+load_shard), a CPU stage left on its own row kinds, and the host side of the CUDA kernels (tiles of
+the attention, the product's configurations). The Triton kernels need a GPU, which no CI machine
+has: their checks (a row's bits the same in products of 1 to 512 rows, in any attention tile or
+context; closeness to torch) are bench/gpu_invariance.py's, run on the H100 (docs/engine.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logicpipe.stage_node import invariant
+from logicpipe.stage_node.config import Assignment, StageOptions
+from logicpipe.stage_node.invariant import InvariantError, mm_config, resolve, seq_tiles, tile_rows
+from logicpipe.stage_node.loading import load_shard
+from logicpipe.stage_node.main import parse_args
+from logicpipe.stage_node.ops import DECODE_ROWS, INVARIANT_ROWS, Rows
+
+from .test_shard import ROPES, tiny_llama
+
+
+def yes():
+    return True
+
+
+def no():
+    return False
+
+
+@pytest.mark.parametrize("setting", ["auto", "on", "off"])
+def test_a_cpu_stage_never_runs_them(setting):
+    assert resolve(setting, "cpu", has_triton=yes) is False
+    assert resolve(setting, "cpu", has_triton=no) is False  # "on" too: the CPU is invariant by its row kinds
+
+
+def test_cuda_settings():
+    assert resolve("on", "cuda", has_triton=yes) is True
+    assert resolve("off", "cuda", has_triton=yes) is False
+    assert resolve("auto", "cuda", has_triton=yes) is invariant.AUTO_ON
+    assert resolve("auto", "cuda:1", has_triton=no) is False  # said in the log, and the stage goes on
+    assert resolve("off", "cuda", has_triton=no) is False
+    with pytest.raises(InvariantError, match="needs triton"):
+        resolve("on", "cuda", has_triton=no)
+    with pytest.raises(ValueError, match="auto, on, off"):
+        resolve("yes", "cuda", has_triton=yes)
+
+
+def test_the_stage_flag():
+    assert parse_args([]).batch_invariant == "auto" == StageOptions().batch_invariant
+    assert parse_args(["--batch-invariant", "off"]).batch_invariant == "off"
+    with pytest.raises(SystemExit):
+        parse_args(["--batch-invariant", "always"])
+
+
+def test_a_cpu_shard_keeps_its_row_kinds(tmp_path):
+    """`--batch-invariant on` reaches load_shard; on a CPU it leaves the shard as it was: its
+    products by row kind (decode rows by `w @ x.T`, prompt rows by `x @ w.T`), no CUDA kernels."""
+    tiny_llama(tmp_path, ROPES["llama3"])
+    a = Assignment(model_dir=str(tmp_path), start=0, end=4, num_layers=4, stage_index=0, num_stages=1,
+                   next_address="", first_address="", dtype="float32")
+    shard, pool = load_shard(a, str(tmp_path), "cpu", StageOptions(batch_invariant="on", max_kv_bytes=2**20))
+    assert shard.batch_invariant is False and shard.graphs is None
+    assert shard.decode_rows is DECODE_ROWS
+    mixed = Rows.split([True, False, True, False], "cpu", invariant=shard.batch_invariant)
+    assert not mixed.invariant and mixed.decode.tolist() == [0, 2] and mixed.prompt.tolist() == [1, 3]
+    shard.batch_invariant = True  # as on a CUDA stage: one kernel for every kind
+    assert shard.decode_rows is INVARIANT_ROWS
+    assert Rows.split([True, False], "cpu", invariant=True) is INVARIANT_ROWS
+    assert INVARIANT_ROWS.subset([1], "cpu") is INVARIANT_ROWS
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8, 32])
+def test_attention_tiles_hold_rows_of_one_sequence(group):
+    counts = [1, 5, 16, 3, 40]
+    tiles = seq_tiles(counts, group)
+    per = tile_rows(group)
+    assert per >= 1 and per * group <= max(16, 1 << (group - 1).bit_length())
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    covered = []
+    for first, n, seq in tiles:
+        assert 1 <= n <= per
+        assert starts[seq] <= first and first + n <= starts[seq] + counts[seq]  # never across sequences
+        covered += range(first, first + n)
+    assert covered == list(range(sum(counts)))  # every row once, in order
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                                  (1000, 2200), (64, 64), (151936, 5120)])
+def test_the_sum_over_k_does_not_follow_the_row_count(n, k):
+    """Tiles may follow the row count; the parts of K may not, and every BLOCK_K divides the 256
+    that parts start at (so each part is summed from the same place in 16-wide steps)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        configs = [mm_config(n, k, dtype, m) for m in (1, 2, 8, 16, 32, 33, 64, 100, 128, 129, 512, 4096)]
+        assert len({c[5] for c in configs}) == 1
+        assert all(256 % c[2] == 0 for c in configs)
+        assert mm_config(n, k, dtype, 1)[0] == 16  # decode rows: the skinny tile
+    assert len({mm_config(n, k, torch.float32, m) for m in (1, 8, 33, 512)}) == 1  # float32: one tile
