@@ -690,8 +690,12 @@ class Scheduler:
 
     async def suspend(self) -> None:
         """The controller is stopping: from now on no request leaves the journal as its client's
-        stream is cut (they resume at the controller that follows)."""
+        stream is cut, and each client is told to resume it at the controller that follows."""
         self.suspended = True
+        for req in [*self.active.values(), *self.waiting]:
+            self._fail(req, Unavailable(f"the controller is stopping; resume request {req.id} at the controller "
+                                        "that follows (it keeps its journal) or at the standby"))
+        await asyncio.sleep(0.1)  # the readers pass it on before the server cancels their calls
 
     async def shutdown(self) -> None:
         """Close every sequence we hold (the controller is stopping); the requests stay journaled,
