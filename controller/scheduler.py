@@ -379,12 +379,13 @@ class Scheduler:
 
     def restore(self, entries) -> int:
         """Requests from the journal (journal.Entry), oldest first, to run again from their tokens;
-        each waits RETAIN_S for its client to resume it. Returns how many."""
+        each waits RETAIN_S for its client to resume it. Returns how many it restored."""
         now = time.monotonic()
-        top = 0
+        top = restored = 0
         for e in sorted(entries, key=lambda e: e.priority):
             if e.id in self.requests:
                 continue
+            restored += 1
             j = e.job
             t, k, p, seed = j["sampling"]
             req = Request(e.id, list(j["prompt"]), int(j["max_tokens"]), SamplingParams(t, k, p, seed),
@@ -398,7 +399,7 @@ class Scheduler:
         if self.requests:
             self.kick()
             self._ensure_sweeper()
-        return len(entries)
+        return restored
 
     async def _updates(self, req: Request, start: int = 0) -> AsyncIterator[TokenUpdate]:
         """`req`'s tokens from index `start` on, as they come; when its last reader leaves, the
@@ -700,12 +701,10 @@ class Scheduler:
     async def shutdown(self) -> None:
         """Close every sequence we hold (the controller is stopping); the requests stay journaled,
         and their clients are told to resume them at the controller that follows."""
-        self.suspended = True
+        if not self.suspended:
+            await self.suspend()
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for req in [*self.active.values(), *self.waiting]:
-            self._fail(req, Unavailable(f"the controller is stopping; resume request {req.id} at the controller "
-                                        "that follows (it keeps its journal) or at the standby"))
         sessions = list(self.active)
         self.active.clear()
         self.waiting.clear()

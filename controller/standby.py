@@ -2,8 +2,8 @@
 
 Two controllers (on two boxes) name each other with --peer. The one that finds no active peer at
 start is active; the other follows it as the standby: it streams the active's journal
-(Replicate: a snapshot, then every change, and a heartbeat every HEARTBEAT_S with the plan in
-force), so its own journal is a copy. When that stream breaks and no peer answers as active for
+(Replicate: a snapshot, then every change, and a heartbeat every HEARTBEAT_S with the nodes of
+the plan in force), so its own journal is a copy. When that stream breaks and no peer answers as active for
 TAKEOVER_S, the standby takes over: it starts as the active controller with a fencing epoch above
 the one it copied, re-adopts the plan's nodes (assigning them with the new epoch, which the
 stages then hold: the old active's Assign and OpenSession are refused from then on), and resumes
@@ -54,8 +54,7 @@ class Replicator:
         self.followers: dict[str, float] = {}  # standby -> when it started following
 
     def _plan(self) -> dict:
-        return {"plan_json": self.app.plan_json,
-                "nodes_json": json.dumps({h.node_id: h.address for h in self.app.pipeline.stages})}
+        return {"nodes_json": json.dumps({h.node_id: h.address for h in self.app.pipeline.stages})}
 
     async def follow(self, follower: str):
         if self.app.role != "active" or self.app.fenced:
@@ -94,7 +93,6 @@ class Standby:
         self.transport = transport
         self.me = me
         self.nodes: dict[str, str] = {}  # the active's plan: node id -> address (where a takeover starts)
-        self.plan_json = ""
 
     async def run(self) -> dict[str, str]:
         """Be the standby until a takeover is due; returns the nodes of the last plan seen."""
@@ -138,7 +136,6 @@ class Standby:
                                  len(app.journal.entries), app.journal.epoch)
                     followed = True
                     app.active_peer = peer
-                    self.plan_json = m.plan_json or self.plan_json
                     if m.nodes_json:
                         self.nodes = json.loads(m.nodes_json) or self.nodes
                 elif m.kind in (ADMIT, TOKENS, DROP, EPOCH):

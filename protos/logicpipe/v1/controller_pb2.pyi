@@ -22,7 +22,7 @@ class ReplicateRequest(_message.Message):
     def __init__(self, follower: _Optional[str] = ...) -> None: ...
 
 class JournalOp(_message.Message):
-    __slots__ = ("kind", "request_id", "job_json", "priority", "start", "tokens", "epoch", "plan_json", "nodes_json")
+    __slots__ = ("kind", "request_id", "job_json", "priority", "start", "tokens", "epoch", "nodes_json")
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -30,7 +30,6 @@ class JournalOp(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     NODES_JSON_FIELD_NUMBER: _ClassVar[int]
     kind: str
     request_id: str
@@ -39,9 +38,8 @@ class JournalOp(_message.Message):
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    plan_json: str
     nodes_json: str
-    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., job_json: _Optional[str] = ..., priority: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., plan_json: _Optional[str] = ..., nodes_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., job_json: _Optional[str] = ..., priority: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., nodes_json: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
