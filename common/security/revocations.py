@@ -39,6 +39,9 @@ class Revocations:
     def __len__(self) -> int:
         return len(self._names)
 
+    def __iter__(self):
+        return iter(sorted(self._names))
+
     def add(self, name: str) -> bool:
         """Refuse `name` from now on (persisted); False if it already was."""
         if name in self._names:
