@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from logicpipe.errors import InvalidArgument
+from logicpipe.limits import check_printable
 from logicpipe.stage_node.blocks import DEFAULT_BLOCK_SIZE
 from logicpipe.stage_node.scheduler import Budget
 
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
 MAX_PATH_CHARS = 4096
+MAX_MICRO_BATCHES = 64  # sampled steps in flight on stage 0 (one per stage by default; no mesh is that deep)
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,17 @@ class Assignment:
             raise InvalidArgument(f"wire dtype {self.wire_dtype[:40]!r} not supported; use one of {', '.join(COMPUTE_DTYPES)}")
         if not self.model_dir or len(self.model_dir) > MAX_PATH_CHARS:
             raise InvalidArgument(f"model_dir must be a path of 1 to {MAX_PATH_CHARS} characters")
+        check_printable("model_dir", self.model_dir)  # a NUL is no path the OS takes (os.path raises)
         if not (0 <= self.start < self.end <= self.num_layers):
             raise InvalidArgument(f"layer range [{self.start}, {self.end}) is not inside [0, {self.num_layers})")
         if not (0 <= self.stage_index < self.num_stages):
             raise InvalidArgument(f"stage index {self.stage_index} out of range for {self.num_stages} stages")
+        if self.num_stages > self.num_layers:
+            raise InvalidArgument(f"{self.num_stages} stages for {self.num_layers} layers: each stage holds at least "
+                                  "one layer")
+        if self.micro_batches > MAX_MICRO_BATCHES:
+            raise InvalidArgument(f"micro_batches {self.micro_batches} is over the cap of {MAX_MICRO_BATCHES} "
+                                  "(0: one per stage); lower the controller's --micro-batches")
         if not self.last and not self.next_address:
             raise InvalidArgument(f"stage ending at layer {self.end} < {self.num_layers} needs a next_address")
         if self.last and not self.first and not self.first_address:

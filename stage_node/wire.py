@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
-from logicpipe.limits import check_id
+from logicpipe.limits import check_address, check_id
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.events import Event, TokenEvent
@@ -29,8 +29,15 @@ def sampling_from_proto(p: stage_pb2.SamplingParams) -> SamplingParams:
 
 
 def assignment_from_proto(req: stage_pb2.AssignRequest, controller_address: str) -> Assignment:
-    """Assign -> Assignment (checked by Assignment.check); `controller_address`: the request's, with
-    the caller's host filled in."""
+    """Assign -> Assignment, its ids and addresses checked here (the rest by Assignment.check);
+    `controller_address`: the request's, with the caller's host filled in."""
+    for what, value in (("plan_id", req.plan_id), ("model_digest", req.model_digest),
+                        ("prev_node_id", req.prev_node_id), ("last_node_id", req.last_node_id),
+                        ("controller_id", req.controller_id)):
+        check_id(what, value, empty_ok=True)
+    for what, value in (("next_address", req.next_address), ("first_address", req.first_address),
+                        ("controller_address", controller_address)):
+        check_address(what, value, empty_ok=True)
     return Assignment(
         model_dir=req.model_dir, start=req.start_layer, end=req.end_layer, num_layers=req.num_layers,
         stage_index=req.stage_index, num_stages=req.num_stages, next_address=req.next_address,
@@ -55,6 +62,12 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if req.generated > (len(prompt) if prompt else req.capacity):
+        raise InvalidArgument(f"generated {req.generated} is past the {len(prompt) if prompt else req.capacity} "
+                              f"{'prompt tokens' if prompt else 'positions of capacity'} (a replay's prompt holds the "
+                              "tokens generated before)")
+    if req.speculate > MAX_CANDIDATES:
+        raise InvalidArgument(f"speculate {req.speculate} is over the cap of {MAX_CANDIDATES} candidates per step")
     if req.parent_session_id:
         check_id("parent_session_id", req.parent_session_id)
         if req.parent_length > len(prompt):
@@ -64,7 +77,7 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                    max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
                    owner=req.owner, opener=opener, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
                    parent_length=req.parent_length, index=req.sequence, priority=req.priority,
-                   speculate=min(req.speculate, MAX_CANDIDATES), prefill_chunk=req.prefill_chunk)
+                   speculate=req.speculate, prefill_chunk=req.prefill_chunk)
 
 
 def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:
