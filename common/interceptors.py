@@ -3,7 +3,9 @@ turns what a handler raises or receives into the right gRPC status, so servicers
 
 - a MeshError raised by a handler (unary or streaming) ends the call with its status and message;
 - a request whose bytes are not its message gets INVALID_ARGUMENT with a one-line reason (gRPC
-  itself answers UNKNOWN "Unexpected DecodeError").
+  itself answers UNKNOWN "Unexpected DecodeError");
+- a method this server's servicer does not implement (the generated base class's stub) answers
+  UNIMPLEMENTED saying where it is served (gRPC itself: "Unexpected NotImplementedError").
 """
 from __future__ import annotations
 
@@ -12,6 +14,16 @@ from google.protobuf.message import DecodeError
 
 from logicpipe.common.security.bundle import peer
 from logicpipe.errors import MeshError
+
+ELSEWHERE = {  # methods a server may refuse as "not here", and where they are served instead
+    "Join": "Join is served on the bootstrap port (--join-listen) only, authenticated by a join token from "
+            "`lpctl token create`; this port serves the mesh's other calls",
+}
+
+
+def not_served(method: str) -> str:
+    """The message of a call to `method` on a server that does not serve it."""
+    return ELSEWHERE.get(method, f"{method} is not served on this port")
 
 
 class _Malformed:
@@ -43,6 +55,14 @@ class ServiceErrors(grpc.aio.ServerInterceptor):
         kind = ("stream" if handler.request_streaming else "unary") + "_" + \
                ("stream" if handler.response_streaming else "unary")
         inner = getattr(handler, kind)
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+
+        async def unimplemented(exc: NotImplementedError, context) -> None:
+            # only the generated stub sets UNIMPLEMENTED before raising: any other NotImplementedError
+            # (a torch op, say) is the handler's bug and stays one
+            if context.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise exc
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, not_served(method))
 
         async def checked(requests, context):
             async for request in requests:
@@ -62,12 +82,16 @@ class ServiceErrors(grpc.aio.ServerInterceptor):
                         yield reply
                 except MeshError as err:
                     await context.abort(err.code, str(err))
+                except NotImplementedError as exc:
+                    await unimplemented(exc, context)
         else:
             async def behavior(request, context):
                 try:
                     return await inner(await parsed(request, context), context)
                 except MeshError as err:
                     await context.abort(err.code, str(err))
+                except NotImplementedError as exc:
+                    await unimplemented(exc, context)
         return handler._replace(request_deserializer=tolerant, **{kind: behavior})
 
 
@@ -100,8 +124,8 @@ class RoleCheck(grpc.aio.ServerInterceptor):
                 return True
             if role in allowed:
                 return False
-            if not allowed:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method} is not served on this port")
+            if not allowed:  # no role may call it here (Join: the bootstrap port's)
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, not_served(method))
                 return True
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{method} accepts {' or '.join(sorted(allowed))} certificates; this caller presented "
