@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -52,8 +53,11 @@ class JoinAuthority:
         self._tokens: dict[str, _Token] = {}
 
     def create(self, ttl_s: float = 0.0) -> tuple[str, float]:
-        """A new one-time token and its lifetime (s)."""
-        ttl = DEFAULT_TTL_S if ttl_s <= 0 else min(ttl_s, MAX_TTL_S)
+        """A new one-time token and its lifetime (s): `ttl_s`, at most MAX_TTL_S (0: DEFAULT_TTL_S)."""
+        if not math.isfinite(ttl_s) or ttl_s < 0:
+            raise InvalidArgument(f"ttl_s {ttl_s} is not a lifetime: give seconds from 0 (the default, "
+                                  f"{DEFAULT_TTL_S:.0f} s) to {MAX_TTL_S:.0f}")
+        ttl = DEFAULT_TTL_S if ttl_s == 0 else min(ttl_s, MAX_TTL_S)
         now = time.monotonic()
         self._tokens = {k: t for k, t in self._tokens.items() if t.expires > now}
         if len(self._tokens) >= MAX_TOKENS:

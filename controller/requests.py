@@ -57,12 +57,13 @@ class Prompt:
     token_ids: tuple[int, ...] = ()                    # already tokenized
 
     def check(self) -> None:
-        given = [name for name, v in (("a prompt", self.text.strip()), ("messages", self.messages),
+        # a blank prompt beside messages is still two inputs: one would be dropped without a word
+        given = [name for name, v in (("a prompt", self.text), ("messages", self.messages),
                                       ("prompt token ids", self.token_ids)) if v]
-        if not given:
-            raise InvalidArgument("the prompt is empty: give a prompt, messages or prompt token ids")
         if len(given) > 1:
             raise InvalidArgument(f"give one of a prompt, messages or prompt token ids, not {' and '.join(given)}")
+        if not (self.text.strip() or self.messages or self.token_ids):
+            raise InvalidArgument("the prompt is empty: give a prompt, messages or prompt token ids")
         chars = len(self.text) + sum(len(c) for _, c in self.messages)
         if chars > MAX_PROMPT_CHARS or len(self.token_ids) > MAX_PROMPT_TOKENS:
             raise InvalidArgument(f"the prompt is {chars} characters / {len(self.token_ids)} token ids, over the cap "

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from logicpipe.common.security.bundle import TlsError, check_name
 from logicpipe.common.transport import Transport, caller_address
 from logicpipe.controller.app import ControllerApp, ControllerSnapshot, StageView
 from logicpipe.controller.join import JoinAuthority
+from logicpipe.controller.membership import FORGET_AFTER_S, NOT_PROBED
 from logicpipe.controller.requests import (
     Completion,
     FrontDoor,
@@ -21,8 +23,8 @@ from logicpipe.controller.scheduler import DEFAULT_MAX_TOKENS
 from logicpipe.controller.standby import Replicator
 from logicpipe.controller.state import Phase
 from logicpipe.controller.weights_server import stream_weights
-from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, PermissionDenied
-from logicpipe.limits import check_id
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, PermissionDenied, ResourceExhausted
+from logicpipe.limits import check_address, check_id
 from logicpipe.policy import STAGE
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
@@ -31,6 +33,13 @@ DEFAULT_LEAVE_S = 20.0  # a stopping node's Leave waits this long for its reques
 MAX_LEAVE_S = 120.0
 STATUS_PROBE_TIMEOUT_S = 1.0  # a node that does not answer Status this fast shows as unreachable (Status answers in 2 s)
 DEFAULT_POINT_TOKENS = 96  # outline requests: new tokens per point unless max_tokens says
+# Register is open to anyone who reaches the port in plaintext, and each new address is a member
+# probed every 2 s for 10 minutes: a token bucket per caller (a stage registers every 5 s: 25
+# stages behind one host stay under it), and a cap on registered members that do not answer.
+REGISTER_BURST = 30          # Register calls one caller may make at once ...
+REGISTER_PER_S = 5.0         # ... and a second, on average
+MAX_SILENT_REGISTERED = 64   # members learnt by Register that have not answered a probe
+MAX_RATE_CALLERS = 4096      # callers whose bucket is kept (full buckets are dropped first)
 
 
 def client_identity(transport: Transport, context) -> str:
@@ -40,6 +49,27 @@ def client_identity(transport: Transport, context) -> str:
         return f"{role}:{name}"
     kind, _, rest = context.peer().partition(":")  # "ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"
     return host_client(rest.rpartition(":")[0]) if kind in ("ipv4", "ipv6") else context.peer()
+
+
+class RateCap:
+    """A token bucket per caller: `burst` calls at once, `per_s` a second on average."""
+
+    def __init__(self, burst: int, per_s: float):
+        self.burst, self.per_s = burst, per_s
+        self._buckets: dict[str, tuple[float, float]] = {}  # caller -> (tokens, when counted)
+
+    def take(self, caller: str) -> bool:
+        """Whether `caller` may make one more call now (it is counted if so)."""
+        now = time.monotonic()
+        tokens, at = self._buckets.get(caller, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.per_s)
+        ok = tokens >= 1
+        self._buckets[caller] = (tokens - ok, now)
+        if len(self._buckets) > MAX_RATE_CALLERS:  # forget the callers that are full again, else the oldest
+            full = [c for c, (t, a) in self._buckets.items() if t + (now - a) * self.per_s >= self.burst]
+            for c in full or sorted(self._buckets, key=lambda c: self._buckets[c][1])[:len(self._buckets) // 2]:
+                del self._buckets[c]
+        return ok
 
 
 def submit_request(request: controller_pb2.SubmitRequest) -> tuple[Prompt, RequestOptions]:
@@ -103,6 +133,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.door = door
         self.transport = transport  # the process's: who a caller is
         self.authority = authority  # --ca-dir: join tokens and revocations (None: refused)
+        self.register_rate = RateCap(REGISTER_BURST, REGISTER_PER_S)
 
     async def Submit(self, request, context):
         prompt, options = submit_request(request)
@@ -155,11 +186,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return reply
 
     async def Register(self, request, context):
+        who = client_identity(self.transport, context)
+        if not self.register_rate.take(who):
+            raise ResourceExhausted(f"{who} is over the cap of {REGISTER_BURST} Register calls at once, "
+                                    f"{REGISTER_PER_S:g} a second after that; a stage registers every few seconds: "
+                                    "retry in a second")
         node_id = check_id("node_id", request.node_id)
         self._check_self(context, node_id)
-        address = caller_address(request.address, context.peer())
-        if not address:
+        if not request.address:
             raise InvalidArgument("address must be the node's host:port (an empty host means the caller's)")
+        raw = request.address  # ":PORT" and a wildcard host: the caller's host
+        address = check_address("address", (caller_address(raw, context.peer()) if ":" in raw else "") or raw)
+        self._check_silent(address)
         admitted, message = await self.app.register(address, node_id)
         return controller_pb2.RegisterReply(controller_id=self.app.pipeline.owner, admitted=admitted, message=message)
 
@@ -169,6 +207,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         timeout = request.timeout_s if 0 < request.timeout_s <= MAX_LEAVE_S else DEFAULT_LEAVE_S
         moved, message = await self.app.leave(node_id, timeout)
         return controller_pb2.LeaveReply(moved=moved, message=message)
+
+    def _check_silent(self, address: str) -> None:
+        """A new address is refused while MAX_SILENT_REGISTERED registered members do not answer
+        (each is probed until it is forgotten, FORGET_AFTER_S after it went down)."""
+        members = self.app.members.by_address
+        if address in members:
+            return
+        silent = sum(1 for m in members.values() if m.source == "registered" and (m.down == NOT_PROBED or m.misses))
+        if silent >= MAX_SILENT_REGISTERED:
+            raise ResourceExhausted(f"{silent} registered nodes do not answer, the cap of {MAX_SILENT_REGISTERED}: "
+                                    "a new address registers once they answer or are forgotten "
+                                    f"({FORGET_AFTER_S:.0f} s after they went down)")
 
     def _check_self(self, context, node_id: str) -> None:
         """Over TLS, a stage speaks only for itself: `node_id` must be its certificate's name."""
@@ -197,7 +247,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.JoinTokenReply(token=token, expires_in_s=ttl)
 
     async def Revoke(self, request, context):
-        node_id = check_id("node", request.node)
+        try:
+            node_id = check_name(request.node)
+        except TlsError as exc:
+            raise InvalidArgument(f"node to revoke: {exc}") from exc
         self._authority()  # revocations are kept beside the CA (--ca-dir)
         return controller_pb2.RevokeReply(message=await self.app.revoke(node_id))
 

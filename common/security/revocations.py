@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from logicpipe.common.security.bundle import TlsError
+from logicpipe.common.security.bundle import TlsError, check_name
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,9 @@ class Revocations:
         return iter(sorted(self._names))
 
     def add(self, name: str) -> bool:
-        """Refuse `name` from now on (persisted); False if it already was."""
+        """Refuse `name` from now on (persisted); False if it already was. TlsError: `name` is
+        no certificate name (it would be kept, and written, for nothing)."""
+        check_name(name)
         if name in self._names:
             return False
         self._names.add(name)
