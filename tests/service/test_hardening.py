@@ -4,20 +4,34 @@ message while the node keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import math
 import socket
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
 
-from logicpipe.v1 import stage_pb2
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2
 
 from .conftest import (
+    PROMPT,
     RPC_TIMEOUT_S,
+    TINY_LAYERS,
     Events,
+    assign,
+    controller,
     expect_status,
+    expect_stream_abort,
+    new_session_id,
+    open_request,
+    prompt_step,
     run,
     serve_valid_request,
     single_stage,
+    stage_node,
 )
 
 IA = grpc.StatusCode.INVALID_ARGUMENT
@@ -55,8 +69,6 @@ def test_garbage_bytes_on_a_stage_rpc_are_invalid_argument(method, tiny_model):
 
 
 def test_garbage_bytes_on_controller_rpcs_are_invalid_argument(model_dir):
-    from .conftest import controller
-
     async def main():
         async with controller(model_dir, [], start=False) as ctl:
             for method, kinds in CONTROLLER_METHODS.items():
@@ -130,3 +142,291 @@ def test_events_subscribers_are_capped(tiny_model, monkeypatch):
                 pass
             await serve_valid_request(node, expect=tiny_model.greedy)
     run(main())
+
+
+# ----------------------------------------------------------------------------- issue 23: flawed answers
+# Each input below was answered wrongly (UNKNOWN, or accepted) by a bad-input probe; each now gets
+# its status and a one-line message naming the field, and the node or controller serves on.
+
+PD, RE, UNIMPL = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED
+TEST_NET = "192.0.2"  # RFC 5737: never a host of this machine or its LAN, so never a stage that answers
+
+
+@pytest.fixture(scope="module")
+def node(runner, tiny_model):
+    """One stage holding the whole tiny model, for the module's bad Assign and OpenSession calls."""
+    stack = contextlib.AsyncExitStack()
+    try:
+        yield runner.run(stack.enter_async_context(single_stage(tiny_model.path, "flawed")))
+    finally:
+        runner.run(stack.aclose())
+
+
+@dataclass
+class AuthorityController:
+    ctl: object          # conftest.Controller (its own server has no CA)
+    stub: object         # a ControllerServicer with a join authority, on its own port
+    ca_dir: Path
+
+
+@contextlib.asynccontextmanager
+async def authority_controller(model_dir, ca_dir: Path):
+    """A controller with no stages (not started) whose servicer has a CA (--ca-dir): join tokens
+    and revocations are served."""
+    from logicpipe.common.security.revocations import Revocations
+    from logicpipe.common.transport import PLAINTEXT
+    from logicpipe.controller.join import JoinAuthority
+    from logicpipe.controller.service import ControllerServicer
+
+    async with controller(model_dir, [], start=False) as ctl:
+        authority = JoinAuthority(ca_dir, Revocations.in_ca_dir(ca_dir))
+        ctl.app.revocations = authority.revocations
+        server = PLAINTEXT.server()
+        servicer = ControllerServicer(ctl.app, ctl.door, PLAINTEXT, authority)
+        controller_pb2_grpc.add_ControllerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = PLAINTEXT.channel(f"127.0.0.1:{port}", "controller")
+        try:
+            yield AuthorityController(ctl, controller_pb2_grpc.ControllerStub(channel), ca_dir)
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def actl(runner, model_dir, tmp_path_factory):
+    from logicpipe.common.security import ca as tls_ca
+
+    ca_dir = tls_ca.init_ca(tmp_path_factory.mktemp("flawed-ca") / "ca")
+    stack = contextlib.AsyncExitStack()
+    try:
+        yield runner.run(stack.enter_async_context(authority_controller(model_dir, ca_dir)))
+    finally:
+        runner.run(stack.aclose())
+
+
+def arun(runner, coro, timeout: float = 120.0):
+    return runner.run(asyncio.wait_for(coro, timeout))
+
+
+async def still_serves(a: AuthorityController) -> None:
+    st = await a.stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)
+    assert st.state
+
+
+def test_assign_with_a_nul_in_model_dir_is_invalid_argument(runner, node, tiny_model):
+    async def main():
+        await expect_status(assign(node, f"{tiny_model.path}\x00/x"), IA, "model_dir", "control character '\\x00'")
+        await expect_status(assign(node, f"{tiny_model.path}\n"), IA, "model_dir", "control character '\\n'")
+        await serve_valid_request(node, expect=tiny_model.greedy)
+    arun(runner, main())
+
+
+@pytest.mark.parametrize("field,value,phrase", [
+    ("next_address", "garbage::x", "port 'x'"), ("next_address", "127.0.0.1:0", "port '0'"),
+    ("next_address", "::1:5000", "brackets"), ("next_address", "x" * 300 + ":1", "261-character cap"),
+    ("first_address", "bad host:5", "DNS name"), ("first_address", "999.1.1.1:5", "IPv4"),
+    ("controller_address", "ctl:99999", "port '99999'"),
+    ("prev_node_id", "p" * 100_000, "256-character cap"), ("last_node_id", "l\x00", "control character"),
+    ("plan_id", "q" * 300, "256-character cap"), ("model_digest", "d\x1b[2J", "control character"),
+    ("controller_id", "c" * 100_000, "256-character cap"),
+])
+def test_assign_strings_are_bounded_and_addresses_are_host_port(runner, node, tiny_model, field, value, phrase):
+    """Every string of AssignRequest: ids bounded and printable, addresses host:port (stage 0 of 2,
+    so that next_address is needed; the last of 2, so that first_address is)."""
+    where = {"first_address": dict(start=2, stage_index=1, num_stages=2, first_address=node.address),
+             "next_address": dict(end=2, num_stages=2, next_address=node.address)}.get(field, {})
+    fields = {k: v for k, v in where.items() if k not in ("start", "end")}
+    fields[field] = value
+
+    async def main():
+        await expect_status(assign(node, tiny_model.path, where.get("start", 0), where.get("end", TINY_LAYERS),
+                                   **fields), IA, field, phrase)
+        await serve_valid_request(node, expect=tiny_model.greedy)
+    arun(runner, main())
+
+
+def test_assign_micro_batches_and_stages_are_capped(runner, node, tiny_model):
+    async def main():
+        await expect_status(assign(node, tiny_model.path, micro_batches=2**32 - 1), IA, "micro_batches",
+                            "cap of 64", "--micro-batches")
+        await expect_status(assign(node, tiny_model.path, num_stages=2**32 - 1), IA,
+                            f"{2**32 - 1} stages for {TINY_LAYERS} layers")
+        await serve_valid_request(node, expect=tiny_model.greedy)
+    arun(runner, main())
+
+
+@pytest.mark.parametrize("field,phrase", [("speculate", "cap of 64 candidates"), ("generated", "generated 4294967295")])
+def test_open_session_speculate_and_generated_are_capped(runner, node, tiny_model, field, phrase):
+    async def main():
+        sid = new_session_id("capped")
+        await expect_status(node.stub.OpenSession(open_request(sid, prompt_token_ids=list(PROMPT),
+                                                               **{field: 2**32 - 1}), timeout=RPC_TIMEOUT_S),
+                            IA, field, phrase)
+        await serve_valid_request(node, expect=tiny_model.greedy)
+    arun(runner, main())
+
+
+@pytest.mark.parametrize("field,value", [("session_id", "a\x00b"), ("session_id", "a\nb"), ("owner", "o\x7f"),
+                                         ("parent_session_id", "p\u2028")])
+def test_ids_with_control_characters_are_invalid_argument(runner, node, tiny_model, field, value):
+    async def main():
+        fields = {"session_id": new_session_id("ctl-char"), field: value}
+        await expect_status(node.stub.OpenSession(open_request(**fields), timeout=RPC_TIMEOUT_S), IA, field,
+                            "control character")
+        if field == "session_id":  # a step naming it: the stream ends at once
+            err = await expect_stream_abort(node, prompt_step(value), IA, "session_id", "control character")
+            assert "\n" not in err.details()
+        await serve_valid_request(node, expect=tiny_model.greedy)
+    arun(runner, main())
+
+
+@pytest.mark.parametrize("address,phrase", [("garbage::x", "port 'x'"), ("[zz]:5", "not an IPv6 address"),
+                                            ("10.0.0.1:0", "port '0'"), ("-bad-.local:5", "DNS name"),
+                                            ("nohost", "no :port")])
+def test_register_needs_a_host_port_address(runner, actl, address, phrase):
+    async def main():
+        await expect_status(actl.stub.Register(controller_pb2.RegisterRequest(address=address, node_id="n1"),
+                                               timeout=RPC_TIMEOUT_S), IA, "address", phrase, "host:port")
+        assert not any(a.startswith(address) for a in actl.ctl.app.members.by_address)
+        bad_id = controller_pb2.RegisterRequest(address=f"{TEST_NET}.1:5", node_id="n\x00")
+        await expect_status(actl.stub.Register(bad_id, timeout=RPC_TIMEOUT_S), IA, "node_id", "control character")
+        await still_serves(actl)
+    arun(runner, main())
+
+
+def test_register_of_silent_members_is_capped(runner, actl, monkeypatch):
+    """New addresses are refused while MAX_SILENT_REGISTERED registered members do not answer;
+    one already known registers again."""
+    import logicpipe.controller.service as service
+
+    async def main():
+        app = actl.ctl.app
+        silent = sum(1 for m in app.members.by_address.values() if m.source == "registered")
+        monkeypatch.setattr(service, "MAX_SILENT_REGISTERED", silent + 2)
+        for i in (1, 2):
+            ok = await actl.stub.Register(controller_pb2.RegisterRequest(address=f"{TEST_NET}.{i}:50061",
+                                                                         node_id=f"silent-{i}"), timeout=RPC_TIMEOUT_S)
+            assert ok.admitted
+        await expect_status(actl.stub.Register(controller_pb2.RegisterRequest(address=f"{TEST_NET}.3:50061",
+                                                                              node_id="silent-3"),
+                                               timeout=RPC_TIMEOUT_S), RE, "registered nodes do not answer",
+                            f"cap of {silent + 2}")
+        again = await actl.stub.Register(controller_pb2.RegisterRequest(address=f"{TEST_NET}.1:50061",
+                                                                        node_id="silent-1"), timeout=RPC_TIMEOUT_S)
+        assert again.admitted and f"{TEST_NET}.3:50061" not in app.members.by_address
+        await still_serves(actl)
+    arun(runner, main())
+
+
+@pytest.mark.parametrize("ttl", [math.nan, math.inf, -math.inf, -5.0])
+def test_create_join_token_refuses_a_ttl_that_is_no_lifetime(runner, actl, ttl):
+    async def main():
+        await expect_status(actl.stub.CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=ttl),
+                                                      timeout=RPC_TIMEOUT_S), IA, "ttl_s", "give seconds from 0")
+        for asked, got in ((0.0, 3600.0), (60.0, 60.0), (1e12, 24 * 3600.0)):
+            reply = await actl.stub.CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=asked), timeout=RPC_TIMEOUT_S)
+            assert reply.expires_in_s == got and reply.token.startswith("lpj1.")
+    arun(runner, main())
+
+
+@pytest.mark.parametrize("name", ["../x", "", "UPPER", "a" * 64, "n\x00", "a/b"])
+def test_revoke_refuses_what_is_no_certificate_name(runner, actl, name):
+    async def main():
+        revoked = actl.ca_dir / "revoked.json"
+        before = revoked.read_text() if revoked.exists() else None
+        await expect_status(actl.stub.Revoke(controller_pb2.RevokeRequest(node=name), timeout=RPC_TIMEOUT_S),
+                            IA, "node to revoke", "lowercase letters")
+        assert (revoked.read_text() if revoked.exists() else None) == before
+        ok = await actl.stub.Revoke(controller_pb2.RevokeRequest(node="gone-node"), timeout=RPC_TIMEOUT_S)
+        assert "gone-node revoked" in ok.message and json.loads(revoked.read_text()) == ["gone-node"]
+    arun(runner, main())
+
+
+@pytest.mark.parametrize("prompt", ["   ", "\n", "Hello"])
+def test_submit_with_a_prompt_and_messages_is_invalid_argument(runner, actl, prompt):
+    async def main():
+        call = actl.stub.Submit(controller_pb2.SubmitRequest(
+            prompt=prompt, messages=[controller_pb2.ChatMessage(role="user", content="Hi")]), timeout=RPC_TIMEOUT_S)
+        await expect_status(call.read(), IA, "not a prompt and messages")
+        call = actl.stub.Submit(controller_pb2.SubmitRequest(prompt="  "), timeout=RPC_TIMEOUT_S)
+        await expect_status(call.read(), IA, "the prompt is empty")
+        await still_serves(actl)
+    arun(runner, main())
+
+
+def test_join_on_the_main_port_is_unimplemented_naming_the_bootstrap_port(runner, actl, tmp_path):
+    """In plaintext (the servicer has no Join), over mutual TLS (no role may call it there: the role
+    check refuses it), and the bootstrap port's other methods."""
+    from logicpipe.common.security import ca as tls_ca
+    from logicpipe.common.security.bundle import Bundle
+    from logicpipe.common.transport import PLAINTEXT, Transport
+    from logicpipe.controller.join import JoinAuthority
+    from logicpipe.controller.service import ControllerServicer, JoinServicer
+    from logicpipe.policy import CONTROLLER_POLICY
+
+    join = controller_pb2.JoinRequest(token_id="t", csr_pem=b"x", mac=bytes(32))
+    ca = actl.ca_dir
+
+    async def main():
+        await expect_status(actl.stub.Join(join, timeout=RPC_TIMEOUT_S), UNIMPL, "bootstrap port (--join-listen) only")
+        await still_serves(actl)
+        served = Transport(Bundle.load(tls_ca.issue(ca, "ctl", "controller", tmp_path / "ctl")))
+        for role in ("client", "stage", "controller"):
+            caller = Transport(Bundle.load(tls_ca.issue(ca, f"a-{role}", role, tmp_path / role)))
+            server = served.server(CONTROLLER_POLICY)
+            controller_pb2_grpc.add_ControllerServicer_to_server(
+                ControllerServicer(actl.ctl.app, actl.ctl.door, served), server)
+            port = served.add_port(server, "127.0.0.1:0")
+            await server.start()
+            try:
+                async with caller.channel(f"127.0.0.1:{port}", "controller") as ch:
+                    stub = controller_pb2_grpc.ControllerStub(ch)
+                    await expect_status(stub.Join(join, timeout=RPC_TIMEOUT_S), UNIMPL,
+                                        "bootstrap port (--join-listen) only")
+                    assert (await stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)).state
+            finally:
+                await server.stop(None)
+        boot = PLAINTEXT.server()
+        controller_pb2_grpc.add_ControllerServicer_to_server(JoinServicer(JoinAuthority(ca, actl.ctl.app.revocations)),
+                                                             boot)
+        port = boot.add_insecure_port("127.0.0.1:0")
+        await boot.start()
+        try:
+            async with PLAINTEXT.channel(f"127.0.0.1:{port}", "controller") as ch:
+                stub = controller_pb2_grpc.ControllerStub(ch)
+                await expect_status(stub.Register(controller_pb2.RegisterRequest(address="127.0.0.1:5", node_id="n"),
+                                                  timeout=RPC_TIMEOUT_S), UNIMPL, "Register is not served on this port")
+                await expect_status(stub.Join(join, timeout=RPC_TIMEOUT_S), PD, "join token")  # served here
+        finally:
+            await boot.stop(None)
+    arun(runner, main())
+
+
+def test_register_calls_are_rate_capped_per_caller_and_a_real_stage_still_plans(model_dir):
+    """300 plaintext Registers at once from one host: the first REGISTER_BURST (and what refills
+    meanwhile) are admitted, the rest RESOURCE_EXHAUSTED naming the cap; a real stage then
+    registers and is planned on."""
+    from logicpipe.controller import service
+
+    async def main():
+        async with stage_node("rate-real") as real, controller(model_dir, [], start=False) as ctl:
+            t0 = asyncio.get_running_loop().time()
+            calls = await asyncio.gather(*(ctl.stub.Register(controller_pb2.RegisterRequest(
+                address=f"{TEST_NET}.{1 + i % 250}:{50000 + i}", node_id=f"flood-{i}"), timeout=RPC_TIMEOUT_S)
+                for i in range(300)), return_exceptions=True)
+            took = asyncio.get_running_loop().time() - t0
+            refused = [c for c in calls if isinstance(c, grpc.aio.AioRpcError)]
+            assert all(c.code() == RE for c in refused), {c.code() for c in refused}
+            assert "Register calls at once" in refused[0].details() and "\n" not in refused[0].details()
+            admitted = 300 - len(refused)
+            assert service.REGISTER_BURST <= admitted <= service.REGISTER_BURST + service.REGISTER_PER_S * took + 1
+            await asyncio.sleep(1.5 / service.REGISTER_PER_S)  # a token refills
+            ok = await ctl.stub.Register(controller_pb2.RegisterRequest(
+                address=f":{real.address.rpartition(':')[2]}", node_id="rate-real"), timeout=RPC_TIMEOUT_S)
+            assert ok.admitted
+            await ctl.app.start()
+            assert await ctl.app.wait_ready(120), ctl.app.state.reason
+            assert [h.node_id for h in ctl.app.pipeline.stages] == ["rate-real"]
+    run(main(), timeout=240)

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logicpipe import tensor_codec
-from logicpipe.errors import MeshError
+from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe.limits import MAX_ADDRESS_CHARS, MAX_ID_CHARS, check_address
 from logicpipe.stage_node import wire
 from logicpipe.v1 import controller_pb2, stage_pb2, tensor_pb2
 
@@ -86,6 +87,53 @@ def test_open_session_checks(sid, owner, capacity, prompt, stop, parent, parent_
     except MeshError:
         return
     assert 1 <= spec.capacity <= 2048 and all(0 <= t < 1000 for t in spec.prompt) and len(spec.prompt) <= spec.capacity
+    assert spec.speculate <= wire.MAX_CANDIDATES and spec.generated <= max(len(spec.prompt), spec.capacity)
+    assert not any(c < " " for c in spec.session_id + spec.owner + spec.parent)
+
+
+# host:port-ish text: the pieces an address is made of, and anything else
+ADDRESS = st.one_of(
+    st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x7F), max_size=40),
+    st.builds(lambda host, port: f"{host}:{port}",
+              st.one_of(st.ip_addresses(v=4).map(str), st.ip_addresses(v=6).map(lambda a: f"[{a}]"),
+                        st.from_regex(r"[a-z0-9_.-]{0,70}", fullmatch=True),
+                        st.text(alphabet="[]:.%ab0-", max_size=20)),
+              st.one_of(st.integers(-2, 70000).map(str), st.text(alphabet="0123456789x ", max_size=6))),
+)
+
+
+@FUZZ
+@given(address=ADDRESS)
+def test_address_checks(address):
+    tried("address checks")
+    try:
+        got = check_address("address", address)
+    except InvalidArgument as exc:
+        assert "\n" not in str(exc)
+        return
+    host, _, port = got.rpartition(":")
+    assert host and 1 <= int(port) <= 65535 and len(got) <= MAX_ADDRESS_CHARS
+    assert host.startswith("[") == host.endswith("]") and (":" not in host or host.startswith("["))
+
+
+@FUZZ
+@given(model_dir=SESSION, addresses=st.lists(ADDRESS, min_size=3, max_size=3),
+       ids=st.lists(SESSION, min_size=4, max_size=4),
+       numbers=st.lists(st.one_of(st.integers(0, 6), st.integers(0, 2**32 - 1)), min_size=6, max_size=6))
+def test_assign_checks(model_dir, addresses, ids, numbers):
+    tried("Assign checks")
+    start, end, layers, index, stages, micro = numbers
+    req = stage_pb2.AssignRequest(model_dir=model_dir, start_layer=start, end_layer=end, num_layers=layers,
+                                  stage_index=index, num_stages=stages, micro_batches=micro,
+                                  next_address=addresses[0], first_address=addresses[1], plan_id=ids[0],
+                                  prev_node_id=ids[1], last_node_id=ids[2], controller_id=ids[3])
+    try:
+        a = wire.assignment_from_proto(req, addresses[2])
+        a.check()
+    except MeshError:
+        return
+    assert 0 <= a.start < a.end <= a.num_layers and a.num_stages <= a.num_layers and a.micro_batches <= 64
+    assert "\x00" not in a.model_dir and all(len(x) <= MAX_ID_CHARS for x in (a.plan_id, a.prev_node_id))
 
 
 SEQ = st.builds(lambda sid, start, ids, n, cand: stage_pb2.SeqStep(session_id=sid, start_pos=start % 2**31,
