@@ -65,6 +65,23 @@ def _instance_name(node_id: str) -> str:
     return label
 
 
+def discovery_interface(chosen: str | None, listen: str, tls: bool) -> str | None:
+    """The interface to advertise or browse on: `chosen` (--mdns-interface); else, without TLS,
+    only the one the process listens on (its IPv4 address: a plaintext process on 127.0.0.1 must
+    neither find nor be found by other hosts); else (TLS, or plaintext on every interface, which
+    needs --insecure) every interface (None)."""
+    if chosen or tls:
+        return chosen or None
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return str(ip) if ip.version == 4 and not ip.is_unspecified else None
+
+
 def _zeroconf(interface: str | None) -> AsyncZeroconf:
     return AsyncZeroconf(interfaces=[interface] if interface else InterfaceChoice.All)
 
@@ -193,6 +210,12 @@ class Browser:
         if not txt.get("id") or not addresses or not info.port:
             log.warning("mDNS: ignoring %s: no node id, address or port", name)
             return
+        if self.interface and ipaddress.ip_address(self.interface).is_loopback:
+            addresses = [a for a in addresses if ipaddress.ip_address(a).is_loopback]
+            if not addresses:  # a record on loopback pointing elsewhere: not a node of this host
+                log.warning("mDNS: ignoring %s: browsing loopback only, it advertises %s", name,
+                            ", ".join(info.parsed_addresses()))
+                return
         host = min(addresses, key=lambda a: ":" in a)  # IPv4 first, in advertised order
         host = f"[{host}]" if ":" in host else host
         advert = Advert(txt["id"], f"{host}:{info.port}", txt["proto"], txt.get("digest", ""))

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+from typing import Container
 
 import grpc
 
 from logicpipe.common.interceptors import RoleCheck, ServiceErrors
 from logicpipe.common.security.bundle import Bundle, TlsError, peer
-from logicpipe.common.security.revocations import Revocations
 from logicpipe.limits import MAX_MESSAGE_BYTES
 from logicpipe.policy import role_host
 
@@ -71,10 +71,11 @@ class Transport:
                                    options=CHANNEL_OPTIONS + self._tls_options(peer_role))
 
     def server(self, policy: dict[str, frozenset[str]] | None = None,
-               revocations: Revocations | None = None) -> grpc.aio.Server:
+               revocations: Container[str] | None = None) -> grpc.aio.Server:
         """An asyncio server with the shared options and interceptors (add services, then
         `add_port`, then start); `policy`: method name -> the roles that may call it, and
-        `revocations`: names refused on every method, both enforced when this transport is TLS."""
+        `revocations`: certificate names refused on every method (a Revocations, or a stage's
+        fence), both enforced when this transport is TLS."""
         interceptors = [RoleCheck(self.tls, policy or {}, revocations), ServiceErrors()]
         return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
 

@@ -23,7 +23,7 @@ from logicpipe.controller.state import MeshState, Phase
 from logicpipe.controller.text import load_tokenizer
 from logicpipe.errors import FailedPrecondition, Fenced, InvalidArgument, MeshError, NotFound, Unavailable
 from logicpipe.planner import Link, Workload, plan_to_json
-from logicpipe.v1 import stage_pb2_grpc
+from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ HOLD_S = 10.0           # a plan that still serves is replaced for a better one 
                         # per fault, not again for every node that comes back
 RETRY_S = 1.0           # a re-plan that failed is tried again after this
 CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
+PUSH_TIMEOUT_S = 5.0    # a node that does not take the revocation list this fast gets it with its next Assign
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class ControllerApp:
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.state = MeshState()    # its one owner: set here only
         self.pipeline = Pipeline(transport, self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
+        self.pipeline.revoked = list(self.revocations)  # every Assign carries them
         self.chunks = planning.PrefillChunks(options.prefill_chunk)
         self.scheduler = Scheduler(
             self.pipeline, self.state,
@@ -375,7 +377,7 @@ class ControllerApp:
         t0 = time.monotonic()
         channels = {nid: self.transport.channel(addr, "stage") for nid, addr in ids.items()}
         try:
-            stubs = {nid: stage_pb2_grpc.StageNodeStub(ch) for nid, ch in channels.items()}
+            stubs = {nid: self.pipeline.stub(ch) for nid, ch in channels.items()}
             in_plan = {h.node_id for h in self.pipeline.stages}
             for (a, b), link in zip(pairs, await planning.measure_pairs(stubs, ids, pairs)):
                 if not isinstance(link, BaseException):
@@ -432,12 +434,33 @@ class ControllerApp:
         """Drop a revoked node at once: a new plan without it serves (or none, if none fits: its
         requests then wait), and it is never planned with again."""
         self.revocations.add(node_id)
+        self.pipeline.revoked = list(self.revocations)
+        told = await self._push_revoked()
         m = self.members.find(node_id)
         if m is None or not any(h.node_id == node_id for h in self.pipeline.stages):
-            return f"node {node_id} revoked (it was not in the plan)"
+            return f"{node_id} revoked (it was not in the plan); {told}"
         m.drained = True
         await self._replan_now(f"node {node_id} revoked")
-        return f"node {node_id} revoked; plan generation {self.pipeline.generation} serves without it"
+        return f"node {node_id} revoked; plan generation {self.pipeline.generation} serves without it; {told}"
+
+    async def _push_revoked(self) -> str:
+        """Tell every answering member the revocation list now (the plan's stages get it with each
+        Assign too): a revoked controller or stage certificate is refused by the stages
+        themselves, not only here. Returns what happened, in words."""
+        members = [m for m in self.members.by_address.values() if not m.down and m.node_id not in self.revocations]
+        request = stage_pb2.RevokedRequest(names=self.pipeline.revoked, controller_epoch=self.pipeline.epoch,
+                                           controller_id=self.pipeline.owner)
+
+        async def push(address: str):
+            async with self.transport.channel(address, "stage") as ch:
+                return await self.pipeline.stub(ch).Revoked(request, timeout=PUSH_TIMEOUT_S)
+
+        results = await asyncio.gather(*(push(m.address) for m in members), return_exceptions=True)
+        failed = [(m, r) for m, r in zip(members, results) if isinstance(r, BaseException)]
+        for m, r in failed:
+            log.warning("node %s (%s) did not take the revocation list now (it gets it with its next assignment): %s",
+                        m.node_id or "?", m.address, getattr(r, "details", lambda: r)())
+        return f"{len(members) - len(failed)} of {len(members)} nodes refuse it now"
 
     async def drain(self, node: str, undrain: bool = False) -> str:
         """Take a node out of planning (its requests move) or let it back in. Answers once the
@@ -499,6 +522,17 @@ class ControllerApp:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         await asyncio.shield(task)
+
+    def name_taken(self, name: str) -> str:
+        """Why a certificate name is in use in this mesh ("" when it is not): a join must not get it."""
+        if self.transport.bundle is not None and name == self.transport.bundle.name:
+            return "it is this controller's name"
+        m = next((m for m in self.members.by_address.values() if m.node_id == name), None)
+        if m is not None:
+            return f"the node at {m.address} goes by it"
+        if any(h.node_id == name for h in self.pipeline.stages):
+            return "a stage of the plan goes by it"
+        return ""
 
     async def register(self, address: str, node_id: str) -> tuple[bool, str]:
         other = self.members.owner_of_id(node_id, besides=address)

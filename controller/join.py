@@ -11,23 +11,28 @@ the HMAC, signs the request as a stage certificate and answers with it, the CA c
 HMAC of both, which the node checks before it trusts the CA. The secret itself never crosses the
 wire, a reply cannot be forged without it, and the token is spent by the first valid use.
 
-A revoked name (logicpipe.common.security.revocations) never joins again.
+A revoked name (logicpipe.common.security.revocations) never joins again, and a join never
+issues a certificate under a name already taken: one a known node goes by, the controller's own,
+or one issued by an earlier join (kept beside the CA in joined.json). A certificate under a taken
+name would pass every name check made for that node (streaming into its successor, Leave).
 """
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import math
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from logicpipe.common.security.bundle import CA_CERT, CA_KEY, TlsError
+from logicpipe.common.security.bundle import CA_CERT, CA_KEY, TlsError, write_private
 from logicpipe.common.security.ca import sign_csr
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.security.tokens import TOKEN_PREFIX, mac
-from logicpipe.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from logicpipe.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +47,26 @@ class _Token:
     expires: float  # time.monotonic()
 
 
-class JoinAuthority:
-    """The controller's join tokens, over the CA in `ca_dir`; `revocations`: names never signed."""
+JOINED_FILE = "joined.json"  # beside the CA: names issued by joins
 
-    def __init__(self, ca_dir, revocations: Revocations):
+
+class JoinAuthority:
+    """The controller's join tokens, over the CA in `ca_dir`; `revocations`: names never signed;
+    `taken(name)`: why a name is in use now ("" if it is not; the controller sets it)."""
+
+    def __init__(self, ca_dir, revocations: Revocations, taken: Callable[[str], str] = lambda name: ""):
         self.ca_dir = Path(ca_dir)
         if not (self.ca_dir / CA_KEY).is_file():
             raise TlsError(f"--ca-dir {self.ca_dir}: no {CA_KEY} there (make a CA with `lpctl ca init`)")
         self.revocations = revocations
+        self.taken = taken
         self._tokens: dict[str, _Token] = {}
+        try:
+            self._joined: set[str] = set(json.loads((self.ca_dir / JOINED_FILE).read_text()))
+        except FileNotFoundError:
+            self._joined = set()
+        except (OSError, ValueError, TypeError) as exc:
+            raise TlsError(f"{self.ca_dir / JOINED_FILE}: unreadable ({exc}); fix or remove it") from exc
 
     def create(self, ttl_s: float = 0.0) -> tuple[str, float]:
         """A new one-time token and its lifetime (s): `ttl_s`, at most MAX_TTL_S (0: DEFAULT_TTL_S)."""
@@ -80,7 +96,14 @@ class JoinAuthority:
             raise InvalidArgument(f"join request: {exc}") from exc
         if name in self.revocations:
             raise PermissionDenied(f"node {name} was revoked; it cannot join again under that name")
+        why = self.taken(name) or (f"a node joined under it before (see {JOINED_FILE} beside the CA)"
+                                   if name in self._joined else "")
+        if why:
+            raise AlreadyExists(f"node id {name!r} is taken: {why}; join with another --node-id (the token is "
+                                "still good)")
         del self._tokens[token_id]  # spent
+        self._joined.add(name)
+        write_private(self.ca_dir / JOINED_FILE, json.dumps(sorted(self._joined)).encode())
         ca = (self.ca_dir / CA_CERT).read_bytes()
         log.info("node %s joined with token %s: stage certificate issued", name, token_id)
         return cert, ca, mac(t.secret, cert, ca)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import grpc
 
 from logicpipe.common.transport import Transport
 from logicpipe.errors import MeshError, Unavailable, from_code
+from logicpipe.policy import KEY_HEADER
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,17 @@ class StageHandle:
         return self.status.kv_blocks_total * self.status.block_size if self.status else 0
 
 
+class _KeyedStub:
+    """A StageNodeStub whose every call carries `metadata` (unless the call gives its own)."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]):
+        self._stub, self._metadata = stage_pb2_grpc.StageNodeStub(channel), metadata
+
+    def __getattr__(self, method: str):
+        call = getattr(self._stub, method)
+        return lambda *args, **kwargs: call(*args, **{"metadata": self._metadata, **kwargs})
+
+
 def _mesh_error(exc: grpc.aio.AioRpcError, address: str) -> MeshError:
     return from_code(exc.code(), f"stage {address}: {exc.details()}")
 
@@ -87,6 +100,9 @@ class Pipeline:
         self._pending_closes: dict[str, set[str]] = {}  # stage address -> sessions to close there again
         self._monitor: asyncio.Task | None = None
         self.owner = owner or f"controller-{uuid.uuid4().hex[:12]}"  # our sessions live while we listen
+        # our proof to the stages (call metadata): the owner id is no secret, this key is (stage_node.fence)
+        self.metadata = ((KEY_HEADER, secrets.token_hex(16)),)
+        self.revoked: list[str] = []  # certificate names the stages refuse (every Assign carries them)
         self.stages: list[StageHandle] = []
         self.plan_id = ""
         self.generation = 0
@@ -107,6 +123,10 @@ class Pipeline:
                 why = "no answer in time" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else exc.details()
                 raise Unavailable(f"stage node {address} is unreachable: {why}") from exc
 
+    def stub(self, channel: grpc.aio.Channel) -> stage_pb2_grpc.StageNodeStub:
+        """A stage stub whose calls carry our key (a stage takes its holder's calls only)."""
+        return _KeyedStub(channel, self.metadata)
+
     async def install(self, model_dir: str, digest: str, num_layers: int, assignments: list[StageAssignment],
                       dtype: str = "float32", micro_batches: int = 0, controller_address: str = "") -> None:
         """Push the assignments (all at once: a stage links to its successor on its first step,
@@ -124,8 +144,9 @@ class Pipeline:
         handles = []
         for a in assignments:
             ch = self.transport.channel(a.address, "stage")
-            handles.append(StageHandle(a.address, ch, stage_pb2_grpc.StageNodeStub(ch), start=a.start, end=a.end))
+            handles.append(StageHandle(a.address, ch, self.stub(ch), start=a.start, end=a.end))
         n = len(handles)
+        stream_key = secrets.token_hex(16)  # this plan's: its stages stream to each other with it
 
         async def assign(i: int) -> None:
             h = handles[i]
@@ -138,7 +159,8 @@ class Pipeline:
                 prev_node_id=assignments[i - 1].node_id if i > 0 else "",
                 last_node_id=assignments[-1].node_id if i == 0 and n > 1 else "",
                 plan_id=self.plan_id, controller_epoch=self.epoch, controller_id=self.owner,
-                generation=self.generation, micro_batches=micro_batches, controller_address=controller_address)
+                generation=self.generation, micro_batches=micro_batches, controller_address=controller_address,
+                revoked=self.revoked, stream_key=stream_key)
             try:
                 reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
                 h.parameter_count = reply.parameter_count
@@ -189,6 +211,15 @@ class Pipeline:
                         self._on_stage_lost(h.address, h.down_reason)
                     continue
                 h.misses, h.status = 0, r
+                if r.generation != self.generation and not h.lost and h in self.stages:
+                    # it restarted, or another party assigned it: steps between it and its neighbours
+                    # are refused as stale from now on (it reports them), so the plan cannot serve
+                    h.lost = True
+                    h.down_reason = (f"it serves plan generation {r.generation or 'none'} ({r.state}), not "
+                                     f"{self.generation}; {r.stale_steps} stale steps refused")
+                    log.warning("stage %s (%s) left our plan: %s", h.node_id, h.address, h.down_reason)
+                    self._on_stage_lost(h.address, h.down_reason)
+                    continue
                 if h.down_reason and not h.lost and r.generation == self.generation:
                     log.info("stage %s (%s) answers again", h.node_id, h.address)
                     h.down_reason = ""
@@ -309,8 +340,11 @@ class Pipeline:
 
     async def _read_prompt_replies(self, call) -> None:
         try:
-            async for reply in call:
+            async for reply in call:  # its request replays (or fails) at once, not at its deadline
                 log.warning("stage 0 rejected %s: %s", reply.session_id, reply.message)
+                self._on_event(stage_pb2.Event(session_id=reply.session_id, error=stage_pb2.SessionError(
+                    code=reply.code, message=f"stage 0 refused its input: {reply.message}",
+                    node_id=self.stages[0].node_id if self.stages else "")))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 log.warning("prompt stream to stage 0 ended: %s", exc.details())

@@ -287,6 +287,8 @@ class Scheduler:
                 req.session_id = ""
             req.notify()
             return
+        if req.done:
+            return  # it has every token: a stage's late complaint about its session changes nothing
         err = from_code(ev.error.code, ev.error.message)
         if ev.error.code == code_number(grpc.StatusCode.RESOURCE_EXHAUSTED):
             self._requeue(req, err, preempted=True)

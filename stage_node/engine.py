@@ -16,7 +16,8 @@ from collections import defaultdict
 from typing import Callable
 
 from logicpipe.common.transport import Transport
-from logicpipe.errors import FailedPrecondition, MeshError, Unavailable
+from logicpipe.errors import FailedPrecondition, MeshError, NotFound, Unavailable, from_code
+from logicpipe.policy import STREAM_KEY_HEADER
 from logicpipe.stage_node import last_stage
 from logicpipe.stage_node.blocks import KVManager
 from logicpipe.stage_node.config import Assignment
@@ -26,7 +27,7 @@ from logicpipe.stage_node.kv import KVPool
 from logicpipe.stage_node.links import PeerLink
 from logicpipe.stage_node.runner import Runner, StepResult, execute
 from logicpipe.stage_node.scheduler import Budget, Failure, PlannedSeq, Scheduler, Step, StepMsg
-from logicpipe.stage_node.sequence import Sequence, SeqWork
+from logicpipe.stage_node.sequence import SeqStatus, Sequence, SeqWork
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.stats import StageStats
 from logicpipe.tensor_codec import RawTensor
@@ -44,8 +45,9 @@ class Engine:
                  transport: Transport, runner: Runner, lock: asyncio.Lock, events: EventHub, stats: StageStats,
                  budget: Budget, orphaned: Callable[[Sequence], bool],
                  draft_model: Callable[[], DraftModel | None], wake: Callable[[], None] = lambda: None,
-                 shard_dir: str = ""):
+                 shard_dir: str = "", stream_key: str = ""):
         self.assignment = a
+        self.stream_key = stream_key      # the plan's: our Stream calls carry it, and calls to us must (see fence)
         self.shard, self.pool, self.kv = shard, pool, kv
         self.node_id = node_id
         self.runner, self.lock = runner, lock
@@ -58,10 +60,12 @@ class Engine:
         self.scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=node_id, budget=budget,
                                    micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned)
         self.next_link = self.first_link = None
+        link = dict(metadata=((STREAM_KEY_HEADER, stream_key),) if stream_key else (), on_rejected=self._rejected)
         if not a.last:
-            self.next_link = PeerLink(a.next_address, transport, self._link_down, name=f"stage {a.stage_index + 1}")
+            self.next_link = PeerLink(a.next_address, transport, self._link_down, name=f"stage {a.stage_index + 1}",
+                                      **link)
         if a.last and not a.first:
-            self.first_link = PeerLink(a.first_address, transport, self._link_down, name="stage 0")
+            self.first_link = PeerLink(a.first_address, transport, self._link_down, name="stage 0", **link)
 
     # ---- the step ------------------------------------------------------------------------------
     async def step(self) -> bool:
@@ -164,11 +168,15 @@ class Engine:
         if generation and a.generation and generation != a.generation:
             err = FailedPrecondition(f"node {self.node_id} serves plan generation {a.generation}; a step of "
                                      f"generation {generation} is stale")
+            if not self.stats.stale_steps:
+                log.warning("%s (the controller re-plans when it sees this node's generation)", err)
+            self.stats.stale_steps += 1
             self.report([Failure(w.session_id, sched.owner_of(w.session_id), err) for w in ws])
             return [(w.session_id, err) for w in ws]
         if isinstance(works, StepMsg):
-            sched.enqueue(works)
-            return []
+            sched.enqueue(works)  # a session not held here fails when the step is formed; the sender learns now
+            return [(w.session_id, NotFound(f"session {w.session_id} is not open on node {self.node_id}"))
+                    for w in ws if w.session_id not in sched.seqs]
         rejected = []
         for w in works:
             try:
@@ -188,6 +196,13 @@ class Engine:
             self.events.emit(owner, events)
         if failures:
             self.wake()
+
+    def _rejected(self, session_id: str, code: int, message: str) -> None:
+        """A peer refused a session's step or feed: its owner (known here, maybe not there) is
+        told, and replays it rather than wait for tokens that will not come."""
+        s = self.scheduler.seqs.get(session_id)
+        if s is not None and s.status is not SeqStatus.FINISHED:
+            self.report([Failure(session_id, s.spec.owner, from_code(code, message))])
 
     def _link_down(self, session_ids: list[str], reason: str) -> None:
         err = Unavailable(f"node {self.node_id}: {reason}")

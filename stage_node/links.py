@@ -3,8 +3,9 @@
 `send` only queues: a sender task writes the messages in order, so the step loop never waits on
 the network. The stream opens lazily on the first message and re-opens after a failure, so a
 restarted peer is picked up without re-assigning. A message that cannot be written is reported
-through `on_down(session ids, reason)`; rejections the peer sends back are logged (the peer tells
-the sessions' owners itself). Messages are built by the wire adapter (stage_node.wire).
+through `on_down(session ids, reason)`; a rejection the peer sends back (a session it does not
+hold, a stale generation) goes to `on_rejected(session id, code, message)`: the peer cannot tell
+the owner of a session it does not know, this side can. Messages are built by the wire adapter (stage_node.wire).
 """
 from __future__ import annotations
 
@@ -32,11 +33,14 @@ class LinkDown(Exception):
 
 class PeerLink:
     def __init__(self, address: str, transport: Transport, on_down: Callable[[list[str], str], None], *,
-                 name: str = "peer"):
+                 name: str = "peer", metadata: tuple[tuple[str, str], ...] = (),
+                 on_rejected: Callable[[str, int, str], None] = lambda sid, code, message: None):
         self.address = address
         self.transport = transport
         self.name = name
+        self.metadata = metadata  # sent with the Stream call (the plan's stream key)
         self._on_down = on_down
+        self._on_rejected = on_rejected
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._reader: asyncio.Task | None = None
@@ -65,7 +69,7 @@ class PeerLink:
             await asyncio.wait_for(self._channel.channel_ready(), CONNECT_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise LinkDown(f"{self.name} at {self.address} is unreachable (no connection in {CONNECT_TIMEOUT_S:.0f} s)") from None
-        call = stage_pb2_grpc.StageNodeStub(self._channel).Stream()
+        call = stage_pb2_grpc.StageNodeStub(self._channel).Stream(metadata=self.metadata)
         self._reader = asyncio.create_task(self._read_replies(call))
         return call
 
@@ -76,6 +80,7 @@ class PeerLink:
                 if reply is grpc.aio.EOF:
                     break
                 log.debug("%s rejected session %s: %s", self.name, reply.session_id, reply.message)
+                self._on_rejected(reply.session_id, reply.code, reply.message)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:

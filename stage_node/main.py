@@ -19,6 +19,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
 
 import torch  # noqa: E402
 
+from logicpipe.common.discovery import discovery_interface  # noqa: E402
 from logicpipe.common.health import add_health  # noqa: E402
 from logicpipe.common.paths import cache_root  # noqa: E402
 from logicpipe.common.process import configure_logging, serve_until_signalled  # noqa: E402
@@ -178,9 +179,9 @@ async def serve(args: argparse.Namespace) -> None:
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()))
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
-                           local_model_dir=args.model_dir)
+                           local_model_dir=args.model_dir, fence_path=state_dir / f"fence-{node_id}.json")
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))
-    server = transport.server(STAGE_POLICY)
+    server = transport.server(STAGE_POLICY, revocations=runtime.fence)  # the controller's list, kept here
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, SERVICE_NAME)
     bound = transport.add_port(server, args.listen)
@@ -190,7 +191,8 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
     members = StageMembership(runtime, f"{host}:{bound}", transport, controller=args.controller,
-                              mdns=not args.no_mdns, mdns_interface=args.mdns_interface, mesh=args.mesh,
+                              mdns=not args.no_mdns, mesh=args.mesh,
+                              mdns_interface=discovery_interface(args.mdns_interface, args.listen, transport.tls),
                               profile_digest=servicer.profile_digest())
     try:
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0, ready=members.start,

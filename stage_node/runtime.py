@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 
 from logicpipe.common.transport import Transport
-from logicpipe.errors import FailedPrecondition, Fenced, MeshError, NotFound, PermissionDenied
+from logicpipe.errors import FailedPrecondition, MeshError, NotFound, PermissionDenied
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node import loading
 from logicpipe.stage_node.blocks import KVManager
@@ -24,6 +24,7 @@ from logicpipe.stage_node.config import Assignment, StageOptions
 from logicpipe.stage_node.draft_model import DraftModel, DraftModelError
 from logicpipe.stage_node.engine import Engine
 from logicpipe.stage_node.events import EventHub
+from logicpipe.stage_node.fence import Fence
 from logicpipe.stage_node.kv import KVPool
 from logicpipe.stage_node.runner import Runner
 from logicpipe.stage_node.scheduler import StepMsg
@@ -36,6 +37,12 @@ log = logging.getLogger(__name__)
 IDLE_RECHECK_S = 1.0  # an idle step loop looks again this often (stale in-flight steps, gone owners)
 
 
+def _who(opener: str) -> str:
+    """An opener ("certificate name/key digest") in words."""
+    name, _, key = opener.partition("/")
+    return (f"certificate {name!r}" if name else "plaintext") + (f" with key {key[:8]}" if key else " without a key")
+
+
 class NodeState(Enum):
     IDLE = "idle"          # no assignment
     LOADING = "loading"    # loading an assignment (a previous one, if any, still serves)
@@ -45,9 +52,9 @@ class NodeState(Enum):
 class StageRuntime:
     def __init__(self, node_id: str, device: str = "cpu", *, transport: Transport,
                  options: StageOptions = StageOptions(), runner: Runner | None = None, pull_root: Path | None = None,
-                 local_model_dir: str | None = None):
+                 local_model_dir: str | None = None, fence_path: Path | None = None):
         self.node_id = node_id
-        self.controller_epoch, self.controller_id = 0, ""  # the newest controller seen (see `fence`)
+        self.fence = Fence(node_id, fence_path, tls=transport.tls)  # who steers it, who is revoked
         self.device = device
         self.transport = transport  # the process's: channels to the next stage, stage 0, the controller
         self.options = options
@@ -88,13 +95,14 @@ class StageRuntime:
         self.runner.close()
 
     # ---- assignment ------------------------------------------------------------------------
-    async def assign(self, a: Assignment) -> Engine:
-        """Load `a` fully, then put it in place of the assignment in force (whose sessions end)."""
+    async def assign(self, a: Assignment, stream_key: str = "") -> Engine:
+        """Load `a` fully, then put it in place of the assignment in force (whose sessions end).
+        `stream_key`: the plan's (its stages' Stream calls carry it)."""
         a.check()
         loading.check_formats(a, self.node_id, self.options)
         async with self._assign_lock:
             old = self.engine
-            if old is not None and old.assignment == a:
+            if old is not None and old.assignment == a and old.stream_key == stream_key:
                 return old
             before = self.state
             self.state = NodeState.LOADING
@@ -115,7 +123,7 @@ class StageRuntime:
                 raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}) of "
                                          f"{a.model_dir[:200]}: {str(exc).splitlines()[0][:300]}; {keeps}") from exc
             async with self._step_lock:  # no step of the old engine is computing into the pool
-                self.engine = self._new_engine(a, shard, pool, kv, model_dir)
+                self.engine = self._new_engine(a, shard, pool, kv, model_dir, stream_key)
                 if old is not None:
                     old.retired = True
                     old.end_sessions("the stage was re-assigned")
@@ -134,13 +142,15 @@ class StageRuntime:
                      pool.num_blocks, pool.block_size)
             return self.engine
 
-    def _new_engine(self, a: Assignment, shard: Shard, pool: KVPool, kv: KVManager | None, shard_dir: str) -> Engine:
+    def _new_engine(self, a: Assignment, shard: Shard, pool: KVPool, kv: KVManager | None, shard_dir: str,
+                    stream_key: str = "") -> Engine:
         """An engine for `a`; `kv` (kept from the previous engine, its sequences closed first) keeps
         the prefix cache."""
         return Engine(a, shard, pool, kv or KVManager(pool.num_blocks, pool.block_size), node_id=self.node_id,
                       transport=self.transport, runner=self.runner, lock=self._step_lock, events=self.events,
                       stats=self.stats, budget=self.options.budget, orphaned=self._orphaned,
-                      draft_model=lambda: self.draft_model, wake=self._wake.set, shard_dir=shard_dir)
+                      draft_model=lambda: self.draft_model, wake=self._wake.set, shard_dir=shard_dir,
+                      stream_key=stream_key)
 
     async def _load_draft_model(self, vocab_size: int) -> None:
         """Last stage with --draft-model: load it once. A draft model that cannot serve this model
@@ -166,29 +176,14 @@ class StageRuntime:
         return self.engine
 
     # ---- sessions --------------------------------------------------------------------------
-    def fence(self, epoch: int, controller_id: str) -> None:
-        """Refuse a controller older than the newest one seen (another took over): its epoch lower,
-        or the same epoch held by another controller. A newer epoch is adopted. 0: unfenced, taken
-        only while no epoch was seen."""
-        held, holder = self.controller_epoch, self.controller_id
-        if epoch > held:
-            if held:
-                log.info("controller %s (epoch %d) takes over from %s (epoch %d)", controller_id, epoch, holder, held)
-            self.controller_epoch, self.controller_id = epoch, controller_id
-            return
-        if epoch == held and (not epoch or controller_id == holder):
-            return
-        raise Fenced(f"{Fenced.PREFIX} node {self.node_id} follows controller {holder} of epoch {held}; controller "
-                     f"{controller_id or '?'} of epoch {epoch} was replaced")
-
     def open_session(self, spec: SeqSpec) -> int:
         """Admit a sequence; returns the leading positions it already holds (prefix cache, parent)."""
         _, cached = self.require_ready().scheduler.admit(spec)
         return cached
 
     def close_session(self, session_id: str, caller: str = "") -> int:
-        """Close a session; over TLS only its opener may (`caller`: the caller's certificate name).
-        Returns the positions it held."""
+        """Close a session; only its opener may (`caller`: who calls, as OpenSession recorded the
+        opener: certificate name and key digest). Returns the positions it held."""
         if self.engine is None:
             raise FailedPrecondition(f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
                                      "it holds no sessions")
@@ -196,9 +191,10 @@ class StageRuntime:
         seq = sched.seqs.get(session_id)
         if seq is None:
             raise NotFound(f"session {session_id[:MAX_ID_CHARS]} is not open on node {self.node_id}")
-        if seq.spec.opener and caller != seq.spec.opener:
-            raise PermissionDenied(f"session {session_id[:MAX_ID_CHARS]} belongs to {seq.spec.opener!r}, "
-                                   f"not to {caller!r}")
+        if caller != seq.spec.opener:
+            raise PermissionDenied(f"session {session_id[:MAX_ID_CHARS]} belongs to the controller that opened it "
+                                   f"({seq.spec.owner or 'no owner'}, {_who(seq.spec.opener)}); {_who(caller)} "
+                                   "cannot close it")
         held = self.engine.kv.tables[session_id].length
         sched.close(session_id)
         self._wake.set()  # a micro-batch slot or blocks may have freed

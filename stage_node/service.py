@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import time
 
 import grpc
@@ -12,8 +13,9 @@ from logicpipe import __version__
 from logicpipe.common.transport import Transport, caller_address
 from logicpipe.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from logicpipe.limits import check_id
-from logicpipe.policy import STAGE
+from logicpipe.policy import STAGE, STREAM_KEY_HEADER
 from logicpipe.stage_node import wire
+from logicpipe.stage_node.fence import MAX_REVOKED, Caller
 from logicpipe.stage_node.linkprobe import measure_link
 from logicpipe.stage_node.profile import HostProfile
 from logicpipe.stage_node.runtime import StageRuntime
@@ -25,6 +27,16 @@ LARGE_ECHOES = 2             #   this many at a time; more are refused, not queu
 MAX_PROBES = 64              # MeasureLink round trips in one call
 MAX_MEASURE_WAITING = 16     # MeasureLink calls waiting for the one in progress; more are refused
 MAX_SUBSCRIBERS = 64         # Events subscriptions open at once
+
+
+MAX_KEY_CHARS = 128          # a plan's stream key
+
+
+def revoked_names(names) -> list[str]:
+    """A revocation list from the wire, each name checked like any id."""
+    if len(names) > MAX_REVOKED:
+        raise InvalidArgument(f"a revocation list of {len(names)} names is over the cap of {MAX_REVOKED}")
+    return [check_id("a revoked name", n) for n in names]
 
 
 class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
@@ -42,25 +54,43 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         """12 hex of the measured profile (the mDNS record carries it: a changed profile re-plans)."""
         return hashlib.sha256(wire.profile_to_proto(self.profile).SerializeToString(deterministic=True)).hexdigest()[:12]
 
+    def _caller(self, context) -> Caller:
+        return Caller.of(self.transport.peer(context)[1], context.invocation_metadata())
+
+    def _connected(self, controller_id: str) -> bool:
+        return self.runtime.events.listening(controller_id)
+
     async def Assign(self, request, context):
-        self.runtime.fence(request.controller_epoch, request.controller_id)
         a = wire.assignment_from_proto(request, caller_address(request.controller_address, context.peer()))
+        revoked = revoked_names(request.revoked)
+        if len(request.stream_key) > MAX_KEY_CHARS:
+            raise InvalidArgument(f"stream_key is {len(request.stream_key)} characters, over the {MAX_KEY_CHARS} cap")
+        self.runtime.fence.take(self._caller(context), request.controller_id, request.controller_epoch, self._connected)
+        self.runtime.fence.set_revoked(revoked)
         t0 = time.monotonic()
-        eng = await self.runtime.assign(a)
+        eng = await self.runtime.assign(a, stream_key=request.stream_key)
         return stage_pb2.AssignReply(parameter_count=eng.shard.parameter_count,
                                      tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 
+    async def Revoked(self, request, context):
+        names = revoked_names(request.names)
+        self.runtime.fence.check(self._caller(context), "revocation lists")
+        self.runtime.fence.set_revoked(names)
+        return stage_pb2.RevokedReply(revoked=len(self.runtime.fence.revoked))
+
     async def OpenSession(self, request, context):
-        self.runtime.fence(request.controller_epoch, request.owner)
+        caller = self._caller(context)
+        self.runtime.fence.check(caller, "sessions")
         cfg = self.runtime.require_ready().shard.config
-        _, opener = self.transport.peer(context)
         spec = wire.spec_from_proto(request, context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                                    opener=opener)
+                                    opener=f"{caller.name}/{caller.key}")
         return stage_pb2.OpenSessionReply(cached_tokens=self.runtime.open_session(spec))
 
     async def CloseSession(self, request, context):
-        _, caller = self.transport.peer(context)
-        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id, caller))
+        caller = self._caller(context)
+        self.runtime.fence.check(caller, "CloseSession")
+        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id,
+                                                                                  f"{caller.name}/{caller.key}"))
 
     async def Stream(self, request_iterator, context):
         self.runtime.require_ready()
@@ -77,22 +107,36 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
                 yield wire.stream_reply(sid, err)
 
     def _check_streamer(self, context) -> None:
-        """Over TLS a stage streams steps only to its successor (and the last stage its tokens to
-        stage 0): the caller's certificate must name the stage the assignment says."""
+        """Who may stream into this stage: the stages of its plan (over TLS by name: the stage
+        before it, and on stage 0 the last stage; and by the plan's stream key when it has one),
+        and the controller that holds it (prompts into stage 0)."""
         eng = self.runtime.engine
-        if not self.transport.tls or eng is None:
+        if eng is None:
             return
         role, name = self.transport.peer(context)
-        if role != STAGE:
-            return  # the controller (prompts to stage 0); RoleCheck admitted no other role
         a = eng.assignment
-        allowed = {x for x in (a.prev_node_id, a.last_node_id) if x}
-        if allowed and name not in allowed:
-            raise PermissionDenied(f"node {self.runtime.node_id} takes steps only from "
-                                   f"{' or '.join(sorted(allowed))}, not from stage {name!r}")
+        if role == STAGE:  # over TLS, by name; RoleCheck admitted no role but stage and controller
+            allowed = {x for x in (a.prev_node_id, a.last_node_id) if x}
+            if allowed and name not in allowed:
+                raise PermissionDenied(f"node {self.runtime.node_id} takes steps only from "
+                                       f"{' or '.join(sorted(allowed))}, not from stage {name!r}")
+        key = next((v for k, v in context.invocation_metadata() or () if k == STREAM_KEY_HEADER), "")
+        if eng.stream_key and isinstance(key, str) and hmac.compare_digest(key.encode(), eng.stream_key.encode()):
+            return
+        if role == STAGE and not eng.stream_key:
+            return
+        try:
+            self.runtime.fence.check(self._caller(context), "prompts")
+        except PermissionDenied:
+            if role == STAGE or eng.stream_key:
+                raise PermissionDenied(f"node {self.runtime.node_id} takes steps only from the stages of its plan "
+                                       "(they send its stream key) and prompts only from the controller that holds "
+                                       "it") from None
+            raise
 
     async def Events(self, request, context):
         owner = check_id("owner", request.owner, empty_ok=True)
+        self.runtime.fence.check(self._caller(context), "Events subscriptions")
         if self.runtime.events.subscribers >= MAX_SUBSCRIBERS:
             raise ResourceExhausted(f"node {self.runtime.node_id} has {MAX_SUBSCRIBERS} Events subscribers already")
         sub = self.runtime.events.subscribe(owner)
@@ -110,7 +154,9 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
     async def Status(self, request, context):
         reply = wire.status_reply(self.runtime.snapshot(), profile=self.profile, compute_id=self.compute_id,
                                   version=__version__)
-        reply.controller_epoch, reply.controller_id = self.runtime.controller_epoch, self.runtime.controller_id
+        fence = self.runtime.fence
+        reply.controller_epoch, reply.controller_id, reply.revoked = fence.epoch, fence.controller_id, len(fence.revoked)
+        reply.stale_steps = self.runtime.stats.stale_steps
         return reply
 
     async def Echo(self, request, context):
@@ -128,6 +174,9 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             self._large_echoes -= 1
 
     async def MeasureLink(self, request, context):
+        fence = self.runtime.fence
+        if not (fence.holder and not self._connected(fence.controller_id)):  # a controller taking over measures first
+            fence.check(self._caller(context), "MeasureLink")
         if not request.target_address or len(request.target_address) > 256:
             raise InvalidArgument("target_address must be a host:port of 1 to 256 characters")
         if request.probes > MAX_PROBES:

@@ -16,6 +16,7 @@ class StageStats:
     compute_s: float = 0.0         # seconds spent in the runner on steps
     sessions_expired: int = 0      # sessions freed because their owner was gone
     weights_pulled_bytes: int = 0  # tensor bytes pulled from the controller
+    stale_steps: int = 0           # steps and feeds refused for carrying another plan generation
     # last stage: sampled steps, the tokens they reported, candidates verified and accepted
     sampled_steps: int = 0
     sampled_tokens: int = 0

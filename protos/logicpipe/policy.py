@@ -18,7 +18,7 @@ def role_host(role: str, name: str = "") -> str:
 
 STAGE_POLICY: dict[str, frozenset[str]] = {
     "Assign": frozenset({CONTROLLER}), "OpenSession": frozenset({CONTROLLER}), "CloseSession": frozenset({CONTROLLER}),
-    "Events": frozenset({CONTROLLER}), "MeasureLink": frozenset({CONTROLLER}),
+    "Events": frozenset({CONTROLLER}), "MeasureLink": frozenset({CONTROLLER}), "Revoked": frozenset({CONTROLLER}),
     "Stream": frozenset({CONTROLLER, STAGE}),  # the controller's prompts (stage 0) and the previous stage's steps
     "Echo": frozenset({CONTROLLER, STAGE}), "Status": frozenset({CONTROLLER, STAGE, CLIENT}),
 }
@@ -33,3 +33,11 @@ CONTROLLER_POLICY: dict[str, frozenset[str]] = {
     "Join": frozenset(),  # served on the bootstrap port only (--join-listen), authenticated by a token
 }
 """Who may call each Controller method."""
+
+KEY_HEADER = "lp-controller-key"
+"""Call metadata a controller sends on its calls to stages: a secret of its process. A stage
+knows its holder by it (with the certificate's name over TLS; alone in plaintext, where the owner
+id on sessions is no secret). See stage_node.fence."""
+
+STREAM_KEY_HEADER = "lp-stream-key"
+"""Call metadata of a stage's Stream calls: its plan's stream key (AssignRequest.stream_key)."""

@@ -100,7 +100,7 @@ def from_tensor(t: torch.Tensor) -> RawTensor:
     """Tensor -> RawTensor (copies to host memory if needed)."""
     name = dtype_name(t.dtype)
     host = t.detach().contiguous().cpu()
-    data = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    data = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""  # 0-d too
     return RawTensor(name, tuple(host.shape), data)
 
 

@@ -19,7 +19,9 @@ PROMPT = "Write a short poem about the sea."
 
 @pytest.fixture(scope="module")
 def mesh(model_dir, tmp_path_factory):
-    with LocalMesh(2, model_dir, tmp_path_factory.mktemp("tls"), threads=1, tls=True) as m:
+    ca_dir = mesh_bundle("client", "client").parent / "ca"  # the CA of the mesh: revocations live beside it
+    with LocalMesh(2, model_dir, tmp_path_factory.mktemp("tls"), threads=1, tls=True,
+                   controller_args=("--ca-dir", str(ca_dir))) as m:
         yield m
 
 
@@ -145,7 +147,7 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
             stub = controller_pb2_grpc.ControllerStub(ch)
             token = stub.CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=120), timeout=10).token
 
-            def start(name: str, tls_dir):
+            def start(name: str, tls_dir, token=token):
                 addr = f"127.0.0.1:{free_port()}"
                 proc, log = mesh._spawn(name, [
                     "-m", "logicpipe.stage_node.main", "--listen", addr, "--node-id", name, "--threads", "1", "--no-mdns",
@@ -163,6 +165,20 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
             _, again, again_log = start("copycat", tmp_path / "copycat-tls")
             assert again.wait(timeout=60) != 0
             assert "used or expired" in again_log.read_text()
+            # a join under a name a node of the mesh goes by is refused, and the token stays good
+            other = stub.CreateJoinToken(controller_pb2.JoinTokenRequest(ttl_s=120), timeout=10).token
+            _, thief, thief_log = start("stage0", tmp_path / "thief-tls", other)
+            assert thief.wait(timeout=60) != 0
+            assert "node id 'stage0' is taken" in thief_log.read_text()
+            _, fresh, _ = start("fresh", tmp_path / "fresh-tls", other)
+            try:
+                deadline = time.monotonic() + 60
+                while not (tmp_path / "fresh-tls" / "fresh.crt").is_file():
+                    assert time.monotonic() < deadline and fresh.poll() is None
+                    time.sleep(0.1)
+            finally:
+                fresh.terminate()
+                fresh.wait(timeout=30)
             # revoke: a plan without it serves, requests go on, its certificate is refused
             msg = stub.Revoke(controller_pb2.RevokeRequest(node="newbie"), timeout=120).message
             assert "revoked" in msg
@@ -177,24 +193,49 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
         assert [s.node_id for s in mesh.controller_status().stages] == ["stage0"]
 
 
-def test_a_session_belongs_to_the_controller_that_opened_it(mesh):
-    """Another controller's certificate (same CA) sees a running session id on a stage's Events
-    and tries to close it: PERMISSION_DENIED, and the victim's request finishes unchanged."""
+def test_only_the_holding_controller_steers_a_stage_and_stages_refuse_a_revoked_one(mesh):
+    """Another controller certificate of the mesh's CA, which knows the controller's owner id (as
+    any stage learns it from Register), cannot read a stage's events, open, close or measure there
+    while the controller that holds the stage serves; once revoked (`lpctl revoke`), the stages
+    themselves refuse it on every method, whatever fencing epoch it claims on Assign. The victim's
+    request finishes unchanged and the controller stays ready on the same plan."""
     want = generate(mesh, max_tokens=40)
     got: list[int] = []
     victim = threading.Thread(target=lambda: got.extend(generate(mesh, max_tokens=40)))
     victim.start()
-    other = bundle("ctl2", "controller")
+    rogue = bundle("ctl-rogue", "controller")
     first, last = plan_order(mesh)[0], plan_order(mesh)[-1]
-    # the controller's owner id, as a (re-)registering stage learns it
+    generation = mesh.controller_status().plan_generation
     with Transport(bundle(first, "stage")).sync_channel(mesh.controller_address, "controller") as ch:
         owner = controller_pb2_grpc.ControllerStub(ch).Register(controller_pb2.RegisterRequest(
             address=mesh.stage_addresses[int(first.removeprefix("stage"))], node_id=first), timeout=10).controller_id
-    events = stage_stub(mesh, last, other).Events(stage_pb2.EventsRequest(owner=owner), timeout=60)
-    sid = next(e.session_id for batch in events for e in batch.events if e.session_id)
-    events.cancel()
-    code, msg = code_of(lambda: stage_stub(mesh, last, other).CloseSession(
-        stage_pb2.CloseSessionRequest(session_id=sid), timeout=5))
-    assert code == grpc.StatusCode.PERMISSION_DENIED and "belongs to 'controller'" in msg, msg
+    for node in (first, last):
+        stub = stage_stub(mesh, node, rogue)
+        code, msg = code_of(lambda: next(iter(stub.Events(stage_pb2.EventsRequest(owner=owner), timeout=10))))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "only from the controller that holds it" in msg, msg
+        for call in (lambda: stub.CloseSession(stage_pb2.CloseSessionRequest(session_id="x"), timeout=5),
+                     lambda: stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="x", capacity=8, owner=owner),
+                                              timeout=5),
+                     lambda: stub.MeasureLink(stage_pb2.MeasureLinkRequest(target_address="127.0.0.1:9"), timeout=5)):
+            code, msg = code_of(call)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "holds it" in msg, msg
+    with mesh.transport.sync_channel(mesh.controller_address, "controller") as ch:
+        msg = controller_pb2_grpc.ControllerStub(ch).Revoke(controller_pb2.RevokeRequest(node="ctl-rogue"),
+                                                            timeout=60).message
+    assert "2 of 2 nodes refuse it now" in msg, msg
+    hijack = stage_pb2.AssignRequest(model_dir="/", start_layer=0, end_layer=30, num_layers=30, stage_index=0,
+                                     num_stages=1, generation=generation + 1, controller_epoch=2**63,
+                                     controller_id="rogue")
+    for node in (first, last):
+        stub = stage_stub(mesh, node, rogue)
+        for call in (lambda: stub.Assign(hijack, timeout=5),
+                     lambda: next(iter(stub.Events(stage_pb2.EventsRequest(owner="rogue"), timeout=5))),
+                     lambda: stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="x", capacity=8), timeout=5)):
+            code, msg = code_of(call)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "'ctl-rogue' was revoked" in msg, msg
+        assert stage_stub(mesh, node, bundle("client", "client")).Status(stage_pb2.StatusRequest(),
+                                                                          timeout=5).revoked >= 1
     victim.join(timeout=300)
     assert got == want
+    st = mesh.controller_status()
+    assert st.state == "ready" and st.plan_generation == generation

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype", "prev_node_id", "last_node_id", "controller_epoch", "controller_id")
+    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype", "prev_node_id", "last_node_id", "controller_epoch", "controller_id", "revoked", "stream_key")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class AssignRequest(_message.Message):
     LAST_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     model_digest: str
     start_layer: int
@@ -49,7 +51,9 @@ class AssignRequest(_message.Message):
     last_node_id: str
     controller_epoch: int
     controller_id: str
-    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., prev_node_id: _Optional[str] = ..., last_node_id: _Optional[str] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
+    revoked: _containers.RepeatedScalarFieldContainer[str]
+    stream_key: str
+    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., prev_node_id: _Optional[str] = ..., last_node_id: _Optional[str] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[_Iterable[str]] = ..., stream_key: _Optional[str] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("parameter_count", "tied_copy_count", "load_seconds")
@@ -245,7 +249,7 @@ class DeviceProfile(_message.Message):
     def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id")
+    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id", "revoked", "stale_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +297,8 @@ class StatusReply(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    STALE_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     device: str
@@ -340,7 +346,9 @@ class StatusReply(_message.Message):
     weight_bytes: int
     controller_epoch: int
     controller_id: str
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
+    revoked: int
+    stale_steps: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[int] = ..., stale_steps: _Optional[int] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
@@ -365,6 +373,22 @@ class MeasureLinkRequest(_message.Message):
     probes: int
     payload_bytes: int
     def __init__(self, target_address: _Optional[str] = ..., probes: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class RevokedRequest(_message.Message):
+    __slots__ = ("names", "controller_epoch", "controller_id")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    controller_epoch: int
+    controller_id: str
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
+
+class RevokedReply(_message.Message):
+    __slots__ = ("revoked",)
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    revoked: int
+    def __init__(self, revoked: _Optional[int] = ...) -> None: ...
 
 class MeasureLinkReply(_message.Message):
     __slots__ = ("latency_s", "bandwidth")

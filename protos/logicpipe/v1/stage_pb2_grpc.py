@@ -75,6 +75,11 @@ class StageNodeStub(object):
                 request_serializer=logicpipe_dot_v1_dot_stage__pb2.MeasureLinkRequest.SerializeToString,
                 response_deserializer=logicpipe_dot_v1_dot_stage__pb2.MeasureLinkReply.FromString,
                 _registered_method=True)
+        self.Revoked = channel.unary_unary(
+                '/logicpipe.v1.StageNode/Revoked',
+                request_serializer=logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_stage__pb2.RevokedReply.FromString,
+                _registered_method=True)
 
 
 class StageNodeServicer(object):
@@ -141,6 +146,14 @@ class StageNodeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoked(self, request, context):
+        """The certificate names this node refuses from now on (the controller's whole revocation list;
+        it also comes with every Assign). Kept in the node's state directory across restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +196,11 @@ def add_StageNodeServicer_to_server(servicer, server):
                     servicer.MeasureLink,
                     request_deserializer=logicpipe_dot_v1_dot_stage__pb2.MeasureLinkRequest.FromString,
                     response_serializer=logicpipe_dot_v1_dot_stage__pb2.MeasureLinkReply.SerializeToString,
+            ),
+            'Revoked': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoked,
+                    request_deserializer=logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_stage__pb2.RevokedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +420,33 @@ class StageNode(object):
             '/logicpipe.v1.StageNode/MeasureLink',
             logicpipe_dot_v1_dot_stage__pb2.MeasureLinkRequest.SerializeToString,
             logicpipe_dot_v1_dot_stage__pb2.MeasureLinkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.StageNode/Revoked',
+            logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.SerializeToString,
+            logicpipe_dot_v1_dot_stage__pb2.RevokedReply.FromString,
             options,
             channel_credentials,
             insecure,
