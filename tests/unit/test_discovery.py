@@ -17,6 +17,7 @@ from logicpipe.common.discovery import (
     Browser,
     DuplicateNode,
     _instance_name,
+    discovery_interface,
 )
 
 LOOPBACK = "127.0.0.1"
@@ -111,3 +112,38 @@ def test_instance_names_fit_a_dns_label_and_stay_apart():
     names = {_instance_name(long_a), _instance_name(long_b), _instance_name("a.b"), _instance_name("a-b")}
     assert len(names) == 4
     assert all(len(n.encode()) <= 63 and "." not in n for n in names)
+
+
+def test_a_loopback_browser_ignores_a_record_pointing_at_another_host(caplog):
+    """A rogue advertiser of the same mesh on loopback that points at another host's address (a
+    plaintext controller must not plan on, nor send prompts to, a node it cannot authenticate)."""
+    async def main():
+        ours, rogue, seen = new_id(), new_id(), Seen()
+        browser = seen.browser()
+        advertiser = Advertiser(ours, 50128, interface=LOOPBACK)
+        foreign = AsyncZeroconf(interfaces=[LOOPBACK])
+        info = AsyncServiceInfo(SERVICE_TYPE, f"{rogue}.{SERVICE_TYPE}", port=50129, parsed_addresses=["192.0.2.7"],
+                                properties={"id": rogue, "proto": PROTOCOL_VERSION, "mesh": "default"})
+        try:
+            await browser.start()
+            await asyncio.gather(advertiser.start(), foreign.async_register_service(info))
+            await wait_until(lambda: ours in seen.ids() and rogue in caplog.text)
+            assert rogue not in seen.ids() and "browsing loopback only" in caplog.text
+        finally:
+            await foreign.async_close()
+            await advertiser.close()
+            await browser.close()
+    with caplog.at_level(logging.WARNING, logger="logicpipe.discovery"):
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize("chosen, listen, tls, want", [
+    (None, "127.0.0.1:50061", False, "127.0.0.1"),    # plaintext on loopback: loopback only
+    (None, "localhost:50061", False, "127.0.0.1"),
+    (None, "10.1.2.3:50061", False, "10.1.2.3"),      # plaintext (--insecure) on one address: that interface
+    (None, "0.0.0.0:50061", False, None),             # plaintext on every interface (--insecure): every one
+    (None, "127.0.0.1:50061", True, None),            # TLS: every interface (a record is only a hint)
+    ("192.168.1.5", "127.0.0.1:50061", False, "192.168.1.5"),  # --mdns-interface says
+])
+def test_discovery_stays_on_the_interface_a_plaintext_process_listens_on(chosen, listen, tls, want):
+    assert discovery_interface(chosen, listen, tls) == want
