@@ -30,7 +30,7 @@ from typing import AsyncIterator
 from logicpipe.controller.outline import MAX_POINTS, OutlineRun
 from logicpipe.controller.scheduler import Job, Request, RequestHandle, Scheduler
 from logicpipe.controller.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
-from logicpipe.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from logicpipe.limits import check_id
 from logicpipe.sampling import SamplingParams
 
@@ -179,15 +179,17 @@ class FrontDoor:
         self._open: dict[str, int] = {}     # client -> its completions open now
 
     @contextlib.asynccontextmanager
-    async def open(self, prompt: Prompt, options: RequestOptions, client: str) -> AsyncIterator[Completion]:
-        """A completion of `prompt` for `client` (a certificate name or a host), refused with a
-        MeshError before any work when it breaks a rule; it ends (its sequences closed) when the
-        block is left, also when the client went away."""
-        async with self._client(client):
+    async def open(self, prompt: Prompt, options: RequestOptions, client: str, *,
+                   admitted: bool = False) -> AsyncIterator[Completion]:
+        """A completion of `prompt` for `client` (a certificate name, an API key or a host), refused
+        with a MeshError before any work when it breaks a rule; it ends (its sequences closed) when
+        the block is left, also when the client went away. `admitted`: the caller holds the
+        client's place already (`admit`)."""
+        async with self._held(client, admitted):
             prompt.check()
             options.check()
             completion = await (self._outline(prompt, options) if options.outline is not None
-                                else self._plain(prompt, options))
+                                else self._plain(prompt, options, client))
             try:
                 yield completion
             finally:
@@ -196,13 +198,18 @@ class FrontDoor:
                     completion.handle.release()
 
     @contextlib.asynccontextmanager
-    async def resume(self, request_id: str, have: int, client: str) -> AsyncIterator[Completion]:
+    async def resume(self, request_id: str, have: int, client: str, *,
+                     admitted: bool = False) -> AsyncIterator[Completion]:
         """Request `request_id` again, from its token `have` on (the client holds the ones before):
-        its pieces are those the first stream would have carried from there."""
-        async with self._client(client):
+        its pieces are those the first stream would have carried from there. Only the client that
+        submitted it may (any other is told it does not exist)."""
+        async with self._held(client, admitted):
             check_id("request_id", request_id)
             handle = self.scheduler.attach(request_id)
             req = handle.request
+            if req.meta.get("client", client) != client:  # (not released: that would end it for its client)
+                raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or it "
+                               "failed) or was never admitted; submit it again")
             o = RequestOptions(req.max_tokens, req.sampling, stop=tuple(req.meta.get("stop", ())))
             c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=req.meta.get("api", ""))
             c._pieces = self._plain_pieces(c, handle, o, skip=have)
@@ -212,9 +219,14 @@ class FrontDoor:
                 await c._pieces.aclose()
                 handle.release()
 
+    def _held(self, client: str, admitted: bool):
+        return contextlib.nullcontext() if admitted else self.admit(client)
+
     @contextlib.asynccontextmanager
-    async def _client(self, client: str):
-        """One more request of `client` open while inside (refused past its cap)."""
+    async def admit(self, client: str):
+        """One more request of `client` open while inside (refused past its cap, or while this
+        controller serves none). An adapter that has work to do before `open` (HTTP reads and
+        parses a body of up to 8 MiB) takes the place first, so that work counts too."""
         why_not = self.serving()
         if why_not:
             raise FailedPrecondition(why_not)
@@ -231,11 +243,11 @@ class FrontDoor:
                 del self._open[client]
 
     # ---- plain requests ------------------------------------------------------------------------
-    async def _plain(self, prompt: Prompt, o: RequestOptions) -> Completion:
+    async def _plain(self, prompt: Prompt, o: RequestOptions, client: str) -> Completion:
         ids = await self.token_ids(prompt)
         handle = self.scheduler.submit(Job(tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
                                            prefill_chunk=o.prefill_chunk, request_id=o.request_id,
-                                           meta={"stop": list(o.stop), "api": o.api}))
+                                           meta={"stop": list(o.stop), "api": o.api, "client": client}))
         c = Completion(handle.id, len(ids), handle=handle, api=o.api)
         c._pieces = self._plain_pieces(c, handle, o)
         return c
