@@ -6,40 +6,64 @@ template, stop strings and outline requests.
     POST /v1/chat/completions   messages (system/user/assistant) through the model's chat template
     POST /v1/completions        a raw prompt (a string, or a list of token ids)
     GET  /v1/models             the one model the mesh serves
-    GET  /health                200 while a plan serves, 503 otherwise
-    GET  /metrics               Prometheus (controller.metrics)
     GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
+    GET  /health                200 while a plan serves, 503 otherwise (no key needed)
+    GET  /metrics               Prometheus (controller.metrics; no key needed)
+
+Keys. With `--http-token-file` (controller.http_auth) every /v1/* call needs `Authorization:
+Bearer TOKEN` of one of the file's keys (else 401), and the client the front door counts is the
+key (`key NAME`); without one, the caller's host. Off loopback a token file is required unless
+`--insecure`.
+
+In order, before any work: the key (401); the body's size from its Content-Length (413); the
+client's place under `--max-requests-per-client` (429) — all three before the body is read, and a
+client that sent `Expect: 100-continue` is refused without being asked for the body; then the body
+(controller.http_body: 400 naming the field at fault; 413 once a chunked body passes the cap).
+A refused request whose body was not read is answered at once and its connection then closed.
 
 Resuming a stream. Every response names its request in the header X-Request-Id (a client may
 choose the id by sending that header itself), and every server-sent event of a stream carries
 `id: N`, N the tokens the client has with it. A client whose stream broke (the controller
 restarted, or a standby took over: give clients both addresses) asks GET /v1/requests/{id}/stream
 with the header Last-Event-ID: N (the last id it got; 0 or none: from the start) and receives the
-rest, the same chunks the first stream would have carried. 404: the request ended or is unknown.
+rest, the same chunks the first stream would have carried. 404: the request ended, is unknown, or
+is another client's.
 
-Request fields: `model`, `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`,
-`stop` (a string or up to 4), `n` (1 only), `stream`; the mesh's own options as extra fields:
-`speculate` (candidate tokens per step, 0 = off), `top_k`, `ignore_eos`, `outline` (an outline-DAG
-request, with `max_points`; `max_tokens` is then per point). Streams are server-sent events of the
-standard chunk objects, ending with `data: [DONE]`. Errors are OpenAI-style JSON bodies,
-{"error": {"message", "type", "param", "code"}}: 400 for a bad request, 404 for an unknown model,
-413 for a body over MAX_BODY_BYTES, 429 when the mesh's queue or the client's cap is full, 503
-when no plan serves. A client that goes away mid-stream cancels its request, which closes its
-sequences on every stage.
+Streams are server-sent events of the standard chunk objects, ending with `data: [DONE]`
+(`stream_options: {"include_usage": true}` adds a last chunk with the usage). Errors are
+OpenAI-style JSON bodies, {"error": {"message", "type", "param", "code"}}: 400 for a bad request,
+401 without a valid key, 404 for an unknown model, 413 for a body over MAX_BODY_BYTES, 429 when the
+mesh's queue or the client's cap is full, 503 when no plan serves. A client that goes away
+mid-stream cancels its request, which closes its sequences on every stage.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import replace
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 
 from logicpipe.common.transport import is_loopback
 from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.http_auth import ApiKeys
+from logicpipe.controller.http_body import (
+    ApiError,
+    chat_prompt,
+    check_fields,
+    completion_prompt,
+    number,
+    parse,
+    request_options,
+    shown,
+    stream_options,
+)
 from logicpipe.controller.metrics import Metrics
-from logicpipe.controller.requests import Completion, FrontDoor, OutlineOptions, Prompt, RequestOptions, host_client
+from logicpipe.controller.requests import Completion, FrontDoor, host_client
 from logicpipe.controller.state import Phase
 from logicpipe.errors import (
     AlreadyExists,
@@ -50,24 +74,17 @@ from logicpipe.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from logicpipe.sampling import SamplingParams
+from logicpipe.limits import check_id
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body, bytes: room for the front door's prompt cap, JSON-escaped
-DEFAULT_MAX_TOKENS = 256
-MAX_OUTLINE_POINTS = 32
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                            "code": self.code}}, status=self.status)
+LINGER_S = 2.0              # a refused body still arriving is read and dropped this long, then the connection closes
+MAX_EVENT_ID_DIGITS = 12    # Last-Event-ID: a token count
+PARSE_INLINE_BYTES = 2**20  # a larger body is parsed and checked off the event loop (4M token ids: ~0.2 s)
+KEYED = "/v1/"              # the paths that need a key (when there are keys)
+ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+          ("POST", "/v1/completions"), ("GET", "/v1/requests/{id}/stream")]
 
 
 def mesh_error(err: MeshError) -> ApiError:
@@ -84,100 +101,98 @@ def mesh_error(err: MeshError) -> ApiError:
     return ApiError(500, str(err), "server_error")
 
 
-def number(body: dict, name: str, kind, default, low=None, high=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ApiError(400, f"{name} must be {'a number' if kind is float else 'an integer'}", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ApiError(400, f"{name} must be in [{low}, {high}], got {value}", param=name)
-    return kind(value)
-
-
-def request_options(body: dict) -> RequestOptions:
-    """The body's generation fields as the front door's options."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = number({"max_tokens": max_tokens}, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, None)
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    sampling = SamplingParams(number(body, "temperature", float, 1.0, 0.0, 2.0), number(body, "top_k", int, 0, 0, None),
-                              number(body, "top_p", float, 1.0, 0.0, 1.0), number(body, "seed", int, None, 0, 2**63 - 1))
-    try:
-        sampling.validate()
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
-    speculate = body.get("speculate")
-    if speculate is not None:
-        speculate = number(body, "speculate", int, None, 0, None)
-    outline = None
-    if body.get("outline"):
-        outline = OutlineOptions(max_points=number(body, "max_points", int, 0, 0, MAX_OUTLINE_POINTS))
-    return RequestOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=bool(body.get("ignore_eos", False)),
-                          speculate=speculate, stop=tuple(stops), outline=outline)
-
-
-def chat_prompt(body: dict) -> Prompt:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", param="messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}]: an object with a role and content", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}]: content must be text", param="messages")
-        turns.append((m["role"], content))
-    return Prompt(messages=tuple(turns))
-
-
-def completion_prompt(body: dict) -> Prompt:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return Prompt(token_ids=tuple(prompt))
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "prompt must be a non-empty string (or a list of token ids)", param="prompt")
-    return Prompt(text=prompt, raw=True)
+def answer(request: web.BaseRequest, err: ApiError) -> web.Response:
+    """The error's response; a body left unread means the connection closes after it (the client
+    may still be sending: it must not take what follows for its next request)."""
+    headers = {"WWW-Authenticate": 'Bearer realm="logicpipe"'} if err.status == 401 else None
+    response = web.json_response(err.body(), status=err.status, headers=headers)
+    if request.can_read_body:
+        response.force_close()
+    return response
 
 
 class HttpApi:
-    """The routes over the front door."""
+    """The routes over the front door (`keys`: the API keys /v1/* needs; None: none)."""
 
-    def __init__(self, app: ControllerApp, door: FrontDoor):
+    def __init__(self, app: ControllerApp, door: FrontDoor, keys: ApiKeys | None = None):
         self.app = app
         self.door = door
+        self.keys = keys
         self.model_id = app.model_dir.name
         self.created = int(time.time())
         self.metrics = Metrics(app)
 
     def web_app(self) -> web.Application:
         w = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
-        w.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
-                      web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
-                      web.get("/metrics", self.scrape), web.get("/v1/requests/{id}/stream", self.resume)])
+        handlers = {"/health": self.health, "/metrics": self.scrape, "/v1/models": self.models,
+                    "/v1/chat/completions": self.chat, "/v1/completions": self.completions,
+                    "/v1/requests/{id}/stream": self.resume}
+        w.add_routes([(web.post if method == "POST" else web.get)(path, handlers[path], expect_handler=self._expect)
+                      for method, path in ROUTES])
+        # last, every other path: answered here (an OpenAI body, the key checked first) rather than by aiohttp
+        w.add_routes([web.route("*", "/{tail:.*}", self.no_route, expect_handler=self._expect)])
         return w
+
+    def runner(self) -> web.AppRunner:
+        return web.AppRunner(self.web_app(), access_log=None, handler_cancellation=True, lingering_time=LINGER_S)
+
+    # ---- before the body: the key, the size ------------------------------------------------------
+    def _admit(self, request: web.BaseRequest) -> str:
+        """The key (for /v1/*) and the declared size; returns the client the front door counts
+        (checked again by a handler that needs it: nothing is kept on the request)."""
+        client = host_client(request.remote or "")
+        if self.keys is not None and request.path.startswith(KEYED):
+            given = request.headers.get("Authorization", "")
+            name = self.keys.check(given)
+            if name is None:
+                log.debug("HTTP %s %s from %s: %s API key", request.method, request.path, client,
+                          "a wrong" if given else "no")
+                raise ApiError(401, ("the API key is not valid" if given else "an API key is needed")
+                               + ": send the header `Authorization: Bearer TOKEN` with a token of the controller's "
+                                 "--http-token-file", "authentication_error", code="invalid_api_key")
+            client = f"key {name}"
+        size = request.content_length
+        if size is not None and size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is {size} bytes, over the {MAX_BODY_BYTES}-byte cap",
+                           code="body_too_large")
+        return client
+
+    async def _expect(self, request: web.Request):
+        """`Expect: 100-continue`: refused without reading the body when the key or the size is
+        wrong; otherwise the body is asked for once the client has its place (`_body`)."""
+        if request.version != HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
+            return answer(request, ApiError(417, f"Expect: {shown(request.headers.get('Expect', ''))} is not "
+                                                 "supported (only 100-continue)"))
+        try:
+            self._admit(request)
+        except ApiError as err:
+            return answer(request, err)
+        return None  # no 100 yet: `_body` sends it
 
     @web.middleware
     async def _errors(self, request, handler):
         try:
+            self._admit(request)
             return await handler(request)
         except ApiError as err:
-            return err.response()
+            return answer(request, err)
         except MeshError as err:
-            return mesh_error(err).response()
-        except web.HTTPException as exc:  # unknown route, wrong method, body too large
-            return ApiError(exc.status, exc.reason or "bad request", "invalid_request_error").response()
+            return answer(request, mesh_error(err))
+        except web.HTTPException as exc:  # unknown route, wrong method
+            return answer(request, ApiError(exc.status, exc.reason or "bad request"))
         except Exception:  # noqa: BLE001 — never a stack trace to the client
             log.exception("HTTP %s %s failed", request.method, request.path)
-            return ApiError(500, "internal error (see the controller's log)", "server_error").response()
+            return answer(request, ApiError(500, "internal error (see the controller's log)", "server_error"))
 
+    async def no_route(self, request):
+        allowed = sorted({m for m, path in ROUTES if re.fullmatch(re.sub(r"\{\w+\}", "[^{}/]+", path), request.path)})
+        if allowed:
+            raise ApiError(405, f"{shown(request.method)} is not allowed on {shown(request.path, 80)}: "
+                                f"{', '.join(allowed)}", code="method_not_allowed")
+        raise ApiError(404, f"no route {shown(request.path, 80)}; this API serves "
+                            f"{', '.join(sorted({p for _, p in ROUTES}))}", code="not_found")
+
+    # ---- open routes -----------------------------------------------------------------------------
     async def health(self, request):
         ready = self.app.state.admitting
         return web.json_response({"status": "ok" if ready else self.app.state.phase.value,
@@ -192,54 +207,68 @@ class HttpApi:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "logicpipe"}]})
 
-    # ---- requests -----------------------------------------------------------------------------
-    async def _body(self, request) -> dict:
-        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is {request.content_length} bytes, over the {MAX_BODY_BYTES}-byte cap")
+    # ---- requests ----------------------------------------------------------------------------------
+    async def _body(self, request, api: str) -> dict:
+        """The body, read once the client has its place (the size was checked from its header)."""
+        if request.headers.get("Expect"):  # (past `_expect`: 100-continue) the client waits for this to send it
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-            raise ApiError(400, f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past the cap
+            raise ApiError(413, f"the body is over the {MAX_BODY_BYTES}-byte cap", code="body_too_large") from None
+        body = parse(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse, raw)
+        check_fields(body, api)
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "model must be a string", param="model")
         if model not in (None, self.model_id):
-            raise ApiError(404, f"the model {str(model)[:100]!r} does not exist; this mesh serves {self.model_id!r}",
+            raise ApiError(404, f"the model {shown(model, 100)!r} does not exist; this mesh serves {self.model_id!r}",
                            code="model_not_found", param="model")
-        if number(body, "n", int, 1, 1, 1) != 1:
-            raise ApiError(400, "n must be 1", param="n")
+        if number(body, "n", int, 1, 1, None) != 1:
+            raise ApiError(400, "n must be 1: several choices per request are not supported by this server yet",
+                           param="n", code="unsupported_parameter")
         return body
 
     async def chat(self, request):
-        body = await self._body(request)
-        return await self._complete(request, body, chat_prompt(body), chat=True)
+        return await self._complete(request, "chat")
 
     async def completions(self, request):
-        body = await self._body(request)
-        return await self._complete(request, body, completion_prompt(body), chat=False)
+        return await self._complete(request, "completions")
 
-    async def _complete(self, request, body: dict, prompt: Prompt, *, chat: bool):
-        options = replace(request_options(body), request_id=request.headers.get("X-Request-Id", ""),
-                          api="chat" if chat else "completions")
-        stream = bool(body.get("stream", False))
-        async with self.door.open(prompt, options, host_client(request.remote or "")) as completion:
-            form = Form(self.model_id, chat, completion)
-            if options.outline is not None:  # one piece at the end: points do not map onto one delta stream
-                async for _ in completion:
-                    pass
+    async def _complete(self, request, api: str):
+        client = self._admit(request)
+        async with self.door.admit(client):  # before the body: a client's uploads count toward its cap
+            body = await self._body(request, api)
+            prompt = chat_prompt(body) if api == "chat" else completion_prompt(body)
+            stream, usage = stream_options(body)
+            rid = request.headers.get("X-Request-Id", "")
+            if rid:
+                try:
+                    check_id("X-Request-Id", rid)
+                except InvalidArgument as exc:
+                    raise ApiError(400, str(exc), param="X-Request-Id") from None
+            options = replace(request_options(body), request_id=rid, api=api)
+            async with self.door.open(prompt, options, client, admitted=True) as completion:
+                form = Form(self.model_id, api == "chat", completion)
+                if options.outline is not None:  # one piece at the end: points do not map onto one delta stream
+                    async for _ in completion:
+                        pass
+                    if not stream:
+                        return web.json_response(form.whole(outline=True))
+                    response = await open_stream(request)
+                    await response.write(form.chunk(completion.text, None))
+                    await response.write(form.chunk("", "stop", outline=True))
+                    if usage:
+                        await response.write(form.usage_chunk())
+                    return await close_stream(response)
                 if not stream:
-                    return web.json_response(form.whole(outline=True))
-                response = await open_stream(request)
-                await response.write(form.chunk(completion.text, None))
-                await response.write(form.chunk("", "stop", outline=True))
-                return await close_stream(response)
-            if not stream:
-                async for _ in completion:
-                    pass
-                return web.json_response(form.whole(), headers={"X-Request-Id": completion.id})
-            return await self._stream(request, completion, form)
+                    async for _ in completion:
+                        pass
+                    return web.json_response(form.whole(), headers={"X-Request-Id": completion.id})
+                return await self._stream(request, completion, form, usage)
 
-    async def _stream(self, request, completion: Completion, form: "Form"):
+    async def _stream(self, request, completion: Completion, form: "Form", usage: bool = False):
         """The completion's pieces as server-sent events, each with the client's token count as its id."""
         response = None  # opened with the first token: an error before it still gets its status
         async for piece in completion:
@@ -248,15 +277,17 @@ class HttpApi:
                 await response.write(form.chunk(piece.text, None, event_id=len(completion.tokens)))
         response = response or await open_stream(request, completion.id)
         await response.write(form.chunk("", completion.finish_reason or "length", event_id=len(completion.tokens)))
+        if usage:
+            await response.write(form.usage_chunk())
         return await close_stream(response)
 
     async def resume(self, request):
         rid = request.match_info["id"]
         last = request.headers.get("Last-Event-ID", request.query.get("after", "0")) or "0"
-        if not last.isdigit():
-            raise ApiError(400, f"Last-Event-ID must be the id of the last event received (a number), not {last[:20]!r}",
-                           param="Last-Event-ID")
-        async with self.door.resume(rid, int(last), host_client(request.remote or "")) as completion:
+        if not (last.isascii() and last.isdigit() and len(last) <= MAX_EVENT_ID_DIGITS):
+            raise ApiError(400, f"Last-Event-ID must be the id of the last event received (a number), not "
+                                f"{shown(last, 20)!r}", param="Last-Event-ID")
+        async with self.door.resume(rid, int(last), self._admit(request)) as completion:
             return await self._stream(request, completion, Form(self.model_id, completion.api != "completions",
                                                                 completion))
 
@@ -289,14 +320,22 @@ class Form:
         head = f"id: {event_id}\n" if event_id is not None else ""
         return f"{head}data: {json.dumps(obj)}\n\n".encode()
 
+    def usage(self) -> dict:
+        n = len(self.c.tokens)
+        return {"prompt_tokens": self.c.prompt_tokens, "completion_tokens": n, "total_tokens": self.c.prompt_tokens + n}
+
+    def usage_chunk(self) -> bytes:
+        """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+        obj = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind, "created": self.created,
+               "model": self.model_id, "choices": [], "usage": self.usage()}
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
     def whole(self, *, outline: bool = False) -> dict:
         c, reason = self.c, self.c.finish_reason or "length"
         choice = ({"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason}
                   if self.chat else {"index": 0, "text": c.text, "finish_reason": reason, "logprobs": None})
-        n = len(c.tokens)
         obj = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,
-               "choices": [choice],
-               "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": n, "total_tokens": c.prompt_tokens + n}}
+               "choices": [choice], "usage": self.usage()}
         if outline:
             obj["outline"] = self.outline()
         return obj
@@ -318,15 +357,17 @@ async def close_stream(response: web.StreamResponse) -> web.StreamResponse:
     return response
 
 
-async def start_http(app: ControllerApp, door: FrontDoor, address: str) -> web.AppRunner:
-    """Serve the API on `address` ("HOST:PORT") in the running loop; returns the runner (cleanup())."""
+async def start_http(app: ControllerApp, door: FrontDoor, address: str, keys: ApiKeys | None = None) -> web.AppRunner:
+    """Serve the API on `address` ("HOST:PORT") in the running loop; returns the runner (cleanup()).
+    `keys`: the API keys /v1/* needs (None: none; off loopback the caller has checked --insecure)."""
     host, _, port = address.rpartition(":")
-    runner = web.AppRunner(HttpApi(app, door).web_app(), access_log=None, handler_cancellation=True)
+    runner = HttpApi(app, door, keys).runner()
     await runner.setup()
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     await site.start()
-    log.info("OpenAI-compatible HTTP API on http://%s:%s/v1", host or "127.0.0.1", port)
-    if not is_loopback(host or "127.0.0.1"):
-        log.warning("the HTTP API on %s has no authentication: anyone who reaches it can submit requests "
-                    "(put an authenticating reverse proxy in front, or bind it to 127.0.0.1)", address)
+    log.info("OpenAI-compatible HTTP API on http://%s:%s/v1 (%s)", host or "127.0.0.1", port,
+             f"{len(keys.keys)} API keys of {keys.path}" if keys else "no API keys")
+    if keys is None and not is_loopback(host or "127.0.0.1"):
+        log.warning("INSECURE: the HTTP API on %s takes requests without an API key (--insecure): anyone who "
+                    "reaches it can submit requests and read their answers; give --http-token-file", address)
     return runner

@@ -17,6 +17,7 @@ from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
 from logicpipe.controller.app import ControllerApp, ControllerOptions
 from logicpipe.controller.gguf_convert import DTYPES
 from logicpipe.controller.http_api import start_http
+from logicpipe.controller.http_auth import ApiKeys, KeyFileError, check_exposure
 from logicpipe.controller.join import JoinAuthority
 from logicpipe.controller.journal import Journal, JournalError
 from logicpipe.controller.model_prep import GGUF_DTYPE, resolve_model
@@ -94,7 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "RESOURCE_EXHAUSTED (default %(default)s)")
     ap.add_argument("--http", default="", metavar="HOST:PORT",
                     help="also serve an OpenAI-compatible HTTP API here (/v1/chat/completions, /v1/completions, "
-                         "/v1/models, /health; off by default; bind 127.0.0.1 unless a proxy authenticates)")
+                         "/v1/models, /health, /metrics; off by default); off loopback it needs --http-token-file "
+                         "(or --insecure)")
+    ap.add_argument("--http-token-file", default="", metavar="FILE",
+                    help="API keys of the HTTP API, one `NAME TOKEN` (or `TOKEN`) a line: every /v1/* request needs "
+                         "`Authorization: Bearer TOKEN`, and --max-requests-per-client caps each key")
     ap.add_argument("--ca-dir", default="", metavar="DIR",
                     help="the mesh CA (ca.key, ca.crt from `lpctl ca init`): lets the controller issue join tokens "
                          "(`lpctl token create`) and revoke nodes (`lpctl revoke`); revoked names are kept there")
@@ -115,6 +120,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--speculate must be 0 (off) to {MAX_SPECULATE}")
     if args.prefill_chunk < 0:
         ap.error("--prefill-chunk must be 0 (from the cost model) or a number of tokens")
+    args.http_keys = None  # the HTTP API's keys, checked before anything starts
+    if args.http_token_file and not args.http:
+        ap.error("--http-token-file is for the HTTP API: give --http HOST:PORT too")
+    if args.http and (why := check_exposure(args.http, args.http_token_file, args.insecure)):
+        ap.error(why)
+    if args.http_token_file:
+        try:
+            args.http_keys = ApiKeys.load(args.http_token_file)
+        except KeyFileError as exc:
+            ap.error(str(exc))
     return args
 
 
@@ -175,7 +190,7 @@ async def serve(args: argparse.Namespace) -> None:
     http = None
     if args.http:
         try:
-            http = await start_http(app, door, args.http)
+            http = await start_http(app, door, args.http, args.http_keys)
         except OSError as exc:
             raise SystemExit(f"--http {args.http}: cannot listen there ({exc})") from None
 

@@ -1,10 +1,12 @@
-"""Mesh tier, the OpenAI-compatible HTTP API (`logicpipe-controller --http`), with the official
-`openai` package as the client: greedy output equal to the same request through `lpctl --json`,
-streaming, multi-turn, completions, the models list, bad requests, 16 concurrent streams, and a
-client gone mid-stream leaving no sequence behind."""
+"""Mesh tier, the OpenAI-compatible HTTP API (`logicpipe-controller --http`, with API keys from
+`--http-token-file`), with the official `openai` package as the client: greedy output equal to the
+same request through `lpctl --json`, streaming, multi-turn, completions, the models list, bad
+requests, a missing or wrong key refused with 401, 16 concurrent streams, and a client gone
+mid-stream leaving no sequence behind."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.error
@@ -18,20 +20,25 @@ from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh, client_transport, free_port
 
 PROMPT = "What is the capital of France?"
+TOKEN = "tester-" + "t" * 32     # the API key of this module's clients
+OTHER = "other-" + "o" * 32      # another key of the same file
 
 
 @pytest.fixture(scope="module")
 def mesh(model_dir, tmp_path_factory):
     http = f"127.0.0.1:{free_port()}"
-    with LocalMesh(2, model_dir, tmp_path_factory.mktemp("http"), threads=1,
-                   controller_args=("--http", http)) as m:
+    work = tmp_path_factory.mktemp("http")
+    keys = work / "http-keys"
+    keys.write_text(f"# API keys of the test\ntester {TOKEN}\nother {OTHER}\n")
+    os.chmod(keys, 0o600)
+    with LocalMesh(2, model_dir, work, threads=1, controller_args=("--http", http, "--http-token-file", str(keys))) as m:
         m.http = http
         yield m
 
 
 @pytest.fixture(scope="module")
 def client(mesh):
-    return openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key="none", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key=TOKEN, max_retries=0, timeout=300)
 
 
 def lpctl_json(mesh, *args: str) -> dict:
@@ -79,13 +86,30 @@ def test_multi_turn_and_completions(mesh, client):
     assert s.choices[0].finish_reason == "stop" and want["text"].startswith(s.choices[0].text)
 
 
-def post(mesh, path: str, data: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{mesh.http}{path}", data=data, headers={"Content-Type": "application/json"})
+def post(mesh, path: str, data: bytes, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(f"http://{mesh.http}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        return err.code, json.loads(err.read()) | {"headers": dict(err.headers)}
+
+
+def test_v1_needs_one_of_the_keys(mesh, model_dir):
+    """No key or a wrong one: 401 with an OpenAI error and WWW-Authenticate, before the body is
+    looked at; each key of the file is served; /health and /metrics need none (tested above and
+    below)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    for token in (None, "wrong-" + "w" * 32):
+        code, answer = post(mesh, "/v1/chat/completions", body, token)
+        assert code == 401 and answer["error"]["code"] == "invalid_api_key", answer
+        assert answer["headers"]["WWW-Authenticate"].startswith("Bearer")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key="x" * 32, max_retries=0).models.list()
+    other = openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key=OTHER, max_retries=0, timeout=300)
+    assert other.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=2, temperature=0).usage.completion_tokens >= 1
 
 
 def test_bad_requests_get_openai_errors_and_the_mesh_serves_on(mesh, client):

@@ -1,0 +1,261 @@
+"""An HTTP API request body, from bytes to the front door's types, refusing what it cannot honour.
+
+Every refusal is an `ApiError`, answered as OpenAI's error body {"error": {"message", "type",
+"param", "code"}} with `param` naming the field at fault. The rules, so that a client never gets a
+result other than the one it asked for:
+
+- the body is a JSON object, nested at most MAX_JSON_DEPTH deep, with no lone UTF-16 surrogate in
+  any string (it has no UTF-8 form: the tokenizer cannot take it) and no NaN or Infinity;
+- every field is one this API honours, or one of OpenAI's it does not implement yet (NOT_YET)
+  carrying the value that asks for nothing (`"logprobs": false`, `"frequency_penalty": 0`);
+  anything else is refused by name, never ignored;
+- booleans are JSON booleans (`"stream": "yes"` is refused, not taken as true), numbers are finite
+  numbers of the field's kind and range.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from logicpipe.controller.requests import OutlineOptions, Prompt, RequestOptions
+from logicpipe.controller.text import CHAT_ROLES
+from logicpipe.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+MAX_OUTLINE_POINTS = 32
+MAX_STOPS = 4
+MAX_JSON_DEPTH = 32  # a chat body is 5 deep; deeper is refused before any field is read
+
+# the fields each endpoint honours: OpenAI's, and the mesh's own (speculate, top_k, ignore_eos, outline, max_points)
+COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+                    "user", "speculate", "top_k", "ignore_eos", "outline", "max_points"})
+FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens"}, "completions": COMMON | {"prompt"}}
+
+# OpenAI's parameters not implemented yet: accepted only with a value that asks for nothing (null always)
+NOT_YET = {
+    "logprobs": {"chat": (False,), "completions": ()},
+    "top_logprobs": (0,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "best_of": (1,), "echo": (False,),
+    "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
+    "reasoning_effort": (), "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (),
+}
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class ApiError(Exception):
+    """A refusal: HTTP `status`, OpenAI's error `kind` and `code`, the field at fault (`param`)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def shown(text: str, n: int = 40) -> str:
+    """`text` cut to `n` characters, printable whatever it holds (surrogates escaped)."""
+    return text[:n].encode("utf-8", "backslashreplace").decode()
+
+
+def parse(raw: bytes) -> dict:
+    """The body as a JSON object, checked for depth, lone surrogates and non-finite numbers."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                       code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise ApiError(400, f"the body is not JSON: {shown(str(exc), 200)}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    walk(body)
+    return body
+
+
+def walk(body: dict) -> None:
+    """Refuse (naming the place) a value nested over MAX_JSON_DEPTH, a string or key with a lone
+    surrogate, a NaN or an infinity; iterative, so no depth can overflow the stack, and quick over
+    the long lists of numbers a prompt of token ids is (a place is named only for a container)."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"{path} is nested too deeply (at most {MAX_JSON_DEPTH} levels)", param=path)
+        keyed = isinstance(value, dict)
+        for k, v in value.items() if keyed else enumerate(value):
+            if keyed and _SURROGATE.search(k):
+                where = place(path, k, keyed)
+                raise ApiError(400, f"the key {where} holds a lone UTF-16 surrogate: send valid Unicode", param=where)
+            kind = type(v)
+            if kind is int or kind is bool or v is None:
+                continue
+            if kind is str:
+                if _SURROGATE.search(v):
+                    where = place(path, k, keyed)
+                    raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (\\ud800 to \\udfff without its "
+                                   "pair), which is not text: send valid Unicode", param=where)
+            elif kind is float:
+                if not math.isfinite(v):
+                    where = place(path, k, keyed)
+                    raise ApiError(400, f"{where} is {v}: numbers must be finite (JSON has no NaN or Infinity)",
+                                   param=where)
+            else:  # a dict or a list
+                stack.append((v, place(path, k, keyed), depth + 1))
+
+
+def place(path: str, key, keyed: bool) -> str:
+    """Where body[...path][key] is, as a param: `messages[0].content`."""
+    if not keyed:
+        return f"{path}[{key}]"
+    return f"{path}.{shown(key)}" if path else shown(key)
+
+
+def check_fields(body: dict, api: str) -> None:
+    """Refuse a field `api` ("chat", "completions") does not honour, naming it."""
+    for name, value in body.items():
+        if name == "user" and value is not None and not isinstance(value, str):
+            raise ApiError(400, "user must be a string (an id of the end user; not used by this server)", param="user")
+        if name in FIELDS[api]:
+            continue
+        if name in NOT_YET:
+            noop = NOT_YET[name]
+            noop = noop[api] if isinstance(noop, dict) else noop
+            if value is None or any(type(value) is type(v) and value == v for v in noop):
+                continue
+            raise ApiError(400, f"{name} is not supported by this server yet; leave it out"
+                           + (f" (or send {json.dumps(noop[0])})" if noop else ""), param=name,
+                           code="unsupported_parameter")
+        other = "chat/completions" if api == "completions" else "completions"
+        hint = f" ({name} belongs to /v1/{other})" if name in FIELDS["chat" if api == "completions" else "completions"] \
+            else ""
+        raise ApiError(400, f"unknown parameter {shown(name)!r}{hint}; this endpoint takes "
+                       f"{', '.join(sorted(FIELDS[api]))}", param=shown(name), code="unknown_parameter")
+
+
+def boolean(body: dict, name: str, default: bool = False, where: str = "") -> bool:
+    """body[name], a JSON boolean (`where`: its place, for the error; default: `name`)."""
+    value, where = body.get(name), where or name
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{where} must be true or false (a JSON boolean), not {shown(json.dumps(value))}",
+                       param=where)
+    return value
+
+
+def number(body: dict, name: str, kind, default, low=None, high=None):
+    """body[name] as `kind` (int or float) within [low, high], or `default` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ApiError(400, f"{name} must be {'a number' if kind is float else 'an integer'}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        got = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}... ({len(str(value))} characters)"
+        want = f"at least {low}" if high is None else f"at most {high}" if low is None else f"in [{low}, {high}]"
+        raise ApiError(400, f"{name} must be {want}, got {got}", param=name)
+    try:
+        return kind(value)
+    except OverflowError:  # an integer too large for a float
+        raise ApiError(400, f"{name} is too large", param=name) from None
+
+
+def request_options(body: dict) -> RequestOptions:
+    """The body's generation fields as the front door's options."""
+    tokens = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
+    max_tokens = number(tokens, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, None)
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them", param="stop")
+    sampling = SamplingParams(number(body, "temperature", float, 1.0, 0.0, 2.0), number(body, "top_k", int, 0, 0, None),
+                              number(body, "top_p", float, 1.0, 0.0, 1.0), number(body, "seed", int, None, 0, 2**63 - 1))
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split()[0]) from None
+    speculate = number(body, "speculate", int, None, 0, None)
+    outline = None
+    if boolean(body, "outline"):
+        outline = OutlineOptions(max_points=number(body, "max_points", int, 0, 0, MAX_OUTLINE_POINTS))
+    elif body.get("max_points") is not None:
+        raise ApiError(400, "max_points is for an outline request: send it with \"outline\": true", param="max_points")
+    return RequestOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=boolean(body, "ignore_eos"),
+                          speculate=speculate, stop=tuple(stops), outline=outline)
+
+
+def stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage: a last chunk carries the usage)."""
+    stream = boolean(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise ApiError(400, "stream_options is only for a stream: send it with \"stream\": true",
+                       param="stream_options")
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object, e.g. {\"include_usage\": true}", param="stream_options")
+    for key in opts:
+        if key != "include_usage":
+            raise ApiError(400, f"stream_options.{shown(key)} is not supported; this server takes include_usage",
+                           param=f"stream_options.{shown(key)}", code="unknown_parameter")
+    return stream, boolean(opts, "include_usage", where="stream_options.include_usage")
+
+
+def chat_prompt(body: dict) -> Prompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
+    turns = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object with a role and content", param=where)
+        for key in m:
+            if key not in ("role", "content"):
+                raise ApiError(400, f"{where}.{shown(key)} is not supported by this server yet; a message is its "
+                               "role and content", param=f"{where}.{shown(key)}", code="unsupported_parameter")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, not "
+                           f"{shown(json.dumps(role), 30)}", param=f"{where}.role")
+        turns.append((role, message_text(m.get("content"), f"{where}.content")))
+    return Prompt(messages=tuple(turns))
+
+
+def message_text(content, where: str) -> str:
+    """A message's content: text, or a list of text parts [{"type": "text", "text": ...}]."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be text (a string or a list of text parts)", param=where)
+    parts = []
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str) \
+                or set(p) != {"type", "text"}:
+            kind = p.get("type") if isinstance(p, dict) else None
+            raise ApiError(400, f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": \"...\"}}"
+                           + (f"; {shown(str(kind), 30)!r} parts are not supported by this server yet"
+                              if isinstance(kind, str) and kind != "text" else ""), param=f"{where}[{j}]")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def completion_prompt(body: dict) -> Prompt:
+    """A string, a list of token ids, or a batch of one of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported by this server yet; send one "
+                       "per request", param="prompt", code="unsupported_parameter")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return Prompt(token_ids=tuple(prompt))
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "prompt must be a non-empty string (or a list of token ids)", param="prompt")
+    return Prompt(text=prompt, raw=True)

@@ -1,0 +1,268 @@
+"""Service tier, the HTTP API in-process (tests/service/http_harness.py: the real front door and
+tokenizer over a fake scheduler): what a probe of issue 23 found, as regressions. Each bad input is
+answered with its status and an OpenAI error body naming the field; a body over the cap is refused
+from its header before it is read, also when the client asks `Expect: 100-continue`; /v1/* takes
+only a valid API key; the per-client cap counts each key (and a body being read) and answers 429
+naming the flag."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from logicpipe.controller.http_api import MAX_BODY_BYTES
+from logicpipe.controller.http_auth import ApiKeys, parse
+
+from .conftest import run
+from .http_harness import http_api
+
+TOKEN_A, TOKEN_B = "a" * 32, "b" * 32
+KEYS = ApiKeys(parse(f"alice {TOKEN_A}\nbob {TOKEN_B}\n"))
+AUTH_A = {"Authorization": f"Bearer {TOKEN_A}"}
+AUTH_B = {"Authorization": f"Bearer {TOKEN_B}"}
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"messages": MESSAGES, "max_tokens": 4, **fields}).encode()
+
+
+def openai_error(body) -> dict:
+    """The error of an OpenAI error body (asserting its shape)."""
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    return err
+
+
+BAD = [  # (what, path, raw body, status, param: None for "not asserted")
+    ("100,000 [", CHAT, b"[" * 100_000, 400, None),
+    ("nested 40 deep", CHAT, chat(user=None)[:-1] + b', "stop": ' + b"[" * 40 + b"]" * 40 + b"}", 400, "stop" + "[0]" * 31),
+    ("a lone surrogate", CHAT, b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, "messages[0].content"),
+    ("a lone surrogate in a stop", CHAT, chat()[:-1] + b', "stop": ["\\udfff"]}', 400, "stop[0]"),
+    ("stream \"yes\"", CHAT, chat(stream="yes"), 400, "stream"),
+    ("ignore_eos \"false\"", CHAT, chat(ignore_eos="false"), 400, "ignore_eos"),
+    ("outline 1", CHAT, chat(outline=1), 400, "outline"),
+    ("include_usage \"true\"", CHAT, chat(stream=True, stream_options={"include_usage": "true"}), 400,
+     "stream_options.include_usage"),
+    ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("frequency_penalty NaN", CHAT, chat()[:-1] + b', "frequency_penalty": NaN}', 400, "frequency_penalty"),
+    ("temperature Infinity", CHAT, chat()[:-1] + b', "temperature": Infinity}', 400, "temperature"),
+    ("top_p -Infinity", "/v1/completions", b'{"prompt": "hi", "top_p": -Infinity}', 400, "top_p"),
+    ("a NaN token id", "/v1/completions", b'{"prompt": [1, NaN]}', 400, "prompt[1]"),
+    ("frequency_penalty 0.5", CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty"),
+    ("presence_penalty 1", CHAT, chat(presence_penalty=1), 400, "presence_penalty"),
+    ("logprobs true", CHAT, chat(logprobs=True), 400, "logprobs"),
+    ("logprobs 0 (completions)", "/v1/completions", b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
+    ("top_logprobs 3", CHAT, chat(top_logprobs=3), 400, "top_logprobs"),
+    ("n 2", CHAT, chat(n=2), 400, "n"),
+    ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("logit_bias", CHAT, chat(logit_bias={"50256": -100}), 400, "logit_bias"),
+    ("an unknown parameter", CHAT, chat(repetition_penalty=1.2), 400, "repetition_penalty"),
+    ("prompt on chat", CHAT, chat(prompt="hi"), 400, "prompt"),
+    ("an image part", CHAT, json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "messages[0].content[0]"),
+    ("a message's name", CHAT, json.dumps({"messages": [{"role": "user", "content": "hi", "name": "x"}]}).encode(),
+     400, "messages[0].name"),
+    ("a batch of prompts", "/v1/completions", b'{"prompt": ["a", "b"]}', 400, "prompt"),
+    ("max_points without outline", CHAT, chat(max_points=3), 400, "max_points"),
+    ("max_tokens 1e400 (an integer)", CHAT, chat(max_tokens=10**400), 400, None),
+    ("temperature 10^400", CHAT, chat(temperature=10**400), 400, "temperature"),
+    ("a model that is a number", CHAT, chat(model=7), 400, "model"),
+    ("not JSON", CHAT, b"{not json", 400, None),
+    ("not UTF-8", CHAT, b'{"messages": "\xff\xfe"}', 400, None),
+    ("a JSON array", CHAT, b"[1, 2]", 400, None),
+    ("another model", CHAT, chat(model="gpt-9"), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("what,path,raw,status,param", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_body_is_answered_with_its_status_naming_the_field(model_dir, what, path, raw, status, param):
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            got, _, body = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+            err = openai_error(body)
+            assert got == status, (what, body)
+            if param is not None:
+                assert err["param"] == param, err
+                assert param.split("[")[0].split(".")[-1] in err["message"], err
+            # and the API serves on
+            assert (await client.post(CHAT, data=chat()))[0] == 200
+    run(go())
+
+
+def test_the_no_op_values_of_unimplemented_parameters_are_taken(model_dir):
+    """What clients send by default (logprobs false, penalties 0, n 1, user ...) is no request for
+    anything: served as without it."""
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            fields = dict(logprobs=False, frequency_penalty=0, presence_penalty=0.0, n=1, user="u1", logit_bias={},
+                          response_format={"type": "text"}, tool_choice="none", top_logprobs=None, stream=False)
+            status, _, body = await client.post(CHAT, data=chat(**fields))
+            assert status == 200 and body["choices"][0]["message"]["content"], body
+            status, _, body = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                                          "echo": False, "best_of": 1, "logprobs": None})
+            assert status == 200 and body["choices"][0]["text"], body
+    run(go())
+
+
+def test_stream_options_include_usage_adds_a_last_usage_chunk(model_dir):
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            status, _, text = await client.post(CHAT, data=chat(stream=True, stream_options={"include_usage": True}))
+            assert status == 200 and text.endswith("data: [DONE]\n\n")
+            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+            last = events[-1]
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+    run(go())
+
+
+async def raw_request(port: int, head: bytes, body: bytes = b"", wait_s: float = 5.0) -> tuple[bytes, float]:
+    """What the server answers first to `head` (+ `body`) on a fresh connection, and how fast."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        t0 = time.monotonic()
+        writer.write(head + body)
+        await writer.drain()
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await asyncio.wait_for(reader.read(65536), wait_s)
+            if not chunk:
+                break
+            data += chunk
+        return data, time.monotonic() - t0
+    finally:
+        writer.close()
+
+
+def test_a_declared_body_over_the_cap_gets_413_at_once_before_it_is_read(model_dir):
+    """Content-Length 10^12: 413 at once (a few bytes of the body sent, the rest never); with
+    `Expect: 100-continue` the 413 comes instead of the 100 (the body is never asked for)."""
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            for expect in (b"", b"Expect: 100-continue\r\n"):
+                head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + expect
+                        + b"Content-Length: 1000000000000\r\n\r\n")
+                data, took = await raw_request(client.port, head, b"" if expect else b'{"messages": [')
+                assert data.startswith(b"HTTP/1.1 413 "), data[:200]
+                assert b"Connection: close" in data and took < 2.0, (data[:300], took)
+            # under the cap, Expect gets its 100 and the request is served
+            body = chat()
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body))
+            data, _ = await raw_request(client.port, head)
+            assert data.startswith(b"HTTP/1.1 100 Continue"), data[:100]
+    run(go())
+
+
+def test_a_chunked_body_over_the_cap_gets_413(model_dir):
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            async def chunks():
+                piece = b'{"messages": [{"role": "user", "content": "' + b"x" * 2**20
+                yield piece
+                for _ in range(MAX_BODY_BYTES // 2**20 + 1):
+                    yield b"x" * 2**20
+            status, _, body = await client.post(CHAT, data=chunks())
+            assert status == 413 and "cap" in openai_error(body)["message"]
+    run(go())
+
+
+def test_v1_needs_a_key_health_does_not(model_dir):
+    async def go():
+        async with http_api(model_dir, keys=KEYS) as (client, _):
+            for headers in ({}, {"Authorization": "Bearer " + "c" * 32}, {"Authorization": TOKEN_A},
+                            {"Authorization": f"Basic {TOKEN_A}"}):
+                for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/v1/requests/abc/stream"),
+                                     ("GET", "/v1/nothing")):
+                    status, hdrs, body = await client.request(method, path, data=chat(), headers=headers)
+                    err = openai_error(body)
+                    assert status == 401 and err["code"] == "invalid_api_key", (path, headers, body)
+                    assert err["type"] == "authentication_error" and "--http-token-file" in err["message"]
+                    assert hdrs["WWW-Authenticate"].startswith("Bearer")
+            # refused before the body: Expect gets the 401 instead of the 100
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                    b"Content-Length: 100\r\n\r\n")
+            data, _ = await raw_request(client.port, head)
+            assert data.startswith(b"HTTP/1.1 401 "), data[:100]
+            status, _, body = await client.post(CHAT, data=chat(), headers=AUTH_A)
+            assert status == 200 and body["choices"][0]["message"]["content"]
+            status, _, body = await client.get("/v1/models", headers={"Authorization": f"bearer {TOKEN_B}"})
+            assert status == 200 and body["data"]
+            status, _, body = await client.get("/health")
+            assert status == 200 and body["status"] == "ok"
+    run(go())
+
+
+def test_the_cap_per_client_counts_each_key_and_answers_429_naming_the_flag(model_dir):
+    """--max-requests-per-client 2: two held streams of one key, a third request of that key is
+    429 (also one whose body is still on its way); the other key is served; once they end, the
+    first is served again."""
+    async def go():
+        async with http_api(model_dir, requests_per_client=2, keys=KEYS) as (client, fake):
+            fake.gate.clear()  # held after their first token
+            held = [asyncio.create_task(client.post(CHAT, data=chat(stream=True), headers=AUTH_A)) for _ in range(2)]
+            deadline = time.monotonic() + 10
+            while len(fake.requests) < 2:
+                assert time.monotonic() < deadline, "the held requests did not start"
+                await asyncio.sleep(0.01)
+            status, _, body = await client.post(CHAT, data=chat(), headers=AUTH_A)
+            err = openai_error(body)
+            assert status == 429 and "--max-requests-per-client" in err["message"] and "key alice" in err["message"]
+            # the cap is taken before the body is read: a third upload in progress is refused at once
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN_A.encode()
+                    + b"\r\nContent-Length: 5000000\r\n\r\n")
+            data, took = await raw_request(client.port, head, b'{"messages": ')
+            assert data.startswith(b"HTTP/1.1 429 ") and took < 2.0, data[:200]
+            status, _, body = await client.post(CHAT, data=chat(max_tokens=1), headers=AUTH_B)
+            assert status == 200, body
+            fake.gate.set()
+            assert [s for s, _, _ in await asyncio.gather(*held)] == [200, 200]
+            assert (await client.post(CHAT, data=chat(), headers=AUTH_A))[0] == 200
+    run(go())
+
+
+def deltas(stream: str) -> list[str]:
+    """The text of each chunk of a chat stream that carries some."""
+    chunks = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    return [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"] and c["choices"][0]["delta"]]
+
+
+def test_a_request_is_resumed_only_by_its_own_key(model_dir):
+    """Another key is told the request does not exist (404) and cannot submit under its id (409);
+    its own key resumes it after event 1 and gets the rest."""
+    async def go():
+        async with http_api(model_dir, keys=KEYS) as (client, fake):
+            fake.gate.clear()
+            first = asyncio.create_task(client.post(CHAT, data=chat(stream=True),
+                                                    headers={**AUTH_A, "X-Request-Id": "req-1"}))
+            deadline = time.monotonic() + 10
+            while "req-1" not in fake.requests:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            status, _, body = await client.get("/v1/requests/req-1/stream", headers=AUTH_B)
+            assert status == 404 and openai_error(body)["code"] == "request_not_found"
+            status, _, body = await client.post(CHAT, data=chat(), headers={**AUTH_B, "X-Request-Id": "req-1"})
+            assert status == 409 and openai_error(body)["code"] == "request_exists"
+            again = asyncio.create_task(client.get("/v1/requests/req-1/stream", headers={**AUTH_A, "Last-Event-ID": "1"}))
+            await asyncio.sleep(0.05)
+            fake.gate.set()
+            (status, _, text), (status_again, _, text_again) = await first, await again
+            assert status == status_again == 200 and text_again.endswith("data: [DONE]\n\n")
+            assert deltas(text)[1:] == deltas(text_again) and len(deltas(text_again)) == 3  # the rest, after event 1
+    run(go())
+
+
+def test_last_event_id_must_be_a_small_number(model_dir):
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            for last in ("²", "1" * 40, "-1", "x"):
+                status, _, body = await client.get("/v1/requests/abc/stream", headers={"Last-Event-ID": last})
+                assert status == 400 and openai_error(body)["param"] == "Last-Event-ID", (last, body)
+    run(go())
