@@ -379,10 +379,15 @@ class ControllerApp:
         try:
             stubs = {nid: self.pipeline.stub(ch) for nid, ch in channels.items()}
             in_plan = {h.node_id for h in self.pipeline.stages}
-            for (a, b), link in zip(pairs, await planning.measure_pairs(stubs, ids, pairs)):
+            measured = await planning.measure_pairs(stubs, ids, pairs, epoch=self.pipeline.epoch,
+                                                    owner=self.pipeline.owner)
+            for (a, b), link in zip(pairs, measured):
                 if not isinstance(link, BaseException):
                     self.links.setdefault(a, {})[b] = link
                     continue
+                if Fenced.seen_in(str(link)) and a in in_plan:  # a stage of our plan follows another controller
+                    self.on_fenced(str(link))
+                    raise link
                 newcomer = next((x for x in (a, b) if x not in in_plan), None)
                 if newcomer is None:
                     raise link

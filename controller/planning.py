@@ -117,13 +117,15 @@ def stage_formats(plan: Plan, profiles: list[DeviceProfile]) -> list[tuple[str, 
     return out
 
 
-async def measure_pairs(stubs: dict[str, object], addresses: dict[str, str],
-                        pairs: list[tuple[str, str]]) -> list[Link | Exception]:
+async def measure_pairs(stubs: dict[str, object], addresses: dict[str, str], pairs: list[tuple[str, str]], *,
+                        epoch: int = 0, owner: str = "") -> list[Link | Exception]:
     """For each ordered pair (a, b): the link from node a to node b, as node a measures it, or
-    the exception that measuring it raised."""
+    the exception that measuring it raised. `epoch`, `owner`: the controller's (a node measures
+    only for the controller that holds it, and measuring takes hold of it)."""
     async def one(a: str, b: str) -> Link:
-        reply = await stubs[a].MeasureLink(stage_pb2.MeasureLinkRequest(target_address=addresses[b], probes=9),
-                                           timeout=MEASURE_TIMEOUT_S)
+        reply = await stubs[a].MeasureLink(stage_pb2.MeasureLinkRequest(
+            target_address=addresses[b], probes=9, controller_epoch=epoch, controller_id=owner),
+            timeout=MEASURE_TIMEOUT_S)
         return Link(bandwidth=bucket(max(reply.bandwidth, 1.0)), latency=bucket(max(reply.latency_s, 0.0)))
 
     return list(await asyncio.gather(*(one(a, b) for a, b in pairs), return_exceptions=True))

@@ -174,9 +174,9 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             self._large_echoes -= 1
 
     async def MeasureLink(self, request, context):
-        fence = self.runtime.fence
-        if not (fence.holder and not self._connected(fence.controller_id)):  # a controller taking over measures first
-            fence.check(self._caller(context), "MeasureLink")
+        check_id("controller_id", request.controller_id, empty_ok=True)
+        self.runtime.fence.take(self._caller(context), request.controller_id, request.controller_epoch,
+                                self._connected)  # it dials only for its holder: the targets it knows
         if not request.target_address or len(request.target_address) > 256:
             raise InvalidArgument("target_address must be a host:port of 1 to 256 characters")
         if request.probes > MAX_PROBES:

@@ -215,10 +215,12 @@ def test_only_the_holding_controller_steers_a_stage_and_stages_refuse_a_revoked_
         assert code == grpc.StatusCode.PERMISSION_DENIED and "only from the controller that holds it" in msg, msg
         for call in (lambda: stub.CloseSession(stage_pb2.CloseSessionRequest(session_id="x"), timeout=5),
                      lambda: stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="x", capacity=8, owner=owner),
-                                              timeout=5),
-                     lambda: stub.MeasureLink(stage_pb2.MeasureLinkRequest(target_address="127.0.0.1:9"), timeout=5)):
+                                              timeout=5)):
             code, msg = code_of(call)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "holds it" in msg, msg
+        code, msg = code_of(lambda: stub.MeasureLink(stage_pb2.MeasureLinkRequest(  # dials for its holder only
+            target_address="127.0.0.1:9", controller_id=owner), timeout=5))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "FENCED" in msg, msg
     with mesh.transport.sync_channel(mesh.controller_address, "controller") as ch:
         msg = controller_pb2_grpc.ControllerStub(ch).Revoke(controller_pb2.RevokeRequest(node="ctl-rogue"),
                                                             timeout=60).message

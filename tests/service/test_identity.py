@@ -64,8 +64,9 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
                                                             timeout=RPC_TIMEOUT_S), PD, "CloseSession")
                 await expect_status(stage.stub.OpenSession(stage_pb2.OpenSessionRequest(
                     session_id="intruder", capacity=16, owner=owner), timeout=RPC_TIMEOUT_S), PD, "sessions")
-                await expect_status(stage.stub.MeasureLink(stage_pb2.MeasureLinkRequest(
-                    target_address=closed_port_address()), timeout=RPC_TIMEOUT_S), PD, "MeasureLink")
+                await expect_status(stage.stub.MeasureLink(stage_pb2.MeasureLinkRequest(  # no dialing for others
+                    target_address=closed_port_address(), controller_epoch=2**63, controller_id=owner),
+                    timeout=RPC_TIMEOUT_S), FP, "FENCED", "connected")
                 await expect_status(stage.stub.Revoked(stage_pb2.RevokedRequest(names=["stage"]),
                                                        timeout=RPC_TIMEOUT_S), PD)
             # a feed into the victim's session on stage 0, a step into stage 1: neither holder nor plan

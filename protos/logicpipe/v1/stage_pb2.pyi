@@ -365,14 +365,18 @@ class EchoReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class MeasureLinkRequest(_message.Message):
-    __slots__ = ("target_address", "probes", "payload_bytes")
+    __slots__ = ("target_address", "probes", "payload_bytes", "controller_epoch", "controller_id")
     TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
     target_address: str
     probes: int
     payload_bytes: int
-    def __init__(self, target_address: _Optional[str] = ..., probes: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    controller_epoch: int
+    controller_id: str
+    def __init__(self, target_address: _Optional[str] = ..., probes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
 
 class RevokedRequest(_message.Message):
     __slots__ = ("names", "controller_epoch", "controller_id")
