@@ -1,4 +1,5 @@
-"""logicpipe.sdnotify against a socket the test binds; the unit files under `systemd-analyze verify`."""
+"""logicpipe.sdnotify against a socket the test binds; the unit files under `systemd-analyze verify` and
+`systemd-analyze security` (exposure at most 3.0, "OK", for both units and for the stage with its GPU drop-in)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,8 @@ from logicpipe.common import sdnotify
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNITS = {"controller": SYSTEMD_DIR / "logicpipe-controller.service", "stage": SYSTEMD_DIR / "logicpipe-stage.service"}
+GPU_DROP_IN = SYSTEMD_DIR / "logicpipe-stage.service.d" / "gpu.conf"
+MAX_EXPOSURE = 3.0  # systemd-analyze security's "OK" band ends here
 VENV_BIN = "/opt/logicpipe/.venv/bin/"
 
 
@@ -194,20 +197,43 @@ def test_unit_is_a_notify_service_with_watchdog_state_and_hardening(kind):
         "RestartSec": {"controller": "1", "stage": "3"}[kind], "StateDirectory": "logicpipe", "CacheDirectory": "logicpipe",
         "NoNewPrivileges": "true", "ProtectSystem": "strict", "ProtectHome": "true", "PrivateTmp": "true",
         "ReadOnlyPaths": "/opt/logicpipe", "TimeoutStopSec": {"controller": "20", "stage": "40"}[kind],
+        # the sandbox: no capabilities, no devices (the stage's GPU drop-in gives them back), no
+        # kernel knobs, the address families gRPC, mDNS, sd_notify and getifaddrs() need
+        "CapabilityBoundingSet": "", "AmbientCapabilities": "", "UMask": "0077", "PrivateDevices": "true",
+        "ProtectKernelTunables": "true", "ProtectKernelModules": "true", "ProtectKernelLogs": "true",
+        "ProtectControlGroups": "true", "ProtectClock": "true", "ProtectHostname": "true",
+        "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX AF_NETLINK", "RestrictNamespaces": "true",
+        "RestrictRealtime": "true", "RestrictSUIDSGID": "true", "LockPersonality": "true",
+        "SystemCallArchitectures": "native", "SystemCallFilter": "@system-service", "SystemCallErrorNumber": "EPERM",
+        # torch's oneDNN JITs bfloat16 CPU kernels ("could not create a primitive" under it); the
+        # controller runs torch only to convert GGUF files, which needs no JIT
+        "MemoryDenyWriteExecute": {"controller": ["true"], "stage": None}[kind],
     }.items():
-        assert d.get(key) == [value], (kind, key, d.get(key))
+        value = [value] if isinstance(value, str) else value
+        assert d.get(key) == value, (kind, key, d.get(key))
     assert "--nodes" not in text  # the controller finds nodes by mDNS
-    assert "DevicePolicy" not in d  # default (auto): CPU nodes and every GPU kind keep their devices
+    assert "DevicePolicy" not in d  # PrivateDevices closes it; the GPU drop-in opens it again (auto)
     exec_start = d["ExecStart"][0]
     assert "--node-id" not in exec_start  # the stage keeps its id in $STATE_DIRECTORY
     assert exec_start.startswith(f"{VENV_BIN}logicpipe-{kind} --listen ${{LISTEN}} ")
     assert exec_start.endswith(" $EXTRA_ARGS")
 
 
-def test_stage_unit_gives_the_gpu_groups():
+def test_the_base_stage_unit_names_no_group_and_the_gpu_drop_in_gives_devices_back():
+    """A group the host lacks fails the start with 216/GROUP (stock Debian has no `render`), so the
+    base unit (a CPU node) names none; the drop-in gives GPU nodes the host's /dev, the default
+    device policy (ProtectClock's implied DeviceAllow=char-rtc would make it an allow-list that cuts
+    Jetson's nvhost/nvmap off) and the video group every host has."""
     d = directives(UNITS["stage"].read_text())
-    assert d["SupplementaryGroups"] == ["video render"]
+    assert "SupplementaryGroups" not in d and "Group" in d and d["Group"] == ["logicpipe"]
+    assert "DeviceAllow" not in d
     assert "--device ${DEVICE}" in d["ExecStart"][0]
+    text = GPU_DROP_IN.read_text()
+    assert [line for line in text.splitlines() if line.startswith("[")] == ["[Service]"]
+    gpu = directives(text)
+    assert gpu == {"PrivateDevices": ["false"], "ProtectClock": ["false"], "SupplementaryGroups": ["video"]}, gpu
+    assert "DEVICE=cpu" in env_example("stage").read_text().splitlines()  # the base unit has no GPU
+    assert "gpu.conf" in (SYSTEMD_DIR.parent / "docs" / "deploy.md").read_text()
 
 
 @pytest.mark.parametrize("kind", sorted(UNITS))
@@ -230,11 +256,23 @@ def opt_in_lines(text: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^#\s{2,}([A-Z][A-Za-z]+=.*)$", text, re.M)]
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def with_drop_in(unit_text: str, drop_in_text: str) -> str:
+    """The unit as one file with the drop-in's [Service] lines at the end of its [Service] section
+    (for `verify`, which is given single files)."""
+    body = drop_in_text.split("[Service]", 1)[1]
+    return unit_text.replace("\n[Install]", body + "\n[Install]")
+
+
+needs_systemd_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                           reason="systemd-analyze (systemd) is not installed on this host")
+
+
+@needs_systemd_analyze
 def test_units_pass_systemd_analyze_verify(tmp_path):
     """verify wants ExecStart's binary to exist: point it at a stub, and EnvironmentFile at the
     example. Warnings (unknown keys, bad values) leave the exit code at 0, so any output line
-    that names one of our files counts as a failure too."""
+    that names one of our files counts as a failure too. The stage is verified as shipped, with
+    its GPU drop-in, and with the drop-in's documented opt-in lines (desktop NVIDIA's DeviceAllow=)."""
     stub = tmp_path / "stub"
     stub.write_text("#!/bin/sh\nexit 0\n")
     stub.chmod(0o755)
@@ -246,12 +284,14 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         text = re.sub(r"^EnvironmentFile=.*$", f"EnvironmentFile={env_example(kind)}", text, flags=re.M)
         files.append(tmp_path / unit.name)
         files[-1].write_text(text)
-        # The documented opt-in lines (the stage's DeviceAllow= drop-in) must verify as well.
-        extra = opt_in_lines(text)
-        if extra:
-            files.append(tmp_path / unit.name.replace(".service", "-optin.service"))
-            files[-1].write_text(text.replace("\n[Install]", "\n" + "\n".join(extra) + "\n\n[Install]"))
-    assert any("DeviceAllow=" in f.read_text() for f in files if f.name.endswith("-optin.service"))
+        if kind == "stage":
+            drop_in = GPU_DROP_IN.read_text()
+            files.append(tmp_path / "logicpipe-stage-gpu.service")
+            files[-1].write_text(with_drop_in(text, drop_in))
+            extra = opt_in_lines(drop_in)
+            assert any(line.startswith("DeviceAllow=") for line in extra), extra
+            files.append(tmp_path / "logicpipe-stage-gpu-optin.service")
+            files[-1].write_text(with_drop_in(text, drop_in).replace("\n[Install]", "\n" + "\n".join(extra) + "\n\n[Install]"))
     proc = subprocess.run(["systemd-analyze", "verify", *map(str, files)],
                           capture_output=True, text=True, timeout=60)
     output = proc.stdout + proc.stderr
@@ -259,3 +299,36 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
     complaints = [line for line in output.splitlines()
                   if str(tmp_path) in line or any(f.name in line for f in files)]
     assert complaints == [], output
+
+
+def exposure(unit: Path) -> tuple[float, str]:
+    """`systemd-analyze security --offline=true --threshold=30 UNIT`: the overall exposure and the
+    report. --threshold is the exposure times ten (0..100) above which the command exits non-zero
+    (8.5 passes --threshold=85 and fails 84), so 30 is "at most 3.0". --offline reads the unit file
+    and the drop-ins in UNIT.d/ beside it, nothing of PID 1's, and (unlike verify) does not look for
+    ExecStart's binary, so the units need no stub here."""
+    proc = subprocess.run(["systemd-analyze", "security", "--offline=true", f"--threshold={round(MAX_EXPOSURE * 10)}",
+                           "--no-pager", str(unit)], capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    m = re.search(rf"Overall exposure level for {re.escape(unit.name)}: (\d+\.\d+)", output)
+    assert m, output
+    assert proc.returncode == 0, f"{unit.name}: exposure {m.group(1)} over {MAX_EXPOSURE}\n{output}"
+    return float(m.group(1)), output
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("case", ["controller", "stage", "stage+gpu"])
+def test_units_score_ok_in_systemd_analyze_security(tmp_path, case):
+    """Each unit, copied under a name no host has (so no drop-in of an installed LogicPipe in /etc
+    is read), alone or with the GPU drop-in in its .d/ directory."""
+    kind = case.split("+")[0]
+    unit = tmp_path / f"lptest-{kind}.service"
+    unit.write_text(UNITS[kind].read_text())
+    if case == "stage+gpu":
+        (tmp_path / f"{unit.name}.d").mkdir()
+        (tmp_path / f"{unit.name}.d" / "gpu.conf").write_text(GPU_DROP_IN.read_text())
+    score, report = exposure(unit)
+    assert score <= MAX_EXPOSURE
+    # the drop-in was read: the GPU stage has the host's devices and one supplementary group
+    gpu_marks = ("Service potentially has access to hardware devices", "Service runs with supplementary groups")
+    assert all((mark in report) == (case == "stage+gpu") for mark in gpu_marks), report
