@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 import uuid
@@ -298,8 +299,73 @@ def _submit_outline(args, req) -> int:
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] +
+    return "\n".join(line.rstrip() for line in [fmt.format(*header), fmt.format(*("-" * w for w in widths))] +
                      [fmt.format(*map(str, r)) for r in rows])
+
+
+ERROR_WIDTH = 80  # an error in a table cell or a status line: one line, this wide at most
+
+_ERROR_NOISE = (  # what gRPC and the probe wrap around the reason (the address has its own column)
+    re.compile(r"^stage node \S+ is unreachable: "),
+    re.compile(r"failed to connect to all addresses; last error: "),
+    re.compile(r"^(?:[A-Z_]+: )?(?:ipv4|ipv6|unix|unix-abstract|dns):\S+: "),
+    re.compile(r"^Failed to connect to remote host: (?:connect: )?"),
+)
+
+
+def short_error(text: str, width: int = ERROR_WIDTH) -> str:
+    """A node's error as one compact line: gRPC's "failed to connect to all addresses; last error:
+    UNKNOWN: ipv4:10.0.0.7:50061: Failed to connect to remote host: connect: Connection refused (111)"
+    (~200 columns in a table) becomes "Connection refused"; a TLS failure its OpenSSL reason
+    ("TLS handshake failed: CERTIFICATE_VERIFY_FAILED"), a DNS failure "name not resolved: ..."; anything
+    else its first line, cut at `width`.
+    `lpctl nodes --json` keeps the whole text."""
+    line = " ".join(next((s for s in text.splitlines() if s.strip()), "").split())
+    for noise in _ERROR_NOISE:
+        line = noise.sub("", line)
+    line = re.sub(r" \(\d+\)$", "", line)  # the errno after "Connection refused"
+    if "handshake failed" in line.lower():  # OpenSSL's reason ("error:100000f7:SSL routines:...:WRONG_VERSION_NUMBER")
+        reason = re.search(r"error:[0-9a-fA-F]+:[^:]*:[^:]*:([A-Z0-9_]+)", line) or re.search(r"\((TSI_\w+)\)", line)
+        line = "TLS handshake failed" + (f": {reason.group(1)}" if reason else "")
+    elif line.startswith(("errors resolving ", "DNS resolution failed")):
+        line = "name not resolved: " + line.rstrip("]").rsplit(":", 1)[-1].strip()
+    line = line or "unreachable"
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+def status_lines(st: controller_pb2.ControllerStatusReply) -> list[str]:
+    """`lpctl status` as printed: the controller, the plan in force (a stage whose node is being
+    drained is marked), then the nodes outside the plan in one line each: drained, unreachable
+    (why, in one short line) or otherwise left out."""
+    lines = [f"state {st.state}  plan {st.plan_id or '-'} (generation {st.plan_generation})  model {st.model_dir}"]
+    if st.waiting:
+        lines.append(f"waiting: {st.waiting}")
+    if st.last_replan:
+        lines.append(f"last re-plan: {st.last_replan} (serving {st.last_replan_s:.1f} s later; "
+                     f"{st.replans} plans so far)")
+    lines.append(f"requests: {st.active_requests} active, {st.queued_requests} queued, "
+                 f"{st.completed_requests} completed")
+    spec = f"{st.tokens_per_step:.2f} tokens per pipeline trip" if st.decode_steps else "no tokens yet"
+    if st.candidates:
+        spec += f", {st.acceptance_rate:.0%} of {st.candidates} candidates accepted"
+    lines.append(f"decode: {spec} (--speculate {st.speculate})")
+    lines.append("")
+    drained = {n.address for n in st.nodes if n.drained}
+    rows = [[i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}", s.device, f"{s.parameter_count:,}",
+             "draining" if s.address in drained else ""] for i, s in enumerate(st.stages)]
+    header = ["stage", "node", "address", "layers", "device", "parameters", ""]
+    if not drained & {s.address for s in st.stages}:
+        rows, header = [r[:-1] for r in rows], header[:-1]
+    lines += _table(rows, header).splitlines()
+    out = [n for n in st.nodes if not n.in_plan and (n.drained or not n.reachable or n.down)]
+    if out:
+        lines.append("")
+    for n in out:
+        name = f"{n.node_id} ({n.address})" if n.node_id else n.address
+        why = ("drained" if n.drained else f"unreachable: {short_error(n.error)}" if not n.reachable
+               else short_error(n.down))
+        lines.append(f"node {name}: {why}")
+    return lines
 
 
 def cmd_status(args) -> int:
@@ -307,42 +373,45 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
         return 0
-    print(f"state {st.state}  plan {st.plan_id or '-'} (generation {st.plan_generation})  model {st.model_dir}")
-    if st.waiting:
-        print(f"waiting: {st.waiting}")
-    if st.last_replan:
-        print(f"last re-plan: {st.last_replan} (serving {st.last_replan_s:.1f} s later; {st.replans} plans so far)")
-    print(f"requests: {st.active_requests} active, {st.queued_requests} queued, {st.completed_requests} completed")
-    spec = f"{st.tokens_per_step:.2f} tokens per pipeline trip" if st.decode_steps else "no tokens yet"
-    if st.candidates:
-        spec += f", {st.acceptance_rate:.0%} of {st.candidates} candidates accepted"
-    print(f"decode: {spec} (--speculate {st.speculate})\n")
-    rows = [[i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}", s.device, f"{s.parameter_count:,}"]
-            for i, s in enumerate(st.stages)]
-    print(_table(rows, ["stage", "node", "address", "layers", "device", "parameters"]))
+    print("\n".join(status_lines(st)))
     return 0
 
 
-def cmd_nodes(args) -> int:
-    st = _stub(args).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
+NODE_HEADER = ["address", "node", "found by", "state", "device", "layers", "format", "sessions", "speed", "memory",
+               "use"]
+
+
+def node_rows(st: controller_pb2.ControllerStatusReply, full_errors: bool = False) -> list[list[str]]:
+    """`lpctl nodes`' rows (NODE_HEADER). Layers are those of the plan in force: a drained node
+    says "drained" and another node outside the plan "-", not the layers it held in an older plan
+    (its own Status still reports them). An unreachable node's error is one short line
+    (short_error) unless `full_errors` (--json)."""
     rows = []
     for n in st.nodes:
         s = n.status
         use = "in plan" if n.in_plan else ("drained" if n.drained else (n.down or "spare"))
+        if not full_errors:
+            use = short_error(use)
         if not n.reachable:
-            rows.append([n.address, n.node_id or "-", n.source, "unreachable", "-", "-", "-", "-", "-", "-", n.error])
+            error = n.error if full_errors else short_error(n.error)
+            rows.append([n.address, n.node_id or "-", n.source, "unreachable", "-",
+                         "drained" if n.drained else "-", "-", "-", "-", "-", error])
             continue
         p = s.profile
-        rows.append([n.address, s.node_id, n.source, s.state, s.device,
-                     f"{s.start_layer}-{s.end_layer - 1}" if s.end_layer else "-",
-                     f"{s.weight_format or '-'} (offers {'/'.join(p.weight_formats) or '?'})",
-                     s.open_sessions, f"{p.flops / 1e9:.0f} GFLOP/s" if p.flops else "-",
+        layers = "drained" if n.drained else f"{s.start_layer}-{s.end_layer - 1}" if n.in_plan and s.end_layer else "-"
+        rows.append([n.address, s.node_id, n.source, s.state, s.device, layers,
+                     f"{(s.weight_format if n.in_plan else '') or '-'} (offers {'/'.join(p.weight_formats) or '?'})",
+                     str(s.open_sessions), f"{p.flops / 1e9:.0f} GFLOP/s" if p.flops else "-",
                      f"{p.memory_bytes / 2**30:.1f} GiB" if p.memory_bytes else "-", use])
-    header = ["address", "node", "found by", "state", "device", "layers", "format", "sessions", "speed", "memory", "use"]
+    return rows
+
+
+def cmd_nodes(args) -> int:
+    st = _stub(args).Status(controller_pb2.ControllerStatusRequest(), timeout=args.timeout)
     if args.json:
-        print(json.dumps([dict(zip(header, map(str, r))) for r in rows]))
+        print(json.dumps([dict(zip(NODE_HEADER, map(str, r))) for r in node_rows(st, full_errors=True)]))
     else:
-        print(_table(rows, header))
+        print(_table(node_rows(st), NODE_HEADER))
     return 0
 
 

@@ -49,3 +49,86 @@ def test_lpctl_chat_refuses_a_bad_temperature_in_one_line():
         assert "Traceback" not in out.stderr and out.stderr.strip().splitlines() == [
             line for line in out.stderr.strip().splitlines() if line.startswith("lpctl: ")], (args, out.stderr)
         assert ("temperature" if args[0] == "--temperature" else "top_p") in out.stderr
+
+
+# --- lpctl nodes / status formatting ------------------------------------------------------------
+
+REFUSED = ("stage node 10.0.0.13:50061 is unreachable: failed to connect to all addresses; last error: UNKNOWN: "
+           "ipv4:10.0.0.13:50061: Failed to connect to remote host: connect: Connection refused (111)")
+TLS_FAILED = ("stage node 10.0.0.14:50061 is unreachable: failed to connect to all addresses; last error: UNKNOWN: "
+              "ipv4:10.0.0.14:50061: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:"
+              "SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context: OK")
+
+
+def mesh_status(draining: bool = False):
+    """A controller's Status: node a serves layers 0-29; b was drained after serving 15-29 (its own
+    Status still says so), and while `draining` the plan in force still has it; c and d do not answer."""
+    from logicpipe.v1 import controller_pb2
+
+    def node_status(node_id, start, end):
+        s = stage_pb2.StatusReply(node_id=node_id, state="ready", device="cpu", start_layer=start, end_layer=end,
+                                  weight_format="float32", open_sessions=2)
+        s.profile.flops, s.profile.memory_bytes = 50e9, 8 * 2**30
+        s.profile.weight_formats.extend(["float32"])
+        return s
+
+    st = controller_pb2.ControllerStatusReply(state="ready", plan_id="p1", plan_generation=7, model_dir="/m")
+    st.stages.add(node_id="a", address="10.0.0.11:50061", start_layer=0, end_layer=15, device="cpu")
+    if draining:
+        st.stages.add(node_id="b", address="10.0.0.12:50061", start_layer=15, end_layer=30, device="cpu")
+    st.nodes.add(address="10.0.0.11:50061", node_id="a", source="mdns", reachable=True, in_plan=True,
+                 status=node_status("a", 0, 15))
+    st.nodes.add(address="10.0.0.12:50061", node_id="b", source="mdns", reachable=True, in_plan=draining,
+                 drained=True, down="drained", status=node_status("b", 15, 30))
+    st.nodes.add(address="10.0.0.13:50061", node_id="c", source="registered", reachable=False, error=REFUSED)
+    st.nodes.add(address="10.0.0.14:50061", source="static", reachable=False, error=TLS_FAILED)
+    return st
+
+
+def test_lpctl_nodes_shows_a_drained_node_without_its_old_layers_and_errors_in_one_short_line():
+    from logicpipe.controller.lpctl import ERROR_WIDTH, NODE_HEADER, _table, node_rows
+
+    rows = {r[0]: dict(zip(NODE_HEADER, r)) for r in node_rows(mesh_status())}
+    assert rows["10.0.0.11:50061"]["layers"] == "0-14" and rows["10.0.0.11:50061"]["use"] == "in plan"
+    drained = rows["10.0.0.12:50061"]
+    assert drained["layers"] == "drained" and drained["use"] == "drained"
+    assert drained["format"] == "- (offers float32)"  # the format of its old assignment is gone too
+    assert rows["10.0.0.13:50061"]["state"] == "unreachable"
+    assert rows["10.0.0.13:50061"]["use"] == "Connection refused"
+    assert rows["10.0.0.14:50061"]["use"] == "TLS handshake failed: WRONG_VERSION_NUMBER"
+    table = _table(node_rows(mesh_status()), NODE_HEADER)
+    assert "15-29" not in table and "failed to connect" not in table
+    assert all(len(r[-1]) <= ERROR_WIDTH for r in node_rows(mesh_status())), table
+    assert not any(line != line.rstrip() for line in table.splitlines())
+    # --json keeps the whole error for scripts
+    full = {r[0]: r[-1] for r in node_rows(mesh_status(), full_errors=True)}
+    assert full["10.0.0.13:50061"] == REFUSED
+
+
+def test_lpctl_status_lists_drained_and_unreachable_nodes_in_one_line_each():
+    from logicpipe.controller.lpctl import ERROR_WIDTH, status_lines
+
+    lines = status_lines(mesh_status())
+    assert lines[0] == "state ready  plan p1 (generation 7)  model /m"
+    assert "node b (10.0.0.12:50061): drained" in lines
+    assert "node c (10.0.0.13:50061): unreachable: Connection refused" in lines
+    assert "node 10.0.0.14:50061: unreachable: TLS handshake failed: WRONG_VERSION_NUMBER" in lines
+    assert not any("15-29" in line or "failed to connect" in line for line in lines), lines
+    assert max(map(len, lines)) <= ERROR_WIDTH + 40, lines
+    # while the drain moves its requests, the plan in force still has b: its stage row says so
+    lines = status_lines(mesh_status(draining=True))
+    row = next(line for line in lines if "10.0.0.12:50061" in line)
+    assert row.split()[-1] == "draining" and "15-29" in row
+    assert not any(line.startswith("node b") for line in lines)  # it is in the stage table
+
+
+def test_short_error_keeps_the_reason():
+    from logicpipe.controller.lpctl import ERROR_WIDTH, short_error
+
+    assert short_error("stage node x:1 is unreachable: no answer in time") == "no answer in time"
+    assert short_error("errors resolving gone.invalid:50061: [field:hostname lookup error:address lookup failed "
+                       "for gone.invalid:50061: Domain name not found]") == "name not resolved: Domain name not found"
+    assert short_error("first line\nsecond line") == "first line"
+    long = short_error("x" * 300)
+    assert len(long) == ERROR_WIDTH and long.endswith("…")
+    assert short_error("") == "unreachable"
