@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+from logicpipe.common.discovery import discovery_interface
 from logicpipe.common.health import add_health
 from logicpipe.common.modeldir import ModelError
 from logicpipe.common.process import configure_logging, serve_until_signalled
@@ -142,6 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
     authority = None
     try:
         transport = from_flags(args.tls_dir, args.insecure, args.listen, "controller", log)
+        args.mdns_interface = discovery_interface(args.mdns_interface, args.listen, transport.tls)
         if args.join_listen and not args.ca_dir:
             raise TlsError("--join-listen needs --ca-dir (the CA that signs the joining nodes' certificates)")
         # one list: the server refuses these names, the planner leaves them out, joins never sign them
@@ -176,6 +178,8 @@ async def serve(args: argparse.Namespace) -> None:
     except JournalError as exc:
         raise SystemExit(f"--state-dir: {exc}") from None
     app.on_step_down.append(lambda: os.kill(os.getpid(), signal.SIGTERM))
+    if authority is not None:
+        authority.taken = app.name_taken  # a join never gets a name a node or this controller goes by
     peers = [p.strip() for arg in args.peer for p in arg.split(",") if p.strip()]
     door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
                      requests_per_client=args.max_requests_per_client, serving=app.not_serving)
