@@ -131,6 +131,7 @@ class Request:
     parent: tuple[str, int] | None = None  # (session, positions) to fork from: its prompt starts with them
     keep_open: bool = False   # its sequence stays open when it finishes (a parent of later forks)
     ended: bool = False       # over for the mesh (counted, out of the queue and of `active`)
+    reader_failed: bool = False  # a reader was given a MeshError (no token in time, ...): failed, not cancelled
     submitted: float = field(default_factory=time.monotonic)
     queued_since: float = field(default_factory=time.monotonic)
     opened: float = 0.0       # first opened on the stages
@@ -168,7 +169,8 @@ class RequestStats:
     """Counters since the controller started (Status, lpctl status and /metrics read a copy)."""
 
     completed: int = 0
-    failed: int = 0            # ended without finishing (error, cancelled, client gone)
+    failed: int = 0            # ended without finishing on an error (a stage fault past its replays, a timeout)
+    cancelled: int = 0         # ended without finishing, with no error: its client left (Ctrl-C, a disconnect)
     prompt_tokens: int = 0     # tokens of every prompt admitted
     generated_tokens: int = 0  # tokens handed to clients
     replays: int = 0           # requests moved to another pipeline and replayed there
@@ -246,6 +248,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.stats = RequestStats()
         self.observers: list[Callable[[Request], None]] = []  # called as each request ends (metrics)
+        # called with each gap (s) between two consecutive tokens of a request as handed to its client (metrics)
+        self.gap_observers: list[Callable[[float], None]] = []
         self._wake = asyncio.Event()
         self._admitter: asyncio.Task | None = None
         self._arrivals = itertools.count(1)
@@ -416,11 +420,16 @@ class Scheduler:
                     i += 1
                     last = req.done and i == len(req.received)
                     if i > req.delivered:
+                        now = time.monotonic()  # a gap only after the token before it (not after a resume's skip)
+                        gap = now - req.last_token if req.delivered == i - 1 and req.last_token else None
                         req.delivered = i
                         self.stats.generated_tokens += 1
-                        req.last_token = time.monotonic()
+                        req.last_token = now
                         if i == 1:
                             req.first_token = req.last_token
+                        if gap is not None:
+                            for observe in self.gap_observers:
+                                observe(gap)
                     if last and req.state is not RequestState.FINISHED:
                         req.state, req.finished, req.finish_reason = (RequestState.FINISHED, time.monotonic(),
                                                                       req.stage_reason)
@@ -435,6 +444,9 @@ class Scheduler:
                 if req.state is RequestState.FINISHED:  # stopped by a client
                     return
                 await self._wait_change(req)
+        except MeshError:
+            req.reader_failed = True
+            raise
         finally:
             req.readers -= 1
             # the last reader gone: its client left (or got everything); unless the controller is
@@ -490,7 +502,10 @@ class Scheduler:
         req.ended = True
         if req.state is not RequestState.FINISHED:
             req.state = RequestState.FAILED
-            self.stats.failed += 1
+            if req.error is None and not req.reader_failed:
+                self.stats.cancelled += 1  # nothing went wrong: its client stopped reading (went away)
+            else:
+                self.stats.failed += 1
         self.stats.replays += req.replays
         if self.requests.get(req.id) is req:
             del self.requests[req.id]
