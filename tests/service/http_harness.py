@@ -78,7 +78,8 @@ class FakeScheduler:
         self.answer = answer
         self.config = SchedulerConfig(max_context=CONTEXT, stop_ids=frozenset(), vocab_size=vocab_size)
         self.pipeline = SimpleNamespace(stages=[])
-        self.observers: list = []
+        self.observers: list = []      # what controller.metrics.Metrics hooks into
+        self.gap_observers: list = []
         self.requests: dict[str, FakeHandle] = {}
         self.gate = asyncio.Event()  # held requests wait for this after their first token
         self.gate.set()
