@@ -3,9 +3,11 @@ in the controller's own event loop. Every request goes through the front door
 (controller.requests), exactly as one from gRPC Submit does: the same caps, tokenizing, chat
 template, stop strings and outline requests.
 
-    POST /v1/chat/completions   messages (system/user/assistant) through the model's chat template
-    POST /v1/completions        a raw prompt (a string, or a list of token ids)
+    POST /v1/chat/completions   messages (system/developer/user/assistant) through the model's chat template
+    POST /v1/completions        a raw prompt (a string, or a list of token ids), or a batch of them:
+                                each prompt is its own choice (`index`), computed as its own request
     GET  /v1/models             the one model the mesh serves
+    GET  /v1/models/{id}        that model (404 model_not_found for any other id)
     GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
     GET  /health                200 while a plan serves, 503 otherwise (no key needed)
     GET  /metrics               Prometheus (controller.metrics; no key needed)
@@ -39,7 +41,7 @@ mid-stream cancels its request, which closes its sequences on every stage.
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import re
 import time
@@ -55,13 +57,14 @@ from logicpipe.controller.http_body import (
     ApiError,
     chat_prompt,
     check_fields,
-    completion_prompt,
+    completion_prompts,
     number,
     parse,
     request_options,
     shown,
     stream_options,
 )
+from logicpipe.controller.http_form import Form, close_stream, merged, open_stream
 from logicpipe.controller.metrics import Metrics
 from logicpipe.controller.requests import Completion, FrontDoor, host_client
 from logicpipe.controller.state import Phase
@@ -83,7 +86,8 @@ LINGER_S = 2.0              # a refused body still arriving is read and dropped 
 MAX_EVENT_ID_DIGITS = 12    # Last-Event-ID: a token count
 PARSE_INLINE_BYTES = 2**20  # a larger body is parsed and checked off the event loop (4M token ids: ~0.2 s)
 KEYED = "/v1/"              # the paths that need a key (when there are keys)
-ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{id}"),
+          ("POST", "/v1/chat/completions"),
           ("POST", "/v1/completions"), ("GET", "/v1/requests/{id}/stream")]
 
 
@@ -125,6 +129,7 @@ class HttpApi:
     def web_app(self) -> web.Application:
         w = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         handlers = {"/health": self.health, "/metrics": self.scrape, "/v1/models": self.models,
+                    "/v1/models/{id}": self.model,
                     "/v1/chat/completions": self.chat, "/v1/completions": self.completions,
                     "/v1/requests/{id}/stream": self.resume}
         w.add_routes([(web.post if method == "POST" else web.get)(path, handlers[path], expect_handler=self._expect)
@@ -203,9 +208,19 @@ class HttpApi:
         body, content_type = await self.metrics.scrape()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    def _model(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "logicpipe"}
+
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "logicpipe"}]})
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request):
+        """GET /v1/models/{id}: the model, or OpenAI's 404 for any other id."""
+        model_id = request.match_info["id"]
+        if model_id != self.model_id:
+            raise ApiError(404, f"the model {shown(model_id, 100)!r} does not exist; this mesh serves "
+                                f"{self.model_id!r}", code="model_not_found", param="model")
+        return web.json_response(self._model())
 
     # ---- requests ----------------------------------------------------------------------------------
     async def _body(self, request, api: str) -> dict:
@@ -240,7 +255,7 @@ class HttpApi:
         client = self._admit(request)
         async with self.door.admit(client):  # before the body: a client's uploads count toward its cap
             body = await self._body(request, api)
-            prompt = chat_prompt(body) if api == "chat" else completion_prompt(body)
+            prompts = [chat_prompt(body)] if api == "chat" else completion_prompts(body)
             stream, usage = stream_options(body)
             rid = request.headers.get("X-Request-Id", "")
             if rid:
@@ -249,34 +264,55 @@ class HttpApi:
                 except InvalidArgument as exc:
                     raise ApiError(400, str(exc), param="X-Request-Id") from None
             options = replace(request_options(body), request_id=rid, api=api)
-            async with self.door.open(prompt, options, client, admitted=True) as completion:
-                form = Form(self.model_id, api == "chat", completion)
-                if options.outline is not None:  # one piece at the end: points do not map onto one delta stream
-                    async for _ in completion:
-                        pass
-                    if not stream:
-                        return web.json_response(form.whole(outline=True))
-                    response = await open_stream(request)
-                    await response.write(form.chunk(completion.text, None))
-                    await response.write(form.chunk("", "stop", outline=True))
-                    if usage:
-                        await response.write(form.usage_chunk())
-                    return await close_stream(response)
+            if len(prompts) > 1:
+                for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None)):
+                    if given:
+                        raise ApiError(400, f"{name} is for one prompt: send each prompt of the batch as its own "
+                                            "request", param=name)
+            async with contextlib.AsyncExitStack() as held:
+                for _ in prompts[1:]:  # each further prompt of a batch counts toward the client's cap
+                    await held.enter_async_context(self.door.admit(client))
+                completions = [await held.enter_async_context(self.door.open(p, options, client, admitted=True))
+                               for p in prompts]
+                form = Form(self.model_id, api == "chat", completions)
+                if options.outline is not None:
+                    return await self._outline(request, completions[0], form, stream, usage)
                 if not stream:
-                    async for _ in completion:
+                    async for _ in merged(completions):
                         pass
-                    return web.json_response(form.whole(), headers={"X-Request-Id": completion.id})
-                return await self._stream(request, completion, form, usage)
+                    return web.json_response(form.whole(), headers={"X-Request-Id": completions[0].id})
+                return await self._stream(request, completions, form, usage)
 
-    async def _stream(self, request, completion: Completion, form: "Form", usage: bool = False):
-        """The completion's pieces as server-sent events, each with the client's token count as its id."""
+    async def _outline(self, request, completion: Completion, form: Form, stream: bool, usage: bool):
+        """An outline request's answer, in one piece at the end: points do not map onto one delta stream."""
+        async for _ in completion:
+            pass
+        if not stream:
+            return web.json_response(form.whole(outline=True))
+        response = await open_stream(request)
+        await response.write(form.chunk(completion.text, None))
+        await response.write(form.chunk("", "stop", outline=True))
+        if usage:
+            await response.write(form.usage_chunk())
+        return await close_stream(response)
+
+    async def _stream(self, request, completions: list[Completion], form: Form, usage: bool = False):
+        """The completions' pieces as server-sent events; one completion's each carry its client's
+        token count as their id (what a resume starts from; a batch is not resumable: no ids)."""
+        one = len(completions) == 1
         response = None  # opened with the first token: an error before it still gets its status
-        async for piece in completion:
-            response = response or await open_stream(request, completion.id)
+        async for i, piece in merged(completions):
+            response = response or await open_stream(request, completions[0].id)
+            c = completions[i]
             if piece.text or piece.token_ids:
-                await response.write(form.chunk(piece.text, None, event_id=len(completion.tokens)))
-        response = response or await open_stream(request, completion.id)
-        await response.write(form.chunk("", completion.finish_reason or "length", event_id=len(completion.tokens)))
+                await response.write(form.chunk(piece.text, None, index=i,
+                                                event_id=len(c.tokens) if one else None))
+            if piece.finished and not one:
+                await response.write(form.chunk("", c.finish_reason or "length", index=i))
+        response = response or await open_stream(request, completions[0].id)
+        if one:
+            c = completions[0]
+            await response.write(form.chunk("", c.finish_reason or "length", event_id=len(c.tokens)))
         if usage:
             await response.write(form.usage_chunk())
         return await close_stream(response)
@@ -288,73 +324,8 @@ class HttpApi:
             raise ApiError(400, f"Last-Event-ID must be the id of the last event received (a number), not "
                                 f"{shown(last, 20)!r}", param="Last-Event-ID")
         async with self.door.resume(rid, int(last), self._admit(request)) as completion:
-            return await self._stream(request, completion, Form(self.model_id, completion.api != "completions",
-                                                                completion))
-
-
-class Form:
-    """OpenAI's response objects for one completion: chat or text, whole or in chunks."""
-
-    def __init__(self, model_id: str, chat: bool, completion: Completion):
-        self.model_id, self.chat, self.c = model_id, chat, completion
-        self.id = ("chatcmpl-" if chat else "cmpl-") + completion.id[:24]
-        self.created = int(time.time())
-        self.kind = "chat.completion" if chat else "text_completion"
-        self.started = False  # the first chat delta carries the role
-
-    def outline(self) -> list[dict]:
-        return [{"id": p.id, "title": p.title, "deps": list(p.deps), "text": p.text} for p in self.c.points]
-
-    def chunk(self, delta: str, finish: str | None, *, outline: bool = False, event_id: int | None = None) -> bytes:
-        if self.chat:
-            content = ({"role": "assistant", "content": delta} if not self.started else {"content": delta}) if delta \
-                else {}
-            choice = {"index": 0, "delta": content, "finish_reason": finish}
-            self.started = self.started or bool(delta)
-        else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-        obj = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind, "created": self.created,
-               "model": self.model_id, "choices": [choice]}
-        if outline:
-            obj["outline"] = self.outline()
-        head = f"id: {event_id}\n" if event_id is not None else ""
-        return f"{head}data: {json.dumps(obj)}\n\n".encode()
-
-    def usage(self) -> dict:
-        n = len(self.c.tokens)
-        return {"prompt_tokens": self.c.prompt_tokens, "completion_tokens": n, "total_tokens": self.c.prompt_tokens + n}
-
-    def usage_chunk(self) -> bytes:
-        """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
-        obj = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind, "created": self.created,
-               "model": self.model_id, "choices": [], "usage": self.usage()}
-        return f"data: {json.dumps(obj)}\n\n".encode()
-
-    def whole(self, *, outline: bool = False) -> dict:
-        c, reason = self.c, self.c.finish_reason or "length"
-        choice = ({"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason}
-                  if self.chat else {"index": 0, "text": c.text, "finish_reason": reason, "logprobs": None})
-        obj = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,
-               "choices": [choice], "usage": self.usage()}
-        if outline:
-            obj["outline"] = self.outline()
-        return obj
-
-
-async def open_stream(request, request_id: str = "") -> web.StreamResponse:
-    """A server-sent-events response, headers sent."""
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    return response
-
-
-async def close_stream(response: web.StreamResponse) -> web.StreamResponse:
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+            return await self._stream(request, [completion], Form(self.model_id, completion.api != "completions",
+                                                                  [completion]))
 
 
 async def start_http(app: ControllerApp, door: FrontDoor, address: str, keys: ApiKeys | None = None) -> web.AppRunner:

@@ -18,13 +18,13 @@ import json
 import math
 import re
 
-from logicpipe.controller.requests import OutlineOptions, Prompt, RequestOptions
-from logicpipe.controller.text import CHAT_ROLES
+from logicpipe.controller.requests import ROLES, OutlineOptions, Prompt, RequestOptions
 from logicpipe.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 MAX_OUTLINE_POINTS = 32
 MAX_STOPS = 4
+MAX_BATCH_PROMPTS = 64   # prompts of one completions request (each counts toward the client's cap)
 MAX_JSON_DEPTH = 32  # a chat body is 5 deep; deeper is refused before any field is read
 
 # the fields each endpoint honours: OpenAI's, and the mesh's own (speculate, top_k, ignore_eos, outline, max_points)
@@ -221,8 +221,8 @@ def chat_prompt(body: dict) -> Prompt:
                 raise ApiError(400, f"{where}.{shown(key)} is not supported by this server yet; a message is its "
                                "role and content", param=f"{where}.{shown(key)}", code="unsupported_parameter")
         role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, not "
+        if role not in ROLES:  # developer: OpenAI's newer name for system, taken as system
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, not "
                            f"{shown(json.dumps(role), 30)}", param=f"{where}.role")
         turns.append((role, message_text(m.get("content"), f"{where}.content")))
     return Prompt(messages=tuple(turns))
@@ -246,16 +246,23 @@ def message_text(content, where: str) -> str:
     return "".join(parts)
 
 
-def completion_prompt(body: dict) -> Prompt:
-    """A string, a list of token ids, or a batch of one of either."""
+def completion_prompts(body: dict) -> list[Prompt]:
+    """The prompts of a completions body, each its own choice: a string, a list of token ids, or a
+    batch (a list) of either kind, up to MAX_BATCH_PROMPTS."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported by this server yet; send one "
-                       "per request", param="prompt", code="unsupported_parameter")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is over the cap of {MAX_BATCH_PROMPTS}; "
+                           "send them in several requests", param="prompt")
+        return [one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [one_prompt(prompt, "prompt")]
+
+
+def one_prompt(prompt, where: str) -> Prompt:
+    """A string, or a list of token ids (`where`: its place, for the error)."""
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return Prompt(token_ids=tuple(prompt))
     if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "prompt must be a non-empty string (or a list of token ids)", param="prompt")
+        raise ApiError(400, f"{where} must be a non-empty string or a list of token ids"
+                       + ("" if where != "prompt" else " (or a list of either: a batch)"), param=where)
     return Prompt(text=prompt, raw=True)

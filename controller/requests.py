@@ -39,6 +39,8 @@ MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
 MAX_CHAT_MESSAGES = 1024   # turns of one conversation
 MAX_STOPS = 4              # stop strings of one request
 DEFAULT_REQUESTS_PER_CLIENT = 64  # requests one client may have open at once (--max-requests-per-client)
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system turn (o1 and later models)
+ROLES = (*CHAT_ROLES, *ROLE_ALIASES)    # the roles a conversation's turns may have
 
 
 def host_client(host: str) -> str:
@@ -71,8 +73,9 @@ class Prompt:
         if self.messages and len(self.messages) > MAX_CHAT_MESSAGES:
             raise InvalidArgument(f"a conversation has 1 to {MAX_CHAT_MESSAGES} messages, not {len(self.messages)}")
         for i, (role, _) in enumerate(self.messages):
-            if role not in CHAT_ROLES:
-                raise InvalidArgument(f"messages[{i}]: role must be system, user or assistant, not {role[:20]!r}")
+            if role not in ROLES:
+                raise InvalidArgument(f"messages[{i}]: role must be one of {', '.join(ROLES)} (developer is taken "
+                                      f"as system), not {role[:20]!r}")
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,8 @@ class FrontDoor:
         if prompt.messages:
             if self.tokenizer is None or not self.tokenizer.chat_template:
                 raise InvalidArgument(f"the model at {self.model_dir} has no chat template: send a raw prompt")
-            return await asyncio.to_thread(encode_chat, self.tokenizer, list(prompt.messages))
+            turns = [(ROLE_ALIASES.get(r, r), c) for r, c in prompt.messages]
+            return await asyncio.to_thread(encode_chat, self.tokenizer, turns)
         if self.tokenizer is None:
             raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: submit prompt_token_ids")
         return await asyncio.to_thread(self.encode_prompt, prompt.text, prompt.raw)

@@ -69,7 +69,10 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
         {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "messages[0].content[0]"),
     ("a message's name", CHAT, json.dumps({"messages": [{"role": "user", "content": "hi", "name": "x"}]}).encode(),
      400, "messages[0].name"),
-    ("a batch of prompts", "/v1/completions", b'{"prompt": ["a", "b"]}', 400, "prompt"),
+    ("a batch of 65 prompts", "/v1/completions", json.dumps({"prompt": ["a"] * 65}).encode(), 400, "prompt"),
+    ("an empty prompt in a batch", "/v1/completions", b'{"prompt": ["a", ""]}', 400, "prompt[1]"),
+    ("a role of another name", CHAT, json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), 400,
+     "messages[0].role"),
     ("max_points without outline", CHAT, chat(max_points=3), 400, "max_points"),
     ("max_tokens 1e400 (an integer)", CHAT, chat(max_tokens=10**400), 400, None),
     ("temperature 10^400", CHAT, chat(temperature=10**400), 400, "temperature"),
@@ -265,4 +268,73 @@ def test_last_event_id_must_be_a_small_number(model_dir):
             for last in ("²", "1" * 40, "-1", "x"):
                 status, _, body = await client.get("/v1/requests/abc/stream", headers={"Last-Event-ID": last})
                 assert status == 400 and openai_error(body)["param"] == "Last-Event-ID", (last, body)
+    run(go())
+
+
+def test_models_by_id(model_dir):
+    """GET /v1/models/{id}: the model for its own id, OpenAI's 404 body for another."""
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            status, _, body = await client.get(f"/v1/models/{model_dir.name}")
+            assert status == 200 and body["id"] == model_dir.name and body["object"] == "model", body
+            status, _, body = await client.get("/v1/models/gpt-9")
+            err = openai_error(body)
+            assert status == 404 and err["code"] == "model_not_found" and "gpt-9" in err["message"], body
+    run(go())
+
+
+def test_the_developer_role_is_taken_as_system(model_dir):
+    """OpenAI's `developer` turn is the model's system turn: the same prompt tokens."""
+    async def go():
+        async with http_api(model_dir) as (client, fake):
+            seen = []
+            submit = fake.submit
+            fake.submit = lambda job: (seen.append(job.prompt_ids), submit(job))[1]
+            for role in ("developer", "system"):
+                status, _, body = await client.post(CHAT, data=json.dumps({"max_tokens": 2, "messages": [
+                    {"role": role, "content": "Answer in French."}, *MESSAGES]}).encode())
+                assert status == 200, body
+            assert seen[0] == seen[1] and len(seen[0]) > 10
+    run(go())
+
+
+def test_a_batch_of_prompts_gets_a_choice_each(model_dir):
+    """A list of prompts (strings, or token-id lists): one choice per prompt, `index` its place,
+    whole and streamed (each choice ends with its own finish_reason); the usage sums them; each
+    prompt counts toward the client's cap; X-Request-Id names one request, so not a batch."""
+    async def go():
+        async with http_api(model_dir, requests_per_client=3) as (client, fake):
+            seen = []
+            submit = fake.submit
+            fake.submit = lambda job: (seen.append(job.prompt_ids), submit(job))[1]
+            for prompt in (["The capital of France is", "Two plus two is", "Red"], [[1, 2, 3], [4, 5], [6]]):
+                seen.clear()
+                status, _, body = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+                assert status == 200, body
+                assert [c["index"] for c in body["choices"]] == [0, 1, 2] and len(seen) == 3
+                assert all(c["text"] and c["finish_reason"] == "length" for c in body["choices"])
+                assert body["usage"]["completion_tokens"] == 9
+                assert body["usage"]["prompt_tokens"] == sum(len(p) for p in seen)
+                if isinstance(prompt[0], list):
+                    assert seen == [tuple(p) for p in prompt]
+            status, _, text = await client.post("/v1/completions", json={
+                "prompt": ["a", "b"], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+            assert status == 200 and text.endswith("data: [DONE]\n\n")
+            chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+            assert "id: " not in text  # a batch is not resumable: its events carry no token counts
+            texts, finishes = {0: "", 1: ""}, {}
+            for c in chunks[:-1]:
+                (choice,) = c["choices"]
+                texts[choice["index"]] += choice["text"]
+                if choice["finish_reason"]:
+                    finishes[choice["index"]] = choice["finish_reason"]
+            assert texts[0] == texts[1] != "" and finishes == {0: "length", 1: "length"}
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+            # 4 prompts are 4 requests: over the cap of 3
+            status, _, body = await client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"]})
+            assert status == 429 and "--max-requests-per-client" in openai_error(body)["message"]
+            status, _, body = await client.post("/v1/completions", json={"prompt": ["a", "b"]},
+                                                headers={"X-Request-Id": "batch-1"})
+            assert status == 400 and openai_error(body)["param"] == "X-Request-Id"
+            assert not fake.requests  # every request of the batch released
     run(go())
