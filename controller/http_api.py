@@ -65,6 +65,7 @@ from logicpipe.controller.http_body import (
     stream_options,
 )
 from logicpipe.controller.http_form import Form, close_stream, merged, open_stream
+from logicpipe.controller.logprobs import TokenText
 from logicpipe.controller.metrics import Metrics
 from logicpipe.controller.requests import Completion, FrontDoor, host_client
 from logicpipe.controller.state import Phase
@@ -125,6 +126,7 @@ class HttpApi:
         self.model_id = app.model_dir.name
         self.created = int(time.time())
         self.metrics = Metrics(app)
+        self.token_text = TokenText(door.tokenizer)  # tokens' text and bytes, for logprobs
 
     def web_app(self) -> web.Application:
         w = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -263,7 +265,7 @@ class HttpApi:
                     check_id("X-Request-Id", rid)
                 except InvalidArgument as exc:
                     raise ApiError(400, str(exc), param="X-Request-Id") from None
-            options = replace(request_options(body), request_id=rid, api=api)
+            options = replace(request_options(body, api), request_id=rid, api=api)
             if len(prompts) > 1:
                 for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None)):
                     if given:
@@ -274,7 +276,7 @@ class HttpApi:
                     await held.enter_async_context(self.door.admit(client))
                 completions = [await held.enter_async_context(self.door.open(p, options, client, admitted=True))
                                for p in prompts]
-                form = Form(self.model_id, api == "chat", completions)
+                form = Form(self.model_id, api == "chat", completions, self.token_text)
                 if options.outline is not None:
                     return await self._outline(request, completions[0], form, stream, usage)
                 if not stream:
@@ -305,7 +307,7 @@ class HttpApi:
             response = response or await open_stream(request, completions[0].id)
             c = completions[i]
             if piece.text or piece.token_ids:
-                await response.write(form.chunk(piece.text, None, index=i,
+                await response.write(form.chunk(piece.text, None, index=i, piece=piece,
                                                 event_id=len(c.tokens) if one else None))
             if piece.finished and not one:
                 await response.write(form.chunk("", c.finish_reason or "length", index=i))
@@ -324,8 +326,8 @@ class HttpApi:
             raise ApiError(400, f"Last-Event-ID must be the id of the last event received (a number), not "
                                 f"{shown(last, 20)!r}", param="Last-Event-ID")
         async with self.door.resume(rid, int(last), self._admit(request)) as completion:
-            return await self._stream(request, [completion], Form(self.model_id, completion.api != "completions",
-                                                                  [completion]))
+            form = Form(self.model_id, completion.api != "completions", [completion], self.token_text)
+            return await self._stream(request, [completion], form)
 
 
 async def start_http(app: ControllerApp, door: FrontDoor, address: str, keys: ApiKeys | None = None) -> web.AppRunner:

@@ -7,7 +7,7 @@ result other than the one it asked for:
 - the body is a JSON object, nested at most MAX_JSON_DEPTH deep, with no lone UTF-16 surrogate in
   any string (it has no UTF-8 form: the tokenizer cannot take it) and no NaN or Infinity;
 - every field is one this API honours, or one of OpenAI's it does not implement yet (NOT_YET)
-  carrying the value that asks for nothing (`"logprobs": false`, `"frequency_penalty": 0`);
+  carrying the value that asks for nothing (`"echo": false`, `"frequency_penalty": 0`);
   anything else is refused by name, never ignored;
 - booleans are JSON booleans (`"stream": "yes"` is refused, not taken as true), numbers are finite
   numbers of the field's kind and range.
@@ -19,7 +19,7 @@ import math
 import re
 
 from logicpipe.controller.requests import ROLES, OutlineOptions, Prompt, RequestOptions
-from logicpipe.sampling import SamplingParams
+from logicpipe.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 MAX_OUTLINE_POINTS = 32
@@ -30,12 +30,12 @@ MAX_JSON_DEPTH = 32  # a chat body is 5 deep; deeper is refused before any field
 # the fields each endpoint honours: OpenAI's, and the mesh's own (speculate, top_k, ignore_eos, outline, max_points)
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                     "user", "speculate", "top_k", "ignore_eos", "outline", "max_points"})
-FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens"}, "completions": COMMON | {"prompt"}}
+FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+          "completions": COMMON | {"prompt", "logprobs"}}
 
 # OpenAI's parameters not implemented yet: accepted only with a value that asks for nothing (null always)
 NOT_YET = {
-    "logprobs": {"chat": (False,), "completions": ()},
-    "top_logprobs": (0,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "best_of": (1,), "echo": (False,),
     "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
@@ -165,8 +165,8 @@ def number(body: dict, name: str, kind, default, low=None, high=None):
         raise ApiError(400, f"{name} is too large", param=name) from None
 
 
-def request_options(body: dict) -> RequestOptions:
-    """The body's generation fields as the front door's options."""
+def request_options(body: dict, api: str = "chat") -> RequestOptions:
+    """The body's generation fields as the front door's options (`api`: "chat" or "completions")."""
     tokens = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
     max_tokens = number(tokens, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, None)
     stop = body.get("stop")
@@ -185,8 +185,25 @@ def request_options(body: dict) -> RequestOptions:
         outline = OutlineOptions(max_points=number(body, "max_points", int, 0, 0, MAX_OUTLINE_POINTS))
     elif body.get("max_points") is not None:
         raise ApiError(400, "max_points is for an outline request: send it with \"outline\": true", param="max_points")
+    top_logprobs = logprobs(body, api)
+    if outline is not None and top_logprobs is not None:
+        raise ApiError(400, "logprobs are not available for an outline request (its answer is several sequences)",
+                       param="logprobs")
     return RequestOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=boolean(body, "ignore_eos"),
-                          speculate=speculate, stop=tuple(stops), outline=outline)
+                          speculate=speculate, stop=tuple(stops), outline=outline, top_logprobs=top_logprobs)
+
+
+def logprobs(body: dict, api: str) -> int | None:
+    """How many most likely tokens to report with each token's logprob (None: no logprobs). Chat:
+    `logprobs: true` and `top_logprobs` (0 to 20); completions: `logprobs: N` (0 to 20; OpenAI
+    caps it at 5, we at 20)."""
+    if api == "chat":
+        asked = boolean(body, "logprobs")
+        top = number(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not asked:
+            raise ApiError(400, "top_logprobs needs \"logprobs\": true", param="top_logprobs")
+        return (top or 0) if asked else None
+    return number(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:

@@ -10,18 +10,20 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
+from logicpipe.controller.logprobs import TokenText
 from logicpipe.controller.requests import Completion, Piece
 
 
 class Form:
     """The response objects of one request whose choices are `completions` (choice i: the i-th)."""
 
-    def __init__(self, model_id: str, chat: bool, completions: list[Completion]):
-        self.model_id, self.chat, self.cs = model_id, chat, completions
+    def __init__(self, model_id: str, chat: bool, completions: list[Completion], text: TokenText | None = None):
+        self.model_id, self.chat, self.cs, self.text = model_id, chat, completions, text or TokenText(None)
         self.id = ("chatcmpl-" if chat else "cmpl-") + completions[0].id[:24]
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
         self.started: set[int] = set()  # choices whose first chat delta (it carries the role) is out
+        self.sent = [0] * len(completions)  # characters of each choice's text streamed (completions' text_offset)
 
     @property
     def c(self) -> Completion:
@@ -31,15 +33,21 @@ class Form:
         return [{"id": p.id, "title": p.title, "deps": list(p.deps), "text": p.text} for p in self.c.points]
 
     def chunk(self, delta: str, finish: str | None, *, index: int = 0, outline: bool = False,
-              event_id: int | None = None) -> bytes:
+              event_id: int | None = None, piece: Piece | None = None) -> bytes:
+        """A stream chunk of choice `index`: its new text, and (asked for) its tokens' logprobs."""
+        tokens = piece.token_ids if piece is not None and self.cs[index].top_logprobs is not None else ()
         if self.chat:
             content = ({"content": delta} if index in self.started else {"role": "assistant", "content": delta}) \
                 if delta else {}
             choice = {"index": index, "delta": content, "finish_reason": finish}
+            if tokens:
+                choice["logprobs"] = {"content": self.text.chat(tokens, piece.logprobs)}
             if delta:
                 self.started.add(index)
         else:
-            choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta, "finish_reason": finish,
+                      "logprobs": self.text.completions(tokens, piece.logprobs, self.sent[index]) if tokens else None}
+            self.sent[index] += sum(len(self.text.text(t)) for t in tokens)
         obj = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind, "created": self.created,
                "model": self.model_id, "choices": [choice]}
         if outline:
@@ -61,9 +69,12 @@ class Form:
     def choice(self, index: int) -> dict:
         c = self.cs[index]
         reason = c.finish_reason or "length"
+        asked = c.top_logprobs is not None
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason}
-        return {"index": index, "text": c.text, "finish_reason": reason, "logprobs": None}
+            return {"index": index, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason,
+                    "logprobs": {"content": self.text.chat(c.tokens, c.logprobs)} if asked else None}
+        return {"index": index, "text": c.text, "finish_reason": reason,
+                "logprobs": self.text.completions(c.tokens, c.logprobs) if asked else None}
 
     def whole(self, *, outline: bool = False) -> dict:
         obj = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,

@@ -98,12 +98,15 @@ class RequestOptions:
     outline: OutlineOptions | None = None
     request_id: str = ""                            # the client's id for it ("" : the controller makes one)
     api: str = ""                                   # which door it came by ("grpc", "chat", "completions")
+    top_logprobs: int | None = None                 # each token's logprob and this many most likely (None: none)
 
     def check(self) -> None:
         if self.request_id:
             check_id("request_id", self.request_id)
         if len(self.stop) > MAX_STOPS or not all(self.stop):
             raise InvalidArgument(f"stop: up to {MAX_STOPS} non-empty strings")
+        if self.outline is not None and self.top_logprobs is not None:
+            raise InvalidArgument("logprobs are not available for an outline request (its answer is several sequences)")
         if self.outline is not None and self.outline.max_points > MAX_POINTS:
             raise InvalidArgument(f"max_points {self.outline.max_points} is over the cap of {MAX_POINTS}")
         if self.outline is not None and len(self.outline.outline_text) > MAX_PROMPT_CHARS:
@@ -119,6 +122,7 @@ class Piece:
     point: int = 0            # outline requests: whose token (0: the outline itself)
     finished: bool = False    # the last piece of a plain request
     finish_reason: str = ""   # on the last piece: "stop" (a stop token or string) or "length"
+    logprobs: tuple = ()      # a request that asked: a TokenLogprob (or None: not kept) per token_ids
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,8 @@ class Completion:
     submitted: float = field(default_factory=time.monotonic)
     handle: RequestHandle | None = None               # a plain request's, once submitted
     api: str = ""                                     # the door it was submitted by (a resume answers in its form)
+    top_logprobs: int | None = None                   # it asked for logprobs with this many most likely tokens
+    logprobs: list = field(default_factory=list)      # ... a TokenLogprob (None: not kept) per token received
     _pieces: AsyncIterator[Piece] | None = None
 
     def __aiter__(self) -> AsyncIterator[Piece]:
@@ -214,7 +220,8 @@ class FrontDoor:
                 raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or it "
                                "failed) or was never admitted; submit it again")
             o = RequestOptions(req.max_tokens, req.sampling, stop=tuple(req.meta.get("stop", ())))
-            c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=req.meta.get("api", ""))
+            c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=req.meta.get("api", ""),
+                           top_logprobs=req.top_logprobs)
             c._pieces = self._plain_pieces(c, handle, o, skip=have)
             try:
                 yield c
@@ -250,8 +257,9 @@ class FrontDoor:
         ids = await self.token_ids(prompt)
         handle = self.scheduler.submit(Job(tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
                                            prefill_chunk=o.prefill_chunk, request_id=o.request_id,
+                                           top_logprobs=o.top_logprobs,
                                            meta={"stop": list(o.stop), "api": o.api, "client": client}))
-        c = Completion(handle.id, len(ids), handle=handle, api=o.api)
+        c = Completion(handle.id, len(ids), handle=handle, api=o.api, top_logprobs=o.top_logprobs)
         c._pieces = self._plain_pieces(c, handle, o)
         return c
 
@@ -263,6 +271,8 @@ class FrontDoor:
         async with contextlib.aclosing(handle.updates()) as updates:
             async for u in updates:
                 c.tokens.append(u.token_id)
+                if c.top_logprobs is not None:
+                    c.logprobs.append(u.logprob)
                 released = stops.push(text.push([u.token_id], u.finished), final=u.finished)
                 c.text += released
                 if stops.stopped:
@@ -271,8 +281,10 @@ class FrontDoor:
                 elif u.finished:
                     c.finish_reason = "stop" if u.finish_reason == "stop" else "length"
                 if len(c.tokens) > skip or c.finish_reason:
-                    yield Piece((u.token_id,) if len(c.tokens) > skip else (), released if len(c.tokens) > skip else "",
-                                finished=bool(c.finish_reason), finish_reason=c.finish_reason)
+                    new = len(c.tokens) > skip
+                    yield Piece((u.token_id,) if new else (), released if new else "", finished=bool(c.finish_reason),
+                                finish_reason=c.finish_reason,
+                                logprobs=(u.logprob,) if new and c.top_logprobs is not None else ())
                 if c.finish_reason:
                     return
 

@@ -42,7 +42,7 @@ from logicpipe.errors import (
     code_number,
     from_code,
 )
-from logicpipe.sampling import SamplingParams
+from logicpipe.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class TokenUpdate:
     token_id: int
     finished: bool
     finish_reason: str
+    logprob: TokenLogprob | None = None  # a request that asked for logprobs (None: not kept, e.g. before a restore)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Job:
     parent: tuple[str, int] | None = None  # (session, positions): share its KV (the prompt starts with its tokens)
     keep_open: bool = False                # the sequence stays open after it finishes, until released (forks)
     request_id: str = ""                   # the client's id for it ("" : one is made); resumed by this id
+    top_logprobs: int | None = None        # each token's logprob and this many most likely ones (None: none)
     meta: dict = field(default_factory=dict, hash=False, compare=False)  # the adapter's (stop strings, API), journaled
 
 
@@ -97,7 +99,7 @@ def job_to_json(req: "Request") -> dict:
     s = req.sampling
     return {"prompt": req.prompt_ids, "max_tokens": req.max_tokens,
             "sampling": [s.temperature, s.top_k, s.top_p, s.seed], "stop_ids": sorted(req.stop_ids),
-            "speculate": req.speculate, "chunk": req.chunk_asked, "meta": req.meta}
+            "speculate": req.speculate, "chunk": req.chunk_asked, "meta": req.meta, "top_logprobs": req.top_logprobs}
 
 
 @dataclass
@@ -108,6 +110,8 @@ class Request:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     received: list[int] = field(default_factory=list)   # reported by the last stage (a replay's input)
+    top_logprobs: int | None = None  # asked for each token's logprob and this many most likely ones (None: not)
+    logprobs: list = field(default_factory=list)  # ... TokenLogprob | None per token of `received` (None: not kept)
     delivered: int = 0        # tokens handed to a client (the most any of its readers got)
     error: MeshError | None = None  # why it failed (its readers raise it after the tokens they have not read)
     stage_reason: str = ""    # the finish reason the last stage reported with its last token
@@ -273,6 +277,9 @@ class Scheduler:
                 return
             self.journal.tokens(req.id, len(req.received), t.token_ids)
             req.received.extend(t.token_ids)
+            if req.top_logprobs is not None:  # (not journaled: a restored request has none for its earlier tokens)
+                got = [TokenLogprob.from_proto(lp) for lp in t.logprobs]
+                req.logprobs.extend(got + [None] * (len(t.token_ids) - len(got)))
             req.failures = 0  # it moves again
             req.done = t.finished
             req.stage_reason = t.finish_reason
@@ -342,6 +349,8 @@ class Scheduler:
         if job.speculate is not None and not 0 <= job.speculate <= MAX_SPECULATE:
             raise InvalidArgument(f"speculate must be 0 (off) to {MAX_SPECULATE} candidates per step, "
                                   f"not {job.speculate}")
+        if job.top_logprobs is not None and not 0 <= job.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {job.top_logprobs}")
         largest = self.pipeline.largest_request() if self.pipeline.stages else 0
         if largest and len(prompt_ids) + max_tokens > largest:
             raise ResourceExhausted(
@@ -363,7 +372,7 @@ class Scheduler:
         req = Request(job.request_id or uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, sampling, stops,
                       priority=next(self._arrivals), parent=job.parent, keep_open=job.keep_open,
                       speculate=self.config.speculate if job.speculate is None else job.speculate,
-                      chunk_asked=job.prefill_chunk, meta=dict(job.meta))
+                      chunk_asked=job.prefill_chunk, meta=dict(job.meta), top_logprobs=job.top_logprobs)
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.requests[req.id] = req
         if job.parent is None and not job.keep_open:  # forks (outline points) live and die with their run
@@ -397,7 +406,8 @@ class Scheduler:
             req = Request(e.id, list(j["prompt"]), int(j["max_tokens"]), SamplingParams(t, k, p, seed),
                           frozenset(j["stop_ids"]), received=list(e.tokens), priority=e.priority,
                           speculate=int(j["speculate"]), chunk_asked=int(j["chunk"]), meta=dict(j.get("meta") or {}),
-                          restored=True, detached_since=now)
+                          restored=True, detached_since=now, top_logprobs=j.get("top_logprobs"),
+                          logprobs=[None] * len(e.tokens))
             top = max(top, e.priority)
             self.requests[req.id] = req
             self.waiting.append(req)
@@ -434,7 +444,8 @@ class Scheduler:
                         req.state, req.finished, req.finish_reason = (RequestState.FINISHED, time.monotonic(),
                                                                       req.stage_reason)
                         self.stats.completed += 1  # counted before the client takes it: it may close us right after
-                    yield TokenUpdate(token, last, req.stage_reason if last else "")
+                    lp = req.logprobs[i - 1] if i <= len(req.logprobs) else None
+                    yield TokenUpdate(token, last, req.stage_reason if last else "", lp)
                     if last:
                         return
                 if req.done and i >= len(req.received) and req.received:
@@ -645,6 +656,8 @@ class Scheduler:
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
             generated=len(req.received), priority=req.priority, speculate=req.speculate)
+        if req.top_logprobs is not None:
+            open_request.top_logprobs = req.top_logprobs
         forked = req.parent[1] if req.parent is not None and not req.received else 0  # positions it shares
         chunk = req.chunk_asked
         if not chunk:

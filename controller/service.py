@@ -84,7 +84,8 @@ def submit_request(request: controller_pb2.SubmitRequest) -> tuple[Prompt, Reque
         max_tokens=request.max_tokens or (DEFAULT_POINT_TOKENS if outline else DEFAULT_MAX_TOKENS),
         sampling=SamplingParams.from_proto(request.sampling), ignore_eos=request.ignore_eos,
         speculate=request.speculate if request.HasField("speculate") else None, prefill_chunk=request.prefill_chunk,
-        outline=outline, request_id=request.request_id, api="grpc")
+        outline=outline, request_id=request.request_id, api="grpc",
+        top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None)
     return prompt, options
 
 
@@ -158,7 +159,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         async for piece in completion:
             reply = controller_pb2.SubmitReply(request_id=completion.id if not outline else "",
                                                token_ids=piece.token_ids, text=piece.text, point=piece.point,
-                                               finished=piece.finished, finish_reason=piece.finish_reason)
+                                               finished=piece.finished, finish_reason=piece.finish_reason,
+                                               logprobs=[lp.to_proto() for lp in piece.logprobs if lp is not None])
             if first:
                 reply.stages.extend(stage_info(s) for s in self.app.stage_views())
                 first = False

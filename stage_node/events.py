@@ -23,6 +23,7 @@ class TokenEvent:
     index: int               # how many tokens the session had generated before these
     finish_reason: str = ""  # "stop" | "length" when they end it
     candidates: int = 0      # candidates verified in the step that made them
+    logprobs: tuple = ()     # a sampling.TokenLogprob per token, when the session asked for them
 
 
 @dataclass(frozen=True)

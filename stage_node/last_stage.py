@@ -43,11 +43,12 @@ class Outcome:
 
 
 def take_tokens(scheduler: Scheduler, kv: KVManager, done: list[PlannedSeq], tokens: dict[str, list[int]], *,
-                orphaned: Callable[[Sequence], bool], draft_model: bool) -> Outcome:
+                orphaned: Callable[[Sequence], bool], draft_model: bool, logprobs: dict | None = None) -> Outcome:
     """The tokens of every sampled sequence of a step (`tokens`: what the runner sampled or
-    verified, per sequence), the feeds for stage 0 and their candidates. `orphaned`: sequences
-    whose owner is gone get no feed; `draft_model`: candidates come from it (as jobs), else from
-    prompt lookup (in the feeds)."""
+    verified, per sequence; `logprobs`: their TokenLogprobs, of the sequences that asked), the
+    feeds for stage 0 and their candidates. `orphaned`: sequences whose owner is gone get no feed;
+    `draft_model`: candidates come from it (as jobs), else from prompt lookup (in the feeds)."""
+    logprobs = logprobs or {}
     out = Outcome()
     offers: list[tuple[int, Sequence, int, list[int] | None]] = []  # (feed, seq, how many, lookup's proposal)
     for p in done:
@@ -61,7 +62,8 @@ def take_tokens(scheduler: Scheduler, kv: KVManager, done: list[PlannedSeq], tok
         out.tokens += len(reported)
         out.verified += k
         out.accepted += len(reported) - 1 if k else 0
-        out.events[p.seq.spec.owner].append(TokenEvent(p.seq.id, tuple(reported), index, reason, k))
+        lps = tuple(logprobs.get(p.seq.id, ())[:len(reported)])  # (cut with the tokens at a stop)
+        out.events[p.seq.spec.owner].append(TokenEvent(p.seq.id, tuple(reported), index, reason, k, lps))
         if orphaned(p.seq):
             continue
         pos = p.work.stop - k + len(reported) - 1  # where its last token goes

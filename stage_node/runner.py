@@ -23,7 +23,7 @@ import torch
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError
 from logicpipe.stage_node.kv import KVPool, StepKV, seq_slice
-from logicpipe.stage_node.sampling import sample, verify
+from logicpipe.stage_node.sampling import sample, token_logprobs, verify
 from logicpipe.stage_node.scheduler import PlannedSeq, Step
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.step_graphs import GraphRow
@@ -58,6 +58,7 @@ class StepResult:
     hidden: RawTensor | None = None                          # later stage's input: rows of `ok`, in order
     ok: list[str] = field(default_factory=list)              # sequences computed, in step order
     tokens: dict[str, list[int]] = field(default_factory=dict)  # last stage: new tokens per sampled sequence
+    logprobs: dict[str, list] = field(default_factory=dict)     # ... their TokenLogprobs (sessions that asked)
     failed: dict[str, MeshError] = field(default_factory=dict)
 
 
@@ -170,3 +171,7 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
         if k:  # [k + 1, vocab]: the row before each candidate, and the last
             result.tokens[p.seq.id] = verify(logits[r: r + k + 1], p.work.token_ids[-k:], p.seq.spec.sampling,
                                              p.draws or (None,) * (k + 1))
+        top = p.seq.spec.top_logprobs
+        if top is not None:  # token j was chosen in row r + j (an accepted candidate's verification row)
+            tokens = result.tokens[p.seq.id]
+            result.logprobs[p.seq.id] = token_logprobs(logits[r: r + len(tokens)], tokens, top)

@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from logicpipe.sampling import SamplingParams
+from logicpipe.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["SamplingParams", "draw", "filter_logits", "pick", "sample", "verify", "verify_greedy"]
+__all__ = ["SamplingParams", "draw", "filter_logits", "pick", "sample", "token_logprobs", "verify", "verify_greedy"]
 
 
 def draw(seed: int, sequence: int, position: int) -> float:
@@ -63,6 +63,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequen
         else:
             out.append(pick(filter_logits(logits[b].float(), p).softmax(-1), u))
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability in the row of logits it was chosen from, and the `top` most
+    likely tokens of that row (most likely first): the model's own distribution, log-softmax of
+    the raw logits (before temperature, top-k, top-p), as OpenAI reports it. logits: [len(tokens), vocab]"""
+    logp = torch.log_softmax(logits.float(), -1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(list(tokens), device=logp.device)].tolist()
+    if not top:
+        return [TokenLogprob(c) for c in chosen]
+    values, ids = logp.topk(min(top, logp.shape[-1]), -1)
+    return [TokenLogprob(c, tuple(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def verify_greedy(logits: torch.Tensor, candidates: Sequence[int]) -> list[int]:

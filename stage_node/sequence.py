@@ -54,6 +54,7 @@ class SeqSpec:
     priority: int = 0                      # lower is older: preempted last (0: admission order)
     speculate: int = 0                     # last stage: candidates drafted per step at most (0: none)
     prefill_chunk: int = 0                 # stage 0: prompt rows of it in one step at most (0: the budget)
+    top_logprobs: int | None = None        # last stage: report each token's logprob and this many top ones (None: no)
 
 
 @dataclass

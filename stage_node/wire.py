@@ -7,7 +7,7 @@ from __future__ import annotations
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
 from logicpipe.limits import check_address, check_id
-from logicpipe.sampling import SamplingParams
+from logicpipe.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.events import Event, TokenEvent
 from logicpipe.stage_node.scheduler import StepMsg
@@ -68,6 +68,8 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                               "tokens generated before)")
     if req.speculate > MAX_CANDIDATES:
         raise InvalidArgument(f"speculate {req.speculate} is over the cap of {MAX_CANDIDATES} candidates per step")
+    if req.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs {req.top_logprobs} is over the cap of {MAX_TOP_LOGPROBS}")
     if req.parent_session_id:
         check_id("parent_session_id", req.parent_session_id)
         if req.parent_length > len(prompt):
@@ -77,7 +79,8 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                    max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
                    owner=req.owner, opener=opener, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
                    parent_length=req.parent_length, index=req.sequence, priority=req.priority,
-                   speculate=req.speculate, prefill_chunk=req.prefill_chunk)
+                   speculate=req.speculate, prefill_chunk=req.prefill_chunk,
+                   top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None)
 
 
 def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:
@@ -142,7 +145,7 @@ def event_to_proto(ev: Event) -> stage_pb2.Event:
     if isinstance(ev, TokenEvent):
         return stage_pb2.Event(session_id=ev.session_id, token=stage_pb2.TokenEvent(
             token_ids=ev.token_ids, index=ev.index, finished=bool(ev.finish_reason), finish_reason=ev.finish_reason,
-            candidates=ev.candidates))
+            candidates=ev.candidates, logprobs=[lp.to_proto() for lp in ev.logprobs]))
     return stage_pb2.Event(session_id=ev.session_id, error=stage_pb2.SessionError(
         code=code_number(ev.error.code), message=str(ev.error), node_id=ev.node_id))
 

@@ -9,6 +9,7 @@ from logicpipe.v1 import stage_pb2
 MIN_TEMPERATURE = 1e-3  # below this a softmax overflows float32 for ordinary logits; use 0 (greedy)
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 20
+MAX_TOP_LOGPROBS = 20   # most likely tokens reported with each token at most (OpenAI's cap)
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,21 @@ class SamplingParams:
         """The message's parameters (top_p 0, the proto default, means off), not yet validated."""
         return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
                    seed=p.seed if p.HasField("seed") else None)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's distribution at its position (log-softmax of
+    the logits that chose it, before temperature, top-k and top-p), and the most likely tokens
+    there, most likely first: what the last stage reports when a session asks for logprobs."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+    def to_proto(self) -> stage_pb2.TokenLogprob:
+        return stage_pb2.TokenLogprob(logprob=self.logprob, top_token_ids=[t for t, _ in self.top],
+                                      top_logprobs=[lp for _, lp in self.top])
+
+    @classmethod
+    def from_proto(cls, p: stage_pb2.TokenLogprob) -> "TokenLogprob":
+        return cls(p.logprob, tuple(zip(p.top_token_ids, p.top_logprobs)))

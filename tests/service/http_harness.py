@@ -25,6 +25,7 @@ from logicpipe.controller.requests import FrontDoor
 from logicpipe.controller.scheduler import Job, Scheduler, SchedulerConfig, TokenUpdate
 from logicpipe.controller.state import Phase
 from logicpipe.errors import AlreadyExists, NotFound
+from logicpipe.sampling import TokenLogprob
 
 ANSWER = "Paris is the capital of France."
 CONTEXT = 2048
@@ -38,6 +39,17 @@ class FakeRequest:
     sampling: object
     meta: dict = field(default_factory=dict)
     session_id: str = ""
+    top_logprobs: int | None = None
+
+
+def fake_logprob(token: int, i: int, top: int | None) -> TokenLogprob | None:
+    """Token i's made-up logprob (-(i + 1) / 10, the most likely) and its top ones: itself, then
+    tokens 0, 1, ... (None: not asked)."""
+    if top is None:
+        return None
+    lp = -(i + 1) / 10
+    others = [(t, lp - 1 - j) for j, t in enumerate(t for t in range(top + 1) if t != token)]
+    return TokenLogprob(lp, tuple([(token, lp), *others][:top]))
 
 
 class FakeHandle:
@@ -58,7 +70,7 @@ class FakeHandle:
             if i == 1:  # one token out, then (if held) wait: a stream has begun, the request is open
                 await self.fake.gate.wait()
             if i >= start:
-                yield TokenUpdate(t, i == len(tokens) - 1, "length")
+                yield TokenUpdate(t, i == len(tokens) - 1, "length", fake_logprob(t, i, self.request.top_logprobs))
 
     def __aiter__(self):
         return self.updates()
@@ -91,7 +103,7 @@ class FakeScheduler:
         if job.request_id in self.requests:
             raise AlreadyExists(f"request {job.request_id} exists; resume it instead of submitting it again")
         req = FakeRequest(job.request_id or uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, job.sampling,
-                          dict(job.meta), session_id=uuid.uuid4().hex)
+                          dict(job.meta), session_id=uuid.uuid4().hex, top_logprobs=job.top_logprobs)
         handle = self.requests[req.id] = FakeHandle(self, req)
         return handle
 

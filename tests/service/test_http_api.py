@@ -56,9 +56,13 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
     ("a NaN token id", "/v1/completions", b'{"prompt": [1, NaN]}', 400, "prompt[1]"),
     ("frequency_penalty 0.5", CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty"),
     ("presence_penalty 1", CHAT, chat(presence_penalty=1), 400, "presence_penalty"),
-    ("logprobs true", CHAT, chat(logprobs=True), 400, "logprobs"),
-    ("logprobs 0 (completions)", "/v1/completions", b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
-    ("top_logprobs 3", CHAT, chat(top_logprobs=3), 400, "top_logprobs"),
+    ("logprobs 1 (chat)", CHAT, chat(logprobs=1), 400, "logprobs"),
+    ("logprobs true (completions)", "/v1/completions", b'{"prompt": "hi", "logprobs": true}', 400, "logprobs"),
+    ("logprobs 21 (completions)", "/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=3), 400, "top_logprobs"),
+    ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("top_logprobs on completions", "/v1/completions", b'{"prompt": "hi", "top_logprobs": 2}', 400, "top_logprobs"),
+    ("logprobs of an outline", CHAT, chat(logprobs=True, outline=True), 400, "logprobs"),
     ("n 2", CHAT, chat(n=2), 400, "n"),
     ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
@@ -337,4 +341,46 @@ def test_a_batch_of_prompts_gets_a_choice_each(model_dir):
                                                 headers={"X-Request-Id": "batch-1"})
             assert status == 400 and openai_error(body)["param"] == "X-Request-Id"
             assert not fake.requests  # every request of the batch released
+    run(go())
+
+
+def test_logprobs_in_openais_shapes(model_dir):
+    """Chat: choices[].logprobs.content[{token, logprob, bytes, top_logprobs}], whole and per
+    chunk; completions: {tokens, token_logprobs, top_logprobs, text_offset}; the tokens' bytes
+    make the answer; asked for nothing, logprobs is null."""
+    async def go():
+        async with http_api(model_dir) as (client, fake):
+            assert len(fake.answer) >= 4
+            status, _, body = await client.post(CHAT, data=chat(logprobs=True, top_logprobs=2))
+            assert status == 200, body
+            (choice,) = body["choices"]
+            content = choice["logprobs"]["content"]
+            assert [e["logprob"] for e in content] == [-0.1, -0.2, -0.3, -0.4]
+            assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+                       and e["top_logprobs"][0]["logprob"] == e["logprob"] > e["top_logprobs"][1]["logprob"]
+                       for e in content), content
+            assert bytes(b for e in content for b in e["bytes"]).decode() == choice["message"]["content"]
+            status, _, text = await client.post(CHAT, data=chat(logprobs=True, stream=True))
+            chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+            streamed = [e for c in chunks for e in (c["choices"][0].get("logprobs") or {}).get("content", [])]
+            assert [e["logprob"] for e in streamed] == [-0.1, -0.2, -0.3, -0.4]
+            assert all(e["top_logprobs"] == [] for e in streamed)
+            status, _, body = await client.post(CHAT, data=chat())
+            assert body["choices"][0]["logprobs"] is None
+            for stream in (False, True):
+                status, _, got = await client.post("/v1/completions", json={
+                    "prompt": "The capital of France is", "max_tokens": 4, "logprobs": 3, "stream": stream})
+                assert status == 200, got
+                if stream:
+                    parts = [json.loads(line[6:])["choices"][0] for line in got.splitlines()
+                             if line.startswith("data: {")]
+                    lp = {k: [v for p in parts if p["logprobs"] for v in p["logprobs"][k]]
+                          for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+                    text = "".join(p["text"] for p in parts)
+                else:
+                    lp, text = got["choices"][0]["logprobs"], got["choices"][0]["text"]
+                assert lp["token_logprobs"] == [-0.1, -0.2, -0.3, -0.4] and "".join(lp["tokens"]) == text
+                assert [len(t) for t in lp["top_logprobs"]] == [3] * 4
+                assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
+                assert all(t[tok] == v for t, tok, v in zip(lp["top_logprobs"], lp["tokens"], lp["token_logprobs"]))
     run(go())

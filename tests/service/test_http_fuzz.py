@@ -79,6 +79,7 @@ VALID = {  # values each field honours (combinations may still be refused: strea
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "speculate": st.integers(0, 16), "ignore_eos": st.booleans(), "outline": st.booleans(),
     "max_points": st.integers(0, 32), "model": st.just("SmolLM2-135M-Instruct"), "user": CLEAN,
+    "logprobs": st.one_of(st.booleans(), st.integers(0, 20)), "top_logprobs": st.integers(0, 20),
 }
 for _name, _noop in NOT_YET.items():
     _values = list(_noop[a] for a in ("chat", "completions")) if isinstance(_noop, dict) else [_noop]

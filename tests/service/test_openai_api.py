@@ -1,7 +1,8 @@
 """Service tier, the OpenAI API as clients use it (issue 24), with the official `openai` client
 against the HTTP API of an in-process controller over one in-process stage holding the default
 model (SmolLM2-135M-Instruct, CPU, float32), all on the module's event loop: GET /v1/models/{id},
-the developer role, a batch of prompts, include_usage."""
+the developer role, a batch of prompts, include_usage; logprobs against transformers' own forward
+of the same tokens (within LOGPROB_TOL), candidates and sampled tokens included."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +14,15 @@ import pytest
 from aiohttp import web
 
 from logicpipe.controller.http_api import HttpApi
+from logicpipe.controller.logprobs import TokenText
+from logicpipe.sampling import TokenLogprob
+from logicpipe.v1 import controller_pb2, stage_pb2
 
 from .conftest import Controller, Node, controller, stage_node
 
 CALL_TIMEOUT_S = 120.0
+LOGPROB_TOL = 2e-3  # |ours - transformers'|, nats: CPU float32, our paged attention vs HF's eager one
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,"  # candidates accepted
 
 
 @dataclass
@@ -95,4 +101,99 @@ def test_developer_is_system_and_a_batch_is_its_prompts(runner, api):
                 texts[ch.index] += ch.text
             usage = chunk.usage or usage
         assert [texts[0], texts[1]] == alone and usage.completion_tokens == 12
+    arun(runner, go())
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    """transformers' own model of the default model, float32 on the CPU (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(hf, prompt: list[int], tokens: list[int]):
+    """log-softmax of transformers' logits at each new token's position: [len(tokens), vocab]."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: len(prompt) + len(tokens) - 1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def worst_difference(ref, tokens: list[int], got: list[TokenLogprob], top: int) -> float:
+    """The largest |ours - transformers'| over each token's logprob and its top ones, asserting
+    that the top ones are transformers' top ids (ties aside), most likely first."""
+    worst = 0.0
+    for row, t, lp in zip(ref, tokens, got):
+        worst = max(worst, abs(float(row[t]) - lp.logprob))
+        assert len(lp.top) == top
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        want = row.topk(top)
+        for (i, v), wi, wv in zip(lp.top, want.indices.tolist(), want.values.tolist()):
+            assert i == wi or abs(float(row[i]) - wv) < LOGPROB_TOL, (i, wi)
+            worst = max(worst, abs(float(row[i]) - v))
+        if lp.logprob >= values[-1] + LOGPROB_TOL:  # the chosen token is in the top N: listed there
+            assert t in [i for i, _ in lp.top]
+    return worst
+
+
+async def submit(ctl: Controller, **fields) -> tuple[list[int], list[TokenLogprob], controller_pb2.Timings]:
+    replies = [r async for r in ctl.stub.Submit(controller_pb2.SubmitRequest(**fields), timeout=CALL_TIMEOUT_S)]
+    return ([t for r in replies for t in r.token_ids], [TokenLogprob.from_proto(lp) for r in replies for lp in r.logprobs],
+            replies[-1].timings)
+
+
+def test_logprobs_equal_a_transformers_forward(runner, api, hf):
+    """gRPC Submit and both HTTP APIs: each token's logprob and its top N are transformers'
+    log-softmax at its position: greedy with candidates (accepted ones' from their verification
+    rows), and seeded sampling (the raw distribution, not the tempered one)."""
+    async def go():
+        tok = api.ctl.app.tokenizer
+        prompt = tok(COUNTING)["input_ids"]
+        worst = 0.0
+        greedy, lps, timings = await submit(api.ctl, prompt_token_ids=prompt, max_tokens=16, speculate=4, top_logprobs=5,
+                                            ignore_eos=True)
+        assert timings.accepted > 0 and len(lps) == len(greedy) == 16  # some tokens were accepted candidates
+        worst = max(worst, worst_difference(hf_logprobs(hf, prompt, greedy), greedy, lps, 5))
+        assert all(lp.top[0][0] == t for t, lp in zip(greedy, lps))  # greedy: the most likely
+        sampled, lps, _ = await submit(api.ctl, prompt_token_ids=prompt, max_tokens=12, top_logprobs=3, ignore_eos=True,
+                                       sampling=stage_pb2.SamplingParams(temperature=1.5, seed=7), speculate=0)
+        assert sampled != greedy[:12]
+        worst = max(worst, worst_difference(hf_logprobs(hf, prompt, sampled), sampled, lps, 3))
+        # HTTP, completions (whole and streamed): the same numbers as gRPC for the same tokens
+        text = TokenText(tok)
+        ref = hf_logprobs(hf, prompt, greedy)
+        for stream in (False, True):
+            r = await api.client.completions.create(model=api.model, prompt=prompt, max_tokens=16, temperature=0,
+                                                    logprobs=5, stream=stream, extra_body={"speculate": 4,
+                                                                                           "ignore_eos": True})
+            if stream:
+                tokens, values, tops = [], [], []
+                async for chunk in r:
+                    if chunk.choices and chunk.choices[0].logprobs:
+                        tokens += chunk.choices[0].logprobs.tokens
+                        values += chunk.choices[0].logprobs.token_logprobs
+                        tops += chunk.choices[0].logprobs.top_logprobs
+            else:
+                lp = r.choices[0].logprobs
+                tokens, values, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+            assert tokens == [text.text(t) for t in greedy]
+            worst = max(worst, max(abs(float(ref[i, t]) - v) for i, (t, v) in enumerate(zip(greedy, values))))
+            assert all(len(t) == 5 and t[s] == v for t, s, v in zip(tops, tokens, values))
+        # HTTP, chat: content entries, top_logprobs ordered, the chosen token first (greedy)
+        r = await api.client.chat.completions.create(model=api.model, max_tokens=8, temperature=0, logprobs=True,
+                                                     top_logprobs=4,
+                                                     messages=[{"role": "user", "content": "Count to ten."}])
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens
+        for e in content:
+            assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+            assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+        if r.choices[0].finish_reason == "length":
+            assert bytes(b for e in content for b in e.bytes).decode() == r.choices[0].message.content
+        print(f"logprobs: max |ours - transformers'| = {worst:.2e} nats")
+        assert worst < LOGPROB_TOL
     arun(runner, go())

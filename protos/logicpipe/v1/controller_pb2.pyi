@@ -50,7 +50,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points", "speculate", "prefill_chunk", "messages", "request_id")
+    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points", "speculate", "prefill_chunk", "messages", "request_id", "top_logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class SubmitRequest(_message.Message):
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     max_tokens: int
@@ -79,7 +80,8 @@ class SubmitRequest(_message.Message):
     prefill_chunk: int
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., request_id: _Optional[str] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class OutlinePoint(_message.Message):
     __slots__ = ("id", "title", "deps", "tokens", "text", "start_s", "end_s", "shared")
@@ -144,7 +146,7 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., candidates: _Optional[int] = ..., accepted: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "timings", "stages", "point", "points", "warnings")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "timings", "stages", "point", "points", "warnings", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class SubmitReply(_message.Message):
     POINT_FIELD_NUMBER: _ClassVar[int]
     POINTS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -165,7 +168,8 @@ class SubmitReply(_message.Message):
     point: int
     points: _containers.RepeatedCompositeFieldContainer[OutlinePoint]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., point: _Optional[int] = ..., points: _Optional[_Iterable[_Union[OutlinePoint, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_stage_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: bool = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., point: _Optional[int] = ..., points: _Optional[_Iterable[_Union[OutlinePoint, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ControllerStatusRequest(_message.Message):
     __slots__ = ()
