@@ -7,7 +7,7 @@ result other than the one it asked for:
 - the body is a JSON object, nested at most MAX_JSON_DEPTH deep, with no lone UTF-16 surrogate in
   any string (it has no UTF-8 form: the tokenizer cannot take it) and no NaN or Infinity;
 - every field is one this API honours, or one of OpenAI's it does not implement yet (NOT_YET)
-  carrying the value that asks for nothing (`"echo": false`, `"frequency_penalty": 0`);
+  carrying the value that asks for nothing (`"echo": false`, `"n": 1`);
   anything else is refused by name, never ignored;
 - booleans are JSON booleans (`"stream": "yes"` is refused, not taken as true), numbers are finite
   numbers of the field's kind and range.
@@ -19,7 +19,7 @@ import math
 import re
 
 from logicpipe.controller.requests import ROLES, OutlineOptions, Prompt, RequestOptions
-from logicpipe.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from logicpipe.sampling import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 MAX_OUTLINE_POINTS = 32
@@ -29,13 +29,13 @@ MAX_JSON_DEPTH = 32  # a chat body is 5 deep; deeper is refused before any field
 
 # the fields each endpoint honours: OpenAI's, and the mesh's own (speculate, top_k, ignore_eos, outline, max_points)
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-                    "user", "speculate", "top_k", "ignore_eos", "outline", "max_points"})
+                    "user", "speculate", "top_k", "ignore_eos", "outline", "max_points", "presence_penalty",
+                    "frequency_penalty", "logit_bias"})
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
           "completions": COMMON | {"prompt", "logprobs"}}
 
 # OpenAI's parameters not implemented yet: accepted only with a value that asks for nothing (null always)
 NOT_YET = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "best_of": (1,), "echo": (False,),
     "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
@@ -174,7 +174,10 @@ def request_options(body: dict, api: str = "chat") -> RequestOptions:
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them", param="stop")
     sampling = SamplingParams(number(body, "temperature", float, 1.0, 0.0, 2.0), number(body, "top_k", int, 0, 0, None),
-                              number(body, "top_p", float, 1.0, 0.0, 1.0), number(body, "seed", int, None, 0, 2**63 - 1))
+                              number(body, "top_p", float, 1.0, 0.0, 1.0), number(body, "seed", int, None, 0, 2**63 - 1),
+                              number(body, "presence_penalty", float, 0.0, -MAX_PENALTY, MAX_PENALTY),
+                              number(body, "frequency_penalty", float, 0.0, -MAX_PENALTY, MAX_PENALTY),
+                              logit_bias(body))
     try:
         sampling.validate()
     except ValueError as exc:
@@ -204,6 +207,26 @@ def logprobs(body: dict, api: str) -> int | None:
             raise ApiError(400, "top_logprobs needs \"logprobs\": true", param="top_logprobs")
         return (top or 0) if asked else None
     return number(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+
+
+def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings) -> sorted pairs."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise ApiError(400, "logit_bias must be an object {\"token id\": bias from -100 to 100}", param="logit_bias")
+    if len(bias) > MAX_BIASED_TOKENS:
+        raise ApiError(400, f"logit_bias biases {len(bias)} tokens, over the cap of {MAX_BIASED_TOKENS}",
+                       param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        where = f"logit_bias.{shown(key)}"
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            raise ApiError(400, f"{where}: a key of logit_bias is a token id (a number), not {shown(key)!r}",
+                           param=where)
+        out.append((int(key), number({where: value}, where, float, 0.0, -MAX_BIAS, MAX_BIAS)))
+    return tuple(sorted(out))
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:

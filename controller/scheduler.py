@@ -98,7 +98,8 @@ def job_to_json(req: "Request") -> dict:
     """What the journal keeps of a request: enough to open it again as it was (the seed included)."""
     s = req.sampling
     return {"prompt": req.prompt_ids, "max_tokens": req.max_tokens,
-            "sampling": [s.temperature, s.top_k, s.top_p, s.seed], "stop_ids": sorted(req.stop_ids),
+            "sampling": [s.temperature, s.top_k, s.top_p, s.seed, s.presence_penalty, s.frequency_penalty,
+                         [list(b) for b in s.logit_bias]], "stop_ids": sorted(req.stop_ids),
             "speculate": req.speculate, "chunk": req.chunk_asked, "meta": req.meta, "top_logprobs": req.top_logprobs}
 
 
@@ -349,6 +350,9 @@ class Scheduler:
         if job.speculate is not None and not 0 <= job.speculate <= MAX_SPECULATE:
             raise InvalidArgument(f"speculate must be 0 (off) to {MAX_SPECULATE} candidates per step, "
                                   f"not {job.speculate}")
+        bad = next((t for t, _ in job.sampling.logit_bias if not 0 <= t < cfg.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
         if job.top_logprobs is not None and not 0 <= job.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {job.top_logprobs}")
         largest = self.pipeline.largest_request() if self.pipeline.stages else 0
@@ -402,8 +406,10 @@ class Scheduler:
                 continue
             restored += 1
             j = e.job
-            t, k, p, seed = j["sampling"]
-            req = Request(e.id, list(j["prompt"]), int(j["max_tokens"]), SamplingParams(t, k, p, seed),
+            t, k, p, seed, *penalties = j["sampling"]  # (journals written before penalties have none)
+            presence, frequency, bias = penalties or (0.0, 0.0, [])
+            sampling = SamplingParams(t, k, p, seed, presence, frequency, tuple((int(i), float(b)) for i, b in bias))
+            req = Request(e.id, list(j["prompt"]), int(j["max_tokens"]), sampling,
                           frozenset(j["stop_ids"]), received=list(e.tokens), priority=e.priority,
                           speculate=int(j["speculate"]), chunk_asked=int(j["chunk"]), meta=dict(j.get("meta") or {}),
                           restored=True, detached_since=now, top_logprobs=j.get("top_logprobs"),

@@ -23,7 +23,7 @@ import torch
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError
 from logicpipe.stage_node.kv import KVPool, StepKV, seq_slice
-from logicpipe.stage_node.sampling import sample, token_logprobs, verify
+from logicpipe.stage_node.sampling import penalize, sample, token_logprobs, verify
 from logicpipe.stage_node.scheduler import PlannedSeq, Step
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.step_graphs import GraphRow
@@ -154,12 +154,19 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
     sampled = [p for p in seqs if p.work.sample]
     if not sampled:
         return
-    logits = shard.logits(torch.cat([outs[p.seq.id][-p.work.num_candidates - 1:] for p in sampled]))
+    raw = shard.logits(torch.cat([outs[p.seq.id][-p.work.num_candidates - 1:] for p in sampled]))
     plain = [i for i, p in enumerate(sampled) if not p.work.num_candidates]
     rows, row = [], 0
     for p in sampled:
         rows.append(row)
         row += p.work.num_candidates + 1
+    logits = raw  # what the choice is made from: with each penalized sequence's penalties and bias
+    for p, r in zip(sampled, rows):
+        if p.seq.spec.sampling.penalized:
+            k = p.work.num_candidates
+            logits = raw.clone() if logits is raw else logits
+            logits[r: r + k + 1] = penalize(raw[r: r + k + 1], p.seq.spec.sampling, p.seq.generated_counts(),
+                                            p.work.token_ids[len(p.work.token_ids) - k:] if k else ())
     if plain:
         ps = [sampled[i] for i in plain]
         tokens = sample(logits[[rows[i] for i in plain]], [p.seq.spec.sampling for p in ps],
@@ -174,4 +181,4 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
         top = p.seq.spec.top_logprobs
         if top is not None:  # token j was chosen in row r + j (an accepted candidate's verification row)
             tokens = result.tokens[p.seq.id]
-            result.logprobs[p.seq.id] = token_logprobs(logits[r: r + len(tokens)], tokens, top)
+            result.logprobs[p.seq.id] = token_logprobs(raw[r: r + len(tokens)], tokens, top)  # the model's own

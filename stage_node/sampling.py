@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import Counter
 from typing import Sequence
 
 import torch
 
 from logicpipe.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["SamplingParams", "draw", "filter_logits", "pick", "sample", "token_logprobs", "verify", "verify_greedy"]
+__all__ = ["SamplingParams", "draw", "filter_logits", "penalize", "pick", "sample", "token_logprobs", "verify",
+           "verify_greedy"]
 
 
 def draw(seed: int, sequence: int, position: int) -> float:
@@ -24,6 +26,28 @@ def draw(seed: int, sequence: int, position: int) -> float:
     digest = hashlib.blake2b(struct.pack("<QQQ", seed % 2**64, sequence % 2**64, position % 2**64),
                              digest_size=8, person=b"logicpipe-draw").digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, counts: Counter, candidates: Sequence[int] = ()) -> torch.Tensor:
+    """OpenAI's logit_bias and penalties on a copy of a sequence's rows of logits: each token's
+    logit plus its bias, minus frequency_penalty x how often the sequence generated it and
+    presence_penalty if it did. `counts`: the sequence's generated tokens before row 0; row i also
+    counts candidates[:i] (the candidates before it, which its context holds). A function of the
+    tokens so far only, so a replay penalizes exactly as the first run did. logits: [rows, vocab]"""
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
+        out[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=out.device)
+    if params.presence_penalty or params.frequency_penalty:
+        seen = Counter(counts)
+        for i in range(out.shape[0]):
+            if i:
+                seen[candidates[i - 1]] += 1
+            if seen:
+                ids = torch.tensor(list(seen), device=out.device)
+                n = torch.tensor(list(seen.values()), dtype=out.dtype, device=out.device)
+                out[i, ids] -= n * params.frequency_penalty + params.presence_penalty
+    return out
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -392,9 +392,12 @@ class Scheduler:
         finish reason ("" while it goes on)."""
         s = p.seq
         out, reason = [], ""
+        counts = s.generated_counts() if s.spec.sampling.penalized else None
         for t in tokens:
             out.append(t)
             s.generated += 1
+            if counts is not None:
+                counts[t] += 1
             pos = p.work.stop - p.work.num_candidates + len(out) - 1  # position this token would take
             if t in s.spec.stop_ids:
                 reason = "stop"

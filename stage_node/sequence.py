@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -75,6 +76,15 @@ class Sequence:
     in_flight_since: float = 0.0
     last_step: int = 0                     # id of the last step that included it (round robin)
     draft: "Drafter | None" = None         # last stage, speculating: its drafter (made on its first token)
+    counts: Counter | None = None          # last stage, penalized: how often it generated each token (made on first use)
+
+    def generated_counts(self) -> Counter:
+        """Last stage: how often the sequence generated each token so far (what OpenAI's penalties
+        count), starting from a replay's tokens generated before (the tail of its prompt)."""
+        if self.counts is None:
+            g = self.spec.generated
+            self.counts = Counter(self.spec.prompt[len(self.spec.prompt) - g:] if g else ())
+        return self.counts
 
     @property
     def id(self) -> str:

@@ -68,6 +68,9 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                               "tokens generated before)")
     if req.speculate > MAX_CANDIDATES:
         raise InvalidArgument(f"speculate {req.speculate} is over the cap of {MAX_CANDIDATES} candidates per step")
+    bad = next((t for t in req.sampling.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
     if req.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs {req.top_logprobs} is over the cap of {MAX_TOP_LOGPROBS}")
     if req.parent_session_id:

@@ -10,6 +10,9 @@ MIN_TEMPERATURE = 1e-3  # below this a softmax overflows float32 for ordinary lo
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 20
 MAX_TOP_LOGPROBS = 20   # most likely tokens reported with each token at most (OpenAI's cap)
+MAX_PENALTY = 2.0       # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
+MAX_BIAS = 100.0        # |logit_bias| of a token at most (OpenAI's range)
+MAX_BIASED_TOKENS = 1024  # tokens one request may bias
 
 
 @dataclass(frozen=True)
@@ -20,10 +23,18 @@ class SamplingParams:
     top_k: int = 0  # keep only the k most likely tokens (count); 0 keeps all
     top_p: float = 1.0  # keep the smallest set of top tokens whose probability reaches top_p (0, 1]
     seed: int | None = None  # seed of the sequence's draws; None: one is drawn when the request starts
+    presence_penalty: float = 0.0  # subtracted from the logit of each token the sequence generated (-2..2)
+    frequency_penalty: float = 0.0  # ... times how often it generated it (-2..2)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit: -100..100), sorted by id
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """The logits are changed before the choice (penalties or a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     def validate(self) -> "SamplingParams":
         """Itself, or ValueError with a message a person can act on if a field is out of range."""
@@ -37,13 +48,25 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:  # also catches NaN
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it), got {v}")
+        if len(self.logit_bias) > MAX_BIASED_TOKENS:
+            raise ValueError(f"logit_bias biases {len(self.logit_bias)} tokens, over the cap of {MAX_BIASED_TOKENS}")
+        for t, b in self.logit_bias:
+            if t < 0 or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise ValueError(f"logit_bias: token {t} must be a token id with a bias in [-{MAX_BIAS:g}, "
+                                 f"{MAX_BIAS:g}], got {b}")
         return self
 
     def with_seed(self, seed: int) -> "SamplingParams":
         return replace(self, seed=seed)
 
     def to_proto(self) -> stage_pb2.SamplingParams:
-        p = stage_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        p = stage_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                     logit_bias=dict(self.logit_bias))
         if self.seed is not None:
             p.seed = self.seed
         return p
@@ -52,7 +75,8 @@ class SamplingParams:
     def from_proto(cls, p: stage_pb2.SamplingParams) -> "SamplingParams":
         """The message's parameters (top_p 0, the proto default, means off), not yet validated."""
         return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0,
-                   seed=p.seed if p.HasField("seed") else None)
+                   seed=p.seed if p.HasField("seed") else None, presence_penalty=p.presence_penalty,
+                   frequency_penalty=p.frequency_penalty, logit_bias=tuple(sorted(p.logit_bias.items())))
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,13 @@
 against the HTTP API of an in-process controller over one in-process stage holding the default
 model (SmolLM2-135M-Instruct, CPU, float32), all on the module's event loop: GET /v1/models/{id},
 the developer role, a batch of prompts, include_usage; logprobs against transformers' own forward
-of the same tokens (within LOGPROB_TOL), candidates and sampled tokens included."""
+of the same tokens (within LOGPROB_TOL), candidates and sampled tokens included; penalties and
+logit_bias against transformers' greedy with them applied by hand."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
 
 import openai
@@ -196,4 +198,60 @@ def test_logprobs_equal_a_transformers_forward(runner, api, hf):
             assert bytes(b for e in content for b in e.bytes).decode() == r.choices[0].message.content
         print(f"logprobs: max |ours - transformers'| = {worst:.2e} nats")
         assert worst < LOGPROB_TOL
+    arun(runner, go())
+
+
+def hf_penalized(hf, prompt: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
+                 bias: dict[int, float] | None = None) -> list[int]:
+    """n greedy tokens by transformers with OpenAI's penalties and logit_bias applied by hand
+    (on the tokens generated so far): the specification the mesh must meet."""
+    import torch
+
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+            for t, b in (bias or {}).items():
+                logits[t] += b
+            for t, c in Counter(out).items():
+                logits[t] -= c * frequency + presence
+            out.append(int(logits.argmax()))
+    return out
+
+
+async def http_tokens(api: Served, prompt: list[int], n: int, **fields) -> list[str]:
+    """The texts of the n tokens the completions API answers (greedy, past EOS), by its logprobs."""
+    extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+    r = await api.client.completions.create(model=api.model, prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
+                                            extra_body=extra, **fields)
+    return r.choices[0].logprobs.tokens
+
+
+def test_penalties_and_logit_bias_change_sampling_as_specified(runner, api, hf):
+    """logit_bias -100 on greedy's first token changes it, +100 on a token forces it; presence and
+    frequency penalties give transformers' greedy with the penalties applied by hand, with
+    candidates as without; a seeded sampled request with penalties gives the same tokens with
+    candidates as without (the penalties depend only on the tokens so far: replays stay exact)."""
+    async def go():
+        tok = api.ctl.app.tokenizer
+        text = TokenText(tok)
+        prompt = tok(COUNTING)["input_ids"]
+        plain = hf_penalized(hf, prompt, 8)
+        banned = hf_penalized(hf, prompt, 8, bias={plain[0]: -100.0})
+        assert banned[0] != plain[0]
+        got = await http_tokens(api, prompt, 8, logit_bias={str(plain[0]): -100})
+        assert got == [text.text(t) for t in banned]
+        forced = tok(" Paris", add_special_tokens=False)["input_ids"][0]
+        got = await http_tokens(api, prompt, 4, logit_bias={str(forced): 100})
+        assert got == [text.text(forced)] * 4
+        want = hf_penalized(hf, prompt, 12, presence=1.5, frequency=0.5)
+        assert want != hf_penalized(hf, prompt, 12)
+        for speculate in (0, 4):
+            got = await http_tokens(api, prompt, 12, presence_penalty=1.5, frequency_penalty=0.5,
+                                    extra_body={"speculate": speculate})
+            assert got == [text.text(t) for t in want], speculate
+        sampling = stage_pb2.SamplingParams(temperature=0.8, seed=11, presence_penalty=1.0, frequency_penalty=1.0)
+        runs = [(await submit(api.ctl, prompt_token_ids=prompt, max_tokens=16, ignore_eos=True, sampling=sampling,
+                              speculate=k))[0] for k in (0, 4)]
+        assert runs[0] == runs[1]
     arun(runner, go())
