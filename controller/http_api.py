@@ -58,6 +58,7 @@ from logicpipe.controller.http_body import (
     chat_prompt,
     check_fields,
     completion_prompts,
+    echoed,
     number,
     parse,
     request_options,
@@ -276,7 +277,8 @@ class HttpApi:
                     await held.enter_async_context(self.door.admit(client))
                 completions = [await held.enter_async_context(self.door.open(p, options, client, admitted=True))
                                for p in prompts]
-                form = Form(self.model_id, api == "chat", completions, self.token_text)
+                echo = [p.text or self._decoded(p.token_ids) for p in prompts] if echoed(body, api) else None
+                form = Form(self.model_id, api == "chat", completions, self.token_text, echo)
                 if options.outline is not None:
                     return await self._outline(request, completions[0], form, stream, usage)
                 if not stream:
@@ -284,6 +286,10 @@ class HttpApi:
                         pass
                     return web.json_response(form.whole(), headers={"X-Request-Id": completions[0].id})
                 return await self._stream(request, completions, form, usage)
+
+    def _decoded(self, token_ids) -> str:
+        """A prompt of token ids as text, for `echo`."""
+        return self.door.tokenizer.decode(list(token_ids)) if self.door.tokenizer is not None else ""
 
     async def _outline(self, request, completion: Completion, form: Form, stream: bool, usage: bool):
         """An outline request's answer, in one piece at the end: points do not map onto one delta stream."""
@@ -303,9 +309,13 @@ class HttpApi:
         token count as their id (what a resume starts from; a batch is not resumable: no ids)."""
         one = len(completions) == 1
         response = None  # opened with the first token: an error before it still gets its status
+        echoed: set[int] = set()  # choices whose prompt (with `echo`) is out
         async for i, piece in merged(completions):
             response = response or await open_stream(request, completions[0].id)
             c = completions[i]
+            if form.echo is not None and i not in echoed:  # (the prompt's logprobs came with the first token)
+                echoed.add(i)
+                await response.write(form.echo_chunk(i))
             if piece.text or piece.token_ids:
                 await response.write(form.chunk(piece.text, None, index=i, piece=piece,
                                                 event_id=len(c.tokens) if one else None))

@@ -32,7 +32,7 @@ COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop
                     "user", "speculate", "top_k", "ignore_eos", "outline", "max_points", "presence_penalty",
                     "frequency_penalty", "logit_bias"})
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
-          "completions": COMMON | {"prompt", "logprobs"}}
+          "completions": COMMON | {"prompt", "logprobs", "echo"}}
 
 # OpenAI's parameters not implemented yet: accepted only with a value that asks for nothing (null always)
 NOT_YET = {
@@ -168,7 +168,8 @@ def number(body: dict, name: str, kind, default, low=None, high=None):
 def request_options(body: dict, api: str = "chat") -> RequestOptions:
     """The body's generation fields as the front door's options (`api`: "chat" or "completions")."""
     tokens = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
-    max_tokens = number(tokens, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, None)
+    echo = echoed(body, api)
+    max_tokens = number(tokens, "max_tokens", int, DEFAULT_MAX_TOKENS, 0 if echo else 1, None)  # 0: the prompt only
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
@@ -192,8 +193,19 @@ def request_options(body: dict, api: str = "chat") -> RequestOptions:
     if outline is not None and top_logprobs is not None:
         raise ApiError(400, "logprobs are not available for an outline request (its answer is several sequences)",
                        param="logprobs")
+    if echo and outline is not None:
+        raise ApiError(400, "echo is not available for an outline request", param="echo")
+    prompt_logprobs = None
+    if echo and (top_logprobs is not None or not max_tokens):  # (max_tokens 0 computes the prompt: its logprobs)
+        prompt_logprobs = top_logprobs or 0
     return RequestOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=boolean(body, "ignore_eos"),
-                          speculate=speculate, stop=tuple(stops), outline=outline, top_logprobs=top_logprobs)
+                          speculate=speculate, stop=tuple(stops), outline=outline, top_logprobs=top_logprobs,
+                          prompt_logprobs=prompt_logprobs)
+
+
+def echoed(body: dict, api: str) -> bool:
+    """completions' `echo`: the answer starts with the prompt (and its logprobs, when asked)."""
+    return api == "completions" and boolean(body, "echo")
 
 
 def logprobs(body: dict, api: str) -> int | None:

@@ -17,8 +17,10 @@ from logicpipe.controller.requests import Completion, Piece
 class Form:
     """The response objects of one request whose choices are `completions` (choice i: the i-th)."""
 
-    def __init__(self, model_id: str, chat: bool, completions: list[Completion], text: TokenText | None = None):
+    def __init__(self, model_id: str, chat: bool, completions: list[Completion], text: TokenText | None = None,
+                 echo: list[str] | None = None):
         self.model_id, self.chat, self.cs, self.text = model_id, chat, completions, text or TokenText(None)
+        self.echo = echo  # completions with `echo`: each choice's prompt text, which its text starts with
         self.id = ("chatcmpl-" if chat else "cmpl-") + completions[0].id[:24]
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
@@ -47,13 +49,22 @@ class Form:
         else:
             choice = {"index": index, "text": delta, "finish_reason": finish,
                       "logprobs": self.text.completions(tokens, piece.logprobs, self.sent[index]) if tokens else None}
-            self.sent[index] += sum(len(self.text.text(t)) for t in tokens)
+            self.sent[index] += sum(len(self.text.text(t)) for t in tokens) if tokens else 0
         obj = {"id": self.id, "object": self.kind + ".chunk" if self.chat else self.kind, "created": self.created,
                "model": self.model_id, "choices": [choice]}
         if outline:
             obj["outline"] = self.outline()
         head = f"id: {event_id}\n" if event_id is not None else ""
         return f"{head}data: {json.dumps(obj)}\n\n".encode()
+
+    def echo_chunk(self, index: int) -> bytes:
+        """A stream's first chunk of choice `index` with `echo`: its prompt (and the prompt's logprobs)."""
+        c = self.cs[index]
+        choice = {"index": index, "text": self.echo[index], "finish_reason": None,
+                  "logprobs": self.text.echoed(c.prompt_ids, c.prompt_logprobs) if c.top_logprobs is not None else None}
+        self.sent[index] = len(self.echo[index])
+        obj = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id, "choices": [choice]}
+        return f"data: {json.dumps(obj)}\n\n".encode()
 
     def usage(self) -> dict:
         prompt = sum(c.prompt_tokens for c in self.cs)
@@ -73,8 +84,16 @@ class Form:
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason,
                     "logprobs": {"content": self.text.chat(c.tokens, c.logprobs)} if asked else None}
-        return {"index": index, "text": c.text, "finish_reason": reason,
-                "logprobs": self.text.completions(c.tokens, c.logprobs) if asked else None}
+        if self.echo is None:
+            return {"index": index, "text": c.text, "finish_reason": reason,
+                    "logprobs": self.text.completions(c.tokens, c.logprobs) if asked else None}
+        prompt = self.echo[index]
+        lps = None
+        if asked:
+            lps, more = self.text.echoed(c.prompt_ids, c.prompt_logprobs), self.text.completions(c.tokens, c.logprobs,
+                                                                                                len(prompt))
+            lps = {k: v + more[k] for k, v in lps.items()}
+        return {"index": index, "text": prompt + c.text, "finish_reason": reason, "logprobs": lps}
 
     def whole(self, *, outline: bool = False) -> dict:
         obj = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,

@@ -64,6 +64,14 @@ class TokenText:
     def _entry(self, token_id: int, logprob: float | None) -> dict:
         return {"token": self.text(token_id), "logprob": logprob, "bytes": list(self.bytes(token_id))}
 
+    def echoed(self, prompt_ids, prompt_logprobs) -> dict:
+        """OpenAI completions' logprobs object of an echoed prompt: its first token has none (null),
+        each other its logprob from the position before it."""
+        lps = [None, *(prompt_logprobs or ())][:len(prompt_ids)]
+        out = self.completions(prompt_ids, lps + [None] * (len(prompt_ids) - len(lps)))
+        out["top_logprobs"][:1] = [None] * min(1, len(prompt_ids))
+        return out
+
     def completions(self, token_ids, logprobs, offset: int = 0) -> dict:
         """OpenAI completions' logprobs object of these tokens (`offset`: the text's length before
         the first, for text_offset)."""

@@ -89,7 +89,8 @@ class OutlineOptions:
 
 @dataclass(frozen=True)
 class RequestOptions:
-    max_tokens: int                                 # new tokens at most (per point for an outline)
+    max_tokens: int                                 # new tokens at most (per point for an outline); 0: none,
+                                                    # the prompt only (its logprobs: prompt_logprobs)
     sampling: SamplingParams = SamplingParams()
     ignore_eos: bool = False                        # go on past the model's stop tokens (benchmarks)
     speculate: int | None = None                    # candidates per step at most (None: the controller's)
@@ -99,13 +100,16 @@ class RequestOptions:
     request_id: str = ""                            # the client's id for it ("" : the controller makes one)
     api: str = ""                                   # which door it came by ("grpc", "chat", "completions")
     top_logprobs: int | None = None                 # each token's logprob and this many most likely (None: none)
+    prompt_logprobs: int | None = None              # ... each prompt token's too, from the second (None: none)
 
     def check(self) -> None:
         if self.request_id:
             check_id("request_id", self.request_id)
         if len(self.stop) > MAX_STOPS or not all(self.stop):
             raise InvalidArgument(f"stop: up to {MAX_STOPS} non-empty strings")
-        if self.outline is not None and self.top_logprobs is not None:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise InvalidArgument("max_tokens 0 asks for nothing: give max_tokens, or ask for the prompt's logprobs")
+        if self.outline is not None and (self.top_logprobs, self.prompt_logprobs) != (None, None):
             raise InvalidArgument("logprobs are not available for an outline request (its answer is several sequences)")
         if self.outline is not None and self.outline.max_points > MAX_POINTS:
             raise InvalidArgument(f"max_points {self.outline.max_points} is over the cap of {MAX_POINTS}")
@@ -165,6 +169,8 @@ class Completion:
     api: str = ""                                     # the door it was submitted by (a resume answers in its form)
     top_logprobs: int | None = None                   # it asked for logprobs with this many most likely tokens
     logprobs: list = field(default_factory=list)      # ... a TokenLogprob (None: not kept) per token received
+    prompt_ids: tuple[int, ...] = ()                  # its prompt's tokens
+    prompt_logprobs: list | None = None               # asked: a TokenLogprob per prompt token from the second
     _pieces: AsyncIterator[Piece] | None = None
 
     def __aiter__(self) -> AsyncIterator[Piece]:
@@ -219,9 +225,10 @@ class FrontDoor:
             if req.meta.get("client", client) != client:  # (not released: that would end it for its client)
                 raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or it "
                                "failed) or was never admitted; submit it again")
-            o = RequestOptions(req.max_tokens, req.sampling, stop=tuple(req.meta.get("stop", ())))
+            o = RequestOptions(0 if req.meta.get("prompt_only") else req.max_tokens, req.sampling,
+                               stop=tuple(req.meta.get("stop", ())), prompt_logprobs=req.prompt_logprobs)
             c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=req.meta.get("api", ""),
-                           top_logprobs=req.top_logprobs)
+                           top_logprobs=req.top_logprobs, prompt_ids=tuple(req.prompt_ids))
             c._pieces = self._plain_pieces(c, handle, o, skip=have)
             try:
                 yield c
@@ -255,11 +262,13 @@ class FrontDoor:
     # ---- plain requests ------------------------------------------------------------------------
     async def _plain(self, prompt: Prompt, o: RequestOptions, client: str) -> Completion:
         ids = await self.token_ids(prompt)
-        handle = self.scheduler.submit(Job(tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
-                                           prefill_chunk=o.prefill_chunk, request_id=o.request_id,
-                                           top_logprobs=o.top_logprobs,
-                                           meta={"stop": list(o.stop), "api": o.api, "client": client}))
-        c = Completion(handle.id, len(ids), handle=handle, api=o.api, top_logprobs=o.top_logprobs)
+        meta = {"stop": list(o.stop), "api": o.api, "client": client, **({"prompt_only": True} if not o.max_tokens else {})}
+        handle = self.scheduler.submit(Job(tuple(ids), max(1, o.max_tokens), o.sampling, o.ignore_eos,
+                                           speculate=o.speculate, prefill_chunk=o.prefill_chunk,
+                                           request_id=o.request_id, top_logprobs=o.top_logprobs,
+                                           prompt_logprobs=o.prompt_logprobs, meta=meta))
+        c = Completion(handle.id, len(ids), handle=handle, api=o.api, top_logprobs=o.top_logprobs,
+                       prompt_ids=tuple(ids))
         c._pieces = self._plain_pieces(c, handle, o)
         return c
 
@@ -270,6 +279,12 @@ class FrontDoor:
         text, stops = TextStream(self.tokenizer), StopScan(o.stop)
         async with contextlib.aclosing(handle.updates()) as updates:
             async for u in updates:
+                if o.prompt_logprobs is not None and c.prompt_logprobs is None:  # they come with the first token
+                    c.prompt_logprobs = list(getattr(handle.request, "prompt_lps", None) or [])
+                if not o.max_tokens:  # the prompt only: its one computed token is not the client's
+                    c.finish_reason = "length"
+                    yield Piece((), "", finished=True, finish_reason="length")
+                    return
                 c.tokens.append(u.token_id)
                 if c.top_logprobs is not None:
                     c.logprobs.append(u.logprob)

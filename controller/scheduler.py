@@ -91,6 +91,7 @@ class Job:
     keep_open: bool = False                # the sequence stays open after it finishes, until released (forks)
     request_id: str = ""                   # the client's id for it ("" : one is made); resumed by this id
     top_logprobs: int | None = None        # each token's logprob and this many most likely ones (None: none)
+    prompt_logprobs: int | None = None     # ... each prompt token's too (from the second), this many most likely
     meta: dict = field(default_factory=dict, hash=False, compare=False)  # the adapter's (stop strings, API), journaled
 
 
@@ -100,7 +101,8 @@ def job_to_json(req: "Request") -> dict:
     return {"prompt": req.prompt_ids, "max_tokens": req.max_tokens,
             "sampling": [s.temperature, s.top_k, s.top_p, s.seed, s.presence_penalty, s.frequency_penalty,
                          [list(b) for b in s.logit_bias]], "stop_ids": sorted(req.stop_ids),
-            "speculate": req.speculate, "chunk": req.chunk_asked, "meta": req.meta, "top_logprobs": req.top_logprobs}
+            "speculate": req.speculate, "chunk": req.chunk_asked, "meta": req.meta, "top_logprobs": req.top_logprobs,
+            "prompt_logprobs": req.prompt_logprobs}
 
 
 @dataclass
@@ -113,6 +115,8 @@ class Request:
     received: list[int] = field(default_factory=list)   # reported by the last stage (a replay's input)
     top_logprobs: int | None = None  # asked for each token's logprob and this many most likely ones (None: not)
     logprobs: list = field(default_factory=list)  # ... TokenLogprob | None per token of `received` (None: not kept)
+    prompt_logprobs: int | None = None  # asked for each prompt token's logprob (from the second) and this many top
+    prompt_lps: list | None = None      # ... their TokenLogprobs, once the last stage reported them
     delivered: int = 0        # tokens handed to a client (the most any of its readers got)
     error: MeshError | None = None  # why it failed (its readers raise it after the tokens they have not read)
     stage_reason: str = ""    # the finish reason the last stage reported with its last token
@@ -281,6 +285,8 @@ class Scheduler:
             if req.top_logprobs is not None:  # (not journaled: a restored request has none for its earlier tokens)
                 got = [TokenLogprob.from_proto(lp) for lp in t.logprobs]
                 req.logprobs.extend(got + [None] * (len(t.token_ids) - len(got)))
+            if req.prompt_logprobs is not None and req.prompt_lps is None:  # (the first event of a session asked)
+                req.prompt_lps = [TokenLogprob.from_proto(lp) for lp in t.prompt_logprobs]
             req.failures = 0  # it moves again
             req.done = t.finished
             req.stage_reason = t.finish_reason
@@ -353,8 +359,9 @@ class Scheduler:
         bad = next((t for t, _ in job.sampling.logit_bias if not 0 <= t < cfg.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
-        if job.top_logprobs is not None and not 0 <= job.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {job.top_logprobs}")
+        for name, top in (("top_logprobs", job.top_logprobs), ("prompt_logprobs", job.prompt_logprobs)):
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise InvalidArgument(f"{name} must be 0 to {MAX_TOP_LOGPROBS}, not {top}")
         largest = self.pipeline.largest_request() if self.pipeline.stages else 0
         if largest and len(prompt_ids) + max_tokens > largest:
             raise ResourceExhausted(
@@ -376,7 +383,8 @@ class Scheduler:
         req = Request(job.request_id or uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, sampling, stops,
                       priority=next(self._arrivals), parent=job.parent, keep_open=job.keep_open,
                       speculate=self.config.speculate if job.speculate is None else job.speculate,
-                      chunk_asked=job.prefill_chunk, meta=dict(job.meta), top_logprobs=job.top_logprobs)
+                      chunk_asked=job.prefill_chunk, meta=dict(job.meta), top_logprobs=job.top_logprobs,
+                      prompt_logprobs=job.prompt_logprobs)
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.requests[req.id] = req
         if job.parent is None and not job.keep_open:  # forks (outline points) live and die with their run
@@ -413,6 +421,7 @@ class Scheduler:
                           frozenset(j["stop_ids"]), received=list(e.tokens), priority=e.priority,
                           speculate=int(j["speculate"]), chunk_asked=int(j["chunk"]), meta=dict(j.get("meta") or {}),
                           restored=True, detached_since=now, top_logprobs=j.get("top_logprobs"),
+                          prompt_logprobs=j.get("prompt_logprobs"),
                           logprobs=[None] * len(e.tokens))
             top = max(top, e.priority)
             self.requests[req.id] = req
@@ -664,6 +673,8 @@ class Scheduler:
             generated=len(req.received), priority=req.priority, speculate=req.speculate)
         if req.top_logprobs is not None:
             open_request.top_logprobs = req.top_logprobs
+        if req.prompt_logprobs is not None and req.prompt_lps is None:  # (a replay after the first token: has them)
+            open_request.prompt_logprobs = req.prompt_logprobs
         forked = req.parent[1] if req.parent is not None and not req.received else 0  # positions it shares
         chunk = req.chunk_asked
         if not chunk:

@@ -85,7 +85,8 @@ def submit_request(request: controller_pb2.SubmitRequest) -> tuple[Prompt, Reque
         sampling=SamplingParams.from_proto(request.sampling), ignore_eos=request.ignore_eos,
         speculate=request.speculate if request.HasField("speculate") else None, prefill_chunk=request.prefill_chunk,
         outline=outline, request_id=request.request_id, api="grpc",
-        top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None)
+        top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None,
+        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
     return prompt, options
 
 
@@ -163,6 +164,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                                                logprobs=[lp.to_proto() for lp in piece.logprobs if lp is not None])
             if first:
                 reply.stages.extend(stage_info(s) for s in self.app.stage_views())
+                reply.prompt_logprobs.extend(lp.to_proto() for lp in completion.prompt_logprobs or ())
                 first = False
             if piece.finished:
                 reply.timings.CopyFrom(timings_proto(completion.timings(), completion))

@@ -127,7 +127,8 @@ class Engine:
                 self.next_link.send([p.work for p in done], self.assignment.generation, hidden_of(step, result, done))
             return None
         out = last_stage.take_tokens(sched, self.kv, done, result.tokens, orphaned=self.orphaned,
-                                     draft_model=self.draft_model() is not None, logprobs=result.logprobs)
+                                     draft_model=self.draft_model() is not None, logprobs=result.logprobs,
+                                     prompt_logprobs=result.prompt_logprobs)
         st.sampled_steps += out.sampled
         st.sampled_tokens += out.tokens
         st.candidates_verified += out.verified

@@ -24,6 +24,7 @@ class TokenEvent:
     finish_reason: str = ""  # "stop" | "length" when they end it
     candidates: int = 0      # candidates verified in the step that made them
     logprobs: tuple = ()     # a sampling.TokenLogprob per token, when the session asked for them
+    prompt_logprobs: tuple = ()  # the first event, when asked: a TokenLogprob per prompt token from position 1
 
 
 @dataclass(frozen=True)

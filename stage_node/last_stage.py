@@ -43,15 +43,20 @@ class Outcome:
 
 
 def take_tokens(scheduler: Scheduler, kv: KVManager, done: list[PlannedSeq], tokens: dict[str, list[int]], *,
-                orphaned: Callable[[Sequence], bool], draft_model: bool, logprobs: dict | None = None) -> Outcome:
+                orphaned: Callable[[Sequence], bool], draft_model: bool, logprobs: dict | None = None,
+                prompt_logprobs: dict | None = None) -> Outcome:
     """The tokens of every sampled sequence of a step (`tokens`: what the runner sampled or
     verified, per sequence; `logprobs`: their TokenLogprobs, of the sequences that asked), the
-    feeds for stage 0 and their candidates. `orphaned`: sequences whose owner is gone get no feed;
+    feeds for stage 0 and their candidates; `prompt_logprobs`: position -> TokenLogprob of the
+    prompt rows computed, kept on the sequence until its first event carries them. `orphaned`: sequences whose owner is gone get no feed;
     `draft_model`: candidates come from it (as jobs), else from prompt lookup (in the feeds)."""
     logprobs = logprobs or {}
+    prompt_logprobs = prompt_logprobs or {}
     out = Outcome()
     offers: list[tuple[int, Sequence, int, list[int] | None]] = []  # (feed, seq, how many, lookup's proposal)
     for p in done:
+        if p.seq.id in prompt_logprobs:
+            p.seq.prompt_lps = {**(p.seq.prompt_lps or {}), **prompt_logprobs[p.seq.id]}
         if not p.work.sample or p.seq.id not in tokens:
             continue
         index = p.seq.generated
@@ -63,7 +68,10 @@ def take_tokens(scheduler: Scheduler, kv: KVManager, done: list[PlannedSeq], tok
         out.verified += k
         out.accepted += len(reported) - 1 if k else 0
         lps = tuple(logprobs.get(p.seq.id, ())[:len(reported)])  # (cut with the tokens at a stop)
-        out.events[p.seq.spec.owner].append(TokenEvent(p.seq.id, tuple(reported), index, reason, k, lps))
+        prompt_lps = ()
+        if p.seq.prompt_lps is not None:  # the first event: every prompt token's, in order
+            prompt_lps, p.seq.prompt_lps = tuple(lp for _, lp in sorted(p.seq.prompt_lps.items())), None
+        out.events[p.seq.spec.owner].append(TokenEvent(p.seq.id, tuple(reported), index, reason, k, lps, prompt_lps))
         if orphaned(p.seq):
             continue
         pos = p.work.stop - k + len(reported) - 1  # where its last token goes

@@ -31,6 +31,8 @@ from logicpipe.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
 
+PROMPT_LOGITS_ROWS = 256  # prompt rows per pass over the LM head for prompt logprobs (each row: vocab floats)
+
 
 class Runner:
     """A single worker thread that owns torch for the whole process."""
@@ -59,6 +61,7 @@ class StepResult:
     ok: list[str] = field(default_factory=list)              # sequences computed, in step order
     tokens: dict[str, list[int]] = field(default_factory=dict)  # last stage: new tokens per sampled sequence
     logprobs: dict[str, list] = field(default_factory=dict)     # ... their TokenLogprobs (sessions that asked)
+    prompt_logprobs: dict[str, dict] = field(default_factory=dict)  # ... position -> TokenLogprob of prompt rows
     failed: dict[str, MeshError] = field(default_factory=dict)
 
 
@@ -87,6 +90,7 @@ def execute(shard: Shard, pool: KVPool, step: Step, wire_dtype: str = "") -> Ste
         result.ok = [p.seq.id for p in seqs]
         if shard.last:
             _sample(shard, seqs, outs, result)
+            _prompt_logprobs(shard, seqs, outs, result)
         elif seqs:
             hidden = torch.cat([outs[p.seq.id] for p in seqs])
             result.hidden = tensor_codec.from_tensor(hidden.to(getattr(torch, wire_dtype)) if wire_dtype else hidden)
@@ -182,3 +186,23 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
         if top is not None:  # token j was chosen in row r + j (an accepted candidate's verification row)
             tokens = result.tokens[p.seq.id]
             result.logprobs[p.seq.id] = token_logprobs(raw[r: r + len(tokens)], tokens, top)  # the model's own
+
+
+def _prompt_logprobs(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor], result: StepResult) -> None:
+    """Last stage, sessions that asked for prompt logprobs: the logprob of each prompt token at
+    position i + 1 from the logits of row i of this step (the prompt's last row samples the first
+    new token: not one of them); the LM head runs over PROMPT_LOGITS_ROWS rows at a time."""
+    for p in seqs:
+        spec, w = p.seq.spec, p.work
+        if spec.prompt_logprobs is None:
+            continue
+        prompt = spec.prompt[:len(spec.prompt) - spec.generated]  # a replay's holds its generated tokens too
+        m = min(w.stop, len(prompt) - 1) - w.start_pos  # rows whose next token is a prompt token
+        got = {}
+        for a in range(0, max(0, m), PROMPT_LOGITS_ROWS):
+            rows = outs[p.seq.id][a: min(m, a + PROMPT_LOGITS_ROWS)]
+            first = w.start_pos + 1 + a  # the position of the token row a predicts
+            lps = token_logprobs(shard.logits(rows), prompt[first: first + rows.shape[0]], spec.prompt_logprobs)
+            got.update(zip(range(first, first + len(lps)), lps))
+        if got:
+            result.prompt_logprobs[p.seq.id] = got

@@ -128,7 +128,8 @@ class Scheduler:
             table = kv.fork(spec.parent, spec.session_id, spec.parent_length, spec.capacity)
         else:
             table = kv.open(spec.session_id, spec.capacity)
-            kv.attach_prefix(spec.session_id, spec.prompt)
+            if not (self.last and spec.prompt_logprobs is not None):  # (those need every prompt row's logits)
+                kv.attach_prefix(spec.session_id, spec.prompt)
         try:
             watermark = sum(1 for s in self.seqs.values() if s.status is not SeqStatus.FINISHED)
             need = max(0, kv.blocks_for(len(spec.prompt)) - len(table.blocks))

@@ -56,6 +56,7 @@ class SeqSpec:
     speculate: int = 0                     # last stage: candidates drafted per step at most (0: none)
     prefill_chunk: int = 0                 # stage 0: prompt rows of it in one step at most (0: the budget)
     top_logprobs: int | None = None        # last stage: report each token's logprob and this many top ones (None: no)
+    prompt_logprobs: int | None = None     # last stage: ... each prompt token's too, with the first token (None: no)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Sequence:
     last_step: int = 0                     # id of the last step that included it (round robin)
     draft: "Drafter | None" = None         # last stage, speculating: its drafter (made on its first token)
     counts: Counter | None = None          # last stage, penalized: how often it generated each token (made on first use)
+    prompt_lps: dict[int, object] | None = None  # last stage, prompt_logprobs: position -> TokenLogprob, until reported
 
     def generated_counts(self) -> Counter:
         """Last stage: how often the sequence generated each token so far (what OpenAI's penalties

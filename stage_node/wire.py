@@ -71,8 +71,9 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
     bad = next((t for t in req.sampling.logit_bias if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if req.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidArgument(f"top_logprobs {req.top_logprobs} is over the cap of {MAX_TOP_LOGPROBS}")
+    for name in ("top_logprobs", "prompt_logprobs"):
+        if getattr(req, name) > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"{name} {getattr(req, name)} is over the cap of {MAX_TOP_LOGPROBS}")
     if req.parent_session_id:
         check_id("parent_session_id", req.parent_session_id)
         if req.parent_length > len(prompt):
@@ -83,7 +84,8 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                    owner=req.owner, opener=opener, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
                    parent_length=req.parent_length, index=req.sequence, priority=req.priority,
                    speculate=req.speculate, prefill_chunk=req.prefill_chunk,
-                   top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None)
+                   top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
+                   prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None)
 
 
 def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:
@@ -148,7 +150,8 @@ def event_to_proto(ev: Event) -> stage_pb2.Event:
     if isinstance(ev, TokenEvent):
         return stage_pb2.Event(session_id=ev.session_id, token=stage_pb2.TokenEvent(
             token_ids=ev.token_ids, index=ev.index, finished=bool(ev.finish_reason), finish_reason=ev.finish_reason,
-            candidates=ev.candidates, logprobs=[lp.to_proto() for lp in ev.logprobs]))
+            candidates=ev.candidates, logprobs=[lp.to_proto() for lp in ev.logprobs],
+            prompt_logprobs=[lp.to_proto() for lp in ev.prompt_logprobs]))
     return stage_pb2.Event(session_id=ev.session_id, error=stage_pb2.SessionError(
         code=code_number(ev.error.code), message=str(ev.error), node_id=ev.node_id))
 

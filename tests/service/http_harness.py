@@ -40,6 +40,8 @@ class FakeRequest:
     meta: dict = field(default_factory=dict)
     session_id: str = ""
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_lps: list | None = None  # made-up prompt logprobs: -1 - i / 10 for prompt token i + 1
 
 
 def fake_logprob(token: int, i: int, top: int | None) -> TokenLogprob | None:
@@ -66,6 +68,9 @@ class FakeHandle:
 
     async def updates(self, start: int = 0):
         tokens = self.fake.answer[: self.request.max_tokens]
+        req = self.request
+        if req.prompt_logprobs is not None:
+            req.prompt_lps = [TokenLogprob(-1 - i / 10) for i in range(len(req.prompt_ids) - 1)]
         for i, t in enumerate(tokens):
             if i == 1:  # one token out, then (if held) wait: a stream has begun, the request is open
                 await self.fake.gate.wait()
@@ -103,7 +108,8 @@ class FakeScheduler:
         if job.request_id in self.requests:
             raise AlreadyExists(f"request {job.request_id} exists; resume it instead of submitting it again")
         req = FakeRequest(job.request_id or uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, job.sampling,
-                          dict(job.meta), session_id=uuid.uuid4().hex, top_logprobs=job.top_logprobs)
+                          dict(job.meta), session_id=uuid.uuid4().hex, top_logprobs=job.top_logprobs,
+                          prompt_logprobs=job.prompt_logprobs)
         handle = self.requests[req.id] = FakeHandle(self, req)
         return handle
 

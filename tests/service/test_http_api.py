@@ -16,7 +16,7 @@ from logicpipe.controller.http_api import MAX_BODY_BYTES
 from logicpipe.controller.http_auth import ApiKeys, parse
 
 from .conftest import run
-from .http_harness import http_api
+from .http_harness import http_api, tokenizer
 
 TOKEN_A, TOKEN_B = "a" * 32, "b" * 32
 KEYS = ApiKeys(parse(f"alice {TOKEN_A}\nbob {TOKEN_B}\n"))
@@ -64,6 +64,9 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
     ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("top_logprobs on completions", "/v1/completions", b'{"prompt": "hi", "top_logprobs": 2}', 400, "top_logprobs"),
     ("logprobs of an outline", CHAT, chat(logprobs=True, outline=True), 400, "logprobs"),
+    ("echo on chat", CHAT, chat(echo=True), 400, "echo"),
+    ("max_tokens 0 without echo", "/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    ("echo \"true\"", "/v1/completions", b'{"prompt": "hi", "echo": "true"}', 400, "echo"),
     ("n 2", CHAT, chat(n=2), 400, "n"),
     ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
@@ -387,4 +390,38 @@ def test_logprobs_in_openais_shapes(model_dir):
                 assert [len(t) for t in lp["top_logprobs"]] == [3] * 4
                 assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
                 assert all(t[tok] == v for t, tok, v in zip(lp["top_logprobs"], lp["tokens"], lp["token_logprobs"]))
+    run(go())
+
+
+def test_echo_gives_the_prompt_and_its_logprobs(model_dir):
+    """completions `echo`: the text starts with the prompt; with logprobs, the prompt's tokens come
+    first (the first with null logprobs), text_offset runs over prompt and answer; max_tokens 0
+    (what loglikelihood evaluation sends) answers the prompt alone; streamed, the prompt is the
+    first chunk."""
+    async def go():
+        async with http_api(model_dir) as (client, fake):
+            prompt = "The capital of France is"
+            n = len(tokenizer(model_dir)(prompt)["input_ids"])
+            status, _, body = await client.post("/v1/completions", json={"prompt": prompt, "echo": True,
+                                                                          "max_tokens": 0, "logprobs": 1})
+            assert status == 200, body
+            (choice,) = body["choices"]
+            lp = choice["logprobs"]
+            assert choice["text"] == prompt and "".join(lp["tokens"]) == prompt and len(lp["tokens"]) == n
+            assert lp["token_logprobs"] == [None] + [-1 - i / 10 for i in range(n - 1)]
+            assert lp["top_logprobs"][0] is None and body["usage"]["completion_tokens"] == 0
+            status, _, body = await client.post("/v1/completions", json={"prompt": prompt, "echo": True,
+                                                                          "max_tokens": 2, "logprobs": 0})
+            (choice,) = body["choices"]
+            lp = choice["logprobs"]
+            assert choice["text"].startswith(prompt) and len(choice["text"]) > len(prompt)
+            assert len(lp["tokens"]) == n + 2 and lp["token_logprobs"][n:] == [-0.1, -0.2]
+            assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 2)]
+            status, _, text = await client.post("/v1/completions", json={"prompt": prompt, "echo": True,
+                                                                          "max_tokens": 2, "stream": True})
+            parts = [json.loads(line[6:])["choices"][0] for line in text.splitlines() if line.startswith("data: {")]
+            assert parts[0]["text"] == prompt and parts[0]["logprobs"] is None
+            assert "".join(p["text"] for p in parts) == choice["text"]
+            status, _, body = await client.post("/v1/completions", json={"prompt": prompt, "echo": True})
+            assert status == 200 and body["choices"][0]["text"].startswith(prompt)
     run(go())

@@ -255,3 +255,37 @@ def test_penalties_and_logit_bias_change_sampling_as_specified(runner, api, hf):
                               speculate=k))[0] for k in (0, 4)]
         assert runs[0] == runs[1]
     arun(runner, go())
+
+
+def test_echo_prompt_logprobs_equal_a_transformers_forward(runner, api, hf):
+    """What loglikelihood evaluation asks (echo, max_tokens 0 or 1, logprobs): every prompt token
+    but the first with transformers' log-softmax of the position before it, also when the prompt
+    is in the prefix cache already (the last stage computes it in full); gRPC the same."""
+    async def go():
+        import torch
+
+        tok = api.ctl.app.tokenizer
+        prompt = tok(COUNTING)["input_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+        want = [float(ref[i - 1, t]) for i, t in enumerate(prompt) if i]
+        worst = 0.0
+        for max_tokens in (0, 1, 0):  # the third: its blocks are in the prefix cache
+            r = await api.client.completions.create(model=api.model, prompt=COUNTING, echo=True, max_tokens=max_tokens,
+                                                    logprobs=2, temperature=0)
+            lp = r.choices[0].logprobs
+            assert r.choices[0].text.startswith(COUNTING) and lp.token_logprobs[0] is None
+            got = lp.token_logprobs[1:len(prompt)]
+            assert len(got) == len(want) and len(lp.tokens) == len(prompt) + max_tokens
+            worst = max(worst, max(abs(a - b) for a, b in zip(got, want)))
+            for i, top in enumerate(lp.top_logprobs[1:len(prompt)]):
+                assert len(top) == 2 and list(top.values()) == sorted(top.values(), reverse=True)
+                assert abs(max(top.values()) - float(ref[i].max())) < LOGPROB_TOL
+        replies = [r async for r in api.ctl.stub.Submit(controller_pb2.SubmitRequest(
+            prompt_token_ids=prompt, max_tokens=1, prompt_logprobs=0), timeout=CALL_TIMEOUT_S)]
+        got = [lp.logprob for lp in replies[0].prompt_logprobs]
+        worst = max(worst, max(abs(a - b) for a, b in zip(got, want)))
+        assert len(got) == len(want) and not any(r.prompt_logprobs for r in replies[1:])
+        print(f"echo: max |ours - transformers'| = {worst:.2e} nats")
+        assert worst < LOGPROB_TOL
+    arun(runner, go())
