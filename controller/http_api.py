@@ -6,6 +6,8 @@ template, stop strings and outline requests.
     POST /v1/chat/completions   messages (system/developer/user/assistant) through the model's chat template
     POST /v1/completions        a raw prompt (a string, or a list of token ids), or a batch of them:
                                 each prompt is its own choice (`index`), computed as its own request
+    (both: `n` choices of each prompt, the prompt computed once and forked: FrontDoor.open_n;
+     logprobs, penalties, logit_bias; completions' echo: controller.http_body, controller.http_form)
     GET  /v1/models             the one model the mesh serves
     GET  /v1/models/{id}        that model (404 model_not_found for any other id)
     GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
@@ -68,7 +70,7 @@ from logicpipe.controller.http_body import (
 from logicpipe.controller.http_form import Form, close_stream, merged, open_stream
 from logicpipe.controller.logprobs import TokenText
 from logicpipe.controller.metrics import Metrics
-from logicpipe.controller.requests import Completion, FrontDoor, host_client
+from logicpipe.controller.requests import MAX_CHOICES, Completion, FrontDoor, host_client
 from logicpipe.controller.state import Phase
 from logicpipe.errors import (
     AlreadyExists,
@@ -243,9 +245,6 @@ class HttpApi:
         if model not in (None, self.model_id):
             raise ApiError(404, f"the model {shown(model, 100)!r} does not exist; this mesh serves {self.model_id!r}",
                            code="model_not_found", param="model")
-        if number(body, "n", int, 1, 1, None) != 1:
-            raise ApiError(400, "n must be 1: several choices per request are not supported by this server yet",
-                           param="n", code="unsupported_parameter")
         return body
 
     async def chat(self, request):
@@ -267,16 +266,24 @@ class HttpApi:
                 except InvalidArgument as exc:
                     raise ApiError(400, str(exc), param="X-Request-Id") from None
             options = replace(request_options(body, api), request_id=rid, api=api)
-            if len(prompts) > 1:
-                for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None)):
+            n = number(body, "n", int, 1, 1, MAX_CHOICES)
+            if len(prompts) * n > 1:
+                for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None),
+                                    ("echo", n > 1 and echoed(body, api))):
                     if given:
-                        raise ApiError(400, f"{name} is for one prompt: send each prompt of the batch as its own "
-                                            "request", param=name)
+                        raise ApiError(400, f"{name} is for one choice: send each prompt of a batch, or each of "
+                                            "n choices, as its own request", param=name)
             async with contextlib.AsyncExitStack() as held:
-                for _ in prompts[1:]:  # each further prompt of a batch counts toward the client's cap
+                for _ in range(len(prompts) * n - 1):  # each further choice counts toward the client's cap
                     await held.enter_async_context(self.door.admit(client))
-                completions = [await held.enter_async_context(self.door.open(p, options, client, admitted=True))
-                               for p in prompts]
+                completions = []  # choice i * n + j: prompt i's j-th (OpenAI's order)
+                for p in prompts:
+                    if n == 1:
+                        completions.append(await held.enter_async_context(self.door.open(p, options, client,
+                                                                                          admitted=True)))
+                    else:
+                        completions += await held.enter_async_context(self.door.open_n(p, options, client, n,
+                                                                                        admitted=True))
                 echo = [p.text or self._decoded(p.token_ids) for p in prompts] if echoed(body, api) else None
                 form = Form(self.model_id, api == "chat", completions, self.token_text, echo)
                 if options.outline is not None:

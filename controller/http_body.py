@@ -7,7 +7,7 @@ result other than the one it asked for:
 - the body is a JSON object, nested at most MAX_JSON_DEPTH deep, with no lone UTF-16 surrogate in
   any string (it has no UTF-8 form: the tokenizer cannot take it) and no NaN or Infinity;
 - every field is one this API honours, or one of OpenAI's it does not implement yet (NOT_YET)
-  carrying the value that asks for nothing (`"echo": false`, `"n": 1`);
+  carrying the value that asks for nothing (`"echo": false`, `"best_of": 1`);
   anything else is refused by name, never ignored;
 - booleans are JSON booleans (`"stream": "yes"` is refused, not taken as true), numbers are finite
   numbers of the field's kind and range.

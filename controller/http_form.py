@@ -67,7 +67,7 @@ class Form:
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     def usage(self) -> dict:
-        prompt = sum(c.prompt_tokens for c in self.cs)
+        prompt = sum(c.prompt_tokens for c in self.cs if not c.shares_prompt)  # n choices: their prompt once
         n = sum(len(c.tokens) for c in self.cs)
         return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 

@@ -38,6 +38,7 @@ MAX_PROMPT_CHARS = 2**20   # characters of one prompt or conversation (refused b
 MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
 MAX_CHAT_MESSAGES = 1024   # turns of one conversation
 MAX_STOPS = 4              # stop strings of one request
+MAX_CHOICES = 16           # completions of one prompt in one request (OpenAI's n)
 DEFAULT_REQUESTS_PER_CLIENT = 64  # requests one client may have open at once (--max-requests-per-client)
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system turn (o1 and later models)
 ROLES = (*CHAT_ROLES, *ROLE_ALIASES)    # the roles a conversation's turns may have
@@ -171,6 +172,7 @@ class Completion:
     logprobs: list = field(default_factory=list)      # ... a TokenLogprob (None: not kept) per token received
     prompt_ids: tuple[int, ...] = ()                  # its prompt's tokens
     prompt_logprobs: list | None = None               # asked: a TokenLogprob per prompt token from the second
+    shares_prompt: bool = False                       # a choice after the first of n: its prompt is counted once
     _pieces: AsyncIterator[Piece] | None = None
 
     def __aiter__(self) -> AsyncIterator[Piece]:
@@ -211,6 +213,45 @@ class FrontDoor:
                 await completion._pieces.aclose()
                 if completion.handle is not None:
                     completion.handle.release()
+
+    @contextlib.asynccontextmanager
+    async def open_n(self, prompt: Prompt, options: RequestOptions, client: str, n: int, *,
+                     admitted: bool = False) -> AsyncIterator[list[Completion]]:
+        """`n` completions of one prompt (OpenAI's `n`), the prompt computed once: a sequence of its
+        own computes it (sampling one token, unused) and stays open while each choice forks its KV,
+        so a choice computes only its prompt's last row again (to sample its first token). Choice
+        i's draws mix in i: a seeded request gives n different answers (choice 0 the answer of
+        n = 1), greedy n equal ones. Not journaled (forks live and die with their request)."""
+        if not 1 <= n <= MAX_CHOICES:
+            raise InvalidArgument(f"n must be 1 to {MAX_CHOICES} choices, not {n}")
+        async with self._held(client, admitted):
+            prompt.check()
+            options.check()
+            if options.outline is not None or options.prompt_logprobs is not None or not options.max_tokens:
+                raise InvalidArgument("n > 1 is for plain requests: not with an outline or the prompt's logprobs")
+            o = options
+            ids = await self.token_ids(prompt)
+            parent = self.scheduler.submit(Job(tuple(ids), 1, SamplingParams(), keep_open=True, speculate=0,
+                                               prefill_chunk=o.prefill_chunk, meta={"client": client}))
+            completions: list[Completion] = []
+            try:
+                async for _ in parent.updates():  # the prompt is in the stages' KV
+                    pass
+                for i in range(n):
+                    handle = self.scheduler.submit(Job(
+                        tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
+                        prefill_chunk=o.prefill_chunk, parent=(parent.session_id, len(ids)), top_logprobs=o.top_logprobs,
+                        sequence=i, meta={"stop": list(o.stop), "api": o.api, "client": client}))
+                    c = Completion(handle.id, len(ids), handle=handle, api=o.api, top_logprobs=o.top_logprobs,
+                                   prompt_ids=tuple(ids), shares_prompt=i > 0)
+                    c._pieces = self._plain_pieces(c, handle, o)
+                    completions.append(c)
+                yield completions
+            finally:
+                for c in completions:
+                    await c._pieces.aclose()
+                    c.handle.release()
+                parent.release()
 
     @contextlib.asynccontextmanager
     async def resume(self, request_id: str, have: int, client: str, *,

@@ -92,6 +92,7 @@ class Job:
     request_id: str = ""                   # the client's id for it ("" : one is made); resumed by this id
     top_logprobs: int | None = None        # each token's logprob and this many most likely ones (None: none)
     prompt_logprobs: int | None = None     # ... each prompt token's too (from the second), this many most likely
+    sequence: int = 0                      # its index among its request's choices: mixed into its draws
     meta: dict = field(default_factory=dict, hash=False, compare=False)  # the adapter's (stop strings, API), journaled
 
 
@@ -117,6 +118,7 @@ class Request:
     logprobs: list = field(default_factory=list)  # ... TokenLogprob | None per token of `received` (None: not kept)
     prompt_logprobs: int | None = None  # asked for each prompt token's logprob (from the second) and this many top
     prompt_lps: list | None = None      # ... their TokenLogprobs, once the last stage reported them
+    sequence: int = 0                   # its index among its request's choices (n > 1): mixed into its draws
     delivered: int = 0        # tokens handed to a client (the most any of its readers got)
     error: MeshError | None = None  # why it failed (its readers raise it after the tokens they have not read)
     stage_reason: str = ""    # the finish reason the last stage reported with its last token
@@ -384,7 +386,7 @@ class Scheduler:
                       priority=next(self._arrivals), parent=job.parent, keep_open=job.keep_open,
                       speculate=self.config.speculate if job.speculate is None else job.speculate,
                       chunk_asked=job.prefill_chunk, meta=dict(job.meta), top_logprobs=job.top_logprobs,
-                      prompt_logprobs=job.prompt_logprobs)
+                      prompt_logprobs=job.prompt_logprobs, sequence=job.sequence)
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.requests[req.id] = req
         if job.parent is None and not job.keep_open:  # forks (outline points) live and die with their run
@@ -670,7 +672,7 @@ class Scheduler:
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.received), priority=req.priority, speculate=req.speculate)
+            generated=len(req.received), priority=req.priority, speculate=req.speculate, sequence=req.sequence)
         if req.top_logprobs is not None:
             open_request.top_logprobs = req.top_logprobs
         if req.prompt_logprobs is not None and req.prompt_lps is None:  # (a replay after the first token: has them)

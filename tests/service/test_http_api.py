@@ -67,7 +67,9 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
     ("echo on chat", CHAT, chat(echo=True), 400, "echo"),
     ("max_tokens 0 without echo", "/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     ("echo \"true\"", "/v1/completions", b'{"prompt": "hi", "echo": "true"}', 400, "echo"),
-    ("n 2", CHAT, chat(n=2), 400, "n"),
+    ("n 17", CHAT, chat(n=17), 400, "n"),
+    ("n 0", CHAT, chat(n=0), 400, "n"),
+    ("n 2 with echo", "/v1/completions", b'{"prompt": "hi", "n": 2, "echo": true}', 400, "echo"),
     ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("logit_bias of a word", CHAT, chat(logit_bias={"hello": -100}), 400, "logit_bias.hello"),
@@ -424,4 +426,33 @@ def test_echo_gives_the_prompt_and_its_logprobs(model_dir):
             assert "".join(p["text"] for p in parts) == choice["text"]
             status, _, body = await client.post("/v1/completions", json={"prompt": prompt, "echo": True})
             assert status == 200 and body["choices"][0]["text"].startswith(prompt)
+    run(go())
+
+
+def test_n_choices_of_one_prompt(model_dir):
+    """n: the prompt computed once (one sequence of its own, then n forks of it), n choices with
+    their index, whole and streamed; a batch of prompts with n gets n choices per prompt in order;
+    the usage counts each prompt once; X-Request-Id names one request (400)."""
+    async def go():
+        async with http_api(model_dir) as (client, fake):
+            jobs = []
+            submit = fake.submit
+            fake.submit = lambda job: (jobs.append(job), submit(job))[1]
+            status, _, body = await client.post(CHAT, data=chat(n=3))
+            assert status == 200, body
+            assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+            assert len({c["message"]["content"] for c in body["choices"]}) == 1
+            parent, *forks = jobs
+            assert parent.keep_open and parent.max_tokens == 1 and len(forks) == 3
+            assert [f.sequence for f in forks] == [0, 1, 2] and all(f.parent[1] == len(parent.prompt_ids) for f in forks)
+            assert body["usage"]["prompt_tokens"] == len(parent.prompt_ids) and body["usage"]["completion_tokens"] == 12
+            status, _, text = await client.post(CHAT, data=chat(n=2, stream=True))
+            chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+            assert {c["choices"][0]["index"] for c in chunks} == {0, 1} and text.endswith("data: [DONE]\n\n")
+            assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 2
+            status, _, body = await client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+            assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+            status, _, body = await client.post(CHAT, data=chat(n=2), headers={"X-Request-Id": "n-1"})
+            assert status == 400 and openai_error(body)["param"] == "X-Request-Id"
+            assert not fake.requests  # the prompt's sequence and every choice released
     run(go())

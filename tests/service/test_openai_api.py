@@ -3,11 +3,13 @@ against the HTTP API of an in-process controller over one in-process stage holdi
 model (SmolLM2-135M-Instruct, CPU, float32), all on the module's event loop: GET /v1/models/{id},
 the developer role, a batch of prompts, include_usage; logprobs against transformers' own forward
 of the same tokens (within LOGPROB_TOL), candidates and sampled tokens included; penalties and
-logit_bias against transformers' greedy with them applied by hand."""
+logit_bias against transformers' greedy with them applied by hand; echo's prompt logprobs; n choices
+forked from one prefill."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 
@@ -288,4 +290,39 @@ def test_echo_prompt_logprobs_equal_a_transformers_forward(runner, api, hf):
         assert len(got) == len(want) and not any(r.prompt_logprobs for r in replies[1:])
         print(f"echo: max |ours - transformers'| = {worst:.2e} nats")
         assert worst < LOGPROB_TOL
+    arun(runner, go())
+
+
+async def rows_computed(node: Node) -> int:
+    return (await node.stub.Status(stage_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S)).tokens
+
+
+def test_n_choices_from_one_prefill(runner, api):
+    """n = 3: greedy gives 3 equal answers, seeded sampling 3 different ones (choice 0 the answer
+    of n = 1 with that seed); the stage computed the prompt once: its rows are the prompt's, then
+    each choice's own (its prompt's last row again, and a row per token after its first)."""
+    async def go():
+        c = api.client
+        prompt = f"Zebra {uuid.uuid4().hex[:8]} says: the best colour is"  # not in the prefix cache
+        n_prompt = len(api.ctl.app.tokenizer(prompt)["input_ids"])
+        before = await rows_computed(api.node)
+        r = await c.completions.create(model=api.model, prompt=prompt, n=3, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True, "speculate": 0})
+        rows = await rows_computed(api.node) - before
+        assert [ch.index for ch in r.choices] == [0, 1, 2] and len({ch.text for ch in r.choices}) == 1
+        assert rows == n_prompt + 3 * 6, (rows, n_prompt)  # without the fork: 3 x (n_prompt + 5)
+        assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 18
+        messages = [{"role": "user", "content": "Write a word."}]
+        r = await c.chat.completions.create(model=api.model, messages=messages, n=3, max_tokens=8, temperature=1.0,
+                                            seed=5)
+        texts = [ch.message.content for ch in r.choices]
+        assert len(set(texts)) == 3, texts
+        one = await c.chat.completions.create(model=api.model, messages=messages, max_tokens=8, temperature=1.0, seed=5)
+        assert one.choices[0].message.content == texts[0]
+        streamed = {0: "", 1: "", 2: ""}
+        async for chunk in await c.chat.completions.create(model=api.model, messages=messages, n=3, max_tokens=8,
+                                                           temperature=1.0, seed=5, stream=True):
+            for ch in chunk.choices:
+                streamed[ch.index] += ch.delta.content or ""
+        assert [streamed[i] for i in range(3)] == texts
     arun(runner, go())
