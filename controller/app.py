@@ -421,7 +421,10 @@ class ControllerApp:
             if isinstance(exc, MeshError):
                 for m in self.members.usable():  # the node that failed is left out until it answers again
                     if m.address in str(exc):
-                        self.members.mark_down(m.address, f"its assignment failed: {exc}")
+                        if isinstance(exc, (InvalidArgument, FailedPrecondition)):  # not a passing fault
+                            self.members.refuse(m.address, f"its assignment failed: {exc}")
+                        else:
+                            self.members.mark_down(m.address, f"its assignment failed: {exc}")
             self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
             raise
         self.plan, self.plan_json = plan, plan_to_json(plan)

@@ -37,6 +37,7 @@ class Member:
     drained: bool = False         # lpctl drain: left out of planning until undrained
     misses: int = 0               # probes unanswered in a row
     leaving: bool = False         # it told us it stops (Leave)
+    refused_start: float | None = None  # its assignment failed for good: when that process started (monotonic)
 
     @property
     def usable(self) -> bool:
@@ -99,6 +100,18 @@ class Members:
             log.warning("node %s (%s) is down: %s", m.node_id or "?", address, why)
             self.on_change(f"node {m.node_id or address} down: {why}")
 
+    def refuse(self, address: str, why: str) -> None:
+        """Its assignment failed for a reason that will not pass by itself (another model on its
+        disk, a format it cannot run): left out, saying why, until that process is replaced (a
+        restart: its operator fixed it), rather than planned on again every time it answers."""
+        m = self.by_address.get(address)
+        if m is None:
+            return
+        if m.status is not None:
+            m.refused_start = time.monotonic() - m.status.uptime_s
+        m.down = ""  # mark_down reports the change with the new reason
+        self.mark_down(address, why)
+
     def gone(self, node_id: str, why: str) -> None:
         """A hint (its mDNS record was withdrawn): probe it now rather than at the next round."""
         m = self.find(node_id)
@@ -141,6 +154,11 @@ class Members:
                 m.down, m.node_id, m.status = why, st.node_id, st
                 self.on_change(why)
             return
+        if m.refused_start is not None:
+            if abs((time.monotonic() - st.uptime_s) - m.refused_start) < 2 * PROBE_S + 1:
+                m.node_id, m.status = st.node_id, st
+                return  # the process whose assignment failed: still left out (lpctl nodes says why)
+            m.refused_start = None  # restarted: try it again
         was = m.down or ("leaving" if m.leaving else "")  # a node that said it stops, answering as usual: back
         m.node_id, m.status = st.node_id, st
         if was:

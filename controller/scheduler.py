@@ -505,8 +505,8 @@ class Scheduler:
                 if req.state is RequestState.RUNNING and now - since > TOKEN_TIMEOUT_S:
                     raise Unavailable(f"no token from the pipeline in {TOKEN_TIMEOUT_S:.0f} s") from None
                 wait_s = self.config.wait_for_nodes_s
-                if (req.state is RequestState.QUEUED and self.state.waiting
-                        and now - max(req.queued_since, self.state.since) > wait_s):
+                if (req.state is RequestState.QUEUED and self.state.waiting  # across failed installs in between
+                        and now - max(req.queued_since, self.state.unready_since) > wait_s):
                     raise ResourceExhausted(f"waited {wait_s:.0f} s for the mesh: {self.state.reason}") from None
                 if req.state is RequestState.QUEUED and now - req.queued_since > QUEUE_TIMEOUT_S + TOKEN_TIMEOUT_S:
                     raise ResourceExhausted(f"waited {now - req.queued_since:.0f} s for the mesh; retry later") from None

@@ -22,11 +22,14 @@ class MeshState:
         self.phase = phase
         self.reason = reason             # why it is not READY ("" when it is)
         self.since = time.monotonic()    # when this phase began (setting the same phase again keeps it)
+        self.unready_since = self.since  # when it last stopped admitting (kept while it goes on not admitting)
         self._watchers: list[Callable[[], None]] = []
 
     def set(self, phase: Phase, reason: str = "") -> None:
         if phase is not self.phase:
             self.since = time.monotonic()
+            if self.phase is Phase.READY:
+                self.unready_since = self.since
         self.phase, self.reason = phase, reason
         for watch in self._watchers:
             watch()

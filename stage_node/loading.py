@@ -79,8 +79,14 @@ class WeightSource:
                 raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
             raise FailedPrecondition(f"node {self.node_id} cannot read the model directory "
                                      f"{local[:200]}: {exc.strerror or exc}") from exc
-        if config.num_layers != a.num_layers:
-            raise InvalidArgument(f"the model at {local} has {config.num_layers} layers, not {a.num_layers}")
+        if config.num_layers != a.num_layers:  # another model altogether
+            if self._can_pull(a):
+                log.warning("the model at %s has %d layers, the controller's %d: pulling its layers instead",
+                            local, config.num_layers, a.num_layers)
+                return await self.pull(a)
+            raise FailedPrecondition(f"node {self.node_id}: the model at {local[:200]} has {config.num_layers} "
+                                     f"layers, the controller's {a.num_layers}; copy the controller's model there, "
+                                     "or start the node without --model-dir to pull its layers")
         if a.model_digest:
             try:
                 mine = await asyncio.to_thread(model_digest, local)
