@@ -26,6 +26,7 @@ from .conftest import Controller, Node, controller, stage_node
 
 CALL_TIMEOUT_S = 120.0
 LOGPROB_TOL = 2e-3  # |ours - transformers'|, nats: CPU float32, our paged attention vs HF's eager one
+REPEATING = "hello hello hello hello hello hello hello"  # greedy goes on " hello" (4 more times)
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,"  # candidates accepted
 
 
@@ -210,14 +211,17 @@ def hf_penalized(hf, prompt: list[int], n: int, presence: float = 0.0, frequency
     import torch
 
     out: list[int] = []
+    ids, past = torch.tensor([prompt]), None
     with torch.no_grad():
         for _ in range(n):
-            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+            step = hf(ids, past_key_values=past, use_cache=True)
+            past, logits = step.past_key_values, step.logits[0, -1].float()
             for t, b in (bias or {}).items():
                 logits[t] += b
             for t, c in Counter(out).items():
                 logits[t] -= c * frequency + presence
             out.append(int(logits.argmax()))
+            ids = torch.tensor([[out[-1]]])
     return out
 
 
@@ -246,10 +250,11 @@ def test_penalties_and_logit_bias_change_sampling_as_specified(runner, api, hf):
         forced = tok(" Paris", add_special_tokens=False)["input_ids"][0]
         got = await http_tokens(api, prompt, 4, logit_bias={str(forced): 100})
         assert got == [text.text(forced)] * 4
-        want = hf_penalized(hf, prompt, 12, presence=1.5, frequency=0.5)
-        assert want != hf_penalized(hf, prompt, 12)
+        prompt = tok(REPEATING)["input_ids"]  # greedy repeats " hello": the penalties make it stop
+        want = hf_penalized(hf, prompt, 10, presence=0.5, frequency=0.5)
+        assert want != hf_penalized(hf, prompt, 10)
         for speculate in (0, 4):
-            got = await http_tokens(api, prompt, 12, presence_penalty=1.5, frequency_penalty=0.5,
+            got = await http_tokens(api, prompt, 10, presence_penalty=0.5, frequency_penalty=0.5,
                                     extra_body={"speculate": speculate})
             assert got == [text.text(t) for t in want], speculate
         sampling = stage_pb2.SamplingParams(temperature=0.8, seed=11, presence_penalty=1.0, frequency_penalty=1.0)
