@@ -331,3 +331,30 @@ def test_n_choices_from_one_prefill(runner, api):
                 streamed[ch.index] += ch.delta.content or ""
         assert [streamed[i] for i in range(3)] == texts
     arun(runner, go())
+
+
+def test_logprobs_through_two_stages(runner, model_dir, hf):
+    """Two stages ([0, 15), [15, 30)), the prompt already in stage 0's prefix cache: the last
+    stage still computes every prompt row for the prompt's logprobs, and the tokens' and the
+    prompt's logprobs are transformers' (gRPC Submit)."""
+    async def go():
+        import torch
+
+        async with stage_node("lp-first") as first, stage_node("lp-last") as last, \
+                controller(model_dir, [first.address, last.address]) as ctl:
+            prompt = ctl.app.tokenizer(COUNTING)["input_ids"]
+            fields = dict(prompt_token_ids=prompt, max_tokens=6, top_logprobs=1, prompt_logprobs=1, ignore_eos=True)
+            for _ in range(2):  # the second: stage 0 attaches the prompt's blocks from its prefix cache
+                replies = [r async for r in ctl.stub.Submit(controller_pb2.SubmitRequest(**fields),
+                                                            timeout=CALL_TIMEOUT_S)]
+                tokens = [t for r in replies for t in r.token_ids]
+                with torch.no_grad():
+                    ref = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+                got = [lp.logprob for lp in replies[0].prompt_logprobs] + [lp.logprob for r in replies
+                                                                           for lp in r.logprobs]
+                want = [float(ref[i - 1, t]) for i, t in enumerate(prompt + tokens) if i]
+                assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < LOGPROB_TOL
+            hits = [(await n.stub.Status(stage_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S)).prefix_hit_tokens
+                    for n in (first, last)]
+            assert hits[0] > 0 and hits[1] == 0, hits
+    arun(runner, go())
