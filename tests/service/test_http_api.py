@@ -456,3 +456,31 @@ def test_n_choices_of_one_prompt(model_dir):
             assert status == 400 and openai_error(body)["param"] == "X-Request-Id"
             assert not fake.requests  # the prompt's sequence and every choice released
     run(go())
+
+
+def test_the_openai_client_gets_400_naming_each_unsupported_parameter(model_dir):
+    """Every OpenAI parameter this server does not implement, sent by the official client with a
+    value that asks for something: 400 naming it, never ignored."""
+    import openai
+
+    asks = {"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required", "store": True, "metadata": {"k": "v"},
+            "service_tier": "flex", "reasoning_effort": "low", "modalities": ["audio"],
+            "audio": {"voice": "x", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
+            "web_search_options": {}}
+    async def go():
+        async with http_api(model_dir) as (client, _):
+            oa = openai.AsyncOpenAI(base_url=client.base + "/v1", api_key="none", max_retries=0)
+            try:
+                for name, value in asks.items():
+                    with pytest.raises(openai.BadRequestError) as info:
+                        await oa.chat.completions.create(model=model_dir.name, messages=MESSAGES, max_tokens=2,
+                                                         **{name: value})
+                    assert info.value.body["param"] == name and name in info.value.message, (name, info.value.body)
+                for name, value in (("best_of", 2), ("suffix", "!")):
+                    with pytest.raises(openai.BadRequestError) as info:
+                        await oa.completions.create(model=model_dir.name, prompt="hi", max_tokens=2, **{name: value})
+                    assert info.value.body["param"] == name, (name, info.value.body)
+            finally:
+                await oa.close()
+    run(go())
