@@ -85,8 +85,9 @@ class WeightSource:
                             local, config.num_layers, a.num_layers)
                 return await self.pull(a)
             raise FailedPrecondition(f"node {self.node_id}: the model at {local[:200]} has {config.num_layers} "
-                                     f"layers, the controller's {a.num_layers}; copy the controller's model there, "
-                                     "or start the node without --model-dir to pull its layers")
+                                     f"layers, the controller's {a.num_layers}; copy the controller's model there"
+                                     + (", or start the node without --model-dir to pull its layers"
+                                        if self.local_model_dir else ""))
         if a.model_digest:
             try:
                 mine = await asyncio.to_thread(model_digest, local)
