@@ -19,7 +19,15 @@ import math
 import re
 
 from logicpipe.controller.requests import ROLES, OutlineOptions, Prompt, RequestOptions
-from logicpipe.sampling import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
+from logicpipe.sampling import (
+    JSON_OBJECT,
+    MAX_BIAS,
+    MAX_BIASED_TOKENS,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    check_grammar,
+)
 
 DEFAULT_MAX_TOKENS = 256
 MAX_OUTLINE_POINTS = 32
@@ -30,13 +38,13 @@ MAX_JSON_DEPTH = 32  # a chat body is 5 deep; deeper is refused before any field
 # the fields each endpoint honours: OpenAI's, and the mesh's own (speculate, top_k, ignore_eos, outline, max_points)
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                     "user", "speculate", "top_k", "ignore_eos", "outline", "max_points", "presence_penalty",
-                    "frequency_penalty", "logit_bias"})
+                    "frequency_penalty", "logit_bias", "response_format"})
 FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
           "completions": COMMON | {"prompt", "logprobs", "echo"}}
 
 # OpenAI's parameters not implemented yet: accepted only with a value that asks for nothing (null always)
 NOT_YET = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "best_of": (1,), "echo": (False,),
     "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
     "reasoning_effort": (), "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (),
@@ -198,9 +206,40 @@ def request_options(body: dict, api: str = "chat") -> RequestOptions:
     prompt_logprobs = None
     if echo and (top_logprobs is not None or not max_tokens):  # (max_tokens 0 computes the prompt: its logprobs)
         prompt_logprobs = top_logprobs or 0
+    grammar = response_format(body)
+    if grammar and outline is not None:
+        raise ApiError(400, "response_format is for plain requests: an outline's answer is several sequences",
+                       param="response_format")
     return RequestOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=boolean(body, "ignore_eos"),
                           speculate=speculate, stop=tuple(stops), outline=outline, top_logprobs=top_logprobs,
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, json_schema=grammar)
+
+
+def response_format(body: dict) -> str:
+    """OpenAI's response_format as the grammar the last stage samples under: "" (text), JSON_OBJECT,
+    or the schema's text; an unknown type or a schema the grammar library refuses is a 400 with its
+    reason (checked here, so it never reaches a stage)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return ""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind != "json_schema":
+        raise ApiError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                       '"json_schema", "json_schema": {"name": ..., "schema": {...}}}, got type '
+                       f"{shown(str(kind))}", param="response_format")
+    spec = rf.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(400, 'response_format json_schema needs "json_schema": {"name": ..., "schema": {a JSON '
+                       "schema object}}", param="response_format")
+    try:
+        return check_grammar(json.dumps(schema))
+    except ValueError as exc:
+        raise ApiError(400, f"response_format: {exc}", param="response_format") from None
 
 
 def echoed(body: dict, api: str) -> bool:

@@ -32,7 +32,7 @@ from logicpipe.controller.scheduler import Job, Request, RequestHandle, Schedule
 from logicpipe.controller.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
 from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from logicpipe.limits import check_id
-from logicpipe.sampling import SamplingParams
+from logicpipe.sampling import SamplingParams, check_grammar
 
 MAX_PROMPT_CHARS = 2**20   # characters of one prompt or conversation (refused before any work beyond that)
 MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
@@ -102,6 +102,7 @@ class RequestOptions:
     api: str = ""                                   # which door it came by ("grpc", "chat", "completions")
     top_logprobs: int | None = None                 # each token's logprob and this many most likely (None: none)
     prompt_logprobs: int | None = None              # ... each prompt token's too, from the second (None: none)
+    json_schema: str = ""                           # structured output: "json_object" or a JSON schema ("": none)
 
     def check(self) -> None:
         if self.request_id:
@@ -112,10 +113,23 @@ class RequestOptions:
             raise InvalidArgument("max_tokens 0 asks for nothing: give max_tokens, or ask for the prompt's logprobs")
         if self.outline is not None and (self.top_logprobs, self.prompt_logprobs) != (None, None):
             raise InvalidArgument("logprobs are not available for an outline request (its answer is several sequences)")
+        if self.json_schema:
+            if self.outline is not None:
+                raise InvalidArgument("json_schema is for plain requests: an outline's answer is several sequences")
+            try:
+                check_grammar(self.json_schema)
+            except ValueError as exc:
+                raise InvalidArgument(f"json_schema: {exc}") from exc
         if self.outline is not None and self.outline.max_points > MAX_POINTS:
             raise InvalidArgument(f"max_points {self.outline.max_points} is over the cap of {MAX_POINTS}")
         if self.outline is not None and len(self.outline.outline_text) > MAX_PROMPT_CHARS:
             raise InvalidArgument(f"outline_text is over the cap of {MAX_PROMPT_CHARS} characters")
+
+
+def grammar_meta(o: RequestOptions) -> dict:
+    """The job's structured-output grammar, kept in its (journaled) meta: the scheduler puts it in
+    every OpenSession, replays included."""
+    return {"grammar": o.json_schema} if o.json_schema else {}
 
 
 @dataclass(frozen=True)
@@ -241,7 +255,7 @@ class FrontDoor:
                     handle = self.scheduler.submit(Job(
                         tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
                         prefill_chunk=o.prefill_chunk, parent=(parent.session_id, len(ids)), top_logprobs=o.top_logprobs,
-                        sequence=i, meta={"stop": list(o.stop), "api": o.api, "client": client}))
+                        sequence=i, meta={"stop": list(o.stop), "api": o.api, "client": client, **grammar_meta(o)}))
                     c = Completion(handle.id, len(ids), handle=handle, api=o.api, top_logprobs=o.top_logprobs,
                                    prompt_ids=tuple(ids), shares_prompt=i > 0)
                     c._pieces = self._plain_pieces(c, handle, o)
@@ -303,7 +317,8 @@ class FrontDoor:
     # ---- plain requests ------------------------------------------------------------------------
     async def _plain(self, prompt: Prompt, o: RequestOptions, client: str) -> Completion:
         ids = await self.token_ids(prompt)
-        meta = {"stop": list(o.stop), "api": o.api, "client": client, **({"prompt_only": True} if not o.max_tokens else {})}
+        meta = {"stop": list(o.stop), "api": o.api, "client": client, **grammar_meta(o),
+                **({"prompt_only": True} if not o.max_tokens else {})}
         handle = self.scheduler.submit(Job(tuple(ids), max(1, o.max_tokens), o.sampling, o.ignore_eos,
                                            speculate=o.speculate, prefill_chunk=o.prefill_chunk,
                                            request_id=o.request_id, top_logprobs=o.top_logprobs,

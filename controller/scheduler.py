@@ -672,7 +672,8 @@ class Scheduler:
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.received), priority=req.priority, speculate=req.speculate, sequence=req.sequence)
+            generated=len(req.received), priority=req.priority, speculate=req.speculate, sequence=req.sequence,
+            grammar=req.meta.get("grammar", ""))  # structured output: the last stage constrains to it
         if req.top_logprobs is not None:
             open_request.top_logprobs = req.top_logprobs
         if req.prompt_logprobs is not None and req.prompt_lps is None:  # (a replay after the first token: has them)

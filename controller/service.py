@@ -86,7 +86,8 @@ def submit_request(request: controller_pb2.SubmitRequest) -> tuple[Prompt, Reque
         speculate=request.speculate if request.HasField("speculate") else None, prefill_chunk=request.prefill_chunk,
         outline=outline, request_id=request.request_id, api="grpc",
         top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None,
-        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
+        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+        json_schema=request.json_schema)
     return prompt, options
 
 

@@ -23,6 +23,7 @@ from logicpipe.stage_node.blocks import KVManager
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.draft_model import DraftModel
 from logicpipe.stage_node.events import ErrorEvent, Event, EventHub
+from logicpipe.stage_node.grammar import GrammarBook
 from logicpipe.stage_node.kv import KVPool
 from logicpipe.stage_node.links import PeerLink
 from logicpipe.stage_node.runner import Runner, StepResult, execute
@@ -59,6 +60,8 @@ class Engine:
         self.retired = False              # replaced by another engine: its steps are dropped
         self.scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=node_id, budget=budget,
                                    micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned)
+        if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
+            self.scheduler.grammars = GrammarBook(shard_dir, shard.config.vocab_size)
         self.next_link = self.first_link = None
         link = dict(metadata=((STREAM_KEY_HEADER, stream_key),) if stream_key else (), on_rejected=self._rejected)
         if not a.last:

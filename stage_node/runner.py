@@ -171,6 +171,13 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
             logits = raw.clone() if logits is raw else logits
             logits[r: r + k + 1] = penalize(raw[r: r + k + 1], p.seq.spec.sampling, p.seq.generated_counts(),
                                             p.work.token_ids[len(p.work.token_ids) - k:] if k else ())
+    allowed = {}  # constrained sequences: how many leading candidates their grammar allows
+    for p, r in zip(sampled, rows):
+        if p.seq.grammar is not None:  # masked after penalties and bias: the choice is always grammatical
+            k = p.work.num_candidates
+            logits = raw.float().clone() if logits is raw else logits
+            allowed[p.seq.id] = p.seq.grammar.mask_rows(logits[r: r + k + 1], p.seq.generated,
+                                                        p.work.token_ids[len(p.work.token_ids) - k:] if k else ())
     if plain:
         ps = [sampled[i] for i in plain]
         tokens = sample(logits[[rows[i] for i in plain]], [p.seq.spec.sampling for p in ps],
@@ -180,8 +187,14 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
     for p, r in zip(sampled, rows):
         k = p.work.num_candidates
         if k:  # [k + 1, vocab]: the row before each candidate, and the last
-            result.tokens[p.seq.id] = verify(logits[r: r + k + 1], p.work.token_ids[-k:], p.seq.spec.sampling,
-                                             p.draws or (None,) * (k + 1))
+            j = allowed.get(p.seq.id, k)  # candidates from the first the grammar rejects on are cut
+            result.tokens[p.seq.id] = verify(logits[r: r + j + 1], p.work.token_ids[len(p.work.token_ids) - k:][:j],
+                                             p.seq.spec.sampling, (p.draws or (None,) * (k + 1))[:j + 1])
+        if p.seq.grammar is not None and not p.seq.grammar.advance(p.seq.generated, result.tokens[p.seq.id]):
+            del result.tokens[p.seq.id]  # (cannot happen: every choice was masked; said, not hidden)
+            result.failed[p.seq.id] = MeshError(f"session {p.seq.id}: a token chosen under its grammar's mask "
+                                                "was rejected by the grammar")
+            continue
         top = p.seq.spec.top_logprobs
         if top is not None:  # token j was chosen in row r + j (an accepted candidate's verification row)
             tokens = result.tokens[p.seq.id]

@@ -98,6 +98,7 @@ class Scheduler:
         self.budget = budget
         self.micro_batches = max(1, micro_batches)  # stage 0: sampled steps in flight at once
         self.is_orphaned = is_orphaned
+        self.grammars = None  # last stage: a GrammarBook (stage_node.grammar) for structured-output sessions
         self.seqs: dict[str, Sequence] = {}
         self.inbox: deque[StepMsg] = deque()  # later stages: received steps, in order
         self._order = itertools.count()
@@ -116,6 +117,12 @@ class Scheduler:
             raise ResourceExhausted(
                 f"node {self.node_id}: a sequence of {spec.capacity} positions needs {kv.blocks_for(spec.capacity)} "
                 f"KV blocks and this node has {kv.num_blocks} in all; raise its --max-kv-mib or shorten the request")
+        constraint = None
+        if self.last and spec.grammar:  # before any blocks are taken: a bad grammar refuses the session
+            if self.grammars is None:
+                raise FailedPrecondition(f"node {self.node_id} cannot constrain sampling to a grammar")
+            replayed = spec.prompt[len(spec.prompt) - spec.generated:] if spec.generated else ()
+            constraint = self.grammars.constraint(spec.grammar, replayed)
         parent = None
         if spec.parent:
             parent = self.seqs.get(spec.parent)
@@ -146,7 +153,7 @@ class Scheduler:
                 raise ResourceExhausted(f"node {self.node_id}: {exc}; retry when a request ends") from exc
             raise
         seed = spec.sampling.seed if spec.sampling.seed is not None else random.getrandbits(63)
-        seq = Sequence(spec, next(self._order), seed, generated=spec.generated)
+        seq = Sequence(spec, next(self._order), seed, generated=spec.generated, grammar=constraint)
         seq.pending_pos = table.length
         seq.rollback = table.length  # the first step may start anywhere up to what is attached
         self.seqs[spec.session_id] = seq
@@ -400,7 +407,8 @@ class Scheduler:
             if counts is not None:
                 counts[t] += 1
             pos = p.work.stop - p.work.num_candidates + len(out) - 1  # position this token would take
-            if t in s.spec.stop_ids:
+            if t in s.spec.stop_ids or (s.grammar is not None and s.grammar.terminated
+                                        and s.generated >= s.grammar.accepted):  # the grammar ended here
                 reason = "stop"
             elif s.generated >= s.spec.max_new_tokens or pos >= s.spec.capacity:
                 reason = "length"

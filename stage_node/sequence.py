@@ -5,9 +5,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.drafter import Drafter
+
+if TYPE_CHECKING:
+    from logicpipe.stage_node.grammar import Constraint
 
 
 class SeqStatus(Enum):
@@ -57,6 +61,7 @@ class SeqSpec:
     prefill_chunk: int = 0                 # stage 0: prompt rows of it in one step at most (0: the budget)
     top_logprobs: int | None = None        # last stage: report each token's logprob and this many top ones (None: no)
     prompt_logprobs: int | None = None     # last stage: ... each prompt token's too, with the first token (None: no)
+    grammar: str = ""                      # last stage: structured output ("json_object" or a JSON schema; "": none)
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Sequence:
     draft: "Drafter | None" = None         # last stage, speculating: its drafter (made on its first token)
     counts: Counter | None = None          # last stage, penalized: how often it generated each token (made on first use)
     prompt_lps: dict[int, object] | None = None  # last stage, prompt_logprobs: position -> TokenLogprob, until reported
+    grammar: "Constraint | None" = None    # last stage, structured output: its matcher (stage_node.grammar)
 
     def generated_counts(self) -> Counter:
         """Last stage: how often the sequence generated each token so far (what OpenAI's penalties

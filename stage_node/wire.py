@@ -7,7 +7,7 @@ from __future__ import annotations
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
 from logicpipe.limits import check_address, check_id
-from logicpipe.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from logicpipe.sampling import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, SamplingParams
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.events import Event, TokenEvent
 from logicpipe.stage_node.scheduler import StepMsg
@@ -74,6 +74,8 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
     for name in ("top_logprobs", "prompt_logprobs"):
         if getattr(req, name) > MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"{name} {getattr(req, name)} is over the cap of {MAX_TOP_LOGPROBS}")
+    if len(req.grammar) > MAX_GRAMMAR_CHARS:
+        raise InvalidArgument(f"grammar has {len(req.grammar)} characters, over the cap of {MAX_GRAMMAR_CHARS}")
     if req.parent_session_id:
         check_id("parent_session_id", req.parent_session_id)
         if req.parent_length > len(prompt):
@@ -85,7 +87,8 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                    parent_length=req.parent_length, index=req.sequence, priority=req.priority,
                    speculate=req.speculate, prefill_chunk=req.prefill_chunk,
                    top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
-                   prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None)
+                   prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
+                   grammar=req.grammar)
 
 
 def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:

@@ -2,6 +2,8 @@
 the controller and the stages alike (the arithmetic of sampling lives in stage_node.sampling)."""
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, replace
 
 from logicpipe.v1 import stage_pb2
@@ -13,6 +15,35 @@ MAX_TOP_LOGPROBS = 20   # most likely tokens reported with each token at most (O
 MAX_PENALTY = 2.0       # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 MAX_BIAS = 100.0        # |logit_bias| of a token at most (OpenAI's range)
 MAX_BIASED_TOKENS = 1024  # tokens one request may bias
+MAX_GRAMMAR_CHARS = 64 * 1024  # a structured-output grammar (a JSON schema's text) at most
+JSON_OBJECT = "json_object"    # the grammar of OpenAI's response_format json_object: any JSON object
+_WHERE = re.compile(r"\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")  # xgrammar's source location
+
+
+def grammar_error(exc: Exception) -> str:
+    """The grammar library's reason, without its source-file location."""
+    return _WHERE.sub("", str(exc)).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__
+
+
+def check_grammar(text: str) -> str:
+    """`text` (JSON_OBJECT or a JSON schema's text) if the grammar library accepts it, else
+    ValueError with the library's reason: checked where a request comes in, so a bad schema is the
+    client's 400, not a stage's failure (compiling it against the vocabulary is the last stage's)."""
+    if text == JSON_OBJECT:
+        return text
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"the JSON schema has {len(text)} characters, over the cap of {MAX_GRAMMAR_CHARS}")
+    try:
+        if not isinstance(json.loads(text), dict):
+            raise ValueError("a JSON schema is a JSON object")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the JSON schema is not JSON: {exc}") from exc
+    import xgrammar as xgr  # only when a grammar is asked: its import takes a second
+    try:
+        xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    except RuntimeError as exc:
+        raise ValueError(f"the JSON schema is not supported: {grammar_error(exc)}") from exc
+    return text
 
 
 @dataclass(frozen=True)

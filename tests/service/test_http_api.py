@@ -70,7 +70,9 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
     ("n 17", CHAT, chat(n=17), 400, "n"),
     ("n 0", CHAT, chat(n=0), 400, "n"),
     ("n 2 with echo", "/v1/completions", b'{"prompt": "hi", "n": 2, "echo": true}', 400, "echo"),
-    ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format xml", CHAT, chat(response_format={"type": "xml"}), 400, "response_format"),
+    ("response_format bad schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}), 400, "response_format"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("logit_bias of a word", CHAT, chat(logit_bias={"hello": -100}), 400, "logit_bias.hello"),
     ("logit_bias 101", CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias.5"),
@@ -463,7 +465,7 @@ def test_the_openai_client_gets_400_naming_each_unsupported_parameter(model_dir)
     value that asks for something: 400 naming it, never ignored."""
     import openai
 
-    asks = {"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+    asks = {"tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": "required", "store": True, "metadata": {"k": "v"},
             "service_tier": "flex", "reasoning_effort": "low", "modalities": ["audio"],
             "audio": {"voice": "x", "format": "wav"}, "prediction": {"type": "content", "content": "x"},

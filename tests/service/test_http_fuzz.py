@@ -82,6 +82,8 @@ VALID = {  # values each field honours (combinations may still be refused: strea
     "logprobs": st.one_of(st.booleans(), st.integers(0, 20)), "top_logprobs": st.integers(0, 20),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "logit_bias": st.dictionaries(st.integers(0, 40_000).map(str), st.floats(-100, 100), max_size=3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]),
 }
 for _name, _noop in NOT_YET.items():
     _values = list(_noop[a] for a in ("chat", "completions")) if isinstance(_noop, dict) else [_noop]

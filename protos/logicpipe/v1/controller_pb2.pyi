@@ -50,7 +50,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points", "speculate", "prefill_chunk", "messages", "request_id", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("prompt", "raw", "max_tokens", "sampling", "prompt_token_ids", "ignore_eos", "outline", "outline_text", "max_points", "sequential_points", "speculate", "prefill_chunk", "messages", "request_id", "top_logprobs", "prompt_logprobs", "json_schema")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class SubmitRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     raw: bool
     max_tokens: int
@@ -83,7 +84,8 @@ class SubmitRequest(_message.Message):
     request_id: str
     top_logprobs: int
     prompt_logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., request_id: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    json_schema: str
+    def __init__(self, prompt: _Optional[str] = ..., raw: bool = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., outline: bool = ..., outline_text: _Optional[str] = ..., max_points: _Optional[int] = ..., sequential_points: bool = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., request_id: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class OutlinePoint(_message.Message):
     __slots__ = ("id", "title", "deps", "tokens", "text", "start_s", "end_s", "shared")

@@ -91,7 +91,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk", "controller_epoch", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk", "controller_epoch", "top_logprobs", "prompt_logprobs", "grammar")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class OpenSessionRequest(_message.Message):
     CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capacity: int
     sampling: SamplingParams
@@ -126,7 +127,8 @@ class OpenSessionRequest(_message.Message):
     controller_epoch: int
     top_logprobs: int
     prompt_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    grammar: str
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("cached_tokens",)
