@@ -220,6 +220,14 @@ def cmd_submit(args) -> int:
     if args.speculate is not None:
         req.speculate = args.speculate
     req.prefill_chunk = args.prefill_chunk
+    if args.json_schema:  # structured output: the answer validates against it ("json_object": any JSON object)
+        try:
+            req.json_schema = "json_object" if args.json_schema == "json_object" else open(
+                args.json_schema, encoding="utf-8").read()
+        except OSError as exc:
+            print(f"lpctl: --json-schema {args.json_schema}: {exc.strerror or exc}; give a file holding a JSON "
+                  "schema, or json_object", file=sys.stderr)
+            return 2
     if args.outline or args.outline_text:
         req.outline, req.max_points, req.sequential_points = True, args.max_points, args.sequential
         if args.outline_text:
@@ -485,6 +493,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("submit", help="generate from a prompt; tokens stream as they come")
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens at most (default %(default)s)")
+    p.add_argument("--json-schema", default="", metavar="FILE",
+                   help="structured output: the answer is JSON that validates against the schema in FILE "
+                        "(json_object: any JSON object)")
     add_sampling_flags(p)
     p.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
     p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past the model's stop tokens")
