@@ -3,16 +3,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import socket
+import ssl
 import sys
 import time
 import uuid
+
+# gRPC's own INFO lines (a failed TLS handshake, logged by its core) would come before lpctl's one
+# line that names the fix; GRPC_VERBOSITY=debug (or info) shows them again. Set before gRPC loads.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from logicpipe.common.modeldir import ModelError
+from logicpipe.common.process import CONTROLLER_PORT, EXIT_USAGE, address_list_flag
 from logicpipe.common.security import ca
 from logicpipe.common.security.bundle import CA_CERT, CA_KEY, Bundle, TlsError
 from logicpipe.common.transport import PLAINTEXT, Transport
@@ -23,14 +31,14 @@ from logicpipe.errors import MeshError
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
-DEFAULT_CONTROLLER = "127.0.0.1:50051"
+DEFAULT_CONTROLLER = f"127.0.0.1:{CONTROLLER_PORT}"
 
 
 RESUME_RETRY_S = 0.3  # a broken stream is resumed again this often until --resume-s runs out
 
 
 def _controllers(args) -> list[str]:
-    return [a.strip() for a in args.controller.split(",") if a.strip()] or [DEFAULT_CONTROLLER]
+    return list(args.controller) or [DEFAULT_CONTROLLER]  # HOST:PORT each (address_list_flag)
 
 
 def _stub_at(args, address: str):
@@ -60,6 +68,67 @@ def _resumable(exc: grpc.RpcError) -> bool:
             (details.startswith("standby:") or "replaced by a newer one" in details))
 
 
+PROBE_TIMEOUT_S = 3.0  # a failed call's address is probed this long at most, to say why it failed
+
+
+def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str:
+    """What listens at `address`: "refused" (nothing), "unreachable" (no route, no answer, no such
+    name), "tls" (it answers a TLS hello) or "plaintext" (it hangs up on one). The handshake
+    offers no certificate and checks none: it only asks whether TLS answers there."""
+    host, _, port = address.rpartition(":")
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, ValueError):
+        return "unreachable"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with context.wrap_socket(sock):
+            return "tls"
+    except ssl.SSLError as exc:  # an alert (a certificate wanted, ...) is TLS too; garbage or a hang-up is not
+        return "tls" if "ALERT" in (exc.reason or "") else "plaintext"
+    except OSError:
+        return "plaintext"
+    finally:
+        sock.close()
+
+
+def diagnose(args, exc: grpc.RpcError) -> tuple[bool, str]:
+    """A call that got no answer from the controller (UNAVAILABLE): whether waiting cannot mend it
+    (a TLS mismatch), and one line naming the fix: nothing listens there, plaintext to a TLS
+    controller or TLS to a plaintext one, a certificate of another CA, else gRPC's reason in short.
+    Every command that dials says it this way (call_error)."""
+    details = exc.details() or exc.code().name
+    found = {a: probe(a) for a in _controllers(args)}
+    address, what = next(((a, w) for a, w in found.items() if w != "refused"), next(iter(found.items())))
+    tls_dir = args.tls_dir
+    if what == "refused":
+        return False, (f"nothing listens at {', '.join(found)} (connection refused): is the controller up? Give "
+                       f"its address with --controller HOST:PORT (default port {CONTROLLER_PORT})")
+    if what == "unreachable":
+        return False, f"{address} cannot be reached ({short_error(details)}): check --controller HOST:PORT"
+    if what == "tls" and not tls_dir:
+        return True, (f"the controller at {address} speaks mutual TLS: give --tls-dir DIR with a client "
+                      "certificate (lpctl ca issue NAME --role client)")
+    if what == "plaintext" and tls_dir:
+        return True, (f"the controller at {address} speaks plaintext, not TLS: leave out --tls-dir {tls_dir} (or "
+                      "start the controller with --tls-dir)")
+    if what == "tls" and any(w in details.lower() for w in ("handshake", "certificate")):
+        return True, (f"the TLS handshake with {address} failed ({short_error(details)}): --tls-dir {tls_dir} must "
+                      "be a client bundle of the controller's CA (lpctl ca issue NAME --role client --dir THAT-CA)")
+    return False, f"{address}: {exc.code().name}: {short_error(details)}; is the controller up at --controller?"
+
+
+def call_error(args, exc: grpc.RpcError) -> str:
+    """A failed call as the one line lpctl prints (without "lpctl: ")."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return diagnose(args, exc)[1]
+    return f"{exc.code().name}: {exc.details()}"
+
+
 def stream_resuming(args, req: controller_pb2.SubmitRequest):
     """The replies of `req`, however often the controller stops, dies or hands over meanwhile: a
     broken stream is resumed by the request's id (made here) from the tokens already received, at
@@ -69,7 +138,7 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
     req.request_id = req.request_id or uuid.uuid4().hex
     if req.sampling.temperature > 0 and not req.sampling.HasField("seed"):
         req.sampling.seed = random.getrandbits(63)
-    have, broke, resume = 0, 0.0, False
+    have, broke, resume, answered = 0, 0.0, False, False
     while True:
         skip = 0
         try:
@@ -87,6 +156,7 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
             else:
                 call = stub.Submit(req, timeout=args.timeout)
                 first = next(call)
+            answered = True
             if broke:
                 print(f"[lpctl: resumed request {req.request_id} after {time.monotonic() - broke:.1f} s]",
                       file=sys.stderr)
@@ -111,7 +181,13 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
             broke = broke or time.monotonic()
             if time.monotonic() - broke > args.resume_s:
                 raise
-            if not resume:
+            if not resume and not answered and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                lasting, line = diagnose(args, exc)
+                if lasting:  # a TLS mismatch: no waiting mends it
+                    raise
+                print(f"[lpctl: {line}; trying again for up to {args.resume_s:.0f} s (--resume-s), as request "
+                      f"{req.request_id}]", file=sys.stderr)
+            elif not resume:
                 print(f"[lpctl: {exc.code().name}: {exc.details()}; resuming request {req.request_id}]",
                       file=sys.stderr)
             resume = True
@@ -123,19 +199,24 @@ def _chain(first, rest):
     yield from rest
 
 
+CHAT_KEYS = ("Ctrl-C stops an answer (what was said stays in the history); at the prompt Ctrl-C, Ctrl-D or /exit "
+             "ends, /reset forgets the history")
+
+
 def cmd_chat(args) -> int:
-    """An interactive conversation: history kept, tokens streamed, Ctrl-C stops the answer (what
-    was said stays in the history), Ctrl-D or /exit ends, /reset forgets."""
+    """An interactive conversation: history kept, tokens streamed, the keys as CHAT_KEYS says; an
+    answer cut by --max-tokens is marked so (on stderr, so that stdout stays the answers)."""
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
     except ValueError as exc:
         print(f"lpctl: {exc}", file=sys.stderr)
         return 2
     stub = _stub(args)
+    stub.Status(controller_pb2.ControllerStatusRequest(), timeout=min(args.timeout, 10.0))  # no answer: say why now
     system = [controller_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     history = list(system)
     prompt = "you> " if sys.stdin.isatty() else ""
-    print("chat with the mesh: Ctrl-C stops an answer, Ctrl-D or /exit ends, /reset forgets", file=sys.stderr)
+    print(f"chat with the mesh: {CHAT_KEYS}", file=sys.stderr)
     while True:
         try:
             line = input(prompt)
@@ -155,23 +236,31 @@ def cmd_chat(args) -> int:
         history.append(controller_pb2.ChatMessage(role="user", content=line))
         call = stub.Submit(controller_pb2.SubmitRequest(messages=history, max_tokens=args.max_tokens,
                                                         sampling=sampling.to_proto()), timeout=args.timeout)
-        answer = []
+        answer, reason = [], ""
         try:
             for reply in call:
                 answer.append(reply.text)
                 sys.stdout.write(reply.text)
                 sys.stdout.flush()
+                reason = reply.finish_reason or reason
         except KeyboardInterrupt:
             call.cancel()
             sys.stdout.write(" [stopped]")
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 history.pop()
-                print(f"\nlpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                print(f"\nlpctl: {call_error(args, exc)}", file=sys.stderr)
                 continue
+        if reason == "length":
+            print(f" {cut_marker(args.max_tokens)}", end="", file=sys.stderr, flush=True)
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append(controller_pb2.ChatMessage(role="assistant", content="".join(answer)))
+
+
+def cut_marker(max_tokens: int) -> str:
+    """What follows an answer that ended at --max-tokens, not where the model stopped."""
+    return f"[cut at --max-tokens {max_tokens}]"
 
 
 def cmd_token(args) -> int:
@@ -252,6 +341,9 @@ def cmd_submit(args) -> int:
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        if reason == "length":
+            print(cut_marker(args.max_tokens), file=sys.stderr)
         if timings is not None and args.verbose:
             t = timings_json(timings)
             spec = (f", {t['tokens_per_step']:.2f} tokens/step, {t['acceptance_rate']:.0%} of "
@@ -479,9 +571,10 @@ def add_sampling_flags(p) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="lpctl", description="Talk to a LogicPipe controller.")
-    ap.add_argument("--controller", default=DEFAULT_CONTROLLER,
+    ap.add_argument("--controller", default=DEFAULT_CONTROLLER, type=address_list_flag(CONTROLLER_PORT),
                     help="controller HOST:PORT, or several comma-separated (an active and its standby: the active one "
-                         "is used, and a broken stream resumes at whichever is active then; default %(default)s)")
+                         "is used, and a broken stream resumes at whichever is active then; a HOST alone means port "
+                         f"{CONTROLLER_PORT}; default %(default)s)")
     ap.add_argument("--resume-s", type=float, default=120.0,
                     help="submit: a stream broken by the controller (restart, takeover) is resumed for this long "
                          "(0 = never; default %(default)s)")
@@ -514,7 +607,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt tokens per step (default 0: the controller's choice)")
     p.set_defaults(fn=cmd_submit)
 
-    p = sub.add_parser("chat", help="an interactive conversation (history kept; Ctrl-C stops an answer)")
+    p = sub.add_parser("chat", help="an interactive conversation (history kept; Ctrl-C stops an answer)",
+                       description=f"An interactive conversation with the mesh: {CHAT_KEYS}. An answer that "
+                                   "reached --max-tokens ends with [cut at --max-tokens N] (on stderr).")
     p.add_argument("--system", default="", help="a system message that starts the conversation")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="new tokens per answer at most (default %(default)s)")
     add_sampling_flags(p)
@@ -582,17 +677,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         sys.exit(args.fn(args))
-    except grpc.RpcError as exc:
-        print(f"lpctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            print("lpctl: is the controller up at --controller? A mesh with mutual TLS needs --tls-dir with a client "
-                  "bundle of its CA (`lpctl ca issue NAME --role client`)" if not args.tls_dir else
-                  f"lpctl: is the controller up at --controller, and is {args.tls_dir} a client bundle of its CA?",
-                  file=sys.stderr)
-        sys.exit(2)
+    except grpc.RpcError as exc:  # one line, the fix named where it is known (call_error)
+        print(f"lpctl: {call_error(args, exc)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     except (MeshError, ModelError, TlsError) as exc:  # from local work: say it, no traceback
         print(f"lpctl: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -11,7 +11,18 @@ from pathlib import Path
 from logicpipe.common.discovery import discovery_interface
 from logicpipe.common.health import add_health
 from logicpipe.common.modeldir import ModelError
-from logicpipe.common.process import configure_logging, serve_until_signalled
+from logicpipe.common.process import (
+    CONTROLLER_PORT,
+    STAGE_PORT,
+    address_flag,
+    address_list_flag,
+    bind,
+    cannot_listen,
+    check_free,
+    run_main,
+    serve_until_signalled,
+    with_port,
+)
 from logicpipe.common.security.bundle import TlsError
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
@@ -31,6 +42,8 @@ from logicpipe.v1 import controller_pb2_grpc
 
 log = logging.getLogger("logicpipe.controller")
 
+PROG = "logicpipe-controller"
+
 SERVICE_NAME = "logicpipe.v1.Controller"
 EXIT_FENCED = 75  # another controller took over: stopped, to be started again (as its standby) by systemd
 
@@ -38,7 +51,7 @@ EXIT_FENCED = 75  # another controller took over: stopped, to be started again (
 def default_state_dir(listen: str) -> Path:
     """$STATE_DIRECTORY/controller-PORT under systemd, else $XDG_STATE_HOME (~/.local/state)/logicpipe/...:
     one per port, so two controllers on one host never share a journal."""
-    port = listen.rpartition(":")[2] or "50051"
+    port = listen.rpartition(":")[2] or str(CONTROLLER_PORT)
     base = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
     if not base:
         base = os.path.join(os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state"),
@@ -47,10 +60,13 @@ def default_state_dir(listen: str) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="logicpipe-controller", description="Run the LogicPipe controller.")
-    ap.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve on (default %(default)s)")
-    ap.add_argument("--nodes", default="",
-                    help="stage nodes to use besides those found by mDNS, HOST:PORT,... (networks without multicast)")
+    ap = argparse.ArgumentParser(prog=PROG, description="Run the LogicPipe controller.")
+    ap.add_argument("--listen", default=f"127.0.0.1:{CONTROLLER_PORT}", type=address_flag(CONTROLLER_PORT),
+                    help="HOST:PORT to serve on (default %(default)s; a HOST alone means port "
+                         f"{CONTROLLER_PORT})")
+    ap.add_argument("--nodes", default="", type=address_list_flag(STAGE_PORT),
+                    help="stage nodes to use besides those found by mDNS, HOST:PORT,... (networks without multicast; "
+                         f"a HOST alone means port {STAGE_PORT})")
     ap.add_argument("--mdns-interface", default=None, metavar="ADDR",
                     help="browse mDNS on the interface with this address only (e.g. 127.0.0.1)")
     ap.add_argument("--mesh", default="default",
@@ -94,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-requests-per-client", type=int, default=DEFAULT_REQUESTS_PER_CLIENT, metavar="N",
                     help="requests one client (certificate, or host without TLS) may have running at once; more get "
                          "RESOURCE_EXHAUSTED (default %(default)s)")
-    ap.add_argument("--http", default="", metavar="HOST:PORT",
+    ap.add_argument("--http", default=None, metavar="HOST:PORT", type=address_flag(None),
                     help="also serve an OpenAI-compatible HTTP API here (/v1/chat/completions, /v1/completions, "
                          "/v1/models, /health, /metrics; off by default); off loopback it needs --http-token-file "
                          "(or --insecure)")
@@ -108,14 +124,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="where the request journal lives (every admitted request, so that a restarted controller "
                          "resumes them; default $STATE_DIRECTORY or ~/.local/state/logicpipe, controller-PORT)")
     ap.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                    help="another controller of this mesh (repeat, or comma-separate): the one that finds no active "
-                         "peer at start is active, the other its standby, which copies its journal and takes over "
-                         "within seconds when it dies")
-    ap.add_argument("--join-listen", default="", metavar="HOST:PORT",
+                    type=address_list_flag(CONTROLLER_PORT),
+                    help="another controller of this mesh (repeat, or comma-separate; a HOST alone means port "
+                         f"{CONTROLLER_PORT}): the one that finds no active peer at start is active, the other its "
+                         "standby, which copies its journal and takes over within seconds when it dies")
+    ap.add_argument("--join-listen", default=None, metavar="HOST:PORT", type=address_flag(None),
                     help="with --ca-dir: serve joining nodes here (plaintext; only Join, each call authenticated by "
                          "a one-time token's HMAC)")
     add_flags(ap, "controller")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", help="INFO (default), DEBUG (also the traceback of an error that "
+                                                        "stops the start), WARNING, ...")
     args = ap.parse_args(argv)
     if not 0 <= args.speculate <= MAX_SPECULATE:
         ap.error(f"--speculate must be 0 (off) to {MAX_SPECULATE}")
@@ -134,12 +152,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-async def serve(args: argparse.Namespace) -> None:
+def listen_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, address) of every port this controller would listen on."""
+    return [(flag, value) for flag, value in (("--listen", args.listen), ("--join-listen", args.join_listen),
+                                              ("--http", args.http)) if value]
+
+
+def load_model(args: argparse.Namespace) -> Path:
+    """The model directory to serve (model_prep.resolve_model), checked; SystemExit naming the fix."""
     try:
-        model_dir = await asyncio.to_thread(resolve_model, args.model, dtype=args.gguf_dtype, progress=log.info)
+        return resolve_model(args.model, dtype=args.gguf_dtype, progress=log.info)
     except ModelError as exc:
-        raise SystemExit(f"--model: {exc}") from None
-    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+        if args.model is None:
+            raise SystemExit(f"no --model given: {exc}; or serve a model directory with --model DIR") from None
+        raise SystemExit(f"--model {args.model}: {exc}") from None
+
+
+async def serve(args: argparse.Namespace) -> None:
+    for flag, address in listen_flags(args):  # before a model is converted or loaded: a taken port says so at once
+        check_free(address, flag, PROG)
+    model_dir = await asyncio.to_thread(load_model, args)
     authority = None
     try:
         transport = from_flags(args.tls_dir, args.insecure, args.listen, "controller", log)
@@ -153,26 +185,28 @@ async def serve(args: argparse.Namespace) -> None:
     except TlsError as exc:
         raise SystemExit(str(exc)) from None
     server = transport.server(CONTROLLER_POLICY, revocations)
-    bound = transport.add_port(server, args.listen)
-    if bound == 0:
-        raise SystemExit(f"cannot listen on {args.listen}")
+    bound = bind(transport, server, args.listen, "--listen", PROG)
     join_server = None
     if args.join_listen:
         join_server = PLAINTEXT.server()  # a join is authenticated by its token's HMAC, not TLS
         controller_pb2_grpc.add_ControllerServicer_to_server(JoinServicer(authority), join_server)
-        if join_server.add_insecure_port(args.join_listen) == 0:
-            raise SystemExit(f"cannot listen on {args.join_listen}")
-        await join_server.start()
-        log.info("joining nodes served on %s (a join token authenticates each)", args.join_listen)
+        bind(PLAINTEXT, join_server, args.join_listen, "--join-listen", PROG)
     host = args.listen.rpartition(":")[0]
+    try:  # the port a stage dials when --advertise names none: the one listened on
+        address = with_port(args.advertise, bound, "--advertise") if args.advertise else f"{host}:{bound}"
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     options = ControllerOptions(
         dtype=args.dtype, plan_path=args.plan, strategy=args.strategy, objective=args.objective, context=args.context,
-        micro_batches=args.micro_batches, address=args.advertise or f"{host}:{bound}", settle_s=args.settle_s,
+        micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
         speculate=args.speculate, prefill_chunk=args.prefill_chunk)
     journal = Journal(Path(args.state_dir) if args.state_dir else default_state_dir(args.listen))
-    app = ControllerApp(model_dir, nodes, transport=transport, revocations=revocations, options=options,
-                        journal=journal)
+    try:
+        app = ControllerApp(model_dir, args.nodes, transport=transport, revocations=revocations, options=options,
+                            journal=journal)
+    except (ModelError, OSError) as exc:  # a tokenizer that does not load is an OSError of transformers
+        raise SystemExit(f"--model {args.model or model_dir}: {exc}") from None
     try:
         journal.open(app.digest)
     except JournalError as exc:
@@ -180,7 +214,7 @@ async def serve(args: argparse.Namespace) -> None:
     app.on_step_down.append(lambda: os.kill(os.getpid(), signal.SIGTERM))
     if authority is not None:
         authority.taken = app.name_taken  # a join never gets a name a node or this controller goes by
-    peers = [p.strip() for arg in args.peer for p in arg.split(",") if p.strip()]
+    peers = [p for arg in args.peer for p in arg]
     door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
                      requests_per_client=args.max_requests_per_client, serving=app.not_serving)
     if not peers:  # the journal's requests are there before the first client can ask to resume one
@@ -189,14 +223,6 @@ async def serve(args: argparse.Namespace) -> None:
         app.role = "standby"
     controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(app, door, transport, authority), server)
     health = await add_health(server, SERVICE_NAME)
-    await server.start()
-    log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
-    http = None
-    if args.http:
-        try:
-            http = await start_http(app, door, args.http, args.http_keys)
-        except OSError as exc:
-            raise SystemExit(f"--http {args.http}: cannot listen there ({exc})") from None
 
     takeover: asyncio.Task | None = None
 
@@ -211,10 +237,21 @@ async def serve(args: argparse.Namespace) -> None:
             return f"standby of {', '.join(peers)} (active once none of them is)"
         await app.start(mdns_interface=args.mdns_interface)
         where = "by mDNS" + (f" on {args.mdns_interface}" if args.mdns_interface else "") if not args.no_mdns else ""
-        listed = f"{len(nodes)} listed" if nodes else ""
+        listed = f"{len(args.nodes)} listed" if args.nodes else ""
         return f"serving; looking for stage nodes ({', '.join(x for x in (listed, where) if x) or 'Register'})"
 
-    try:
+    http = None
+    try:  # from here every server started is stopped again, however the start ends
+        if join_server is not None:
+            await join_server.start()
+            log.info("joining nodes served on %s (a join token authenticates each)", args.join_listen)
+        await server.start()
+        log.info("controller listening on %s:%d; model %s", host, bound, app.model_dir)
+        if args.http:
+            try:
+                http = await start_http(app, door, args.http, args.http_keys)
+            except OSError as exc:
+                raise SystemExit(cannot_listen(args.http, "--http", PROG, exc)) from None
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=5.0, ready=ready,
                                     on_stop=app.scheduler.suspend)
     finally:
@@ -225,14 +262,14 @@ async def serve(args: argparse.Namespace) -> None:
         await app.close()
         if join_server is not None:
             await join_server.stop(1.0)
+        await server.stop(0)  # stopped already when serve_until_signalled returned
     if app.fenced:
         raise SystemExit(EXIT_FENCED)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    configure_logging(args.log_level)
-    asyncio.run(serve(args))
+    run_main(PROG, lambda: serve(args), args.log_level)
 
 
 if __name__ == "__main__":

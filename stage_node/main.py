@@ -22,7 +22,15 @@ import torch  # noqa: E402
 from logicpipe.common.discovery import discovery_interface  # noqa: E402
 from logicpipe.common.health import add_health  # noqa: E402
 from logicpipe.common.paths import cache_root  # noqa: E402
-from logicpipe.common.process import configure_logging, serve_until_signalled  # noqa: E402
+from logicpipe.common.process import (  # noqa: E402
+    CONTROLLER_PORT,
+    STAGE_PORT,
+    address_flag,
+    bind,
+    check_free,
+    run_main,
+    serve_until_signalled,
+)
 from logicpipe.common.security.bundle import CA_CERT, TlsError  # noqa: E402
 from logicpipe.common.security.tokens import join_mesh  # noqa: E402
 from logicpipe.common.transport import add_flags, from_flags  # noqa: E402
@@ -43,19 +51,22 @@ from logicpipe.v1 import stage_pb2_grpc  # noqa: E402
 log = logging.getLogger("logicpipe.stage")
 
 SERVICE_NAME = "logicpipe.v1.StageNode"
+PROG = "logicpipe-stage"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="logicpipe-stage", description="Run a LogicPipe stage node.")
-    ap.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT to serve on (default %(default)s)")
+    ap = argparse.ArgumentParser(prog=PROG, description="Run a LogicPipe stage node.")
+    ap.add_argument("--listen", default=f"127.0.0.1:{STAGE_PORT}", type=address_flag(STAGE_PORT),
+                    help=f"HOST:PORT to serve on (default %(default)s; a HOST alone means port {STAGE_PORT})")
     ap.add_argument("--node-id", default=None,
                     help="stable id of this node (default: made once per host, device and port, and kept in the "
                          "state directory)")
     ap.add_argument("--state-dir", default=None,
                     help="where the node keeps its identity and pulled weights (default $STATE_DIRECTORY, else "
                          "$XDG_STATE_HOME/logicpipe, else ~/.local/state/logicpipe)")
-    ap.add_argument("--controller", default=None, metavar="HOST:PORT",
-                    help="register with this controller (networks without multicast; mDNS needs no flag)")
+    ap.add_argument("--controller", default=None, metavar="HOST:PORT", type=address_flag(CONTROLLER_PORT),
+                    help="register with this controller (networks without multicast; mDNS needs no flag; a HOST "
+                         f"alone means port {CONTROLLER_PORT})")
     ap.add_argument("--model-dir", default=None,
                     help="this node's copy of the model (default: the directory the controller names); a node "
                          "without it, or with another model there, pulls its layers from the controller")
@@ -105,8 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--join-token", default="", metavar="TOKEN",
                     help="join a mesh with a one-time token (`lpctl token create`): the controller at --join-address "
                          "signs this node's certificate into --tls-dir (once; later starts use it)")
-    ap.add_argument("--join-address", default="", metavar="HOST:PORT", help="the controller's --join-listen address")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--join-address", default=None, metavar="HOST:PORT", type=address_flag(None),
+                    help="the controller's --join-listen address")
+    ap.add_argument("--log-level", default="INFO", help="INFO (default), DEBUG (also the traceback of an error that "
+                                                        "stops the start), WARNING, ...")
     return ap.parse_args(argv)
 
 
@@ -129,6 +142,7 @@ def cuda_available() -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    check_free(args.listen, "--listen", PROG)  # before the device is probed and measured
     for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
@@ -184,9 +198,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = transport.server(STAGE_POLICY, revocations=runtime.fence)  # the controller's list, kept here
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)
     health = await add_health(server, SERVICE_NAME)
-    bound = transport.add_port(server, args.listen)
-    if bound == 0:
-        raise SystemExit(f"cannot listen on {args.listen}")
+    bound = bind(transport, server, args.listen, "--listen", PROG)
     runtime.start()
     await server.start()
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
@@ -204,8 +216,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    configure_logging(args.log_level)
-    asyncio.run(serve(args))
+    run_main(PROG, lambda: serve(args), args.log_level)
 
 
 if __name__ == "__main__":
