@@ -195,6 +195,7 @@ def test_unit_is_a_notify_service_with_watchdog_state_and_hardening(kind):
         # the controller restarts whatever its exit: a replaced one exits 75 to come back as the standby
         "Restart": {"controller": "always", "stage": "on-failure"}[kind],
         "RestartSec": {"controller": "1", "stage": "3"}[kind], "StateDirectory": "logicpipe", "CacheDirectory": "logicpipe",
+        "RestartPreventExitStatus": "2",  # a start-up mistake (one line naming the fix) is not retried
         "NoNewPrivileges": "true", "ProtectSystem": "strict", "ProtectHome": "true", "PrivateTmp": "true",
         "ReadOnlyPaths": "/opt/logicpipe", "TimeoutStopSec": {"controller": "20", "stage": "40"}[kind],
         # the sandbox: no capabilities, no devices (the stage's GPU drop-in gives them back), no
