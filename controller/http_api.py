@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -66,12 +67,15 @@ from logicpipe.controller.http_body import (
     request_options,
     shown,
     stream_options,
+    tool_options,
 )
 from logicpipe.controller.http_form import Form, close_stream, merged, open_stream
 from logicpipe.controller.logprobs import TokenText
 from logicpipe.controller.metrics import Metrics
 from logicpipe.controller.requests import MAX_CHOICES, Completion, FrontDoor, host_client
 from logicpipe.controller.state import Phase
+from logicpipe.controller.tools import call_schema
+from logicpipe.controller.tools import family as tool_family
 from logicpipe.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -267,6 +271,9 @@ class HttpApi:
                     raise ApiError(400, str(exc), param="X-Request-Id") from None
             options = replace(request_options(body, api), request_id=rid, api=api)
             n = number(body, "n", int, 1, 1, MAX_CHOICES)
+            tooled = None  # (family, tools) when the answer may call a tool: parsed into tool_calls
+            if api == "chat":
+                prompts, options, tooled = self._tools(body, prompts[0], options)
             if len(prompts) * n > 1:
                 for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None),
                                     ("echo", n > 1 and echoed(body, api))):
@@ -286,6 +293,7 @@ class HttpApi:
                                                                                         admitted=True))
                 echo = [p.text or self._decoded(p.token_ids) for p in prompts] if echoed(body, api) else None
                 form = Form(self.model_id, api == "chat", completions, self.token_text, echo)
+                form.tools = tooled
                 if options.outline is not None:
                     return await self._outline(request, completions[0], form, stream, usage)
                 if not stream:
@@ -293,6 +301,22 @@ class HttpApi:
                         pass
                     return web.json_response(form.whole(), headers={"X-Request-Id": completions[0].id})
                 return await self._stream(request, completions, form, usage)
+
+    def _tools(self, body: dict, prompt, options):
+        """chat's tools: in the prompt (through the template, or a system message), and with
+        tool_choice "required" or a named function, the answer constrained to a call object."""
+        tools, choice = tool_options(body)
+        if choice is None:  # "none" (or no tools): the tools stay out of the prompt, nothing is parsed
+            return [prompt], options, None
+        if options.outline is not None:
+            raise ApiError(400, "tools are for plain requests: not with an outline", param="tools")
+        fam = tool_family(self.door.tokenizer)
+        if choice:
+            if options.json_schema:
+                raise ApiError(400, "response_format and a forced tool call are two grammars for one answer: send "
+                               "one of them", param="tool_choice")
+            options = replace(options, json_schema=call_schema(tools, None if choice == "*" else choice, fam))
+        return [replace(prompt, tools=json.dumps(tools))], options, (fam, tools)
 
     def _decoded(self, token_ids) -> str:
         """A prompt of token ids as text, for `echo`."""
@@ -315,6 +339,15 @@ class HttpApi:
         """The completions' pieces as server-sent events; one completion's each carry its client's
         token count as their id (what a resume starts from; a batch is not resumable: no ids)."""
         one = len(completions) == 1
+        if form.tools is not None:  # calls are parsed from the whole answer: it goes out as one chunk
+            async for _ in merged(completions):
+                pass
+            response = await open_stream(request, completions[0].id)
+            for i in range(len(completions)):
+                await response.write(form.whole_chunk(i))
+            if usage:
+                await response.write(form.usage_chunk())
+            return await close_stream(response)
         response = None  # opened with the first token: an error before it still gets its status
         echoed: set[int] = set()  # choices whose prompt (with `echo`) is out
         async for i, piece in merged(completions):

@@ -39,12 +39,12 @@ MAX_JSON_DEPTH = 32  # a chat body is 5 deep; deeper is refused before any field
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                     "user", "speculate", "top_k", "ignore_eos", "outline", "max_points", "presence_penalty",
                     "frequency_penalty", "logit_bias", "response_format"})
-FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+FIELDS = {"chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"},
           "completions": COMMON | {"prompt", "logprobs", "echo"}}
 
 # OpenAI's parameters not implemented yet: accepted only with a value that asks for nothing (null always)
 NOT_YET = {
-    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "functions": ([],),
     "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "best_of": (1,), "echo": (False,),
     "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
     "reasoning_effort": (), "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (),
@@ -357,3 +357,51 @@ def one_prompt(prompt, where: str) -> Prompt:
         raise ApiError(400, f"{where} must be a non-empty string or a list of token ids"
                        + ("" if where != "prompt" else " (or a list of either: a batch)"), param=where)
     return Prompt(text=prompt, raw=True)
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOLS = 128
+
+
+def tool_options(body: dict) -> tuple[list[dict], str | None]:
+    """chat's `tools` and `tool_choice` -> (the tools, each {"type": "function", "function": {...}};
+    the choice: None for "none" or no tools, "" for "auto", "*" for "required", else the function
+    named). A tool's parameters must be a JSON schema the grammar library takes (a forced call is
+    sampled under it)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"tools must be a list of up to {MAX_TOOLS} {{\"type\": \"function\", \"function\": "
+                       "{\"name\", \"description\", \"parameters\"}} objects", param="tools")
+    names = set()
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name) or name in names:
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                           "with a unique name of 1-64 letters, digits, _ or -", param=f"tools[{i}]")
+        names.add(name)
+        params = f.get("parameters")
+        if params is not None:
+            try:
+                check_grammar(json.dumps(params) if isinstance(params, dict) else "[]")
+            except ValueError as exc:
+                raise ApiError(400, f"tools[{i}].function.parameters: {exc}", param=f"tools[{i}]") from None
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        f = choice.get("function") if choice.get("type") == "function" else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if name not in names:
+            raise ApiError(400, f"tool_choice names function {shown(json.dumps(name), 30)}, which is not one of "
+                           "tools", param="tool_choice")
+        return tools, name
+    if choice not in ("none", "auto", "required"):
+        raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', param="tool_choice")
+    if choice == "required" and not tools:
+        raise ApiError(400, 'tool_choice "required" needs tools', param="tool_choice")
+    if choice == "none" or not tools:
+        return tools, None
+    return tools, "*" if choice == "required" else ""

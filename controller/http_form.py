@@ -12,6 +12,7 @@ from aiohttp import web
 
 from logicpipe.controller.logprobs import TokenText
 from logicpipe.controller.requests import Completion, Piece
+from logicpipe.controller.tools import parse as tool_calls
 
 
 class Form:
@@ -26,6 +27,7 @@ class Form:
         self.kind = "chat.completion" if chat else "text_completion"
         self.started: set[int] = set()  # choices whose first chat delta (it carries the role) is out
         self.sent = [0] * len(completions)  # characters of each choice's text streamed (completions' text_offset)
+        self.tools: tuple[str, list] | None = None  # chat with tools: (family, tools); answers parsed for calls
 
     @property
     def c(self) -> Completion:
@@ -82,7 +84,8 @@ class Form:
         reason = c.finish_reason or "length"
         asked = c.top_logprobs is not None
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason,
+            message, reason = self.message(index)
+            return {"index": index, "message": message, "finish_reason": reason,
                     "logprobs": {"content": self.text.chat(c.tokens, c.logprobs)} if asked else None}
         if self.echo is None:
             return {"index": index, "text": c.text, "finish_reason": reason,
@@ -94,6 +97,27 @@ class Form:
                                                                                                 len(prompt))
             lps = {k: v + more[k] for k, v in lps.items()}
         return {"index": index, "text": prompt + c.text, "finish_reason": reason, "logprobs": lps}
+
+    def message(self, index: int) -> tuple[dict, str]:
+        """Chat choice `index`'s message and finish reason: with tools, the calls its answer holds
+        (controller.tools) as tool_calls, finish_reason "tool_calls"."""
+        c = self.cs[index]
+        reason = c.finish_reason or "length"
+        if self.tools is None:
+            return {"role": "assistant", "content": c.text}, reason
+        content, calls = tool_calls(c.text, *self.tools)
+        if not calls:
+            return {"role": "assistant", "content": c.text}, reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def whole_chunk(self, index: int) -> bytes:
+        """A chat choice with tools, streamed whole: its message as one delta (calls indexed), and its finish."""
+        message, reason = self.message(index)
+        if "tool_calls" in message:
+            message["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+        obj = {"id": self.id, "object": self.kind + ".chunk", "created": self.created, "model": self.model_id,
+               "choices": [{"index": index, "delta": message, "finish_reason": reason}]}
+        return f"data: {json.dumps(obj)}\n\n".encode()
 
     def whole(self, *, outline: bool = False) -> dict:
         obj = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model_id,

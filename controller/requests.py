@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class Prompt:
     raw: bool = False                                  # the text as is, no chat template
     messages: tuple[tuple[str, str], ...] = ()         # (role, content) turns, through the chat template
     token_ids: tuple[int, ...] = ()                    # already tokenized
+    tools: str = ""                                    # with messages: OpenAI's tools (a JSON list), in the prompt
 
     def check(self) -> None:
         # a blank prompt beside messages is still two inputs: one would be dropped without a word
@@ -367,7 +369,8 @@ class FrontDoor:
             if self.tokenizer is None or not self.tokenizer.chat_template:
                 raise InvalidArgument(f"the model at {self.model_dir} has no chat template: send a raw prompt")
             turns = [(ROLE_ALIASES.get(r, r), c) for r, c in prompt.messages]
-            return await asyncio.to_thread(encode_chat, self.tokenizer, turns)
+            return await asyncio.to_thread(encode_chat, self.tokenizer, turns,
+                                           json.loads(prompt.tools) if prompt.tools else None)
         if self.tokenizer is None:
             raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: submit prompt_token_ids")
         return await asyncio.to_thread(self.encode_prompt, prompt.text, prompt.raw)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from logicpipe.controller.tools import renders_tools, system_text
+
 log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -29,11 +31,20 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def encode_chat(tokenizer, messages: list[tuple[str, str]]) -> list[int]:
+def encode_chat(tokenizer, messages: list[tuple[str, str]], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation [(role, content), ...] through the model's chat template, ready
-    for the assistant's answer (roles checked by the caller)."""
-    text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
-                                         add_generation_prompt=True)
+    for the assistant's answer (roles checked by the caller); `tools` (OpenAI's) through the
+    template when it renders them, else in a system message (controller.tools)."""
+    turns = [{"role": r, "content": c} for r, c in messages]
+    extra = {}
+    if tools and renders_tools(tokenizer):
+        extra = {"tools": tools}
+    elif tools:
+        if turns and turns[0]["role"] == "system":
+            turns[0] = {"role": "system", "content": turns[0]["content"] + "\n\n" + system_text(tools)}
+        else:
+            turns.insert(0, {"role": "system", "content": system_text(tools)})
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **extra)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -73,7 +73,9 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
     ("response_format xml", CHAT, chat(response_format={"type": "xml"}), 400, "response_format"),
     ("response_format bad schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nope"}}}), 400, "response_format"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tools bad name", CHAT, chat(tools=[{"type": "function", "function": {"name": "f g"}}]), 400, "tools[0]"),
+    ("tool_choice unknown", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                       tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
     ("logit_bias of a word", CHAT, chat(logit_bias={"hello": -100}), 400, "logit_bias.hello"),
     ("logit_bias 101", CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias.5"),
     ("logit_bias a list", CHAT, chat(logit_bias=[5, 1]), 400, "logit_bias"),
@@ -465,8 +467,7 @@ def test_the_openai_client_gets_400_naming_each_unsupported_parameter(model_dir)
     value that asks for something: 400 naming it, never ignored."""
     import openai
 
-    asks = {"tools": [{"type": "function", "function": {"name": "f"}}],
-            "tool_choice": "required", "store": True, "metadata": {"k": "v"},
+    asks = {"tool_choice": "required", "store": True, "metadata": {"k": "v"},
             "service_tier": "flex", "reasoning_effort": "low", "modalities": ["audio"],
             "audio": {"voice": "x", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
             "web_search_options": {}}

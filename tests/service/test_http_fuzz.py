@@ -84,6 +84,9 @@ VALID = {  # values each field honours (combinations may still be refused: strea
     "logit_bias": st.dictionaries(st.integers(0, 40_000).map(str), st.floats(-100, 100), max_size=3),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]),
+    "tools": st.sampled_from([[], [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]]),
+    "tool_choice": st.sampled_from(["none", "auto", {"type": "function", "function": {"name": "f"}}]),
 }
 for _name, _noop in NOT_YET.items():
     _values = list(_noop[a] for a in ("chat", "completions")) if isinstance(_noop, dict) else [_noop]

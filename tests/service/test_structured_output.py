@@ -108,3 +108,65 @@ def test_bad_response_format_is_a_400_naming_it(runner, api, fmt, reason):
         assert info.value.body["param"] == "response_format"
         assert reason in info.value.body["message"]
     arun(runner, go())
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_tool_choice_required_gives_a_valid_call(runner, api):
+    """The default model (whose template does not render tools: they go in a system message) with
+    tool_choice "required", greedy and seeded, and a named function: the answer is a call to one
+    of the tools whose arguments validate against its parameters, finish_reason "tool_calls";
+    streamed, the call comes as one delta."""
+    async def go():
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+        for choice, seed in (("required", None), ("required", 7), ({"type": "function", "function": {"name": "get_time"}},
+                                                                    None)):
+            r = await api.client.chat.completions.create(
+                model=api.model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=MAX_TOKENS,
+                temperature=0 if seed is None else 1.0, seed=seed)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+            call = c.message.tool_calls[0]
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if isinstance(choice, dict):
+                assert call.function.name == "get_time"
+        stream = await api.client.chat.completions.create(model=api.model, messages=ASK, tools=[WEATHER],
+                                                          tool_choice="required", max_tokens=MAX_TOKENS, temperature=0,
+                                                          stream=True)
+        chunks = [ch async for ch in stream]
+        calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or ())]
+        assert [tc.function.name for tc in calls] == ["get_weather"]
+        jsonschema.validate(json.loads(calls[0].function.arguments), schemas["get_weather"])
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    arun(runner, go())
+
+
+def test_tool_choice_none_gives_no_call_and_bad_tools_are_400(runner, api):
+    async def go():
+        r = await api.client.chat.completions.create(model=api.model, messages=ASK, tools=[WEATHER],
+                                                     tool_choice="none", max_tokens=16, temperature=0)
+        c = r.choices[0]
+        assert not c.message.tool_calls and c.finish_reason in ("stop", "length") and c.message.content
+        plain = await api.client.chat.completions.create(model=api.model, messages=ASK, max_tokens=16, temperature=0)
+        assert c.message.content == plain.choices[0].message.content  # "none": the tools stay out of the prompt
+        for fields, param in ((dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0]"),
+                              (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
+                               "tool_choice"),
+                              (dict(tool_choice="required"), "tool_choice"),
+                              (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                               "tool_choice")):
+            with pytest.raises(openai.BadRequestError) as info:
+                await api.client.chat.completions.create(model=api.model, messages=ASK, max_tokens=4, **fields)
+            assert info.value.body["param"] == param, (fields, info.value.body)
+    arun(runner, go())
