@@ -170,3 +170,29 @@ def test_tool_choice_none_gives_no_call_and_bad_tools_are_400(runner, api):
                 await api.client.chat.completions.create(model=api.model, messages=ASK, max_tokens=4, **fields)
             assert info.value.body["param"] == param, (fields, info.value.body)
     arun(runner, go())
+
+
+def test_lpctl_submit_json_schema_file(runner, api, tmp_path, capsys):
+    """`lpctl submit --json-schema FILE --json`: the text validates against the schema in FILE; a
+    missing file is one line naming the fix, exit 2."""
+    from logicpipe.controller import lpctl
+
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(SCHEMA))
+
+    def run(*argv) -> int:
+        try:
+            lpctl.main(["--controller", api.ctl.address, "submit", "Describe a person.", "--max-tokens",
+                        str(MAX_TOKENS), *argv])
+        except SystemExit as exc:
+            return exc.code or 0
+        return 0
+
+    async def go():
+        return await asyncio.to_thread(run, "--json-schema", str(path), "--json")
+    assert arun(runner, go()) == 0
+    out = json.loads(capsys.readouterr().out)
+    jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert run("--json-schema", str(tmp_path / "nope.json")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--json-schema" in err[0] and "json_object" in err[0]
