@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from logicpipe.v1 import controller_pb2
+from logicpipe.v1 import controller_pb2, stage_pb2
 
 from .test_openai_api import CALL_TIMEOUT_S, served
 
@@ -86,12 +86,16 @@ def test_json_object_on_completions_and_grpc_json_schema(runner, api):
             assert isinstance(json.loads(c.text), dict)
         else:
             assert c.text.lstrip().startswith("{")
+        before = await api.node.stub.Status(stage_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S)
         replies = [x async for x in api.ctl.stub.Submit(controller_pb2.SubmitRequest(
             prompt="List the numbers 1, 2, 3, 4, 5, 6, 7, 8 as JSON.", max_tokens=64, speculate=4,
             json_schema=json.dumps(schema)), timeout=CALL_TIMEOUT_S)]
         text = "".join(x.text for x in replies)
         jsonschema.validate(json.loads(text), schema)
         assert replies[-1].finish_reason == "stop"
+        after = await api.node.stub.Status(stage_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S)
+        assert after.candidates_verified > before.candidates_verified  # candidates went through the mask
+        assert after.candidates_accepted > before.candidates_accepted
     arun(runner, go())
 
 
