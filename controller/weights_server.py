@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 2**20           # data bytes per WeightChunk message
 MAX_TENSORS_PER_REQUEST = 4096  # tensor names in one PullWeightsRequest
-ALLOWED_FILES = ("config.json", "generation_config.json")  # small files a node may ask for
+# files a node may ask for: the config, and the tokenizer (a last stage compiles structured-output
+# grammars against it); the optional ones that are absent are skipped
+ALLOWED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ async def stream_weights(model_dir: Path, digest: str, request: controller_pb2.P
     sent = 0
     for name in files:
         data = await asyncio.to_thread(_read_file, model_dir / name)
-        if data is None:  # generation_config.json is optional: the node sees it is absent
+        if data is None:  # all but config.json are optional: the node sees one is absent
             continue
         for chunk in _file_chunks(name, data):
             yield chunk

@@ -59,8 +59,8 @@ class GrammarBook:
             if not any((Path(self.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
                 raise FailedPrecondition(
                     f"structured output needs the model's tokenizer on the last stage, and {self.model_dir} has "
-                    "none (a pulled model holds only tensors); start the last stage with --model-dir pointing at a "
-                    "copy of the controller's model directory")
+                    "none (a model pulled before the tokenizer was pulled with it: remove that directory and the "
+                    "node pulls it again, or start the node with --model-dir pointing at a copy of the model)")
             tok = AutoTokenizer.from_pretrained(self.model_dir)
             info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # we cache, bounded

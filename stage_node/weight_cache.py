@@ -38,9 +38,12 @@ from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILES = ("generation_config.json", "config.json")  # pulled together, written in this order
+# pulled together, written in this order (config.json last: its presence means they all are); the
+# tokenizer's files serve structured output on a last stage (stage_node.grammar)
+CONFIG_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "config.json")
 MAX_TENSORS_PER_PULL = 1024  # tensor names per PullWeights request (the controller takes up to 4096)
-MAX_FILE_BYTES = 16 * 2**20  # a config file larger than this is refused (bytes)
+MAX_FILE_BYTES = 64 * 2**20  # a config or tokenizer file larger than this is refused (Gemma's tokenizer.json: 33 MB)
 STALL_TIMEOUT_S = 60.0       # no chunk for this long: the pull fails as UNAVAILABLE (s)
 PROGRESS_EVERY_S = 2.0       # progress is logged at least this often during a pull (s) ...
 PROGRESS_STEP = 0.1          # ... and every time this fraction of the tensors more has arrived,

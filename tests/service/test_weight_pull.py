@@ -95,6 +95,8 @@ def test_pull_first_stage_then_only_new_layers(model_dir, digest, config, tmp_pa
     assert not leftover.exists()
     assert (cache_dir / "config.json").read_bytes() == (model_dir / "config.json").read_bytes()
     assert (cache_dir / "generation_config.json").is_file()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a last stage's structured output needs them
+        assert (cache_dir / name).read_bytes() == (model_dir / name).read_bytes()
     assert (a.tensors, a.cached, a.pulled_bytes) == (len(first10), 0, tensor_bytes(model_dir, first10))
     new = [n for i in range(10, 15) for n in layer_tensor_names(config, i)]
     assert (b.tensors, b.cached, b.pulled_bytes) == (len(new), len(first10), tensor_bytes(model_dir, new))
@@ -146,8 +148,8 @@ def test_bad_requests_get_their_status(model_dir, digest, config, tmp_path):
                     request = controller_pb2.PullWeightsRequest(model_digest=digest, **fields)
                     return [c async for c in stub.PullWeights(request, timeout=RPC_TIMEOUT_S)]
 
-                await expect_status(pull(files=["tokenizer.json"]), grpc.StatusCode.INVALID_ARGUMENT,
-                                    "tokenizer.json", "config.json")
+                await expect_status(pull(files=["model.safetensors"]), grpc.StatusCode.INVALID_ARGUMENT,
+                                    "model.safetensors", "config.json")
                 await expect_status(pull(files=["../config.json"]), grpc.StatusCode.INVALID_ARGUMENT)
                 await expect_status(pull(tensors=[f"t{i}" for i in range(MAX_TENSORS_PER_REQUEST + 1)]),
                                     grpc.StatusCode.INVALID_ARGUMENT, str(MAX_TENSORS_PER_REQUEST))
