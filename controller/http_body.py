@@ -299,6 +299,10 @@ def stream_options(body: dict) -> tuple[bool, bool]:
 
 
 def chat_prompt(body: dict) -> Prompt:
+    """The conversation of a chat body. A tool loop's turns are taken too: an assistant turn's
+    `tool_calls` become its text in the tool-call format the tools' system message teaches
+    (<tool_call>{"name", "arguments"}</tool_call>), and a `tool` turn (its `tool_call_id`) the
+    tool's answer (controller.text renders it for the model's template)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
@@ -307,16 +311,45 @@ def chat_prompt(body: dict) -> Prompt:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(400, f"{where} must be an object with a role and content", param=where)
-        for key in m:
-            if key not in ("role", "content"):
-                raise ApiError(400, f"{where}.{shown(key)} is not supported by this server yet; a message is its "
-                               "role and content", param=f"{where}.{shown(key)}", code="unsupported_parameter")
         role = m.get("role")
+        allowed = {"role", "content"} | ({"tool_calls"} if role == "assistant" else set()) | \
+            ({"tool_call_id"} if role == "tool" else set())
+        for key in m:
+            if key not in allowed:
+                raise ApiError(400, f"{where}.{shown(key)} is not supported by this server yet; a message is its "
+                               "role and content (an assistant's tool_calls, a tool's tool_call_id)",
+                               param=f"{where}.{shown(key)}", code="unsupported_parameter")
         if role not in ROLES:  # developer: OpenAI's newer name for system, taken as system
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, not "
                            f"{shown(json.dumps(role), 30)}", param=f"{where}.role")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            text = "" if m.get("content") is None else message_text(m.get("content"), f"{where}.content")
+            turns.append((role, "\n".join(x for x in (text, *tool_call_texts(calls, f"{where}.tool_calls")) if x)))
+            continue
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise ApiError(400, f"{where}.tool_call_id must name the call this answers", param=f"{where}.tool_call_id")
         turns.append((role, message_text(m.get("content"), f"{where}.content")))
     return Prompt(messages=tuple(turns))
+
+
+def tool_call_texts(calls, where: str) -> list[str]:
+    """An assistant turn's tool_calls as the model wrote them: <tool_call>{"name", "arguments"}</tool_call>."""
+    if not isinstance(calls, list) or not calls or len(calls) > MAX_TOOLS:
+        raise ApiError(400, f"{where} must be a list of 1 to {MAX_TOOLS} calls", param=where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise ApiError(400, f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                           "\"arguments\": \"<JSON text>\"}}}}", param=f"{where}[{j}]")
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise ApiError(400, f"{where}[{j}].function.arguments is not JSON text", param=f"{where}[{j}]") from None
+        out.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+                   + "\n</tool_call>")
+    return out
 
 
 def message_text(content, where: str) -> str:

@@ -11,7 +11,7 @@ from logicpipe.controller.tools import renders_tools, system_text
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a tool's answer in a tool loop
 
 
 def load_tokenizer(model_dir: Path):
@@ -35,9 +35,13 @@ def encode_chat(tokenizer, messages: list[tuple[str, str]], tools: list[dict] | 
     """Token ids of a conversation [(role, content), ...] through the model's chat template, ready
     for the assistant's answer (roles checked by the caller); `tools` (OpenAI's) through the
     template when it renders them, else in a system message (controller.tools)."""
-    turns = [{"role": r, "content": c} for r, c in messages]
+    native = renders_tools(tokenizer)
+    # a tool's answer: the template's own tool turn where it lays tools out, else a user turn the
+    # way the tools' system message (qwen's wording) expects it
+    turns = [{"role": r, "content": c} if r != "tool" or native else
+             {"role": "user", "content": f"<tool_response>\n{c}\n</tool_response>"} for r, c in messages]
     extra = {}
-    if tools and renders_tools(tokenizer):
+    if tools and native:
         extra = {"tools": tools}
     elif tools:
         if turns and turns[0]["role"] == "system":

@@ -88,7 +88,7 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
      400, "messages[0].name"),
     ("a batch of 65 prompts", "/v1/completions", json.dumps({"prompt": ["a"] * 65}).encode(), 400, "prompt"),
     ("an empty prompt in a batch", "/v1/completions", b'{"prompt": ["a", ""]}', 400, "prompt[1]"),
-    ("a role of another name", CHAT, json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), 400,
+    ("a role of another name", CHAT, json.dumps({"messages": [{"role": "function", "content": "x"}]}).encode(), 400,
      "messages[0].role"),
     ("max_points without outline", CHAT, chat(max_points=3), 400, "max_points"),
     ("max_tokens 1e400 (an integer)", CHAT, chat(max_tokens=10**400), 400, None),
@@ -486,4 +486,35 @@ def test_the_openai_client_gets_400_naming_each_unsupported_parameter(model_dir)
                     assert info.value.body["param"] == name, (name, info.value.body)
             finally:
                 await oa.close()
+    run(go())
+
+
+def test_a_tool_loop_conversation_is_taken(model_dir):
+    """An agent sends the assistant's tool_calls and the tool's answer back: both reach the
+    prompt (the call as <tool_call> text, the answer as a <tool_response> turn for SmolLM2's
+    template, which lays out no tools itself); malformed ones are 400 naming the field."""
+    from logicpipe.controller.text import load_tokenizer
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    loop = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+
+    async def go():
+        async with http_api(model_dir) as (client, fake):
+            seen = []
+            submit = fake.submit
+            fake.submit = lambda job: (seen.append(job.prompt_ids), submit(job))[1]
+            status, _, body = await client.post(CHAT, data=json.dumps({"max_tokens": 2, "messages": loop}).encode())
+            assert status == 200, body
+            text = load_tokenizer(model_dir).decode(seen[0])
+            assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+            assert "<tool_response>\n18 C and sunny\n</tool_response>" in text
+            for bad, param in (
+                    ({"role": "tool", "content": "x"}, "messages[2].tool_call_id"),
+                    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+                     "messages[2].tool_calls[0]"),
+                    ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[2].tool_call_id")):
+                status, _, body = await client.post(CHAT, data=json.dumps({"messages": [*loop[:2], bad]}).encode())
+                assert status == 400 and body["error"]["param"] == param, body
     run(go())
