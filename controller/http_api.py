@@ -387,7 +387,11 @@ async def start_http(app: ControllerApp, door: FrontDoor, address: str, keys: Ap
     runner = HttpApi(app, door, keys).runner()
     await runner.setup()
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:  # the port is taken (the caller says so in one line): let go of the runner
+        await runner.cleanup()
+        raise
     log.info("OpenAI-compatible HTTP API on http://%s:%s/v1 (%s)", host or "127.0.0.1", port,
              f"{len(keys.keys)} API keys of {keys.path}" if keys else "no API keys")
     if keys is None and not is_loopback(host or "127.0.0.1"):
