@@ -118,6 +118,8 @@ class LocalMesh:
 
     # ---- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+        if name in self.procs and self.procs[name].poll() is None:  # it would be lost to stop(), and leak
+            raise ValueError(f"a process named {name!r} still runs in this mesh; spawn under another name")
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env, **(env or {}))

@@ -149,7 +149,7 @@ def test_a_node_joins_with_a_one_time_token_and_is_revoked(model_dir, tmp_path):
 
             def start(name: str, tls_dir, token=token):
                 addr = f"127.0.0.1:{free_port()}"
-                proc, log = mesh._spawn(name, [
+                proc, log = mesh._spawn(f"join-{name}", [  # not a name of the mesh's own processes
                     "-m", "logicpipe.stage_node.main", "--listen", addr, "--node-id", name, "--threads", "1", "--no-mdns",
                     "--controller", mesh.controller_address, "--state-dir", str(tmp_path / f"{name}-state"),
                     "--model-root", str(model_dir.parent), "--join-token", token, "--join-address", join,
