@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from importlib.metadata import version
 from pathlib import Path
 from typing import Sequence
 
@@ -33,7 +34,6 @@ ROLLBACK_TOKENS = 64  # xgrammar < 0.2 keeps this many tokens to roll back (0.2 
 
 def _matcher(compiled):
     """A matcher that can roll back (probing candidates; a step computed again), on either API."""
-    from importlib.metadata import version
 
     import xgrammar as xgr
     major, minor = (int(x) for x in version("xgrammar").split(".")[:2])
