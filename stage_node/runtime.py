@@ -24,7 +24,7 @@ from logicpipe.stage_node.config import Assignment, StageOptions
 from logicpipe.stage_node.draft_model import DraftModel, DraftModelError
 from logicpipe.stage_node.engine import Engine
 from logicpipe.stage_node.events import EventHub
-from logicpipe.stage_node.fence import Fence
+from logicpipe.stage_node.fence import Caller, Fence
 from logicpipe.stage_node.kv import KVPool
 from logicpipe.stage_node.runner import Runner
 from logicpipe.stage_node.scheduler import StepMsg
@@ -35,12 +35,6 @@ from logicpipe.stage_node.stats import EngineView, StageSnapshot, StageStats
 log = logging.getLogger(__name__)
 
 IDLE_RECHECK_S = 1.0  # an idle step loop looks again this often (stale in-flight steps, gone owners)
-
-
-def _who(opener: str) -> str:
-    """An opener ("certificate name/key digest") in words."""
-    name, _, key = opener.partition("/")
-    return (f"certificate {name!r}" if name else "plaintext") + (f" with key {key[:8]}" if key else " without a key")
 
 
 class NodeState(Enum):
@@ -181,9 +175,8 @@ class StageRuntime:
         _, cached = self.require_ready().scheduler.admit(spec)
         return cached
 
-    def close_session(self, session_id: str, caller: str = "") -> int:
-        """Close a session; only its opener may (`caller`: who calls, as OpenSession recorded the
-        opener: certificate name and key digest). Returns the positions it held."""
+    def close_session(self, session_id: str, caller: Caller = Caller()) -> int:
+        """Close a session; only its opener may (`caller`: who calls). Returns the positions it held."""
         if self.engine is None:
             raise FailedPrecondition(f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
                                      "it holds no sessions")
@@ -193,7 +186,7 @@ class StageRuntime:
             raise NotFound(f"session {session_id[:MAX_ID_CHARS]} is not open on node {self.node_id}")
         if caller != seq.spec.opener:
             raise PermissionDenied(f"session {session_id[:MAX_ID_CHARS]} belongs to the controller that opened it "
-                                   f"({seq.spec.owner or 'no owner'}, {_who(seq.spec.opener)}); {_who(caller)} "
+                                   f"({seq.spec.owner or 'no owner'}, {seq.spec.opener.describe()}); {caller.describe()} "
                                    "cannot close it")
         held = self.engine.kv.tables[session_id].length
         sched.close(session_id)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.drafter import Drafter
+from logicpipe.stage_node.fence import Caller
 
 if TYPE_CHECKING:
     from logicpipe.stage_node.grammar import Constraint
@@ -50,7 +51,7 @@ class SeqSpec:
     max_new_tokens: int                    # finish with "length" once this many are generated
     stop_ids: frozenset[int]               # finish with "stop" on any of these
     owner: str = ""                        # whose Events hear of it ("" = nobody: lives while stepped)
-    opener: str = ""                       # over TLS: the certificate name that opened it (only it may close it)
+    opener: Caller = Caller()              # who opened it (certificate name, key digest): only it may close it
     prompt: tuple[int, ...] = ()           # input from position 0 (prefix-cache lookup, admission)
     generated: int = 0                     # replay: tokens generated before
     parent: str = ""                       # fork: share the parent's first parent_length positions

@@ -83,14 +83,13 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         self.runtime.fence.check(caller, "sessions")
         cfg = self.runtime.require_ready().shard.config
         spec = wire.spec_from_proto(request, context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                                    opener=f"{caller.name}/{caller.key}")
+                                    opener=caller)
         return stage_pb2.OpenSessionReply(cached_tokens=self.runtime.open_session(spec))
 
     async def CloseSession(self, request, context):
         caller = self._caller(context)
         self.runtime.fence.check(caller, "CloseSession")
-        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id,
-                                                                                  f"{caller.name}/{caller.key}"))
+        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id, caller))
 
     async def Stream(self, request_iterator, context):
         self.runtime.require_ready()

@@ -10,6 +10,7 @@ from logicpipe.limits import check_address, check_id
 from logicpipe.sampling import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, SamplingParams
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.events import Event, TokenEvent
+from logicpipe.stage_node.fence import Caller
 from logicpipe.stage_node.scheduler import StepMsg
 from logicpipe.stage_node.sequence import SeqSpec, SeqWork
 from logicpipe.stage_node.stats import StageSnapshot
@@ -47,9 +48,9 @@ def assignment_from_proto(req: stage_pb2.AssignRequest, controller_address: str)
         last_node_id=req.last_node_id, controller_address=controller_address)
 
 
-def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int, opener: str = "") -> SeqSpec:
-    """OpenSession -> SeqSpec, checked against the model's context and vocabulary; `opener`: the
-    caller's certificate name (TLS)."""
+def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int, opener: Caller = Caller()) -> SeqSpec:
+    """OpenSession -> SeqSpec, checked against the model's context and vocabulary; `opener`: who
+    opened it (only it may close it)."""
     check_id("session_id", req.session_id)
     check_id("owner", req.owner, empty_ok=True)
     if not 1 <= req.capacity <= context:
