@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 from logicpipe.planner.types import DeviceProfile
 
-FORMAT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "nf4": 0.5, "fp4": 0.5}
+FORMAT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "nf4": 0.5, "fp4": 0.5}
 """Nominal bytes per parameter of the weight formats the planner knows (quantization scales not
 counted; a node measures its own, `DeviceProfile.weight_bytes_per_param`)."""
 
 FLOAT_FORMATS = ("fp32", "fp16", "bf16")
-QUANT_FORMATS = ("int8", "nf4", "fp4")
+QUANT_FORMATS = ("int4", "int8", "nf4", "fp4")
 
 _LOSSLESS_UPCAST: dict[str, str] = {"fp16": "fp32", "bf16": "fp32"}
 

@@ -102,7 +102,7 @@ class DeviceProfile:
     links: tuple[tuple[NodeId, Link], ...] = ()  # measured outgoing links: (other node id, Link), sorted
     default_link: Link = DEFAULT_LINK             # assumed for any other node missing from `links`
     weight_formats: tuple[str, ...] = ("fp32", "fp16", "bf16")  # weight formats this node runs, preferred first
-    # A node started quantized offers that one format ("int8", "nf4", "fp4"): its layers' matrices
+    # A node started quantized offers that one format ("int4", "int8", "nf4", "fp4"): its layers' matrices
     # are held in it, while embeddings, head, activations and KV stay in `compute_format` ("": fp32).
     compute_format: str = ""
     # bytes/s at which a one-token product reads weights in the node's format (a quantized kernel

@@ -11,7 +11,7 @@ from logicpipe.stage_node.blocks import DEFAULT_BLOCK_SIZE
 from logicpipe.stage_node.scheduler import Budget
 
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
-WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8", "nf4", "fp4")
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int4", "int8", "nf4", "fp4")
 MAX_PATH_CHARS = 4096
 MAX_MICRO_BATCHES = 64  # sampled steps in flight on stage 0 (one per stage by default; no mesh is that deep)
 
@@ -24,7 +24,7 @@ class StageOptions:
     session_ttl_s: float = 30.0          # a session outlives its gone owner (or its last step) this long, s
     draft_model: str = ""                # last stage: draft candidates with this model ("": prompt lookup)
     draft_layers: int = 0                # ... keeping only its first N decoder layers (0: all)
-    quantize: str = "none"               # its layers' matrices in int8 / nf4 / fp4 (stage_node.quant)
+    quantize: str = "none"               # its layers' matrices in int4 / int8 / nf4 / fp4 (stage_node.quant)
     cuda_graphs: bool = True             # CUDA: small steps replayed as graphs (stage_node.step_graphs)
     batch_invariant: str = "auto"        # CUDA: auto / on / off, batch-invariant kernels (stage_node.invariant)
     dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in

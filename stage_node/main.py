@@ -41,6 +41,7 @@ from logicpipe.stage_node.invariant import SETTINGS as INVARIANT_SETTINGS  # noq
 from logicpipe.stage_node.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
+from logicpipe.stage_node.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.runner import Runner  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
@@ -91,9 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--session-ttl-s", type=float, default=30.0,
                     help="seconds a session outlives its gone controller (default %(default)s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
-    ap.add_argument("--quantize", default="none", choices=["none", "int8", "nf4", "fp4"],
-                    help="hold this stage's layers quantized: int8 (CPU, torch fbgemm), nf4 or fp4 (bitsandbytes); "
-                         "embeddings, norms and the LM head stay in the compute dtype (default none)")
+    ap.add_argument("--quantize", default="none", choices=list(QUANT_CHOICES),
+                    help="hold this stage's layers quantized: int4 or int8 (CPU, torch's packed kernels; the LM head "
+                         "then in int8 too), nf4 or fp4 (bitsandbytes); embeddings and norms stay in the compute "
+                         "dtype (default none)")
     ap.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                     help="CUDA stages: replay steps of up to 32 rows as CUDA graphs, captured per size bucket "
                          "on first use (default %(default)s; off: every step eagerly)")

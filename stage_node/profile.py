@@ -1,7 +1,7 @@
 """This node's resource profile: what it computes in, how fast, and the memory available.
 
 Formats. A node runs its layers in the formats it offers, preferred first (`offered_formats`):
-with `--quantize int8|nf4|fp4` that one format (activations, KV, embeddings and head then in its
+with `--quantize int4|int8|nf4|fp4` that one format (activations, KV, embeddings and head then in its
 compute dtype); else by `--dtype`: `auto` offers fp32 on a CPU (16-bit products are several times
 slower there) and bf16, fp16, fp32 on a GPU (fp16, fp32 without bf16); a named dtype offers that
 one. The mesh's format is the controller's --dtype; a node runs it, or upcasts a 16-bit one to fp32
@@ -37,7 +37,7 @@ from logicpipe.stage_node.quant import quantize, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: int4, and int8 by the packed weight-only kernel
 
 DTYPE_FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 FORMAT_DTYPE = {f: getattr(torch, d) for d, f in DTYPE_FORMAT.items()}

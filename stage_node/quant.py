@@ -1,32 +1,38 @@
-"""Quantized linear weights for a stage started with `--quantize int8|nf4|fp4`.
+"""Quantized linear weights for a stage started with `--quantize int4|int8|nf4|fp4`.
 
 Each of a layer's matrices (fused q/k/v, o, fused gate/up, down) is quantized right after it is
-read and fused, so the shard never holds more than one layer in float at a time. Embeddings, norms
-and the LM head stay in the compute dtype (a stage that holds them keeps them exact).
+read and fused, so the shard never holds more than one layer in float at a time. Embeddings and
+norms stay in the compute dtype; the LM head stays there too, except beside int4 and int8, whose
+stages hold it in int8 (`HEAD_FORMAT`) as llama.cpp's Q4_1 files do (Q8_0): in float32 it is a
+third of a small model's decode time.
 
-Kernels, by format and device:
-- **int8 on the CPU**: torch's fbgemm dynamic-quantized linear (weights per output channel,
-  activations per tensor at run time). It is the fastest int8 kernel here: measured 3x faster
-  than the float32 product per decode matrix on this CPU, where bitsandbytes' int8 ran slower than
-  float32 (11 vs 25 tok/s in transformers).
+Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`, docs/engine.md):
+- **int4 on the CPU**: torch's weight-only packed kernel (`_weight_int4pack_mm_for_cpu`): 4-bit
+  weights in groups of 32 along the input, each group with a scale and a zero point (w = (q - 8) *
+  scale + zero: llama.cpp's Q4_1 grid), bf16 activations.
+- **int8 on the CPU**: torch's weight-only `_weight_int8pack_mm`: int8 weights, one scale per
+  output channel, bf16 activations.
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA.
-- int8 on CUDA is refused with a message saying what to use instead (not built yet).
-torch 2.13 warns that its quantized tensors (which the fbgemm kernel takes) are deprecated; when
-they go, int8 on the CPU moves to bitsandbytes' int8 (slower here) or a kernel of our own.
+- int4 and int8 on CUDA are refused with a message saying what to use instead (not built yet).
 
-A quantized product scales each step's activations as a whole, so unlike the float path
-(`stage_node.ops`) a row's numbers can depend on the other rows of its step: greedy tokens on a
-quantized stage are deterministic for a given batch, but may differ between a request alone and
-one among others (or with candidate tokens and without).
+Scales and zero points are rounded to bf16 (the kernels take them so) before the weights are
+quantized against them, so the grid the weights are rounded to is the one the kernel uses.
+
+Batch invariance. The packed int4 and int8 kernels compute each row of a product on its own, in an
+order that does not depend on the number of rows (checked for 1 to 64 rows by
+tests/unit/test_quant.py): a request gives the same greedy tokens alone or among others, as the
+float path does (`stage_node.ops`). bitsandbytes' nf4/fp4 does not promise that: one row takes its
+matrix-vector kernel, several rows a dequantized product, so greedy tokens on such a stage are
+deterministic for a given batch but may differ between a request alone and one among others.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-FORMATS = ("none", "int8", "nf4", "fp4")
-BLOCK_4BIT = 64
+FORMATS = ("none", "int4", "int8", "nf4", "fp4")
+BLOCK_4BIT = 64       # bitsandbytes' block
+GROUP_INT4 = 32       # int4: weights per scale and zero point, along the input (Q4_1's block)
+HEAD_FORMAT = {"int4": "int8", "int8": "int8"}  # the LM head of a stage in these formats; others keep it float
 
 
 class QuantError(ValueError):
@@ -37,13 +43,9 @@ def check_format(fmt: str, device: str) -> None:
     """Raise QuantError unless `fmt` can run on `device` here."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
-    if fmt == "int8":
-        if device != "cpu":
-            raise QuantError("--quantize int8 runs on the CPU only for now (torch's fbgemm kernel); "
-                             "on CUDA use --quantize nf4")
-        if "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise QuantError("--quantize int8 needs torch's fbgemm engine, which this torch build lacks; "
-                             "use --quantize nf4")
+    if fmt in ("int4", "int8") and torch.device(device).type != "cpu":
+        raise QuantError(f"--quantize {fmt} runs on the CPU only for now (torch's packed CPU kernels); "
+                         "on CUDA use --quantize nf4")
     if fmt in ("nf4", "fp4"):
         try:
             import bitsandbytes  # noqa: F401
@@ -71,30 +73,64 @@ class QuantMatrix:
         raise NotImplementedError
 
 
-class Int8Fbgemm(QuantMatrix):
+def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """x (float32, >= 0) rounded to a bf16 value no smaller than it."""
+    y = x.to(torch.bfloat16)
+    low = y.float() < x
+    return torch.where(low, torch.nextafter(y, torch.tensor(float("inf"), dtype=torch.bfloat16)), y)
+
+
+class Int8Packed(QuantMatrix):
+    """int8 weights, one bf16 scale per output channel (absmax / 127), by `_weight_int8pack_mm`."""
+
     format = "int8"
 
     def __init__(self, w: torch.Tensor):
         super().__init__(*w.shape)
         w = w.float()
-        scales = (w.abs().amax(1) / 127.0).clamp(min=1e-12).double()
-        with warnings.catch_warnings():  # torch deprecates its quantized tensors; see the module docstring
-            warnings.simplefilter("ignore", UserWarning)
-            q = torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(q, None)
-        self._bytes = q.numel() + 8 * w.shape[0]  # int8 weights + a float64 scale per row
+        self._scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
+        self._q = (w / self._scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self._mm = torch.ops.aten._weight_int8pack_mm  # bound once: __call__ is on the per-token path
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._q.numel() + 2 * self._scales.numel()
+
+    def dequantized(self) -> torch.Tensor:
+        return self._q.float() * self._scales.float()[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # one call per row: the activations' scale is the row's own (LLM activations have outlier
-        # rows; one scale for a whole step halves the agreement with float32), and a row's result
-        # never depends on its step
-        xf = x.float()
-        out = [torch.ops.quantized.linear_dynamic(xf[i:i + 1], self._packed, False) for i in range(xf.shape[0])]
-        return (out[0] if len(out) == 1 else torch.cat(out)).to(x.dtype)
+        return self._mm(x.to(torch.bfloat16), self._q, self._scales).to(x.dtype)
+
+
+class Int4Packed(QuantMatrix):
+    """4-bit weights in groups of GROUP_INT4 along the input, each group with a bf16 scale and zero
+    point (w = (q - 8) * scale + zero, q in 0..15), by `_weight_int4pack_mm_for_cpu`."""
+
+    format = "int4"
+
+    def __init__(self, w: torch.Tensor, group: int = GROUP_INT4):
+        out, inp = w.shape
+        if inp % group or out % 16:
+            raise QuantError(f"int4 needs matrices whose input size is a multiple of {group} and output size a "
+                             f"multiple of 16 (the kernel's packing), got {out} x {inp}: use --quantize int8")
+        super().__init__(out, inp)
+        g = w.float().reshape(out, inp // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)                                      # [out, groups]
+        scale = _bf16_at_least(((hi - lo) / 15.0).clamp(min=1e-30))
+        zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
+        q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).round().clamp(0, 15)
+        self.group = group
+        self._scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2] bf16
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
+        self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+    @property
+    def nbytes(self) -> int:
+        return self._packed.numel() * self._packed.element_size() + 2 * self._scale_zero.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mm(x.to(torch.bfloat16), self._packed, self.group, self._scale_zero).to(x.dtype)
 
 
 class Bnb4bit(QuantMatrix):
@@ -119,8 +155,10 @@ class Bnb4bit(QuantMatrix):
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
     """w: [out, in] float, on its device -> the quantized matrix."""
+    if fmt == "int4":
+        return Int4Packed(w)
     if fmt == "int8":
-        return Int8Fbgemm(w)
+        return Int8Packed(w)
     if fmt in ("nf4", "fp4"):
         return Bnb4bit(w, fmt)
     raise QuantError(f"cannot quantize to {fmt!r}")

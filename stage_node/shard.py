@@ -38,7 +38,7 @@ from logicpipe.stage_node.ops import (
     rms_norm,
     softcap,
 )
-from logicpipe.stage_node.quant import check_format, tensor_bytes
+from logicpipe.stage_node.quant import HEAD_FORMAT, check_format, tensor_bytes
 from logicpipe.stage_node.quant import quantize as quantize_matrix
 from logicpipe.stage_node.rope import RopeTables, apply_rope, rope_parameters
 from logicpipe.stage_node.weights import (
@@ -113,7 +113,8 @@ class Shard:
     def load(cls, model_dir, start: int, end: int, *, first: bool, last: bool,
              device="cpu", dtype=torch.float32, quantize: str = "none") -> "Shard":
         """Load layers [start, end) (+ embeddings if first, + final norm and LM head if last);
-        `quantize`: the layers' matrices in int8 / nf4 / fp4, each quantized as it is built."""
+        `quantize`: the layers' matrices in int4 / int8 / nf4 / fp4, each quantized as it is built
+        (with int4 / int8 the LM head in int8 too, quant.HEAD_FORMAT)."""
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
@@ -134,6 +135,8 @@ class Shard:
         head = None
         if last:  # tied: the embeddings serve as the head (one tensor on a stage that is both)
             head = embed if tied else t.pop(LM_HEAD).to(device=device, dtype=dtype)  # [vocab, hidden]
+            if quantize in HEAD_FORMAT:  # int4 / int8 stages: the head in int8 (a copy beside a tied embedding)
+                head = quantize_matrix(head, HEAD_FORMAT[quantize])
         del t
         ropes = {"full": RopeTables(*rope_parameters(model_dir, "full"), dtype=dtype, device=device)}
         if "sliding" in config.arch.layer_types:
