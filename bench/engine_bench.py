@@ -3,6 +3,9 @@
 Every scenario talks to real processes on 127.0.0.1 through the Controller's Submit only, so the
 same script measures any version of the mesh. Scenarios (all by default):
 
+  single       one stream on a 1-stage mesh (every layer in one process), new tokens per second
+               (wall time from the submit to the last token, prefill included), medians; the ratio
+               printed is it / llama.cpp's one stream.
   concurrency  C concurrent requests / 1 stream, aggregate new tokens per second (new tokens of
                all requests / wall time from the first submit to the last token), S-stage mesh,
                interleaved round by round, medians.
@@ -19,7 +22,11 @@ same script measures any version of the mesh. Scenarios (all by default):
                16 new tokens, the same with 160 prompt tokens shared by all (and seen once before
                the burst, as a system prompt in use is), and 40-token prompts with 160 new tokens.
 
+`--quantize int4|int8|...` starts every stage of every mesh with that --quantize (issue 25 compares
+int4 stages with llama.cpp on the Q4_1 file).
+
     python -m bench.engine_bench --stages 3 --concurrency 8 --tokens 64 --rounds 5 --threads 2
+    python -m bench.engine_bench --scenarios llamacpp,single,concurrency --quantize int4 --rounds 5
 """
 from __future__ import annotations
 
@@ -118,10 +125,29 @@ class PeakSampler:
 
 # ----------------------------------------------------------------------------- scenarios
 
+def stage_args(args) -> tuple[str, ...]:
+    return ("--quantize", args.quantize) if args.quantize != "none" else ()
+
+
+def scenario_single(args, model_dir, work) -> dict:
+    with LocalMesh(1, model_dir, work / "single", threads=args.threads, device=args.device,
+                   controller_args=tuple(args.controller_arg), stage_args=stage_args(args)) as mesh:
+        addr = mesh.controller_address
+        submit(addr, prompt=PROMPTS[0], tokens=8)  # warm-up
+        rates = []
+        for r in range(args.rounds):
+            res = submit(addr, prompt=PROMPTS[0], tokens=args.tokens)
+            if res["error"]:
+                raise RuntimeError(res["error"])
+            rates.append(args.tokens / res["total_s"])
+            print(f"round {r + 1}/{args.rounds}: 1 stage, 1 stream {rates[-1]:.1f} tok/s", file=sys.stderr)
+    return {"quantize": args.quantize, "tps": statistics.median(rates), "raw": rates}
+
+
 def scenario_concurrency(args, model_dir, work) -> dict:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.concurrency)]
     with LocalMesh(args.stages, model_dir, work / "conc", threads=args.threads, device=args.device,
-                   controller_args=tuple(args.controller_arg)) as mesh:
+                   controller_args=tuple(args.controller_arg), stage_args=stage_args(args)) as mesh:
         addr = mesh.controller_address
         submit(addr, prompt=PROMPTS[0], tokens=8)  # warm-up
         concurrent(addr, prompts, 8)
@@ -136,7 +162,8 @@ def scenario_concurrency(args, model_dir, work) -> dict:
             print(f"round {r + 1}/{args.rounds}: 1 stream {one[-1]:.1f} tok/s, {args.concurrency} concurrent "
                   f"{many[-1]:.1f} tok/s aggregate", file=sys.stderr)
     ratios = [m / o for m, o in zip(many, one)]
-    return {"stages": args.stages, "concurrency": args.concurrency, "one_stream_tps": statistics.median(one),
+    return {"stages": args.stages, "quantize": args.quantize, "concurrency": args.concurrency,
+            "one_stream_tps": statistics.median(one),
             "concurrent_tps": statistics.median(many), "ratio": statistics.median(ratios), "raw": [one, many]}
 
 
@@ -264,7 +291,7 @@ def scenario_microbatches(args, model_dir, work) -> dict:
     return {str(m): statistics.median(v) for m, v in rates.items()}
 
 
-SCENARIOS = {"concurrency": scenario_concurrency, "llamacpp": scenario_llamacpp, "prefix": scenario_prefix,
+SCENARIOS = {"single": scenario_single, "concurrency": scenario_concurrency, "llamacpp": scenario_llamacpp, "prefix": scenario_prefix,
              "admission": scenario_admission, "microbatches": scenario_microbatches}
 
 
@@ -283,6 +310,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64, help="admission: requests submitted at once")
     ap.add_argument("--kv-mib", type=int, default=256, help="admission: --max-kv-mib of each stage")
     ap.add_argument("--controller-arg", action="append", default=[], help="extra controller flag (repeatable)")
+    ap.add_argument("--quantize", default="none", help="every stage's --quantize (single, concurrency; default none)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -293,8 +321,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.scenarios.split(","):
             results[name] = SCENARIOS[name](args, model_dir, Path(tmp))
-    if "concurrency" in results and results.get("llamacpp", {}).get("tps"):
-        results["mesh_concurrent_over_llamacpp"] = results["concurrency"]["concurrent_tps"] / results["llamacpp"]["tps"]
+    peer = results.get("llamacpp", {}).get("tps")
+    if "concurrency" in results and peer:
+        results["mesh_concurrent_over_llamacpp"] = results["concurrency"]["concurrent_tps"] / peer
+    if "single" in results and peer:
+        results["single_stage_one_stream_over_llamacpp"] = results["single"]["tps"] / peer
     print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "raw"} if isinstance(v, dict) else v)
                       for k, v in results.items()}, indent=2))
     if args.json:

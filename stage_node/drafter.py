@@ -17,6 +17,9 @@ j-th candidate adds a^j expected tokens. The sequences sampled in one step go ba
 together and share its next step, whose cost grows with its rows (`step_cost`): rows up to
 FREE_ROWS cost one step, every further row ROW_COST of one (on the CPU a fifth: eight open-ended
 streams with 4 candidates each ran at 0.56x the tokens/s of none before this was accounted for).
+A stage's own costs (`StepCost`, `step_cost_for`): a float CPU stage pads a lone decode row to 4,
+so rows 1..4 cost one step; a quantized one computes each row on its own (int4: 1 row 6.2 ms, 2
+rows 7.3, 4 rows 9.8 for the default model), so its first candidate already costs a fifth.
 Candidates are handed out, the most likely first, while
 they raise the step's expected tokens per unit of cost: a lone sequence on text that copies gets
 many, eight sequences that share a step on open-ended text get none. Drafting also stops for a
@@ -26,6 +29,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from logicpipe.stage_node.quant import FORMATS
+
+QUANT_FORMATS = tuple(f for f in FORMATS if f != "none")
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -82,12 +90,34 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """What a decode step of `rows` rows costs, relative to a step of one row: rows up to
+    `free_rows` cost one step, each further one `row_cost` of one."""
+
+    free_rows: int = FREE_ROWS
+    row_cost: float = ROW_COST
+
+    def __call__(self, rows: int) -> float:
+        return 1.0 + self.row_cost * max(0, rows - self.free_rows)
+
+
+STEP_COST = StepCost()
+QUANTIZED_CPU_COST = StepCost(free_rows=1)  # packed int4 / int8, bitsandbytes: no padding to 4 rows
+
+
+def step_cost_for(device_type: str, weight_format: str) -> StepCost:
+    """The step cost of a last stage on `device_type` holding its layers in `weight_format` (a
+    float dtype's name, or a quantized format)."""
+    return QUANTIZED_CPU_COST if device_type == "cpu" and weight_format in QUANT_FORMATS else STEP_COST
+
+
 def step_cost(rows: int) -> float:
-    """A decode step of `rows` rows, relative to a step of one row."""
-    return 1.0 + ROW_COST * max(0, rows - FREE_ROWS)
+    """A decode step of `rows` rows, relative to a step of one row (a float CPU stage's)."""
+    return STEP_COST(rows)
 
 
-def allocate(acceptances: Sequence[float], available: Sequence[int]) -> list[int]:
+def allocate(acceptances: Sequence[float], available: Sequence[int], cost: StepCost = STEP_COST) -> list[int]:
     """Candidates for each of the sequences that share a step (at most `available[i]` for the i-th,
     whose candidates are accepted with probability `acceptances[i]` each): the most likely ones
     first, while they raise the step's expected tokens per unit of cost."""
@@ -99,7 +129,7 @@ def allocate(acceptances: Sequence[float], available: Sequence[int]) -> list[int
     while heap:
         neg_gain, i = heapq.heappop(heap)
         gain = -neg_gain
-        if (tokens + gain) / step_cost(rows + 1) <= tokens / step_cost(rows) * (1 + 1e-9):
+        if (tokens + gain) / cost(rows + 1) <= tokens / cost(rows) * (1 + 1e-9):
             break
         counts[i] += 1
         rows += 1

@@ -22,6 +22,7 @@ from logicpipe.stage_node import last_stage
 from logicpipe.stage_node.blocks import KVManager
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.draft_model import DraftModel
+from logicpipe.stage_node.drafter import step_cost_for
 from logicpipe.stage_node.events import ErrorEvent, Event, EventHub
 from logicpipe.stage_node.grammar import GrammarBook
 from logicpipe.stage_node.kv import KVPool
@@ -58,6 +59,7 @@ class Engine:
         self.wake = wake                  # the node's step loop looks again (sequences were closed)
         self.shard_dir = shard_dir        # where the weights were loaded from (the model dir, or the pull cache)
         self.retired = False              # replaced by another engine: its steps are dropped
+        self.step_cost = step_cost_for(shard.device.type, shard.weight_format)  # how many candidates pay
         self.scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=node_id, budget=budget,
                                    micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned)
         if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
@@ -131,7 +133,7 @@ class Engine:
             return None
         out = last_stage.take_tokens(sched, self.kv, done, result.tokens, orphaned=self.orphaned,
                                      draft_model=self.draft_model() is not None, logprobs=result.logprobs,
-                                     prompt_logprobs=result.prompt_logprobs)
+                                     prompt_logprobs=result.prompt_logprobs, cost=self.step_cost)
         st.sampled_steps += out.sampled
         st.sampled_tokens += out.tokens
         st.candidates_verified += out.verified

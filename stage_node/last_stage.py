@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from logicpipe.stage_node.blocks import KVManager
-from logicpipe.stage_node.drafter import Drafter, allocate
+from logicpipe.stage_node.drafter import STEP_COST, Drafter, StepCost, allocate
 from logicpipe.stage_node.events import TokenEvent
 from logicpipe.stage_node.scheduler import PlannedSeq, Scheduler
 from logicpipe.stage_node.sequence import Sequence, SeqWork
@@ -44,12 +44,13 @@ class Outcome:
 
 def take_tokens(scheduler: Scheduler, kv: KVManager, done: list[PlannedSeq], tokens: dict[str, list[int]], *,
                 orphaned: Callable[[Sequence], bool], draft_model: bool, logprobs: dict | None = None,
-                prompt_logprobs: dict | None = None) -> Outcome:
+                prompt_logprobs: dict | None = None, cost: StepCost = STEP_COST) -> Outcome:
     """The tokens of every sampled sequence of a step (`tokens`: what the runner sampled or
     verified, per sequence; `logprobs`: their TokenLogprobs, of the sequences that asked), the
     feeds for stage 0 and their candidates; `prompt_logprobs`: position -> TokenLogprob of the
     prompt rows computed, kept on the sequence until its first event carries them. `orphaned`: sequences whose owner is gone get no feed;
-    `draft_model`: candidates come from it (as jobs), else from prompt lookup (in the feeds)."""
+    `draft_model`: candidates come from it (as jobs), else from prompt lookup (in the feeds);
+    `cost`: what a step of this stage costs by its rows (how many candidates pay)."""
     logprobs = logprobs or {}
     prompt_logprobs = prompt_logprobs or {}
     out = Outcome()
@@ -78,7 +79,7 @@ def take_tokens(scheduler: Scheduler, kv: KVManager, done: list[PlannedSeq], tok
         if not reason and p.seq.spec.speculate:  # nothing cut: `reported` is `sampled`
             offers.append((len(out.feeds), p.seq, *offer(kv, p, sampled, pos, draft_model)))
         out.feeds.append(SeqWork(p.seq.id, pos, (reported[-1],), finished=bool(reason)))  # finished: stage 0 stops
-    counts = allocate([s.draft.acceptance for _, s, _, _ in offers], [n for _, _, n, _ in offers])
+    counts = allocate([s.draft.acceptance for _, s, _, _ in offers], [n for _, _, n, _ in offers], cost)
     for (i, s, _, proposal), k in zip(offers, counts):
         if not k:
             continue

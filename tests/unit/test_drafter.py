@@ -8,12 +8,15 @@ from logicpipe.stage_node.drafter import (
     FREE_ROWS,
     MAX_PAUSE,
     MISSES_TO_PAUSE,
+    QUANTIZED_CPU_COST,
+    STEP_COST,
     Drafter,
     PromptLookup,
     allocate,
     best_k,
     expected_tokens,
     step_cost,
+    step_cost_for,
 )
 
 
@@ -60,6 +63,20 @@ def test_more_candidates_pay_only_while_they_are_accepted():
     assert FREE_ROWS - 1 < best_k(0.95, 8) < 8  # rows past the free ones must earn their cost
     ks = [best_k(a / 10, 8) for a in range(10)]
     assert ks == sorted(ks)                     # more acceptance, never fewer candidates
+
+
+def test_a_quantized_cpu_stage_pays_for_its_first_candidate():
+    """A float CPU stage pads a lone row to 4, so 3 candidates are free there; a quantized one
+    computes each row on its own: a lone sequence on open-ended text (candidates rarely accepted)
+    gets none, one that copies its prompt still gets several."""
+    assert step_cost_for("cpu", "float32") is STEP_COST and step_cost_for("cuda", "int4") is STEP_COST
+    for fmt in ("int4", "int8", "nf4", "fp4"):
+        assert step_cost_for("cpu", fmt) is QUANTIZED_CPU_COST
+    assert QUANTIZED_CPU_COST(1) == 1.0 < QUANTIZED_CPU_COST(2)
+    assert allocate([0.1], [8]) == [FREE_ROWS - 1]
+    assert allocate([0.1], [8], QUANTIZED_CPU_COST) == [0]
+    assert allocate([0.9], [8], QUANTIZED_CPU_COST)[0] >= 3
+    assert allocate([0.5] * 8, [8] * 8, QUANTIZED_CPU_COST) == [0] * 8
 
 
 def test_sequences_sharing_a_step_share_its_rows():
