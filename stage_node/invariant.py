@@ -22,8 +22,9 @@ batch-invariant mode: kernels whose reduction order per row is fixed, whatever t
     it (its running max is unchanged and they add exact zeros). So a row's output is the same in a
     graph or eagerly, in any context bucket, alone or with its prompt.
   * RMSNorm, RoPE, activations: torch's own kernels, which are elementwise or reduce one row in one
-    block (checked on the H100 by bench/gpu_invariance.py: same bits for a row in batches of 1 to
-    512 rows).
+    block; or, for plain Llama-style layers, stage_node.fused's (norm with the residual add, RoPE
+    with the KV write, SwiGLU), one program per row or elementwise (checked on the H100 by
+    bench/gpu_invariance.py: same bits for a row in batches of 1 to 512 rows).
 
 Not covered: quantized matrices (their own kernels, stage_node.quant: they scale a step's
 activations as a whole), and a mixture of experts' gathered products on CUDA (batched one-row
@@ -184,9 +185,9 @@ def _kernels():
     @triton.jit(do_not_specialize=["row_base", "window", "chunks"])
     def attn_merge(m_ptr, l_ptr, acc_ptr, pos_ptr, o_ptr, row_base, so_t, so_h, window, chunks,
                    HEADS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
-                   HD: tl.constexpr, HAS_WINDOW: tl.constexpr):
-        # program (row, query head): the row's own chunks (those holding a position it sees) merged in
-        # order; chunks of other rows' positions are not read
+                   HD: tl.constexpr, HAS_WINDOW: tl.constexpr, CB: tl.constexpr):
+        # program (row, query head): the row's own chunks (those holding a position it sees) merged,
+        # CB chunks at a time from its first; chunks of other rows' positions are not read
         i, hq = tl.program_id(0), tl.program_id(1)
         row = row_base + i
         pos = tl.load(pos_ptr + row)
@@ -195,17 +196,23 @@ def _kernels():
             c_lo = tl.maximum(pos - window + 1, 0) // CHUNK
         c_hi = pos // CHUNK
         base = (i * HEADS + hq) * chunks
-        big = tl.load(m_ptr + base + c_lo)
-        for c in range(c_lo + 1, c_hi + 1):
-            big = tl.maximum(big, tl.load(m_ptr + base + c))
+        cb = tl.arange(0, CB)
+        big = tl.full((CB,), float("-inf"), dtype=tl.float32)
+        for c0 in range(c_lo, c_hi + 1, CB):
+            c = c0 + cb
+            big = tl.maximum(big, tl.load(m_ptr + base + c, mask=c <= c_hi, other=float("-inf")))
+        top = tl.max(big, axis=0)
         d = tl.arange(0, D)
-        total = tl.zeros((1,), dtype=tl.float32)
+        total = tl.zeros((CB,), dtype=tl.float32)
         out = tl.zeros((D,), dtype=tl.float32)
-        for c in range(c_lo, c_hi + 1):
-            w = tl.exp2(tl.load(m_ptr + base + c) - big)
-            total += tl.load(l_ptr + base + c) * w
-            out += tl.load(acc_ptr + (base + c) * D + d) * w
-        out = out / total
+        for c0 in range(c_lo, c_hi + 1, CB):
+            c = c0 + cb
+            keep = c <= c_hi
+            w = tl.exp2(tl.load(m_ptr + base + c, mask=keep, other=float("-inf")) - top)  # 0 past the row's chunks
+            total += tl.load(l_ptr + base + c, mask=keep, other=0.0) * w
+            a = tl.load(acc_ptr + (base + c)[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)
+            out += tl.sum(a * w[:, None], axis=0)
+        out = out / tl.sum(total, axis=0)
         tl.store(o_ptr + row * so_t + hq * so_h + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
 
     return triton, mm_kernel, sum_parts, attn_part, attn_merge
@@ -216,9 +223,12 @@ def _kernels():
 # ascending order whatever the tile (bench/gpu_invariance.py --part tiles checks on the H100 that
 # tiles of 16 to 128 rows, 32 to 256 columns and 64 to 256 of K give the same bits; --part kernels
 # that a row's bits are the same in products of 1 to 512 rows). So the tile may follow the row count:
-#   * up to 32 rows (decode; bound by reading the weights): 16 x 32 x 128, 4 warps, 5 stages: the
-#     grid fills the GPU's 132 SMs, and where a matrix has fewer column blocks than ~1.2 per SM (an
-#     8B model's o and down), K is summed in 2 fixed parts, added in order by a second kernel;
+#   * up to 32 rows (decode; bound by reading the weights): 16 x 64 x 128, 4 warps, 6 stages (the
+#     fastest or within 2% of it for every 8B matrix at 1 and 8 rows, in a sweep of 32 / 64 columns,
+#     128 / 256 of K, 4 / 6 stages, 1 / 2 / 4 parts: bench/gpu_step.py --part sweep; 16 x 32 x 128 in 5
+#     stages before, gate_up 3% slower), and where a matrix has fewer blocks of 32 columns than ~1.2
+#     per SM (an 8B model's o and down), K is summed in 2 fixed parts, added in order by a second
+#     kernel (or by stage_node.fused.add_norm with the residual);
 #   * more rows (prompts; bound by compute): larger tiles, tensor-core products of 64 or 128 rows.
 # float32 (tests on CUDA; no TF32, so no tensor cores) keeps one tile for every row count.
 SMS = 132
@@ -237,31 +247,43 @@ def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int,
         return 16, 32, 32, 4, 3, 1
     parts = k_parts(n, k)
     if m <= DECODE_ROWS:
-        return 16, 32, 128, 4, 5, parts
+        return 16, 64, 128, 4, 6, parts
     if m <= 128:
         return 64, 128, 64, 4, 3, parts
     return 128, 128, 64, 8, 3, parts
 
 
-def mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, each row independent of the others (see the
-    module's docstring); `config` overrides mm_config (the bench's sweep)."""
-    triton, kernel, sum_parts, _, _ = _kernels()
+def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T as its parts over K, not yet added: [parts, M, N] float32 (several
+    parts), or [1, M, N] in x's dtype (one part: the product itself). `mm` adds them in order;
+    `stage_node.fused.add_norm` adds them in the same order and the residual and the next norm."""
+    triton, kernel, _, _, _ = _kernels()
     M, K = x.shape
     N = w.shape[0]
     bm, bn, bk, warps, stages, parts = config or mm_config(N, K, w.dtype, M)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y
     k_part = -(-K // parts)
     k_part = -(-k_part // 256) * 256  # parts start at multiples of 256, whatever BK (a divisor of 256)
     parts = -(-K // k_part)
-    ws = y if parts == 1 else torch.empty(parts, M, N, dtype=torch.float32, device=x.device)
+    ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
+    if M == 0:
+        return ws
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), parts)
     kernel[grid](x, w, ws, M, N, K, k_part, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                  M * N if parts > 1 else 0, N, 1, BM=bm, BN=bn, BK=bk, IEEE=x.dtype == torch.float32,
                  num_warps=warps, num_stages=stages)
-    if parts > 1:
+    return ws
+
+
+def mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, each row independent of the others (see the
+    module's docstring); `config` overrides mm_config (the bench's sweep)."""
+    triton, _, sum_parts, _, _ = _kernels()
+    ws = mm_parts(x, w, config)
+    parts, M, N = ws.shape
+    if parts == 1:
+        return ws[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
         sum_parts[(triton.cdiv(M * N, 1024),)](ws, y, M * N, PARTS=parts, BLOCK=1024, num_warps=4)
     return y
 
@@ -273,7 +295,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 
 # ---- attention ---------------------------------------------------------------------------------------
 ATTN_BLOCK_N = 64
-ATTN_CHUNK = 256   # positions per split of the keys (fixed: a row's splits depend on its own position only)
+# positions per split of the keys (fixed: a row's splits depend on its own position only). One block
+# a split: a decode row's splits run in parallel (at 256, 4 blocks in turn in a program were 15 us a
+# layer for one row at 200 positions, the GPU mostly idle)
+ATTN_CHUNK = 64
+ATTN_MERGE_CHUNKS = 16  # splits the merge reads at a time
 ATTN_WORKSPACE = 64 * 2**20  # bytes of partial results per launch at most (a long prompt goes in parts)
 
 
@@ -335,7 +361,7 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
             HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
         merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, first, out.stride(0), out.stride(1),
                                     window or 0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK, D=D, HD=hd,
-                                    HAS_WINDOW=window is not None, num_warps=1)
+                                    HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS, num_warps=2)
     return out.view(T, heads * hd)
 
 
