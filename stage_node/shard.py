@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from logicpipe.common.modeldir import ModelConfig, checkpoint_index
-from logicpipe.stage_node import invariant
-from logicpipe.stage_node.kv import KVPool, StepKV
+from logicpipe.stage_node import fused, invariant
+from logicpipe.stage_node.kv import KVPool, StepKV, seq_slice
 from logicpipe.stage_node.moe import experts_forward
 from logicpipe.stage_node.ops import (
     DECODE_ROWS,
@@ -80,6 +80,9 @@ class Shard:
         # CUDA: products and attention by the batch-invariant kernels (stage_node.invariant; set by the
         # stage's --batch-invariant); a CPU shard is batch-invariant by its row kinds and ignores it
         self.batch_invariant = False
+        # CUDA with batch_invariant: plain Llama-style layers run stage_node.fused's kernels (the
+        # benches turn it off to compare); see `fused_layers`
+        self.use_fused = True
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -96,6 +99,74 @@ class Shard:
         # each layer's q and k norm weights as one [heads + kv_heads, head_dim]: one norm call per layer
         self._qk_norms = {i: torch.cat([w.q_norm.expand(c.num_heads, -1), w.k_norm.expand(c.num_kv_heads, -1)])
                           for i, w in enumerate(layers) if w.q_norm is not None}
+
+    @property
+    def fused_layers(self) -> bool:
+        """Whether the layers run with stage_node.fused's kernels (norm + residual, RoPE + KV write,
+        SwiGLU in one launch each): a CUDA stage with batch-invariant kernels, and layers of plain
+        Llama style in floats (no biases, per-head or extra norms, experts, Gemma norms; SwiGLU)."""
+        if not (self.use_fused and self.batch_invariant and self.device.type == "cuda"):
+            return False
+        if self._plain is None:
+            a = self.arch
+            self._plain = (a.norm == "llama" and a.activation == "silu" and not a.sandwich and self.dtype in
+                           (torch.float32, torch.bfloat16, torch.float16) and all(
+                               isinstance(m, torch.Tensor) and m.dtype == self.dtype
+                               for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)) and all(
+                               w.qkv_bias is None and w.o_bias is None and w.gate_up_bias is None and
+                               w.down_bias is None and w.q_norm is None and w.attn_out_norm is None and
+                               w.mlp_out_norm is None and w.experts is None for w in self.layers))
+        return self._plain
+
+    _plain: bool | None = None
+
+    def layers_fused(self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv: torch.Tensor,
+                     tables: dict, attend) -> torch.Tensor:
+        """Every layer over x [T, hidden] by stage_node.fused's kernels: positions, write_slots [T]
+        int64 (device); kv: the pool's [layers, 2, kv_heads, slots, head_dim]; tables: layer kind ->
+        (cos, sin_signed) [positions, head_dim]; attend(i, q) -> [T, heads * hd] attends over the
+        pool (new keys already written). The same arithmetic in the eager forward and a CUDA graph."""
+        c = self.config
+        eps = c.rms_norm_eps
+        n = len(self.layers)
+        x, h = fused.add_norm(None, x, self.layers[0].input_norm, eps)
+        for i, w in enumerate(self.layers):
+            cos, sin = tables[self.kind(i)]
+            qkv = invariant.mm(h, w.qkv)  # [T, q + 2 kv]
+            q = fused.rope_kv(qkv, cos, sin, positions, write_slots, kv[i, 0], kv[i, 1], c.num_heads,
+                              c.num_kv_heads, c.head_dim)
+            x, h = fused.add_norm(invariant.mm_parts(attend(i, q), w.o), x, w.post_norm, eps)
+            mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
+            x, h = fused.add_norm(invariant.mm_parts(mlp, w.down), x, self.layers[i + 1].input_norm if i + 1 < n else None,
+                                  eps)
+        return x
+
+    @torch.inference_mode()
+    def warm_up(self, pool: KVPool) -> float:
+        """Run every kernel variant a step can reach once, so that none is compiled during a step: a
+        CUDA stage with batch-invariant kernels compiles a Triton kernel the first time each product
+        tile (by row count: invariant.mm_config), output dtype and attention variant occurs, about a
+        second each (seen as 1 to 4 s eager steps under concurrency). Eager forwards (and the LM head)
+        of 1, DECODE_ROWS + 1 and 129 rows: one sequence each, its rows writing only `pool`'s scratch
+        slot and reading zeroed or scratch positions. -> seconds taken"""
+        if not (self.batch_invariant and self.device.type == "cuda"):
+            return 0.0
+        t0 = time.perf_counter()
+        bs = pool.block_size
+        top = min(129, pool.num_blocks * bs)
+        for m in sorted({1, min(invariant.DECODE_ROWS + 1, top), top}):
+            nb = -(-m // bs)
+            slots = torch.full((m,), pool.scratch_slot, dtype=torch.long, device=self.device)
+            kv = StepKV(pool, slots, (seq_slice(0, m, list(range(nb)), bs, self.device, 0),))
+            gen = torch.Generator(device=self.device).manual_seed(0)
+            x = torch.randn(m, self.config.hidden_size, generator=gen, device=self.device).to(self.dtype)
+            out = self.forward(x, kv)
+            if self.last:
+                self.logits(out)
+        torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - t0
+        log.info("warmed the kernels of layers [%d, %d) in %.1f s", self.start, self.end, took)
+        return took
 
     def kind(self, i: int) -> str:
         """Local layer i's attention: "full" or "sliding"."""
@@ -187,6 +258,10 @@ class Shard:
         if not self.last:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
         hidden = hidden.to(device=self.device, dtype=self.dtype)
+        if self.fused_layers:  # the final norm by the fused layers' kernel (one launch)
+            logits = invariant.mm(fused.add_norm(None, hidden, self.final_norm, self.config.rms_norm_eps)[1],
+                                  self.lm_head)
+            return softcap(logits, self.arch.final_softcap).float()
         logits = linear(self.norm(hidden, self.final_norm), self.lm_head, None, self.decode_rows)
         return softcap(logits, self.arch.final_softcap).float()
 
@@ -200,6 +275,20 @@ class Shard:
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         check_step(hidden, kv, self.num_layers)
         seqs = kv.seqs
+        reads = self._invariant_reads(kv) if self.batch_invariant else None
+        if self.fused_layers:
+            table, positions, tiles, tiles_at = reads
+            top = max(s.stop for s in seqs)
+            for rope in self.ropes.values():
+                rope.lookup(0, top)  # grows its tables to the step's positions
+            ropes = {kind: (rope.cos, rope.sin_signed) for kind, rope in self.ropes.items()}
+
+            def attend_fused(i, q):
+                return invariant.attention(q, kv.pool.k[i], kv.pool.v[i], table, positions, tiles, scale=self._scale,
+                                           cap=self.arch.attn_softcap, tiles_at=tiles_at,
+                                           window=self.arch.sliding_window if self.kind(i) == "sliding" else None)
+
+            return self.layers_fused(hidden, positions, kv.write_slots, kv.pool.kv, ropes, attend_fused)
         if len(seqs) == 1:
             s = seqs[0]
             tables = {kind: rope.lookup(s.start_pos, s.stop) for kind, rope in self.ropes.items()}  # [T, head_dim]
@@ -211,7 +300,6 @@ class Shard:
                         for s in seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
-        reads = self._invariant_reads(kv) if self.batch_invariant else None
 
         for i, w in enumerate(self.layers):
             kind = self.kind(i)

@@ -102,7 +102,7 @@ class _Graph:
 class StepGraphs:
     """The graphs of one shard and its KV pool."""
 
-    def __init__(self, shard, pool, *, capture: bool = True):
+    def __init__(self, shard, pool, *, capture: bool = True, warm: bool = True):
         self.shard, self.pool = shard, pool
         c = shard.config
         self.block_size = pool.block_size
@@ -118,6 +118,32 @@ class StepGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
         self._arange = torch.arange(self.max_context, device=shard.device)
+        if capture and warm and shard.batch_invariant:
+            self.warm()
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, context) bucket a step can fall in, smallest contexts first."""
+        out, ctx = [], MIN_CONTEXT
+        while True:
+            top = -(-min(ctx, self.max_context) // self.block_size) * self.block_size
+            out += [(r, top) for r in ROW_BUCKETS if (r, top) not in out]
+            if ctx >= self.max_context:
+                return out
+            ctx *= 2
+
+    def warm(self) -> float:
+        """At start-up, so that no step pays for it later (issue 25: steps of 1 to 4 s under
+        concurrency): every Triton kernel variant of the eager forward compiled (Shard.warm_up), then
+        every bucket's graph captured (about 0.1 s each for 32 layers of 8B). -> seconds taken"""
+        t0 = time.perf_counter()
+        self.shard.warm_up(self.pool)
+        for key in self.buckets():
+            if key not in self.graphs and self._new(*key) is None:
+                break  # graphs are off for this stage (logged)
+        took = time.perf_counter() - t0
+        log.info("warm-up of layers [%d, %d): kernels compiled, %d graphs captured, %.1f s", self.shard.start,
+                 self.shard.end, len(self.graphs), took)
+        return took
 
     def bucket(self, rows: int, stop: int) -> tuple[int, int] | None:
         """The (rows, context) bucket of a step of `rows` rows reading up to position `stop`, or
@@ -198,6 +224,15 @@ class StepGraphs:
         """The layers over g's static inputs -> [rows, hidden] (what the graph records)."""
         s, c = self.shard, self.shard.config
         R, C, bs = g.rows, g.context, self.block_size
+        if s.fused_layers:  # RoPE tables indexed and keys written by the fused kernels, read by slot
+            slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(R, C)
+
+            def attend_fused(i: int, q: torch.Tensor) -> torch.Tensor:
+                return invariant.attention(q, self.pool.k[i], self.pool.v[i], slots, g.positions, g.tiles,
+                                           scale=s._scale, cap=s.arch.attn_softcap,
+                                           window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
+
+            return s.layers_fused(g.x, g.positions, g.write, self.pool.kv, self.tables, attend_fused)
         kvh, hd = c.num_kv_heads, c.head_dim
         group = c.num_heads // kvh
         tables = {kind: (cos[g.positions], sin[g.positions]) for kind, (cos, sin) in self.tables.items()}  # [R, hd]
