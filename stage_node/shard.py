@@ -401,7 +401,6 @@ class Shard:
                                    window=self.arch.sliding_window if kind == "sliding" else None)
 
 
-
 def quantize_layer(w: LayerWeights, fmt: str) -> LayerWeights:
     """A layer with its matrices quantized to `fmt` ("none": as it is), each expert's on its own
     (the router stays in floats); the float copies go."""
