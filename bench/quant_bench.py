@@ -1,6 +1,17 @@
-"""Quantized stages on the CPU: weight memory and decode tok/s for --quantize none / int8 / nf4.
+"""Quantized stages on the CPU: weight memory and decode tok/s for --quantize none / int4 / int8 / nf4,
+and (`--kernels`) the kernels and a decode step taken apart.
 
     python -m bench.quant_bench --rounds 3
+    python -m bench.quant_bench --kernels
+
+`--kernels` (in this process, no mesh; `--threads` torch threads): for each of the default model's
+matrices (fused q/k/v, o, fused gate/up, down, the LM head) the time of one product of 1 and of 8
+rows by each kernel: the float32 product by row kind (stage_node.ops), torch's packed int4 (groups
+of 32) and int8 (per channel) kernels with bf16 activations, and, for reference, the earlier int8
+kernel (fbgemm's dynamic-quantized linear, one call per row) and bitsandbytes' nf4. Then a whole
+decode step of the default model in one shard (30 layers, LM head, argmax) per format, of 1 row
+and of 8 sequences of one row each, taken apart by torch's profiler into the products and
+everything else (attention, norms, RoPE, KV writes, casts, views and the Python between them).
 
 One single-stage mesh per format (the default model, every layer in the stage; its embeddings,
 norms and tied LM head stay float32), all up at once; requests go to each in turn, round by
@@ -16,15 +27,112 @@ import contextlib
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
+import torch
 
 from bench.speculative_bench import OPEN, submit
+from logicpipe.stage_node.quant import QuantError, check_format, quantize
+from logicpipe.stage_node.shard import Shard
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh
 
-FORMATS = ("none", "int8", "nf4")
+FORMATS = ("none", "int4", "int8", "nf4")
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
+               "aten::_weight_int8pack_mm", "quantized::linear_dynamic", "bitsandbytes")
+
+
+def _time_us(fn, repeats: int) -> float:
+    """Median of 5 batches of `repeats` calls, microseconds per call."""
+    for _ in range(5):
+        fn()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        runs.append((time.perf_counter() - t0) / repeats * 1e6)
+    return statistics.median(runs)
+
+
+def fbgemm_int8(w: torch.Tensor):
+    """The int8 kernel before issue 25: fbgemm's dynamic-quantized linear, one call per row."""
+    import warnings
+
+    scales = (w.abs().amax(1) / 127.0).clamp(min=1e-12).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(q, None)
+    return lambda x: torch.cat([torch.ops.quantized.linear_dynamic(x[i:i + 1], packed, False) for i in range(len(x))])
+
+
+def kernels(threads: int) -> dict:
+    from logicpipe.stage_node.ops import DECODE_ROWS, linear
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, generator=g) * 0.05
+        kinds = {"float32": lambda x, w=w: linear(x, w, None, DECODE_ROWS), "int4": quantize(w, "int4"),
+                 "int8": quantize(w, "int8"), "int8-fbgemm (before)": fbgemm_int8(w)}
+        with contextlib.suppress(QuantError):
+            check_format("nf4", "cpu")
+            kinds["nf4"] = quantize(w, "nf4")
+        row = {}
+        for kind, fn in kinds.items():
+            for m in (1, 8):
+                x = torch.randn(m, k, generator=g)
+                row[f"{kind} {m} row{'s' if m > 1 else ''}"] = round(_time_us(lambda: fn(x), 20 if name == "lm_head" else 200), 1)
+        out[name] = row
+        print(name, json.dumps(row), flush=True)
+    return out
+
+
+def decode_step(threads: int, model_dir: Path) -> dict:
+    """A decode step of the whole default model in one shard, per format, of 1 and 8 sequences:
+    its time, and the part of it spent in the products."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from logicpipe.stage_node.kv import StepKV, seq_slice
+
+    torch.set_num_threads(threads)
+    out = {}
+    for fmt in FORMATS:
+        with contextlib.suppress(QuantError):
+            check_format(fmt, "cpu")
+        try:
+            shard = Shard.load(model_dir, 0, 30, first=True, last=True, quantize=fmt)
+        except QuantError as exc:
+            out[fmt] = {"skipped": str(exc)}
+            continue
+        pool = shard.new_pool(128, 16)
+
+        def step(m: int, pos: int = 100, shard: Shard = shard, pool=pool) -> None:
+            slots = torch.tensor([i * 256 + pos for i in range(m)])
+            seqs = tuple(seq_slice(pos, 1, list(range(i * 16, i * 16 + 16)), 16, "cpu", 0) for i in range(m))
+            shard.logits(shard.forward(shard.embed(torch.arange(m) + 100), StepKV(pool, slots, seqs))).argmax(-1)
+
+        row = {"weight_mib": round(shard.weight_bytes / 2**20, 1)}
+        for m in (1, 8):
+            total = _time_us(lambda: step(m), 10) / 1000
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    step(m)
+            events = prof.key_averages()
+            everything = sum(e.self_cpu_time_total for e in events)
+            products = sum(e.self_cpu_time_total for e in events if any(e.key.startswith(p) for p in PRODUCT_OPS))
+            row[f"{m} row{'s' if m > 1 else ''}"] = {"step_ms": round(total, 2),
+                                                     "products_ms": round(total * products / everything, 2),
+                                                     "outside_products_ms": round(total * (1 - products / everything), 2)}
+        out[fmt] = row
+        print(fmt, json.dumps(row), flush=True)
+        shard = pool = None  # freed before the next format loads
+    return out
 
 
 def main() -> None:
@@ -32,7 +140,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernels", action="store_true", help="the kernels and a decode step, in this process")
     args = ap.parse_args()
+    if args.kernels:
+        from logicpipe.controller.model_prep import prepare_default_model
+
+        print(json.dumps({"threads": args.threads, "kernels_us": kernels(args.threads),
+                          "decode_step": decode_step(args.threads, prepare_default_model())}))
+        return
     from logicpipe.controller.model_prep import prepare_default_model
 
     model_dir = prepare_default_model()

@@ -90,7 +90,7 @@ class Int8Packed(QuantMatrix):
         w = w.float()
         self._scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
         self._q = (w / self._scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self._mm = torch.ops.aten._weight_int8pack_mm  # bound once: __call__ is on the per-token path
+        self._mm = torch._weight_int8pack_mm  # the direct binding: torch.ops.aten.* boxes each call (+2.5 µs)
 
     @property
     def nbytes(self) -> int:
@@ -122,8 +122,8 @@ class Int4Packed(QuantMatrix):
         q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).round().clamp(0, 15)
         self.group = group
         self._scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2] bf16
-        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
-        self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        self._packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
+        self._mm = torch._weight_int4pack_mm_for_cpu
 
     @property
     def nbytes(self) -> int:
