@@ -14,6 +14,13 @@ memory bandwidth (`--hbm-tbps`, default by GPU name: H100 3.35, H200 4.8 TB/s). 
 Prompts are token ids (the random models have no tokenizer); every request decodes `--tokens`
 new tokens (no EOS stop). tok/s = new tokens of all requests / wall time from the first submit to
 the last token, prefill included, medians over rounds.
+
+The compiled baseline (issue 25; `--skip-compiled` leaves it out): transformers `generate` with a
+static cache, which compiles its decode step by itself (torch.compile), one stream and a batch of
+the same `--concurrency` prompts (left-padded), greedy, timed after a compiling warm-up. Every
+concurrent round of the mesh also records each token's arrival: the P99 gap between consecutive
+tokens of a request, the longest time to a first token, and the longest stretch in which no request
+got a token (the longest step, prefill included, plus its hop to the client), per round.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_bench import submit
+from logicpipe.common.transport import CHANNEL_OPTIONS
 from tests.localmesh import LocalMesh
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -97,6 +105,80 @@ def hf_generate(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens
     return statistics.median(rates) if rates else 0.0, outs
 
 
+def hf_compiled(path: Path, dtype: torch.dtype, prompts: list[list[int]], tokens: int, rounds: int) -> dict:
+    """transformers `generate` with a static cache (its decode step compiled by torch.compile): tok/s
+    of one stream (prompts[0]) and of a batch of all `prompts` (left-padded), medians after a
+    compiling warm-up each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    out: dict = {}
+    width = max(len(p) for p in prompts)
+    batches = {"one_stream": ([prompts[0]], [[1] * len(prompts[0])]),
+               f"batch{len(prompts)}": ([[0] * (width - len(p)) + p for p in prompts],
+                                        [[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
+    with torch.inference_mode():
+        for name, (ids, mask) in batches.items():
+            x = torch.tensor(ids, device=DEVICE)
+            m = torch.tensor(mask, device=DEVICE)
+            rates = []
+            for i in range(rounds + 2):  # two warm-ups: the compile, and its first graph replays
+                sync()
+                t0 = time.perf_counter()
+                y = model.generate(x, attention_mask=m, max_new_tokens=tokens, do_sample=False,
+                                   cache_implementation="static")
+                sync()
+                took = time.perf_counter() - t0
+                assert y.shape[1] == x.shape[1] + tokens
+                if i == 0:
+                    out[f"{name}_first_call_s"] = round(took, 1)
+                if i >= 2:
+                    rates.append(len(ids) * tokens / took)
+            out[f"{name}_tps"] = round(statistics.median(rates), 1)
+            out[f"{name}_rounds_tps"] = [round(r, 1) for r in rates]
+            print("compiled transformers", name, out[f"{name}_tps"], flush=True)
+    del model
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def stream(address: str, ids: list[int], tokens: int) -> dict:
+    """One request to its end: {"ids", "times": seconds from the submit at which each token came,
+    "error"}."""
+    import grpc
+
+    from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+
+    req = controller_pb2.SubmitRequest(prompt_token_ids=ids, max_tokens=tokens, ignore_eos=True)
+    out: dict = {"ids": [], "times": [], "error": "", "t0": time.perf_counter()}
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        try:
+            for reply in controller_pb2_grpc.ControllerStub(ch).Submit(req, timeout=1800):
+                now = time.perf_counter() - out["t0"]
+                out["ids"].extend(reply.token_ids)
+                out["times"].extend([now] * len(reply.token_ids))
+        except grpc.RpcError as exc:
+            out["error"] = f"{exc.code().name}: {exc.details()}"
+    return out
+
+
+def gaps(results: list[dict], t0: float) -> dict:
+    """Of one concurrent round: the P99 and largest gap between consecutive tokens of a request,
+    the longest time to a first token, and the longest stretch from the round's start to its last
+    token in which no request got a token (ms)."""
+    per = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    events = sorted(r["t0"] - t0 + t for r in results for t in r["times"])
+    quiet = max(b - a for a, b in zip([0.0] + events, events))
+    per.sort()
+    return {"p99_gap_ms": round(per[min(len(per) - 1, int(0.99 * len(per)))] * 1000, 1) if per else None,
+            "max_gap_ms": round(per[-1] * 1000, 1) if per else None,
+            "max_first_token_ms": round(max(r["times"][0] for r in results) * 1000, 1),
+            "longest_quiet_ms": round(quiet * 1000, 1)}
+
+
 def stage_status(stages: list[str]) -> list:
     import grpc
 
@@ -118,7 +200,7 @@ def step_ms(stages: list[str], before: list) -> list[float]:
 def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: int,
                stages: list[str]) -> dict:
     submit(addr, ids=prompts[0], tokens=4)  # warm-up
-    one, many, ms = [], [], []
+    one, many, ms, rounds_ = [], [], [], []
     for _ in range(rounds):
         before = stage_status(stages)
         r = submit(addr, ids=prompts[0], tokens=tokens)
@@ -128,12 +210,16 @@ def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, co
         before = stage_status(stages)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            res = list(pool.map(lambda p: submit(addr, ids=p, tokens=tokens), prompts[:concurrency]))
-        assert all(not x["error"] for x in res), [x["error"] for x in res]
-        many.append(concurrency * tokens / (time.perf_counter() - t0))
+            res = list(pool.map(lambda p: stream(addr, p, tokens), prompts[:concurrency]))
+        wall = time.perf_counter() - t0
+        assert all(not x["error"] and len(x["ids"]) == tokens for x in res), [x["error"] for x in res]
+        many.append(concurrency * tokens / wall)
         after = stage_status(stages)
+        rounds_.append(dict(gaps(res, t0), one_stream_tps=round(one[-1], 1), concurrent_tps=round(many[-1], 1),
+                            steps=[a.steps - b.steps for a, b in zip(after, before)]))
+        print("round", rounds_[-1], flush=True)
     return {"one_stream_tps": statistics.median(one), "concurrent_tps": statistics.median(many),
-            "one_stream_step_ms_per_stage": ms[-1],
+            "one_stream_step_ms_per_stage": ms[-1], "rounds": rounds_,
             # the last concurrent round, stage by stage: steps taken and compute ms per step
             "concurrent_steps_per_stage": [a.steps - b.steps for a, b in zip(after, before)],
             "concurrent_step_ms_per_stage": [round((a.compute_s - b.compute_s) / max(1, a.steps - b.steps) * 1000, 2)
@@ -168,10 +254,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--stages", default="1,2", help="comma list of stage counts of the mesh runs (none: no mesh)")
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-compiled", action="store_true", help="no compiled-transformers baseline")
+    ap.add_argument("--baseline-json", type=Path, help="take compiled_transformers from this gpu_engine.json")
+    ap.add_argument("--label", default="", help="a suffix for the mesh results' names (before/after runs)")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script")
     ap.add_argument("--graphs", default="on", help="comma list of --cuda-graphs settings to run (on,off)")
     ap.add_argument("--spread", action="store_true", help="stage i on GPU i (CUDA_VISIBLE_DEVICES)")
@@ -182,6 +271,7 @@ def main() -> None:
     global DEVICE
     DEVICE = args.device
     args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__}
 
     def save():
@@ -207,14 +297,20 @@ def main() -> None:
     if not args.skip_hf:
         results["transformers_tps"], _ = hf_generate(big, torch.bfloat16, prompts, args.tokens, args.rounds)
         save()
+    if args.baseline_json:
+        results["compiled_transformers"] = json.loads(args.baseline_json.read_text())["compiled_transformers"]
+    elif not args.skip_compiled:
+        results["compiled_transformers"] = hf_compiled(big, torch.bfloat16, prompts, args.tokens, args.rounds)
+        save()
     tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in results["device"]), 0.0)
     if tbps:
         results["hbm_tbps"] = tbps
         results["read_gb_per_token"] = round(read_bytes_per_token(big) / 1e9, 2)
         results["hbm_limit_tps"] = round(hbm_limit_tps(big, tbps), 1)
-    for s in (int(x) for x in args.stages.split(",")):
+    for s in (int(x) for x in args.stages.split(",") if args.stages != "none"):
         for graphs in args.graphs.split(","):
-            name = f"mesh{s}" + ("" if graphs == "on" else "-eager") + ("-spread" if args.spread and s > 1 else "")
+            name = (f"mesh{s}" + ("" if graphs == "on" else "-eager") + ("-spread" if args.spread and s > 1 else "")
+                    + args.label)
             env = {i: {"CUDA_VISIBLE_DEVICES": str(i)} for i in range(s)} if args.spread else None
             with LocalMesh(s, big, args.work / f"big{s}{graphs}", threads=4, device=DEVICE, stage_env=env,
                            stage_args=("--cuda-graphs", graphs, "--max-kv-mib", "4096"),
@@ -226,6 +322,13 @@ def main() -> None:
                 r["one_stream_of_hbm_limit"] = round(r["one_stream_tps"] / results["hbm_limit_tps"], 3)
             if results.get("transformers_tps"):
                 r["one_stream_vs_transformers"] = round(r["one_stream_tps"] / results["transformers_tps"], 2)
+            ct = results.get("compiled_transformers")
+            if ct:
+                r["one_stream_vs_compiled"] = round(r["one_stream_tps"] / ct["one_stream_tps"], 2)
+                key = f"batch{args.concurrency}_tps"
+                r["concurrent_vs_compiled_batch"] = round(r["concurrent_tps"] / ct[key], 2)
+                r["concurrent_vs_compiled_batch_by_round"] = [round(x["concurrent_tps"] / ct[key], 2)
+                                                              for x in r["rounds"]]
             save()
 
 

@@ -232,9 +232,23 @@ def check_norms(results: dict) -> None:
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     hx = torch.randn(600, 40, 128, device="cuda", dtype=torch.bfloat16)
     hw = torch.randn(40, 128, device="cuda", dtype=torch.bfloat16)
+    from logicpipe.stage_node import fused
+
+    parts = torch.randn(2, 600, 4096, device="cuda")
+    gu = torch.randn(600, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+
+    def add_norm(t):  # the fused layers' residual add + norm (stage_node.fused), its two outputs side by side
+        a = t.shape[0]
+        rows = next(i for i in range(600 - a + 1) if torch.equal(x[i: i + a], t))
+        xo, h = fused.add_norm(parts[:, rows: rows + a].contiguous(), t, w, 1e-5)
+        return torch.cat([xo, h], 1)
+
     for name, fn, data in (("rms_norm", lambda t: rms_norm(t, w, 1e-5), x),
                            ("rms_norm_gemma", lambda t: rms_norm(t, w, 1e-6, gemma=True), x),
-                           ("head_norm", lambda t: head_norm(t, hw, 1e-6), hx)):
+                           ("head_norm", lambda t: head_norm(t, hw, 1e-6), hx),
+                           ("fused_norm", lambda t: fused.add_norm(None, t, w, 1e-5)[1], x),
+                           ("fused_add_norm", add_norm, x),
+                           ("fused_silu_mul", fused.silu_mul, gu)):
         full = fn(data)
         bad = sum(int(not torch.equal(fn(data[a: a + m].clone()), full[a: a + m]))
                   for m in ROW_COUNTS for a in (0, 1, 600 - m))
@@ -284,7 +298,7 @@ def mesh_part(args, results: dict) -> None:
     big = make_model(args.work / "llama3-8b-shape-32", LLAMA3_8B, torch.bfloat16)
     prompts = [[(31 * i + 7 * j) % 128000 for j in range(20 + 3 * i)] for i in range(args.concurrency)]
     n = args.tokens
-    for setting in ("on", "off"):
+    for setting in args.settings.split(","):
         with LocalMesh(1, big, args.work / f"inv-{setting}", threads=4, device="cuda",
                        stage_args=("--batch-invariant", setting, "--max-kv-mib", "4096"),
                        controller_args=("--dtype", "bfloat16", "--strategy", "uniform", "--speculate", "0")) as mesh:
@@ -312,6 +326,8 @@ def mesh_part(args, results: dict) -> None:
                 "alone_tokens": alone}
             r.update(mesh_rates(addr, prompts, n, args.rounds, args.concurrency, mesh.stage_addresses))
             print(setting, {k: v for k, v in r.items() if k != "alone_tokens"}, flush=True)
+    if "mesh_off" not in results:
+        return
     on, off = results["mesh_on"], results["mesh_off"]
     results["on_vs_off"] = {"one_stream_tps_ratio": round(on["one_stream_tps"] / off["one_stream_tps"], 3),
                             "concurrent_tps_ratio": round(on["concurrent_tps"] / off["concurrent_tps"], 3),
@@ -353,6 +369,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/lp-gpu"))
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--settings", default="on,off", help="--part mesh: the --batch-invariant settings to run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args()
