@@ -231,6 +231,8 @@ def test_each_device_runs_its_own_format():
     cpu = node("cpu", ("fp32",))
     int8 = node("int8", ("int8",), compute_format="fp32", weight_bytes_per_param=1.001)
     nf4 = node("nf4", ("nf4",), compute_format="bf16")
+    int4 = node("int4", ("int4",), compute_format="fp32")
+    assert device_weight_format(int4, fp32) == "int4" and weight_scale(int4, fp32) == 0.5 / 4  # nominal bytes
     assert [device_weight_format(p, bf16) for p in (gpu, cpu, int8, nf4)] == ["bf16", "fp32", "int8", "nf4"]
     assert [device_weight_format(p, fp32) for p in (gpu, cpu, int8, nf4)] == ["fp32", "fp32", "int8", "nf4"]
     assert device_weight_format(node("b", ("bf16",)), fp32) is None  # fp32 -> bf16 would lose precision

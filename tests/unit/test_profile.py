@@ -47,15 +47,17 @@ def test_offered_formats_follow_dtype_and_quantize():
         profile.offered_formats("cpu", "float16")  # this CPU path offers fp32 and bf16 only
 
 
-def test_a_quantized_profile_measures_its_own_format(tmp_path, monkeypatch):
-    """An int8 node's weights read at its kernel's rate and hold ~1 byte per parameter (+ scales);
-    its speeds are cached apart from the float profile's."""
+@pytest.mark.parametrize("fmt, low, high", [("int8", 1.0, 1.01), ("int4", 0.5, 0.63)])
+def test_a_quantized_profile_measures_its_own_format(fmt, low, high, tmp_path, monkeypatch):
+    """A quantized node's weights read at its kernel's rate and hold its format's bytes per
+    parameter, scales included (int8: 1 + a bf16 scale a row; int4: 0.5 + a bf16 scale and zero per
+    32); its speeds are cached apart from the float profile's."""
     monkeypatch.setenv("LOGICPIPE_CACHE", str(tmp_path))
-    q = profile.host_profile("cpu", quantize="int8")
-    assert q.weight_formats == ("int8",) and q.compute_format == "fp32"
-    assert 1.0 <= q.weight_bytes_per_param < 1.01
-    assert dict(q.format_flops).keys() == {"int8"} and q.flops > 0 and q.weight_bandwidth > 0
-    assert len(list((tmp_path / "profiles").glob("*-cpu-int8-fp32.json"))) == 1
+    q = profile.host_profile("cpu", quantize=fmt)
+    assert q.weight_formats == (fmt,) and q.compute_format == "fp32"
+    assert low <= q.weight_bytes_per_param < high
+    assert dict(q.format_flops).keys() == {fmt} and q.flops > 0 and q.weight_bandwidth > 0
+    assert len(list((tmp_path / "profiles").glob(f"*-cpu-{fmt}-fp32.json"))) == 1
 
 
 def test_a_dtype_the_device_lacks_is_refused_at_start(tmp_path):
