@@ -164,7 +164,7 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
     assert "experts per layer" in note and f"{moe.top_k} per token" in note
 
 
-@pytest.mark.parametrize("fmt, floor, share", [("int8", 0.99, 0.35), ("nf4", 0.5, 0.2)])
+@pytest.mark.parametrize("fmt, floor, share", [("int4", 0.9, 0.25), ("int8", 0.99, 0.35), ("nf4", 0.5, 0.2)])
 def test_quantized_experts(fmt, floor, share, tmp_path):
     """--quantize holds each expert's matrices quantized (the router stays float): their bytes shrink
     to the format's and the logits stay close to the float model's."""
