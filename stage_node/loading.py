@@ -133,7 +133,9 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     pool = shard.new_pool(num_blocks, bs)
     shard.batch_invariant = resolve_invariant(options.batch_invariant, device)
     if shard.device.type == "cuda" and options.cuda_graphs:
-        shard.graphs = StepGraphs(shard, pool)
+        shard.graphs = StepGraphs(shard, pool)  # warms at start-up: every kernel variant and graph bucket
+    elif shard.device.type == "cuda":
+        shard.warm_up(pool)  # no graphs: still compile every Triton kernel variant before the first step
     return shard, pool
 
 

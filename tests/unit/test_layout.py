@@ -33,6 +33,7 @@ LOCAL_IMPORTS = {
     "stage_node/rope.py": {"transformers"},  # RoPE scaling variants only (the default RoPE needs none)
     "stage_node/quant.py": {"bitsandbytes"},  # the `quant` extra: --quantize nf4|fp4
     "stage_node/invariant.py": {"triton"},  # CUDA stages only (--batch-invariant; ships with torch's CUDA wheels)
+    "stage_node/fused.py": {"triton"},  # the same: CUDA stages' fused layer kernels
     # structured output only: xgrammar's import takes a second, transformers' more (the tokenizer)
     "protos/logicpipe/sampling.py": {"xgrammar"},
     "stage_node/grammar.py": {"xgrammar", "transformers"},
