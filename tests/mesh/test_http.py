@@ -210,8 +210,11 @@ def test_lpctl_chat_keeps_the_history_and_ctrl_c_stops_only_the_answer(mesh, cli
                      {"role": "user", "content": turns[1]}])
     assert proc.stdout == f"{first}\n{second}\n" and first.strip() and second.strip()
     # Ctrl-C during an answer
+    # SIGINT as a terminal gives it: a suite run in the background (`cmd &`) ignores SIGINT, and a
+    # child Python that starts with it ignored never raises KeyboardInterrupt
     p = subprocess.Popen([*mesh.lpctl(), "chat", "--max-tokens", "400"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         p.stdin.write("Tell me a very long story about a dragon.\n")
         p.stdin.flush()
