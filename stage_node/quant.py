@@ -96,9 +96,6 @@ class Int8Packed(QuantMatrix):
     def nbytes(self) -> int:
         return self._q.numel() + 2 * self._scales.numel()
 
-    def dequantized(self) -> torch.Tensor:
-        return self._q.float() * self._scales.float()[:, None]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._mm(x.to(torch.bfloat16), self._q, self._scales).to(x.dtype)
 

@@ -300,6 +300,7 @@ class Shard:
                         for s in seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
+        spans = self._spans(kv) if reads is None else None
 
         for i, w in enumerate(self.layers):
             kind = self.kind(i)
@@ -308,7 +309,7 @@ class Shard:
             def attend(i, q, k, v, masks=masks[kind], kind=kind):
                 if reads is not None:
                     return self._attention_invariant(i, q, k, v, kv, reads, kind)
-                return self._attention(i, q, k, v, kv, masks)
+                return self._attention(i, q, k, v, kv, masks, spans)
 
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
         return hidden
@@ -339,14 +340,14 @@ class Shard:
         return x + (mlp if w.mlp_out_norm is None else self.norm(mlp, w.mlp_out_norm))
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
-                   masks: list) -> torch.Tensor:
+                   masks: list, spans: list) -> torch.Tensor:
         """Store the new rows' k/v in their pool slots, then per sequence attend over its
-        positions [0, stop). -> [T, heads * head_dim]"""
+        positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
         k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
         k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
         v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
-        # (ops.attention: the calls HF's sdpa path makes) per sequence, few ops: a CPU decode step of 8 sequences ran 240 of these loops, 11 ops each
-        spans = self._spans(kv)
+        # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
+        # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
         one = len(kv.seqs) == 1
         outs, row = [], 0
@@ -363,15 +364,10 @@ class Shard:
 
     def _spans(self, kv: StepKV) -> list:
         """Per sequence of the step: its keys and values of every layer, [layers, 1, kv_heads, stop,
-        head_dim] views of the pool (None for a sequence gathered by slot), made once a step."""
-        cached = getattr(self, "_span_cache", None)
-        if cached is not None and cached[0] is kv:
-            return cached[1]
+        head_dim] views of the pool (None for a sequence gathered by slot)."""
         k, v = kv.pool.k[:, None], kv.pool.v[:, None]
-        spans = [None if s.span is None else (k[:, :, :, s.span: s.span + s.stop], v[:, :, :, s.span: s.span + s.stop])
-                 for s in kv.seqs]
-        self._span_cache = (kv, spans)
-        return spans
+        return [None if s.span is None else (k[:, :, :, s.span: s.span + s.stop], v[:, :, :, s.span: s.span + s.stop])
+                for s in kv.seqs]
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
         """What the batch-invariant attention reads, for every layer of a step: each sequence's slot
