@@ -33,8 +33,6 @@ from dataclasses import dataclass
 
 from logicpipe.stage_node.quant import FORMATS
 
-QUANT_FORMATS = tuple(f for f in FORMATS if f != "none")
-
 MAX_NGRAM = 3
 MIN_NGRAM = 1
 FREE_ROWS = 4       # decode rows 1..4 cost one step: on the CPU a lone row is padded to 4 for the
@@ -108,8 +106,8 @@ QUANTIZED_CPU_COST = StepCost(free_rows=1)  # packed int4 / int8, bitsandbytes: 
 
 def step_cost_for(device_type: str, weight_format: str) -> StepCost:
     """The step cost of a last stage on `device_type` holding its layers in `weight_format` (a
-    float dtype's name, or a quantized format)."""
-    return QUANTIZED_CPU_COST if device_type == "cpu" and weight_format in QUANT_FORMATS else STEP_COST
+    float dtype's name such as "float32", never in quant.FORMATS, or a quantized format)."""
+    return QUANTIZED_CPU_COST if device_type == "cpu" and weight_format in FORMATS else STEP_COST
 
 
 def step_cost(rows: int) -> float:
