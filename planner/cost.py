@@ -38,6 +38,28 @@ holds the shared matrix once):
     stage memory_bytes = n_layers * (ceil(sw * layer_weight_bytes) + ceil(sf * B * C * kv_bytes_per_token_per_layer))
                          + ceil(sf * (embedding_bytes [first] + lm_head_bytes [last]))
     and it must be <= Reserve.usable_bytes(profile.memory_bytes).
+
+Decode rounds (the step cost model of replicas and micro-batches, `make_mesh_plan`). A pipeline of
+S stages serves R concurrent sequences at context C in m micro-batches (1 <= m <= min(S, R)) of
+r = ceil(R / m) rows each. One step of one micro-batch on stage i takes
+
+    t_i(r) = compute_s + transfer_s of the stage at Workload(tokens_per_step=r, context_tokens=C, batch=r)
+             + o_i                                                    [s]
+    (per layer max(r * flops / F, sw * weight bytes / Ww + sf * r * C * kv / W): the stage's
+     weights are read ONCE PER MICRO-BATCH STEP, the KV of the micro-batch's rows once; embedding
+     on the first stage, LM head + sampling on the last, the hop to the next stage; o_i is the
+     device's `step_overhead_s`, host time per step, DEFAULT_STEP_OVERHEAD_S when not measured)
+
+A round moves every micro-batch through every stage once; stage i is busy m * t_i(r) of it, and
+one micro-batch needs the whole ring sum_i t_i(r), so
+
+    round_s(m) = max(m * max_i t_i(r), sum_i t_i(r))                  [s]
+    tokens_per_s(m) = R / round_s(m)                                  [tokens/s: one per sequence a round]
+
+and the planner runs the m with the most tokens/s (`best_micro_batches`). With S stages and S
+micro-batches every weight is read S times a round: for memory-bound decode a pipeline of S equal
+devices is never faster than one of them alone holding the model (it buys memory; only the KV
+reads and the FLOPs are split), while R sequences split over replicas divide the rows.
 """
 from __future__ import annotations
 
@@ -51,6 +73,10 @@ from logicpipe.planner.units import format_bytes
 
 TOKEN_ID_BYTES = 8
 """Bytes per token id the last stage sends back to stage 0 (an int64)."""
+
+DEFAULT_STEP_OVERHEAD_S = 1e-3
+"""s of host time a decode step costs a stage beyond its roofline (scheduling, launches) when the
+node did not measure its own `step_overhead_s`: an assumption, not a measurement."""
 
 
 def layer_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> float:
@@ -202,3 +228,74 @@ def check_memory(stages: Sequence[Stage], profiles: Mapping[str, DeviceProfile],
                 f"stage {index} (node {stage.node_id}, layers {stage.start}-{stage.end - 1}) needs "
                 f"{format_bytes(stage.memory_bytes)} but the node has {format_bytes(usable)} usable "
                 f"after the reserve: {format_bytes(over)} over")
+
+
+# ------------------------------------------------------------ decode rounds (micro-batches) ----
+
+def step_overhead_s(profile: DeviceProfile) -> float:
+    """s of host time one step costs `profile` beyond compute and transfer."""
+    return profile.step_overhead_s or DEFAULT_STEP_OVERHEAD_S
+
+
+def micro_batch_rows(rows: int, micro_batches: int) -> int:
+    """Rows of one micro-batch when `rows` sequences are split into `micro_batches`: ceil(R / m)."""
+    return -(-rows // micro_batches)
+
+
+def micro_workload(rows_per_micro_batch: int, context_tokens: int) -> Workload:
+    """The workload one decode step of one micro-batch is costed at (one token per row)."""
+    return Workload(tokens_per_step=rows_per_micro_batch, context_tokens=context_tokens, batch=rows_per_micro_batch)
+
+
+def compose_step_s(stage_total_s: float, overhead_s: float) -> float:
+    """t_i: a stage's step time from its compute + transfer and its overhead (one expression for
+    every caller, so equal pipelines get bit-equal predictions)."""
+    return stage_total_s + overhead_s
+
+
+def compose_round_s(step_times_s: Sequence[float], micro_batches: int) -> float:
+    """round_s = max(m * max_i t_i, sum_i t_i): the busiest stage or the ring, whichever is longer."""
+    return max(micro_batches * max(step_times_s), sum(step_times_s))
+
+
+def step_times_s(profiles: Sequence[DeviceProfile], layer_counts: Sequence[int], model: ModelSpec,
+                 rows_per_micro_batch: int, context_tokens: int) -> list[float]:
+    """t_i(r) for the pipeline `profiles` (in order) holding `layer_counts` layers each, one
+    micro-batch of `rows_per_micro_batch` rows at `context_tokens` context, overhead included."""
+    stages = build_stages(profiles, layer_counts, model, micro_workload(rows_per_micro_batch, context_tokens))
+    return [compose_step_s(s.total_s, step_overhead_s(p)) for s, p in zip(stages, profiles)]
+
+
+def _check_rows(rows: int, micro_batches: int, stages: int) -> None:
+    if not 1 <= micro_batches <= stages:
+        raise ValueError(f"micro_batches must lie in [1, {stages}] (the stages), got {micro_batches!r}")
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows!r}")
+
+
+def pipeline_round_s(profiles: Sequence[DeviceProfile], layer_counts: Sequence[int], model: ModelSpec,
+                     rows: int, context_tokens: int, micro_batches: int) -> float:
+    """s for every one of `rows` sequences to get one token, in `micro_batches` micro-batches."""
+    _check_rows(rows, micro_batches, len(profiles))
+    r = micro_batch_rows(rows, micro_batches)
+    return compose_round_s(step_times_s(profiles, layer_counts, model, r, context_tokens), micro_batches)
+
+
+def pipeline_tokens_per_s(profiles: Sequence[DeviceProfile], layer_counts: Sequence[int], model: ModelSpec,
+                          rows: int, context_tokens: int, micro_batches: int) -> float:
+    """Predicted decode tokens/s of the pipeline: rows / round_s."""
+    return rows / pipeline_round_s(profiles, layer_counts, model, rows, context_tokens, micro_batches)
+
+
+def best_micro_batches(profiles: Sequence[DeviceProfile], layer_counts: Sequence[int], model: ModelSpec,
+                       rows: int, context_tokens: int) -> tuple[int, float]:
+    """(m, tokens/s) for the m in 1..min(stages, rows) with the most tokens/s (ties: fewer
+    micro-batches); (1, 0.0) for rows = 0."""
+    if rows < 1:
+        return 1, 0.0
+    best_m, best = 1, -1.0
+    for m in range(1, min(len(profiles), rows) + 1):
+        rate = pipeline_tokens_per_s(profiles, layer_counts, model, rows, context_tokens, m)
+        if rate > best:
+            best_m, best = m, rate
+    return best_m, best

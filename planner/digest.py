@@ -33,8 +33,9 @@ def _link_dict(link: Link) -> dict:
 
 
 def profile_dict(profile: DeviceProfile) -> dict:
-    """A profile as plain JSON types."""
-    return {
+    """A profile as plain JSON types (`step_overhead_s` only when set, so the digest of a profile
+    that leaves it at 0 is what it was before the field existed)."""
+    out = {
         "node_id": profile.node_id,
         "device_kind": profile.device_kind,
         "memory_bytes": profile.memory_bytes,
@@ -44,6 +45,9 @@ def profile_dict(profile: DeviceProfile) -> dict:
         "default_link": _link_dict(profile.default_link),
         "weight_formats": list(profile.weight_formats),
     }
+    if profile.step_overhead_s:
+        out["step_overhead_s"] = profile.step_overhead_s
+    return out
 
 
 def profile_digest(profile: DeviceProfile) -> str:

@@ -109,6 +109,9 @@ class DeviceProfile:
     # may dequantize slower than memory streams); 0: mem_bandwidth
     weight_bandwidth: float = 0.0
     weight_bytes_per_param: float = 0.0  # measured bytes per parameter of a quantized format (scales included); 0: nominal
+    # s of host time every step costs the node beyond its roofline compute and transfer (scheduling,
+    # packing the batch, kernel launches); 0: DEFAULT_STEP_OVERHEAD_S of `cost.py` (assumed, 1 ms)
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.node_id, str) and self.node_id != "", f"node_id must be a non-empty string, got {self.node_id!r}")
@@ -129,7 +132,7 @@ class DeviceProfile:
         object.__setattr__(self, "weight_formats", formats)
         _require(all(math.isfinite(link.bandwidth) for _, link in links), f"{where}: link bandwidths must be finite")
         _require(isinstance(self.compute_format, str), f"{where}: compute_format must be a string")
-        for name in ("weight_bandwidth", "weight_bytes_per_param"):
+        for name in ("weight_bandwidth", "weight_bytes_per_param", "step_overhead_s"):
             value = getattr(self, name)
             _require(_is_real(value) and math.isfinite(value) and value >= 0,
                      f"{where}: {name} must be a finite number >= 0, got {value!r}")
