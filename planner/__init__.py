@@ -11,14 +11,34 @@ Pure: standard library only, no I/O, nothing else of LogicPipe imported. Modules
     bounds.py      lower bounds, infeasibility   strategies.py  uniform/memory/compute/mixed/custom
     digest.py      stable digests                artifact.py    plan JSON, reuse check
     table.py       plan as a text table          api.py         make_plan
+    mesh.py        MeshPlan, make_mesh_plan: pipelines (replicas) over disjoint nodes
+    replicas.py    the replica search under the decode-round model of cost.py
 """
 from logicpipe.planner.api import STRATEGIES, make_plan
-from logicpipe.planner.artifact import PlanFormatError, plan_from_json, plan_to_json, reuse_mismatch
-from logicpipe.planner.cost import build_stages, check_memory, plan_cost_s
+from logicpipe.planner.artifact import (
+                           PlanFormatError,
+                           mesh_plan_from_json,
+                           mesh_plan_to_json,
+                           mesh_reuse_mismatch,
+                           plan_from_json,
+                           plan_to_json,
+                           reuse_mismatch,
+)
+from logicpipe.planner.cost import (
+                           DEFAULT_STEP_OVERHEAD_S,
+                           best_micro_batches,
+                           build_stages,
+                           check_memory,
+                           pipeline_round_s,
+                           pipeline_tokens_per_s,
+                           plan_cost_s,
+                           step_times_s,
+)
 from logicpipe.planner.digest import model_digest, profile_digest, profiles_digest
+from logicpipe.planner.mesh import MESH_FORMAT_VERSION, MeshPlan, make_mesh_plan
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
-from logicpipe.planner.table import format_model_note, format_plan_table
+from logicpipe.planner.table import format_mesh_plan_table, format_model_note, format_plan_table
 from logicpipe.planner.types import (
                            DEFAULT_LINK,
                            DEFAULT_RESERVE,
@@ -33,9 +53,12 @@ from logicpipe.planner.types import (
 )
 
 __all__ = [
-    "DEFAULT_LINK", "DEFAULT_RESERVE", "FORMAT_VERSION", "LOOPBACK", "STRATEGIES",
-    "DeviceProfile", "InfeasibleError", "Link", "ModelSpec", "NodeId", "Objective", "Plan", "PlanFormatError",
+    "DEFAULT_LINK", "DEFAULT_RESERVE", "DEFAULT_STEP_OVERHEAD_S", "FORMAT_VERSION", "LOOPBACK", "MESH_FORMAT_VERSION",
+    "STRATEGIES",
+    "DeviceProfile", "InfeasibleError", "Link", "MeshPlan", "ModelSpec", "NodeId", "Objective", "Plan", "PlanFormatError",
     "PlanMetadata", "Reserve", "Stage", "Workload",
-    "build_stages", "check_memory", "format_model_note", "format_plan_table", "make_plan", "model_digest", "plan_cost_s",
-    "plan_from_json", "plan_to_json", "profile_digest", "profiles_digest", "reuse_mismatch",
+    "best_micro_batches", "build_stages", "check_memory", "format_mesh_plan_table", "format_model_note",
+    "format_plan_table", "make_mesh_plan", "make_plan", "mesh_plan_from_json", "mesh_plan_to_json",
+    "mesh_reuse_mismatch", "model_digest", "pipeline_round_s", "pipeline_tokens_per_s", "plan_cost_s",
+    "plan_from_json", "plan_to_json", "profile_digest", "profiles_digest", "reuse_mismatch", "step_times_s",
 ]

@@ -51,7 +51,7 @@ class PlanMetadata:
 class Plan:
     """An ordered pipeline. `cost_s` is the bottleneck stage time (throughput objective) or the sum
     of stage times (latency objective), per step; `lower_bound_s` <= any plan's cost for the same
-    inputs (equal to `cost_s` when `exact`)."""
+    inputs (equal to `cost_s` when `exact`). A mesh of several pipelines is a `MeshPlan` (`mesh.py`)."""
 
     stages: tuple[Stage, ...]  # in pipeline order; stage 0 embeds, the last samples
     objective: Objective       # what `cost_s` measures
@@ -60,6 +60,10 @@ class Plan:
     lower_bound_s: float       # s per step: no plan over these devices costs less
     exact: bool                # True when the DP proved the plan optimal (lower_bound_s == cost_s)
     metadata: PlanMetadata     # what the plan was made from
+    # Decode prediction of the step cost model (`cost.py`), set by `make_mesh_plan`; 0 = not predicted
+    micro_batches: int = 0     # micro-batches in flight (1 <= m <= stages); 0: unknown (an older plan)
+    rows: int = 0              # sequences of the workload's concurrency this pipeline serves
+    tokens_per_s: float = 0.0  # predicted decode tokens/s of this pipeline at `rows` sequences
 
     @property
     def gap(self) -> float:

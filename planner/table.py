@@ -1,6 +1,7 @@
 """A plan as an aligned text table for people (`lpctl plan`, logs, the README)."""
 from __future__ import annotations
 
+from logicpipe.planner.mesh import MeshPlan
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import Plan
 from logicpipe.planner.types import Objective
@@ -26,9 +27,7 @@ def _footer(plan: Plan) -> str:
     return text + f"; lower bound {format_ms(plan.lower_bound_s)} ms, gap {plan.gap * 100:.1f}%"
 
 
-def format_plan_table(plan: Plan) -> str:
-    """Columns: stage #, node, device kind (+ weight format), layers "a-b (count)" inclusive,
-    memory, compute / transfer / stage ms per step; a footer with the objective's value."""
+def _table(plan: Plan) -> list[str]:
     rows = [_HEADERS, *_rows(plan)]
     widths = [max(len(row[c]) for row in rows) for c in range(len(_HEADERS))]
 
@@ -37,7 +36,35 @@ def format_plan_table(plan: Plan) -> str:
         return "  ".join(cells).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(rows[0]), rule, *(line(r) for r in rows[1:]), _footer(plan)])
+    return [line(rows[0]), rule, *(line(r) for r in rows[1:])]
+
+
+def format_plan_table(plan: Plan) -> str:
+    """Columns: stage #, node, device kind (+ weight format), layers "a-b (count)" inclusive,
+    memory, compute / transfer / stage ms per step; a footer with the objective's value."""
+    return "\n".join([*_table(plan), _footer(plan)])
+
+
+def format_mesh_plan_table(mesh: MeshPlan) -> str:
+    """One table per pipeline (the columns of `format_plan_table`; compute and transfer for one
+    micro-batch) under "pipeline i: N stages, m micro-batches, R rows, predicted X tok/s", then a
+    footer with the aggregate prediction and the idle nodes."""
+    lines: list[str] = []
+    for i, plan in enumerate(mesh.pipelines):
+        if i:
+            lines.append("")
+        lines.append(f"pipeline {i}: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, {plan.rows} rows, "
+                     f"predicted {plan.tokens_per_s:.1f} tok/s")
+        lines.extend(_table(plan))
+    wl = mesh.workload
+    if mesh.objective is Objective.THROUGHPUT:
+        what = f"{mesh.tokens_per_s:.1f} tok/s predicted for {wl.batch} sequences at {wl.context_tokens} tokens of context"
+    else:
+        what = f"{mesh.tokens_per_s:.1f} tok/s predicted for one stream at {wl.context_tokens} tokens of context (pipeline 0)"
+    cap = f"at most {mesh.replicas_asked}" if mesh.replicas_asked else "chosen by the planner"
+    idle = ", ".join(mesh.idle_node_ids) or "none"
+    lines.append(f"objective {mesh.objective.value}: {len(mesh.pipelines)} pipelines ({cap}), {what}; idle nodes: {idle}")
+    return "\n".join(lines)
 
 
 def format_model_note(model: ModelSpec) -> str:
