@@ -13,13 +13,14 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Callable
 
 from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, Unavailable, from_code
 from logicpipe.policy import STREAM_KEY_HEADER
 from logicpipe.stage_node import last_stage
-from logicpipe.stage_node.blocks import KVManager
+from logicpipe.stage_node.blocks import KVManager, OutOfBlocks
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.draft_model import DraftModel
 from logicpipe.stage_node.drafter import step_cost_for
@@ -27,7 +28,7 @@ from logicpipe.stage_node.events import ErrorEvent, Event, EventHub
 from logicpipe.stage_node.grammar import GrammarBook
 from logicpipe.stage_node.kv import KVPool
 from logicpipe.stage_node.links import PeerLink
-from logicpipe.stage_node.runner import Runner, StepResult, execute
+from logicpipe.stage_node.runner import Launched, Runner, StepResult, execute, launch, read_tokens
 from logicpipe.stage_node.scheduler import Budget, Failure, PlannedSeq, Scheduler, Step, StepMsg
 from logicpipe.stage_node.sequence import SeqStatus, Sequence, SeqWork
 from logicpipe.stage_node.shard import Shard
@@ -40,6 +41,8 @@ LINK_CLOSE_S = 5.0  # closing an old link waits this long at most
 
 
 class Engine:
+    OVERLAP_DEVICES = ("cuda",)  # where a one-stage pipeline overlaps its greedy steps (the tests add "cpu")
+
     """`lock` is the node's: held while a step computes, so that the node can hand the KV pool to
     the next engine only between steps; an engine replaced meanwhile (`retired`) drops its step."""
 
@@ -64,6 +67,9 @@ class Engine:
                                    micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned)
         if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
             self.scheduler.grammars = GrammarBook(shard_dir, shard.config.vocab_size)
+        # issue 32: a one-stage CUDA pipeline overlaps its greedy steps (see `_step_ahead`)
+        self.overlap = a.first and a.last and shard.device.type in self.OVERLAP_DEVICES
+        self.ahead: Launched | None = None  # the launched step whose tokens are not read back yet
         self.next_link = self.first_link = None
         link = dict(metadata=((STREAM_KEY_HEADER, stream_key),) if stream_key else (), on_rejected=self._rejected)
         if not a.last:
@@ -75,9 +81,14 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------------
     async def step(self) -> bool:
         """One step: schedule -> run -> postprocess. False when there is nothing to do now."""
+        if self.ahead is not None:
+            return await self._step_ahead()
         step = self._schedule()
         if step is None:
             return False
+        if self.overlap and all(map(overlappable, step.seqs)):
+            await self._launch(step)
+            return True
         result = await self._run(step)
         if result is None:  # the engine was replaced while the step waited: its results mean nothing
             return True
@@ -90,6 +101,124 @@ class Engine:
             self.report([Failure(p.seq.id, p.seq.spec.owner, MeshError(f"node {self.node_id}: internal error"),
                                  closed=True) for p in step.seqs if self._close_quietly(p.seq.id)])
         return True
+
+    # ---- overlapped greedy steps (issue 32) ----------------------------------------------------
+    # A one-stage pipeline is its own first stage: the tokens a greedy step samples are the next
+    # step's input. So its next step is launched before this one's tokens are read back: the
+    # device keeps working while the host commits, reports and plans. A step of plain greedy rows
+    # is launched (`runner.launch`) and held in `ahead`; the next `step()` commits it (its input
+    # tokens are known by then), launches its successor (the same sequences, one row each, their
+    # input the launched step's tokens on the device) when nothing else waits, then reads the
+    # tokens back and reports them as `_postprocess` does. A sequence that finished (a stop token)
+    # has its successor's row dropped: computed, never committed (its KV past the end is never
+    # read, and goes with the sequence). Anything else (prompts or other sequences waiting,
+    # candidates, sampled or penalized or constrained or logprob rows) runs the plain way.
+    async def _launch(self, step: Step, source: tuple | None = None) -> None:
+        t0 = time.perf_counter()
+        async with self.lock:
+            if self.retired:
+                return
+            try:
+                self.ahead = await self.runner.call(launch, self.shard, self.pool, step, source)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — a bad step must not stop the node
+                log.exception("step failed")
+                self.ahead = None
+                result = StepResult(failed={p.seq.id: MeshError(f"node {self.node_id}: step failed: {exc}")
+                                            for p in step.seqs})
+                self._postprocess(step, result)
+        self.stats.compute_s += time.perf_counter() - t0
+
+    async def _step_ahead(self) -> bool:
+        cur, self.ahead = self.ahead, None
+        if self.retired:
+            return True
+        sched, st = self.scheduler, self.stats
+        step = cur.step
+        done = sched.complete(step, set())  # its input tokens are known: its KV is valid
+        st.steps, st.rows, st.seq_rows = st.steps + 1, st.rows + step.rows, st.seq_rows + len(step.seqs)
+        st.max_step_seqs = max(st.max_step_seqs, len(step.seqs))
+        nxt = self._successor(cur, done)
+        if nxt is not None:
+            order = {sid: i for i, sid in enumerate(cur.sampled)}
+            await self._launch(nxt, (cur.tokens, [order[p.seq.id] for p in nxt.seqs]))
+        t0 = time.perf_counter()
+        try:
+            tokens = await self.runner.call(read_tokens, cur)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — fail the step's sequences, not the node
+            log.exception("reading a step's tokens failed; its sequences are failed")
+            self.ahead = None
+            self.report([Failure(p.seq.id, p.seq.spec.owner, MeshError(f"node {self.node_id}: step failed: {exc}"),
+                                 closed=self._close_quietly(p.seq.id)) for p in step.seqs])
+            return True
+        st.compute_s += time.perf_counter() - t0
+        try:
+            out = last_stage.take_tokens(sched, self.kv, done, tokens, orphaned=self.orphaned, draft_model=False,
+                                         cost=self.step_cost)
+            st.sampled_steps += out.sampled
+            st.sampled_tokens += out.tokens
+            for owner, events in out.events.items():
+                self.events.emit(owner, events)
+            feeds = self._continue_ahead(out.feeds)
+            if feeds:
+                await self._feed_back(last_stage.Outcome(feeds=feeds))
+        except Exception:  # noqa: BLE001 — fail the step's sequences, not the node
+            log.exception("postprocessing a step failed; its sequences are failed")
+            self.ahead = None
+            self.report([Failure(p.seq.id, p.seq.spec.owner, MeshError(f"node {self.node_id}: internal error"),
+                                 closed=True) for p in step.seqs if self._close_quietly(p.seq.id)])
+        return True
+
+    def _successor(self, cur: Launched, done: list[PlannedSeq]) -> Step | None:
+        """The next step of `cur`'s sampled sequences (one row each, at the position after cur's
+        rows, its token still on the device), or None when anything else waits to be scheduled."""
+        sched = self.scheduler
+        if self.retired or not cur.sampled or any(s.pending for s in sched.seqs.values()):
+            return None
+        sampled = set(cur.sampled)
+        step = Step(cur.step.id, [])  # (no scheduler step id: not a step of its own for the in-flight count)
+        now = time.monotonic()
+        for p in done:
+            s, w = p.seq, p.work
+            if (p.seq.id not in sampled or s.status is not SeqStatus.RUNNING or self.orphaned(s)
+                    or s.generated + 1 >= s.spec.max_new_tokens or w.stop + 1 > s.spec.capacity):
+                continue  # it ends with cur's token (or nobody listens): the plain way
+            nw = SeqWork(s.id, w.stop, (0,))  # its token: cur's, patched in when read back
+            try:
+                plan = self.kv.prepare_write(s.id, nw.start_pos, 1)
+            except OutOfBlocks:
+                continue  # the scheduler preempts for it, the plain way
+            if plan.copies:
+                continue
+            step.seqs.append(PlannedSeq(s, nw, plan, self.kv.read_span(s.id, nw.stop)))
+            s.pending_pos, s.in_flight_since = nw.stop, now  # as the scheduler does for a row it schedules
+        return step if step.seqs else None
+
+    def _continue_ahead(self, feeds: list[SeqWork]) -> list[SeqWork]:
+        """The feeds of the step just read back: those of sequences whose successor row is already
+        launched become that row's input token; the rest are returned (fed the plain way). The
+        successor's rows without such a feed (finished, orphaned, failed) are dropped from it."""
+        nxt = self.ahead
+        if nxt is None:
+            return feeds
+        rows = {p.seq.id: i for i, p in enumerate(nxt.step.seqs)}
+        keep: dict[int, PlannedSeq] = {}
+        rest = []
+        for w in feeds:
+            i = rows.get(w.session_id)
+            p = nxt.step.seqs[i] if i is not None else None
+            if p is not None and not w.finished and not w.num_candidates and w.start_pos == p.work.start_pos:
+                keep[i] = replace(p, work=replace(p.work, token_ids=w.token_ids))
+            else:
+                rest.append(w)
+        for i, p in enumerate(nxt.step.seqs):
+            if i not in keep:  # its input comes the plain way again, at the position its row had
+                p.seq.pending_pos = p.work.start_pos
+        nxt.step.seqs = [keep[i] for i in sorted(keep)]
+        return rest
 
     def _schedule(self) -> Step | None:
         try:
@@ -243,6 +372,16 @@ class Engine:
                     await asyncio.wait_for(link.close(), LINK_CLOSE_S)
                 except asyncio.TimeoutError:
                     log.warning("closing the link to %s took over %.0f s; left behind", link.address, LINK_CLOSE_S)
+
+
+def overlappable(p: PlannedSeq) -> bool:
+    """A row of a step that may be launched ahead: no candidates; a sampled sequence plain greedy
+    (no penalties, grammar, logprobs or speculation); no prompt logprobs."""
+    s, w = p.seq.spec, p.work
+    if w.num_candidates or s.prompt_logprobs is not None:
+        return False
+    return not w.sample or (s.sampling.greedy and not s.sampling.penalized and not s.grammar
+                            and s.top_logprobs is None and not s.speculate)
 
 
 def hidden_of(step: Step, result: StepResult, done: list[PlannedSeq]) -> RawTensor:

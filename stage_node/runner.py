@@ -97,6 +97,65 @@ def execute(shard: Shard, pool: KVPool, step: Step, wire_dtype: str = "") -> Ste
         return result
 
 
+@dataclass
+class Launched:
+    """A step of greedy rows (issue 32) whose device work is queued and whose tokens are not read
+    back yet: `tokens` on the device (one per sampled sequence, in `sampled` order) feed the next
+    step's embedding without a round trip; `host` (pinned) receives them, `ready` says when."""
+
+    step: Step
+    sampled: list[str]            # session ids of the sampled sequences, in the order of `tokens`
+    tokens: torch.Tensor          # [len(sampled)] int64, on the device
+    host: torch.Tensor            # their copy on the host (pinned on CUDA)
+    ready: object = None          # a torch.cuda.Event recorded after the copy (None on a CPU)
+
+
+def launch(shard: Shard, pool: KVPool, step: Step, source: tuple[torch.Tensor, list[int]] | None = None) -> Launched:
+    """Queue one step of a one-stage pipeline (first and last) whose sampled rows are all plain
+    greedy: copies, embedding, forward, LM head and argmax, and the tokens' copy to the host, with
+    no wait for the device (on the runner thread). `source`: the previous launched step's device
+    tokens and, for each of this step's sequences, the index of its input token among them (each
+    such sequence has one row). The tokens are `sample`'s greedy choice: the argmax of the same
+    logits. Raises where the forward fails (the caller fails the step's sequences)."""
+    with torch.inference_mode():
+        pool.copy_blocks([c for p in step.seqs for c in p.plan.copies])
+        cuda = shard.device.type == "cuda"
+        if source is None:
+            ids = torch.tensor([t for p in step.seqs for t in p.work.token_ids], dtype=torch.long)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.config.vocab_size):
+                raise ValueError(f"token ids must lie in [0, {shard.config.vocab_size})")  # checked here, on the host
+            hidden = shard.embed(ids.pin_memory().to(shard.device, non_blocking=True) if cuda else ids, checked=True)
+        else:
+            prev, index = source
+            if index != list(range(len(index))) or len(index) != prev.shape[0]:
+                at = torch.tensor(index, dtype=torch.long)
+                prev = prev[at.pin_memory().to(shard.device, non_blocking=True) if cuda else at]
+            hidden = shard.embed(prev, checked=True)
+        rows, row = {}, 0
+        for p in step.seqs:
+            rows[p.seq.id] = hidden[row: row + p.work.num_tokens]
+            row += p.work.num_tokens
+        outs = _forward(shard, pool, step.seqs, rows)
+        sampled = [p for p in step.seqs if p.work.sample]
+        if not sampled:
+            return Launched(step, [], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+        tokens = shard.logits(torch.cat([outs[p.seq.id][-1:] for p in sampled])).argmax(-1)
+        host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launched(step, [p.seq.id for p in sampled], tokens, host, ready)
+
+
+def read_tokens(launched: Launched) -> dict[str, list[int]]:
+    """Wait for a launched step's tokens (on the runner thread) -> session id -> [its token]."""
+    if launched.ready is not None:
+        launched.ready.synchronize()
+    return {sid: [t] for sid, t in zip(launched.sampled, launched.host.tolist())}
+
+
 def _input_rows(shard: Shard, step: Step, result: StepResult) -> dict[str, torch.Tensor]:
     """Each sequence's input rows: embedded tokens (stage 0) or its rows of the received hidden
     states, which must be finite. rows: [num_tokens, hidden]"""

@@ -243,11 +243,13 @@ class Shard:
                       dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids: [T] int64 -> hidden states [T, hidden] (first stage only)."""
+    def embed(self, token_ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """token_ids: [T] int64 -> hidden states [T, hidden] (first stage only). `checked`: the ids
+        are known to lie in the vocabulary (the last stage's own tokens, on the device: no check,
+        which would wait for the device)."""
         if not self.first:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a first stage: it has no embeddings")
-        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+        if not checked and token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")  # checked where they are (CPU)
         x = F.embedding(token_ids.to(device=self.device, dtype=torch.long), self.embed_tokens)
         return x if self._embed_scale is None else x * self._embed_scale

@@ -281,3 +281,52 @@ def test_the_node_answers_while_a_long_generation_computes(tiny_model, monkeypat
                 finally:
                     call.cancel()
     run(main(), timeout=120)
+
+
+# ----------------------------------------------------------------------------- overlapped greedy steps
+def test_overlapped_greedy_steps_give_the_same_tokens_and_stops(tiny_model, hf, monkeypatch):
+    """Issue 32: a one-stage pipeline launches its next greedy step before reading this one's
+    tokens back (on CUDA; here forced on the CPU). Concurrent sequences of other lengths still get
+    transformers' greedy tokens, one ends at its stop token (its launched row past the end is
+    dropped, never committed), another at its length, and a sampled sequence beside them goes the
+    plain way; afterwards no KV block is left in use."""
+    from logicpipe.stage_node import engine
+    from logicpipe.stage_node.engine import Engine
+
+    monkeypatch.setattr(Engine, "OVERLAP_DEVICES", ("cuda", "cpu"))
+    launched = []  # whether each launched step took its input tokens from the previous one's, on the device
+
+    def counted(shard, pool, step, source=None):
+        launched.append(source is not None)
+        return launch(shard, pool, step, source)
+
+    launch = engine.launch
+    monkeypatch.setattr(engine, "launch", counted)
+    prompts = [LONG_PROMPT[:9], LONG_PROMPT[3:20], LONG_PROMPT[:5]]
+    expect = [hf_greedy(hf, p, 40 if i == 0 else 12) for i, p in enumerate(prompts)]
+    stop = expect[1][4]
+
+    async def later(delay: float, coro):  # a prompt that arrives while others' chains run
+        await asyncio.sleep(delay)
+        return await coro
+
+    async def main():
+        async with single_stage(tiny_model.path) as node:
+            assert node.runtime.engine.overlap
+            runs = [generate(node, node, prompts[0], 40),
+                    later(0.05, generate(node, node, prompts[1], 12, stop_token_ids=[stop])),
+                    later(0.1, generate(node, node, prompts[2], 7)),
+                    later(0.15, generate(node, node, prompts[0], 6,
+                                         sampling=stage_pb2.SamplingParams(temperature=0.8, seed=3)))]
+            got = await asyncio.gather(*runs)
+            assert got[0][0] == expect[0]
+            cut = expect[1].index(stop) + 1
+            assert got[1][0] == expect[1][:cut]
+            assert got[2][0] == expect[2][:7]
+            assert len(got[3][0]) == 6
+            alone, _ = await generate(node, node, prompts[2], 12)
+            assert alone == expect[2]
+            st = await status(node)
+            assert st.kv_blocks_used == 0 and st.steps > 0
+        assert sum(launched) >= 10 and not all(launched)  # chains formed, and began from scheduled steps
+    run(main())
