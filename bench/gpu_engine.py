@@ -10,6 +10,11 @@ token reads (every matrix; the embedding table is only indexed, so it is left ou
 memory bandwidth (`--hbm-tbps`, default by GPU name: H100 3.35, H200 4.8 TB/s). Variants:
 `--graphs on,off` (the stages' --cuda-graphs), `--spread` (stage i on GPU i: a mesh over GPUs),
 `--speculate K` (the controller's candidates; 0 by default here, so a step is one token).
+Issue 32: `--concurrency 32,64,128,256` measures each concurrency in turn (tok/s, the stages' mean
+step ms and rows a step), `--context N` gives every 8B prompt N tokens, `--replicas N` is passed to
+the controller; the stages get a KV pool with room for every prompt at once (`--max-kv-mib`) and
+take up to the largest concurrency in one step (`--max-step-seqs`), and the controller lets one
+client have that many requests (`--max-requests-per-client`).
 
 Prompts are token ids (the random models have no tokenizer); every request decodes `--tokens`
 new tokens (no EOS stop). tok/s = new tokens of all requests / wall time from the first submit to
@@ -166,14 +171,15 @@ def stream(address: str, ids: list[int], tokens: int) -> dict:
 
 
 def gaps(results: list[dict], t0: float) -> dict:
-    """Of one concurrent round: the P99 and largest gap between consecutive tokens of a request,
+    """Of one concurrent round: the median (about one decode step), P99 and largest gap between consecutive tokens of a request,
     the longest time to a first token, and the longest stretch from the round's start to its last
     token in which no request got a token (ms)."""
     per = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     events = sorted(r["t0"] - t0 + t for r in results for t in r["times"])
     quiet = max(b - a for a, b in zip([0.0] + events, events))
     per.sort()
-    return {"p99_gap_ms": round(per[min(len(per) - 1, int(0.99 * len(per)))] * 1000, 1) if per else None,
+    return {"p50_gap_ms": round(per[len(per) // 2] * 1000, 2) if per else None,  # ~ a decode step, host included
+            "p99_gap_ms": round(per[min(len(per) - 1, int(0.99 * len(per)))] * 1000, 1) if per else None,
             "max_gap_ms": round(per[-1] * 1000, 1) if per else None,
             "max_first_token_ms": round(max(r["times"][0] for r in results) * 1000, 1),
             "longest_quiet_ms": round(quiet * 1000, 1)}
@@ -197,33 +203,59 @@ def step_ms(stages: list[str], before: list) -> list[float]:
             for st, b in zip(stage_status(stages), before)]
 
 
-def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: int,
+def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: list[int],
                stages: list[str]) -> dict:
+    """One stream's rounds, then each concurrency's (issue 32: a list): tok/s, the mean step time and
+    rows a step (stage Status), and the gaps of each round."""
     submit(addr, ids=prompts[0], tokens=4)  # warm-up
-    one, many, ms, rounds_ = [], [], [], []
+    one, ms = [], []
     for _ in range(rounds):
         before = stage_status(stages)
         r = submit(addr, ids=prompts[0], tokens=tokens)
         assert not r["error"], r["error"]
         ms.append(step_ms(stages, before))
         one.append(tokens / r["total_s"])
-        before = stage_status(stages)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            res = list(pool.map(lambda p: stream(addr, p, tokens), prompts[:concurrency]))
-        wall = time.perf_counter() - t0
-        assert all(not x["error"] and len(x["ids"]) == tokens for x in res), [x["error"] for x in res]
-        many.append(concurrency * tokens / wall)
-        after = stage_status(stages)
-        rounds_.append(dict(gaps(res, t0), one_stream_tps=round(one[-1], 1), concurrent_tps=round(many[-1], 1),
-                            steps=[a.steps - b.steps for a, b in zip(after, before)]))
-        print("round", rounds_[-1], flush=True)
-    return {"one_stream_tps": statistics.median(one), "concurrent_tps": statistics.median(many),
-            "one_stream_step_ms_per_stage": ms[-1], "rounds": rounds_,
-            # the last concurrent round, stage by stage: steps taken and compute ms per step
-            "concurrent_steps_per_stage": [a.steps - b.steps for a, b in zip(after, before)],
-            "concurrent_step_ms_per_stage": [round((a.compute_s - b.compute_s) / max(1, a.steps - b.steps) * 1000, 2)
-                                             for a, b in zip(after, before)]}
+        print("one stream", round(one[-1], 1), "tok/s, step ms", ms[-1], flush=True)
+    out = {"one_stream_tps": statistics.median(one), "one_stream_rounds_tps": [round(x, 1) for x in one],
+           "one_stream_step_ms_per_stage": ms[-1], "by_concurrency": {}}
+    for c in concurrency:
+        many, rounds_ = [], []
+        for _ in range(rounds):
+            before = stage_status(stages)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                res = list(pool.map(lambda p: stream(addr, p, tokens), prompts[:c]))
+            wall = time.perf_counter() - t0
+            assert all(not x["error"] and len(x["ids"]) == tokens for x in res), [x["error"] for x in res][:4]
+            many.append(c * tokens / wall)
+            after = stage_status(stages)
+            steps = [a.steps - b.steps for a, b in zip(after, before)]
+            rounds_.append(dict(gaps(res, t0), concurrent_tps=round(many[-1], 1), steps=steps,
+                                step_ms=[round((a.compute_s - b.compute_s) / max(1, n) * 1000, 2)
+                                         for a, b, n in zip(after, before, steps)],
+                                rows_per_step=[round((a.tokens - b.tokens) / max(1, n), 1)
+                                               for a, b, n in zip(after, before, steps)],
+                                seqs_per_step=[round((a.seq_rows - b.seq_rows) / max(1, n), 1)
+                                               for a, b, n in zip(after, before, steps)]))
+            print("concurrency", c, "round", rounds_[-1], flush=True)
+        mid = sorted(range(rounds), key=lambda i: many[i])[rounds // 2]  # the median round
+        out["by_concurrency"][str(c)] = {"concurrent_tps": round(statistics.median(many), 1),
+                                         "step_ms_per_stage": rounds_[mid]["step_ms"],
+                                         "p50_gap_ms": rounds_[mid]["p50_gap_ms"],
+                                         "rows_per_step": rounds_[mid]["rows_per_step"], "rounds": rounds_}
+    first = out["by_concurrency"][str(concurrency[0])]
+    out["concurrent_tps"] = first["concurrent_tps"]  # (the first concurrency's, as before issue 32)
+    out["rounds"] = first["rounds"]
+    return out
+
+
+def kv_mib(prompts: list[list[int]], tokens: int, shape: dict, dtype_bytes: int = 2) -> int:
+    """A stage's KV pool for every prompt at once with its new tokens (a fifth more for blocks'
+    rounding), at least 4096 MiB (the bench's fixed size before issue 32)."""
+    per = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (
+        shape["hidden_size"] // shape["num_attention_heads"]) * dtype_bytes
+    need = sum(len(p) + tokens + 16 for p in prompts) * per * 1.2 / 2**20
+    return max(4096, int(need))
 
 
 HBM_TBPS = {"H100": 3.35, "H200": 4.8}
@@ -253,7 +285,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", default="8",
+                    help="comma list of concurrent requests, each measured in turn (e.g. 32,64,128,256)")
+    ap.add_argument("--context", type=int, default=0,
+                    help="every 8B prompt this many tokens (default: 20 + 3 i tokens for prompt i)")
+    ap.add_argument("--replicas", default="", help="the controller's --replicas (auto or N; default: not passed)")
+    ap.add_argument("--max-kv-mib", type=int, default=0,
+                    help="each stage's --max-kv-mib (default: room for every prompt at once, at least 4096)")
+    ap.add_argument("--max-step-seqs", type=int, default=0,
+                    help="each stage's --max-step-seqs (default: the largest concurrency, at least 64)")
     ap.add_argument("--stages", default="1,2", help="comma list of stage counts of the mesh runs (none: no mesh)")
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-small", action="store_true")
@@ -268,6 +308,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32, help="decoder layers of the 8B-shaped model (32; fewer to try)")
     ap.add_argument("--hbm-tbps", type=float, default=0.0, help="memory bandwidth, TB/s (default by GPU name)")
     args = ap.parse_args()
+    concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    top = max(concurrency)
     global DEVICE
     DEVICE = args.device
     args.work.mkdir(parents=True, exist_ok=True)
@@ -280,7 +322,7 @@ def main() -> None:
 
     # correctness: small fp32 model, greedy tokens through CUDA stages == transformers on CUDA
     small = make_model(args.work / "small", SMALL, torch.float32)
-    prompts = [[(17 * i + 5 * j) % 500 for j in range(12 + 5 * i)] for i in range(args.concurrency)]
+    prompts = [[(17 * i + 5 * j) % 500 for j in range(12 + 5 * i)] for i in range(8)]
     _, ref = hf_generate(small, torch.float32, prompts, 48, 0) if not args.skip_small else (0, [])
     for s in (int(x) for x in args.stages.split(",") if not args.skip_small):
         with LocalMesh(s, small, args.work / f"small{s}", threads=4, device=DEVICE,
@@ -293,14 +335,15 @@ def main() -> None:
         return
     big = make_model(args.work / f"llama3-8b-shape-{args.layers}", dict(LLAMA3_8B, num_hidden_layers=args.layers),
                      torch.bfloat16)
-    prompts = [[(31 * i + 7 * j) % 128000 for j in range(20 + 3 * i)] for i in range(args.concurrency)]
+    prompts = [[(31 * i + 7 * j) % 128000 for j in range(args.context or 20 + 3 * i)] for i in range(top)]
     if not args.skip_hf:
         results["transformers_tps"], _ = hf_generate(big, torch.bfloat16, prompts, args.tokens, args.rounds)
         save()
     if args.baseline_json:
         results["compiled_transformers"] = json.loads(args.baseline_json.read_text())["compiled_transformers"]
     elif not args.skip_compiled:
-        results["compiled_transformers"] = hf_compiled(big, torch.bfloat16, prompts, args.tokens, args.rounds)
+        results["compiled_transformers"] = hf_compiled(big, torch.bfloat16, prompts[:concurrency[0]], args.tokens,
+                                                       args.rounds)
         save()
     tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in results["device"]), 0.0)
     if tbps:
@@ -312,12 +355,18 @@ def main() -> None:
             name = (f"mesh{s}" + ("" if graphs == "on" else "-eager") + ("-spread" if args.spread and s > 1 else "")
                     + args.label)
             env = {i: {"CUDA_VISIBLE_DEVICES": str(i)} for i in range(s)} if args.spread else None
+            kv = args.max_kv_mib or kv_mib(prompts, args.tokens, dict(LLAMA3_8B, num_hidden_layers=args.layers))
+            seqs = args.max_step_seqs or max(64, top)
+            controller = ["--dtype", "bfloat16", "--strategy", "uniform", "--speculate", str(args.speculate),
+                          "--max-requests-per-client", str(max(64, top))]
+            if args.replicas:
+                controller += ["--replicas", args.replicas]
             with LocalMesh(s, big, args.work / f"big{s}{graphs}", threads=4, device=DEVICE, stage_env=env,
-                           stage_args=("--cuda-graphs", graphs, "--max-kv-mib", "4096"),
-                           controller_args=("--dtype", "bfloat16", "--strategy", "uniform",
-                                            "--speculate", str(args.speculate))) as mesh:
+                           stage_args=("--cuda-graphs", graphs, "--max-kv-mib", str(kv), "--max-step-seqs", str(seqs)),
+                           controller_args=tuple(controller)) as mesh:
                 r = results[name] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
-                                               args.concurrency, mesh.stage_addresses)
+                                               concurrency, mesh.stage_addresses)
+                r["max_kv_mib"], r["max_step_seqs"] = kv, seqs
             if tbps:
                 r["one_stream_of_hbm_limit"] = round(r["one_stream_tps"] / results["hbm_limit_tps"], 3)
             if results.get("transformers_tps"):
@@ -325,7 +374,7 @@ def main() -> None:
             ct = results.get("compiled_transformers")
             if ct:
                 r["one_stream_vs_compiled"] = round(r["one_stream_tps"] / ct["one_stream_tps"], 2)
-                key = f"batch{args.concurrency}_tps"
+                key = f"batch{concurrency[0]}_tps"
                 r["concurrent_vs_compiled_batch"] = round(r["concurrent_tps"] / ct[key], 2)
                 r["concurrent_vs_compiled_batch_by_round"] = [round(x["concurrent_tps"] / ct[key], 2)
                                                               for x in r["rounds"]]

@@ -10,6 +10,9 @@ Triton cache (point TRITON_CACHE_DIR at a new folder): the first run of a row co
 tile (stage_node.invariant.mm_config) has not occurred yet compiles the kernels; with `--warm`
 the stage's start-up warm-up (Shard.warm_up) runs first and no step compiles.
 `--part sweep`: the one-row product's time and bandwidth for tile configurations of each matrix.
+`--part rows` (issue 32): decode steps of 32 to 256 rows (each row its own sequence at position
+`--context`, its own blocks): the graph replay and the eager forward, the GPU time per kernel kind of
+one step, and each matrix's product at those row counts for a few tiles beside `mm_config`'s.
 """
 from __future__ import annotations
 
@@ -143,17 +146,73 @@ def sweep(args) -> None:
     print("cublas", res["cublas_gbps"])
 
 
+def rows_part(args) -> None:
+    """Where a step of many decode rows goes (issue 32)."""
+    import triton
+
+    from logicpipe.stage_node import invariant
+
+    shard = load(args)
+    shard.batch_invariant = True
+    bs, pos = 16, args.context
+    nb = -(-(pos + 1) // bs)
+    top = 256
+    pool = shard.new_pool(top * nb + 1, bs)
+    res: dict = {"device": torch.cuda.get_device_name(), "context": pos, "steps": {}, "products": {}}
+    with torch.inference_mode():
+        graphs = StepGraphs(shard, pool, warm=False)
+        for R in (1, 32, 64, 128, 256):
+            rows = [GraphRow(pos, r * nb * bs + pos % bs + (pos // bs) * bs, list(range(r * nb, (r + 1) * nb)))
+                    for r in range(R)]
+            x = shard.embed(torch.arange(R, device="cuda") % 1000)
+            one = {"graph_forward_ms": round(timed(lambda: graphs.forward(x, rows), 20), 2)}
+            g = graphs.graphs[graphs.bucket(R, pos + 1)]
+            one["graph_replay_ms"] = round(timed(g.graph.replay, 20), 2)
+            kv = StepKV(pool, torch.tensor([r.write_slot for r in rows], device="cuda"),
+                        tuple(seq_slice(pos, 1, r.blocks, bs, "cuda", 0) for r in rows))
+            one["eager_forward_ms"] = round(timed(lambda: shard.forward(x, kv), 5), 2)
+            h = graphs.forward(x, rows)
+            one["lm_head_argmax_ms"] = round(timed(lambda: shard.logits(h).argmax(-1), 20), 2)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graphs._body(g)
+                torch.cuda.synchronize()
+            one["kernels_ms"], one["kernels_total_ms"], one["launches"] = kinds_of(prof)
+            res["steps"][R] = one
+            print(R, "rows", {k: v for k, v in one.items() if k != "kernels_ms"}, flush=True)
+        w = shard.layers[0]
+        for name in ("qkv", "o", "gate_up", "down"):
+            m = getattr(w, name)
+            n, k = m.shape
+            parts = invariant.k_parts(n, k)
+            for M in (32, 64, 128, 256):
+                xin = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
+                cur = invariant.mm_config(n, k, m.dtype, M)
+                got = {}
+                for cfg in {cur, (16, 64, 128, 4, 6, parts), (32, 64, 128, 4, 4, parts), (64, 64, 128, 4, 4, parts),
+                            (64, 128, 64, 4, 3, parts), (128, 128, 64, 8, 3, parts), (32, 128, 64, 4, 4, parts)}:
+                    try:
+                        us = triton.testing.do_bench_cudagraph(lambda: invariant.mm(xin, m, cfg), rep=20) * 1000
+                    except Exception as exc:  # noqa: BLE001 — out of resources: skip the tile
+                        got[str(cfg)] = str(exc)[:60]
+                        continue
+                    got[str(cfg)] = round(us, 1)
+                res["products"][f"{name}_{M}"] = {"current": str(cur), "us": got}
+                print(name, M, "current", cur, got, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_rows.json").write_text(json.dumps(res, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lp-gpu"))
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=200, help="positions already in the KV (default %(default)s)")
-    ap.add_argument("--part", default="step", choices=("step", "stall", "sweep"))
+    ap.add_argument("--part", default="step", choices=("step", "stall", "sweep", "rows"))
     ap.add_argument("--warm", action="store_true", help="--part stall: the start-up warm-up first")
     args = ap.parse_args()
     if args.part != "step":
-        return {"stall": stall, "sweep": sweep}[args.part](args)
+        return {"stall": stall, "sweep": sweep, "rows": rows_part}[args.part](args)
     shard = load(args)
     bs = 16
     pool = shard.new_pool(300, bs)
