@@ -7,9 +7,11 @@ Building block: the single-pipeline DP over a subset of the devices, costed by `
 Up to EXACT_MESH_DEVICES devices (`subset_blocks`, `best_partitions`):
 1. every subset of the devices is a candidate pipeline: the DP's chain over it, run with the KV of
    as many rows as the subset can hold (at most B) -- unless one of its devices adds nothing to
-   those rows (then it only adds a stage: a hop, an overhead, its share of the weights read again
-   per micro-batch; the subset without it is the candidate). Devices with identical profiles and
-   links are interchangeable, so a subset is planned once per count of each kind of device;
+   those rows and is no faster than the others (then it only adds a stage: a hop, an overhead, its
+   share of the weights read again per micro-batch; the subset without it is the candidate; a
+   faster device may still pay for its stage by taking layers off slower ones). Devices with
+   identical profiles and links are interchangeable, so a subset is planned once per count of
+   each kind of device;
 2. a partition of the devices into pipelines (and idle devices) with the rows split between them
    is searched by a Lagrangian relaxation: at a price lam per row, pipeline S is worth
    g_S(lam) = max_R f_S(R) - lam * R, which adds up over the pipelines of a partition, so a DP
@@ -69,9 +71,10 @@ def device_kinds(search: MeshSearch) -> list[int]:
 
 
 def subset_blocks(search: MeshSearch) -> dict[int, Chain]:
-    """{device mask: the DP's chain over exactly those devices} for every subset whose devices all
-    add to the rows it can hold (a device that does not only adds a stage: its hop, its overhead,
-    its share of the weight reads again; such a subset is left out) and whose chain uses all of it."""
+    """{device mask: the DP's chain over exactly those devices} for every subset whose chain uses
+    all of it, but those with a needless device: one that adds nothing to the rows the subset
+    holds and is no faster than any other device of it (it only adds a stage: a hop, an overhead,
+    its share of the weights read again per micro-batch)."""
     n, kind = search.n, device_kinds(search)
     members: dict[int, list[int]] = {}
     for d in range(n):
@@ -94,11 +97,18 @@ def subset_blocks(search: MeshSearch) -> dict[int, Chain]:
         if key not in most:
             most[key] = search.most_rows(key)
         rows[mask] = most[key]
+    speed = search.time_inst(search.dp_rows).layer_s
+
+    def needless(mask: int, d: int) -> bool:
+        """Device d adds no rows to `mask` and is no faster than any other device of it."""
+        rest = mask ^ 1 << d
+        return rows[rest] >= rows[mask] and all(speed[d] >= speed[x] for x in range(n) if rest >> x & 1)
+
     planned: dict[tuple[int, ...], Chain | None] = {}
     blocks: dict[int, Chain] = {}
     for mask in range(1, 1 << n):
         r = rows[mask]
-        if r == 0 or any(mask >> d & 1 and mask != 1 << d and rows[mask ^ 1 << d] >= r for d in range(n)):
+        if r == 0 or any(mask >> d & 1 and mask != 1 << d and needless(mask, d) for d in range(n)):
             continue
         key, rename = canonical(mask)
         if key not in planned:
