@@ -12,7 +12,7 @@ Pure: standard library only, no I/O, nothing else of LogicPipe imported. Modules
     digest.py      stable digests                artifact.py    plan JSON, reuse check
     table.py       plan as a text table          api.py         make_plan
     mesh.py        MeshPlan, make_mesh_plan: pipelines (replicas) over disjoint nodes
-    replicas.py    the replica search under the decode-round model of cost.py
+    replicas.py    the replica search      mesh_search.py  its tables: a chain's tokens/s at R rows
 """
 from logicpipe.planner.api import STRATEGIES, make_plan
 from logicpipe.planner.artifact import (
