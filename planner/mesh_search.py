@@ -28,6 +28,9 @@ pipelines wins (room for more streams; a lost node stops fewer requests), then f
 Partition = tuple[Chain, ...]
 """Pipelines over disjoint devices, as chains."""
 
+WATER_STEPS = 256
+"""Most steps the water-filling of rows takes (more rows are given in equal chunks)."""
+
 
 class MeshSearch:
     """Cost tables and caches for one search over `profiles` (device numbers index them)."""
@@ -175,20 +178,28 @@ class MeshSearch:
 
     def split_rows(self, partition: Partition) -> tuple[list[int], float]:
         """B rows water-filled over the pipelines (each next row where tokens/s gains most, within
-        each pipeline's capacity): (rows per pipeline, aggregate tokens/s)."""
+        each pipeline's capacity; above WATER_STEPS rows, in equal chunks of ceil(B / WATER_STEPS)
+        rows): (rows per pipeline, aggregate tokens/s)."""
         rows = [0] * len(partition)
         caps = [self.capacity(c) for c in partition]
         rates = [0.0] * len(partition)
-        heap = [(-self.rate(c, 1)[1], i) for i, c in enumerate(partition) if caps[i] >= 1]
+        chunk = -(-self.batch // WATER_STEPS)
+
+        def gain(i: int, left: int) -> tuple[float, int]:  # (minus tokens/s gained per row, rows given)
+            more = min(chunk, left, caps[i] - rows[i])
+            return -(self.rate(partition[i], rows[i] + more)[1] - rates[i]) / more, more
+
+        left = self.batch
+        heap = [(*gain(i, left), i) for i in range(len(partition)) if caps[i] >= 1]
         heapq.heapify(heap)
-        for _ in range(self.batch):
-            if not heap:
-                break
-            _, i = heapq.heappop(heap)
-            rows[i] += 1
+        while heap and left > 0:
+            _, more, i = heapq.heappop(heap)
+            more = min(more, left)
+            rows[i] += more
+            left -= more
             rates[i] = self.rate(partition[i], rows[i])[1]
-            if rows[i] < caps[i]:
-                heapq.heappush(heap, (-(self.rate(partition[i], rows[i] + 1)[1] - rates[i]), i))
+            if rows[i] < caps[i] and left > 0:
+                heapq.heappush(heap, (*gain(i, left), i))
         return rows, sum(rates)
 
     def better(self, a: tuple[float, Partition], b: tuple[float, Partition] | None) -> bool:
