@@ -229,6 +229,10 @@ def _kernels():
 #     stages before, gate_up 3% slower), and where a matrix has fewer blocks of 32 columns than ~1.2
 #     per SM (an 8B model's o and down), K is summed in 2 fixed parts, added in order by a second
 #     kernel (or by stage_node.fused.add_norm with the residual);
+#   * 33 to 64 rows, and up to 128 for matrices of fewer than 16,384 rows (batched decode, issue 32):
+#     64 x 64 x 128, 4 warps, 4 stages: against 64 x 128 x 64 it keeps twice the column blocks in
+#     flight; at 64 rows qkv 21.4 us against 35.3, o 11.3 / 17.9, down 47.8 / 68.8 (gate_up alike),
+#     at 128 rows qkv 30.6 / 36.5, down 62.6 / 72.4 (bench/gpu_step.py --part rows, one H100);
 #   * more rows (prompts; bound by compute): larger tiles, tensor-core products of 64 or 128 rows.
 # float32 (tests on CUDA; no TF32, so no tensor cores) keeps one tile for every row count.
 SMS = 132
@@ -248,6 +252,8 @@ def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int,
     parts = k_parts(n, k)
     if m <= DECODE_ROWS:
         return 16, 64, 128, 4, 6, parts
+    if m <= 64 or (m <= 128 and n < 16384):  # batched decode (issue 32): more column blocks in flight
+        return 64, 64, 128, 4, 4, parts
     if m <= 128:
         return 64, 128, 64, 4, 3, parts
     return 128, 128, 64, 8, 3, parts

@@ -147,14 +147,14 @@ class Shard:
         CUDA stage with batch-invariant kernels compiles a Triton kernel the first time each product
         tile (by row count: invariant.mm_config), output dtype and attention variant occurs, about a
         second each (seen as 1 to 4 s eager steps under concurrency). Eager forwards (and the LM head)
-        of 1, DECODE_ROWS + 1 and 129 rows: one sequence each, its rows writing only `pool`'s scratch
+        of 1, DECODE_ROWS + 1, 65 and 129 rows: one sequence each, its rows writing only `pool`'s scratch
         slot and reading zeroed or scratch positions. -> seconds taken"""
         if not (self.batch_invariant and self.device.type == "cuda"):
             return 0.0
         t0 = time.perf_counter()
         bs = pool.block_size
         top = min(129, pool.num_blocks * bs)
-        for m in sorted({1, min(invariant.DECODE_ROWS + 1, top), top}):
+        for m in sorted({1, min(invariant.DECODE_ROWS + 1, top), min(65, top), top}):
             nb = -(-m // bs)
             slots = torch.full((m,), pool.scratch_slot, dtype=torch.long, device=self.device)
             kv = StepKV(pool, slots, (seq_slice(0, m, list(range(nb)), bs, self.device, 0),))
