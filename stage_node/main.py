@@ -88,7 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
     ap.add_argument("--max-step-tokens", type=int, default=512,
                     help="token rows in one step: decode rows plus prefill chunks (default %(default)s)")
-    ap.add_argument("--max-step-seqs", type=int, default=64, help="sequences in one step (default %(default)s)")
+    ap.add_argument("--max-step-seqs", type=int, default=None,
+                    help="sequences in one step (default 256 on a GPU, whose graphs take steps of up to 256 rows; "
+                         "64 on a CPU)")
     ap.add_argument("--session-ttl-s", type=float, default=30.0,
                     help="seconds a session outlives its gone controller (default %(default)s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
@@ -146,7 +148,7 @@ def cuda_available() -> bool:
 async def serve(args: argparse.Namespace) -> None:
     check_free(args.listen, "--listen", PROG)  # before the device is probed and measured
     for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:  # (None: --max-step-seqs by device)
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.draft_model and not (Path(args.draft_model) / "config.json").is_file():
         raise SystemExit(f"--draft-model {args.draft_model}: no config.json there (a Hugging Face model directory)")
@@ -190,7 +192,7 @@ async def serve(args: argparse.Namespace) -> None:
     profile = None if args.no_profile else await runner.call(host_profile, device, dtype=args.dtype,
                                                              quantize=args.quantize)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
-                           budget=Budget(args.max_step_tokens, args.max_step_seqs), session_ttl_s=args.session_ttl_s,
+                           budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()))
