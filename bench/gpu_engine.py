@@ -206,7 +206,8 @@ def step_ms(stages: list[str], before: list) -> list[float]:
 def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, concurrency: list[int],
                stages: list[str]) -> dict:
     """One stream's rounds, then each concurrency's (issue 32: a list): tok/s, the mean step time and
-    rows a step (stage Status), and the gaps of each round."""
+    rows a step (stage Status), and the gaps of each round. `concurrency`: a list, or one count."""
+    concurrency = [concurrency] if isinstance(concurrency, int) else concurrency
     submit(addr, ids=prompts[0], tokens=4)  # warm-up
     one, ms = [], []
     for _ in range(rounds):
@@ -246,6 +247,8 @@ def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, co
     first = out["by_concurrency"][str(concurrency[0])]
     out["concurrent_tps"] = first["concurrent_tps"]  # (the first concurrency's, as before issue 32)
     out["rounds"] = first["rounds"]
+    out["concurrent_steps_per_stage"] = first["rounds"][-1]["steps"]  # (the keys before issue 32: its last round)
+    out["concurrent_step_ms_per_stage"] = first["rounds"][-1]["step_ms"]
     return out
 
 

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from dataclasses import replace
 from typing import Callable
 
 from logicpipe.common.transport import Transport
@@ -211,7 +210,8 @@ class Engine:
             i = rows.get(w.session_id)
             p = nxt.step.seqs[i] if i is not None else None
             if p is not None and not w.finished and not w.num_candidates and w.start_pos == p.work.start_pos:
-                keep[i] = replace(p, work=replace(p.work, token_ids=w.token_ids))
+                keep[i] = PlannedSeq(p.seq, SeqWork(p.work.session_id, p.work.start_pos, w.token_ids), p.plan,
+                                     p.read_blocks)
             else:
                 rest.append(w)
         for i, p in enumerate(nxt.step.seqs):
