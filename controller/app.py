@@ -18,11 +18,12 @@ from logicpipe.controller import planning
 from logicpipe.controller.journal import Journal
 from logicpipe.controller.membership import NOT_PROBED, Members
 from logicpipe.controller.pipeline import Pipeline, StageAssignment
+from logicpipe.controller.pipelines import PipelineSet
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler, SchedulerConfig
 from logicpipe.controller.state import MeshState, Phase
 from logicpipe.controller.text import load_tokenizer
 from logicpipe.errors import FailedPrecondition, Fenced, InvalidArgument, MeshError, NotFound, Unavailable
-from logicpipe.planner import Link, Workload, plan_to_json
+from logicpipe.planner import Link, Workload
 from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class ControllerOptions:
     mesh: str = "default"             # ... of this mesh name
     speculate: int = DEFAULT_SPECULATE  # candidate tokens per step unless a request says
     prefill_chunk: int = 0            # prompt tokens per step (0: the cost model's choice)
+    replicas: int = 0                 # pipelines at most (0: auto, the planner's choice; 1: one pipeline over
+                                      # the nodes, planned by the bottleneck DP as before replicas)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class StageView:
     end: int  # exclusive
     device: str
     parameter_count: int
+    pipeline: int = 0  # the pipeline (replica) it belongs to, 0-based in the plan's order
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class ControllerSnapshot:
     plan_id: str
     plan_generation: int
     plan_json: str
-    micro_batches: int
+    micro_batches: int          # the most any pipeline has
     speculate: int
     running: int
     queued: int
@@ -93,6 +97,20 @@ class ControllerSnapshot:
     epoch: int = 0              # the fencing epoch it holds (active) or last saw (standby)
     active: str = ""            # a standby: the active controller it follows
     journaled: int = 0          # requests in the journal
+    pipelines: list = field(default_factory=list)  # PipelineView per pipeline in force
+
+
+@dataclass(frozen=True)
+class PipelineView:
+    """A pipeline (replica) of the plan in force, as Status, `lpctl status` and /metrics show it."""
+
+    index: int
+    plan_id: str
+    generation: int
+    micro_batches: int
+    running: int               # requests on it now
+    predicted_tokens_per_s: float  # the planner's decode tokens/s for it at the workload (0: not predicted)
+    serving: bool              # it takes requests (no stage down)
 
 
 class ControllerApp:
@@ -116,21 +134,21 @@ class ControllerApp:
         self.num_layers = self.config.num_layers
         self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, options.dtype)
         self.workload = Workload(context_tokens=min(options.context, self.config.max_position_embeddings))
-        self.plan = None
+        self.plan = None            # planner.MeshPlan in force: its pipelines, in the order of self.pipelines.all
         self.plan_json = ""
         self.profiles: list = []
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.state = MeshState()    # its one owner: set here only
-        self.pipeline = Pipeline(transport, self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
-        self.pipeline.revoked = list(self.revocations)  # every Assign carries them
+        self.pipelines = PipelineSet(transport, self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
+        self.pipelines.revoked = list(self.revocations)  # every Assign carries them
         self.chunks = planning.PrefillChunks(options.prefill_chunk)
         self.scheduler = Scheduler(
-            self.pipeline, self.state,
+            self.pipelines, self.state,
             SchedulerConfig(self.config.max_position_embeddings, frozenset(self.config.eos_token_ids),
                             self.config.vocab_size, options.speculate, options.wait_for_nodes_s),
             prefill_chunk=self.prefill_chunk_for, on_trouble=lambda why: self.request_replan(f"a stage fault: {why}"),
             journal=self.journal, on_fenced=self.on_fenced)
-        self.members = Members(self.pipeline.probe, self.request_replan)
+        self.members = Members(self.pipelines.probe, self.request_replan)
         self.last_replan, self.last_replan_s, self.replans = "", 0.0, 0
         self.plan_changed = asyncio.Event()  # set (and replaced) each time a plan is installed or given up
         self._reasons: list[str] = []
@@ -144,25 +162,32 @@ class ControllerApp:
         self._now = False             # the re-plan in progress was asked for by an operator (drain, revoke, leave)
         self._recheck: asyncio.TimerHandle | None = None
 
-    def prefill_chunk_for(self, prompt_tokens: int) -> int:
-        """Prompt rows per step on stage 0 for a prompt of this many tokens (planning.PrefillChunks)."""
-        return self.chunks.choose(prompt_tokens, self.pipeline.generation, self.plan, self.profiles, self.spec)
+    def prefill_chunk_for(self, prompt_tokens: int, pipeline: Pipeline) -> int:
+        """Prompt rows per step on `pipeline`'s stage 0 for a prompt of this many tokens
+        (planning.PrefillChunks)."""
+        return self.chunks.choose(prompt_tokens, pipeline.generation, pipeline.plan, self.profiles, self.spec)
 
-    def stage_views(self) -> list[StageView]:
-        return [StageView(h.node_id, h.address, h.start, h.end, h.device, h.parameter_count)
-                for h in self.pipeline.stages]
+    def stage_views(self, pipeline: Pipeline | None = None) -> list[StageView]:
+        """The stages of every pipeline (or of `pipeline`), pipeline by pipeline."""
+        return [StageView(h.node_id, h.address, h.start, h.end, h.device, h.parameter_count, p.index)
+                for p in ([pipeline] if pipeline else self.pipelines.all) for h in p.stages]
+
+    def pipeline_views(self) -> list[PipelineView]:
+        serving = self.pipelines.serving()
+        return [PipelineView(p.index, p.plan_id, p.generation, p.micro_batches, self.scheduler.load(p), p.tokens_per_s,
+                             p in serving) for p in self.pipelines.all]
 
     def snapshot(self) -> ControllerSnapshot:
         sched = self.scheduler
         return ControllerSnapshot(
             model_dir=str(self.model_dir), phase=self.state.phase, reason=self.state.reason,
-            plan_id=self.pipeline.plan_id, plan_generation=self.pipeline.generation, plan_json=self.plan_json,
-            micro_batches=self.pipeline.micro_batches, speculate=sched.config.speculate, running=sched.running,
+            plan_id=self.pipelines.plan_id, plan_generation=self.pipelines.generation, plan_json=self.plan_json,
+            micro_batches=self.pipelines.micro_batches, speculate=sched.config.speculate, running=sched.running,
             queued=len(sched.waiting), stats=replace(sched.stats), stages=self.stage_views(),
             last_replan=self.last_replan, last_replan_s=self.last_replan_s, replans=self.replans,
             links={a: dict(b) for a, b in self.links.items()}, role=self.role,
-            epoch=self.pipeline.epoch or self.journal.epoch, active=self.active_peer,
-            journaled=len(self.journal.entries))
+            epoch=self.pipelines.epoch or self.journal.epoch, active=self.active_peer,
+            journaled=len(self.journal.entries), pipelines=self.pipeline_views())
 
     # ---- membership ---------------------------------------------------------------------------
     def request_replan(self, why: str) -> None:
@@ -186,7 +211,7 @@ class ControllerApp:
         self.request_replan(f"stage {address} lost: {reason}")
 
     def _on_stage_back(self, address: str) -> None:
-        if not self.pipeline.down and self.state.phase is Phase.DEGRADED:
+        if not self.pipelines.down and self.state.phase is Phase.DEGRADED:
             self.state.set(Phase.READY)
 
     def not_serving(self) -> str:
@@ -218,7 +243,7 @@ class ControllerApp:
         epoch = self.journal.epoch + 1
         self.journal.set_epoch(epoch)
         self.journal.flush()
-        self.pipeline.epoch = epoch
+        self.pipelines.epoch = epoch
         restored = self.scheduler.restore(list(self.journal.entries.values()))
         self.role, self.active_peer = "active", ""
         if restored:
@@ -231,7 +256,7 @@ class ControllerApp:
         their tokens; then know the --nodes (and `nodes`: a plan's, from the controller taken over
         from), browse mDNS, and plan as nodes come (the first plan waits settle_s after the first
         node for the others)."""
-        if self.role != "active" or not self.pipeline.epoch:
+        if self.role != "active" or not self.pipelines.epoch:
             self.take_journal()
         self.journal.start()
         for a in (nodes or {}).values():
@@ -296,26 +321,40 @@ class ControllerApp:
                 return
             await asyncio.sleep(0.1)
 
+    def _broken_pipelines(self) -> list[Pipeline]:
+        """The pipelines in force that cannot serve: a stage lost or down, or its node drained or leaving."""
+        out = []
+        for p in self.pipelines.all:
+            for h in p.stages:
+                m = self.members.by_address.get(h.address)
+                if h.lost or h.down_reason or (m is not None and not m.usable):
+                    out.append(p)
+                    break
+            else:
+                if not p.stages:
+                    out.append(p)
+        return out
+
     def _broken(self) -> bool:
-        """The plan in force cannot serve: a stage lost or down, or its node drained or leaving."""
-        if not self.pipeline.stages:
-            return True
-        for h in self.pipeline.stages:
-            m = self.members.by_address.get(h.address)
-            if h.lost or h.down_reason or (m is not None and not m.usable):
-                return True
-        return False
+        """No pipeline serves: none installed, or every one broken."""
+        return not self.pipelines.all or len(self._broken_pipelines()) == len(self.pipelines.all)
 
     async def replan(self, why: str, since: float | None = None) -> bool:
-        """Plan over the usable nodes and install the plan when the one in force is broken or the
-        new one is better by replan_gain. Returns whether a new plan was installed."""
+        """Plan over the usable nodes and install what changes. A pipeline that broke (a node
+        lost, drained, leaving) is replaced over the nodes no serving pipeline holds, and only its
+        requests move: the other pipelines go on untouched. With nothing broken (a join, a node
+        back, the workload changed), a plan over all the nodes replaces the one in force when its
+        predicted speed is better by replan_gain (the pipelines it keeps as they are go on
+        untouched), else nodes no pipeline uses start pipelines of their own. Returns whether
+        anything new was installed."""
         since = since or time.monotonic()
         if self.fenced:
             return False  # stepping down: another controller steers the mesh
-        broken = self._broken()
+        broken = self._broken_pipelines()
+        kept = [p for p in self.pipelines.all if p not in broken]
         usable = [m for m in self.members.usable() if m.status is not None and m.node_id not in self.revocations]
         if not usable:
-            self._give_up(broken, "no stage nodes yet" if not self.members.by_address else
+            self._give_up(not kept, "no stage nodes yet" if not self.members.by_address else
                           "no usable stage node (" + "; ".join(f"{m.address}: {m.why_not()}"
                                                                for m in self.members.by_address.values()) + ")")
             return False
@@ -325,47 +364,86 @@ class ControllerApp:
         ids = {m.node_id: m.address for m in usable}
         self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
                                                  self.spec) for m in usable]
-        o = self.options
+        self.workload = self.scheduler.traffic.workload(self.options.context, self.config.max_position_embeddings)
         try:
-            if self.plan is None:
-                plan = planning.reuse_or_plan(o.plan_path, self.profiles, self.spec, self.workload, o.strategy,
-                                              o.objective)
-            else:
-                plan = planning.plan_for(self.profiles, self.spec, self.workload, o.strategy, o.objective)
+            mesh = self._choose(kept, broken, why)
         except InvalidArgument as exc:
-            self._give_up(broken, f"no plan fits the {len(usable)} usable node(s): {exc}")
+            self._give_up(not kept, f"no plan fits the {len(usable)} usable node(s): {exc}")
+            if kept and broken:  # the others serve on; the broken ones go
+                await self._install(planning.evaluate(self._plans(kept), self.profiles, self.spec, self.workload,
+                                                      self.options), ids, why, since)
+                return True
             return False
-        if not broken and self.plan is not None:
-            same = [(s.node_id, s.start, s.end) for s in plan.stages] == \
-                   [(s.node_id, s.start, s.end) for s in self.plan.stages]
-            if same or plan.cost_s > self.plan.cost_s * (1 - o.replan_gain):
-                log.info("%s: keeping the plan in force (new plan %.1f ms/step vs %.1f)", why, plan.cost_s * 1e3,
-                         self.plan.cost_s * 1e3)
-                self.state.set(Phase.READY)  # a fault that healed before the re-plan may have paused admission
-                return False
+        if mesh is None:
+            self.state.set(Phase.READY)  # a fault that healed before the re-plan may have paused admission
+            return False
+        await self._install(mesh, ids, why, since)
+        return True
+
+    @staticmethod
+    def _plans(pipelines: list[Pipeline]) -> list:
+        return [p.plan for p in pipelines if p.plan is not None]
+
+    def _choose(self, kept: list[Pipeline], broken: list[Pipeline], why: str):
+        """The planner.MeshPlan to install now, or None to keep the plan in force (see `replan`).
+        InvalidArgument when no pipeline fits the nodes it may use."""
+        o, spec, workload = self.options, self.spec, self.workload
+        if self.plan is None:
+            return planning.reuse_or_plan(o.plan_path, self.profiles, spec, workload, o)
+        in_use = {s.node_id for p in kept for s in (p.plan.stages if p.plan else ())}
+        free = [p for p in self.profiles if p.node_id not in in_use]
+        left = o.replicas - len(kept) if o.replicas else 0
+
+        def extra() -> list:
+            if not free or (o.replicas and left <= 0):
+                return []
+            try:
+                return list(planning.mesh_for(free, spec, workload, o, replicas=left).pipelines)
+            except InvalidArgument:
+                if kept:
+                    return []  # the free nodes make no pipeline: the kept ones serve on
+                raise
+
+        if broken or not kept:
+            return planning.evaluate(self._plans(kept) + extra(), self.profiles, spec, workload, o)
+        full = planning.mesh_for(self.profiles, spec, workload, o)
+        current = planning.evaluate(self._plans(kept), self.profiles, spec, workload, o)
+        if planning.same_pipelines(full, current):
+            log.info("%s: keeping the plan in force (%s)", why, planning.describe(current))
+            return None
+        if planning.extends(full, current):
+            return full  # only pipelines added: nothing in force moves
+        grown = extra()
+        if planning.better(full, current, o):
             served = time.monotonic() - self._installed_at
             if self.scheduler.running and served < HOLD_S and not self._now:
                 # better, but the plan in force serves and was installed just now: moving its running
                 # requests again waits until the mesh has been quiet for a while
-                log.info("%s: a better plan (%.1f ms/step vs %.1f) waits %.1f s more (the plan in force is new)",
-                         why, plan.cost_s * 1e3, self.plan.cost_s * 1e3, HOLD_S - served)
-                self.state.set(Phase.READY)
+                log.info("%s: a better plan (%s vs %s) waits %.1f s more (the plan in force is new)",
+                         why, planning.describe(full), planning.describe(current), HOLD_S - served)
                 self._later(HOLD_S - served, why)
-                return False
-        await self._install(plan, ids, why, since)
-        return True
+            else:
+                return full
+        if grown:
+            return planning.evaluate(self._plans(kept) + grown, self.profiles, spec, workload, o)
+        log.info("%s: keeping the plan in force (%s; a new one would be %s)", why, planning.describe(current),
+                 planning.describe(full))
+        return None
 
     def _give_up(self, broken: bool, why: str) -> None:
-        """No plan now: when the one in force is broken, requests wait (bounded) for nodes."""
+        """No plan now: when no pipeline serves, requests wait (bounded) for nodes."""
         if not broken:
             log.info("keeping the plan in force: %s", why)
             self.state.set(Phase.READY)
             return
         log.warning("waiting for nodes: %s", why)
         self.state.set(Phase.WAITING, why)
+        for p in self.pipelines.all:
+            p.retired = True
         sessions = self.scheduler.detach_all()
-        for session in sessions:
-            self.pipeline.close_session_soon(session)
+        for p in self.pipelines.all:
+            for session in sessions:
+                p.close_session_soon(session)
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
 
@@ -377,10 +455,10 @@ class ControllerApp:
         t0 = time.monotonic()
         channels = {nid: self.transport.channel(addr, "stage") for nid, addr in ids.items()}
         try:
-            stubs = {nid: self.pipeline.stub(ch) for nid, ch in channels.items()}
-            in_plan = {h.node_id for h in self.pipeline.stages}
-            measured = await planning.measure_pairs(stubs, ids, pairs, epoch=self.pipeline.epoch,
-                                                    owner=self.pipeline.owner)
+            stubs = {nid: self.pipelines.stub(ch) for nid, ch in channels.items()}
+            in_plan = {h.node_id for h in self.pipelines.stages}
+            measured = await planning.measure_pairs(stubs, ids, pairs, epoch=self.pipelines.epoch,
+                                                    owner=self.pipelines.owner)
             for (a, b), link in zip(pairs, measured):
                 if not isinstance(link, BaseException):
                     self.links.setdefault(a, {})[b] = link
@@ -397,71 +475,119 @@ class ControllerApp:
                 await ch.close()
         log.info("measured %d links in %.1f s", len(pairs), time.monotonic() - t0)
 
-    async def _install(self, plan, ids: dict[str, str], why: str, since: float) -> None:
-        log.info("plan (%s, %s) because %s:\n%s", plan.strategy, plan.objective.value, why, planning.plan_table(plan, self.spec))
-        self.state.set(Phase.REPLANNING if self.plan is not None else Phase.PLANNING, f"installing a new plan ({why})")
-        old_stages = [h for h in self.pipeline.stages if not h.lost and not h.down_reason]
-        sessions = self.scheduler.detach_all()
-        if sessions and old_stages:  # free them on the old stages still there (else their TTL does)
-            try:
-                await asyncio.wait_for(self.pipeline.close_session_many(sessions, old_stages), CLOSE_WAIT_S)
-            except asyncio.TimeoutError:
-                pass
-        try:
-            await self.pipeline.install(str(self.model_dir), self.digest, self.num_layers,
-                                        [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
-                                         for s, (dtype, fmt, wire) in zip(plan.stages,
-                                                                          planning.stage_formats(plan, self.profiles))],
-                                        self.options.dtype, self.options.micro_batches,
-                                        controller_address=self.options.address)
-        except BaseException as exc:  # failed or cancelled half-way: no plan serves; plan again
+    async def _install(self, mesh, ids: dict[str, str], why: str, since: float) -> None:
+        """Install `mesh` (a planner.MeshPlan): a pipeline in force that it keeps as it is (the
+        same nodes and layers, serving) goes on untouched; the others are retired, their requests
+        moved (replayed on the pipelines that serve, new ones included once they are up); the new
+        pipelines are assigned and join the set as each is ready."""
+        log.info("plan (%s) because %s:\n%s", planning.describe(mesh), why, planning.plan_table(mesh, self.spec))
+        broken = self._broken_pipelines()
+        current = {planning.pipeline_key(p.plan): p for p in self.pipelines.all
+                   if p.plan is not None and p not in broken and not p.retired}
+        keep: dict[int, Pipeline] = {}
+        for i, plan in enumerate(mesh.pipelines):
+            p = current.pop(planning.pipeline_key(plan), None)
+            if p is not None:
+                keep[i] = p
+        dropped = [p for p in self.pipelines.all if p not in keep.values()]
+        for p in dropped:
+            p.retired = True  # no request opens there from now on
+        sessions = self.scheduler.detach(dropped)
+        if not keep:
+            self.state.set(Phase.REPLANNING if self.plan is not None else Phase.PLANNING,
+                           f"installing a new plan ({why})")
+        for p in dropped:
+            alive = [h for h in p.stages if not h.lost and not h.down_reason]
+            if sessions and alive:  # free them on the old stages still there (else their TTL does)
+                try:
+                    await asyncio.wait_for(p.close_session_many(sessions, alive), CLOSE_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
+            await p.close(wait_closes=False)
+        self.pipelines.replace(list(keep.values()))  # the kept ones serve on while the new ones load
+        for i, p in keep.items():
+            p.plan = mesh.pipelines[i]
+        fresh = {i: self.pipelines.new() for i in range(len(mesh.pipelines)) if i not in keep}
+
+        async def install(i: int, p: Pipeline) -> None:
+            plan = mesh.pipelines[i]
+            p.plan = plan
+            await p.install(str(self.model_dir), self.digest, self.num_layers,
+                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
+                             for s, (dtype, fmt, wire) in zip(plan.stages, planning.stage_formats(plan, self.profiles))],
+                            self.options.dtype, self.options.micro_batches, controller_address=self.options.address,
+                            generation=self.pipelines.next_generation(),
+                            planned_micro_batches=0 if planning.classic(self.options) else plan.micro_batches)
+            # ready: it takes requests at once (the set keeps the plan's order)
+            self.pipelines.replace(sorted([*self.pipelines.all, p], key=lambda x: self._order(mesh, x)))
+            self.scheduler.kick()
+
+        results = await asyncio.gather(*(install(i, p) for i, p in fresh.items()), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        installed = [p for p in self.pipelines.all]
+        if failed:
+            exc = failed[0]
             if isinstance(exc, MeshError) and Fenced.seen_in(str(exc)):
                 self.on_fenced(str(exc))
-                raise
-            if isinstance(exc, MeshError):
-                for m in self.members.usable():  # the node that failed is left out until it answers again
-                    if m.address in str(exc):
-                        if isinstance(exc, (InvalidArgument, FailedPrecondition)):  # not a passing fault
-                            self.members.refuse(m.address, f"its assignment failed: {exc}")
-                        else:
-                            self.members.mark_down(m.address, f"its assignment failed: {exc}")
+                raise exc
+            for err in failed:
+                if isinstance(err, MeshError):
+                    for m in self.members.usable():  # the node that failed is left out until it answers again
+                        if m.address in str(err):
+                            if isinstance(err, (InvalidArgument, FailedPrecondition)):  # not a passing fault
+                                self.members.refuse(m.address, f"its assignment failed: {err}")
+                            else:
+                                self.members.mark_down(m.address, f"its assignment failed: {err}")
+            for i, p in fresh.items():
+                if p not in installed:
+                    await p.close(wait_closes=False)
             self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
-            raise
-        self.plan, self.plan_json = plan, plan_to_json(plan)
+            if not installed:
+                raise exc
+        self.plan = planning.evaluate([p.plan for p in installed], self.profiles, self.spec, self.workload, self.options) \
+            if failed else mesh
+        self.plan_json = planning.to_json(self.plan)
         self._installed_at = time.monotonic()
         self.replans += 1
         self.last_replan, self.last_replan_s = why, time.monotonic() - since
-        log.info("plan generation %d serves (%d stages) %.1f s after: %s; %d requests replay",
-                 self.pipeline.generation, len(plan.stages), self.last_replan_s, why, len(sessions))
+        log.info("plan generation %d serves (%d pipelines: %s) %.1f s after: %s; %d requests replay",
+                 self.pipelines.generation, len(installed), ", ".join(str(len(p.stages)) + " stages" for p in installed),
+                 self.last_replan_s, why, len(sessions))
         self.state.set(Phase.READY)
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
+
+    @staticmethod
+    def _order(mesh, p: Pipeline) -> int:
+        """`p`'s place in `mesh`'s pipelines."""
+        key = planning.pipeline_key(p.plan)
+        return next((i for i, plan in enumerate(mesh.pipelines) if planning.pipeline_key(plan) == key), len(mesh.pipelines))
 
     # ---- requests from lpctl ---------------------------------------------------------------------
     async def revoke(self, node_id: str) -> str:
         """Drop a revoked node at once: a new plan without it serves (or none, if none fits: its
         requests then wait), and it is never planned with again."""
         self.revocations.add(node_id)
-        self.pipeline.revoked = list(self.revocations)
+        self.pipelines.revoked = list(self.revocations)
         told = await self._push_revoked()
         m = self.members.find(node_id)
-        if m is None or not any(h.node_id == node_id for h in self.pipeline.stages):
+        if m is None or not any(h.node_id == node_id for h in self.pipelines.stages):
             return f"{node_id} revoked (it was not in the plan); {told}"
         m.drained = True
         await self._replan_now(f"node {node_id} revoked")
-        return f"node {node_id} revoked; plan generation {self.pipeline.generation} serves without it; {told}"
+        return f"node {node_id} revoked; plan generation {self.pipelines.generation} serves without it; {told}"
 
     async def _push_revoked(self) -> str:
         """Tell every answering member the revocation list now (the plan's stages get it with each
         Assign too): a revoked controller or stage certificate is refused by the stages
         themselves, not only here. Returns what happened, in words."""
         members = [m for m in self.members.by_address.values() if not m.down and m.node_id not in self.revocations]
-        request = stage_pb2.RevokedRequest(names=self.pipeline.revoked, controller_epoch=self.pipeline.epoch,
-                                           controller_id=self.pipeline.owner)
+        request = stage_pb2.RevokedRequest(names=self.pipelines.revoked, controller_epoch=self.pipelines.epoch,
+                                           controller_id=self.pipelines.owner)
 
         async def push(address: str):
             async with self.transport.channel(address, "stage") as ch:
-                return await self.pipeline.stub(ch).Revoked(request, timeout=PUSH_TIMEOUT_S)
+                return await self.pipelines.stub(ch).Revoked(request, timeout=PUSH_TIMEOUT_S)
 
         results = await asyncio.gather(*(push(m.address) for m in members), return_exceptions=True)
         failed = [(m, r) for m, r in zip(members, results) if isinstance(r, BaseException)]
@@ -485,7 +611,7 @@ class ControllerApp:
             m.drained = False
             raise FailedPrecondition(f"no plan fits without node {m.node_id}: {unfit}")
         await self._replan_now(why)
-        return why + f"; plan generation {self.pipeline.generation} serves"
+        return why + f"; plan generation {self.pipelines.generation} serves"
 
     def _why_no_plan_without(self, m) -> str:
         """Why no plan fits the usable nodes (`m` already left out of them); "" when one does."""
@@ -493,8 +619,8 @@ class ControllerApp:
         if not usable:
             return "no other usable node"
         try:
-            planning.plan_for([planning.device_profile(x.status, self.links.get(x.node_id, {}), self.spec) for x in usable],
-                              self.spec, self.workload, self.options.strategy, self.options.objective)
+            planning.mesh_for([planning.device_profile(x.status, self.links.get(x.node_id, {}), self.spec) for x in usable],
+                              self.spec, self.workload, self.options)
         except (InvalidArgument, Unavailable) as exc:
             return str(exc)
         return ""
@@ -505,14 +631,14 @@ class ControllerApp:
         if m is None:
             return False, f"node {node_id} is not known here"
         m.leaving = True
-        if not any(h.address == m.address for h in self.pipeline.stages):
+        if not any(h.address == m.address for h in self.pipelines.stages):
             return True, "it serves no stage of the plan in force"
         try:
             await asyncio.wait_for(self._replan_now(f"node {node_id} is stopping"), timeout)
         except asyncio.TimeoutError:
             return False, f"no new plan within {timeout:.0f} s"
-        moved = not any(h.address == m.address for h in self.pipeline.stages)
-        return moved, ("its requests moved to plan generation %d" % self.pipeline.generation) if moved else \
+        moved = not any(h.address == m.address for h in self.pipelines.stages)
+        return moved, ("its requests moved to plan generation %d" % self.pipelines.generation) if moved else \
             self.state.reason
 
     async def _replan_now(self, why: str) -> None:
@@ -538,7 +664,7 @@ class ControllerApp:
         m = next((m for m in self.members.by_address.values() if m.node_id == name), None)
         if m is not None:
             return f"the node at {m.address} goes by it"
-        if any(h.node_id == name for h in self.pipeline.stages):
+        if any(h.node_id == name for h in self.pipelines.stages):
             return "a stage of the plan goes by it"
         return ""
 
@@ -560,9 +686,9 @@ class ControllerApp:
             return self.plan_json, planning.plan_table(self.plan, self.spec)
         if not self.profiles:
             raise Unavailable("the controller has not profiled any node yet")
-        plan = planning.plan_for(self.profiles, self.spec, self.workload, strategy, objective or self.options.objective,
-                                 boundaries)
-        return plan_to_json(plan), planning.plan_table(plan, self.spec)
+        options = replace(self.options, strategy=strategy, objective=objective or self.options.objective)
+        mesh = planning.mesh_for(self.profiles, self.spec, self.workload, options, boundaries=boundaries)
+        return planning.to_json(mesh), planning.plan_table(mesh, self.spec)
 
     async def close(self) -> None:
         """Fail what is in flight and close every sequence we opened, then the pipeline."""
@@ -574,5 +700,5 @@ class ControllerApp:
             await self._browser.close()
         await self.members.close()
         await self.scheduler.shutdown()
-        await self.pipeline.close()
+        await self.pipelines.close()
         await self.journal.close()

@@ -26,7 +26,7 @@ from logicpipe.common.security.bundle import CA_CERT, CA_KEY, Bundle, TlsError
 from logicpipe.common.transport import PLAINTEXT, Transport
 from logicpipe.controller.gguf_convert import DTYPES, prepare_gguf
 from logicpipe.controller.model_prep import GGUF_DTYPE, prepare_default_model
-from logicpipe.controller.planning import plan_from_profiles_file
+from logicpipe.controller.planning import plan_from_profiles_file, replicas_flag
 from logicpipe.errors import MeshError
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
@@ -449,11 +449,24 @@ def status_lines(st: controller_pb2.ControllerStatusReply) -> list[str]:
     if st.candidates:
         spec += f", {st.acceptance_rate:.0%} of {st.candidates} candidates accepted"
     lines.append(f"decode: {spec} (--speculate {st.speculate})")
+    if len(st.pipelines) > 1:
+        lines.append(f"pipelines: {len(st.pipelines)} (replicas; each request runs on one)")
+        for p in st.pipelines:
+            n = sum(1 for s in st.stages if s.pipeline == p.index)
+            predicted = f", {p.predicted_tokens_per_s:.0f} tok/s predicted" if p.predicted_tokens_per_s else ""
+            lines.append(f"  pipeline {p.index}: {n} stage{'s' if n != 1 else ''}, {p.running} running"
+                         f"{predicted}{'' if p.serving else ', not serving'}")
     lines.append("")
     drained = {n.address for n in st.nodes if n.drained}
-    rows = [[i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}", s.device, f"{s.parameter_count:,}",
-             "draining" if s.address in drained else ""] for i, s in enumerate(st.stages)]
-    header = ["stage", "node", "address", "layers", "device", "parameters", ""]
+    several = len(st.pipelines) > 1
+    position: dict[int, int] = {}
+    rows = []
+    for s in st.stages:
+        i = position[s.pipeline] = position.get(s.pipeline, -1) + 1  # a stage's place in its own pipeline
+        rows.append(([s.pipeline] if several else []) + [i, s.node_id, s.address, f"{s.start_layer}-{s.end_layer - 1}",
+                                                         s.device, f"{s.parameter_count:,}",
+                                                         "draining" if s.address in drained else ""])
+    header = (["pipeline"] if several else []) + ["stage", "node", "address", "layers", "device", "parameters", ""]
     if not drained & {s.address for s in st.stages}:
         rows, header = [r[:-1] for r in rows], header[:-1]
     lines += _table(rows, header).splitlines()
@@ -489,7 +502,8 @@ def node_rows(st: controller_pb2.ControllerStatusReply, full_errors: bool = Fals
     rows = []
     for n in st.nodes:
         s = n.status
-        use = "in plan" if n.in_plan else ("drained" if n.drained else (n.down or "spare"))
+        use = (("in plan" + (f" (pipeline {n.pipeline})" if len(st.pipelines) > 1 else "")) if n.in_plan
+               else ("drained" if n.drained else (n.down or "spare")))
         if not full_errors:
             use = short_error(use)
         if not n.reachable:
@@ -524,7 +538,8 @@ def cmd_drain(args) -> int:
 def cmd_plan(args) -> int:
     if args.profiles:
         plan_json, table = plan_from_profiles_file(args.profiles, args.model, args.strategy, args.objective,
-                                                   args.boundaries, args.context)
+                                                   args.boundaries, args.context, replicas=args.replicas,
+                                                   concurrency=args.concurrency)
     else:
         reply = _stub(args).Plan(controller_pb2.PlanRequest(
             strategy=args.strategy or "", objective=args.objective, boundaries=args.boundaries or []),
@@ -639,6 +654,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--boundaries", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="custom strategy: layer boundaries between stages, e.g. 10,20")
     p.add_argument("--context", type=int, default=2048, help="with --profiles: context length to hold KV for")
+    p.add_argument("--replicas", default="auto", type=replicas_flag, metavar="auto|N",
+                   help="with --profiles: pipelines at most (auto: the planner's choice; 1: one pipeline)")
+    p.add_argument("--concurrency", type=int, default=8, metavar="N",
+                   help="with --profiles: requests at once the plan is costed for (default %(default)s)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
 

@@ -33,6 +33,7 @@ from logicpipe.controller.http_auth import ApiKeys, KeyFileError, check_exposure
 from logicpipe.controller.join import JoinAuthority
 from logicpipe.controller.journal import Journal, JournalError
 from logicpipe.controller.model_prep import GGUF_DTYPE, resolve_model
+from logicpipe.controller.planning import replicas_flag
 from logicpipe.controller.requests import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.service import ControllerServicer, JoinServicer
@@ -93,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  "write the plan in force to")
     ap.add_argument("--strategy", default="dp", help="partition strategy: dp | uniform | memory | compute | mixed")
     ap.add_argument("--objective", default="throughput", choices=["throughput", "latency"])
+    ap.add_argument("--replicas", default="auto", type=replicas_flag, metavar="auto|N",
+                    help="pipelines (replicas over disjoint nodes) at most: auto (default) lets the planner choose how "
+                         "many by predicted tokens/s at the traffic it sees; N caps them; 1 is one pipeline over the "
+                         "nodes, planned by its bottleneck stage as before replicas")
     ap.add_argument("--context", type=int, default=2048,
                     help="tokens of context per sequence the plan reserves KV for (default %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
@@ -200,7 +205,7 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=args.dtype, plan_path=args.plan, strategy=args.strategy, objective=args.objective, context=args.context,
         micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
-        speculate=args.speculate, prefill_chunk=args.prefill_chunk)
+        speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas)
     journal = Journal(Path(args.state_dir) if args.state_dir else default_state_dir(args.listen))
     try:
         app = ControllerApp(model_dir, args.nodes, transport=transport, revocations=revocations, options=options,

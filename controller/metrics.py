@@ -46,8 +46,8 @@ class Metrics:
     async def scrape(self) -> tuple[bytes, str]:
         """The exposition text and its content type, after probing the plan's stages (their KV
         blocks, step times)."""
-        stages = list(self.app.pipeline.stages)
-        probes = await asyncio.gather(*(self.app.pipeline.probe(h.address, timeout=STAGE_PROBE_TIMEOUT_S)
+        stages = list(self.app.pipelines.stages)
+        probes = await asyncio.gather(*(self.app.pipelines.probe(h.address, timeout=STAGE_PROBE_TIMEOUT_S)
                                         for h in stages), return_exceptions=True)
         self._stages = [(h.node_id or h.address, p) for h, p in zip(stages, probes) if not isinstance(p, BaseException)]
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -84,6 +84,22 @@ class Metrics:
             step.add_metric([node], s.compute_s / s.steps if s.steps else 0.0)
         yield blocks
         yield step
+        running = GaugeMetricFamily("logicpipe_pipeline_running", "Requests running per pipeline (replica)",
+                                    labels=["pipeline"])
+        predicted = GaugeMetricFamily("logicpipe_pipeline_predicted_tokens_per_second",
+                                      "Decode tokens/s the planner predicts per pipeline at the learned workload",
+                                      labels=["pipeline"])
+        serving = GaugeMetricFamily("logicpipe_pipeline_serving", "1 while a pipeline takes requests", labels=["pipeline"])
+        stages = GaugeMetricFamily("logicpipe_pipeline_stages", "Stages per pipeline", labels=["pipeline"])
+        for p in snap.pipelines:
+            running.add_metric([str(p.index)], p.running)
+            predicted.add_metric([str(p.index)], p.predicted_tokens_per_s)
+            serving.add_metric([str(p.index)], 1.0 if p.serving else 0.0)
+            stages.add_metric([str(p.index)], sum(1 for s in snap.stages if s.pipeline == p.index))
+        yield running
+        yield predicted
+        yield serving
+        yield stages
         hop = GaugeMetricFamily("logicpipe_link_latency_seconds", "Measured one-way latency between nodes",
                                 labels=["src", "dst"])
         for src, links in snap.links.items():

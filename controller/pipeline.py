@@ -63,6 +63,16 @@ class StageHandle:
         return self.status.kv_blocks_total * self.status.block_size if self.status else 0
 
 
+async def probe_node(transport: Transport, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
+    """Status of a node, or Unavailable naming it (Status is open to any caller)."""
+    async with transport.channel(address, "stage") as ch:
+        try:
+            return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            why = "no answer in time" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else exc.details()
+            raise Unavailable(f"stage node {address} is unreachable: {why}") from exc
+
+
 class _KeyedStub:
     """A StageNodeStub whose every call carries `metadata` (unless the call gives its own)."""
 
@@ -87,59 +97,106 @@ def compute_groups(statuses: list[stage_pb2.StatusReply]) -> int:
                 for st in statuses})
 
 
+@dataclass
+class ControllerIdentity:
+    """Who the controller is to the stages, shared by all its pipelines: a stage takes the calls
+    of the controller that holds it only (stage_node.fence)."""
+
+    owner: str = field(default_factory=lambda: f"controller-{uuid.uuid4().hex[:12]}")  # our sessions live while we listen
+    # our proof to the stages (call metadata): the owner id is no secret, this key is
+    metadata: tuple[tuple[str, str], ...] = field(default_factory=lambda: ((KEY_HEADER, secrets.token_hex(16)),))
+    epoch: int = 0       # the fencing epoch: stages refuse an older one (another controller took over)
+    revoked: list[str] = field(default_factory=list)  # certificate names the stages refuse (every Assign carries them)
+
+
 class Pipeline:
-    """Stage handles in pipeline order, event fan-in, and the input stream to stage 0."""
+    """One pipeline (a replica): stage handles in pipeline order, event fan-in, and the input
+    stream to stage 0. `index` names it among the controller's pipelines; `plan` is the planner's
+    pipeline it installs (None before the first install)."""
 
     def __init__(self, transport: Transport, on_event: Callable[[stage_pb2.Event], None],
                  on_stage_lost: Callable[[str, str], None], owner: str = "",
-                 on_stage_back: Callable[[str], None] = lambda address: None):
+                 on_stage_back: Callable[[str], None] = lambda address: None, *,
+                 identity: ControllerIdentity | None = None, index: int = 0):
         self.transport = transport
         self._on_event = on_event
         self._on_stage_lost = on_stage_lost
         self._on_stage_back = on_stage_back
         self._pending_closes: dict[str, set[str]] = {}  # stage address -> sessions to close there again
         self._monitor: asyncio.Task | None = None
-        self.owner = owner or f"controller-{uuid.uuid4().hex[:12]}"  # our sessions live while we listen
-        # our proof to the stages (call metadata): the owner id is no secret, this key is (stage_node.fence)
-        self.metadata = ((KEY_HEADER, secrets.token_hex(16)),)
-        self.revoked: list[str] = []  # certificate names the stages refuse (every Assign carries them)
+        self.identity = identity if identity is not None else ControllerIdentity(**({"owner": owner} if owner else {}))
+        self.index = index
+        self.plan = None      # planner.Plan of this pipeline (its stages, predicted tokens/s)
         self.stages: list[StageHandle] = []
         self.plan_id = ""
         self.generation = 0
-        self.epoch = 0        # the controller's fencing epoch: stages refuse an older one (another controller took over)
+        self.retired = False  # being replaced: no request opens on it any more
+        self.detaches = 0     # bumped when its requests are moved off it (an open in flight then belongs to the past)
         self.micro_batches = 1
         self.model_dir = ""
         self._prompt_call = None
         self._prompt_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def owner(self) -> str:
+        return self.identity.owner
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.identity.metadata
+
+    @property
+    def epoch(self) -> int:
+        return self.identity.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.identity.epoch = value
+
+    @property
+    def revoked(self) -> list[str]:
+        return self.identity.revoked
+
+    @revoked.setter
+    def revoked(self, value: list[str]) -> None:
+        self.identity.revoked = list(value)
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [h.node_id for h in self.stages]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode tokens/s the planner predicts for it (0: unknown): the router's weight."""
+        return getattr(self.plan, "tokens_per_s", 0.0) or 0.0
+
     # ---- set-up ---------------------------------------------------------------------------
     async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it."""
-        async with self.transport.channel(address, "stage") as ch:
-            try:
-                return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                why = "no answer in time" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else exc.details()
-                raise Unavailable(f"stage node {address} is unreachable: {why}") from exc
+        return await probe_node(self.transport, address, timeout)
 
     def stub(self, channel: grpc.aio.Channel) -> stage_pb2_grpc.StageNodeStub:
         """A stage stub whose calls carry our key (a stage takes its holder's calls only)."""
         return _KeyedStub(channel, self.metadata)
 
     async def install(self, model_dir: str, digest: str, num_layers: int, assignments: list[StageAssignment],
-                      dtype: str = "float32", micro_batches: int = 0, controller_address: str = "") -> None:
+                      dtype: str = "float32", micro_batches: int = 0, controller_address: str = "",
+                      generation: int = 0, planned_micro_batches: int = 0) -> None:
         """Push the assignments (all at once: a stage links to its successor on its first step,
         and no step runs before every stage has its assignment) and subscribe to every stage's
-        events. `micro_batches` 0: one per distinct compute device. A stage without the model
+        events. `micro_batches` 0: the planner's `planned_micro_batches`, at most one per distinct
+        compute device (stages sharing one machine's cores take turns, they do not overlap). A stage without the model
         on disk pulls its tensors from `controller_address`."""
         await self.close(wait_closes=False)
         self.plan_id = uuid.uuid4().hex[:12]
-        self.generation = max(self.generation + 1, int(time.time() * 1000))  # increases, across restarts too
+        # increases, across restarts too (`generation`: the controller's, above every pipeline's before)
+        self.generation = generation or max(self.generation + 1, int(time.time() * 1000))
         self.model_dir = model_dir
         if not micro_batches:
             statuses = await asyncio.gather(*(self.probe(a.address) for a in assignments))
-            micro_batches = compute_groups(list(statuses))
+            groups = compute_groups(list(statuses))
+            micro_batches = min(planned_micro_batches, groups) if planned_micro_batches else groups
         self.micro_batches = micro_batches
         handles = []
         for a in assignments:

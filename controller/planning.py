@@ -13,7 +13,9 @@ import dataclasses
 import json
 import logging
 import math
+from argparse import ArgumentTypeError
 from pathlib import Path
+from types import SimpleNamespace
 
 from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.controller.model_prep import default_model_dir
@@ -22,16 +24,19 @@ from logicpipe.planner import (
     DeviceProfile,
     InfeasibleError,
     Link,
+    MeshPlan,
     ModelSpec,
     Objective,
     Plan,
     Workload,
+    evaluate_mesh,
+    format_mesh_plan_table,
     format_model_note,
-    format_plan_table,
+    make_mesh_plan,
     make_plan,
-    plan_from_json,
-    plan_to_json,
-    reuse_mismatch,
+    mesh_plan_from_json,
+    mesh_plan_to_json,
+    mesh_reuse_mismatch,
 )
 from logicpipe.planner.model import device_weight_format
 from logicpipe.planner.prefill import best_chunk
@@ -148,24 +153,108 @@ def plan_for(profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload,
         raise InvalidArgument(str(exc)) from exc
 
 
+def replicas_flag(value: str) -> int:
+    """--replicas: "auto" (0) or a count >= 1."""
+    if value.strip().lower() == "auto":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        raise ArgumentTypeError(f"--replicas must be auto or a whole number >= 1, not {value!r}") from None
+    if not 1 <= n <= 64:
+        raise ArgumentTypeError(f"--replicas must be auto or 1 to 64, not {n}")
+    return n
+
+
+def classic(options) -> bool:
+    """One pipeline over the nodes, costed by its bottleneck stage (as before replicas): asked for
+    with --replicas 1 or a fixed strategy."""
+    return options.replicas == 1 or options.strategy != "dp"
+
+
+def mesh_for(profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload, options, *,
+             replicas: int | None = None, boundaries: list[int] | None = None) -> MeshPlan:
+    """The plan for these nodes by the controller's options (strategy, objective, --replicas, or
+    `replicas` pipelines at most): replicas chosen by predicted tokens/s at `workload` (its batch:
+    requests at once; a plan that would not hold that many sequences' KV is made for one), or, in
+    `classic` mode, one pipeline. InvalidArgument when none fits."""
+    if classic(options):
+        plan = plan_for(profiles, spec, Workload(context_tokens=workload.context_tokens), options.strategy,
+                        options.objective, boundaries)
+        return evaluate([plan], profiles, spec, workload, options)
+    cap = options.replicas if replicas is None else replicas
+    for load in dict.fromkeys((workload, Workload(context_tokens=workload.context_tokens))):
+        try:
+            return make_mesh_plan(profiles, spec, load, Objective.parse(options.objective), replicas=cap)
+        except InfeasibleError as exc:
+            last = exc
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+    raise InvalidArgument(f"the model does not fit: {last}")
+
+
+def evaluate(plans: list[Plan], profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload, options) -> MeshPlan:
+    """These pipelines as one mesh plan, costed at `workload` (the requests split between them)."""
+    return evaluate_mesh(plans, profiles, spec, workload, Objective.parse(options.objective),
+                         replicas=options.replicas)
+
+
+def pipeline_key(plan: Plan) -> tuple[tuple[str, int, int], ...]:
+    """What makes two pipelines the same: their nodes and layer ranges, in order."""
+    return tuple((s.node_id, s.start, s.end) for s in plan.stages)
+
+
+def same_pipelines(a: MeshPlan, b: MeshPlan) -> bool:
+    return sorted(map(pipeline_key, a.pipelines)) == sorted(map(pipeline_key, b.pipelines))
+
+
+def extends(new: MeshPlan, old: MeshPlan) -> bool:
+    """`new` keeps every pipeline of `old` as it is and adds others."""
+    kept = set(map(pipeline_key, new.pipelines))
+    return bool(old.pipelines) and all(pipeline_key(p) in kept for p in old.pipelines) \
+        and len(new.pipelines) > len(old.pipelines)
+
+
+def better(new: MeshPlan, old: MeshPlan, options) -> bool:
+    """`new` is worth moving requests for: in `classic` mode its step costs less by --replan-gain
+    (as before replicas); else its predicted tokens/s are higher by that much."""
+    if classic(options):
+        return new.pipelines[0].cost_s <= old.pipelines[0].cost_s * (1 - options.replan_gain) if old.pipelines else True
+    return new.tokens_per_s > old.tokens_per_s * (1 + options.replan_gain)
+
+
+def describe(mesh: MeshPlan) -> str:
+    """'2 pipelines (1 + 2 stages), 412 tok/s predicted at 8 requests x 2048 tokens'."""
+    stages = " + ".join(str(len(p.stages)) for p in mesh.pipelines)
+    n = len(mesh.pipelines)
+    return (f"{n} pipeline{'s' if n != 1 else ''} ({stages} stages), {mesh.tokens_per_s:.0f} tok/s predicted at "
+            f"{mesh.workload.batch} requests x {mesh.workload.context_tokens} tokens")
+
+
+def to_json(mesh: MeshPlan) -> str:
+    return mesh_plan_to_json(mesh)
+
+
 def reuse_or_plan(path: str | None, profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload,
-                  strategy: str, objective: str) -> Plan:
+                  options) -> MeshPlan:
     """The saved plan at `path` if it matches these inputs, else a new plan (written to `path`)."""
     if path and Path(path).is_file():
         try:
-            saved = plan_from_json(Path(path).read_text())
-            why = reuse_mismatch(saved, spec, profiles, objective, workload)
-            if why is None and saved.strategy == strategy:
+            saved = mesh_plan_from_json(Path(path).read_text())
+            why = mesh_reuse_mismatch(saved, spec, profiles, options.objective, workload=workload,
+                                      replicas=options.replicas)
+            strategies = {p.strategy for p in saved.pipelines}
+            if why is None and strategies == {options.strategy}:
                 log.info("reusing the plan in %s", path)
                 return saved
-            log.info("not reusing the plan in %s: %s", path, why or f"strategy {saved.strategy} != {strategy}")
+            log.info("not reusing the plan in %s: %s", path, why or f"strategy {', '.join(strategies)} != {options.strategy}")
         except (OSError, ValueError) as exc:
             log.warning("ignoring the plan in %s: %s", path, exc)
-    plan = plan_for(profiles, spec, workload, strategy, objective)
+    mesh = mesh_for(profiles, spec, workload, options)
     if path:
-        Path(path).write_text(plan_to_json(plan))
+        Path(path).write_text(to_json(mesh))
         log.info("wrote the plan to %s", path)
-    return plan
+    return mesh
 
 
 def profiles_from_file(path: str) -> list[DeviceProfile]:
@@ -190,22 +279,25 @@ def profiles_from_file(path: str) -> list[DeviceProfile]:
 
 
 def plan_from_profiles_file(profiles_path: str, model_dir: str | None, strategy: str | None, objective: str,
-                            boundaries: list[int] | None, context: int) -> tuple[str, str]:
+                            boundaries: list[int] | None, context: int, *, replicas: int = 0,
+                            concurrency: int = 1) -> tuple[str, str]:
     """(plan JSON, table) for `lpctl plan --profiles FILE`: no controller, no nodes."""
     mdir = Path(model_dir) if model_dir else default_model_dir()
     spec = model_spec(ModelConfig.from_dir(mdir), mdir.name, model_digest(mdir))
-    plan = plan_for(profiles_from_file(profiles_path), spec, Workload(context_tokens=context),
-                    strategy or "dp", objective, boundaries)
-    return plan_to_json(plan), plan_table(plan, spec)
+    options = SimpleNamespace(strategy=strategy or "dp", objective=objective, replicas=replicas, replan_gain=0.0)
+    mesh = mesh_for(profiles_from_file(profiles_path), spec, Workload(context_tokens=context, batch=concurrency),
+                    options, boundaries=boundaries)
+    return to_json(mesh), plan_table(mesh, spec)
 
 
-def plan_table(plan: Plan, spec: ModelSpec) -> str:
-    """The plan's table, with what a mixture-of-experts layer holds and what a token reads of it."""
+def plan_table(mesh: MeshPlan, spec: ModelSpec) -> str:
+    """The plan's tables, pipeline by pipeline, with what a mixture-of-experts layer holds and what
+    a token reads of it."""
     note = format_model_note(spec)
-    return format_plan_table(plan) + (f"\n{note}" if note else "")
+    return format_mesh_plan_table(mesh) + (f"\n{note}" if note else "")
 
 
-class PrefillChunks:
+class PrefillChunks:  # one per controller, for all its pipelines (each its own generation)
     """Prompt rows per step on stage 0 for a prompt of N tokens: `fixed` (--prefill-chunk), else the
     chunk the cost model says brings the first token soonest on the plan in force
     (planner.prefill), cached per (plan generation, 16-token bucket); 0 (the stages' budget)

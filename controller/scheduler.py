@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import time
 import uuid
@@ -29,6 +30,7 @@ import grpc
 
 from logicpipe.controller.journal import Journal
 from logicpipe.controller.pipeline import Pipeline
+from logicpipe.controller.pipelines import PipelineSet
 from logicpipe.controller.state import MeshState
 from logicpipe.errors import (
     AlreadyExists,
@@ -42,6 +44,7 @@ from logicpipe.errors import (
     code_number,
     from_code,
 )
+from logicpipe.planner import Workload
 from logicpipe.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from logicpipe.v1 import stage_pb2
 
@@ -128,6 +131,7 @@ class Request:
     meta: dict = field(default_factory=dict)  # the adapter's (journaled)
     state: RequestState = RequestState.QUEUED
     session_id: str = ""      # the sequence open for it now (a new one per admission)
+    pipeline: Pipeline | None = None  # the pipeline (replica) its sequence is open on now, or was last
     priority: int = 0         # arrival order: the stages preempt younger requests first
     preemptions: int = 0
     replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
@@ -192,6 +196,41 @@ class RequestStats:
     candidates_accepted: int = 0
 
 
+class Traffic:
+    """The workload plans are costed at, learned from the requests admitted: how many run at once
+    (the most in the last WINDOW_S) and the context they hold (the mean prompt + new tokens of the
+    last CONTEXTS requests), each rounded up to a power of two so that a re-plan sees a change only
+    when the traffic really changed."""
+
+    WINDOW_S = 120.0
+    CONTEXTS = 256
+
+    def __init__(self) -> None:
+        self._peaks: deque[tuple[float, int]] = deque()  # (when, requests at once), the window's
+        self._contexts: deque[int] = deque(maxlen=self.CONTEXTS)
+
+    def observe(self, concurrency: int, context: int) -> None:
+        now = time.monotonic()
+        while self._peaks and (now - self._peaks[0][0] > self.WINDOW_S or self._peaks[0][1] <= concurrency):
+            self._peaks.popleft()
+        self._peaks.append((now, concurrency))
+        self._contexts.append(context)
+
+    @staticmethod
+    def _pow2(x: float) -> int:
+        return 1 << max(0, math.ceil(math.log2(max(1.0, x))))
+
+    def concurrency(self) -> int:
+        now = time.monotonic()
+        return self._pow2(max((c for t, c in self._peaks if now - t <= self.WINDOW_S), default=1))
+
+    def workload(self, context: int, max_context: int) -> Workload:
+        """Requests at once and their context (at most `context`, the --context the plan reserves
+        KV for; that when no request came yet)."""
+        seen = sum(self._contexts) / len(self._contexts) if self._contexts else context
+        return Workload(context_tokens=max(1, min(context, max_context, self._pow2(seen))), batch=self.concurrency())
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_context: int                      # the model's context, tokens
@@ -241,23 +280,25 @@ class RequestHandle:
 
 
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, state: MeshState, config: SchedulerConfig, *,
-                 prefill_chunk: Callable[[int], int] = lambda prompt_tokens: 0,
+    def __init__(self, pipelines: PipelineSet, state: MeshState, config: SchedulerConfig, *,
+                 prefill_chunk: Callable[[int, Pipeline], int] = lambda prompt_tokens, pipeline: 0,
                  on_trouble: Callable[[str], None] = lambda why: None, journal: Journal | None = None,
                  on_fenced: Callable[[str], None] = lambda why: None):
-        self.pipeline = pipeline
+        self.pipelines = pipelines      # the replicas in force; each request runs on one
         self.journal = journal if journal is not None else Journal(None, "")  # every admitted request, durably
         self.state = state              # admission runs while it is READY (its owner is the app)
         self.config = config
-        self.prefill_chunk = prefill_chunk  # prompt tokens -> rows per step on the plan in force (0: budget)
+        self.prefill_chunk = prefill_chunk  # (prompt tokens, pipeline) -> rows per step there (0: budget)
         self.on_trouble = on_trouble        # a stage fault seen: check the plan
         self.on_fenced = on_fenced          # a stage follows a newer controller: this one must step down
         self.active: dict[str, Request] = {}   # session id -> the request it serves
+        self.opened: dict[str, Pipeline] = {}  # session id -> the pipeline it is open on (kept-open parents too)
         self.requests: dict[str, Request] = {}  # request id -> every request not ended yet
         self.suspended = False      # the controller is stopping: requests stay journaled for the next one
         self._sweeper: asyncio.Task | None = None
         self.waiting: deque[Request] = deque()
         self.stats = RequestStats()
+        self.traffic = Traffic()    # the workload the planner costs plans at
         self.observers: list[Callable[[Request], None]] = []  # called as each request ends (metrics)
         # called with each gap (s) between two consecutive tokens of a request as handed to its client (metrics)
         self.gap_observers: list[Callable[[float], None]] = []
@@ -265,7 +306,6 @@ class Scheduler:
         self._admitter: asyncio.Task | None = None
         self._arrivals = itertools.count(1)
         self._hold_replays = False  # a preemption happened: replays wait until some request ends
-        self.epoch = 0              # bumped when running requests are detached (a new plan comes)
         state.watch(self.kick)
 
     @property
@@ -303,7 +343,7 @@ class Scheduler:
             st.candidates_accepted += accepted
             if req.done and not req.readers and not req.keep_open:  # nobody reads it yet: free its KV now
                 del self.active[req.session_id]
-                self.pipeline.close_session_soon(req.session_id)
+                self._close_soon(req.session_id)
                 req.session_id = ""
             req.notify()
             return
@@ -323,19 +363,42 @@ class Scheduler:
 
     # ---- re-planning (called by the app) -----------------------------------------------------
     def detach_all(self) -> list[str]:
-        """Every running request back to the front of the queue, oldest first, to be replayed on
-        the next pipeline from its prompt and the tokens it has. Returns the sessions they had
-        (for the caller to close where they are still open)."""
-        running = sorted(self.active.items(), key=lambda kv: kv[1].priority, reverse=True)
-        self.active = {}
-        self.epoch += 1  # an open in flight now belongs to the plan that is going away
+        """`detach` of every pipeline."""
+        return self.detach(None)
+
+    def detach(self, pipelines: list[Pipeline] | None) -> list[str]:
+        """Every request running on `pipelines` (None: on any) back to the front of the queue,
+        oldest first, to be replayed from its prompt and the tokens it has on the pipeline the
+        router picks then. The requests of the other pipelines go on untouched. Returns the
+        sessions they had (for the caller to close where they are still open)."""
+        moving = None if pipelines is None else set(map(id, pipelines))
+        for p in (self.pipelines.all if pipelines is None else pipelines):
+            p.detaches += 1  # an open in flight there now belongs to the plan that is going away
+        running = sorted(((sid, r) for sid, r in self.active.items()
+                          if moving is None or id(self.opened.get(sid)) in moving),
+                         key=lambda kv: kv[1].priority, reverse=True)
+        for sid, _ in running:
+            del self.active[sid]
+            self.opened.pop(sid, None)
+        for sid in [sid for sid, p in self.opened.items() if moving is None or id(p) in moving]:
+            del self.opened[sid]  # finished parents kept open for forks: gone with their pipeline
         for _, req in running:
             req.session_id = ""
             if req.done:  # finished; its client reads what is queued
                 continue
-            self._back_in_queue(req, Unavailable("its plan was replaced"), moved=True)
+            self._back_in_queue(req, Unavailable("its pipeline was replaced"), moved=True)
         self._hold_replays = False
         return [session for session, _ in running]
+
+    def load(self, pipeline: Pipeline) -> int:
+        """Requests running on `pipeline` now."""
+        return sum(1 for p in self.opened.values() if p is pipeline)
+
+    def _close_soon(self, session_id: str) -> None:
+        """Close a session on the pipeline it is open on (in the background)."""
+        pipeline = self.opened.pop(session_id, None)
+        if pipeline is not None:
+            pipeline.close_session_soon(session_id)
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, job: Job) -> None:
@@ -364,7 +427,7 @@ class Scheduler:
         for name, top in (("top_logprobs", job.top_logprobs), ("prompt_logprobs", job.prompt_logprobs)):
             if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise InvalidArgument(f"{name} must be 0 to {MAX_TOP_LOGPROBS}, not {top}")
-        largest = self.pipeline.largest_request() if self.pipeline.stages else 0
+        largest = self.pipelines.largest_request()
         if largest and len(prompt_ids) + max_tokens > largest:
             raise ResourceExhausted(
                 f"{len(prompt_ids)} prompt tokens + {max_tokens} new tokens need more KV than a stage holds in all "
@@ -389,6 +452,7 @@ class Scheduler:
                       prompt_logprobs=job.prompt_logprobs, sequence=job.sequence)
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.requests[req.id] = req
+        self.traffic.observe(len(self.requests), req.capacity)
         if job.parent is None and not job.keep_open:  # forks (outline points) live and die with their run
             self.journal.admit(req.id, job_to_json(req), req.priority)
         self.waiting.append(req)
@@ -545,7 +609,7 @@ class Scheduler:
         if req.session_id and self.active.get(req.session_id) is req:
             del self.active[req.session_id]
             if not (req.keep_open and req.state is RequestState.FINISHED):
-                self.pipeline.close_session_soon(req.session_id)
+                self._close_soon(req.session_id)
                 req.session_id = ""
         self.kick()
         for observe in self.observers:
@@ -556,7 +620,7 @@ class Scheduler:
         forks closes (unless a re-plan already did)."""
         self._end(req)
         if req.session_id and req.session_id not in self.active:
-            self.pipeline.close_session_soon(req.session_id)
+            self._close_soon(req.session_id)
         req.session_id = ""
 
     def _requeue(self, req: Request, err: MeshError, *, preempted: bool = False) -> None:
@@ -564,7 +628,7 @@ class Scheduler:
         healthy again or on the next one) or, `preempted`, to free KV blocks (replay it when there
         is room, once another request has ended, else it would thrash)."""
         del self.active[req.session_id]
-        self.pipeline.close_session_soon(req.session_id)
+        self._close_soon(req.session_id)
         req.session_id = ""
         if preempted:
             self.stats.preemptions += 1
@@ -610,7 +674,7 @@ class Scheduler:
         while self.waiting:
             self._wake.clear()
             req = self.waiting[0]
-            if not self.state.admitting or not self.pipeline.stages or self.pipeline.down:
+            if not self.state.admitting or not self.pipelines.serving():
                 try:  # the app resumes us; the timeout re-checks a stage that came back
                     await asyncio.wait_for(self._wake.wait(), ADMIT_RETRY_S)
                 except asyncio.TimeoutError:
@@ -619,8 +683,8 @@ class Scheduler:
             if req.preemptions and self._hold_replays and self.active:
                 await self._wake.wait()
                 continue
-            largest = self.pipeline.largest_request()
-            if largest and req.capacity > largest:  # this plan's smallest pool can never hold it
+            largest = self.pipelines.largest_request()
+            if largest and req.capacity > largest:  # no pipeline's smallest pool can ever hold it
                 self.waiting.remove(req)
                 self._fail(req, ResourceExhausted(
                     f"{len(req.prompt_ids)} prompt tokens + {req.max_tokens} new tokens need more KV than a stage "
@@ -628,7 +692,7 @@ class Scheduler:
                     "stages more --max-kv-mib"))
                 continue
             try:
-                await self._open(req)
+                await self._open_somewhere(req)
             except ResourceExhausted as err:
                 if time.monotonic() - req.queued_since > QUEUE_TIMEOUT_S:
                     if req in self.waiting:
@@ -664,11 +728,43 @@ class Scheduler:
                 self._fail(req, Unavailable(f"the controller could not open the request: {exc}"))
                 continue
 
-    async def _open(self, req: Request) -> None:
-        """Open the request's sequence on every stage and feed its input (prompt + tokens so far)."""
+    def _parent_pipeline(self, req: Request) -> Pipeline | None:
+        """The pipeline a fork's parent sequence is open on (a fork shares its KV there), or None
+        when it has no parent open (it then opens without one)."""
+        if req.parent is None or req.received:
+            return None
+        pipeline = self.opened.get(req.parent[0])
+        if pipeline is None or pipeline not in self.pipelines.serving():
+            log.info("request %s: parent session gone; opening without it", req.id)
+            req.parent = None
+            return None
+        return pipeline
+
+    async def _open_somewhere(self, req: Request) -> None:
+        """Open `req` on the pipeline the router picks (a fork: on its parent's); one whose stages
+        are short of KV blocks now is passed over for the next, and RESOURCE_EXHAUSTED is raised
+        only when every pipeline that can hold it refused."""
+        tried: set[int] = set()
+        parent = self._parent_pipeline(req)
+        while True:
+            inputs = req.prompt_ids + req.received
+            pipeline = parent or self.pipelines.route(inputs, req.capacity, self.load, frozenset(tried))
+            if pipeline is None:
+                raise Unavailable("no pipeline serves now")
+            try:
+                await self._open(req, pipeline)
+                return
+            except ResourceExhausted:
+                tried.add(id(pipeline))
+                if parent is not None or not self.pipelines.route(inputs, req.capacity, self.load, frozenset(tried)):
+                    raise
+
+    async def _open(self, req: Request, pipeline: Pipeline) -> None:
+        """Open the request's sequence on every stage of `pipeline` and feed its input (prompt +
+        tokens so far)."""
         session = uuid.uuid4().hex
         inputs = req.prompt_ids + req.received
-        generation, epoch = self.pipeline.generation, self.epoch
+        generation, detaches = pipeline.generation, pipeline.detaches
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
@@ -682,7 +778,7 @@ class Scheduler:
         chunk = req.chunk_asked
         if not chunk:
             try:  # for the plan in force (a replay may run on another)
-                chunk = self.prefill_chunk(len(inputs) - forked)
+                chunk = self.prefill_chunk(len(inputs) - forked, pipeline)
             except Exception:  # noqa: BLE001 — without a chunk the stages' budget cuts the prompt
                 log.exception("choosing the prefill chunk of request %s failed; using the stages' budget", req.id)
                 chunk = 0
@@ -690,7 +786,7 @@ class Scheduler:
         if req.parent is not None and not req.received:
             open_request.parent_session_id, open_request.parent_length = req.parent
         try:
-            cached = await self.pipeline.open_session(open_request)
+            cached = await pipeline.open_session(open_request)
         except NotFound:
             if not open_request.parent_session_id:
                 raise
@@ -700,12 +796,14 @@ class Scheduler:
             req.parent = None
             open_request.ClearField("parent_session_id")
             open_request.parent_length = 0
-            cached = await self.pipeline.open_session(open_request)
-        if req not in self.waiting or self.pipeline.generation != generation or self.epoch != epoch:
+            cached = await pipeline.open_session(open_request)
+        if req not in self.waiting or pipeline.generation != generation or pipeline.detaches != detaches:
             # its client left while it opened, or a new plan is coming: it opens again on that one
-            self.pipeline.close_session_soon(session)
+            pipeline.close_session_soon(session)
             return
         self.waiting.remove(req)  # not popleft: a preempted request may have gone in front meanwhile
+        self.opened[session] = req.pipeline = pipeline
+        self.pipelines.remember(inputs, pipeline)
         req.session_id, req.state = session, RequestState.RUNNING
         req.opened_now = time.monotonic()
         req.opened = req.opened or req.opened_now
@@ -714,13 +812,13 @@ class Scheduler:
         try:
             for a in range(start, len(inputs), FEED_CHUNK):
                 chunk = inputs[a: a + FEED_CHUNK]
-                await self.pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
+                await pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
                     session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk,
                     prefill_only=a + FEED_CHUNK < len(inputs))]))  # more of the input follows
         except Unavailable as err:
             if self.active.get(session) is req:
                 self._requeue(req, err)
-            if self.epoch == epoch:
+            if pipeline.detaches == detaches:
                 raise
             # else detached meanwhile by a re-plan: it waits for the new plan
 
@@ -755,9 +853,10 @@ class Scheduler:
             await self.suspend()
         if self._sweeper is not None:
             self._sweeper.cancel()
-        sessions = list(self.active)
+        sessions = list(self.opened.items())
         self.active.clear()
+        self.opened.clear()
         self.waiting.clear()
         if self._admitter is not None:
             self._admitter.cancel()
-        await asyncio.gather(*(self.pipeline.close_session(s) for s in sessions), return_exceptions=True)
+        await asyncio.gather(*(p.close_session(s) for s, p in sessions), return_exceptions=True)

@@ -93,7 +93,7 @@ def submit_request(request: controller_pb2.SubmitRequest) -> tuple[Prompt, Reque
 
 def stage_info(s: StageView) -> controller_pb2.StageInfo:
     return controller_pb2.StageInfo(node_id=s.node_id, address=s.address, start_layer=s.start, end_layer=s.end,
-                                    device=s.device, parameter_count=s.parameter_count)
+                                    device=s.device, parameter_count=s.parameter_count, pipeline=s.pipeline)
 
 
 def timings_proto(t: Timings, c: Completion) -> controller_pb2.Timings:
@@ -125,7 +125,11 @@ def status_reply(snap: ControllerSnapshot) -> controller_pb2.ControllerStatusRep
         acceptance_rate=st.candidates_accepted / st.candidates if st.candidates else 0.0,
         stages=[stage_info(s) for s in snap.stages], last_replan=snap.last_replan, last_replan_s=snap.last_replan_s,
         replans=snap.replans, waiting=snap.reason if snap.phase is Phase.WAITING else "", role=snap.role,
-        epoch=snap.epoch, active=snap.active, journaled=snap.journaled)
+        epoch=snap.epoch, active=snap.active, journaled=snap.journaled, replays=st.replays,
+        pipelines=[controller_pb2.PipelineInfo(index=p.index, plan_id=p.plan_id, generation=p.generation,
+                                               micro_batches=p.micro_batches, running=p.running,
+                                               predicted_tokens_per_s=p.predicted_tokens_per_s, serving=p.serving)
+                   for p in snap.pipelines])
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
@@ -163,8 +167,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                                                token_ids=piece.token_ids, text=piece.text, point=piece.point,
                                                finished=piece.finished, finish_reason=piece.finish_reason,
                                                logprobs=[lp.to_proto() for lp in piece.logprobs if lp is not None])
-            if first:
-                reply.stages.extend(stage_info(s) for s in self.app.stage_views())
+            if first:  # the stages of the pipeline it runs on (an outline's: every pipeline's)
+                pipeline = completion.handle.request.pipeline if completion.handle is not None else None
+                reply.stages.extend(stage_info(s) for s in self.app.stage_views(pipeline))
                 reply.prompt_logprobs.extend(lp.to_proto() for lp in completion.prompt_logprobs or ())
                 first = False
             if piece.finished:
@@ -176,12 +181,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def Status(self, request, context):
         reply = status_reply(self.app.snapshot())
         members = list(self.app.members.by_address.values())
-        probes = await asyncio.gather(*(self.app.pipeline.probe(m.address, timeout=STATUS_PROBE_TIMEOUT_S)
+        probes = await asyncio.gather(*(self.app.pipelines.probe(m.address, timeout=STATUS_PROBE_TIMEOUT_S)
                                         for m in members), return_exceptions=True)
-        in_plan = {h.address for h in self.app.pipeline.stages}
+        in_plan = {h.address: p.index for p in self.app.pipelines.all for h in p.stages}
         for m, probe in zip(members, probes):
             node = controller_pb2.NodeStatus(address=m.address, node_id=m.node_id, source=m.source,
-                                             in_plan=m.address in in_plan, drained=m.drained, down=m.why_not())
+                                             in_plan=m.address in in_plan, drained=m.drained, down=m.why_not(),
+                                             pipeline=in_plan.get(m.address, 0))
             if isinstance(probe, MeshError):
                 node.error = str(probe)
             else:
@@ -204,7 +210,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         address = check_address("address", (caller_address(raw, context.peer()) if ":" in raw else "") or raw)
         self._check_silent(address)
         admitted, message = await self.app.register(address, node_id)
-        return controller_pb2.RegisterReply(controller_id=self.app.pipeline.owner, admitted=admitted, message=message)
+        return controller_pb2.RegisterReply(controller_id=self.app.pipelines.owner, admitted=admitted, message=message)
 
     async def Leave(self, request, context):
         node_id = check_id("node_id", request.node_id)
@@ -235,7 +241,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if not request.node or len(request.node) > 256:
             raise InvalidArgument("node must be a node id or host:port of 1 to 256 characters")
         message = await self.app.drain(request.node, undrain=request.undrain)
-        return controller_pb2.DrainReply(plan_generation=self.app.pipeline.generation, message=message)
+        return controller_pb2.DrainReply(plan_generation=self.app.pipelines.generation, message=message)
 
     async def PullWeights(self, request, context):
         async for chunk in stream_weights(self.app.model_dir, self.app.digest, request, peer=context.peer()):

@@ -54,7 +54,7 @@ class Replicator:
         self.followers: dict[str, float] = {}  # standby -> when it started following
 
     def _plan(self) -> dict:
-        return {"nodes_json": json.dumps({h.node_id: h.address for h in self.app.pipeline.stages})}
+        return {"nodes_json": json.dumps({h.node_id: h.address for h in self.app.pipelines.stages})}
 
     async def follow(self, follower: str):
         if self.app.role != "active" or self.app.fenced:

@@ -94,7 +94,7 @@ class FakeScheduler:
     def __init__(self, answer: list[int], vocab_size: int):
         self.answer = answer
         self.config = SchedulerConfig(max_context=CONTEXT, stop_ids=frozenset(), vocab_size=vocab_size)
-        self.pipeline = SimpleNamespace(stages=[])
+        self.pipelines = SimpleNamespace(largest_request=lambda: 0)
         self.observers: list = []      # what controller.metrics.Metrics hooks into
         self.gap_observers: list = []
         self.requests: dict[str, FakeHandle] = {}

@@ -169,7 +169,7 @@ def test_status_lists_the_stages_covering_every_layer(runner, mesh):
                [(mesh.first.address, True, "ready", st.plan_id), (mesh.last.address, True, "ready", st.plan_id)]
         assert all(n.status.profile.flops == fixed_profile().flops for n in st.nodes)
         plan = json.loads(st.plan_json)
-        assert plan["strategy"] == "uniform" and plan["stages"]
+        assert [p["strategy"] for p in plan["pipelines"]] == ["uniform"] and plan["pipelines"][0]["stages"]
     arun(runner, main())
 
 
@@ -300,7 +300,7 @@ def test_a_stage_lost_mid_request_moves_it_to_a_plan_over_the_survivor(runner, m
             call = m.ctl.stub.Submit(controller_pb2.SubmitRequest(
                 prompt=prompt, raw=True, max_tokens=40, ignore_eos=True), timeout=CALL_TIMEOUT_S)
             got = list((await call.read()).token_ids)
-            generation = m.ctl.app.pipeline.generation
+            generation = m.ctl.app.pipelines.generation
             await m.last.server.stop(None)  # the last stage goes away mid-generation
             while (reply := await call.read()) is not grpc.aio.EOF:
                 got += reply.token_ids
@@ -328,7 +328,7 @@ def test_drain_undrain_register_and_leave(runner, model_dir):
                                timeout=CALL_TIMEOUT_S)
             got = list((await call.read()).token_ids)
             reply = await stub.Drain(controller_pb2.DrainRequest(node="drain-last"), timeout=RPC_TIMEOUT_S)
-            assert "drain-last drained" in reply.message and reply.plan_generation == m.ctl.app.pipeline.generation
+            assert "drain-last drained" in reply.message and reply.plan_generation == m.ctl.app.pipelines.generation
             while (r := await call.read()) is not grpc.aio.EOF:
                 got += r.token_ids
             assert got == alone
@@ -353,15 +353,15 @@ def test_drain_undrain_register_and_leave(runner, model_dir):
                     address=f":{spare.address.rpartition(':')[2]}", node_id="drain-spare"), timeout=RPC_TIMEOUT_S)
                 assert ok.admitted and m.ctl.app.members.by_address[spare.address].source == "registered"
                 for _ in range(100):  # joined: planned on (uniform over 3 beats 2)
-                    if len(m.ctl.app.pipeline.stages) == 3:
+                    if len(m.ctl.app.pipelines.stages) == 3:
                         break
                     await asyncio.sleep(0.1)
-                assert [h.node_id for h in m.ctl.app.pipeline.stages] == ["drain-first", "drain-last", "drain-spare"]
+                assert [h.node_id for h in m.ctl.app.pipelines.stages] == ["drain-first", "drain-last", "drain-spare"]
                 spare.runtime.stopping = True  # as a node leaving on SIGTERM says it is (else a probe that sees
                 # it answering as usual takes it back, and the next plan is on it again)
                 left = await stub.Leave(controller_pb2.LeaveRequest(node_id="drain-spare"), timeout=RPC_TIMEOUT_S)
                 assert left.moved and "moved" in left.message
-                assert [h.node_id for h in m.ctl.app.pipeline.stages] == ["drain-first", "drain-last"]
+                assert [h.node_id for h in m.ctl.app.pipelines.stages] == ["drain-first", "drain-last"]
     arun(runner, main())
 
 
@@ -380,7 +380,7 @@ def test_each_stage_computes_in_the_dtype_its_plan_stage_says(order, runner, mod
                 stage_node(f"{order}-b", weight_formats=formats[1]) as last:
             async with controller(model_dir, [first.address, last.address], dtype="bfloat16") as ctl:
                 plan = json.loads(ctl.app.plan_json)
-                assert [s["weight_format"] for s in plan["stages"]] == [d.replace("float32", "fp32").replace(
+                assert [s["weight_format"] for s in plan["pipelines"][0]["stages"]] == [d.replace("float32", "fp32").replace(
                     "bfloat16", "bf16") for d in dtypes]
                 got = [(await n.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).dtype
                        for n in (first, last)]

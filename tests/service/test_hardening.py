@@ -428,5 +428,5 @@ def test_register_calls_are_rate_capped_per_caller_and_a_real_stage_still_plans(
             assert ok.admitted
             await ctl.app.start()
             assert await ctl.app.wait_ready(120), ctl.app.state.reason
-            assert [h.node_id for h in ctl.app.pipeline.stages] == ["rate-real"]
+            assert [h.node_id for h in ctl.app.pipelines.stages] == ["rate-real"]
     run(main(), timeout=240)

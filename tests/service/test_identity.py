@@ -48,8 +48,8 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
             call = victim(m)
             first = asyncio.ensure_future(call.read())
             sid = await running_session(m)
-            owner = m.ctl.app.pipeline.owner  # no secret: Register hands it to any stage
-            generation = m.ctl.app.pipeline.generation
+            owner = m.ctl.app.pipelines.owner  # no secret: Register hands it to any stage
+            generation = m.ctl.app.pipelines.generation
             # hijack: stage 0 sends its hidden states to a fake stage (a newer epoch claimed)
             hijack = stage_pb2.AssignRequest(model_dir=str(model_dir), start_layer=0, end_layer=SMOL_LAYERS // 2,
                                              num_layers=SMOL_LAYERS, stage_index=0, num_stages=2,
@@ -77,7 +77,7 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
                 await expect_status(feed.read(), PD, "stages of its plan")
             got = list((await first).token_ids) + await tokens_of(call)
             assert got == want
-            assert m.ctl.app.state.phase.value == "ready" and m.ctl.app.pipeline.generation == generation
+            assert m.ctl.app.state.phase.value == "ready" and m.ctl.app.pipelines.generation == generation
             st = await m.first.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
             assert st.controller_id == owner and st.generation == generation
     arun(runner, main(), timeout=300)
@@ -111,14 +111,14 @@ def test_a_stage_serving_another_plan_makes_the_controller_replan(runner, model_
     async def main():
         async with mesh_of_two(model_dir, "stale") as m:
             want = await tokens_of(victim(m, 8))
-            generation = m.ctl.app.pipeline.generation
+            generation = m.ctl.app.pipelines.generation
             eng = m.last.runtime.engine
             await m.last.runtime.assign(replace(eng.assignment, generation=generation + 7))
             for _ in range(200):
-                if m.ctl.app.pipeline.generation != generation and m.ctl.app.state.phase.value == "ready":
+                if m.ctl.app.pipelines.generation != generation and m.ctl.app.state.phase.value == "ready":
                     break
                 await asyncio.sleep(0.05)
-            assert m.ctl.app.pipeline.generation != generation, m.ctl.app.state.reason
+            assert m.ctl.app.pipelines.generation != generation, m.ctl.app.state.reason
             assert "generation" in m.ctl.app.last_replan
             assert await tokens_of(victim(m, 8)) == want
     arun(runner, main(), timeout=300)

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from logicpipe.controller import planning
-from logicpipe.planner import Link, Objective, Workload, plan_from_json
+from logicpipe.planner import Link, Objective, Workload, mesh_plan_from_json
 from logicpipe.v1 import stage_pb2
 
 GIB = 2**30
@@ -45,24 +45,32 @@ def test_profile_missing_is_a_clear_error():
         planning.device_profile(stage_pb2.StatusReply(node_id="x"), {})
 
 
+def options(strategy: str = "dp", objective: str = "throughput", replicas: int = 0) -> types.SimpleNamespace:
+    """The ControllerOptions fields the planner driver reads."""
+    return types.SimpleNamespace(strategy=strategy, objective=objective, replicas=replicas, replan_gain=0.1)
+
+
 def test_reuse_or_plan_reuses_and_names_the_change(tmp_path, spec, caplog):
     path = str(tmp_path / "plan.json")
     fast = planning.device_profile(status("gpu", 20e12, 8 * GIB), {"cpu": Link(1e9, 1e-4)})
     slow = planning.device_profile(status("cpu", 1e11, 8 * GIB), {"gpu": Link(1e9, 1e-4)})
     wl = Workload(context_tokens=1024)
-    first = planning.reuse_or_plan(path, [fast, slow], spec, wl, "dp", "throughput")
-    assert plan_from_json(open(path).read()) == first
+    first = planning.reuse_or_plan(path, [fast, slow], spec, wl, options())
+    assert mesh_plan_from_json(open(path).read()) == first
     caplog.set_level(logging.INFO, logger="logicpipe.controller.planning")
-    again = planning.reuse_or_plan(path, [fast, slow], spec, wl, "dp", "throughput")
+    again = planning.reuse_or_plan(path, [fast, slow], spec, wl, options())
     assert again == first and "reusing the plan" in caplog.text
     slower = planning.device_profile(status("cpu", 1e10, 8 * GIB), {"gpu": Link(1e9, 1e-4)})
     caplog.clear()
-    third = planning.reuse_or_plan(path, [fast, slower], spec, wl, "dp", "throughput")
+    third = planning.reuse_or_plan(path, [fast, slower], spec, wl, options())
     assert "profile of node cpu changed" in caplog.text
     assert third.metadata.profiles_digest != first.metadata.profiles_digest
     caplog.clear()
-    planning.reuse_or_plan(path, [fast, slower], spec, wl, "dp", "latency")
+    planning.reuse_or_plan(path, [fast, slower], spec, wl, options(objective="latency"))
     assert "objective differs" in caplog.text
+    caplog.clear()
+    planning.reuse_or_plan(path, [fast, slower], spec, wl, options(objective="latency", replicas=1))
+    assert "replicas differ" in caplog.text
 
 
 def test_custom_boundaries_are_cut_points(spec):
@@ -70,6 +78,41 @@ def test_custom_boundaries_are_cut_points(spec):
     plan = planning.plan_for(profiles, spec, Workload(), "custom", "throughput", [5, 20])
     assert [(s.start, s.end) for s in plan.stages] == [(0, 5), (5, 20), (20, 30)]
     assert plan.objective is Objective.THROUGHPUT
+
+
+def profile(node_id: str, memory: int, links: dict | None = None, **kw) -> dict:
+    return {"node_id": node_id, "device_kind": "cpu", "memory_bytes": memory, "flops": 2e11, "mem_bandwidth": 30e9,
+            "weight_formats": ["fp32"], "links": links or {}, **kw}
+
+
+def shape(tmp_path, model_dir, profiles: list[dict], objective: str = "throughput", concurrency: int = 8,
+          replicas: int = 0) -> list[list[str]]:
+    """The nodes of each pipeline `lpctl plan --profiles` makes of `profiles` (in-process: its code)."""
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps(profiles))
+    doc, table = planning.plan_from_profiles_file(str(path), str(model_dir), None, objective, None, 2048,
+                                                  replicas=replicas, concurrency=concurrency)
+    assert "pipeline" in table
+    return [[s["node_id"] for s in p["stages"]] for p in json.loads(doc)["pipelines"]]
+
+
+def test_lpctl_plan_from_profiles_shapes(tmp_path, model_dir):
+    """The shapes of the issue: nodes that each hold the model -> a pipeline each; nodes too small
+    -> one pipeline over them; one big node and three small -> two pipelines side by side; the
+    latency objective on slow links -> the node that holds it alone, no hop."""
+    whole, third = 4 * GIB, 300 * 2**20  # the default model is 0.5 GiB in fp32
+    assert sorted(shape(tmp_path, model_dir, [profile(f"n{i}", whole) for i in range(4)])) == \
+        [["n0"], ["n1"], ["n2"], ["n3"]]
+    small = shape(tmp_path, model_dir, [profile(f"s{i}", third) for i in range(3)])
+    assert len(small) == 1 and sorted(small[0]) == ["s0", "s1", "s2"]
+    mixed = shape(tmp_path, model_dir, [profile("big", whole), *(profile(f"s{i}", third) for i in range(3))])
+    assert sorted(map(sorted, mixed)) == [["big"], ["s0", "s1", "s2"]]
+    slow = {"bandwidth": 1.25e6, "latency": 5e-3}
+    nodes = [profile("big", whole, {"s0": slow, "s1": slow}), profile("s0", third, {"big": slow, "s1": slow}),
+             profile("s1", third, {"big": slow, "s0": slow})]
+    assert shape(tmp_path, model_dir, nodes, objective="latency", concurrency=1)[0] == ["big"]
+    capped = shape(tmp_path, model_dir, [profile(f"n{i}", whole) for i in range(4)], replicas=2)
+    assert len(capped) == 2 and all(len(p) == 1 for p in capped)
 
 
 def test_lpctl_plan_from_profiles_file(tmp_path, model_dir):
@@ -83,12 +126,15 @@ def test_lpctl_plan_from_profiles_file(tmp_path, model_dir):
     path.write_text(json.dumps(profiles))
     lpctl = [sys.executable, "-m", "logicpipe.controller.lpctl", "plan", "--profiles", str(path), "--model", str(model_dir)]
     table = subprocess.run(lpctl, capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "jetson" in table and "objective throughput" in table
+    assert "jetson" in table and "pipeline 0" in table
     doc = json.loads(subprocess.run([*lpctl, "--json", "--strategy", "uniform"], capture_output=True, text=True,
                                     timeout=120, check=True).stdout)
-    assert doc["strategy"] == "uniform" and len(doc["stages"]) == 2
+    assert [p["strategy"] for p in doc["pipelines"]] == ["uniform"] and len(doc["pipelines"][0]["stages"]) == 2
+    assert {"node_id", "start", "end"} <= set(doc["pipelines"][0]["stages"][0])
     bad = subprocess.run([*lpctl, "--strategy", "custom"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "boundaries" in bad.stderr
+    bad = subprocess.run([*lpctl, "--replicas", "none"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--replicas must be auto" in bad.stderr
 
 
 def test_a_profile_is_costed_in_the_format_the_node_will_run(spec):

@@ -11,6 +11,7 @@ import pytest
 
 from logicpipe.controller.journal import Journal, JournalError
 from logicpipe.controller.pipeline import Pipeline, StageHandle
+from logicpipe.controller.pipelines import PipelineSet
 from logicpipe.controller.scheduler import MAX_REPLAYS, Job, Scheduler, SchedulerConfig
 from logicpipe.controller.state import MeshState, Phase
 from logicpipe.errors import Unavailable, code_number
@@ -55,6 +56,7 @@ class FakePipeline:
 
     def __init__(self):
         self.stages, self.down, self.generation = [object()], [], 1
+        self.retired, self.detaches, self.index, self.tokens_per_s, self.plan = False, 0, 0, 0.0, None
         self.opened, self.closed = [], []
 
     def largest_request(self) -> int:
@@ -76,7 +78,9 @@ class FakePipeline:
 
 def scheduler(journal: Journal) -> tuple[Scheduler, FakePipeline]:
     pipe = FakePipeline()
-    sched = Scheduler(pipe, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100), journal=journal)
+    pipelines = PipelineSet(None, lambda ev: None, lambda a, r: None)
+    pipelines.all = [pipe]
+    sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100), journal=journal)
     return sched, pipe
 
 

@@ -38,9 +38,9 @@ def clock(monkeypatch):
 
 def with_metrics():
     sched, pipe = scheduler(Journal(None, "d"))
-    app = types.SimpleNamespace(scheduler=sched, pipeline=types.SimpleNamespace(stages=[]),
+    app = types.SimpleNamespace(scheduler=sched, pipelines=types.SimpleNamespace(stages=[]),
                                 snapshot=lambda: types.SimpleNamespace(stats=sched.stats, running=0, queued=0,
-                                                                       replans=0, links={}))
+                                                                       replans=0, links={}, pipelines=[], stages=[]))
     return sched, Metrics(app)
 
 

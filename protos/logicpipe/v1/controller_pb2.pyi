@@ -108,20 +108,40 @@ class OutlinePoint(_message.Message):
     def __init__(self, id: _Optional[int] = ..., title: _Optional[str] = ..., deps: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., text: _Optional[str] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ..., shared: _Optional[str] = ...) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("node_id", "address", "start_layer", "end_layer", "device", "parameter_count")
+    __slots__ = ("node_id", "address", "start_layer", "end_layer", "device", "parameter_count", "pipeline")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     start_layer: int
     end_layer: int
     device: str
     parameter_count: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ...) -> None: ...
+    pipeline: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., pipeline: _Optional[int] = ...) -> None: ...
+
+class PipelineInfo(_message.Message):
+    __slots__ = ("index", "plan_id", "generation", "micro_batches", "running", "predicted_tokens_per_s", "serving")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    plan_id: str
+    generation: int
+    micro_batches: int
+    running: int
+    predicted_tokens_per_s: float
+    serving: bool
+    def __init__(self, index: _Optional[int] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., running: _Optional[int] = ..., predicted_tokens_per_s: _Optional[float] = ..., serving: bool = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "first_token_s", "total_s", "decode_tokens_per_s", "prompt_tokens", "new_tokens", "decode_steps", "candidates", "accepted", "speculate", "prefill_chunk")
@@ -182,7 +202,7 @@ class ControllerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("address", "reachable", "error", "status", "node_id", "source", "in_plan", "drained", "down")
+    __slots__ = ("address", "reachable", "error", "status", "node_id", "source", "in_plan", "drained", "down", "pipeline")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +212,7 @@ class NodeStatus(_message.Message):
     IN_PLAN_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     DOWN_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     address: str
     reachable: bool
     error: str
@@ -201,10 +222,11 @@ class NodeStatus(_message.Message):
     in_plan: bool
     drained: bool
     down: str
-    def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ..., node_id: _Optional[str] = ..., source: _Optional[str] = ..., in_plan: bool = ..., drained: bool = ..., down: _Optional[str] = ...) -> None: ...
+    pipeline: int
+    def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ..., node_id: _Optional[str] = ..., source: _Optional[str] = ..., in_plan: bool = ..., drained: bool = ..., down: _Optional[str] = ..., pipeline: _Optional[int] = ...) -> None: ...
 
 class ControllerStatusReply(_message.Message):
-    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting", "speculate", "decode_steps", "decode_tokens", "candidates", "candidates_accepted", "tokens_per_step", "acceptance_rate", "role", "epoch", "active", "journaled")
+    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting", "speculate", "decode_steps", "decode_tokens", "candidates", "candidates_accepted", "tokens_per_step", "acceptance_rate", "role", "epoch", "active", "journaled", "pipelines", "replays")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +254,8 @@ class ControllerStatusReply(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     JOURNALED_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     plan_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
@@ -259,7 +283,9 @@ class ControllerStatusReply(_message.Message):
     epoch: int
     active: str
     journaled: int
-    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ..., speculate: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., candidates: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., active: _Optional[str] = ..., journaled: _Optional[int] = ...) -> None: ...
+    pipelines: _containers.RepeatedCompositeFieldContainer[PipelineInfo]
+    replays: int
+    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ..., speculate: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., candidates: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., active: _Optional[str] = ..., journaled: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[PipelineInfo, _Mapping]]] = ..., replays: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("address", "node_id")

@@ -1,0 +1,74 @@
+"""The controller's router over its pipelines (replicas): the least loaded by predicted speed, the
+pipeline that holds a request's prefix when it is not much busier, never one that cannot serve."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from logicpipe.controller.pipeline import Pipeline, StageHandle
+from logicpipe.controller.pipelines import PipelineSet, prefix_keys
+
+
+def pipelines(*speeds: float) -> PipelineSet:
+    ps = PipelineSet(None, lambda ev: None, lambda a, r: None)
+    made = []
+    for i, speed in enumerate(speeds):
+        p = ps.new()
+        p.stages = [StageHandle(f"127.0.0.1:{9000 + i}", None, None, node_id=f"n{i}")]
+        p.plan = SimpleNamespace(tokens_per_s=speed)
+        made.append(p)
+    ps.replace(made)
+    return ps
+
+
+def test_the_least_loaded_relative_to_its_predicted_speed():
+    ps = pipelines(100.0, 300.0)
+    a, b = ps.all
+    load = {id(a): 0, id(b): 0}
+    counts = {id(a): 0, id(b): 0}
+    for i in range(8):
+        p = ps.route([i, 1000 + i], 10, lambda p: load[id(p)])
+        load[id(p)] += 1
+        counts[id(p)] += 1
+    assert counts[id(b)] == 6 and counts[id(a)] == 2  # 3x the speed, 3x the requests
+
+
+def test_a_prefix_goes_back_to_the_pipeline_that_holds_it_unless_that_one_is_much_busier():
+    ps = pipelines(100.0, 100.0)
+    a, b = ps.all
+    prompt = list(range(300))
+    ps.remember(prompt, b)
+    load = {id(a): 0, id(b): 1}
+    assert ps.route(prompt + [7], 10, lambda p: load[id(p)]) is b and ps.routed_by_prefix == 1
+    load[id(b)] = 6
+    assert ps.route(prompt + [7], 10, lambda p: load[id(p)]) is a  # too busy: the cache is not worth the wait
+    assert ps.route(list(range(1000, 1300)), 10, lambda p: 0) is a  # another prefix: the least loaded
+
+
+def test_only_serving_pipelines_that_hold_the_request_are_chosen():
+    ps = pipelines(100.0, 100.0, 100.0)
+    a, b, c = ps.all
+    a.retired = True
+    b.stages[0].down_reason = "no answer"
+    assert ps.serving() == [c] and ps.route([1, 2], 10, lambda p: 0) is c
+    assert ps.route([1, 2], 10, lambda p: 0, exclude=frozenset({id(c)})) is None
+    c.stages[0].status = SimpleNamespace(kv_blocks_total=4, block_size=16)  # 64 positions in all
+    assert ps.route([1, 2], 65, lambda p: 0) is None and ps.route([1, 2], 64, lambda p: 0) is c
+    ps.replace([c])
+    assert c.index == 0 and ps.stages == c.stages
+
+
+def test_prefix_keys_are_whole_lengths_of_the_prompt_and_leave_the_last_token_out():
+    assert prefix_keys(list(range(16))) == []
+    assert len(prefix_keys(list(range(17)))) == 1
+    assert len(prefix_keys(list(range(300)))) == 3
+    assert prefix_keys(list(range(17))) == prefix_keys(list(range(16)) + [99])
+
+
+def test_a_new_pipeline_shares_the_controllers_identity():
+    ps = pipelines(1.0)
+    ps.epoch = 7
+    ps.revoked = ["x"]
+    p = ps.new()
+    assert isinstance(p, Pipeline) and p.owner == ps.owner and p.metadata == ps.metadata
+    assert p.epoch == 7 and p.revoked == ["x"]
+    assert ps.next_generation() < ps.next_generation()
