@@ -100,7 +100,10 @@ class LocalMesh:
         self.workdir = Path(workdir)
         self.threads = threads                  # torch threads per stage process
         self.device = device                    # "cpu" | "cuda"
-        self.controller_args = tuple(controller_args)  # extra logicpipe-controller flags
+        # extra logicpipe-controller flags; one pipeline over the stages unless they say --replicas
+        # (the mesh tests are about a pipeline's stages; replicas are tested on their own)
+        self.controller_args = tuple(controller_args) if any(a.startswith("--replicas") for a in controller_args) \
+            else ("--replicas", "1", *controller_args)
         self.stage_args = tuple(stage_args)     # extra logicpipe-stage flags, every stage
         self.env = dict(env or {})              # extra environment of every process
         self.stage_env = dict(stage_env or {})  # stage index -> its own extra environment (e.g. CUDA_VISIBLE_DEVICES)

@@ -1,0 +1,148 @@
+"""Mesh tier, replicas: nodes that each hold the model serve as pipelines of their own, and each
+request runs on one. One mesh for every check (the suite's time): a node of one replica killed
+under 8 concurrent requests (its requests replay on the other, which goes on meanwhile and replays
+nothing), a node joining under load (it starts a replica; nothing moves), a node drained under load
+(its replica's requests move). Every request ends with exactly the tokens it gives alone."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+from tests.localmesh import LocalMesh, client_transport
+
+pytestmark = pytest.mark.mesh
+
+PROMPTS = [f"Tell me about {topic}." for topic in ("bread", "maps", "bridges", "owls", "tides", "clocks", "glass", "salt")]
+TOKENS = 40
+
+
+class Arrivals:
+    """Every token any request received, in the order they came (a thread-safe log), with markers."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []  # (request name | "#marker", tokens in that reply)
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int) -> None:
+        with self._lock:
+            self.log.append((name, n))
+
+    def mark(self, what: str) -> int:
+        with self._lock:
+            self.log.append((f"#{what}", 0))
+            return len(self.log) - 1
+
+
+class Generation(threading.Thread):
+    """One greedy Submit in a thread: its tokens, the nodes of the pipeline it first ran on."""
+
+    def __init__(self, address: str, prompt: str, arrivals: Arrivals | None = None, name: str = ""):
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.arrivals, self.label = address, prompt, arrivals, name or prompt
+        self.tokens: list[int] = []
+        self.nodes: list[str] = []
+        self.error: grpc.RpcError | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with client_transport().sync_channel(self.address, "controller") as ch:
+                for reply in controller_pb2_grpc.ControllerStub(ch).Submit(controller_pb2.SubmitRequest(
+                        prompt=self.prompt, max_tokens=TOKENS, ignore_eos=True), timeout=300):
+                    self.nodes = self.nodes or [s.node_id for s in reply.stages]
+                    self.tokens += reply.token_ids
+                    if self.arrivals is not None and reply.token_ids:
+                        self.arrivals.add(self.label, len(reply.token_ids))
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def wait_tokens(self, n: int, within: float = 120) -> None:
+        deadline = time.monotonic() + within
+        while len(self.tokens) < n:
+            assert self.is_alive() and time.monotonic() < deadline, f"no {n} tokens ({self.error})"
+            time.sleep(0.02)
+
+    def result(self, within: float = 300) -> list[int]:
+        self.join(within)
+        assert not self.is_alive(), "the request did not finish"
+        assert self.error is None, f"{self.error.code().name}: {self.error.details()}"
+        return self.tokens
+
+
+def eventually(check, within: float, what: str):
+    deadline = time.monotonic() + within
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} did not happen within {within:.0f} s"
+        time.sleep(0.1)
+
+
+def burst(mesh: LocalMesh, arrivals: Arrivals | None = None) -> list[Generation]:
+    """The 8 prompts at once, each producing before this returns."""
+    gens = [Generation(mesh.controller_address, p, arrivals, f"r{i}") for i, p in enumerate(PROMPTS)]
+    for g in gens:
+        g.wait_tokens(2)
+    return gens
+
+
+def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(model_dir, tmp_path):
+    with LocalMesh(2, model_dir, tmp_path, threads=1, controller_args=("--replicas", "auto")) as mesh:
+        st = mesh.wait_plan(stages=2)
+        assert len(st.pipelines) == 2, f"two nodes that each hold the model: a pipeline each, not {st}"
+        assert {s.pipeline for s in st.stages} == {0, 1}
+        alone = {p: Generation(mesh.controller_address, p).result() for p in PROMPTS}
+
+        # -- routing: 8 at once spread over both pipelines, each request's tokens as alone
+        gens = burst(mesh)
+        assert {tuple(g.nodes) for g in gens} == {("stage0",), ("stage1",)}, [g.nodes for g in gens]
+        assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
+
+        # -- a node of one replica killed under load
+        arrivals = Arrivals()
+        replays = mesh.controller_status().replays
+        gens = burst(mesh, arrivals)
+        victims = {g.label for g in gens if g.nodes == ["stage0"]}
+        survivors = {g.label for g in gens} - victims
+        assert victims and survivors, [g.nodes for g in gens]
+        killed = arrivals.mark("kill")
+        mesh.kill("stage0")
+        assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
+        after = arrivals.log[killed + 1:]
+        resumed = next(i for i, (name, _) in enumerate(after) if name in victims)
+        # the other replica went on while the lost one's requests waited for their replay
+        assert sum(n for name, n in after[:resumed] if name in survivors) > 0, after[:resumed + 1]
+        st = eventually(lambda: (s := mesh.controller_status()).replays - replays == len(victims) and s, 30,
+                        "the victims' replays counted")
+        assert st.replays - replays == len(victims), "only the lost replica's requests were replayed"
+        assert [[s.node_id for s in st.stages]] == [["stage1"]] and len(st.pipelines) == 1
+
+        # -- a node joining under load starts a replica of its own; nothing moves
+        replays, generation = st.replays, st.plan_generation
+        gens = burst(mesh)
+        mesh.start_stage(2, None, "--controller", mesh.controller_address)
+        st = mesh.wait_plan(stages=2, generation_above=generation, timeout=120)
+        assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
+        assert sorted(s.node_id for s in st.stages) == ["stage1", "stage2"] and len(st.pipelines) == 2, st
+        assert "stage2 joined" in st.last_replan
+        assert mesh.controller_status().replays == replays, "a join that adds a replica moves no request"
+        routed = burst(mesh)
+        assert {tuple(g.nodes) for g in routed} == {("stage1",), ("stage2",)}  # the new replica serves
+        assert [g.result() for g in routed] == [alone[p] for p in PROMPTS]
+
+        # -- a node drained under load: its replica's requests move to the other
+        gens = burst(mesh)
+        moved = [g for g in gens if g.nodes == ["stage2"]]
+        with client_transport().sync_channel(mesh.controller_address, "controller") as ch:
+            reply = controller_pb2_grpc.ControllerStub(ch).Drain(controller_pb2.DrainRequest(node="stage2"), timeout=120)
+        assert "drained" in reply.message
+        assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
+        assert moved, [g.nodes for g in gens]
+        st = eventually(lambda: (s := mesh.controller_status()).replays > replays and s, 30,
+                        "the drained replica's requests replayed")
+        assert [s.node_id for s in st.stages] == ["stage1"] and len(st.pipelines) == 1
