@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from logicpipe.controller.app import ControllerApp
-from logicpipe.controller.scheduler import Request
+from logicpipe.controller.job import Request
 
 STAGE_PROBE_TIMEOUT_S = 2.0
 
@@ -40,8 +40,8 @@ class Metrics:
         self.registry.register(self)
 
     def _observe(self, req: Request) -> None:
-        if req.first_token:
-            self.ttft.observe(req.first_token - req.submitted)
+        if req.times.first_token:
+            self.ttft.observe(req.times.first_token - req.times.submitted)
 
     async def scrape(self) -> tuple[bytes, str]:
         """The exposition text and its content type, after probing the plan's stages (their KV

@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from logicpipe.controller.scheduler import Job, RequestHandle, Scheduler
+from logicpipe.controller.job import Job
+from logicpipe.controller.scheduler import RequestHandle, Scheduler
 from logicpipe.errors import InvalidArgument
 from logicpipe.sampling import SamplingParams
 

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from logicpipe.controller.outline import MAX_POINTS, OutlineRun
-from logicpipe.controller.scheduler import Job, Request, RequestHandle, Scheduler
+from logicpipe.controller.job import Job, Request
+from logicpipe.controller.scheduler import RequestHandle, Scheduler
 from logicpipe.controller.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
 from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from logicpipe.limits import check_id
@@ -128,12 +129,6 @@ class RequestOptions:
             raise InvalidArgument(f"outline_text is over the cap of {MAX_PROMPT_CHARS} characters")
 
 
-def grammar_meta(o: RequestOptions) -> dict:
-    """The job's structured-output grammar, kept in its (journaled) meta: the scheduler puts it in
-    every OpenSession, replays included."""
-    return {"grammar": o.json_schema} if o.json_schema else {}
-
-
 @dataclass(frozen=True)
 class Piece:
     """What a completion adds as it runs: a token and the text it releases."""
@@ -161,9 +156,10 @@ class Timings:
 
 def request_timings(req: Request) -> Timings:
     n = len(req.tokens)
-    decode = req.finished - req.first_token
-    return Timings(queue_s=req.opened - req.submitted, first_token_s=req.first_token - req.submitted,
-                   total_s=req.finished - req.submitted,
+    t = req.times
+    decode = t.finished - t.first_token
+    return Timings(queue_s=t.opened - t.submitted, first_token_s=t.first_token - t.submitted,
+                   total_s=t.finished - t.submitted,
                    decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
                    decode_steps=req.decode_steps, candidates=req.candidates, accepted=req.accepted,
                    speculate=req.speculate, prefill_chunk=req.prefill_chunk)
@@ -248,7 +244,7 @@ class FrontDoor:
             o = options
             ids = await self.token_ids(prompt)
             parent = self.scheduler.submit(Job(tuple(ids), 1, SamplingParams(), keep_open=True, speculate=0,
-                                               prefill_chunk=o.prefill_chunk, meta={"client": client}))
+                                               prefill_chunk=o.prefill_chunk, client=client))
             completions: list[Completion] = []
             try:
                 async for _ in parent.updates():  # the prompt is in the stages' KV
@@ -257,7 +253,7 @@ class FrontDoor:
                     handle = self.scheduler.submit(Job(
                         tuple(ids), o.max_tokens, o.sampling, o.ignore_eos, speculate=o.speculate,
                         prefill_chunk=o.prefill_chunk, parent=(parent.session_id, len(ids)), top_logprobs=o.top_logprobs,
-                        sequence=i, meta={"stop": list(o.stop), "api": o.api, "client": client, **grammar_meta(o)}))
+                        sequence=i, stop=tuple(o.stop), api=o.api, client=client, grammar=o.json_schema or ""))
                     c = Completion(handle.id, len(ids), handle=handle, api=o.api, top_logprobs=o.top_logprobs,
                                    prompt_ids=tuple(ids), shares_prompt=i > 0)
                     c._pieces = self._plain_pieces(c, handle, o)
@@ -279,12 +275,13 @@ class FrontDoor:
             check_id("request_id", request_id)
             handle = self.scheduler.attach(request_id)
             req = handle.request
-            if req.meta.get("client", client) != client:  # (not released: that would end it for its client)
+            job = req.job
+            if job.client and job.client != client:  # (not released: that would end it for its client)
                 raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or it "
                                "failed) or was never admitted; submit it again")
-            o = RequestOptions(0 if req.meta.get("prompt_only") else req.max_tokens, req.sampling,
-                               stop=tuple(req.meta.get("stop", ())), prompt_logprobs=req.prompt_logprobs)
-            c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=req.meta.get("api", ""),
+            o = RequestOptions(0 if job.prompt_only else job.max_tokens, job.sampling, stop=job.stop,
+                               prompt_logprobs=job.prompt_logprobs)
+            c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=job.api,
                            top_logprobs=req.top_logprobs, prompt_ids=tuple(req.prompt_ids))
             c._pieces = self._plain_pieces(c, handle, o, skip=have)
             try:
@@ -319,12 +316,11 @@ class FrontDoor:
     # ---- plain requests ------------------------------------------------------------------------
     async def _plain(self, prompt: Prompt, o: RequestOptions, client: str) -> Completion:
         ids = await self.token_ids(prompt)
-        meta = {"stop": list(o.stop), "api": o.api, "client": client, **grammar_meta(o),
-                **({"prompt_only": True} if not o.max_tokens else {})}
         handle = self.scheduler.submit(Job(tuple(ids), max(1, o.max_tokens), o.sampling, o.ignore_eos,
                                            speculate=o.speculate, prefill_chunk=o.prefill_chunk,
                                            request_id=o.request_id, top_logprobs=o.top_logprobs,
-                                           prompt_logprobs=o.prompt_logprobs, meta=meta))
+                                           prompt_logprobs=o.prompt_logprobs, stop=tuple(o.stop), api=o.api,
+                                           client=client, grammar=o.json_schema or "", prompt_only=not o.max_tokens))
         c = Completion(handle.id, len(ids), handle=handle, api=o.api, top_logprobs=o.top_logprobs,
                        prompt_ids=tuple(ids))
         c._pieces = self._plain_pieces(c, handle, o)

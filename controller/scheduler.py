@@ -22,12 +22,12 @@ import random
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 import grpc
 
+from logicpipe.controller.job import Job, Request, RequestState, TokenUpdate
 from logicpipe.controller.journal import Journal
 from logicpipe.controller.pipeline import Pipeline
 from logicpipe.controller.pipelines import PipelineSet
@@ -45,7 +45,7 @@ from logicpipe.errors import (
     from_code,
 )
 from logicpipe.planner import Workload
-from logicpipe.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from logicpipe.sampling import MAX_TOP_LOGPROBS, TokenLogprob
 from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -62,121 +62,6 @@ WAIT_FOR_NODES_S = 60.0     # no plan fits the nodes there are: a queued request
 DEFAULT_SPECULATE = 4       # candidates per step unless the controller or the request says (rows 1..4 cost one step)
 MAX_SPECULATE = 16          # candidates per step a request may ask for (each is a row on every stage)
 ADMIT_RETRY_S = 0.5         # a refused admission is retried this often even if nothing finished
-
-
-class RequestState(Enum):
-    QUEUED = "queued"      # waiting for KV blocks (new, or preempted and to be replayed)
-    RUNNING = "running"    # its sequence is open on every stage
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class TokenUpdate:
-    token_id: int
-    finished: bool
-    finish_reason: str
-    logprob: TokenLogprob | None = None  # a request that asked for logprobs (None: not kept, e.g. before a restore)
-
-
-@dataclass(frozen=True)
-class Job:
-    """What one sequence asks of the mesh."""
-
-    prompt_ids: tuple[int, ...]
-    max_tokens: int                        # new tokens at most
-    sampling: SamplingParams = SamplingParams()
-    ignore_eos: bool = False               # the model's stop tokens do not end it
-    stop_ids: frozenset[int] = frozenset()  # stop tokens besides the model's
-    speculate: int | None = None           # candidates per step at most (None: the controller's --speculate)
-    prefill_chunk: int = 0                 # prompt tokens per step (0: the controller's choice)
-    parent: tuple[str, int] | None = None  # (session, positions): share its KV (the prompt starts with its tokens)
-    keep_open: bool = False                # the sequence stays open after it finishes, until released (forks)
-    request_id: str = ""                   # the client's id for it ("" : one is made); resumed by this id
-    top_logprobs: int | None = None        # each token's logprob and this many most likely ones (None: none)
-    prompt_logprobs: int | None = None     # ... each prompt token's too (from the second), this many most likely
-    sequence: int = 0                      # its index among its request's choices: mixed into its draws
-    meta: dict = field(default_factory=dict, hash=False, compare=False)  # the adapter's (stop strings, API), journaled
-
-
-def job_to_json(req: "Request") -> dict:
-    """What the journal keeps of a request: enough to open it again as it was (the seed included)."""
-    s = req.sampling
-    return {"prompt": req.prompt_ids, "max_tokens": req.max_tokens,
-            "sampling": [s.temperature, s.top_k, s.top_p, s.seed, s.presence_penalty, s.frequency_penalty,
-                         [list(b) for b in s.logit_bias]], "stop_ids": sorted(req.stop_ids),
-            "speculate": req.speculate, "chunk": req.chunk_asked, "meta": req.meta, "top_logprobs": req.top_logprobs,
-            "prompt_logprobs": req.prompt_logprobs}
-
-
-@dataclass
-class Request:
-    id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-    received: list[int] = field(default_factory=list)   # reported by the last stage (a replay's input)
-    top_logprobs: int | None = None  # asked for each token's logprob and this many most likely ones (None: not)
-    logprobs: list = field(default_factory=list)  # ... TokenLogprob | None per token of `received` (None: not kept)
-    prompt_logprobs: int | None = None  # asked for each prompt token's logprob (from the second) and this many top
-    prompt_lps: list | None = None      # ... their TokenLogprobs, once the last stage reported them
-    sequence: int = 0                   # its index among its request's choices (n > 1): mixed into its draws
-    delivered: int = 0        # tokens handed to a client (the most any of its readers got)
-    error: MeshError | None = None  # why it failed (its readers raise it after the tokens they have not read)
-    stage_reason: str = ""    # the finish reason the last stage reported with its last token
-    readers: int = 0          # clients reading its tokens now
-    restored: bool = False    # restored from the journal (no client yet: kept RETAIN_S for one to resume it)
-    detached_since: float = 0.0  # a restored request with no reader: since when
-    meta: dict = field(default_factory=dict)  # the adapter's (journaled)
-    state: RequestState = RequestState.QUEUED
-    session_id: str = ""      # the sequence open for it now (a new one per admission)
-    pipeline: Pipeline | None = None  # the pipeline (replica) its sequence is open on now, or was last
-    priority: int = 0         # arrival order: the stages preempt younger requests first
-    preemptions: int = 0
-    replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
-    failures: int = 0         # its sequence failed (a stage fault) with no token since the last failure
-    done: bool = False        # its last token was reported (the client may not have read it yet)
-    speculate: int = 0        # candidates per step at most (0: none)
-    chunk_asked: int = 0      # prompt rows per step the client asked for (0: the controller chooses)
-    prefill_chunk: int = 0    # ... used by its latest opening (0: the stage's budget)
-    decode_steps: int = 0     # pipeline trips that reported tokens
-    candidates: int = 0       # candidates verified in them
-    accepted: int = 0         # ... and accepted
-    parent: tuple[str, int] | None = None  # (session, positions) to fork from: its prompt starts with them
-    keep_open: bool = False   # its sequence stays open when it finishes (a parent of later forks)
-    ended: bool = False       # over for the mesh (counted, out of the queue and of `active`)
-    reader_failed: bool = False  # a reader was given a MeshError (no token in time, ...): failed, not cancelled
-    submitted: float = field(default_factory=time.monotonic)
-    queued_since: float = field(default_factory=time.monotonic)
-    opened: float = 0.0       # first opened on the stages
-    opened_now: float = 0.0   # its current session opened (after a preemption: the replay)
-    last_token: float = 0.0
-    first_token: float = 0.0
-    finished: float = 0.0
-    finish_reason: str = ""
-
-    _changed: asyncio.Event | None = None
-
-    @property
-    def capacity(self) -> int:
-        return len(self.prompt_ids) + self.max_tokens
-
-    @property
-    def tokens(self) -> list[int]:
-        """The tokens handed to its client(s)."""
-        return self.received[: self.delivered]
-
-    def changed(self) -> asyncio.Event:
-        """Set at the next change (a token, the end, an error, a state change)."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
-    def notify(self) -> None:
-        ev, self._changed = self._changed, None
-        if ev is not None:
-            ev.set()
 
 
 @dataclass
@@ -444,17 +329,15 @@ class Scheduler:
         sampling = job.sampling
         if not sampling.greedy and sampling.seed is None:  # a seed of our own: replays draw the same
             sampling = sampling.with_seed(random.getrandbits(63))
-        stops = (frozenset() if job.ignore_eos else self.config.stop_ids) | job.stop_ids
-        req = Request(job.request_id or uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, sampling, stops,
-                      priority=next(self._arrivals), parent=job.parent, keep_open=job.keep_open,
-                      speculate=self.config.speculate if job.speculate is None else job.speculate,
-                      chunk_asked=job.prefill_chunk, meta=dict(job.meta), top_logprobs=job.top_logprobs,
-                      prompt_logprobs=job.prompt_logprobs, sequence=job.sequence)
+        job = replace(job, request_id=job.request_id or uuid.uuid4().hex, sampling=sampling,
+                      stop_ids=(frozenset() if job.ignore_eos else self.config.stop_ids) | job.stop_ids,
+                      speculate=self.config.speculate if job.speculate is None else job.speculate)
+        req = Request(job.request_id, job, priority=next(self._arrivals))
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.requests[req.id] = req
         self.traffic.observe(len(self.requests), req.capacity)
         if job.parent is None and not job.keep_open:  # forks (outline points) live and die with their run
-            self.journal.admit(req.id, job_to_json(req), req.priority)
+            self.journal.admit(req.id, job.to_json(), req.priority)
         self.waiting.append(req)
         self.kick()
         return RequestHandle(self, req)
@@ -479,15 +362,8 @@ class Scheduler:
             if e.id in self.requests:
                 continue
             restored += 1
-            j = e.job
-            t, k, p, seed, *penalties = j["sampling"]  # (journals written before penalties have none)
-            presence, frequency, bias = penalties or (0.0, 0.0, [])
-            sampling = SamplingParams(t, k, p, seed, presence, frequency, tuple((int(i), float(b)) for i, b in bias))
-            req = Request(e.id, list(j["prompt"]), int(j["max_tokens"]), sampling,
-                          frozenset(j["stop_ids"]), received=list(e.tokens), priority=e.priority,
-                          speculate=int(j["speculate"]), chunk_asked=int(j["chunk"]), meta=dict(j.get("meta") or {}),
-                          restored=True, detached_since=now, top_logprobs=j.get("top_logprobs"),
-                          prompt_logprobs=j.get("prompt_logprobs"),
+            job = replace(Job.from_json(e.job), request_id=e.id)
+            req = Request(e.id, job, received=list(e.tokens), priority=e.priority, restored=True, detached_since=now,
                           logprobs=[None] * len(e.tokens))
             top = max(top, e.priority)
             self.requests[req.id] = req
@@ -512,17 +388,17 @@ class Scheduler:
                     last = req.done and i == len(req.received)
                     if i > req.delivered:
                         now = time.monotonic()  # a gap only after the token before it (not after a resume's skip)
-                        gap = now - req.last_token if req.delivered == i - 1 and req.last_token else None
+                        gap = now - req.times.last_token if req.delivered == i - 1 and req.times.last_token else None
                         req.delivered = i
                         self.stats.generated_tokens += 1
-                        req.last_token = now
+                        req.times.last_token = now
                         if i == 1:
-                            req.first_token = req.last_token
+                            req.times.first_token = req.times.last_token
                         if gap is not None:
                             for observe in self.gap_observers:
                                 observe(gap)
                     if last and req.state is not RequestState.FINISHED:
-                        req.state, req.finished, req.finish_reason = (RequestState.FINISHED, time.monotonic(),
+                        req.state, req.times.finished, req.finish_reason = (RequestState.FINISHED, time.monotonic(),
                                                                       req.stage_reason)
                         self.stats.completed += 1  # counted before the client takes it: it may close us right after
                     lp = req.logprobs[i - 1] if i <= len(req.logprobs) else None
@@ -550,7 +426,7 @@ class Scheduler:
         """The client ends `req` as finished (a stop string it found): a completed request, not a
         failed one."""
         if req.state is not RequestState.FINISHED:
-            req.state, req.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), reason
+            req.state, req.times.finished, req.finish_reason = RequestState.FINISHED, time.monotonic(), reason
             self.stats.completed += 1
         req.notify()
 
@@ -565,15 +441,15 @@ class Scheduler:
                 return
             except asyncio.TimeoutError:
                 now = time.monotonic()
-                since = max(req.last_token, req.opened_now)
+                since = max(req.times.last_token, req.times.opened_now)
                 if req.state is RequestState.RUNNING and now - since > TOKEN_TIMEOUT_S:
                     raise Unavailable(f"no token from the pipeline in {TOKEN_TIMEOUT_S:.0f} s") from None
                 wait_s = self.config.wait_for_nodes_s
                 if (req.state is RequestState.QUEUED and self.state.waiting  # across failed installs in between
-                        and now - max(req.queued_since, self.state.unready_since) > wait_s):
+                        and now - max(req.times.queued_since, self.state.unready_since) > wait_s):
                     raise ResourceExhausted(f"waited {wait_s:.0f} s for the mesh: {self.state.reason}") from None
-                if req.state is RequestState.QUEUED and now - req.queued_since > QUEUE_TIMEOUT_S + TOKEN_TIMEOUT_S:
-                    raise ResourceExhausted(f"waited {now - req.queued_since:.0f} s for the mesh; retry later") from None
+                if req.state is RequestState.QUEUED and now - req.times.queued_since > QUEUE_TIMEOUT_S + TOKEN_TIMEOUT_S:
+                    raise ResourceExhausted(f"waited {now - req.times.queued_since:.0f} s for the mesh; retry later") from None
                 if req.state is RequestState.QUEUED and req not in self.waiting and req.error is None:
                     raise Unavailable("the request left the admission queue without being opened") from None
                 if req.error is not None or req.received and len(req.received) > req.delivered:
@@ -657,7 +533,7 @@ class Scheduler:
                     return
         log.info("request %s %s (%s); replaying it with its %d tokens", req.id,
                  "preempted" if preempted else "interrupted", err, len(req.received))
-        req.state, req.queued_since = RequestState.QUEUED, time.monotonic()
+        req.state, req.times.queued_since = RequestState.QUEUED, time.monotonic()
         self.waiting.appendleft(req)
         req.notify()
         self.kick()
@@ -694,7 +570,7 @@ class Scheduler:
             try:
                 await self._open_somewhere(req)
             except ResourceExhausted as err:
-                if time.monotonic() - req.queued_since > QUEUE_TIMEOUT_S:
+                if time.monotonic() - req.times.queued_since > QUEUE_TIMEOUT_S:
                     if req in self.waiting:
                         self.waiting.remove(req)
                     self._fail(req, ResourceExhausted(
@@ -747,7 +623,7 @@ class Scheduler:
         tried: set[int] = set()
         parent = self._parent_pipeline(req)
         while True:
-            inputs = req.prompt_ids + req.received
+            inputs = req.inputs
             pipeline = parent or self.pipelines.route(inputs, req.capacity, self.load, frozenset(tried))
             if pipeline is None:
                 raise Unavailable("no pipeline serves now")
@@ -763,19 +639,19 @@ class Scheduler:
         """Open the request's sequence on every stage of `pipeline` and feed its input (prompt +
         tokens so far)."""
         session = uuid.uuid4().hex
-        inputs = req.prompt_ids + req.received
+        inputs = req.inputs
         generation, detaches = pipeline.generation, pipeline.detaches
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.received), priority=req.priority, speculate=req.speculate, sequence=req.sequence,
-            grammar=req.meta.get("grammar", ""))  # structured output: the last stage constrains to it
+            generated=len(req.received), priority=req.priority, speculate=req.speculate, sequence=req.job.sequence,
+            grammar=req.job.grammar)  # structured output: the last stage constrains to it
         if req.top_logprobs is not None:
             open_request.top_logprobs = req.top_logprobs
         if req.prompt_logprobs is not None and req.prompt_lps is None:  # (a replay after the first token: has them)
             open_request.prompt_logprobs = req.prompt_logprobs
         forked = req.parent[1] if req.parent is not None and not req.received else 0  # positions it shares
-        chunk = req.chunk_asked
+        chunk = req.job.prefill_chunk
         if not chunk:
             try:  # for the plan in force (a replay may run on another)
                 chunk = self.prefill_chunk(len(inputs) - forked, pipeline)
@@ -805,8 +681,8 @@ class Scheduler:
         self.opened[session] = req.pipeline = pipeline
         self.pipelines.remember(inputs, pipeline)
         req.session_id, req.state = session, RequestState.RUNNING
-        req.opened_now = time.monotonic()
-        req.opened = req.opened or req.opened_now
+        req.times.opened_now = time.monotonic()
+        req.times.opened = req.times.opened or req.times.opened_now
         self.active[session] = req
         start = min(cached, len(inputs) - 1)  # at least the last input is computed: it samples the next token
         try:

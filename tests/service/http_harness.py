@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +22,8 @@ from aiohttp import web
 
 from logicpipe.controller.http_api import HttpApi
 from logicpipe.controller.requests import FrontDoor
-from logicpipe.controller.scheduler import Job, Scheduler, SchedulerConfig, TokenUpdate
+from logicpipe.controller.job import Job, TokenUpdate
+from logicpipe.controller.scheduler import Scheduler, SchedulerConfig
 from logicpipe.controller.state import Phase
 from logicpipe.errors import AlreadyExists, NotFound
 from logicpipe.sampling import TokenLogprob
@@ -37,7 +38,7 @@ class FakeRequest:
     prompt_ids: list[int]
     max_tokens: int
     sampling: object
-    meta: dict = field(default_factory=dict)
+    job: Job | None = None
     session_id: str = ""
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -108,7 +109,7 @@ class FakeScheduler:
         if job.request_id in self.requests:
             raise AlreadyExists(f"request {job.request_id} exists; resume it instead of submitting it again")
         req = FakeRequest(job.request_id or uuid.uuid4().hex, list(job.prompt_ids), job.max_tokens, job.sampling,
-                          dict(job.meta), session_id=uuid.uuid4().hex, top_logprobs=job.top_logprobs,
+                          job, session_id=uuid.uuid4().hex, top_logprobs=job.top_logprobs,
                           prompt_logprobs=job.prompt_logprobs)
         handle = self.requests[req.id] = FakeHandle(self, req)
         return handle

@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 
-from logicpipe.controller.scheduler import Job
+from logicpipe.controller.job import Job
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2
 

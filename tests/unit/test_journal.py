@@ -5,6 +5,7 @@ OpenSession whose plan is replaced under it, and the stages' fencing of replaced
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from logicpipe.controller.journal import Journal, JournalError
 from logicpipe.controller.pipeline import Pipeline, StageHandle
 from logicpipe.controller.pipelines import PipelineSet
-from logicpipe.controller.scheduler import MAX_REPLAYS, Job, Scheduler, SchedulerConfig
+from logicpipe.controller.job import Job
+from logicpipe.controller.scheduler import MAX_REPLAYS, Scheduler, SchedulerConfig
 from logicpipe.controller.state import MeshState, Phase
 from logicpipe.errors import Unavailable, code_number
 from logicpipe.v1 import stage_pb2
@@ -182,3 +184,20 @@ def test_an_open_whose_plan_is_replaced_meanwhile_is_unavailable_not_a_crash():
             await pipe.open_session(stage_pb2.OpenSessionRequest(session_id="s"))
 
     asyncio.run(main())
+
+
+def test_a_job_is_journaled_by_its_named_fields_and_older_journals_still_read():
+    from logicpipe.sampling import SamplingParams
+
+    job = Job((5, 6, 7), 9, SamplingParams(0.7, 40, 0.9, 123, 0.5, -0.25, ((3, 1.5),)), stop_ids=frozenset({2, 0}),
+              speculate=3, prefill_chunk=64, request_id="x", top_logprobs=2, sequence=1, stop=("END",), api="chat",
+              client="alice", grammar='{"type": "object"}', prompt_only=True)
+    doc = job.to_json()
+    assert doc["sampling"]["seed"] == 123 and doc["client"] == "alice" and "meta" not in doc
+    assert Job.from_json(json.loads(json.dumps(doc))) == job
+    older = {"prompt": [5, 6, 7], "max_tokens": 9, "sampling": [0.7, 40, 0.9, 123], "stop_ids": [0, 2],
+             "speculate": 3, "chunk": 64, "meta": {"stop": ["END"], "api": "chat", "client": "alice"},
+             "top_logprobs": 2, "prompt_logprobs": None}
+    old = Job.from_json(older)
+    assert (old.sampling.seed, old.sampling.presence_penalty, old.stop, old.api, old.client, old.prefill_chunk) == \
+        (123, 0.0, ("END",), "chat", "alice", 64)

@@ -13,7 +13,7 @@ import pytest
 from logicpipe.controller import scheduler as scheduler_mod
 from logicpipe.controller.journal import Journal
 from logicpipe.controller.metrics import Metrics
-from logicpipe.controller.scheduler import Job
+from logicpipe.controller.job import Job
 from logicpipe.errors import Unavailable, code_number
 from logicpipe.v1 import stage_pb2
 from tests.unit.test_journal import scheduler, tokens, until
