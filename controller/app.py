@@ -139,7 +139,8 @@ class ControllerApp:
         self.profiles: list = []
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.state = MeshState()    # its one owner: set here only
-        self.pipelines = PipelineSet(transport, self._on_event, self._on_stage_lost, on_stage_back=self._on_stage_back)
+        # membership alone decides whether a node is alive; the pipelines report hints (_on_stage_lost)
+        self.pipelines = PipelineSet(transport, self._on_event, self._on_stage_lost, why_down=self._why_down)
         self.pipelines.revoked = list(self.revocations)  # every Assign carries them
         self.chunks = planning.PrefillChunks(options.prefill_chunk)
         self.scheduler = Scheduler(
@@ -206,13 +207,17 @@ class ControllerApp:
         self.scheduler.on_event(ev)
 
     def _on_stage_lost(self, address: str, reason: str) -> None:
+        """A pipeline's hint about one of its stages (no answer to its probes, its event stream
+        ended, it serves another plan): membership takes the node as down (it alone brings it
+        back, when its own probe is answered), and the broken pipeline is re-planned."""
         self.state.set(Phase.DEGRADED, f"stage {address} is down ({reason}); re-planning")
         self.members.mark_down(address, reason)
         self.request_replan(f"stage {address} lost: {reason}")
 
-    def _on_stage_back(self, address: str) -> None:
-        if not self.pipelines.down and self.state.phase is Phase.DEGRADED:
-            self.state.set(Phase.READY)
+    def _why_down(self, address: str) -> str:
+        """Membership's word on the node at `address`: why it cannot serve ("" when it can)."""
+        m = self.members.by_address.get(address)
+        return m.why_not() if m is not None else ""
 
     def not_serving(self) -> str:
         """Why this controller takes no requests now ("" when it does)."""
@@ -327,7 +332,7 @@ class ControllerApp:
         for p in self.pipelines.all:
             for h in p.stages:
                 m = self.members.by_address.get(h.address)
-                if h.lost or h.down_reason or (m is not None and not m.usable):
+                if h.lost or (m is not None and not m.usable):
                     out.append(p)
                     break
             else:
@@ -497,7 +502,7 @@ class ControllerApp:
             self.state.set(Phase.REPLANNING if self.plan is not None else Phase.PLANNING,
                            f"installing a new plan ({why})")
         for p in dropped:
-            alive = [h for h in p.stages if not h.lost and not h.down_reason]
+            alive = [h for h in p.stages if not h.lost and not self._why_down(h.address)]
             if sessions and alive:  # free them on the old stages still there (else their TTL does)
                 try:
                     await asyncio.wait_for(p.close_session_many(sessions, alive), CLOSE_WAIT_S)

@@ -53,9 +53,9 @@ class StageHandle:
     parameter_count: int = 0
     status: stage_pb2.StatusReply | None = None
     events_task: asyncio.Task | None = field(default=None, repr=False)
-    misses: int = 0          # Status probes unanswered in a row
-    down_reason: str = ""    # why it counts as down ("" while it answers)
-    lost: bool = False       # its event stream ended: only a new plan brings it back
+    misses: int = 0          # Status probes unanswered in a row (reported to membership as a hint)
+    down_reason: str = ""    # why it was lost ("" while it is not)
+    lost: bool = False       # its event stream ended, or it serves another plan: only a new plan brings it back
 
     @property
     def kv_positions(self) -> int:
@@ -116,12 +116,12 @@ class Pipeline:
 
     def __init__(self, transport: Transport, on_event: Callable[[stage_pb2.Event], None],
                  on_stage_lost: Callable[[str, str], None], owner: str = "",
-                 on_stage_back: Callable[[str], None] = lambda address: None, *,
+                 why_down: Callable[[str], str] = lambda address: "", *,
                  identity: ControllerIdentity | None = None, index: int = 0):
         self.transport = transport
         self._on_event = on_event
         self._on_stage_lost = on_stage_lost
-        self._on_stage_back = on_stage_back
+        self.why_down = why_down  # membership's word on a node (by address): why it is down, "" when it is alive
         self._pending_closes: dict[str, set[str]] = {}  # stage address -> sessions to close there again
         self._monitor: asyncio.Task | None = None
         self.identity = identity if identity is not None else ControllerIdentity(**({"owner": owner} if owner else {}))
@@ -247,13 +247,19 @@ class Pipeline:
 
     @property
     def down(self) -> list[tuple[str, str]]:
-        """(address, why) of every stage that does not answer or was lost."""
-        return [(h.address, h.down_reason) for h in self.stages if h.down_reason]
+        """(address, why) of every stage that was lost or whose node membership holds down."""
+        out = []
+        for h in self.stages:
+            why = h.down_reason if h.lost else self.why_down(h.address)
+            if why:
+                out.append((h.address, why))
+        return out
 
     async def _watch_health(self) -> None:
-        """Probe every stage each PROBE_INTERVAL_S: one silent for DOWN_AFTER_MISSES probes is down
-        (its requests fail at once instead of waiting for tokens); one that answers again with the
-        plan in force is back. Closes that failed are retried on stages that answer."""
+        """Probe every stage each PROBE_INTERVAL_S (faster than membership's round): one silent for
+        DOWN_AFTER_MISSES probes is reported (`on_stage_lost`, a hint: membership decides whether
+        the node is down); one that serves another plan generation is lost. Closes that failed are
+        retried on stages that answer."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             stages = list(self.stages)
@@ -262,10 +268,10 @@ class Pipeline:
             for h, r in zip(stages, replies):
                 if isinstance(r, BaseException):
                     h.misses += 1
-                    if h.misses >= DOWN_AFTER_MISSES and not h.down_reason:
-                        h.down_reason = f"no answer to {h.misses} status probes in a row"
-                        log.warning("stage %s (%s) is down: %s", h.node_id, h.address, h.down_reason)
-                        self._on_stage_lost(h.address, h.down_reason)
+                    if h.misses == DOWN_AFTER_MISSES:
+                        why = f"no answer to {h.misses} status probes in a row"
+                        log.warning("stage %s (%s): %s", h.node_id, h.address, why)
+                        self._on_stage_lost(h.address, why)
                     continue
                 h.misses, h.status = 0, r
                 if r.generation != self.generation and not h.lost and h in self.stages:
@@ -277,11 +283,7 @@ class Pipeline:
                     log.warning("stage %s (%s) left our plan: %s", h.node_id, h.address, h.down_reason)
                     self._on_stage_lost(h.address, h.down_reason)
                     continue
-                if h.down_reason and not h.lost and r.generation == self.generation:
-                    log.info("stage %s (%s) answers again", h.node_id, h.address)
-                    h.down_reason = ""
-                    self._on_stage_back(h.address)
-                if not h.down_reason and self._pending_closes.get(h.address):
+                if not self.why_down(h.address) and self._pending_closes.get(h.address):
                     await self._retry_closes(h)
 
     async def _retry_closes(self, h: StageHandle) -> None:

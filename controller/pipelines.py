@@ -30,10 +30,11 @@ class PipelineSet:
     """The controller's pipelines (replicas), in the order of the plan in force."""
 
     def __init__(self, transport: Transport, on_event: Callable[[stage_pb2.Event], None],
-                 on_stage_lost: Callable[[str, str], None], on_stage_back: Callable[[str], None] = lambda a: None,
+                 on_stage_lost: Callable[[str, str], None], why_down: Callable[[str], str] = lambda a: "",
                  owner: str = ""):
         self.transport = transport
-        self._callbacks = (on_event, on_stage_lost, on_stage_back)
+        # on_stage_lost: a stage's hint (no answer, lost); why_down: membership's word on a node's address
+        self._callbacks = (on_event, on_stage_lost, why_down)
         self.identity = ControllerIdentity(**({"owner": owner} if owner else {}))
         self.all: list[Pipeline] = []
         self._generation = 0
@@ -81,8 +82,8 @@ class PipelineSet:
     # ---- the set ----------------------------------------------------------------------------
     def new(self) -> Pipeline:
         """A pipeline not installed yet, sharing our identity (the caller installs and adds it)."""
-        on_event, on_lost, on_back = self._callbacks
-        return Pipeline(self.transport, on_event, on_lost, on_stage_back=on_back, identity=self.identity)
+        on_event, on_lost, why_down = self._callbacks
+        return Pipeline(self.transport, on_event, on_lost, why_down=why_down, identity=self.identity)
 
     def replace(self, pipelines: list[Pipeline]) -> None:
         """The pipelines in force from now on, numbered in this order."""

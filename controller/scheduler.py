@@ -550,7 +550,7 @@ class Scheduler:
         while self.waiting:
             self._wake.clear()
             req = self.waiting[0]
-            if not self.state.admitting or not self.pipelines.serving():
+            if not self.pipelines.serving() or not (self.state.admitting or self.state.replanning):
                 try:  # the app resumes us; the timeout re-checks a stage that came back
                     await asyncio.wait_for(self._wake.wait(), ADMIT_RETRY_S)
                 except asyncio.TimeoutError:

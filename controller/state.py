@@ -43,6 +43,11 @@ class MeshState:
         return self.phase is Phase.READY
 
     @property
+    def replanning(self) -> bool:
+        """A plan is being made or a stage is down: pipelines that serve still take requests."""
+        return self.phase in (Phase.DEGRADED, Phase.REPLANNING)
+
+    @property
     def waiting(self) -> bool:
         """No plan fits the nodes there are: queued requests wait for one, bounded."""
         return self.phase is Phase.WAITING

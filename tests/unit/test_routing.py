@@ -48,8 +48,11 @@ def test_only_serving_pipelines_that_hold_the_request_are_chosen():
     ps = pipelines(100.0, 100.0, 100.0)
     a, b, c = ps.all
     a.retired = True
-    b.stages[0].down_reason = "no answer"
+    b.stages[0].lost, b.stages[0].down_reason = True, "its event stream ended"
     assert ps.serving() == [c] and ps.route([1, 2], 10, lambda p: 0) is c
+    c.why_down = lambda address: "drained"  # membership's word: that node is out
+    assert ps.serving() == [] and c.down == [(c.stages[0].address, "drained")]
+    c.why_down = lambda address: ""
     assert ps.route([1, 2], 10, lambda p: 0, exclude=frozenset({id(c)})) is None
     c.stages[0].status = SimpleNamespace(kv_blocks_total=4, block_size=16)  # 64 positions in all
     assert ps.route([1, 2], 65, lambda p: 0) is None and ps.route([1, 2], 64, lambda p: 0) is c
