@@ -21,7 +21,7 @@ from logicpipe.common.families import MoE
 from logicpipe.stage_node.ops import Rows, linear
 from logicpipe.stage_node.weights import Experts
 
-GATHER_MAX_ROWS = 32  # CUDA: steps up to this many rows take the gathered way (the graphs' largest bucket)
+GATHER_MAX_ROWS = 32  # CUDA: steps up to this many rows take the gathered way (the largest graph bucket of an MoE stage)
 
 
 def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,8 @@ a NaN there would pass the mask), and the RoPE tables are grown to the
 largest bucket before the first capture and held, so the captured addresses stay valid.
 
 Buckets: rows 1, 2, 4, 8, 16, 32, 64, 128, 256 (issue 32: a step of 64 rows ran eagerly, 27 ms
-against 8.8 for 32 rows in a graph); context a power of two from 256 up to the model's positions (at
+against 8.8 for 32 rows in a graph; past 32 only with the batch-invariant kernels and no mixture of
+experts, whose bodies gather keys or experts per row); context a power of two from 256 up to the model's positions (at
 most 8,192). A step with more rows or a longer context runs eagerly. Graphs are captured when a
 bucket is first used (a few hundred ms for an 8B stage) into one shared memory pool. A capture that
 fails turns graphs off for the stage (logged), and it goes on eagerly.
@@ -52,6 +53,7 @@ from logicpipe.stage_node.ops import softcap
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SMALL_ROWS = 32  # the largest bucket where the body gathers keys (batch-invariant kernels off) or experts (MoE)
 MIN_CONTEXT = 256
 MAX_CONTEXT = 8192
 
@@ -115,6 +117,10 @@ class StepGraphs:
         for kind, rope in shard.ropes.items():
             rope.lookup(0, self.max_context)
             self.tables[kind] = (rope.cos, rope.sin_signed)
+        # past 32 rows only with the batch-invariant kernels (attention reads the pool by slot; the
+        # gathering body would copy rows x context keys) and no mixture of experts (gathered up to 32)
+        big = shard.batch_invariant and shard.arch.moe is None
+        self.row_buckets = tuple(r for r in ROW_BUCKETS if big or r <= SMALL_ROWS)
         self.capture = capture
         self.disabled = False
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -129,7 +135,7 @@ class StepGraphs:
         out, ctx = [], MIN_CONTEXT
         while True:
             top = -(-min(ctx, self.max_context) // self.block_size) * self.block_size
-            out += [(r, top) for r in ROW_BUCKETS if (r, top) not in out]
+            out += [(r, top) for r in self.row_buckets if (r, top) not in out]
             if ctx >= self.max_context:
                 return out
             ctx *= 2
@@ -151,9 +157,9 @@ class StepGraphs:
     def bucket(self, rows: int, stop: int) -> tuple[int, int] | None:
         """The (rows, context) bucket of a step of `rows` rows reading up to position `stop`, or
         None when it is too large for a graph."""
-        if self.disabled or rows > ROW_BUCKETS[-1] or stop > self.max_context:
+        if self.disabled or rows > self.row_buckets[-1] or stop > self.max_context:
             return None
-        r = next(b for b in ROW_BUCKETS if b >= rows)
+        r = next(b for b in self.row_buckets if b >= rows)
         ctx = MIN_CONTEXT
         while ctx < stop:
             ctx *= 2

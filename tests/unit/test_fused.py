@@ -184,14 +184,14 @@ def test_layers_fused_match_the_forward(interpret, tmp_path):
 
 def test_every_bucket_is_warmed(tmp_path):
     """StepGraphs.buckets (what the start-up captures) holds the bucket of every step that has one."""
-    from logicpipe.stage_node.step_graphs import ROW_BUCKETS, StepGraphs
+    from logicpipe.stage_node.step_graphs import StepGraphs
 
     plain_llama(tmp_path)
     shard = Shard.load(tmp_path, 0, 3, first=True, last=True)
     graphs = StepGraphs(shard, shard.new_pool(40, 16), capture=False)
     buckets = graphs.buckets()
     assert len(buckets) == len(set(buckets))
-    for rows in range(1, ROW_BUCKETS[-1] + 1):
+    for rows in range(1, graphs.row_buckets[-1] + 1):
         for stop in range(1, graphs.max_context + 1, 7):
             assert graphs.bucket(rows, stop) in buckets
-    assert graphs.bucket(ROW_BUCKETS[-1] + 1, 1) is None
+    assert graphs.bucket(graphs.row_buckets[-1] + 1, 1) is None

@@ -83,9 +83,15 @@ def test_buckets(shard):
     assert graphs.max_context == 128 < MIN_CONTEXT  # buckets stop at the model's positions
     assert graphs.bucket(1, 1) == (1, 128)
     assert graphs.bucket(3, 100) == (4, 128)
-    assert graphs.bucket(ROW_BUCKETS[-1], 10) == (ROW_BUCKETS[-1], 128)
-    assert graphs.bucket(ROW_BUCKETS[-1] + 1, 10) is None  # too many rows: eager
+    assert graphs.bucket(graphs.row_buckets[-1], 10) == (graphs.row_buckets[-1], 128)
+    assert graphs.bucket(graphs.row_buckets[-1] + 1, 10) is None  # too many rows: eager
     assert graphs.bucket(1, 129) is None  # past the model's positions: eager
+    assert graphs.row_buckets[-1] == 32  # without the batch-invariant kernels the body gathers keys: 32 rows at most
+    shard.batch_invariant = True
+    try:  # with them (CUDA's default), steps of up to 256 rows have a graph (issue 32)
+        assert StepGraphs(shard, shard.new_pool(4, BS), capture=False).row_buckets == ROW_BUCKETS
+    finally:
+        shard.batch_invariant = False
     graphs.max_context = 4096
     assert graphs.bucket(2, 300) == (2, 512) and graphs.bucket(5, 4000) == (8, 4096)
     graphs.disabled = True
