@@ -1,7 +1,7 @@
-"""The controller's mesh: the model, the nodes, the plan in force and the requests on it. The app
-owns the mesh state (controller.state) and re-plans when membership changes (a node joins, is
-drained, leaves, dies, comes back): running requests move to the new plan by replaying their
-tokens, so none is lost and greedy output does not change."""
+"""The controller's mesh: the model, the nodes (membership), the pipelines in force and the
+requests on them. The app wires the parts and owns the mesh state (controller.state); re-planning
+is the Replanner's (controller.replanning), the operator's commands are OperatorCommands'
+(controller.commands)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,27 +15,18 @@ from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import Transport
 from logicpipe.controller import planning
+from logicpipe.controller.commands import OperatorCommands
 from logicpipe.controller.journal import Journal
-from logicpipe.controller.membership import NOT_PROBED, Members
-from logicpipe.controller.pipeline import Pipeline, StageAssignment
+from logicpipe.controller.membership import Members
+from logicpipe.controller.pipeline import Pipeline
 from logicpipe.controller.pipelines import PipelineSet
+from logicpipe.controller.replanning import Replanner
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler, SchedulerConfig
 from logicpipe.controller.state import MeshState, Phase
 from logicpipe.controller.text import load_tokenizer
-from logicpipe.errors import FailedPrecondition, Fenced, InvalidArgument, MeshError, NotFound, Unavailable
-from logicpipe.planner import Link, Workload
-from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
-DEBOUNCE_S = 0.3        # changes this close together make one re-plan (a burst: until it is quiet this long ...)
-MAX_DEBOUNCE_S = 2.0    # ... or this long after its first change)
-HOLD_S = 10.0           # a plan that still serves is replaced for a better one (a node back, a join) only once
-                        # the last plan has served this long: in a storm of faults, running requests move once
-                        # per fault, not again for every node that comes back
-RETRY_S = 1.0           # a re-plan that failed is tried again after this
-CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
-PUSH_TIMEOUT_S = 5.0    # a node that does not take the revocation list this fast gets it with its next Assign
 
 
 @dataclass(frozen=True)
@@ -133,40 +124,27 @@ class ControllerApp:
         self.on_step_down: list = []  # callbacks run once when fenced (main: stop the process)
         self.num_layers = self.config.num_layers
         self.spec = planning.model_spec(self.config, self.model_dir.name, self.digest, options.dtype)
-        self.workload = Workload(context_tokens=min(options.context, self.config.max_position_embeddings))
-        self.plan = None            # planner.MeshPlan in force: its pipelines, in the order of self.pipelines.all
-        self.plan_json = ""
-        self.profiles: list = []
-        self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.state = MeshState()    # its one owner: set here only
+        self.replanner = Replanner(self)        # the plan in force and the next one
+        self.commands = OperatorCommands(self)  # drain, revoke, leave, register, plan previews
         # membership alone decides whether a node is alive; the pipelines report hints (_on_stage_lost)
-        self.pipelines = PipelineSet(transport, self._on_event, self._on_stage_lost, why_down=self._why_down)
+        self.pipelines = PipelineSet(transport, self._on_event, self._on_stage_lost, why_down=self.why_down)
         self.pipelines.revoked = list(self.revocations)  # every Assign carries them
         self.chunks = planning.PrefillChunks(options.prefill_chunk)
         self.scheduler = Scheduler(
             self.pipelines, self.state,
             SchedulerConfig(self.config.max_position_embeddings, frozenset(self.config.eos_token_ids),
                             self.config.vocab_size, options.speculate, options.wait_for_nodes_s),
-            prefill_chunk=self.prefill_chunk_for, on_trouble=lambda why: self.request_replan(f"a stage fault: {why}"),
+            prefill_chunk=self.prefill_chunk_for,
+            on_trouble=lambda why: self.replanner.request_replan(f"a stage fault: {why}"),
             journal=self.journal, on_fenced=self.on_fenced)
-        self.members = Members(self.pipelines.probe, self.request_replan)
-        self.last_replan, self.last_replan_s, self.replans = "", 0.0, 0
-        self.plan_changed = asyncio.Event()  # set (and replaced) each time a plan is installed or given up
-        self._reasons: list[str] = []
-        self._since = 0.0
-        self._trigger = asyncio.Event()
-        self._replanner: asyncio.Task | None = None
-        self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
-        self._tasks: set[asyncio.Task] = set()
+        self.members = Members(self.pipelines.probe, self.replanner.request_replan)
         self._browser: Browser | None = None
-        self._installed_at = 0.0      # when the plan in force was installed (monotonic)
-        self._now = False             # the re-plan in progress was asked for by an operator (drain, revoke, leave)
-        self._recheck: asyncio.TimerHandle | None = None
 
     def prefill_chunk_for(self, prompt_tokens: int, pipeline: Pipeline) -> int:
         """Prompt rows per step on `pipeline`'s stage 0 for a prompt of this many tokens
         (planning.PrefillChunks)."""
-        return self.chunks.choose(prompt_tokens, pipeline.generation, pipeline.plan, self.profiles, self.spec)
+        return self.chunks.choose(prompt_tokens, pipeline.generation, pipeline.plan, self.replanner.profiles, self.spec)
 
     def stage_views(self, pipeline: Pipeline | None = None) -> list[StageView]:
         """The stages of every pipeline (or of `pipeline`), pipeline by pipeline."""
@@ -179,30 +157,18 @@ class ControllerApp:
                              p in serving) for p in self.pipelines.all]
 
     def snapshot(self) -> ControllerSnapshot:
-        sched = self.scheduler
+        sched, r = self.scheduler, self.replanner
         return ControllerSnapshot(
             model_dir=str(self.model_dir), phase=self.state.phase, reason=self.state.reason,
-            plan_id=self.pipelines.plan_id, plan_generation=self.pipelines.generation, plan_json=self.plan_json,
+            plan_id=self.pipelines.plan_id, plan_generation=self.pipelines.generation, plan_json=r.plan_json,
             micro_batches=self.pipelines.micro_batches, speculate=sched.config.speculate, running=sched.running,
             queued=len(sched.waiting), stats=replace(sched.stats), stages=self.stage_views(),
-            last_replan=self.last_replan, last_replan_s=self.last_replan_s, replans=self.replans,
-            links={a: dict(b) for a, b in self.links.items()}, role=self.role,
+            last_replan=r.last_replan, last_replan_s=r.last_replan_s, replans=r.replans,
+            links={a: dict(b) for a, b in r.links.items()}, role=self.role,
             epoch=self.pipelines.epoch or self.journal.epoch, active=self.active_peer,
             journaled=len(self.journal.entries), pipelines=self.pipeline_views())
 
     # ---- membership ---------------------------------------------------------------------------
-    def request_replan(self, why: str) -> None:
-        """Something changed, or may have: plan again soon (a plan that still serves is kept)."""
-        if not self._reasons:
-            self._since = time.monotonic()
-        self._reasons.append(why)
-        self._trigger.set()
-
-    def _later(self, delay: float, why: str) -> None:
-        """Plan again after `delay` s (once, however often asked meanwhile)."""
-        if self._recheck is None or self._recheck.cancelled() or self._recheck.when() < asyncio.get_running_loop().time():
-            self._recheck = asyncio.get_running_loop().call_later(max(0.1, delay), self.request_replan, why)
-
     def _on_event(self, ev) -> None:
         self.scheduler.on_event(ev)
 
@@ -212,9 +178,9 @@ class ControllerApp:
         back, when its own probe is answered), and the broken pipeline is re-planned."""
         self.state.set(Phase.DEGRADED, f"stage {address} is down ({reason}); re-planning")
         self.members.mark_down(address, reason)
-        self.request_replan(f"stage {address} lost: {reason}")
+        self.replanner.request_replan(f"stage {address} lost: {reason}")
 
-    def _why_down(self, address: str) -> str:
+    def why_down(self, address: str) -> str:
         """Membership's word on the node at `address`: why it cannot serve ("" when it can)."""
         m = self.members.by_address.get(address)
         return m.why_not() if m is not None else ""
@@ -274,433 +240,21 @@ class ControllerApp:
                                     lambda node_id: self.members.gone(node_id, "its mDNS record was withdrawn"),
                                     interface=mdns_interface, mesh=self.options.mesh)
             await self._browser.start()
-        self._replanner = asyncio.create_task(self._replan_loop(), name="replanner")
+        self.replanner.start()
 
     async def wait_ready(self, timeout: float) -> bool:
         """Until a plan serves (or `timeout` s)."""
         deadline = time.monotonic() + timeout
         while not self.state.admitting and time.monotonic() < deadline:
             try:
-                await asyncio.wait_for(self.plan_changed.wait(), max(0.01, deadline - time.monotonic()))
+                await asyncio.wait_for(self.replanner.plan_changed.wait(), max(0.01, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 break
         return self.state.admitting
 
-    # ---- planning -----------------------------------------------------------------------------
-    async def _replan_loop(self) -> None:
-        while True:
-            await self._trigger.wait()
-            first = time.monotonic()
-            while True:  # a burst of changes (deaths, restarts, joins) makes one re-plan
-                self._trigger.clear()
-                await asyncio.sleep(DEBOUNCE_S)
-                if not self._trigger.is_set() or time.monotonic() - first >= MAX_DEBOUNCE_S:
-                    break
-            if self.plan is None:
-                await self._settle()
-            self._trigger.clear()
-            reasons, since, self._reasons = self._reasons, self._since, []
-            why = "; ".join(dict.fromkeys(reasons)) or "a check"
-            try:
-                async with self._plan_lock:
-                    await self.replan(why, since)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 — try again: requests are waiting for it
-                log.warning("re-plan (%s) failed: %s; trying again in %.0f s", why, exc, RETRY_S,
-                            exc_info=not isinstance(exc, MeshError))
-                if self._broken():  # no plan serves: requests wait for one, bounded
-                    self.state.set(Phase.WAITING, f"re-plan failed: {exc}")
-                else:  # the plan in force still serves
-                    self.state.set(Phase.READY)
-                await asyncio.sleep(RETRY_S)
-                self.request_replan(why)
-
-    async def _settle(self) -> None:
-        """Before the first plan: until every known node has answered once, and (with mDNS, where
-        nodes show up one by one) settle_s after the first trigger, so the first plan sees them all."""
-        deadline = self._since + self.options.settle_s
-        while time.monotonic() < deadline:
-            unprobed = any(m.down == NOT_PROBED for m in self.members.by_address.values())
-            if not unprobed and not self.options.mdns and self.members.by_address:
-                return
-            await asyncio.sleep(0.1)
-
-    def _broken_pipelines(self) -> list[Pipeline]:
-        """The pipelines in force that cannot serve: a stage lost or down, or its node drained or leaving."""
-        out = []
-        for p in self.pipelines.all:
-            for h in p.stages:
-                m = self.members.by_address.get(h.address)
-                if h.lost or (m is not None and not m.usable):
-                    out.append(p)
-                    break
-            else:
-                if not p.stages:
-                    out.append(p)
-        return out
-
-    def _broken(self) -> bool:
-        """No pipeline serves: none installed, or every one broken."""
-        return not self.pipelines.all or len(self._broken_pipelines()) == len(self.pipelines.all)
-
-    async def replan(self, why: str, since: float | None = None) -> bool:
-        """Plan over the usable nodes and install what changes. A pipeline that broke (a node
-        lost, drained, leaving) is replaced over the nodes no serving pipeline holds, and only its
-        requests move: the other pipelines go on untouched. With nothing broken (a join, a node
-        back, the workload changed), a plan over all the nodes replaces the one in force when its
-        predicted speed is better by replan_gain (the pipelines it keeps as they are go on
-        untouched), else nodes no pipeline uses start pipelines of their own. Returns whether
-        anything new was installed."""
-        since = since or time.monotonic()
-        if self.fenced:
-            return False  # stepping down: another controller steers the mesh
-        broken = self._broken_pipelines()
-        kept = [p for p in self.pipelines.all if p not in broken]
-        usable = [m for m in self.members.usable() if m.status is not None and m.node_id not in self.revocations]
-        if not usable:
-            self._give_up(not kept, "no stage nodes yet" if not self.members.by_address else
-                          "no usable stage node (" + "; ".join(f"{m.address}: {m.why_not()}"
-                                                               for m in self.members.by_address.values()) + ")")
-            return False
-        ids = {m.node_id: m.address for m in usable}
-        await self._measure_links(ids)
-        usable = [m for m in usable if m.usable]  # a node whose links failed is out
-        ids = {m.node_id: m.address for m in usable}
-        self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
-                                                 self.spec) for m in usable]
-        self.workload = self.scheduler.traffic.workload(self.options.context, self.config.max_position_embeddings)
-        try:
-            mesh = self._choose(kept, broken, why)
-        except InvalidArgument as exc:
-            self._give_up(not kept, f"no plan fits the {len(usable)} usable node(s): {exc}")
-            if kept and broken:  # the others serve on; the broken ones go
-                await self._install(planning.evaluate(self._plans(kept), self.profiles, self.spec, self.workload,
-                                                      self.options), ids, why, since)
-                return True
-            return False
-        if mesh is None:
-            self.state.set(Phase.READY)  # a fault that healed before the re-plan may have paused admission
-            return False
-        await self._install(mesh, ids, why, since)
-        return True
-
-    @staticmethod
-    def _plans(pipelines: list[Pipeline]) -> list:
-        return [p.plan for p in pipelines if p.plan is not None]
-
-    def _choose(self, kept: list[Pipeline], broken: list[Pipeline], why: str):
-        """The planner.MeshPlan to install now, or None to keep the plan in force (see `replan`).
-        InvalidArgument when no pipeline fits the nodes it may use."""
-        o, spec, workload = self.options, self.spec, self.workload
-        if self.plan is None:
-            return planning.reuse_or_plan(o.plan_path, self.profiles, spec, workload, o)
-        in_use = {s.node_id for p in kept for s in (p.plan.stages if p.plan else ())}
-        free = [p for p in self.profiles if p.node_id not in in_use]
-        left = o.replicas - len(kept) if o.replicas else 0
-
-        def extra() -> list:
-            if not free or (o.replicas and left <= 0):
-                return []
-            try:
-                return list(planning.mesh_for(free, spec, workload, o, replicas=left).pipelines)
-            except InvalidArgument:
-                if kept:
-                    return []  # the free nodes make no pipeline: the kept ones serve on
-                raise
-
-        if broken or not kept:
-            return planning.evaluate(self._plans(kept) + extra(), self.profiles, spec, workload, o)
-        full = planning.mesh_for(self.profiles, spec, workload, o)
-        current = planning.evaluate(self._plans(kept), self.profiles, spec, workload, o)
-        if planning.same_pipelines(full, current):
-            log.info("%s: keeping the plan in force (%s)", why, planning.describe(current))
-            return None
-        if planning.extends(full, current):
-            return full  # only pipelines added: nothing in force moves
-        grown = extra()
-        if planning.better(full, current, o):
-            served = time.monotonic() - self._installed_at
-            if self.scheduler.running and served < HOLD_S and not self._now:
-                # better, but the plan in force serves and was installed just now: moving its running
-                # requests again waits until the mesh has been quiet for a while
-                log.info("%s: a better plan (%s vs %s) waits %.1f s more (the plan in force is new)",
-                         why, planning.describe(full), planning.describe(current), HOLD_S - served)
-                self._later(HOLD_S - served, why)
-            else:
-                return full
-        if grown:
-            return planning.evaluate(self._plans(kept) + grown, self.profiles, spec, workload, o)
-        log.info("%s: keeping the plan in force (%s; a new one would be %s)", why, planning.describe(current),
-                 planning.describe(full))
-        return None
-
-    def _give_up(self, broken: bool, why: str) -> None:
-        """No plan now: when no pipeline serves, requests wait (bounded) for nodes."""
-        if not broken:
-            log.info("keeping the plan in force: %s", why)
-            self.state.set(Phase.READY)
-            return
-        log.warning("waiting for nodes: %s", why)
-        self.state.set(Phase.WAITING, why)
-        for p in self.pipelines.all:
-            p.retired = True
-        sessions = self.scheduler.detach_all()
-        for p in self.pipelines.all:
-            for session in sessions:
-                p.close_session_soon(session)
-        self.plan_changed.set()
-        self.plan_changed = asyncio.Event()
-
-    async def _measure_links(self, ids: dict[str, str]) -> None:
-        """Measure the ordered pairs of `ids` not measured yet (a join measures its own links only)."""
-        pairs = [(a, b) for a in ids for b in ids if a != b and b not in self.links.get(a, {})]
-        if not pairs:
-            return
-        t0 = time.monotonic()
-        channels = {nid: self.transport.channel(addr, "stage") for nid, addr in ids.items()}
-        try:
-            stubs = {nid: self.pipelines.stub(ch) for nid, ch in channels.items()}
-            in_plan = {h.node_id for h in self.pipelines.stages}
-            measured = await planning.measure_pairs(stubs, ids, pairs, epoch=self.pipelines.epoch,
-                                                    owner=self.pipelines.owner)
-            for (a, b), link in zip(pairs, measured):
-                if not isinstance(link, BaseException):
-                    self.links.setdefault(a, {})[b] = link
-                    continue
-                if Fenced.seen_in(str(link)) and a in in_plan:  # a stage of our plan follows another controller
-                    self.on_fenced(str(link))
-                    raise link
-                newcomer = next((x for x in (a, b) if x not in in_plan), None)
-                if newcomer is None:
-                    raise link
-                self.members.mark_down(ids[newcomer], f"its link {a} -> {b} could not be measured: {link}")
-        finally:
-            for ch in channels.values():
-                await ch.close()
-        log.info("measured %d links in %.1f s", len(pairs), time.monotonic() - t0)
-
-    async def _install(self, mesh, ids: dict[str, str], why: str, since: float) -> None:
-        """Install `mesh` (a planner.MeshPlan): a pipeline in force that it keeps as it is (the
-        same nodes and layers, serving) goes on untouched; the others are retired, their requests
-        moved (replayed on the pipelines that serve, new ones included once they are up); the new
-        pipelines are assigned and join the set as each is ready."""
-        log.info("plan (%s) because %s:\n%s", planning.describe(mesh), why, planning.plan_table(mesh, self.spec))
-        broken = self._broken_pipelines()
-        current = {planning.pipeline_key(p.plan): p for p in self.pipelines.all
-                   if p.plan is not None and p not in broken and not p.retired}
-        keep: dict[int, Pipeline] = {}
-        for i, plan in enumerate(mesh.pipelines):
-            p = current.pop(planning.pipeline_key(plan), None)
-            if p is not None:
-                keep[i] = p
-        dropped = [p for p in self.pipelines.all if p not in keep.values()]
-        for p in dropped:
-            p.retired = True  # no request opens there from now on
-        sessions = self.scheduler.detach(dropped)
-        if not keep:
-            self.state.set(Phase.REPLANNING if self.plan is not None else Phase.PLANNING,
-                           f"installing a new plan ({why})")
-        for p in dropped:
-            alive = [h for h in p.stages if not h.lost and not self._why_down(h.address)]
-            if sessions and alive:  # free them on the old stages still there (else their TTL does)
-                try:
-                    await asyncio.wait_for(p.close_session_many(sessions, alive), CLOSE_WAIT_S)
-                except asyncio.TimeoutError:
-                    pass
-            await p.close(wait_closes=False)
-        self.pipelines.replace(list(keep.values()))  # the kept ones serve on while the new ones load
-        for i, p in keep.items():
-            p.plan = mesh.pipelines[i]
-        fresh = {i: self.pipelines.new() for i in range(len(mesh.pipelines)) if i not in keep}
-
-        async def install(i: int, p: Pipeline) -> None:
-            plan = mesh.pipelines[i]
-            p.plan = plan
-            await p.install(str(self.model_dir), self.digest, self.num_layers,
-                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
-                             for s, (dtype, fmt, wire) in zip(plan.stages, planning.stage_formats(plan, self.profiles))],
-                            self.options.dtype, self.options.micro_batches, controller_address=self.options.address,
-                            generation=self.pipelines.next_generation(),
-                            planned_micro_batches=0 if planning.classic(self.options) else plan.micro_batches)
-            # ready: it takes requests at once (the set keeps the plan's order)
-            self.pipelines.replace(sorted([*self.pipelines.all, p], key=lambda x: self._order(mesh, x)))
-            self.scheduler.kick()
-
-        results = await asyncio.gather(*(install(i, p) for i, p in fresh.items()), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        installed = [p for p in self.pipelines.all]
-        if failed:
-            exc = failed[0]
-            if isinstance(exc, MeshError) and Fenced.seen_in(str(exc)):
-                self.on_fenced(str(exc))
-                raise exc
-            for err in failed:
-                if isinstance(err, MeshError):
-                    for m in self.members.usable():  # the node that failed is left out until it answers again
-                        if m.address in str(err):
-                            if isinstance(err, (InvalidArgument, FailedPrecondition)):  # not a passing fault
-                                self.members.refuse(m.address, f"its assignment failed: {err}")
-                            else:
-                                self.members.mark_down(m.address, f"its assignment failed: {err}")
-            for i, p in fresh.items():
-                if p not in installed:
-                    await p.close(wait_closes=False)
-            self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
-            if not installed:
-                raise exc
-        self.plan = planning.evaluate([p.plan for p in installed], self.profiles, self.spec, self.workload, self.options) \
-            if failed else mesh
-        self.plan_json = planning.to_json(self.plan)
-        self._installed_at = time.monotonic()
-        self.replans += 1
-        self.last_replan, self.last_replan_s = why, time.monotonic() - since
-        log.info("plan generation %d serves (%d pipelines: %s) %.1f s after: %s; %d requests replay",
-                 self.pipelines.generation, len(installed), ", ".join(str(len(p.stages)) + " stages" for p in installed),
-                 self.last_replan_s, why, len(sessions))
-        self.state.set(Phase.READY)
-        self.plan_changed.set()
-        self.plan_changed = asyncio.Event()
-
-    @staticmethod
-    def _order(mesh, p: Pipeline) -> int:
-        """`p`'s place in `mesh`'s pipelines."""
-        key = planning.pipeline_key(p.plan)
-        return next((i for i, plan in enumerate(mesh.pipelines) if planning.pipeline_key(plan) == key), len(mesh.pipelines))
-
-    # ---- requests from lpctl ---------------------------------------------------------------------
-    async def revoke(self, node_id: str) -> str:
-        """Drop a revoked node at once: a new plan without it serves (or none, if none fits: its
-        requests then wait), and it is never planned with again."""
-        self.revocations.add(node_id)
-        self.pipelines.revoked = list(self.revocations)
-        told = await self._push_revoked()
-        m = self.members.find(node_id)
-        if m is None or not any(h.node_id == node_id for h in self.pipelines.stages):
-            return f"{node_id} revoked (it was not in the plan); {told}"
-        m.drained = True
-        await self._replan_now(f"node {node_id} revoked")
-        return f"node {node_id} revoked; plan generation {self.pipelines.generation} serves without it; {told}"
-
-    async def _push_revoked(self) -> str:
-        """Tell every answering member the revocation list now (the plan's stages get it with each
-        Assign too): a revoked controller or stage certificate is refused by the stages
-        themselves, not only here. Returns what happened, in words."""
-        members = [m for m in self.members.by_address.values() if not m.down and m.node_id not in self.revocations]
-        request = stage_pb2.RevokedRequest(names=self.pipelines.revoked, controller_epoch=self.pipelines.epoch,
-                                           controller_id=self.pipelines.owner)
-
-        async def push(address: str):
-            async with self.transport.channel(address, "stage") as ch:
-                return await self.pipelines.stub(ch).Revoked(request, timeout=PUSH_TIMEOUT_S)
-
-        results = await asyncio.gather(*(push(m.address) for m in members), return_exceptions=True)
-        failed = [(m, r) for m, r in zip(members, results) if isinstance(r, BaseException)]
-        for m, r in failed:
-            log.warning("node %s (%s) did not take the revocation list now (it gets it with its next assignment): %s",
-                        m.node_id or "?", m.address, getattr(r, "details", lambda: r)())
-        return f"{len(members) - len(failed)} of {len(members)} nodes refuse it now"
-
-    async def drain(self, node: str, undrain: bool = False) -> str:
-        """Take a node out of planning (its requests move) or let it back in. Answers once the
-        plan that follows serves."""
-        m = self.members.find(node)
-        if m is None:
-            raise NotFound(f"no node {node!r} is known; see `lpctl status`")
-        if m.drained == (not undrain):
-            return f"node {m.node_id or m.address} is already {'drained' if m.drained else 'in planning'}"
-        m.drained = not undrain
-        why = f"node {m.node_id or m.address} {'undrained' if undrain else 'drained'}"
-        unfit = "" if undrain else self._why_no_plan_without(m)
-        if unfit:
-            m.drained = False
-            raise FailedPrecondition(f"no plan fits without node {m.node_id}: {unfit}")
-        await self._replan_now(why)
-        return why + f"; plan generation {self.pipelines.generation} serves"
-
-    def _why_no_plan_without(self, m) -> str:
-        """Why no plan fits the usable nodes (`m` already left out of them); "" when one does."""
-        usable = [x for x in self.members.usable() if x.status is not None]
-        if not usable:
-            return "no other usable node"
-        try:
-            planning.mesh_for([planning.device_profile(x.status, self.links.get(x.node_id, {}), self.spec) for x in usable],
-                              self.spec, self.workload, self.options)
-        except (InvalidArgument, Unavailable) as exc:
-            return str(exc)
-        return ""
-
-    async def leave(self, node_id: str, timeout: float) -> tuple[bool, str]:
-        """A node stops: re-plan without it; answers once its requests have moved (or timeout)."""
-        m = self.members.find(node_id)
-        if m is None:
-            return False, f"node {node_id} is not known here"
-        m.leaving = True
-        if not any(h.address == m.address for h in self.pipelines.stages):
-            return True, "it serves no stage of the plan in force"
-        try:
-            await asyncio.wait_for(self._replan_now(f"node {node_id} is stopping"), timeout)
-        except asyncio.TimeoutError:
-            return False, f"no new plan within {timeout:.0f} s"
-        moved = not any(h.address == m.address for h in self.pipelines.stages)
-        return moved, ("its requests moved to plan generation %d" % self.pipelines.generation) if moved else \
-            self.state.reason
-
-    async def _replan_now(self, why: str) -> None:
-        """Re-plan now and return once the outcome serves (a new plan, or the one kept). The
-        re-plan runs on whether or not our caller (an RPC) is cancelled or times out."""
-        async def locked() -> None:
-            async with self._plan_lock:
-                self._now = True
-                try:
-                    await self.replan(why)
-                finally:
-                    self._now = False
-
-        task = asyncio.get_running_loop().create_task(locked())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        await asyncio.shield(task)
-
-    def name_taken(self, name: str) -> str:
-        """Why a certificate name is in use in this mesh ("" when it is not): a join must not get it."""
-        if self.transport.bundle is not None and name == self.transport.bundle.name:
-            return "it is this controller's name"
-        m = next((m for m in self.members.by_address.values() if m.node_id == name), None)
-        if m is not None:
-            return f"the node at {m.address} goes by it"
-        if any(h.node_id == name for h in self.pipelines.stages):
-            return "a stage of the plan goes by it"
-        return ""
-
-    async def register(self, address: str, node_id: str) -> tuple[bool, str]:
-        other = self.members.owner_of_id(node_id, besides=address)
-        if other is not None:
-            msg = (f"node id {node_id!r} is already taken by the node at {other.address}; "
-                   "give each node a distinct --node-id (or its own --state-dir)")
-            log.error("refusing the node at %s: %s", address, msg)
-            return False, msg
-        self.members.add(address, "registered")
-        return True, ""
-
-    async def plan_preview(self, strategy: str, objective: str, boundaries: list[int]) -> tuple[str, str]:
-        """The plan in force (strategy "") or the plan another strategy/objective would make now."""
-        if not strategy:
-            if self.plan is None:
-                raise Unavailable(f"no plan is in force yet ({self.state.reason})")
-            return self.plan_json, planning.plan_table(self.plan, self.spec)
-        if not self.profiles:
-            raise Unavailable("the controller has not profiled any node yet")
-        options = replace(self.options, strategy=strategy, objective=objective or self.options.objective)
-        mesh = planning.mesh_for(self.profiles, self.spec, self.workload, options, boundaries=boundaries)
-        return planning.to_json(mesh), planning.plan_table(mesh, self.spec)
-
     async def close(self) -> None:
         """Fail what is in flight and close every sequence we opened, then the pipeline."""
-        if self._replanner is not None:
-            self._replanner.cancel()
-        for task in self._tasks:
-            task.cancel()
+        self.replanner.close()
         if self._browser is not None:
             await self._browser.close()
         await self.members.close()

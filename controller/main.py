@@ -218,7 +218,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--state-dir: {exc}") from None
     app.on_step_down.append(lambda: os.kill(os.getpid(), signal.SIGTERM))
     if authority is not None:
-        authority.taken = app.name_taken  # a join never gets a name a node or this controller goes by
+        authority.taken = app.commands.name_taken  # a join never gets a name a node or this controller goes by
     peers = [p for arg in args.peer for p in arg]
     door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
                      requests_per_client=args.max_requests_per_client, serving=app.not_serving)

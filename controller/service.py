@@ -209,14 +209,14 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         raw = request.address  # ":PORT" and a wildcard host: the caller's host
         address = check_address("address", (caller_address(raw, context.peer()) if ":" in raw else "") or raw)
         self._check_silent(address)
-        admitted, message = await self.app.register(address, node_id)
+        admitted, message = await self.app.commands.register(address, node_id)
         return controller_pb2.RegisterReply(controller_id=self.app.pipelines.owner, admitted=admitted, message=message)
 
     async def Leave(self, request, context):
         node_id = check_id("node_id", request.node_id)
         self._check_self(context, node_id)
         timeout = request.timeout_s if 0 < request.timeout_s <= MAX_LEAVE_S else DEFAULT_LEAVE_S
-        moved, message = await self.app.leave(node_id, timeout)
+        moved, message = await self.app.commands.leave(node_id, timeout)
         return controller_pb2.LeaveReply(moved=moved, message=message)
 
     def _check_silent(self, address: str) -> None:
@@ -240,7 +240,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def Drain(self, request, context):
         if not request.node or len(request.node) > 256:
             raise InvalidArgument("node must be a node id or host:port of 1 to 256 characters")
-        message = await self.app.drain(request.node, undrain=request.undrain)
+        message = await self.app.commands.drain(request.node, undrain=request.undrain)
         return controller_pb2.DrainReply(plan_generation=self.app.pipelines.generation, message=message)
 
     async def PullWeights(self, request, context):
@@ -263,11 +263,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         except TlsError as exc:
             raise InvalidArgument(f"node to revoke: {exc}") from exc
         self._authority()  # revocations are kept beside the CA (--ca-dir)
-        return controller_pb2.RevokeReply(message=await self.app.revoke(node_id))
+        return controller_pb2.RevokeReply(message=await self.app.commands.revoke(node_id))
 
     async def Plan(self, request, context):
         try:
-            plan_json, table = await self.app.plan_preview(request.strategy, request.objective,
+            plan_json, table = await self.app.commands.plan_preview(request.strategy, request.objective,
                                                            list(request.boundaries))
         except ValueError as err:
             raise InvalidArgument(str(err)) from err

@@ -191,7 +191,7 @@ def test_bad_plan_request_is_invalid_argument_and_the_plan_in_force_stays(case, 
 
     async def main():
         in_force = await mesh.ctl.stub.Plan(controller_pb2.PlanRequest(), timeout=RPC_TIMEOUT_S)
-        assert in_force.plan_json == mesh.ctl.app.plan_json and in_force.table
+        assert in_force.plan_json == mesh.ctl.app.replanner.plan_json and in_force.table
         await expect_status(mesh.ctl.stub.Plan(controller_pb2.PlanRequest(**fields), timeout=RPC_TIMEOUT_S),
                             IA, *fragments)
         preview = await mesh.ctl.stub.Plan(controller_pb2.PlanRequest(strategy="dp", objective="latency"),
@@ -379,7 +379,7 @@ def test_each_stage_computes_in_the_dtype_its_plan_stage_says(order, runner, mod
         async with stage_node(f"{order}-a", weight_formats=formats[0]) as first, \
                 stage_node(f"{order}-b", weight_formats=formats[1]) as last:
             async with controller(model_dir, [first.address, last.address], dtype="bfloat16") as ctl:
-                plan = json.loads(ctl.app.plan_json)
+                plan = json.loads(ctl.app.replanner.plan_json)
                 assert [s["weight_format"] for s in plan["pipelines"][0]["stages"]] == [d.replace("float32", "fp32").replace(
                     "bfloat16", "bf16") for d in dtypes]
                 got = [(await n.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).dtype

@@ -119,6 +119,6 @@ def test_a_stage_serving_another_plan_makes_the_controller_replan(runner, model_
                     break
                 await asyncio.sleep(0.05)
             assert m.ctl.app.pipelines.generation != generation, m.ctl.app.state.reason
-            assert "generation" in m.ctl.app.last_replan
+            assert "generation" in m.ctl.app.replanner.last_replan
             assert await tokens_of(victim(m, 8)) == want
     arun(runner, main(), timeout=300)

@@ -28,10 +28,10 @@ def test_a_node_with_another_model_that_cannot_pull_is_left_out_and_requests_do_
                 st = await ctl.stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)
                 down = st.nodes[0].down
                 assert "has 4 layers, the controller's 30" in down and "without --model-dir" in down, down
-                attempts = ctl.app.replans, down
+                attempts = ctl.app.replanner.replans, down
                 await asyncio.sleep(5)  # several probe rounds: the same process is not assigned again
                 st = await ctl.stub.Status(controller_pb2.ControllerStatusRequest(), timeout=RPC_TIMEOUT_S)
-                assert (ctl.app.replans, st.nodes[0].down) == attempts and st.state == "waiting"
+                assert (ctl.app.replanner.replans, st.nodes[0].down) == attempts and st.state == "waiting"
     arun(runner, main())
 
 
