@@ -37,6 +37,7 @@ from logicpipe.controller.planning import replicas_flag
 from logicpipe.controller.requests import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
 from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.service import ControllerServicer, JoinServicer
+from logicpipe.formats import FLOAT_DTYPES
 from logicpipe.controller.standby import Standby
 from logicpipe.policy import CONTROLLER_POLICY
 from logicpipe.v1 import controller_pb2_grpc
@@ -100,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "nodes, planned by its bottleneck stage as before replicas")
     ap.add_argument("--context", type=int, default=2048,
                     help="tokens of context per sequence the plan reserves KV for (default %(default)s)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+    ap.add_argument("--dtype", default="float32", choices=list(FLOAT_DTYPES),
                     help="compute dtype on the stages (a stage whose device lacks it computes in float32: the plan "
                          "says which, stage by stage)")
     ap.add_argument("--micro-batches", type=int, default=0,

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.controller.model_prep import default_model_dir
 from logicpipe.errors import InvalidArgument, Unavailable
+from logicpipe.formats import DTYPE_BYTES, DTYPE_FORMAT, FORMAT_DTYPE
 from logicpipe.planner import (
     DeviceProfile,
     InfeasibleError,
@@ -44,9 +45,6 @@ from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-COMPUTE_DTYPE = {fmt: dtype for dtype, fmt in WEIGHT_FORMAT.items()}  # a float format -> its dtype
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MEASURE_TIMEOUT_S = 30.0
 
 
@@ -78,7 +76,7 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         name=name, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, vocab_size=config.vocab_size,
         num_layers=config.num_layers, head_dim=config.head_dim, tied_embeddings=config.tie_word_embeddings,
-        weight_format=WEIGHT_FORMAT[dtype], weights_digest=digest, qkv_bias=a.qkv_bias, o_bias=a.o_bias,
+        weight_format=DTYPE_FORMAT[dtype], weights_digest=digest, qkv_bias=a.qkv_bias, o_bias=a.o_bias,
         qk_norm=a.qk_norm, norms=4 if a.sandwich else 2,
         num_experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0,
         expert_intermediate_size=moe.intermediate_size if moe else 0,
@@ -111,8 +109,8 @@ def stage_formats(plan: Plan, profiles: list[DeviceProfile]) -> list[tuple[str, 
     dtypes = []
     for s in plan.stages:
         node = by_id.get(s.node_id)
-        fmt = s.weight_format if s.weight_format in COMPUTE_DTYPE else ((node.compute_format if node else "") or "fp32")
-        dtypes.append(COMPUTE_DTYPE[fmt])
+        fmt = s.weight_format if s.weight_format in FORMAT_DTYPE else ((node.compute_format if node else "") or "fp32")
+        dtypes.append(FORMAT_DTYPE[fmt])
     out = []
     for i, s in enumerate(plan.stages):
         wire = dtypes[i]

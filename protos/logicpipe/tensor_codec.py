@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logicpipe.formats import FLOAT_DTYPES  # noqa: F401 (the wire's float dtypes: callers read them here)
 from logicpipe.limits import MAX_MESSAGE_BYTES
 from logicpipe.v1 import tensor_pb2
 
@@ -25,7 +26,6 @@ DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
 }
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}  # bytes per element
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_RANK = 4
 # One tensor on the wire, bytes: what a gRPC message can hold, less room for the rest of it.

@@ -168,3 +168,16 @@ def test_stage_formats_give_each_stage_its_dtype_format_and_wire(spec):
     plan = types.SimpleNamespace(stages=stages)
     assert planning.stage_formats(plan, profiles) == [("float32", "fp32", "bfloat16"), ("bfloat16", "nf4", "bfloat16"),
                                                       ("float32", "fp32", "float32")]
+
+
+def test_one_table_of_format_names_and_the_planner_agree():
+    """logicpipe.formats is the processes' table; the planner (which imports nothing of ours) keeps
+    its own bytes per format: they must say the same."""
+    from logicpipe import formats
+    from logicpipe.planner import model
+
+    assert set(formats.QUANT_FORMATS) == set(model.QUANT_FORMATS)
+    assert set(formats.DTYPE_FORMAT.values()) == set(model.FLOAT_FORMATS)
+    for dtype, fmt in formats.DTYPE_FORMAT.items():
+        assert model.FORMAT_BYTES[fmt] == formats.DTYPE_BYTES[dtype]
+    assert set(formats.WEIGHT_FORMATS) <= set(model.FORMAT_BYTES)
