@@ -41,6 +41,7 @@ the predicted hops + overheads, and tok/s is the round's check.
     python -m bench.predict_bench --device cuda --model-shape 8b --work /tmp/lp-predict --spread \\
         --stages 1,2,3 --concurrency 1,8,32 --tokens 128 --context 512 --rounds 3 \\
         --json $OUT/predict_gpu.json                  # on a GPU machine of 3+ GPUs (stage i on GPU i)
+    python -m bench.predict_bench --fit a.json b.json  # the table and fit of runs made apart
 
 Without --spread every stage runs on GPU 0 (they share it only when the planner runs more than one
 micro-batch). After the table it prints a fit of every stage's measured time as a + L * layers +
@@ -450,7 +451,16 @@ def main() -> None:
     ap.add_argument("--spread", action="store_true", help="cuda: stage i on GPU i (else all on GPU 0)")
     ap.add_argument("--graphs", default="on", help="cuda: the stages' --cuda-graphs")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--fit", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="run nothing: print the table and the fit of these earlier --json files together "
+                         "(e.g. --stages 1,2 and --stages 3 run apart)")
     args = ap.parse_args()
+    if args.fit:
+        rows = [r for f in args.fit for r in json.loads(f.read_text())["rows"]]
+        print(table(rows))
+        print("\nrunner compute ms (Status compute_s):\n" + fit_table(fit_terms(rows))
+              + "\n\nstage process CPU ms (all threads):\n" + fit_table(fit_terms(rows, "cpu_ms")))
+        return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.threads = args.threads or (1 if args.device == "cpu" else 4)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
