@@ -46,6 +46,11 @@ from logicpipe.v1 import stage_pb2
 log = logging.getLogger(__name__)
 
 MEASURE_TIMEOUT_S = 30.0
+# host time a decode step costs a stage beyond its kernels, by device kind, as measured by the
+# benches (docs/planning.md): a CUDA stage replays a graph and overlaps the next launch with the
+# token read-back (decode step period 6.1 ms against a 5.6 ms replay on an H100); a CPU stage is
+# left at the planner's DEFAULT_STEP_OVERHEAD_S (fitted here at 1.0-2.4 ms)
+STEP_OVERHEAD_S = {"cuda": 0.5e-3}
 
 
 def round_sig(x: float, digits: int) -> float:
@@ -95,6 +100,8 @@ def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: 
         mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",),
         compute_format=p.compute_format, weight_bandwidth=round_sig(p.weight_bandwidth, 2),
         weight_bytes_per_param=round_sig(p.weight_bytes_per_param, 3))
+    if profile.device_kind in STEP_OVERHEAD_S:
+        profile = dataclasses.replace(profile, step_overhead_s=STEP_OVERHEAD_S[profile.device_kind])
     fmt = device_weight_format(profile, spec) if spec is not None else None
     if fmt and p.format_flops.get(fmt):
         profile = dataclasses.replace(profile, flops=round_sig(p.format_flops[fmt], 2))

@@ -17,7 +17,8 @@ Compute (seconds per step). Every layer is memory- or compute-bound, whichever i
 
     stage compute_s = n_layers * layer_s  (+ embed_s on the first stage)  (+ head_s on the last)
     embed_s = sf * T * activation_bytes_per_token / W        (T embedding rows read)
-    head_s  = max( T * lm_head_flops_per_token / F,  sf * lm_head_bytes / W )
+    head_s  = max( T * lm_head_flops_per_token / F,  sf * lm_head_bytes / Wh )
+    (Wh: the weight rate Ww on a node that holds its layers in a float format, else W)
 
 Transfer (seconds per step), over the sender's measured link to the receiver:
 
@@ -66,7 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from logicpipe.planner.model import ModelSpec, device_weight_format, float_scale, weight_scale, wire_scale
+from logicpipe.planner.model import FLOAT_FORMATS, ModelSpec, device_weight_format, float_scale, weight_scale, wire_scale
 from logicpipe.planner.plan import Stage
 from logicpipe.planner.types import DeviceProfile, InfeasibleError, Objective, Reserve, Workload
 from logicpipe.planner.units import format_bytes
@@ -94,9 +95,13 @@ def embed_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -
 
 
 def head_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> float:
-    """Seconds the final norm + LM head take on the last stage."""
+    """Seconds the final norm + LM head take on the last stage: a product like a layer's, read at
+    the node's weight rate when it holds its layers in a float format (measured on a CPU stage: the
+    head runs at that rate, not at the copy rate), else at the copy rate."""
     flops = workload.tokens_per_step * model.lm_head_flops_per_token
-    return max(flops / profile.flops, float_scale(profile, model) * model.lm_head_bytes / profile.mem_bandwidth)
+    fmt = device_weight_format(profile, model)
+    rate = profile.weight_bandwidth if profile.weight_bandwidth and fmt in FLOAT_FORMATS else profile.mem_bandwidth
+    return max(flops / profile.flops, float_scale(profile, model) * model.lm_head_bytes / rate)
 
 
 def compose_compute_s(num_layers: int, layer_s: float, embed_s: float, head_s: float, *, is_first: bool, is_last: bool) -> float:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from logicpipe.errors import InvalidArgument
+from logicpipe.formats import FLOAT_DTYPES, WEIGHT_FORMATS
 from logicpipe.limits import check_printable
 from logicpipe.stage_node.blocks import DEFAULT_BLOCK_SIZE
 from logicpipe.stage_node.scheduler import Budget
 
-COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
-WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int4", "int8", "nf4", "fp4")
+COMPUTE_DTYPES = FLOAT_DTYPES  # (logicpipe.formats: the one table)
 MAX_PATH_CHARS = 4096
 MAX_MICRO_BATCHES = 64  # sampled steps in flight on stage 0 (one per stage by default; no mesh is that deep)
 

@@ -13,11 +13,12 @@ import torch
 from logicpipe.common.modeldir import ModelConfig, ModelError, model_digest
 from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Unavailable
+from logicpipe.formats import DTYPE_FORMAT
 from logicpipe.stage_node.config import Assignment, StageOptions
 from logicpipe.stage_node.draft_model import DraftModel, DraftModelError
 from logicpipe.stage_node.invariant import resolve as resolve_invariant
 from logicpipe.stage_node.kv import KVPool, kv_bytes_per_token
-from logicpipe.stage_node.profile import DTYPE_FORMAT, float_formats
+from logicpipe.stage_node.profile import float_formats
 from logicpipe.stage_node.shard import Shard
 from logicpipe.stage_node.step_graphs import StepGraphs
 from logicpipe.stage_node.weight_cache import pull_assignment

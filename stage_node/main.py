@@ -34,6 +34,7 @@ from logicpipe.common.process import (  # noqa: E402
 from logicpipe.common.security.bundle import CA_CERT, TlsError  # noqa: E402
 from logicpipe.common.security.tokens import join_mesh  # noqa: E402
 from logicpipe.common.transport import add_flags, from_flags  # noqa: E402
+from logicpipe.formats import FLOAT_DTYPES  # noqa: E402
 from logicpipe.policy import STAGE_POLICY  # noqa: E402
 from logicpipe.stage_node.config import StageOptions  # noqa: E402
 from logicpipe.stage_node.identity import default_state_dir, node_identity  # noqa: E402
@@ -78,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-mdns", action="store_true", help="do not advertise by mDNS")
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"],
                     help="compute device (default cuda when available, else cpu)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    ap.add_argument("--dtype", default="auto", choices=["auto", *FLOAT_DTYPES],
                     help="compute dtype: auto (default) offers float32 on a CPU, bfloat16/float16/float32 on a GPU, "
                          "and runs the one the mesh asks for (the controller's --dtype; a 16-bit mesh format is "
                          "upcast to float32 where it is not offered); a named dtype is the only one this node runs")

@@ -32,15 +32,17 @@ from pathlib import Path
 import torch
 
 from logicpipe.common.paths import cache_root
+from logicpipe.formats import DTYPE_FORMAT
 from logicpipe.stage_node.ops import DECODE_ROWS, linear
 from logicpipe.stage_node.quant import quantize, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 3  # 3: int4, and int8 by the packed weight-only kernel
+PROFILE_VERSION = 4  # 3: int4, and int8 by the packed weight-only kernel; 4: CUDA timings without launch overhead
 
-DTYPE_FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 FORMAT_DTYPE = {f: getattr(torch, d) for d, f in DTYPE_FORMAT.items()}
+CUDA_INNER = 20  # on a GPU each timing runs the kernel this many times back to back: one launch and sync
+                 # would be several times a 64 MiB copy's own time, and the bandwidth would read far too low
 
 
 @dataclass(frozen=True)
@@ -73,16 +75,20 @@ def _sync(device: str) -> None:
 
 
 def _time(fn, device: str, repeats: int, budget_s: float = 0.5) -> float:
-    """Best time of fn() over up to `repeats` runs (fewer once `budget_s` is spent: slow kernels)."""
+    """Best time of one fn() over up to `repeats` runs (fewer once `budget_s` is spent: slow
+    kernels); on a GPU each run is CUDA_INNER calls back to back, divided (a decode step's kernels
+    run back to back too: one launch and sync per call would count the host, not the device)."""
+    inner = CUDA_INNER if device == "cuda" else 1
     fn()
     _sync(device)
     best = float("inf")
     start = time.perf_counter()
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / inner)
         if time.perf_counter() - start > budget_s:
             break
     return best

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError, code_number
+from logicpipe.formats import FLOAT_DTYPES
 from logicpipe.limits import check_address, check_id
 from logicpipe.sampling import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, SamplingParams
 from logicpipe.stage_node.config import Assignment
@@ -129,7 +130,7 @@ def step_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int, hidden_size:
     if not batch.HasField("hidden"):
         raise InvalidArgument(f"stage {stage_index} needs hidden states, the step has none")
     try:
-        hidden = tensor_codec.check(batch.hidden, rank=2, dtypes=tensor_codec.FLOAT_DTYPES)
+        hidden = tensor_codec.check(batch.hidden, rank=2, dtypes=FLOAT_DTYPES)
     except tensor_codec.TensorError as exc:
         raise InvalidArgument(f"hidden states: {exc}") from exc
     if hidden.shape != (rows, hidden_size):

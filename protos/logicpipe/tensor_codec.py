@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from logicpipe.formats import FLOAT_DTYPES  # noqa: F401 (the wire's float dtypes: callers read them here)
 from logicpipe.limits import MAX_MESSAGE_BYTES
 from logicpipe.v1 import tensor_pb2
 
