@@ -178,11 +178,41 @@ def gaps(results: list[dict], t0: float) -> dict:
     events = sorted(r["t0"] - t0 + t for r in results for t in r["times"])
     quiet = max(b - a for a, b in zip([0.0] + events, events))
     per.sort()
-    return {"p50_gap_ms": round(per[len(per) // 2] * 1000, 2) if per else None,  # ~ a decode step, host included
+    # decode alone: tokens from the moment every request has its first one (all prompts prefilled)
+    # until the first request ends (all still decoding), over that time (issue 32: the cost model's figure)
+    start = max((r["t0"] - t0 + r["times"][0] for r in results if r["times"]), default=0.0)
+    end = min((r["t0"] - t0 + r["times"][-1] for r in results if r["times"]), default=0.0)
+    window = sum(1 for t in events if start < t <= end)
+    decode = round(window / (end - start), 1) if end - start > 0.05 else None
+    return {"decode_tps": decode, "p50_gap_ms": round(per[len(per) // 2] * 1000, 2) if per else None,  # ~ a decode step
             "p99_gap_ms": round(per[min(len(per) - 1, int(0.99 * len(per)))] * 1000, 1) if per else None,
             "max_gap_ms": round(per[-1] * 1000, 1) if per else None,
             "max_first_token_ms": round(max(r["times"][0] for r in results) * 1000, 1),
             "longest_quiet_ms": round(quiet * 1000, 1)}
+
+
+def plan_shape(mesh, model_dir: Path, context: int, concurrency: list[int]) -> dict:
+    """The plan the controller made (issue 32): its pipelines (node ids per stage), and the
+    planner's predicted tok/s for them at each measured concurrency (the pipelines in force costed
+    at that workload with the controller's profiles and measured links: planner.evaluate_mesh)."""
+    from logicpipe.common.modeldir import ModelConfig, model_digest
+    from logicpipe.controller import planning
+    from logicpipe.planner import Link, Workload, evaluate_mesh, mesh_plan_from_json
+
+    st = mesh.controller_status()
+    mesh_plan = mesh_plan_from_json(st.plan_json)
+    links: dict[str, dict] = {}
+    for link in st.links:
+        links.setdefault(link.src, {})[link.dst] = Link(link.bandwidth, link.latency_s)
+    spec = planning.model_spec(ModelConfig.from_dir(model_dir), model_dir.name, model_digest(model_dir), "bfloat16")
+    profiles = [planning.device_profile(n.status, links.get(n.status.node_id, {}), spec) for n in st.nodes if n.reachable]
+    predicted = {}
+    for c in [1, *concurrency]:
+        wl = Workload(context_tokens=context, batch=c)
+        predicted[str(c)] = round(evaluate_mesh(mesh_plan.pipelines, profiles, spec, wl).tokens_per_s, 1)
+    return {"pipelines": [[s.node_id for s in p.stages] for p in mesh_plan.pipelines],
+            "micro_batches": [p.micro_batches for p in st.pipelines], "predicted_tps": predicted,
+            "links": {f"{x.src}->{x.dst}": [x.bandwidth, x.latency_s] for x in st.links}}
 
 
 def stage_status(stages: list[str]) -> list:
@@ -241,6 +271,7 @@ def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, co
             print("concurrency", c, "round", rounds_[-1], flush=True)
         mid = sorted(range(rounds), key=lambda i: many[i])[rounds // 2]  # the median round
         out["by_concurrency"][str(c)] = {"concurrent_tps": round(statistics.median(many), 1),
+                                         "decode_tps": rounds_[mid]["decode_tps"],
                                          "step_ms_per_stage": rounds_[mid]["step_ms"],
                                          "p50_gap_ms": rounds_[mid]["p50_gap_ms"],
                                          "rows_per_step": rounds_[mid]["rows_per_step"], "rounds": rounds_}
@@ -360,15 +391,19 @@ def main() -> None:
             env = {i: {"CUDA_VISIBLE_DEVICES": str(i)} for i in range(s)} if args.spread else None
             kv = args.max_kv_mib or kv_mib(prompts, args.tokens, dict(LLAMA3_8B, num_hidden_layers=args.layers))
             seqs = args.max_step_seqs or max(64, top)
-            controller = ["--dtype", "bfloat16", "--strategy", "uniform", "--speculate", str(args.speculate),
-                          "--max-requests-per-client", str(max(64, top))]
+            # with --replicas the planner chooses the shape (the dp strategy); else one pipeline over every stage
+            controller = ["--dtype", "bfloat16", "--strategy", "dp" if args.replicas else "uniform",
+                          "--speculate", str(args.speculate), "--max-requests-per-client", str(max(64, top))]
             if args.replicas:
                 controller += ["--replicas", args.replicas]
+                name += f"-replicas-{args.replicas}"
             with LocalMesh(s, big, args.work / f"big{s}{graphs}", threads=4, device=DEVICE, stage_env=env,
                            stage_args=("--cuda-graphs", graphs, "--max-kv-mib", str(kv), "--max-step-seqs", str(seqs)),
                            controller_args=tuple(controller)) as mesh:
                 r = results[name] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
                                                concurrency, mesh.stage_addresses)
+                r["plan"] = plan_shape(mesh, big, (args.context or 20) + args.tokens // 2, concurrency)
+                print("plan", r["plan"], flush=True)
                 r["max_kv_mib"], r["max_step_seqs"] = kv, seqs
             if tbps:
                 r["one_stream_of_hbm_limit"] = round(r["one_stream_tps"] / results["hbm_limit_tps"], 3)

@@ -129,7 +129,9 @@ def status_reply(snap: ControllerSnapshot) -> controller_pb2.ControllerStatusRep
         pipelines=[controller_pb2.PipelineInfo(index=p.index, plan_id=p.plan_id, generation=p.generation,
                                                micro_batches=p.micro_batches, running=p.running,
                                                predicted_tokens_per_s=p.predicted_tokens_per_s, serving=p.serving)
-                   for p in snap.pipelines])
+                   for p in snap.pipelines],
+        links=[controller_pb2.LinkInfo(src=a, dst=b, bandwidth=link.bandwidth, latency_s=link.latency)
+               for a, out in sorted(snap.links.items()) for b, link in sorted(out.items())])
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
