@@ -174,7 +174,7 @@ def scenario_llamacpp(args, model_dir, work) -> dict:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
     from transformers import AutoTokenizer
 
-    from logicpipe.controller.model_prep import find_default_gguf
+    from logicpipe.controller.cli.model_prep import find_default_gguf
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], tokenize=False,
@@ -314,7 +314,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
 
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
     results = {}

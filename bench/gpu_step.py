@@ -26,9 +26,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_engine import LLAMA3_8B, make_model
-from logicpipe.stage_node.kv import StepKV, seq_slice
-from logicpipe.stage_node.shard import Shard
-from logicpipe.stage_node.step_graphs import GraphRow, StepGraphs
+from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
 
 
 def timed(fn, n: int) -> float:
@@ -106,7 +106,7 @@ def sweep(args) -> None:
     configurations (BLOCK_M 16; BLOCK_N, BLOCK_K, warps, stages, parts of K), timed in a CUDA graph."""
     import triton
 
-    from logicpipe.stage_node import invariant
+    from logicpipe.stage_node.kernels import invariant
 
     shard = load(args)
     w = shard.layers[0]
@@ -150,7 +150,7 @@ def rows_part(args) -> None:
     """Where a step of many decode rows goes (issue 32)."""
     import triton
 
-    from logicpipe.stage_node import invariant
+    from logicpipe.stage_node.kernels import invariant
 
     shard = load(args)
     shard.batch_invariant = True

@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model = prepare_default_model()
     http = f"127.0.0.1:{free_port()}"

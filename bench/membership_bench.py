@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model = Path(args.model) if args.model else prepare_default_model()
     with tempfile.TemporaryDirectory() as tmp:

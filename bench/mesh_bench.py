@@ -28,7 +28,7 @@ import grpc
 import torch
 
 from logicpipe.common.transport import CHANNEL_OPTIONS
-from logicpipe.controller.text import encode_prompt
+from logicpipe.controller.jobs.text import encode_prompt
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.localmesh import LocalMesh as Mesh
 
@@ -78,7 +78,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
     torch.set_num_threads(args.threads)

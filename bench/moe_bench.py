@@ -25,7 +25,7 @@ import torch
 
 from bench.engine_bench import submit
 from logicpipe.common.modeldir import ModelConfig
-from logicpipe.controller.planning import model_spec
+from logicpipe.controller.mesh.planning import model_spec
 from tests.localmesh import LocalMesh
 
 BASE = dict(vocab_size=49152, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,

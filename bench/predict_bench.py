@@ -68,7 +68,7 @@ import grpc
 from bench.engine_bench import FILLER, submit
 from logicpipe.common.modeldir import ModelConfig
 from logicpipe.common.transport import CHANNEL_OPTIONS
-from logicpipe.controller import planning
+from logicpipe.controller.mesh import planning
 from logicpipe.planner import cost
 from logicpipe.planner.digest import canonical_json, profile_dict
 from logicpipe.planner.types import Link
@@ -476,7 +476,7 @@ def main() -> None:
     elif args.model:
         model_dir = Path(args.model)
     else:
-        from logicpipe.controller.model_prep import prepare_default_model
+        from logicpipe.controller.cli.model_prep import prepare_default_model
 
         model_dir = prepare_default_model()
     prompts = make_prompts(args, model_dir, max(args.concurrency))

@@ -34,8 +34,8 @@ import grpc
 import torch
 
 from bench.speculative_bench import OPEN, submit
-from logicpipe.stage_node.quant import QuantError, check_format, quantize
-from logicpipe.stage_node.shard import Shard
+from logicpipe.stage_node.kernels.quant import QuantError, check_format, quantize
+from logicpipe.stage_node.model.shard import Shard
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh
 
@@ -71,7 +71,7 @@ def fbgemm_int8(w: torch.Tensor):
 
 
 def kernels(threads: int) -> dict:
-    from logicpipe.stage_node.ops import DECODE_ROWS, linear
+    from logicpipe.stage_node.model.ops import DECODE_ROWS, linear
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -98,7 +98,7 @@ def decode_step(threads: int, model_dir: Path) -> dict:
     its time, and the part of it spent in the products."""
     from torch.profiler import ProfilerActivity, profile
 
-    from logicpipe.stage_node.kv import StepKV, seq_slice
+    from logicpipe.stage_node.engine.kv import StepKV, seq_slice
 
     torch.set_num_threads(threads)
     out = {}
@@ -143,12 +143,12 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="the kernels and a decode step, in this process")
     args = ap.parse_args()
     if args.kernels:
-        from logicpipe.controller.model_prep import prepare_default_model
+        from logicpipe.controller.cli.model_prep import prepare_default_model
 
         print(json.dumps({"threads": args.threads, "kernels_us": kernels(args.threads),
                           "decode_step": decode_step(args.threads, prepare_default_model())}))
         return
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model_dir = prepare_default_model()
     rates: dict[str, list[float]] = {f: [] for f in FORMATS}

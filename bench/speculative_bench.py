@@ -195,7 +195,7 @@ def main() -> None:
     elif args.model:
         model_dir = Path(args.model)
     else:
-        from logicpipe.controller.model_prep import prepare_default_model
+        from logicpipe.controller.cli.model_prep import prepare_default_model
 
         model_dir = prepare_default_model()
     one_chunk = 4096

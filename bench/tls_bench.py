@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per decode request (default %(default)s)")
     ap.add_argument("--hop-tokens", type=int, default=200)
     args = ap.parse_args()
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     client = Bundle.load(mesh_bundle("client", "client"))
     with tempfile.TemporaryDirectory() as work:

@@ -14,16 +14,16 @@ from logicpipe.common.discovery import Browser
 from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import Transport
-from logicpipe.controller import planning
-from logicpipe.controller.commands import OperatorCommands
-from logicpipe.controller.journal import Journal
-from logicpipe.controller.membership import Members
-from logicpipe.controller.pipeline import Pipeline
-from logicpipe.controller.pipelines import PipelineSet
-from logicpipe.controller.replanning import Replanner
-from logicpipe.controller.scheduler import DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler, SchedulerConfig
-from logicpipe.controller.state import MeshState, Phase
-from logicpipe.controller.text import load_tokenizer
+from logicpipe.controller.mesh import planning
+from logicpipe.controller.mesh.commands import OperatorCommands
+from logicpipe.controller.jobs.journal import Journal
+from logicpipe.controller.mesh.membership import Members
+from logicpipe.controller.mesh.pipeline import Pipeline
+from logicpipe.controller.mesh.pipelines import PipelineSet
+from logicpipe.controller.mesh.replanning import Replanner
+from logicpipe.controller.jobs.scheduler import DEFAULT_SPECULATE, WAIT_FOR_NODES_S, RequestStats, Scheduler, SchedulerConfig
+from logicpipe.controller.mesh.state import MeshState, Phase
+from logicpipe.controller.jobs.text import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -27,18 +27,18 @@ from logicpipe.common.security.bundle import TlsError
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
 from logicpipe.controller.app import ControllerApp, ControllerOptions
-from logicpipe.controller.gguf_convert import DTYPES
-from logicpipe.controller.http_api import start_http
-from logicpipe.controller.http_auth import ApiKeys, KeyFileError, check_exposure
-from logicpipe.controller.join import JoinAuthority
-from logicpipe.controller.journal import Journal, JournalError
-from logicpipe.controller.model_prep import GGUF_DTYPE, resolve_model
-from logicpipe.controller.planning import replicas_flag
-from logicpipe.controller.requests import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
-from logicpipe.controller.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
-from logicpipe.controller.service import ControllerServicer, JoinServicer
+from logicpipe.controller.cli.gguf_convert import DTYPES
+from logicpipe.controller.api.http_api import start_http
+from logicpipe.controller.api.http_auth import ApiKeys, KeyFileError, check_exposure
+from logicpipe.controller.mesh.join import JoinAuthority
+from logicpipe.controller.jobs.journal import Journal, JournalError
+from logicpipe.controller.cli.model_prep import GGUF_DTYPE, resolve_model
+from logicpipe.controller.mesh.planning import replicas_flag
+from logicpipe.controller.jobs.door import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
+from logicpipe.controller.jobs.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
+from logicpipe.controller.api.service import ControllerServicer, JoinServicer
 from logicpipe.formats import FLOAT_DTYPES
-from logicpipe.controller.standby import Standby
+from logicpipe.controller.jobs.standby import Standby
 from logicpipe.policy import CONTROLLER_POLICY
 from logicpipe.v1 import controller_pb2_grpc
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from logicpipe.errors import InvalidArgument
 from logicpipe.formats import FLOAT_DTYPES, WEIGHT_FORMATS
 from logicpipe.limits import check_printable
-from logicpipe.stage_node.blocks import DEFAULT_BLOCK_SIZE
-from logicpipe.stage_node.scheduler import Budget
+from logicpipe.stage_node.engine.blocks import DEFAULT_BLOCK_SIZE
+from logicpipe.stage_node.engine.scheduler import Budget
 
 COMPUTE_DTYPES = FLOAT_DTYPES  # (logicpipe.formats: the one table)
 MAX_PATH_CHARS = 4096

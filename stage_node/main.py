@@ -37,17 +37,17 @@ from logicpipe.common.transport import add_flags, from_flags  # noqa: E402
 from logicpipe.formats import FLOAT_DTYPES  # noqa: E402
 from logicpipe.policy import STAGE_POLICY  # noqa: E402
 from logicpipe.stage_node.config import StageOptions  # noqa: E402
-from logicpipe.stage_node.identity import default_state_dir, node_identity  # noqa: E402
-from logicpipe.stage_node.invariant import SETTINGS as INVARIANT_SETTINGS  # noqa: E402
-from logicpipe.stage_node.invariant import InvariantError, resolve  # noqa: E402
-from logicpipe.stage_node.membership import StageMembership  # noqa: E402
+from logicpipe.stage_node.net.identity import default_state_dir, node_identity  # noqa: E402
+from logicpipe.stage_node.kernels.invariant import SETTINGS as INVARIANT_SETTINGS  # noqa: E402
+from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # noqa: E402
+from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
-from logicpipe.stage_node.quant import FORMATS as QUANT_CHOICES  # noqa: E402
-from logicpipe.stage_node.quant import QuantError, check_format  # noqa: E402
-from logicpipe.stage_node.runner import Runner  # noqa: E402
+from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
+from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
+from logicpipe.stage_node.engine.runner import Runner  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
-from logicpipe.stage_node.scheduler import Budget  # noqa: E402
-from logicpipe.stage_node.service import StageNodeServicer  # noqa: E402
+from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
+from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
 from logicpipe.v1 import stage_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("logicpipe.stage")

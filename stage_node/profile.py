@@ -33,8 +33,8 @@ import torch
 
 from logicpipe.common.paths import cache_root
 from logicpipe.formats import DTYPE_FORMAT
-from logicpipe.stage_node.ops import DECODE_ROWS, linear
-from logicpipe.stage_node.quant import quantize, tensor_bytes
+from logicpipe.stage_node.model.ops import DECODE_ROWS, linear
+from logicpipe.stage_node.kernels.quant import quantize, tensor_bytes
 
 log = logging.getLogger(__name__)
 

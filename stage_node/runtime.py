@@ -18,19 +18,19 @@ from pathlib import Path
 from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, PermissionDenied
 from logicpipe.limits import MAX_ID_CHARS
-from logicpipe.stage_node import loading
-from logicpipe.stage_node.blocks import KVManager
+from logicpipe.stage_node.weights import loading
+from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.config import Assignment, StageOptions
-from logicpipe.stage_node.draft_model import DraftModel, DraftModelError
-from logicpipe.stage_node.engine import Engine
-from logicpipe.stage_node.events import EventHub
-from logicpipe.stage_node.fence import Caller, Fence
-from logicpipe.stage_node.kv import KVPool
-from logicpipe.stage_node.runner import Runner
-from logicpipe.stage_node.scheduler import StepMsg
-from logicpipe.stage_node.sequence import SeqSpec, Sequence, SeqWork
-from logicpipe.stage_node.shard import Shard
-from logicpipe.stage_node.stats import EngineView, StageSnapshot, StageStats
+from logicpipe.stage_node.engine.draft_model import DraftModel, DraftModelError
+from logicpipe.stage_node.engine.engine import Engine
+from logicpipe.stage_node.net.events import EventHub
+from logicpipe.stage_node.net.fence import Caller, Fence
+from logicpipe.stage_node.engine.kv import KVPool
+from logicpipe.stage_node.engine.runner import Runner
+from logicpipe.stage_node.engine.scheduler import StepMsg
+from logicpipe.stage_node.engine.sequence import SeqSpec, Sequence, SeqWork
+from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.engine.stats import EngineView, StageSnapshot, StageStats
 
 log = logging.getLogger(__name__)
 

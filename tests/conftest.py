@@ -7,6 +7,6 @@ import pytest
 @pytest.fixture(scope="session")
 def model_dir():
     """Path of the default model (SmolLM2-135M-Instruct) as a safetensors directory."""
-    from logicpipe.controller.model_prep import prepare_default_model
+    from logicpipe.controller.cli.model_prep import prepare_default_model
 
     return prepare_default_model()

@@ -167,7 +167,7 @@ class LocalMesh:
 
     def lpctl(self) -> list[str]:
         """The command line of lpctl for this mesh (with the client bundle when it uses TLS)."""
-        return [sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", self.controller_address,
+        return [sys.executable, "-m", "logicpipe.controller.cli.lpctl", "--controller", self.controller_address,
                 *(["--tls-dir", str(mesh_bundle("client", "client"))] if self.tls else [])]
 
     def controller_status(self, timeout: float = 5.0, address: str | None = None):

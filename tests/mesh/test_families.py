@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from logicpipe.controller.model_prep import find_default_gguf
+from logicpipe.controller.cli.model_prep import find_default_gguf
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.families import FAMILIES, WINDOW, build, hf_greedy, hf_model
 from tests.gguf_files import write_gguf

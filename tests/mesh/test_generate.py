@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from logicpipe.controller.text import encode_prompt
+from logicpipe.controller.jobs.text import encode_prompt
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh as Mesh
 from tests.localmesh import client_transport

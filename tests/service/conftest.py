@@ -24,8 +24,8 @@ import pytest
 from logicpipe.common.health import add_health, set_serving
 from logicpipe.common.transport import PLAINTEXT
 from logicpipe.controller.app import ControllerApp, ControllerOptions
-from logicpipe.controller.requests import FrontDoor
-from logicpipe.controller.service import ControllerServicer
+from logicpipe.controller.jobs.door import FrontDoor
+from logicpipe.controller.api.service import ControllerServicer
 from logicpipe.v1 import controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 RPC_TIMEOUT_S = 20.0   # any single call in these tests; generous for a loaded 2-core machine
@@ -160,7 +160,7 @@ async def stage_node(node_id: str = "stage", *, max_kv_bytes: int = 2**30, servi
     with --no-profile; `options`: more StageOptions fields (session_ttl_s, block_size, budget)."""
     from logicpipe.stage_node.config import StageOptions
     from logicpipe.stage_node.runtime import StageRuntime
-    from logicpipe.stage_node.service import StageNodeServicer
+    from logicpipe.stage_node.net.service import StageNodeServicer
 
     if options.get("quantize", "none") != "none":  # a quantized node offers its one format
         weight_formats = (options["quantize"],)

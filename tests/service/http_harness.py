@@ -20,11 +20,11 @@ from types import SimpleNamespace
 import aiohttp
 from aiohttp import web
 
-from logicpipe.controller.http_api import HttpApi
-from logicpipe.controller.requests import FrontDoor
-from logicpipe.controller.job import Job, TokenUpdate
-from logicpipe.controller.scheduler import Scheduler, SchedulerConfig
-from logicpipe.controller.state import Phase
+from logicpipe.controller.api.http_api import HttpApi
+from logicpipe.controller.jobs.door import FrontDoor
+from logicpipe.controller.jobs.job import Job, TokenUpdate
+from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
+from logicpipe.controller.mesh.state import Phase
 from logicpipe.errors import AlreadyExists, NotFound
 from logicpipe.sampling import TokenLogprob
 

@@ -97,7 +97,7 @@ def test_measure_link_is_bounded_and_says_what_failed_in_one_line(tiny_model):
 
 
 def test_large_echo_calls_are_limited_and_small_ones_always_answered(tiny_model, monkeypatch):
-    import logicpipe.stage_node.service as service
+    import logicpipe.stage_node.net.service as service
 
     async def main():
         async with single_stage(tiny_model.path, "echo") as node:
@@ -121,7 +121,7 @@ def test_large_echo_calls_are_limited_and_small_ones_always_answered(tiny_model,
 
 
 def test_events_subscribers_are_capped(tiny_model, monkeypatch):
-    import logicpipe.stage_node.service as service
+    import logicpipe.stage_node.net.service as service
 
     monkeypatch.setattr(service, "MAX_SUBSCRIBERS", 3)
 
@@ -175,8 +175,8 @@ async def authority_controller(model_dir, ca_dir: Path):
     and revocations are served."""
     from logicpipe.common.security.revocations import Revocations
     from logicpipe.common.transport import PLAINTEXT
-    from logicpipe.controller.join import JoinAuthority
-    from logicpipe.controller.service import ControllerServicer
+    from logicpipe.controller.mesh.join import JoinAuthority
+    from logicpipe.controller.api.service import ControllerServicer
 
     async with controller(model_dir, [], start=False) as ctl:
         authority = JoinAuthority(ca_dir, Revocations.in_ca_dir(ca_dir))
@@ -299,7 +299,7 @@ def test_register_needs_a_host_port_address(runner, actl, address, phrase):
 def test_register_of_silent_members_is_capped(runner, actl, monkeypatch):
     """New addresses are refused while MAX_SILENT_REGISTERED registered members do not answer;
     one already known registers again."""
-    import logicpipe.controller.service as service
+    import logicpipe.controller.api.service as service
 
     async def main():
         app = actl.ctl.app
@@ -362,8 +362,8 @@ def test_join_on_the_main_port_is_unimplemented_naming_the_bootstrap_port(runner
     from logicpipe.common.security import ca as tls_ca
     from logicpipe.common.security.bundle import Bundle
     from logicpipe.common.transport import PLAINTEXT, Transport
-    from logicpipe.controller.join import JoinAuthority
-    from logicpipe.controller.service import ControllerServicer, JoinServicer
+    from logicpipe.controller.mesh.join import JoinAuthority
+    from logicpipe.controller.api.service import ControllerServicer, JoinServicer
     from logicpipe.policy import CONTROLLER_POLICY
 
     join = controller_pb2.JoinRequest(token_id="t", csr_pem=b"x", mac=bytes(32))
@@ -408,7 +408,7 @@ def test_register_calls_are_rate_capped_per_caller_and_a_real_stage_still_plans(
     """300 plaintext Registers at once from one host: the first REGISTER_BURST (and what refills
     meanwhile) are admitted, the rest RESOURCE_EXHAUSTED naming the cap; a real stage then
     registers and is planned on."""
-    from logicpipe.controller import service
+    from logicpipe.controller.api import service
 
     async def main():
         async with stage_node("rate-real") as real, controller(model_dir, [], start=False) as ctl:

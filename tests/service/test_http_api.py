@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from logicpipe.controller.http_api import MAX_BODY_BYTES
-from logicpipe.controller.http_auth import ApiKeys, parse
+from logicpipe.controller.api.http_api import MAX_BODY_BYTES
+from logicpipe.controller.api.http_auth import ApiKeys, parse
 
 from .conftest import run
 from .http_harness import http_api, tokenizer
@@ -493,7 +493,7 @@ def test_a_tool_loop_conversation_is_taken(model_dir):
     """An agent sends the assistant's tool_calls and the tool's answer back: both reach the
     prompt (the call as <tool_call> text, the answer as a <tool_response> turn for SmolLM2's
     template, which lays out no tools itself); malformed ones are 400 naming the field."""
-    from logicpipe.controller.text import load_tokenizer
+    from logicpipe.controller.jobs.text import load_tokenizer
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     loop = [{"role": "user", "content": "Weather in Paris?"},

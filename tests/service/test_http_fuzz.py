@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from logicpipe.controller.http_auth import ApiKeys, parse
-from logicpipe.controller.http_body import FIELDS, NOT_YET
+from logicpipe.controller.api.http_auth import ApiKeys, parse
+from logicpipe.controller.api.http_body import FIELDS, NOT_YET
 
 from .http_harness import http_api
 

@@ -17,8 +17,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from logicpipe.controller.http_api import HttpApi
-from logicpipe.controller.logprobs import TokenText
+from logicpipe.controller.api.http_api import HttpApi
+from logicpipe.controller.api.logprobs import TokenText
 from logicpipe.sampling import TokenLogprob
 from logicpipe.v1 import controller_pb2, stage_pb2
 

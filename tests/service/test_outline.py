@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 
-from logicpipe.controller.job import Job
+from logicpipe.controller.jobs.job import Job
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2
 
@@ -24,7 +24,7 @@ async def tokens_of(scheduler, ids, n, stop_ids):
 
 
 def test_points_fork_hand_over_kv_and_match_decoding_from_scratch(runner, model_dir):
-    from logicpipe.controller.outline import OutlineRun
+    from logicpipe.controller.jobs.outline import OutlineRun
 
     async def main():
         async with stage_node("o-first") as a, stage_node("o-last") as b, controller(model_dir, [a.address, b.address]) as ctl:

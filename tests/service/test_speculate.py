@@ -218,7 +218,7 @@ def test_a_failing_draft_model_costs_the_candidates_not_the_tokens(tiny_model, h
 
 
 def test_draft_caches_follow_the_open_sequences(tiny_model):
-    from logicpipe.stage_node.draft_model import DraftModel
+    from logicpipe.stage_node.engine.draft_model import DraftModel
 
     model = DraftModel(tiny_model.path)
     context = list(LONG_PROMPT)

@@ -251,7 +251,7 @@ def test_the_node_answers_while_a_long_generation_computes(tiny_model, monkeypat
     """Regression (DEADLINE_EXCEEDED under load): steps used to run on the event loop, so a long
     generation on one stage starved every other call. With every step on the runner thread,
     OpenSession and Status answer within a short deadline while steps compute."""
-    import logicpipe.stage_node.engine as engine_mod
+    import logicpipe.stage_node.engine.engine as engine_mod
 
     real = engine_mod.execute
 
@@ -290,8 +290,8 @@ def test_overlapped_greedy_steps_give_the_same_tokens_and_stops(tiny_model, hf, 
     transformers' greedy tokens, one ends at its stop token (its launched row past the end is
     dropped, never committed), another at its length, and a sampled sequence beside them goes the
     plain way; afterwards no KV block is left in use."""
-    from logicpipe.stage_node import engine
-    from logicpipe.stage_node.engine import Engine
+    from logicpipe.stage_node.engine import engine
+    from logicpipe.stage_node.engine.engine import Engine
 
     monkeypatch.setattr(Engine, "OVERLAP_DEVICES", ("cuda", "cpu"))
     launched = []  # whether each launched step took its input tokens from the previous one's, on the device

@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from logicpipe.common.health import set_serving
 from logicpipe.limits import MAX_MESSAGE_BYTES
-from logicpipe.stage_node import links
-from logicpipe.stage_node.service import MAX_ECHO_BYTES
-from logicpipe.stage_node.wire import MAX_STEP_ROWS
+from logicpipe.stage_node.net import links
+from logicpipe.stage_node.net.service import MAX_ECHO_BYTES
+from logicpipe.stage_node.net.wire import MAX_STEP_ROWS
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 from .conftest import (

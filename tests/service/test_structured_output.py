@@ -179,7 +179,7 @@ def test_tool_choice_none_gives_no_call_and_bad_tools_are_400(runner, api):
 def test_lpctl_submit_json_schema_file(runner, api, tmp_path, capsys):
     """`lpctl submit --json-schema FILE --json`: the text validates against the schema in FILE; a
     missing file is one line naming the fix, exit 2."""
-    from logicpipe.controller import lpctl
+    from logicpipe.controller.cli import lpctl
 
     path = tmp_path / "person.json"
     path.write_text(json.dumps(SCHEMA))

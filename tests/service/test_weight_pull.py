@@ -16,12 +16,12 @@ import torch
 
 from logicpipe.common.modeldir import ModelConfig, model_digest, safetensors_files, safetensors_header
 from logicpipe.common.transport import PLAINTEXT
-from logicpipe.controller.weights_server import MAX_TENSORS_PER_REQUEST, stream_weights
+from logicpipe.controller.mesh.weights_server import MAX_TENSORS_PER_REQUEST, stream_weights
 from logicpipe.errors import FailedPrecondition, NotFound, Unavailable
-from logicpipe.stage_node import weight_cache
-from logicpipe.stage_node.shard import Shard
-from logicpipe.stage_node.weight_cache import PullResult, needed_tensors, pull_assignment, pull_shard
-from logicpipe.stage_node.weights import EMBED, FINAL_NORM, LM_HEAD, layer_tensor_names
+from logicpipe.stage_node.weights import weight_cache
+from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.weights.weight_cache import PullResult, needed_tensors, pull_assignment, pull_shard
+from logicpipe.stage_node.model.weights import EMBED, FINAL_NORM, LM_HEAD, layer_tensor_names
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 from .conftest import RPC_TIMEOUT_S, expect_status, run
@@ -106,7 +106,7 @@ def test_pull_first_stage_then_only_new_layers(model_dir, digest, config, tmp_pa
     assert (b.tensors, b.cached, b.pulled_bytes) == (len(new), len(first10), tensor_bytes(model_dir, new))
     assert len(part_files(cache_dir)) == 2 and not list(cache_dir.glob(".*.tmp"))
     assert any("pulling weights:" in r.getMessage() for r in caplog.records)  # progress
-    assert any(r.name == "logicpipe.controller.weights_server" and "sent" in r.getMessage() for r in caplog.records)
+    assert any(r.name == "logicpipe.controller.mesh.weights_server" and "sent" in r.getMessage() for r in caplog.records)
 
     pulled = Shard.load(cache_dir, 0, 15, first=True, last=False)
     local = Shard.load(model_dir, 0, 15, first=True, last=False)

@@ -6,9 +6,9 @@ from typing import Sequence
 
 import torch
 
-from logicpipe.stage_node.blocks import KVManager
-from logicpipe.stage_node.kv import StepKV, seq_slice
-from logicpipe.stage_node.shard import Shard
+from logicpipe.stage_node.engine.blocks import KVManager
+from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+from logicpipe.stage_node.model.shard import Shard
 
 
 class PagedCache:

@@ -9,8 +9,8 @@ import pytest
 from logicpipe.common.security import ca as tls_ca
 from logicpipe.common.security.bundle import TlsError
 from logicpipe.common.security.revocations import Revocations
-from logicpipe.controller.join import JoinAuthority
-from logicpipe.controller.requests import Prompt
+from logicpipe.controller.mesh.join import JoinAuthority
+from logicpipe.controller.jobs.door import Prompt
 from logicpipe.errors import InvalidArgument
 from logicpipe.limits import MAX_ADDRESS_CHARS, MAX_ID_CHARS, check_address, check_id
 from logicpipe.stage_node.config import MAX_MICRO_BATCHES, Assignment
@@ -99,7 +99,7 @@ def test_revocations_keep_only_certificate_names(tmp_path):
 
 
 def test_register_rate_cap_is_a_bucket_per_caller(monkeypatch):
-    from logicpipe.controller import service
+    from logicpipe.controller.api import service
 
     now = [100.0]
     monkeypatch.setattr(service.time, "monotonic", lambda: now[0])

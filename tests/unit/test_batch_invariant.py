@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logicpipe.stage_node import invariant
+from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.config import Assignment, StageOptions
-from logicpipe.stage_node.invariant import InvariantError, mm_config, resolve, seq_tiles, tile_rows
-from logicpipe.stage_node.loading import load_shard
+from logicpipe.stage_node.kernels.invariant import InvariantError, mm_config, resolve, seq_tiles, tile_rows
+from logicpipe.stage_node.weights.loading import load_shard
 from logicpipe.stage_node.main import parse_args
-from logicpipe.stage_node.ops import DECODE_ROWS, INVARIANT_ROWS, Rows
+from logicpipe.stage_node.model.ops import DECODE_ROWS, INVARIANT_ROWS, Rows
 
 from .test_shard import ROPES, tiny_llama
 

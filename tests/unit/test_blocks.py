@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from logicpipe.stage_node.blocks import BlockState, KVManager, OutOfBlocks
+from logicpipe.stage_node.engine.blocks import BlockState, KVManager, OutOfBlocks
 
 BS = 4
 

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from logicpipe.controller import planning
+from logicpipe.controller.mesh import planning
 from logicpipe.planner import Link, Objective, Workload, mesh_plan_from_json
 from logicpipe.v1 import stage_pb2
 
@@ -57,7 +57,7 @@ def test_reuse_or_plan_reuses_and_names_the_change(tmp_path, spec, caplog):
     wl = Workload(context_tokens=1024)
     first = planning.reuse_or_plan(path, [fast, slow], spec, wl, options())
     assert mesh_plan_from_json(open(path).read()) == first
-    caplog.set_level(logging.INFO, logger="logicpipe.controller.planning")
+    caplog.set_level(logging.INFO, logger="logicpipe.controller.mesh.planning")
     again = planning.reuse_or_plan(path, [fast, slow], spec, wl, options())
     assert again == first and "reusing the plan" in caplog.text
     slower = planning.device_profile(status("cpu", 1e10, 8 * GIB), {"gpu": Link(1e9, 1e-4)})
@@ -124,7 +124,7 @@ def test_lpctl_plan_from_profiles_file(tmp_path, model_dir):
     ]
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps(profiles))
-    lpctl = [sys.executable, "-m", "logicpipe.controller.lpctl", "plan", "--profiles", str(path), "--model", str(model_dir)]
+    lpctl = [sys.executable, "-m", "logicpipe.controller.cli.lpctl", "plan", "--profiles", str(path), "--model", str(model_dir)]
     table = subprocess.run(lpctl, capture_output=True, text=True, timeout=120, check=True).stdout
     assert "jetson" in table and "pipeline 0" in table
     doc = json.loads(subprocess.run([*lpctl, "--json", "--strategy", "uniform"], capture_output=True, text=True,

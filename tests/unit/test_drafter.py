@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from logicpipe.stage_node.drafter import (
+from logicpipe.stage_node.engine.drafter import (
     FREE_ROWS,
     MAX_PAUSE,
     MISSES_TO_PAUSE,

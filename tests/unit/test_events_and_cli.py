@@ -5,8 +5,8 @@ import asyncio
 import subprocess
 import sys
 
-from logicpipe.stage_node import events as events_mod
-from logicpipe.stage_node.events import EventHub
+from logicpipe.stage_node.net import events as events_mod
+from logicpipe.stage_node.net.events import EventHub
 from logicpipe.v1 import stage_pb2
 
 
@@ -33,7 +33,7 @@ def test_events_reach_only_their_owner_and_a_slow_subscriber_is_cut_off(monkeypa
 
 def test_lpctl_refuses_bad_flags_in_one_line_without_a_traceback():
     for args in (["--max-tokens", "-1"], ["--max-tokens", "abc"], ["--temperature", "inf"]):
-        out = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", "127.0.0.1:1", "submit",
+        out = subprocess.run([sys.executable, "-m", "logicpipe.controller.cli.lpctl", "--controller", "127.0.0.1:1", "submit",
                               "hi",
                               *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (args, out.stderr)
@@ -43,7 +43,7 @@ def test_lpctl_refuses_bad_flags_in_one_line_without_a_traceback():
 
 def test_lpctl_chat_refuses_a_bad_temperature_in_one_line():
     for args in (["--temperature", "-1"], ["--top-p", "0"]):
-        out = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", "127.0.0.1:1", "chat",
+        out = subprocess.run([sys.executable, "-m", "logicpipe.controller.cli.lpctl", "--controller", "127.0.0.1:1", "chat",
                               *args], input="hi\n", capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and out.stderr.strip().splitlines() == [
@@ -86,7 +86,7 @@ def mesh_status(draining: bool = False):
 
 
 def test_lpctl_nodes_shows_a_drained_node_without_its_old_layers_and_errors_in_one_short_line():
-    from logicpipe.controller.lpctl import ERROR_WIDTH, NODE_HEADER, _table, node_rows
+    from logicpipe.controller.cli.lpctl import ERROR_WIDTH, NODE_HEADER, _table, node_rows
 
     rows = {r[0]: dict(zip(NODE_HEADER, r)) for r in node_rows(mesh_status())}
     assert rows["10.0.0.11:50061"]["layers"] == "0-14" and rows["10.0.0.11:50061"]["use"] == "in plan"
@@ -106,7 +106,7 @@ def test_lpctl_nodes_shows_a_drained_node_without_its_old_layers_and_errors_in_o
 
 
 def test_lpctl_status_lists_drained_and_unreachable_nodes_in_one_line_each():
-    from logicpipe.controller.lpctl import ERROR_WIDTH, status_lines
+    from logicpipe.controller.cli.lpctl import ERROR_WIDTH, status_lines
 
     lines = status_lines(mesh_status())
     assert lines[0] == "state ready  plan p1 (generation 7)  model /m"
@@ -123,7 +123,7 @@ def test_lpctl_status_lists_drained_and_unreachable_nodes_in_one_line_each():
 
 
 def test_short_error_keeps_the_reason():
-    from logicpipe.controller.lpctl import ERROR_WIDTH, short_error
+    from logicpipe.controller.cli.lpctl import ERROR_WIDTH, short_error
 
     assert short_error("stage node x:1 is unreachable: no answer in time") == "no answer in time"
     assert short_error("errors resolving gone.invalid:50061: [field:hostname lookup error:address lookup failed "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from logicpipe.common.modeldir import ModelConfig
-from logicpipe.stage_node.shard import Shard
+from logicpipe.stage_node.model.shard import Shard
 from tests.families import FAMILIES, WINDOW, build, hf_greedy, hf_model
 
 from .paged import PagedCache
@@ -96,8 +96,8 @@ def test_the_description_says_what_the_forward_runs(family):
 def test_the_graph_step_body_equals_the_forward(family):
     """The CUDA-graph body (run eagerly here) of every family: sliding masks, soft-capping, q/k
     norms and gathered experts give the forward's rows and keys, past the window."""
-    from logicpipe.stage_node.kv import StepKV, seq_slice
-    from logicpipe.stage_node.step_graphs import GraphRow, StepGraphs
+    from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+    from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
 
     name, path, *_ = family
     shard = shards_of(path, [(0, 3)])[0]
@@ -126,8 +126,8 @@ def test_the_graph_step_body_equals_the_forward(family):
 def test_gathered_experts_equal_grouped_experts(name, tmp_path):
     """The CUDA graphs' way to the experts (each row's gathered, fixed shapes) computes what the
     grouped way does (here on the CPU)."""
-    from logicpipe.stage_node.moe import experts_gathered, experts_grouped, route
-    from logicpipe.stage_node.ops import Rows, activation
+    from logicpipe.stage_node.model.moe import experts_gathered, experts_grouped, route
+    from logicpipe.stage_node.model.ops import Rows, activation
 
     shard = shards_of(build(name, tmp_path / name), [(0, 3)])[0]
     w = shard.layers[0].experts
@@ -143,7 +143,7 @@ def test_gathered_experts_equal_grouped_experts(name, tmp_path):
 def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share(family):
     """The planner's model of each family holds exactly the checkpoint's parameters; a mixture's
     layer holds every expert while a token reads only its top-k (`lpctl plan` says both)."""
-    from logicpipe.controller.planning import model_spec
+    from logicpipe.controller.mesh.planning import model_spec
     from logicpipe.planner import format_model_note
 
     name, path, model, *_ = family
@@ -168,7 +168,7 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
 def test_quantized_experts(fmt, floor, share, tmp_path):
     """--quantize holds each expert's matrices quantized (the router stays float): their bytes shrink
     to the format's and the logits stay close to the float model's."""
-    from logicpipe.stage_node.quant import QuantMatrix, tensor_bytes
+    from logicpipe.stage_node.kernels.quant import QuantMatrix, tensor_bytes
 
     path = build("qwen3_moe", tmp_path / "moe")
     full = shards_of(path, [(0, 3)])[0]
@@ -189,7 +189,7 @@ def test_quantized_experts(fmt, floor, share, tmp_path):
 @pytest.mark.parametrize("gemma", [False, True])
 def test_one_head_norm_call_equals_a_norm_per_head_kind(dtype, gemma):
     """The layer's q and k norms in one call (ops.head_norm) give the bits of one norm each."""
-    from logicpipe.stage_node.ops import head_norm, rms_norm
+    from logicpipe.stage_node.model.ops import head_norm, rms_norm
 
     torch.manual_seed(3)
     heads, kv_heads, hd = 8, 2, 32

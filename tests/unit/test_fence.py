@@ -6,7 +6,7 @@ import pytest
 
 from logicpipe.errors import Fenced, PermissionDenied
 from logicpipe.policy import KEY_HEADER
-from logicpipe.stage_node.fence import Caller, Fence
+from logicpipe.stage_node.net.fence import Caller, Fence
 
 A, B = Caller("ctl-a", "ka"), Caller("ctl-b", "kb")
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logicpipe.stage_node.kv import StepKV, seq_slice
-from logicpipe.stage_node.rope import apply_rope
-from logicpipe.stage_node.shard import Shard
+from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+from logicpipe.stage_node.model.rope import apply_rope
+from logicpipe.stage_node.model.shard import Shard
 
 DTYPES = [torch.float32, torch.float16]
 # Triton's interpreter must be chosen before triton is first imported: the kernel tests run in a
@@ -41,7 +41,7 @@ def test_kernels_in_triton_interpreter():
 def interpret():
     if not INTERPRETED:
         pytest.skip("run in Triton's interpreter by test_kernels_in_triton_interpreter")
-    from logicpipe.stage_node import fused
+    from logicpipe.stage_node.kernels import fused
 
     return fused
 
@@ -100,7 +100,7 @@ def test_attention_over_several_splits(interpret, window):
     as the first row of a prompt's tile. (Rows further down a prompt's tile are checked on the GPU,
     bench/gpu_invariance.py: the interpreter's numpy products give rows of one tile other bits by
     their place in it.)"""
-    from logicpipe.stage_node import invariant
+    from logicpipe.stage_node.kernels import invariant
 
     g = torch.Generator().manual_seed(0)
     heads, kvh, hd, L = 4, 2, 16, 150
@@ -151,7 +151,7 @@ def test_layers_fused_match_the_forward(interpret, tmp_path):
     """Two sequences (a prompt of 5 rows from position 0, 2 rows after 6 positions already held)
     through the fused layers and through the plain forward: the same hidden states (to float32
     rounding) and the same keys and values in the pool."""
-    from logicpipe.stage_node import invariant
+    from logicpipe.stage_node.kernels import invariant
 
     plain_llama(tmp_path)
     shard = Shard.load(tmp_path, 0, 3, first=False, last=False)
@@ -184,7 +184,7 @@ def test_layers_fused_match_the_forward(interpret, tmp_path):
 
 def test_every_bucket_is_warmed(tmp_path):
     """StepGraphs.buckets (what the start-up captures) holds the bucket of every step that has one."""
-    from logicpipe.stage_node.step_graphs import StepGraphs
+    from logicpipe.stage_node.engine.step_graphs import StepGraphs
 
     plain_llama(tmp_path)
     shard = Shard.load(tmp_path, 0, 3, first=True, last=True)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError
 from logicpipe.limits import MAX_ADDRESS_CHARS, MAX_ID_CHARS, check_address
-from logicpipe.stage_node import wire
+from logicpipe.stage_node.net import wire
 from logicpipe.v1 import controller_pb2, stage_pb2, tensor_pb2
 
 BUDGET = 400  # inputs per target

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
-from logicpipe.controller.gguf_convert import prepare_gguf
-from logicpipe.controller.model_prep import find_default_gguf, resolve_model
+from logicpipe.controller.cli.gguf_convert import prepare_gguf
+from logicpipe.controller.cli.model_prep import find_default_gguf, resolve_model
 from tests.families import build, hf_greedy, hf_model
 from tests.gguf_files import dequantized, write_gguf
 
@@ -108,13 +108,13 @@ def test_resolve_model_takes_a_directory_as_it_is_and_converts_a_gguf(tmp_path, 
 
 def test_lpctl_model_prepare_converts_a_gguf_with_progress(tmp_path, tokenizer_gguf):
     gguf = write_gguf("gemma3", build("gemma3", tmp_path / "hf"), tmp_path / "g.gguf", tokenizer_gguf)
-    run = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "model", "prepare", "--gguf", str(gguf),
+    run = subprocess.run([sys.executable, "-m", "logicpipe.controller.cli.lpctl", "model", "prepare", "--gguf", str(gguf),
                           "--dtype", "float32", "--out", str(tmp_path / "out")], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(tmp_path / "out") and "tensors" in run.stderr
     assert ModelConfig.from_dir(tmp_path / "out").model_type == "gemma3_text"
-    bad = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "model", "prepare", "--dtype", "float32"],
+    bad = subprocess.run([sys.executable, "-m", "logicpipe.controller.cli.lpctl", "model", "prepare", "--dtype", "float32"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--dtype is for --gguf FILE" in bad.stderr
 

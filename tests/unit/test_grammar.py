@@ -12,8 +12,8 @@ import torch
 
 from logicpipe.errors import InvalidArgument
 from logicpipe.sampling import JSON_OBJECT, check_grammar
-from logicpipe.stage_node.grammar import GrammarBook
-from logicpipe.stage_node.sampling import verify
+from logicpipe.stage_node.model.grammar import GrammarBook
+from logicpipe.stage_node.model.sampling import verify
 
 SCHEMA = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
                      "additionalProperties": False})  # exactly {"ok": true} or {"ok": false}

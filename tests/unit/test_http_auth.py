@@ -1,4 +1,4 @@
-"""The HTTP API's keys (controller/http_auth.py) and the controller's start-up checks of them: the
+"""The HTTP API's keys (controller/api/http_auth.py) and the controller's start-up checks of them: the
 token file's format and its refusals (each naming the fix), the Bearer check, and an HTTP API off
 loopback refused without a token file unless --insecure."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from logicpipe.controller import main
-from logicpipe.controller.http_auth import MIN_TOKEN_CHARS, ApiKeys, KeyFileError, fingerprint, parse
+from logicpipe.controller.api.http_auth import MIN_TOKEN_CHARS, ApiKeys, KeyFileError, fingerprint, parse
 
 TOKEN = "t0k3n-" + "x" * 26
 OTHER = "0123456789abcdef0123456789abcdef"

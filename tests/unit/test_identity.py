@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import re
 
-from logicpipe.stage_node import identity
-from logicpipe.stage_node.identity import default_state_dir, machine_fingerprint, node_identity
+from logicpipe.stage_node.net import identity
+from logicpipe.stage_node.net.identity import default_state_dir, machine_fingerprint, node_identity
 
 
 def test_same_id_across_calls(tmp_path):

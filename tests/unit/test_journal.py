@@ -10,12 +10,12 @@ import json
 import grpc
 import pytest
 
-from logicpipe.controller.journal import Journal, JournalError
-from logicpipe.controller.pipeline import Pipeline, StageHandle
-from logicpipe.controller.pipelines import PipelineSet
-from logicpipe.controller.job import Job
-from logicpipe.controller.scheduler import MAX_REPLAYS, Scheduler, SchedulerConfig
-from logicpipe.controller.state import MeshState, Phase
+from logicpipe.controller.jobs.journal import Journal, JournalError
+from logicpipe.controller.mesh.pipeline import Pipeline, StageHandle
+from logicpipe.controller.mesh.pipelines import PipelineSet
+from logicpipe.controller.jobs.job import Job
+from logicpipe.controller.jobs.scheduler import MAX_REPLAYS, Scheduler, SchedulerConfig
+from logicpipe.controller.mesh.state import MeshState, Phase
 from logicpipe.errors import Unavailable, code_number
 from logicpipe.v1 import stage_pb2
 

@@ -27,16 +27,16 @@ ALLOWED = {
 }
 # function-local imports that stay, and why: optional or heavy dependencies off the common path
 LOCAL_IMPORTS = {
-    "controller/gguf_convert.py": {"gguf", "numpy", "torch", "transformers"},  # converting a GGUF once (the
+    "controller/cli/gguf_convert.py": {"gguf", "numpy", "torch", "transformers"},  # converting a GGUF once (the
     # `convert` extra); lpctl reaches this module and must not load torch to print a status
-    "stage_node/draft_model.py": {"torch", "transformers"},  # --draft-model only: transformers costs seconds to load
-    "stage_node/rope.py": {"transformers"},  # RoPE scaling variants only (the default RoPE needs none)
-    "stage_node/quant.py": {"bitsandbytes"},  # the `quant` extra: --quantize nf4|fp4
-    "stage_node/invariant.py": {"triton"},  # CUDA stages only (--batch-invariant; ships with torch's CUDA wheels)
-    "stage_node/fused.py": {"triton"},  # the same: CUDA stages' fused layer kernels
+    "stage_node/engine/draft_model.py": {"torch", "transformers"},  # --draft-model only: transformers costs seconds to load
+    "stage_node/model/rope.py": {"transformers"},  # RoPE scaling variants only (the default RoPE needs none)
+    "stage_node/kernels/quant.py": {"bitsandbytes"},  # the `quant` extra: --quantize nf4|fp4
+    "stage_node/kernels/invariant.py": {"triton"},  # CUDA stages only (--batch-invariant; ships with torch's CUDA wheels)
+    "stage_node/kernels/fused.py": {"triton"},  # the same: CUDA stages' fused layer kernels
     # structured output only: xgrammar's import takes a second, transformers' more (the tokenizer)
     "protos/logicpipe/sampling.py": {"xgrammar"},
-    "stage_node/grammar.py": {"xgrammar", "transformers"},
+    "stage_node/model/grammar.py": {"xgrammar", "transformers"},
 }
 
 

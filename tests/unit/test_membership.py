@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from logicpipe.common.transport import caller_address
-from logicpipe.controller.membership import Members
+from logicpipe.controller.mesh.membership import Members
 from logicpipe.errors import Unavailable
 from logicpipe.v1 import stage_pb2
 

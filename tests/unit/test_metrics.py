@@ -10,10 +10,10 @@ import types
 import grpc
 import pytest
 
-from logicpipe.controller import scheduler as scheduler_mod
-from logicpipe.controller.journal import Journal
-from logicpipe.controller.metrics import Metrics
-from logicpipe.controller.job import Job
+from logicpipe.controller.jobs import scheduler as scheduler_mod
+from logicpipe.controller.jobs.journal import Journal
+from logicpipe.controller.api.metrics import Metrics
+from logicpipe.controller.jobs.job import Job
 from logicpipe.errors import Unavailable, code_number
 from logicpipe.v1 import stage_pb2
 from tests.unit.test_journal import scheduler, tokens, until

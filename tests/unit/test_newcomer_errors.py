@@ -20,7 +20,7 @@ import pytest
 
 from logicpipe.common.security import ca
 from logicpipe.common.security.bundle import Bundle
-from logicpipe.controller import lpctl
+from logicpipe.controller.cli import lpctl
 from logicpipe.controller import main as controller_main
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
@@ -171,8 +171,8 @@ def test_no_model_and_no_package_names_the_install_command(tmp_path, monkeypatch
 
 
 def test_the_converted_default_model_serves_without_the_package(tmp_path, monkeypatch):
-    from logicpipe.controller.gguf_convert import MARKER
-    from logicpipe.controller.model_prep import GGUF_FILE, default_model_dir, resolve_model
+    from logicpipe.controller.cli.gguf_convert import MARKER
+    from logicpipe.controller.cli.model_prep import GGUF_FILE, default_model_dir, resolve_model
 
     monkeypatch.setenv("LOGICPIPE_CACHE", str(tmp_path / "cache"))
     without_the_package(monkeypatch)
@@ -268,7 +268,7 @@ def test_a_client_bundle_of_another_ca_is_named(pki):
     """As a process: gRPC's core logs the failed handshake itself unless lpctl quiets it."""
     with grpc_server(pki["controller"]) as address:
         for cmd in (["status"], ["submit", "hi"], ["chat"]):
-            out = subprocess.run([sys.executable, "-m", "logicpipe.controller.lpctl", "--controller", address,
+            out = subprocess.run([sys.executable, "-m", "logicpipe.controller.cli.lpctl", "--controller", address,
                                   "--tls-dir", str(pki["stranger"]), "--timeout", "10", *cmd], input="hi\n",
                                  capture_output=True, text=True, timeout=TIMEOUT_S)
             assert out.returncode == 2 and "Traceback" not in out.stderr, (cmd, out.stderr)

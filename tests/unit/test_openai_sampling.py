@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from logicpipe.controller.logprobs import TokenText, byte_decoder
+from logicpipe.controller.api.logprobs import TokenText, byte_decoder
 from logicpipe.sampling import SamplingParams, TokenLogprob
-from logicpipe.stage_node.sampling import penalize, token_logprobs
+from logicpipe.stage_node.model.sampling import penalize, token_logprobs
 
 
 def test_penalize_is_openais_formula_and_counts_the_candidates_before_each_row():

@@ -3,7 +3,7 @@
 the ancestors a point's sequence carries."""
 from __future__ import annotations
 
-from logicpipe.controller.outline import ancestors, parse_outline
+from logicpipe.controller.jobs.outline import ancestors, parse_outline
 
 
 def shape(points):

@@ -7,9 +7,9 @@ import math
 from logicpipe.planner import DeviceProfile, Link, ModelSpec
 from logicpipe.planner.prefill import best_chunk, chunk_times_s, prefill_time_s
 from logicpipe.sampling import SamplingParams
-from logicpipe.stage_node.blocks import KVManager
-from logicpipe.stage_node.scheduler import Budget, Scheduler
-from logicpipe.stage_node.sequence import SeqSpec, SeqWork
+from logicpipe.stage_node.engine.blocks import KVManager
+from logicpipe.stage_node.engine.scheduler import Budget, Scheduler
+from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
 
 MODEL = ModelSpec.llama(name="m", hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
                         vocab_size=49152, num_layers=30, head_dim=64, tied_embeddings=True)

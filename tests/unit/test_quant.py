@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logicpipe.stage_node.quant import QuantError, check_format, quantize, tensor_bytes
-from logicpipe.stage_node.shard import Shard
+from logicpipe.stage_node.kernels.quant import QuantError, check_format, quantize, tensor_bytes
+from logicpipe.stage_node.model.shard import Shard
 
 from .paged import PagedCache
 
@@ -48,7 +48,7 @@ def test_packed_kernels_give_a_row_the_same_bits_whatever_its_batch(fmt):
 def test_int4_rounds_to_its_own_grid():
     """int4: each group of 32 weights takes 16 levels (q - 8) * scale + zero, the nearest of them,
     and the kernel multiplies by exactly that grid (up to bf16 activations)."""
-    from logicpipe.stage_node.quant import GROUP_INT4, Int4Packed
+    from logicpipe.stage_node.kernels.quant import GROUP_INT4, Int4Packed
 
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 128, generator=g) * 0.05
@@ -115,7 +115,7 @@ def reference(model_dir):
     """The float32 model's greedy tokens for each prompt (its own top-1, fed back)."""
     from transformers import AutoTokenizer
 
-    from logicpipe.controller.text import encode_prompt
+    from logicpipe.controller.jobs.text import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     full = Shard.load(model_dir, 0, 30, first=True, last=True)
@@ -167,7 +167,7 @@ def test_a_packed_stage_gives_a_decode_row_the_same_logits_alone_or_among_others
     rows the same hidden states beside other sequences' decode rows."""
     from transformers import AutoTokenizer
 
-    from logicpipe.controller.text import encode_prompt
+    from logicpipe.controller.jobs.text import encode_prompt
 
     shard = whole(model_dir, fmt)
     assert shard.weight_format == fmt and shard.lm_head.format == "int8"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from logicpipe.controller.pipeline import Pipeline, StageHandle
-from logicpipe.controller.pipelines import PipelineSet, prefix_keys
+from logicpipe.controller.mesh.pipeline import Pipeline, StageHandle
+from logicpipe.controller.mesh.pipelines import PipelineSet, prefix_keys
 
 
 def pipelines(*speeds: float) -> PipelineSet:

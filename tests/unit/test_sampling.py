@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logicpipe.stage_node.sampling import SamplingParams, draw, filter_logits, pick, sample, verify, verify_greedy
+from logicpipe.stage_node.model.sampling import SamplingParams, draw, filter_logits, pick, sample, verify, verify_greedy
 
 VOCAB = 50
 

@@ -6,9 +6,9 @@ import pytest
 
 from logicpipe.errors import FailedPrecondition, ResourceExhausted
 from logicpipe.sampling import SamplingParams
-from logicpipe.stage_node.blocks import KVManager
-from logicpipe.stage_node.scheduler import Budget, Scheduler
-from logicpipe.stage_node.sequence import SeqSpec, SeqWork
+from logicpipe.stage_node.engine.blocks import KVManager
+from logicpipe.stage_node.engine.scheduler import Budget, Scheduler
+from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
 
 
 def spec(sid: str, prompt=(1, 2, 3), capacity: int = 48, priority: int = 0) -> SeqSpec:

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-import logicpipe.stage_node.weights as weights_mod
-from logicpipe.stage_node.kv import KVPool, StepKV, kv_bytes_per_token, seq_slice
-from logicpipe.stage_node.shard import Shard
+import logicpipe.stage_node.model.weights as weights_mod
+from logicpipe.stage_node.engine.kv import KVPool, StepKV, kv_bytes_per_token, seq_slice
+from logicpipe.stage_node.model.shard import Shard
 
 from .paged import PagedCache
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logicpipe.stage_node.kv import StepKV, seq_slice
-from logicpipe.stage_node.shard import Shard
-from logicpipe.stage_node.step_graphs import MIN_CONTEXT, ROW_BUCKETS, GraphRow, StepGraphs
+from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.engine.step_graphs import MIN_CONTEXT, ROW_BUCKETS, GraphRow, StepGraphs
 
 from .test_shard import ROPES, assert_close, tiny_llama
 

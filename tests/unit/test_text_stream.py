@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from logicpipe.controller.text import TextStream
+from logicpipe.controller.jobs.text import TextStream
 
 TEXTS = ["Hello, world! Ünïcödé 你好世界 🚀🚀 done.\n  indented   spaces", "The capital of France is Paris."]
 

@@ -14,7 +14,7 @@ from logicpipe.common.security.ca import make_csr
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.security.tokens import mac, parse_token
 from logicpipe.common.transport import from_flags, is_loopback
-from logicpipe.controller.join import JoinAuthority
+from logicpipe.controller.mesh.join import JoinAuthority
 from logicpipe.errors import PermissionDenied
 
 log = logging.getLogger("test")
@@ -79,7 +79,7 @@ def test_join_token_works_once_and_replies_are_authenticated(ca, tmp_path, monke
     with pytest.raises(PermissionDenied, match="used or expired"):
         auth.join(token_id, csr, mac(secret, token_id.encode(), csr))  # spent
     expired, _ = auth.create(ttl_s=5)
-    monkeypatch.setattr("logicpipe.controller.join.time.monotonic", lambda: 1e12)
+    monkeypatch.setattr("logicpipe.controller.mesh.join.time.monotonic", lambda: 1e12)
     eid, esecret = parse_token(expired)
     with pytest.raises(PermissionDenied, match="used or expired"):
         auth.join(eid, csr, mac(esecret, eid.encode(), csr))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import jsonschema
 
-from logicpipe.controller.tools import LLAMA3, QWEN, call_schema, family, parse, renders_tools
+from logicpipe.controller.api.tools import LLAMA3, QWEN, call_schema, family, parse, renders_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},

@@ -1,0 +1,1 @@
+"""The command-line tools: lpctl, and preparing a model (the embedded default, a GGUF file)."""

@@ -1,0 +1,146 @@
+"""A standby controller, and the active controller's side of it.
+
+Two controllers (on two boxes) name each other with --peer. The one that finds no active peer at
+start is active; the other follows it as the standby: it streams the active's journal
+(Replicate: a snapshot, then every change, and a heartbeat every HEARTBEAT_S with the nodes of
+the plan in force), so its own journal is a copy. When that stream breaks and no peer answers as active for
+TAKEOVER_S, the standby takes over: it starts as the active controller with a fencing epoch above
+the one it copied, re-adopts the plan's nodes (assigning them with the new epoch, which the
+stages then hold: the old active's Assign and OpenSession are refused from then on), and resumes
+every journaled request from its tokens. Clients hold both addresses (lpctl --controller A,B) and
+resume there.
+
+A controller that a stage refuses for a newer epoch steps down (controller.app.on_fenced): it
+stops, and its service manager starts it again, as the standby of the new active.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import grpc
+
+from logicpipe.common.transport import Transport
+from logicpipe.controller.jobs.journal import ADMIT, DROP, EPOCH, TOKENS, Op
+from logicpipe.errors import FailedPrecondition
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5       # the active's stream to a standby says something at least this often
+TAKEOVER_S = 1.5        # no active controller heard from for this long: the standby takes over
+CONNECT_TIMEOUT_S = 0.5  # a peer that does not answer this fast counts as gone
+MAX_BEHIND = 200_000    # journal operations queued for a standby that reads too slowly: it is cut off
+
+
+def op_to_proto(op: Op) -> controller_pb2.JournalOp:
+    return controller_pb2.JournalOp(kind=op.kind, request_id=op.id,
+                                    job_json=json.dumps(op.job, separators=(",", ":")) if op.job is not None else "",
+                                    priority=op.priority, start=op.start, tokens=op.tokens, epoch=op.epoch)
+
+
+def op_from_proto(m: controller_pb2.JournalOp) -> Op:
+    return Op(m.kind, m.request_id, job=json.loads(m.job_json) if m.job_json else None, priority=m.priority,
+              start=m.start, tokens=tuple(m.tokens), epoch=m.epoch)
+
+
+class Replicator:
+    """The active controller's journal, streamed to its standby (Controller.Replicate)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.followers: dict[str, float] = {}  # standby -> when it started following
+
+    def _plan(self) -> dict:
+        return {"nodes_json": json.dumps({h.node_id: h.address for h in self.app.pipelines.stages})}
+
+    async def follow(self, follower: str):
+        if self.app.role != "active" or self.app.fenced:
+            raise FailedPrecondition(self.app.not_serving() or "this controller is not the active one")
+        queue: asyncio.Queue = asyncio.Queue()
+        journal = self.app.journal
+        unsubscribe = journal.subscribe(queue.put_nowait)
+        snapshot = journal.snapshot()  # taken with the subscription, in one step of the loop: nothing between
+        self.followers[follower] = time.time()
+        log.info("standby %s follows this controller's journal (%d requests)", follower, len(journal.entries))
+        try:
+            yield controller_pb2.JournalOp(kind="snapshot")
+            for op in snapshot:
+                yield op_to_proto(op)
+            yield controller_pb2.JournalOp(kind="ready", **self._plan())
+            while not self.app.fenced:
+                if queue.qsize() > MAX_BEHIND:
+                    raise FailedPrecondition(f"the standby fell {queue.qsize()} journal changes behind; follow again")
+                try:
+                    op = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    yield controller_pb2.JournalOp(kind="heartbeat", **self._plan())
+                    continue
+                yield op_to_proto(op)
+        finally:
+            unsubscribe()
+            self.followers.pop(follower, None)
+
+
+class Standby:
+    """Follows the active controller among `peers` until none answers for TAKEOVER_S."""
+
+    def __init__(self, app, peers: list[str], transport: Transport, me: str = ""):
+        self.app = app
+        self.peers = peers
+        self.transport = transport
+        self.me = me
+        self.nodes: dict[str, str] = {}  # the active's plan: node id -> address (where a takeover starts)
+
+    async def run(self) -> dict[str, str]:
+        """Be the standby until a takeover is due; returns the nodes of the last plan seen."""
+        app = self.app
+        app.role = "standby"
+        app.journal.start()  # the copy is written to this controller's own journal as it comes
+        heard = time.monotonic()
+        while True:
+            for peer in self.peers:
+                try:
+                    if await self._follow(peer):
+                        heard = time.monotonic()
+                except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+                    why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "no answer in time"
+                    log.debug("peer %s: %s", peer, why)
+            if time.monotonic() - heard >= TAKEOVER_S:
+                log.warning("no active controller answers (%s) for %.1f s: taking over", ", ".join(self.peers),
+                            time.monotonic() - heard)
+                app.active_peer = ""
+                return self.nodes
+            await asyncio.sleep(0.1)
+
+    async def _follow(self, peer: str) -> bool:
+        """Copy `peer`'s journal while it streams it; returns whether it was followed at all."""
+        app = self.app
+        followed = False
+        async with self.transport.channel(peer, "controller") as ch:
+            call = controller_pb2_grpc.ControllerStub(ch).Replicate(controller_pb2.ReplicateRequest(follower=self.me))
+            snapshot: list[Op] | None = None
+            while True:
+                m = await asyncio.wait_for(call.read(), TAKEOVER_S if followed else CONNECT_TIMEOUT_S + TAKEOVER_S)
+                if m is grpc.aio.EOF:
+                    return followed
+                if m.kind == "snapshot":
+                    snapshot = []
+                elif m.kind in ("ready", "heartbeat"):
+                    if m.kind == "ready" and snapshot is not None:
+                        app.journal.replace(snapshot)
+                        snapshot = None
+                        log.info("following the active controller %s: %d journaled requests, epoch %d", peer,
+                                 len(app.journal.entries), app.journal.epoch)
+                    followed = True
+                    app.active_peer = peer
+                    if m.nodes_json:
+                        self.nodes = json.loads(m.nodes_json) or self.nodes
+                elif m.kind in (ADMIT, TOKENS, DROP, EPOCH):
+                    op = op_from_proto(m)
+                    if snapshot is not None:
+                        snapshot.append(op)
+                    else:
+                        app.journal.apply(op)

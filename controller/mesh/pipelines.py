@@ -1,0 +1,170 @@
+"""The pipelines in force: replicas over disjoint nodes, each a `Pipeline`, and what they share
+(the controller's identity towards the stages). The scheduler routes each request to one of them
+(`route`): the least loaded by its predicted speed, or the one whose stages hold the request's
+prefix in their cache when it is not much busier."""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from logicpipe.common.transport import Transport
+from logicpipe.controller.mesh.pipeline import RPC_TIMEOUT_S, ControllerIdentity, Pipeline, StageHandle, _KeyedStub, probe_node
+from logicpipe.v1 import stage_pb2
+
+AFFINITY_BLOCK = 16        # prefix lengths are taken in whole KV blocks of the stages (their default block size)
+AFFINITY_LENGTHS = (1024, 256, 64, 16)  # prefix lengths (tokens) remembered per request, longest matched first
+AFFINITY_ENTRIES = 4096    # prefixes remembered at most (least recently used forgotten first)
+AFFINITY_SLACK = 2         # a prefix's pipeline is taken while its load is within this many requests (per
+AFFINITY_SLACK_SHARE = 0.25  # predicted-speed share), or this share, whichever is more, of the least loaded one's
+
+
+def prefix_keys(tokens: list[int]) -> list[int]:
+    """Hashes of the request's leading tokens at each of AFFINITY_LENGTHS it reaches (longest
+    first); the last token is left out (it is always computed: it samples the next one)."""
+    usable = len(tokens) - 1
+    return [hash((n, tuple(tokens[:n]))) for n in AFFINITY_LENGTHS if n <= usable]
+
+
+class PipelineSet:
+    """The controller's pipelines (replicas), in the order of the plan in force."""
+
+    def __init__(self, transport: Transport, on_event: Callable[[stage_pb2.Event], None],
+                 on_stage_lost: Callable[[str, str], None], why_down: Callable[[str], str] = lambda a: "",
+                 owner: str = ""):
+        self.transport = transport
+        # on_stage_lost: a stage's hint (no answer, lost); why_down: membership's word on a node's address
+        self._callbacks = (on_event, on_stage_lost, why_down)
+        self.identity = ControllerIdentity(**({"owner": owner} if owner else {}))
+        self.all: list[Pipeline] = []
+        self._generation = 0
+        self._affinity: OrderedDict[int, Pipeline] = OrderedDict()
+        self.routed_by_prefix = 0  # requests sent to the pipeline that held their prefix
+
+    # ---- what the pipelines share --------------------------------------------------------------
+    @property
+    def owner(self) -> str:
+        return self.identity.owner
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.identity.metadata
+
+    @property
+    def epoch(self) -> int:
+        return self.identity.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.identity.epoch = value
+
+    @property
+    def revoked(self) -> list[str]:
+        return self.identity.revoked
+
+    @revoked.setter
+    def revoked(self, value: list[str]) -> None:
+        self.identity.revoked = list(value)
+
+    def stub(self, channel):
+        """A stage stub whose calls carry our key."""
+        return _KeyedStub(channel, self.metadata)
+
+    async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
+        """Status of a node, or Unavailable naming it."""
+        return await probe_node(self.transport, address, timeout)
+
+    def next_generation(self) -> int:
+        """A plan generation above every one before (across restarts too: it starts from the clock)."""
+        self._generation = max(self._generation + 1, int(time.time() * 1000), *(p.generation + 1 for p in self.all))
+        return self._generation
+
+    # ---- the set ----------------------------------------------------------------------------
+    def new(self) -> Pipeline:
+        """A pipeline not installed yet, sharing our identity (the caller installs and adds it)."""
+        on_event, on_lost, why_down = self._callbacks
+        return Pipeline(self.transport, on_event, on_lost, why_down=why_down, identity=self.identity)
+
+    def replace(self, pipelines: list[Pipeline]) -> None:
+        """The pipelines in force from now on, numbered in this order."""
+        self.all = list(pipelines)
+        for i, p in enumerate(self.all):
+            p.index = i
+        alive = set(map(id, self.all))
+        for key in [k for k, p in self._affinity.items() if id(p) not in alive]:
+            del self._affinity[key]
+
+    @property
+    def stages(self) -> list[StageHandle]:
+        """Every stage of every pipeline, pipeline by pipeline."""
+        return [h for p in self.all for h in p.stages]
+
+    @property
+    def generation(self) -> int:
+        """The newest pipeline's plan generation (0: none installed)."""
+        return max((p.generation for p in self.all), default=0)
+
+    @property
+    def plan_id(self) -> str:
+        return ",".join(p.plan_id for p in self.all if p.plan_id)
+
+    @property
+    def micro_batches(self) -> int:
+        return max((p.micro_batches for p in self.all), default=1)
+
+    @property
+    def down(self) -> list[tuple[str, str]]:
+        return [d for p in self.all for d in p.down]
+
+    def serving(self) -> list[Pipeline]:
+        """The pipelines that take requests now: installed, no stage down."""
+        return [p for p in self.all if p.stages and not p.down and not p.retired]
+
+    def of_address(self, address: str) -> Pipeline | None:
+        return next((p for p in self.all if any(h.address == address for h in p.stages)), None)
+
+    def largest_request(self) -> int:
+        """KV positions of the largest request any serving pipeline can hold (0: unknown)."""
+        return max((p.largest_request() for p in self.serving()), default=0)
+
+    # ---- routing ----------------------------------------------------------------------------
+    def route(self, prompt: list[int], capacity: int, load: Callable[[Pipeline], int],
+              exclude: frozenset[int] = frozenset()) -> Pipeline | None:
+        """The pipeline for a request of `capacity` positions whose input starts with `prompt`:
+        among the serving ones that can hold it (and not in `exclude`, by id), the least loaded
+        relative to its predicted speed (`load`: requests on it now), unless the pipeline that
+        last took the same prefix is within AFFINITY_SLACK (or AFFINITY_SLACK_SHARE) of that: its
+        stages' prefix caches hold the prefix. None when none can take it."""
+        fits = [p for p in self.serving() if id(p) not in exclude
+                and (not p.largest_request() or capacity <= p.largest_request())]
+        if not fits:
+            return None
+        speeds = [p.tokens_per_s for p in fits]
+        mean = sum(speeds) / len(speeds) if all(speeds) else 0.0
+
+        def pressure(p: Pipeline) -> float:  # requests per unit of (relative) speed, this one included
+            share = p.tokens_per_s / mean if mean else 1.0
+            return (load(p) + 1) / share
+
+        best = min(fits, key=lambda p: (pressure(p), p.index))
+        for key in prefix_keys(prompt):
+            held = self._affinity.get(key)
+            if held is not None and held in fits:
+                if pressure(held) <= pressure(best) + max(AFFINITY_SLACK, AFFINITY_SLACK_SHARE * pressure(best)):
+                    if held is not best:
+                        self.routed_by_prefix += 1
+                    return held
+                break
+        return best
+
+    def remember(self, prompt: list[int], pipeline: Pipeline) -> None:
+        """`pipeline` holds `prompt`'s prefixes in its caches now."""
+        for key in prefix_keys(prompt):
+            self._affinity[key] = pipeline
+            self._affinity.move_to_end(key)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+
+    async def close(self) -> None:
+        for p in self.all:
+            await p.close()

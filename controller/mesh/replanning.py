@@ -1,0 +1,376 @@
+"""Re-planning: the planner driven by membership. A change (a node joins, is drained, leaves, dies,
+comes back; the traffic changes) asks for a re-plan; a burst of changes makes one. A pipeline that
+broke is replaced over the nodes no serving pipeline holds and only its requests move (they replay
+their tokens on the pipelines that serve: none is lost, greedy output does not change); with
+nothing broken, a better plan (by predicted tokens/s, or in classic mode by its step cost) is
+installed only when it gains --replan-gain, and a plan that serves is never replaced for a better
+one within HOLD_S of its install."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from logicpipe.controller.mesh import planning
+from logicpipe.controller.mesh.membership import NOT_PROBED
+from logicpipe.controller.mesh.pipeline import Pipeline, StageAssignment
+from logicpipe.controller.mesh.state import Phase
+from logicpipe.errors import FailedPrecondition, Fenced, InvalidArgument, MeshError
+from logicpipe.planner import Link, Workload
+
+if TYPE_CHECKING:
+    from logicpipe.controller.app import ControllerApp
+
+log = logging.getLogger(__name__)
+
+DEBOUNCE_S = 0.3        # changes this close together make one re-plan (a burst: until it is quiet this long ...)
+MAX_DEBOUNCE_S = 2.0    # ... or this long after its first change)
+HOLD_S = 10.0           # a plan that still serves is replaced for a better one (a node back, a join) only once
+                        # the last plan has served this long: in a storm of faults, running requests move once
+                        # per fault, not again for every node that comes back
+RETRY_S = 1.0           # a re-plan that failed is tried again after this
+CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
+
+
+class Replanner:
+    """The plan in force (`plan`, a planner.MeshPlan, and its JSON), what it was made from
+    (`profiles`, `links`, `workload`), and the loop that makes the next one."""
+
+    def __init__(self, app: ControllerApp):
+        self.app = app
+        o = app.options
+        self.workload = Workload(context_tokens=min(o.context, app.config.max_position_embeddings))
+        self.plan = None            # planner.MeshPlan in force: its pipelines, in the order of app.pipelines.all
+        self.plan_json = ""
+        self.profiles: list = []
+        self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
+        self.last_replan, self.last_replan_s, self.replans = "", 0.0, 0
+        self.plan_changed = asyncio.Event()  # set (and replaced) each time a plan is installed or given up
+        self._reasons: list[str] = []
+        self._since = 0.0
+        self._trigger = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
+        self._tasks: set[asyncio.Task] = set()
+        self._installed_at = 0.0      # when the plan in force was installed (monotonic)
+        self._now = False             # the re-plan in progress was asked for by an operator (drain, revoke, leave)
+        self._recheck: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="replanner")
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    def request_replan(self, why: str) -> None:
+        """Something changed, or may have: plan again soon (a plan that still serves is kept)."""
+        if not self._reasons:
+            self._since = time.monotonic()
+        self._reasons.append(why)
+        self._trigger.set()
+
+    def later(self, delay: float, why: str) -> None:
+        """Plan again after `delay` s (once, however often asked meanwhile)."""
+        if self._recheck is None or self._recheck.cancelled() or self._recheck.when() < asyncio.get_running_loop().time():
+            self._recheck = asyncio.get_running_loop().call_later(max(0.1, delay), self.request_replan, why)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._trigger.wait()
+            first = time.monotonic()
+            while True:  # a burst of changes (deaths, restarts, joins) makes one re-plan
+                self._trigger.clear()
+                await asyncio.sleep(DEBOUNCE_S)
+                if not self._trigger.is_set() or time.monotonic() - first >= MAX_DEBOUNCE_S:
+                    break
+            if self.plan is None:
+                await self._settle()
+            self._trigger.clear()
+            reasons, since, self._reasons = self._reasons, self._since, []
+            why = "; ".join(dict.fromkeys(reasons)) or "a check"
+            try:
+                async with self._plan_lock:
+                    await self.replan(why, since)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — try again: requests are waiting for it
+                log.warning("re-plan (%s) failed: %s; trying again in %.0f s", why, exc, RETRY_S,
+                            exc_info=not isinstance(exc, MeshError))
+                if self._broken():  # no plan serves: requests wait for one, bounded
+                    self.app.state.set(Phase.WAITING, f"re-plan failed: {exc}")
+                else:  # the plan in force still serves
+                    self.app.state.set(Phase.READY)
+                await asyncio.sleep(RETRY_S)
+                self.request_replan(why)
+
+    async def _settle(self) -> None:
+        """Before the first plan: until every known node has answered once, and (with mDNS, where
+        nodes show up one by one) settle_s after the first trigger, so the first plan sees them all."""
+        deadline = self._since + self.app.options.settle_s
+        while time.monotonic() < deadline:
+            unprobed = any(m.down == NOT_PROBED for m in self.app.members.by_address.values())
+            if not unprobed and not self.app.options.mdns and self.app.members.by_address:
+                return
+            await asyncio.sleep(0.1)
+
+    def broken_pipelines(self) -> list[Pipeline]:
+        """The pipelines in force that cannot serve: a stage lost or down, or its node drained or leaving."""
+        out = []
+        for p in self.app.pipelines.all:
+            for h in p.stages:
+                m = self.app.members.by_address.get(h.address)
+                if h.lost or (m is not None and not m.usable):
+                    out.append(p)
+                    break
+            else:
+                if not p.stages:
+                    out.append(p)
+        return out
+
+    def _broken(self) -> bool:
+        """No pipeline serves: none installed, or every one broken."""
+        return not self.app.pipelines.all or len(self.broken_pipelines()) == len(self.app.pipelines.all)
+
+    async def replan(self, why: str, since: float | None = None) -> bool:
+        """Plan over the usable nodes and install what changes. A pipeline that broke (a node
+        lost, drained, leaving) is replaced over the nodes no serving pipeline holds, and only its
+        requests move: the other pipelines go on untouched. With nothing broken (a join, a node
+        back, the workload changed), a plan over all the nodes replaces the one in force when its
+        predicted speed is better by replan_gain (the pipelines it keeps as they are go on
+        untouched), else nodes no pipeline uses start pipelines of their own. Returns whether
+        anything new was installed."""
+        since = since or time.monotonic()
+        if self.app.fenced:
+            return False  # stepping down: another controller steers the mesh
+        broken = self.broken_pipelines()
+        kept = [p for p in self.app.pipelines.all if p not in broken]
+        usable = [m for m in self.app.members.usable() if m.status is not None and m.node_id not in self.app.revocations]
+        if not usable:
+            self.give_up(not kept, "no stage nodes yet" if not self.app.members.by_address else
+                          "no usable stage node (" + "; ".join(f"{m.address}: {m.why_not()}"
+                                                               for m in self.app.members.by_address.values()) + ")")
+            return False
+        ids = {m.node_id: m.address for m in usable}
+        await self._measure_links(ids)
+        usable = [m for m in usable if m.usable]  # a node whose links failed is out
+        ids = {m.node_id: m.address for m in usable}
+        self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
+                                                 self.app.spec) for m in usable]
+        self.workload = self.app.scheduler.traffic.workload(self.app.options.context, self.app.config.max_position_embeddings)
+        try:
+            mesh = self._choose(kept, broken, why)
+        except InvalidArgument as exc:
+            self.give_up(not kept, f"no plan fits the {len(usable)} usable node(s): {exc}")
+            if kept and broken:  # the others serve on; the broken ones go
+                await self._install(planning.evaluate(self._plans(kept), self.profiles, self.app.spec, self.workload,
+                                                      self.app.options), ids, why, since)
+                return True
+            return False
+        if mesh is None:
+            self.app.state.set(Phase.READY)  # a fault that healed before the re-plan may have paused admission
+            return False
+        await self._install(mesh, ids, why, since)
+        return True
+
+    @staticmethod
+    def _plans(pipelines: list[Pipeline]) -> list:
+        return [p.plan for p in pipelines if p.plan is not None]
+
+    def _choose(self, kept: list[Pipeline], broken: list[Pipeline], why: str):
+        """The planner.MeshPlan to install now, or None to keep the plan in force (see `replan`).
+        InvalidArgument when no pipeline fits the nodes it may use."""
+        o, spec, workload = self.app.options, self.app.spec, self.workload
+        if self.plan is None:
+            return planning.reuse_or_plan(o.plan_path, self.profiles, spec, workload, o)
+        in_use = {s.node_id for p in kept for s in (p.plan.stages if p.plan else ())}
+        free = [p for p in self.profiles if p.node_id not in in_use]
+        left = o.replicas - len(kept) if o.replicas else 0
+
+        def extra() -> list:
+            if not free or (o.replicas and left <= 0):
+                return []
+            try:
+                return list(planning.mesh_for(free, spec, workload, o, replicas=left).pipelines)
+            except InvalidArgument:
+                if kept:
+                    return []  # the free nodes make no pipeline: the kept ones serve on
+                raise
+
+        if broken or not kept:
+            return planning.evaluate(self._plans(kept) + extra(), self.profiles, spec, workload, o)
+        full = planning.mesh_for(self.profiles, spec, workload, o)
+        current = planning.evaluate(self._plans(kept), self.profiles, spec, workload, o)
+        if planning.same_pipelines(full, current):
+            log.info("%s: keeping the plan in force (%s)", why, planning.describe(current))
+            return None
+        if planning.extends(full, current):
+            return full  # only pipelines added: nothing in force moves
+        grown = extra()
+        if planning.better(full, current, o):
+            served = time.monotonic() - self._installed_at
+            if self.app.scheduler.running and served < HOLD_S and not self._now:
+                # better, but the plan in force serves and was installed just now: moving its running
+                # requests again waits until the mesh has been quiet for a while
+                log.info("%s: a better plan (%s vs %s) waits %.1f s more (the plan in force is new)",
+                         why, planning.describe(full), planning.describe(current), HOLD_S - served)
+                self.later(HOLD_S - served, why)
+            else:
+                return full
+        if grown:
+            return planning.evaluate(self._plans(kept) + grown, self.profiles, spec, workload, o)
+        log.info("%s: keeping the plan in force (%s; a new one would be %s)", why, planning.describe(current),
+                 planning.describe(full))
+        return None
+
+    def give_up(self, broken: bool, why: str) -> None:
+        """No plan now: when no pipeline serves, requests wait (bounded) for nodes."""
+        if not broken:
+            log.info("keeping the plan in force: %s", why)
+            self.app.state.set(Phase.READY)
+            return
+        log.warning("waiting for nodes: %s", why)
+        self.app.state.set(Phase.WAITING, why)
+        for p in self.app.pipelines.all:
+            p.retired = True
+        sessions = self.app.scheduler.detach_all()
+        for p in self.app.pipelines.all:
+            for session in sessions:
+                p.close_session_soon(session)
+        self.plan_changed.set()
+        self.plan_changed = asyncio.Event()
+
+    async def _measure_links(self, ids: dict[str, str]) -> None:
+        """Measure the ordered pairs of `ids` not measured yet (a join measures its own links only)."""
+        pairs = [(a, b) for a in ids for b in ids if a != b and b not in self.links.get(a, {})]
+        if not pairs:
+            return
+        t0 = time.monotonic()
+        channels = {nid: self.app.transport.channel(addr, "stage") for nid, addr in ids.items()}
+        try:
+            stubs = {nid: self.app.pipelines.stub(ch) for nid, ch in channels.items()}
+            in_plan = {h.node_id for h in self.app.pipelines.stages}
+            measured = await planning.measure_pairs(stubs, ids, pairs, epoch=self.app.pipelines.epoch,
+                                                    owner=self.app.pipelines.owner)
+            for (a, b), link in zip(pairs, measured):
+                if not isinstance(link, BaseException):
+                    self.links.setdefault(a, {})[b] = link
+                    continue
+                if Fenced.seen_in(str(link)) and a in in_plan:  # a stage of our plan follows another controller
+                    self.app.on_fenced(str(link))
+                    raise link
+                newcomer = next((x for x in (a, b) if x not in in_plan), None)
+                if newcomer is None:
+                    raise link
+                self.app.members.mark_down(ids[newcomer], f"its link {a} -> {b} could not be measured: {link}")
+        finally:
+            for ch in channels.values():
+                await ch.close()
+        log.info("measured %d links in %.1f s", len(pairs), time.monotonic() - t0)
+
+    async def _install(self, mesh, ids: dict[str, str], why: str, since: float) -> None:
+        """Install `mesh` (a planner.MeshPlan): a pipeline in force that it keeps as it is (the
+        same nodes and layers, serving) goes on untouched; the others are retired, their requests
+        moved (replayed on the pipelines that serve, new ones included once they are up); the new
+        pipelines are assigned and join the set as each is ready."""
+        log.info("plan (%s) because %s:\n%s", planning.describe(mesh), why, planning.plan_table(mesh, self.app.spec))
+        broken = self.broken_pipelines()
+        current = {planning.pipeline_key(p.plan): p for p in self.app.pipelines.all
+                   if p.plan is not None and p not in broken and not p.retired}
+        keep: dict[int, Pipeline] = {}
+        for i, plan in enumerate(mesh.pipelines):
+            p = current.pop(planning.pipeline_key(plan), None)
+            if p is not None:
+                keep[i] = p
+        dropped = [p for p in self.app.pipelines.all if p not in keep.values()]
+        for p in dropped:
+            p.retired = True  # no request opens there from now on
+        sessions = self.app.scheduler.detach(dropped)
+        if not keep:
+            self.app.state.set(Phase.REPLANNING if self.plan is not None else Phase.PLANNING,
+                           f"installing a new plan ({why})")
+        for p in dropped:
+            alive = [h for h in p.stages if not h.lost and not self.app.why_down(h.address)]
+            if sessions and alive:  # free them on the old stages still there (else their TTL does)
+                try:
+                    await asyncio.wait_for(p.close_session_many(sessions, alive), CLOSE_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
+            await p.close(wait_closes=False)
+        self.app.pipelines.replace(list(keep.values()))  # the kept ones serve on while the new ones load
+        for i, p in keep.items():
+            p.plan = mesh.pipelines[i]
+        fresh = {i: self.app.pipelines.new() for i in range(len(mesh.pipelines)) if i not in keep}
+
+        async def install(i: int, p: Pipeline) -> None:
+            plan = mesh.pipelines[i]
+            p.plan = plan
+            await p.install(str(self.app.model_dir), self.app.digest, self.app.num_layers,
+                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
+                             for s, (dtype, fmt, wire) in zip(plan.stages, planning.stage_formats(plan, self.profiles))],
+                            self.app.options.dtype, self.app.options.micro_batches, controller_address=self.app.options.address,
+                            generation=self.app.pipelines.next_generation(),
+                            planned_micro_batches=0 if planning.classic(self.app.options) else plan.micro_batches)
+            # ready: it takes requests at once (the set keeps the plan's order)
+            self.app.pipelines.replace(sorted([*self.app.pipelines.all, p], key=lambda x: self._order(mesh, x)))
+            self.app.scheduler.kick()
+
+        results = await asyncio.gather(*(install(i, p) for i, p in fresh.items()), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        installed = [p for p in self.app.pipelines.all]
+        if failed:
+            exc = failed[0]
+            if isinstance(exc, MeshError) and Fenced.seen_in(str(exc)):
+                self.app.on_fenced(str(exc))
+                raise exc
+            for err in failed:
+                if isinstance(err, MeshError):
+                    for m in self.app.members.usable():  # the node that failed is left out until it answers again
+                        if m.address in str(err):
+                            if isinstance(err, (InvalidArgument, FailedPrecondition)):  # not a passing fault
+                                self.app.members.refuse(m.address, f"its assignment failed: {err}")
+                            else:
+                                self.app.members.mark_down(m.address, f"its assignment failed: {err}")
+            for i, p in fresh.items():
+                if p not in installed:
+                    await p.close(wait_closes=False)
+            self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
+            if not installed:
+                raise exc
+        self.plan = planning.evaluate([p.plan for p in installed], self.profiles, self.app.spec, self.workload, self.app.options) \
+            if failed else mesh
+        self.plan_json = planning.to_json(self.plan)
+        self._installed_at = time.monotonic()
+        self.replans += 1
+        self.last_replan, self.last_replan_s = why, time.monotonic() - since
+        log.info("plan generation %d serves (%d pipelines: %s) %.1f s after: %s; %d requests replay",
+                 self.app.pipelines.generation, len(installed), ", ".join(str(len(p.stages)) + " stages" for p in installed),
+                 self.last_replan_s, why, len(sessions))
+        self.app.state.set(Phase.READY)
+        self.plan_changed.set()
+        self.plan_changed = asyncio.Event()
+
+    @staticmethod
+    def _order(mesh, p: Pipeline) -> int:
+        """`p`'s place in `mesh`'s pipelines."""
+        key = planning.pipeline_key(p.plan)
+        return next((i for i, plan in enumerate(mesh.pipelines) if planning.pipeline_key(plan) == key), len(mesh.pipelines))
+
+    async def replan_now(self, why: str) -> None:
+        """Re-plan now and return once the outcome serves (a new plan, or the one kept). The
+        re-plan runs on whether or not our caller (an RPC) is cancelled or times out."""
+        async def locked() -> None:
+            async with self._plan_lock:
+                self._now = True
+                try:
+                    await self.replan(why)
+                finally:
+                    self._now = False
+
+        task = asyncio.get_running_loop().create_task(locked())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await asyncio.shield(task)

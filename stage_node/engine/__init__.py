@@ -1,0 +1,1 @@
+"""The engine: one assignment's step (schedule -> run -> postprocess), the scheduler, the runner thread, the KV blocks and pool, sequences, stats, CUDA graphs, the last stage's tokens and candidates."""

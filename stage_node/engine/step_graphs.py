@@ -1,0 +1,297 @@
+"""CUDA graphs of small steps: a stage's decode step replayed as one graph instead of hundreds of
+kernel launches.
+
+On a GPU a decode step of a large model is bound by kernel launches and Python, not by reading the
+weights: an 8B-shaped model issues about 40 small kernels per layer, 1,300 a step, each costing the
+host more than the GPU. A graph captured once per (rows, context) bucket replays the whole
+step's layers with one launch.
+
+What a graph needs is fixed shapes and fixed addresses, so the batched body differs from the eager
+forward in how it attends:
+  * every row is its own query: its position, the slot it writes and its sequence's block table
+    (padded to the bucket's context) are inputs; a row attends to the positions below its own
+    (`length` = position + 1), so several rows of one sequence (candidates, a short prompt) are
+    causal as in the eager forward, because all rows' keys are written before any row reads;
+  * keys and values are gathered from the paged pool by slot (the block table expanded in the
+    graph) and padded positions are masked out;
+  * the rows' query heads of one KV head are that head's queries (grouped-query attention without
+    repeating keys);
+  * rows past the step's own (the bucket's padding) write to the pool's scratch slot;
+  * a sliding-window layer masks the positions before the window too, and soft-capped scores
+    (Gemma 2) go the eager way (scores, cap, mask, softmax in float32); a mixture of experts
+    gathers each row's experts (stage_node.moe), which keeps its shapes fixed;
+  * with batch-invariant kernels (stage_node.invariant) every row attends by the same kernel as
+    in the eager forward, reading its keys from the pool by slot (no gather, no padded context):
+    a row gets the same bits in any bucket, and in a graph or not.
+The KV pool is static (allocated once for the stage's budget, zeroed: masked positions are read, and
+a NaN there would pass the mask), and the RoPE tables are grown to the
+largest bucket before the first capture and held, so the captured addresses stay valid.
+
+Buckets: rows 1, 2, 4, 8, 16, 32, 64, 128, 256 (issue 32: a step of 64 rows ran eagerly, 27 ms
+against 8.8 for 32 rows in a graph; past 32 only with the batch-invariant kernels and no mixture of
+experts, whose bodies gather keys or experts per row); context a power of two from 256 up to the model's positions (at
+most 8,192). A step with more rows or a longer context runs eagerly. Graphs are captured when a
+bucket is first used (a few hundred ms for an 8B stage) into one shared memory pool. A capture that
+fails turns graphs off for the stage (logged), and it goes on eagerly.
+
+On a CPU the same body runs eagerly (`capture=False`): that is how the tests check its arithmetic
+against the forward.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.model.ops import softcap
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SMALL_ROWS = 32  # the largest bucket where the body gathers keys (batch-invariant kernels off) or experts (MoE)
+MIN_CONTEXT = 256
+MAX_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class GraphRow:
+    """One row of a step: its position, the pool slot it writes, its sequence's block table."""
+
+    position: int
+    write_slot: int
+    blocks: list[int] | tuple[int, ...]
+
+
+class _Graph:
+    """Static inputs and outputs of one (rows, context) bucket, and its captured graph."""
+
+    def __init__(self, rows: int, context: int, block_size: int, hidden: int, dtype, device):
+        self.rows, self.context = rows, context
+        self.nblocks = context // block_size
+        self.x = torch.zeros(rows, hidden, dtype=dtype, device=device)  # x: [rows, hidden]
+        # ints: positions [rows], write slots [rows], lengths [rows], block tables [rows, nblocks]
+        self.ints = torch.zeros(rows * (3 + self.nblocks), dtype=torch.long, device=device)
+        cuda = torch.device(device).type == "cuda"
+        # their host side: pinned, copied without a sync; the event says when the copy has read it
+        self.host = [torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=True) for _ in range(2)] if cuda else None
+        self.copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self.flip = 0
+        # batch-invariant attention: a tile per row, row r reading slot table row r
+        self.tiles = torch.arange(rows, dtype=torch.int32, device=device).repeat(3, 1)
+        self.tiles[1] = 1
+        self.out: torch.Tensor | None = None
+        self.graph = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.ints[: self.rows]
+
+    @property
+    def write(self) -> torch.Tensor:
+        return self.ints[self.rows: 2 * self.rows]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.ints[2 * self.rows: 3 * self.rows]
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.ints[3 * self.rows:].view(self.rows, self.nblocks)
+
+
+class StepGraphs:
+    """The graphs of one shard and its KV pool."""
+
+    def __init__(self, shard, pool, *, capture: bool = True, warm: bool = True):
+        self.shard, self.pool = shard, pool
+        c = shard.config
+        self.block_size = pool.block_size
+        top = min(MAX_CONTEXT, c.max_position_embeddings or MAX_CONTEXT)
+        self.max_context = max(self.block_size, top // self.block_size * self.block_size)
+        self.tables = {}  # layer kind -> (cos, sin_signed) [max_context, head_dim], grown once and held
+        for kind, rope in shard.ropes.items():
+            rope.lookup(0, self.max_context)
+            self.tables[kind] = (rope.cos, rope.sin_signed)
+        # past 32 rows only with the batch-invariant kernels (attention reads the pool by slot; the
+        # gathering body would copy rows x context keys) and no mixture of experts (gathered up to 32)
+        big = shard.batch_invariant and shard.arch.moe is None
+        self.row_buckets = tuple(r for r in ROW_BUCKETS if big or r <= SMALL_ROWS)
+        self.capture = capture
+        self.disabled = False
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+        self._arange = torch.arange(self.max_context, device=shard.device)
+        if capture and warm and shard.batch_invariant:
+            self.warm()
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, context) bucket a step can fall in, smallest contexts first."""
+        out, ctx = [], MIN_CONTEXT
+        while True:
+            top = -(-min(ctx, self.max_context) // self.block_size) * self.block_size
+            out += [(r, top) for r in self.row_buckets if (r, top) not in out]
+            if ctx >= self.max_context:
+                return out
+            ctx *= 2
+
+    def warm(self) -> float:
+        """At start-up, so that no step pays for it later (issue 25: steps of 1 to 4 s under
+        concurrency): every Triton kernel variant of the eager forward compiled (Shard.warm_up), then
+        every bucket's graph captured (about 0.1 s each for 32 layers of 8B). -> seconds taken"""
+        t0 = time.perf_counter()
+        self.shard.warm_up(self.pool)
+        for key in self.buckets():
+            if key not in self.graphs and self._new(*key) is None:
+                break  # graphs are off for this stage (logged)
+        took = time.perf_counter() - t0
+        log.info("warm-up of layers [%d, %d): kernels compiled, %d graphs captured, %.1f s", self.shard.start,
+                 self.shard.end, len(self.graphs), took)
+        return took
+
+    def bucket(self, rows: int, stop: int) -> tuple[int, int] | None:
+        """The (rows, context) bucket of a step of `rows` rows reading up to position `stop`, or
+        None when it is too large for a graph."""
+        if self.disabled or rows > self.row_buckets[-1] or stop > self.max_context:
+            return None
+        r = next(b for b in self.row_buckets if b >= rows)
+        ctx = MIN_CONTEXT
+        while ctx < stop:
+            ctx *= 2
+        # max_context is a whole number of blocks, so rounding up to one stays within it
+        return r, -(-min(ctx, self.max_context) // self.block_size) * self.block_size
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, rows: list[GraphRow]) -> torch.Tensor | None:
+        """x: [R, hidden] -> the layers' output [R, hidden], or None when the step has no bucket
+        (the caller runs it eagerly)."""
+        key = self.bucket(len(rows), max(r.position for r in rows) + 1)
+        if key is None:
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._new(*key)
+            if g is None:
+                return None
+        n = len(rows)
+        if g.host is not None:
+            g.flip = 1 - g.flip  # two pinned buffers in turn: one step's copy may still read the other
+            host, done = g.host[g.flip], g.copied[g.flip]
+            done.synchronize()  # the copy from this buffer, two uses ago, has read it
+        else:
+            host, done = torch.empty(g.ints.shape, dtype=torch.long), None
+        self._fill(g, host.numpy(), rows)
+        if done is not None:
+            g.ints.copy_(host, non_blocking=True)
+            done.record()
+        else:
+            g.ints.copy_(host)
+        g.x[:n].copy_(x)
+        if g.graph is not None:
+            g.graph.replay()
+            out = g.out
+        else:
+            out = self._body(g)
+        self.replays += 1
+        return out[:n].clone()
+
+    def _fill(self, g: _Graph, ints, rows: list[GraphRow]) -> None:
+        """g's integer inputs for `rows` into the host array `ints` (numpy): positions, write slots
+        and lengths of every row (padding rows: position 0, the scratch slot, length 1), then each
+        row's block table padded with its first block (padding rows: block 0). Rows of one
+        sequence share their table's conversion."""
+        n, R, nb = len(rows), g.rows, g.nblocks
+        ints[:n] = [r.position for r in rows]
+        ints[n:R] = 0
+        ints[R:R + n] = [r.write_slot for r in rows]
+        ints[R + n:2 * R] = self.pool.scratch_slot
+        ints[2 * R:2 * R + n] = [r.position + 1 for r in rows]
+        ints[2 * R + n:3 * R] = 1
+        blocks = ints[3 * R:].reshape(R, nb)
+        last, arr = None, None
+        for i, r in enumerate(rows):
+            if r.blocks is not last:
+                last = r.blocks
+                arr = np.asarray(r.blocks[:nb], dtype=np.int64)
+            blocks[i, :len(arr)] = arr
+            blocks[i, len(arr):] = arr[0]
+        blocks[n:] = 0
+
+    def _new(self, rows: int, context: int) -> _Graph | None:
+        s = self.shard
+        g = _Graph(rows, context, self.block_size, s.config.hidden_size, s.dtype, s.device)
+        g.write.fill_(self.pool.scratch_slot)
+        g.lengths.fill_(1)
+        if self.capture:
+            t0 = time.perf_counter()
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._body(g)  # warm-up: lazy cuBLAS/attention set-up happens outside the capture
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.mempool):
+                    g.out = self._body(g)
+                g.graph = graph
+            except Exception as exc:  # noqa: BLE001 — eager still works; say so once
+                self.disabled = True
+                log.warning("capturing a CUDA graph of layers [%d, %d) failed (%s); this stage runs its steps "
+                            "eagerly from now on", s.start, s.end, exc)
+                return None
+            log.info("captured the CUDA graph of layers [%d, %d) for %d rows, %d positions in %.0f ms",
+                     s.start, s.end, rows, context, (time.perf_counter() - t0) * 1000)
+        self.graphs[(rows, context)] = g
+        return g
+
+    def _body(self, g: _Graph) -> torch.Tensor:
+        """The layers over g's static inputs -> [rows, hidden] (what the graph records)."""
+        s, c = self.shard, self.shard.config
+        R, C, bs = g.rows, g.context, self.block_size
+        if s.fused_layers:  # RoPE tables indexed and keys written by the fused kernels, read by slot
+            slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(R, C)
+
+            def attend_fused(i: int, q: torch.Tensor) -> torch.Tensor:
+                return invariant.attention(q, self.pool.k[i], self.pool.v[i], slots, g.positions, g.tiles,
+                                           scale=s._scale, cap=s.arch.attn_softcap,
+                                           window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
+
+            return s.layers_fused(g.x, g.positions, g.write, self.pool.kv, self.tables, attend_fused)
+        kvh, hd = c.num_kv_heads, c.head_dim
+        group = c.num_heads // kvh
+        tables = {kind: (cos[g.positions], sin[g.positions]) for kind, (cos, sin) in self.tables.items()}  # [R, hd]
+        slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(-1)  # [R * C]
+        keys_at = self._arange[:C][None, :]  # [1, C]
+        full = keys_at < g.lengths[:, None]  # [R, C]: a row sees the positions up to its own
+        masks = {"full": full[:, None, None, :]}  # [R, 1, 1, C]
+        if "sliding" in self.tables:  # ... and no further back than the window
+            masks["sliding"] = (full & (keys_at >= g.lengths[:, None] - s.arch.sliding_window))[:, None, None, :]
+        cap = s.arch.attn_softcap
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim]
+            kv.index_copy_(2, g.write, torch.stack((k, v)).transpose(1, 2))  # [2, kv_heads, R, hd]
+            if s.batch_invariant:
+                return invariant.attention(q, kv[0], kv[1], slots.view(R, C), g.positions, g.tiles, scale=s._scale,
+                                           cap=cap, window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
+            both = kv.index_select(2, slots).view(2, kvh, R, C, hd).transpose(1, 2)  # [2, R, kv_heads, C, hd]
+            keys, values = both[0], both[1]
+            mask = masks[s.kind(i)]
+            q = q.view(R, kvh, group, hd)
+            if cap is None:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s._scale)
+            else:  # [R, kv_heads, group, C]
+                scores = softcap(q @ keys.transpose(-1, -2) * s._scale, cap).masked_fill(~mask, float("-inf"))
+                o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+            return o.reshape(R, -1)  # o: [R, kv_heads, group, hd]
+
+        h = g.x
+        for i, w in enumerate(s.layers):
+            cos, sin = tables[s.kind(i)]
+            h = s._layer(i, w, h, cos, sin, s.decode_rows, attend)
+        return h

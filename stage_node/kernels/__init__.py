@@ -1,0 +1,1 @@
+"""The kernels: batch-invariant and fused CUDA kernels (Triton), quantized matrices."""

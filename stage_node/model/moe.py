@@ -1,0 +1,69 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): the router picks `top_k` experts per row; the row's
+output is their gated MLPs' outputs, each weighted by its routing probability, summed.
+
+Two ways to compute it, with the same arithmetic per row:
+  * grouped (`experts_grouped`): the rows routed to an expert go through it together, expert by
+    expert in ascending order, each adding its share into the row's output in that order (as HF
+    does). On a CPU every product picks its kernel by its rows' kind (stage_node.ops), so a row's
+    result does not depend on which other rows share the step or its experts: a decode row's by
+    `w @ x.T` padded to 4 rows, a prompt row's by `x @ w.T` with at least 4. Data-dependent
+    shapes and a host sync: eager only.
+  * gathered (`experts_gathered`, CUDA, up to 32 rows): each (row, slot) gathers its expert's
+    matrices and multiplies them alone (a batched product of one row each), then the slots are
+    summed in the router's order. Fixed shapes and no sync: what a CUDA graph replays.
+Quantized experts (a list of one matrix per expert) always go the grouped way.
+"""
+from __future__ import annotations
+
+import torch
+
+from logicpipe.common.families import MoE
+from logicpipe.stage_node.model.ops import Rows, linear
+from logicpipe.stage_node.model.weights import Experts
+
+GATHER_MAX_ROWS = 32  # CUDA: steps up to this many rows take the gathered way (the largest graph bucket of an MoE stage)
+
+
+def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """h: [T, hidden] -> (weights [T, k], expert ids [T, k]), as HF's routers compute them: softmax of
+    the router's logits in float32, the top k, renormalised if the config says, cast to the model
+    dtype unless the family scales in float32."""
+    logits = linear(h, experts.router, None, rows)  # [T, experts]
+    top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return (top if moe.weights_in_float else top.to(h.dtype)), idx
+
+
+def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, act, rows: Rows) -> torch.Tensor:
+    """The mixture's output for h: [T, hidden] -> [T, hidden]."""
+    weights, idx = route(h, experts, moe, rows)
+    if h.is_cuda and h.shape[0] <= GATHER_MAX_ROWS and not isinstance(experts.gate_up, list):
+        return experts_gathered(h, experts, weights, idx, act)
+    return experts_grouped(h, experts, weights, idx, act, rows)
+
+
+def _expert(x: torch.Tensor, experts: Experts, e: int, act, rows: Rows) -> torch.Tensor:
+    gate, up = linear(x, experts.gate_up[e], None, rows).chunk(2, -1)
+    return linear(act(gate) * up, experts.down[e], None, rows)
+
+
+def experts_grouped(h: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, act,
+                    rows: Rows) -> torch.Tensor:
+    out = torch.zeros_like(h)
+    for e in idx.unique().tolist():  # ascending
+        tok, slot = torch.where(idx == e)
+        part = rows.subset(tok.tolist(), h.device)
+        y = _expert(h[tok], experts, e, act, part) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def experts_gathered(h: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor,
+                     act) -> torch.Tensor:
+    T, k = idx.shape
+    flat = idx.reshape(-1)  # [T * k]
+    x = h.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
+    gate, up = torch.bmm(experts.gate_up.index_select(0, flat), x).squeeze(-1).chunk(2, -1)  # [T * k, inter]
+    y = torch.bmm(experts.down.index_select(0, flat), (act(gate) * up)[:, :, None]).squeeze(-1)  # [T * k, hidden]
+    return (y.view(T, k, -1) * weights[:, :, None]).to(h.dtype).sum(dim=1)

@@ -1,0 +1,438 @@
+"""A stage's slice of a model: the weights of decoder layers [start, end) and their forward.
+
+One forward serves every family (common.families): it reads the checkpoint's `Arch` where the
+families differ (biases, q/k norms, norm style, activation, embedding scale, soft-capping,
+sliding-window layers and their RoPE, a mixture of experts: stage_node.moe).
+
+The forward runs on packed rows: the new tokens of several sequences, one after the other, go
+through every projection and MLP together, and only attention is done per sequence, against that
+sequence's keys and values in the paged KV pool. The arithmetic follows transformers' models
+operation for operation (RMSNorm in float32, HF's RoPE tables, SDPA with GQA, HF's eager attention
+where scores are soft-capped), so logits agree to float32 rounding and greedy tokens match; and a
+row's result never depends on what else is in its batch (see `stage_node.ops`; on CUDA with
+`batch_invariant`, products and attention by the kernels of `stage_node.invariant`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from logicpipe.common.modeldir import ModelConfig, checkpoint_index
+from logicpipe.stage_node.kernels import fused
+from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
+from logicpipe.stage_node.model.moe import experts_forward
+from logicpipe.stage_node.model.ops import (
+    DECODE_ROWS,
+    INVARIANT_ROWS,
+    Rows,
+    activation,
+    attention,
+    causal_mask,
+    head_norm,
+    linear,
+    rms_norm,
+    softcap,
+)
+from logicpipe.stage_node.kernels.quant import HEAD_FORMAT, check_format, tensor_bytes
+from logicpipe.stage_node.kernels.quant import quantize as quantize_matrix
+from logicpipe.stage_node.model.rope import RopeTables, apply_rope, rope_parameters
+from logicpipe.stage_node.model.weights import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    Experts,
+    LayerWeights,
+    build_layer,
+    read_tensors,
+    shard_tensor_names,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Shard"]
+
+
+class Shard:
+    """Weights and forward of the contiguous decoder-layer range [start, end)."""
+
+    def __init__(self, config: ModelConfig, start: int, end: int, *, first: bool, last: bool,
+                 layers: list[LayerWeights], embed_tokens: torch.Tensor | None,
+                 final_norm: torch.Tensor | None, lm_head: torch.Tensor | None, lm_head_tied: bool,
+                 ropes: dict[str, RopeTables], device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.arch = config.arch
+        self.start, self.end = start, end  # decoder layers [start, end) of the whole model
+        self.first, self.last = first, last  # first: holds embed_tokens; last: final norm + LM head
+        self.device, self.dtype = device, dtype
+        self.weight_format = str(dtype).removeprefix("torch.")  # or the quantized format of its layers
+        self.layers = layers
+        self.embed_tokens = embed_tokens  # [vocab, hidden] (first only); the LM head itself when tied
+        self.final_norm = final_norm  # [hidden] (last only)
+        self.lm_head = lm_head  # [vocab, hidden] (last only)
+        self.ropes = ropes  # layer kind ("full", "sliding") -> its RoPE tables (one object when they agree)
+        self.rope = ropes["full"]
+        self.graphs = None  # a CUDA stage's StepGraphs (stage_node.step_graphs), set with its KV pool
+        # CUDA: products and attention by the batch-invariant kernels (stage_node.invariant; set by the
+        # stage's --batch-invariant); a CPU shard is batch-invariant by its row kinds and ignores it
+        self.batch_invariant = False
+        # CUDA with batch_invariant: plain Llama-style layers run stage_node.fused's kernels (the
+        # benches turn it off to compare); see `fused_layers`
+        self.use_fused = True
+        owned = sum(w.numel() for w in layers)
+        owned += embed_tokens.numel() if first else 0
+        owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
+        self.parameter_count = owned  # parameters this stage owns (count)
+        # parameters held as a copy of a tied weight owned by the first stage (count)
+        self.tied_copy_count = lm_head.numel() if last and lm_head_tied and not first else 0
+        c, a = config, config.arch
+        self._q_size = c.num_heads * c.head_dim
+        self._kv_size = c.num_kv_heads * c.head_dim
+        self._scale = a.attn_scale or c.head_dim ** -0.5
+        self._gemma = a.norm == "gemma"
+        self._act = activation(a.activation)
+        self._embed_scale = torch.tensor(a.embed_scale, dtype=dtype, device=device) if a.embed_scale != 1.0 else None
+        # each layer's q and k norm weights as one [heads + kv_heads, head_dim]: one norm call per layer
+        self._qk_norms = {i: torch.cat([w.q_norm.expand(c.num_heads, -1), w.k_norm.expand(c.num_kv_heads, -1)])
+                          for i, w in enumerate(layers) if w.q_norm is not None}
+
+    @property
+    def fused_layers(self) -> bool:
+        """Whether the layers run with stage_node.fused's kernels (norm + residual, RoPE + KV write,
+        SwiGLU in one launch each): a CUDA stage with batch-invariant kernels, and layers of plain
+        Llama style in floats (no biases, per-head or extra norms, experts, Gemma norms; SwiGLU)."""
+        if not (self.use_fused and self.batch_invariant and self.device.type == "cuda"):
+            return False
+        if self._plain is None:
+            a = self.arch
+            self._plain = (a.norm == "llama" and a.activation == "silu" and not a.sandwich and self.dtype in
+                           (torch.float32, torch.bfloat16, torch.float16) and all(
+                               isinstance(m, torch.Tensor) and m.dtype == self.dtype
+                               for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)) and all(
+                               w.qkv_bias is None and w.o_bias is None and w.gate_up_bias is None and
+                               w.down_bias is None and w.q_norm is None and w.attn_out_norm is None and
+                               w.mlp_out_norm is None and w.experts is None for w in self.layers))
+        return self._plain
+
+    _plain: bool | None = None
+
+    def layers_fused(self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv: torch.Tensor,
+                     tables: dict, attend) -> torch.Tensor:
+        """Every layer over x [T, hidden] by stage_node.fused's kernels: positions, write_slots [T]
+        int64 (device); kv: the pool's [layers, 2, kv_heads, slots, head_dim]; tables: layer kind ->
+        (cos, sin_signed) [positions, head_dim]; attend(i, q) -> [T, heads * hd] attends over the
+        pool (new keys already written). The same arithmetic in the eager forward and a CUDA graph."""
+        c = self.config
+        eps = c.rms_norm_eps
+        n = len(self.layers)
+        x, h = fused.add_norm(None, x, self.layers[0].input_norm, eps)
+        for i, w in enumerate(self.layers):
+            cos, sin = tables[self.kind(i)]
+            qkv = invariant.mm(h, w.qkv)  # [T, q + 2 kv]
+            q = fused.rope_kv(qkv, cos, sin, positions, write_slots, kv[i, 0], kv[i, 1], c.num_heads,
+                              c.num_kv_heads, c.head_dim)
+            x, h = fused.add_norm(invariant.mm_parts(attend(i, q), w.o), x, w.post_norm, eps)
+            mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
+            x, h = fused.add_norm(invariant.mm_parts(mlp, w.down), x, self.layers[i + 1].input_norm if i + 1 < n else None,
+                                  eps)
+        return x
+
+    @torch.inference_mode()
+    def warm_up(self, pool: KVPool) -> float:
+        """Run every kernel variant a step can reach once, so that none is compiled during a step: a
+        CUDA stage with batch-invariant kernels compiles a Triton kernel the first time each product
+        tile (by row count: invariant.mm_config), output dtype and attention variant occurs, about a
+        second each (seen as 1 to 4 s eager steps under concurrency). Eager forwards (and the LM head)
+        of 1, DECODE_ROWS + 1, 65 and 129 rows: one sequence each, its rows writing only `pool`'s scratch
+        slot and reading zeroed or scratch positions. -> seconds taken"""
+        if not (self.batch_invariant and self.device.type == "cuda"):
+            return 0.0
+        t0 = time.perf_counter()
+        bs = pool.block_size
+        top = min(129, pool.num_blocks * bs)
+        for m in sorted({1, min(invariant.DECODE_ROWS + 1, top), min(65, top), top}):
+            nb = -(-m // bs)
+            slots = torch.full((m,), pool.scratch_slot, dtype=torch.long, device=self.device)
+            kv = StepKV(pool, slots, (seq_slice(0, m, list(range(nb)), bs, self.device, 0),))
+            gen = torch.Generator(device=self.device).manual_seed(0)
+            x = torch.randn(m, self.config.hidden_size, generator=gen, device=self.device).to(self.dtype)
+            out = self.forward(x, kv)
+            if self.last:
+                self.logits(out)
+        torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - t0
+        log.info("warmed the kernels of layers [%d, %d) in %.1f s", self.start, self.end, took)
+        return took
+
+    def kind(self, i: int) -> str:
+        """Local layer i's attention: "full" or "sliding"."""
+        return "sliding" if self.arch.sliding(self.start + i) else "full"
+
+    @property
+    def decode_rows(self) -> Rows:
+        """The rows of a step of decode rows only (a CUDA graph's step; the LM head's rows)."""
+        return INVARIANT_ROWS if self.batch_invariant else DECODE_ROWS
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.config.rms_norm_eps, self._gemma)
+
+    @classmethod
+    def load(cls, model_dir, start: int, end: int, *, first: bool, last: bool,
+             device="cpu", dtype=torch.float32, quantize: str = "none") -> "Shard":
+        """Load layers [start, end) (+ embeddings if first, + final norm and LM head if last);
+        `quantize`: the layers' matrices in int4 / int8 / nf4 / fp4, each quantized as it is built
+        (with int4 / int8 the LM head in int8 too, quant.HEAD_FORMAT)."""
+        t0 = time.perf_counter()
+        model_dir = Path(model_dir)
+        config = ModelConfig.from_dir(model_dir)
+        check_range(config, start, end)
+        device = torch.device(device)
+        index = checkpoint_index(model_dir)
+        tied = config.tie_word_embeddings or LM_HEAD not in index
+        if tied and not config.tie_word_embeddings and last:
+            log.warning("%s has no %s: using the input embeddings as LM head", model_dir, LM_HEAD)
+        names = shard_tensor_names(config, start, end, first=first, last=last, tied=tied)
+        t = read_tensors(model_dir, names, index)
+        if quantize != "none":
+            check_format(quantize, device.type)
+        layers = [quantize_layer(build_layer(t, i, config, device=device, dtype=dtype), quantize)
+                  for i in range(start, end)]
+        embed = t.pop(EMBED).to(device=device, dtype=dtype) if EMBED in t else None  # [vocab, hidden]
+        norm = t.pop(FINAL_NORM).to(device=device, dtype=dtype) if last else None
+        head = None
+        if last:  # tied: the embeddings serve as the head (one tensor on a stage that is both)
+            head = embed if tied else t.pop(LM_HEAD).to(device=device, dtype=dtype)  # [vocab, hidden]
+            if quantize in HEAD_FORMAT:  # int4 / int8 stages: the head in int8 (a copy beside a tied embedding)
+                head = quantize_matrix(head, HEAD_FORMAT[quantize])
+        del t
+        ropes = {"full": RopeTables(*rope_parameters(model_dir, "full"), dtype=dtype, device=device)}
+        if "sliding" in config.arch.layer_types:
+            sliding = rope_parameters(model_dir, "sliding")
+            same = torch.equal(sliding[0], ropes["full"].inv_freq.cpu()) and sliding[1] == ropes["full"].scaling
+            ropes["sliding"] = ropes["full"] if same else RopeTables(*sliding, dtype=dtype, device=device)
+        shard = cls(config, start, end, first=first, last=last, layers=layers,
+                    embed_tokens=embed if first else None, final_norm=norm, lm_head=head,
+                    lm_head_tied=tied, ropes=ropes, device=device, dtype=dtype)
+        shard.weight_format = quantize if quantize != "none" else str(dtype).removeprefix("torch.")
+        log.info("loaded layers [%d, %d) of %s%s%s: %.1fM params (+%.1fM tied copy), %s %s, weights %s in %.1f MiB, "
+                 "%.2f s", start, end, model_dir.name, " +embed" if first else "", " +head" if last else "",
+                 shard.parameter_count / 1e6, shard.tied_copy_count / 1e6, device, dtype, shard.weight_format,
+                 shard.weight_bytes / 2**20, time.perf_counter() - t0)
+        return shard
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this stage holds (quantized matrices at their packed size; a tied
+        LM head that is the embedding matrix counted once)."""
+        total = sum(tensor_bytes(x) for w in self.layers for x in vars(w).values())
+        held = {id(x): x for x in (self.embed_tokens, self.final_norm, self.lm_head) if x is not None}
+        return total + sum(tensor_bytes(x) for x in held.values())
+
+    def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
+        """A KV pool for this shard's layers: `num_blocks` blocks of `block_size` positions."""
+        c = self.config
+        return KVPool(self.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
+                      dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """token_ids: [T] int64 -> hidden states [T, hidden] (first stage only). `checked`: the ids
+        are known to lie in the vocabulary (the last stage's own tokens, on the device: no check,
+        which would wait for the device)."""
+        if not self.first:
+            raise RuntimeError(f"shard [{self.start}, {self.end}) is not a first stage: it has no embeddings")
+        if not checked and token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")  # checked where they are (CPU)
+        x = F.embedding(token_ids.to(device=self.device, dtype=torch.long), self.embed_tokens)
+        return x if self._embed_scale is None else x * self._embed_scale
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, hidden] -> logits [B, vocab] float32 (last stage only)."""
+        if not self.last:
+            raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        if self.fused_layers:  # the final norm by the fused layers' kernel (one launch)
+            logits = invariant.mm(fused.add_norm(None, hidden, self.final_norm, self.config.rms_norm_eps)[1],
+                                  self.lm_head)
+            return softcap(logits, self.arch.final_softcap).float()
+        logits = linear(self.norm(hidden, self.final_norm), self.lm_head, None, self.decode_rows)
+        return softcap(logits, self.arch.final_softcap).float()
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
+        """hidden: [T, hidden], rows of kv.seqs[0], kv.seqs[1], ... packed in order -> [T, hidden].
+
+        Writes each new row's keys/values into its slot of the pool (kv.write_slots) and attends,
+        per sequence, over its positions [0, start_pos + num_tokens).
+        """
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        check_step(hidden, kv, self.num_layers)
+        seqs = kv.seqs
+        reads = self._invariant_reads(kv) if self.batch_invariant else None
+        if self.fused_layers:
+            table, positions, tiles, tiles_at = reads
+            top = max(s.stop for s in seqs)
+            for rope in self.ropes.values():
+                rope.lookup(0, top)  # grows its tables to the step's positions
+            ropes = {kind: (rope.cos, rope.sin_signed) for kind, rope in self.ropes.items()}
+
+            def attend_fused(i, q):
+                return invariant.attention(q, kv.pool.k[i], kv.pool.v[i], table, positions, tiles, scale=self._scale,
+                                           cap=self.arch.attn_softcap, tiles_at=tiles_at,
+                                           window=self.arch.sliding_window if self.kind(i) == "sliding" else None)
+
+            return self.layers_fused(hidden, positions, kv.write_slots, kv.pool.kv, ropes, attend_fused)
+        if len(seqs) == 1:
+            s = seqs[0]
+            tables = {kind: rope.lookup(s.start_pos, s.stop) for kind, rope in self.ropes.items()}  # [T, head_dim]
+        else:
+            positions = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs]).to(self.device)
+            tables = {kind: rope.gather(positions) for kind, rope in self.ropes.items()}  # [T, head_dim]
+        window = self.arch.sliding_window
+        masks = {kind: [causal_mask(s.start_pos, s.num_tokens, self.device, window if kind == "sliding" else None)
+                        for s in seqs] for kind in self.ropes}
+        rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
+                          invariant=self.batch_invariant)
+        spans = self._spans(kv) if reads is None else None
+
+        for i, w in enumerate(self.layers):
+            kind = self.kind(i)
+            cos, sin = tables[kind]
+
+            def attend(i, q, k, v, masks=masks[kind], kind=kind):
+                if reads is not None:
+                    return self._attention_invariant(i, q, k, v, kv, reads, kind)
+                return self._attention(i, q, k, v, kv, masks, spans)
+
+            hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
+        return hidden
+
+    def _layer(self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               rows: Rows, attend) -> torch.Tensor:
+        """One decoder layer over x [T, hidden] (cos, sin: its RoPE at the rows' positions);
+        `attend(i, q, k, v)` stores the new keys and values of layer i and attends (the eager
+        forward's per sequence, or a graph's batched one)."""
+        c = self.config
+        T = x.shape[0]
+        qkv = linear(self.norm(x, w.input_norm), w.qkv, w.qkv_bias, rows)  # [T, q + 2 kv]
+        qk_heads = c.num_heads + c.num_kv_heads
+        qk = qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim)
+        if w.q_norm is not None:  # per-head norms, before RoPE: q's heads by q_norm, k's by k_norm, in one call
+            qk = head_norm(qk, self._qk_norms[i], c.rms_norm_eps, self._gemma)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
+        v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
+        attn = linear(attend(i, q, k, v), w.o, w.o_bias, rows)  # attend: [T, heads * head_dim]
+        x = x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm))
+        h = self.norm(x, w.post_norm)
+        if w.experts is not None:
+            mlp = experts_forward(h, w.experts, self.arch.moe, self._act, rows)
+        else:
+            gate, up = linear(h, w.gate_up, w.gate_up_bias, rows).chunk(2, -1)
+            mlp = linear(self._act(gate) * up, w.down, w.down_bias, rows)
+        return x + (mlp if w.mlp_out_norm is None else self.norm(mlp, w.mlp_out_norm))
+
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
+                   masks: list, spans: list) -> torch.Tensor:
+        """Store the new rows' k/v in their pool slots, then per sequence attend over its
+        positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
+        k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
+        k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
+        v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
+        # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
+        # 8 sequences runs 240 of these loops
+        qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
+        one = len(kv.seqs) == 1
+        outs, row = [], 0
+        for s, mask, span in zip(kv.seqs, masks, spans):
+            if span is not None:  # consecutive blocks: strided views of the pool, taken once a step
+                keys, values = span[0][i], span[1][i]
+            else:
+                keys, values = k_pool.index_select(1, s.slots)[None], v_pool.index_select(1, s.slots)[None]
+            outs.append(attention(qh if one else qh[:, :, row: row + s.num_tokens], keys, values, mask,
+                                  scale=self._scale, cap=self.arch.attn_softcap))
+            row += s.num_tokens
+        o = outs[0] if one else torch.cat(outs, 2)  # [1, heads, T, hd]
+        return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _spans(self, kv: StepKV) -> list:
+        """Per sequence of the step: its keys and values of every layer, [layers, 1, kv_heads, stop,
+        head_dim] views of the pool (None for a sequence gathered by slot)."""
+        k, v = kv.pool.k[:, None], kv.pool.v[:, None]
+        return [None if s.span is None else (k[:, :, :, s.span: s.span + s.stop], v[:, :, :, s.span: s.span + s.stop])
+                for s in kv.seqs]
+
+    def _invariant_reads(self, kv: StepKV) -> tuple:
+        """What the batch-invariant attention reads, for every layer of a step: each sequence's slot
+        of each of its positions [seqs, longest] int64, each row's position [T] int64, the tiles and
+        their first rows (stage_node.invariant.attention)."""
+        seqs = kv.seqs
+        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            if s.span is not None:
+                table[i, : s.stop] = torch.arange(s.span, s.span + s.stop, device=self.device)
+            else:
+                table[i, : s.stop] = s.slots
+        positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.stop)], dtype=torch.long)
+        tiles = invariant.seq_tiles([s.num_tokens for s in seqs], self.config.num_heads // self.config.num_kv_heads)
+        return (table, positions.to(self.device, non_blocking=True), invariant.tiles_tensor(tiles, self.device),
+                [t[0] for t in tiles])
+
+    def _attention_invariant(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
+                             reads: tuple, kind: str) -> torch.Tensor:
+        """Store the new rows' k/v, then every row attends by the batch-invariant kernel. -> [T, heads * hd]"""
+        k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
+        k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
+        v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
+        table, positions, tiles, tiles_at = reads
+        return invariant.attention(q, k_pool, v_pool, table, positions, tiles, scale=self._scale,
+                                   cap=self.arch.attn_softcap, tiles_at=tiles_at,
+                                   window=self.arch.sliding_window if kind == "sliding" else None)
+
+
+def quantize_layer(w: LayerWeights, fmt: str) -> LayerWeights:
+    """A layer with its matrices quantized to `fmt` ("none": as it is), each expert's on its own
+    (the router stays in floats); the float copies go."""
+    if fmt == "none":
+        return w
+    if w.experts is not None:
+        e = w.experts
+        experts = Experts(e.router, [quantize_matrix(m, fmt) for m in e.gate_up.unbind(0)],
+                          [quantize_matrix(m, fmt) for m in e.down.unbind(0)])
+        return dataclasses.replace(w, qkv=quantize_matrix(w.qkv, fmt), o=quantize_matrix(w.o, fmt), experts=experts)
+    return dataclasses.replace(w, **{name: quantize_matrix(getattr(w, name), fmt)
+                                     for name in ("qkv", "o", "gate_up", "down")})
+
+
+def check_range(config: ModelConfig, start: int, end: int) -> None:
+    if not (0 <= start < end <= config.num_layers):
+        raise ValueError(f"layer range [{start}, {end}) must satisfy 0 <= start < end <= {config.num_layers}")
+
+
+def check_step(hidden: torch.Tensor, kv: StepKV, num_layers: int) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden states must be [tokens, hidden], got shape {tuple(hidden.shape)}")
+    if not kv.seqs:
+        raise ValueError("forward needs at least one sequence")
+    if kv.pool.num_layers != num_layers:
+        raise ValueError(f"KV pool has {kv.pool.num_layers} layers, this shard {num_layers}")
+    total = 0
+    for s in kv.seqs:
+        if s.num_tokens < 1:
+            raise ValueError(f"each sequence needs at least one token, got {s.num_tokens}")
+        if s.start_pos < 0:
+            raise ValueError(f"start_pos {s.start_pos} is negative")
+        total += s.num_tokens
+    if total != hidden.shape[0] or kv.write_slots.numel() != total:
+        raise ValueError(f"sequences hold {total} tokens but hidden states have {hidden.shape[0]} rows "
+                         f"and {kv.write_slots.numel()} write slots")

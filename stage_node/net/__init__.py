@@ -1,0 +1,1 @@
+"""The network side: the gRPC service and the wire adapter, the stream to the next stage, link probes, events, the fence (who steers this stage), the node's identity, membership (mDNS, Register, Leave)."""

@@ -1,0 +1,150 @@
+"""Where an assignment's weights come from and how they load: the format checks, the model
+directory (this node's copy, one under --model-root, or the tensors pulled from the controller,
+`WeightSource`), and the shard, KV pool and draft model built on the runner thread."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from logicpipe.common.modeldir import ModelConfig, ModelError, model_digest
+from logicpipe.common.transport import Transport
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Unavailable
+from logicpipe.formats import DTYPE_FORMAT
+from logicpipe.stage_node.config import Assignment, StageOptions
+from logicpipe.stage_node.engine.draft_model import DraftModel, DraftModelError
+from logicpipe.stage_node.kernels.invariant import resolve as resolve_invariant
+from logicpipe.stage_node.engine.kv import KVPool, kv_bytes_per_token
+from logicpipe.stage_node.profile import float_formats
+from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.engine.step_graphs import StepGraphs
+from logicpipe.stage_node.weights.weight_cache import pull_assignment
+
+log = logging.getLogger(__name__)
+
+
+def check_formats(a: Assignment, node_id: str, options: StageOptions) -> None:
+    """Refuse an assignment in a format or dtype this node does not offer (its --quantize, --dtype
+    and device), saying what it runs."""
+    q = options.quantize
+    if a.weight_format and a.weight_format != (q if q != "none" else DTYPE_FORMAT[a.dtype]):
+        runs = f"--quantize {q}" if q != "none" else f"{DTYPE_FORMAT[a.dtype]} for dtype {a.dtype}"
+        raise InvalidArgument(f"node {node_id} runs its layers in {runs}; the plan asked for "
+                              f"{a.weight_format} (start the node with the format the mesh should use)")
+    if options.dtype != "auto" and a.dtype != options.dtype:
+        raise InvalidArgument(f"node {node_id} computes in {options.dtype} (--dtype); the plan asked for {a.dtype}")
+
+
+def under_root(path: str, root: str) -> bool:
+    """Whether `path` lies under `root` (symlinks resolved; no root: anywhere)."""
+    if not root:
+        return True
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+class WeightSource:
+    """Where this node loads an assignment's weights from: `local_model_dir` (--model-dir), else
+    the directory the controller names when it lies under --model-root and holds the same model
+    (its digest), else the tensors pulled from the controller into `pull_root` (None: never pull)."""
+
+    def __init__(self, node_id: str, transport: Transport, *, model_root: str = "",
+                 local_model_dir: str | None = None, pull_root: Path | None = None):
+        self.node_id = node_id
+        self.transport = transport  # the process's: channels to the controller
+        self.model_root = model_root
+        self.local_model_dir = local_model_dir
+        self.pull_root = pull_root
+        self.pulled_bytes = 0       # tensor bytes pulled so far
+
+    def _can_pull(self, a: Assignment) -> bool:
+        return bool(a.controller_address and a.model_digest and self.pull_root is not None)
+
+    async def model_dir_for(self, a: Assignment) -> str:
+        """The directory to load `a` from (pulling what it needs first, if it comes to that)."""
+        local = self.local_model_dir or a.model_dir
+        if not self.local_model_dir and not under_root(a.model_dir, self.model_root):
+            if self._can_pull(a):
+                return await self.pull(a)  # never opened: the node takes the tensors from the controller
+            raise InvalidArgument(f"node {self.node_id} loads models only from under its --model-root "
+                                  f"{self.model_root}; {a.model_dir[:200]} is not")
+        try:
+            config = await asyncio.to_thread(ModelConfig.from_dir, local)
+        except (ModelError, OSError) as exc:
+            if self._can_pull(a):
+                return await self.pull(a)
+            if isinstance(exc, ModelError):
+                raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
+            raise FailedPrecondition(f"node {self.node_id} cannot read the model directory "
+                                     f"{local[:200]}: {exc.strerror or exc}") from exc
+        if config.num_layers != a.num_layers:  # another model altogether
+            if self._can_pull(a):
+                log.warning("the model at %s has %d layers, the controller's %d: pulling its layers instead",
+                            local, config.num_layers, a.num_layers)
+                return await self.pull(a)
+            raise FailedPrecondition(f"node {self.node_id}: the model at {local[:200]} has {config.num_layers} "
+                                     f"layers, the controller's {a.num_layers}; copy the controller's model there"
+                                     + (", or start the node without --model-dir to pull its layers"
+                                        if self.local_model_dir else ""))
+        if a.model_digest:
+            try:
+                mine = await asyncio.to_thread(model_digest, local)
+            except ModelError as exc:
+                raise FailedPrecondition(f"node {self.node_id}: {exc}") from exc
+            if mine != a.model_digest:
+                if a.controller_address and self.pull_root is not None:
+                    log.warning("the model at %s differs from the controller's (digest %s != %s): pulling its "
+                                "layers instead", local, mine, a.model_digest)
+                    return await self.pull(a)
+                raise FailedPrecondition(
+                    f"node {self.node_id}: the model at {local} differs from the controller's "
+                    f"(digest {mine} != {a.model_digest}); copy the same model here")
+        return local
+
+    async def pull(self, a: Assignment) -> str:
+        """Pull the assignment's tensors (those not cached yet) from the controller."""
+        try:
+            result = await pull_assignment(self.transport, a.controller_address, a.model_digest, a.start, a.end,
+                                           a.num_layers, self.pull_root)
+        except MeshError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — said as the node's own error
+            raise Unavailable(f"node {self.node_id} could not pull layers [{a.start}, {a.end}) from the "
+                              f"controller at {a.controller_address}: {exc}") from exc
+        self.pulled_bytes += result.pulled_bytes
+        return str(result.path)
+
+
+def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions) -> tuple[Shard, KVPool]:
+    """Runner thread: the shard's weights and an empty KV pool sized by --max-kv-mib (with CUDA
+    graphs for small steps on a GPU)."""
+    if DTYPE_FORMAT[a.dtype] not in float_formats(device):
+        raise ValueError(f"this {device} cannot compute in {a.dtype} (it has {', '.join(float_formats(device))})")
+    dtype = getattr(torch, a.dtype)
+    shard = Shard.load(model_dir, a.start, a.end, first=a.first, last=a.last, device=device, dtype=dtype,
+                       quantize=options.quantize)
+    bs = options.block_size
+    block_bytes = bs * kv_bytes_per_token(shard.config, a.end - a.start, dtype)
+    num_blocks = options.max_kv_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
+    pool = shard.new_pool(num_blocks, bs)
+    shard.batch_invariant = resolve_invariant(options.batch_invariant, device)
+    if shard.device.type == "cuda" and options.cuda_graphs:
+        shard.graphs = StepGraphs(shard, pool)  # warms at start-up: every kernel variant and graph bucket
+    elif shard.device.type == "cuda":
+        shard.warm_up(pool)  # no graphs: still compile every Triton kernel variant before the first step
+    return shard, pool
+
+
+def load_draft_model(options: StageOptions, device: str, dtype: str, vocab_size: int) -> DraftModel:
+    """Runner thread: --draft-model for a model of `vocab_size` tokens; DraftModelError when it
+    cannot serve (unreadable, another vocabulary)."""
+    model = DraftModel(options.draft_model, layers=options.draft_layers, device=device, dtype=dtype)
+    if model.vocab_size != vocab_size:
+        raise DraftModelError(f"the draft model at {options.draft_model} has a {model.vocab_size}-token "
+                              f"vocabulary, the model {vocab_size}: it needs the same tokenizer")
+    return model
