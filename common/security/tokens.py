@@ -1,5 +1,5 @@
 """One-time join tokens, `lpj1.<id>.<secret>`: what each side computes, and the node's half of
-the exchange (the controller's half is logicpipe.controller.join.JoinAuthority).
+the exchange (the controller's half is logicpipe.controller.mesh.join.JoinAuthority).
 
 The new node makes its key and a signing request under its node id and sends the request, with an
 HMAC of it under the token's secret, to the controller's bootstrap port; the reply (its
