@@ -17,7 +17,7 @@ from tests.localmesh import LocalMesh, client_transport
 pytestmark = pytest.mark.mesh
 
 PROMPTS = [f"Tell me about {topic}." for topic in ("bread", "maps", "bridges", "owls", "tides", "clocks", "glass", "salt")]
-TOKENS = 40
+TOKENS = 24
 
 
 class Arrivals:
@@ -98,15 +98,11 @@ def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(mod
         assert {s.pipeline for s in st.stages} == {0, 1}
         alone = {p: Generation(mesh.controller_address, p).result() for p in PROMPTS}
 
-        # -- routing: 8 at once spread over both pipelines, each request's tokens as alone
-        gens = burst(mesh)
-        assert {tuple(g.nodes) for g in gens} == {("stage0",), ("stage1",)}, [g.nodes for g in gens]
-        assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
-
-        # -- a node of one replica killed under load
+        # -- 8 at once are spread over both pipelines; then a node of one replica is killed
         arrivals = Arrivals()
         replays = mesh.controller_status().replays
         gens = burst(mesh, arrivals)
+        assert {tuple(g.nodes) for g in gens} == {("stage0",), ("stage1",)}, [g.nodes for g in gens]
         victims = {g.label for g in gens if g.nodes == ["stage0"]}
         survivors = {g.label for g in gens} - victims
         assert victims and survivors, [g.nodes for g in gens]
@@ -131,12 +127,10 @@ def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(mod
         assert sorted(s.node_id for s in st.stages) == ["stage1", "stage2"] and len(st.pipelines) == 2, st
         assert "stage2 joined" in st.last_replan
         assert mesh.controller_status().replays == replays, "a join that adds a replica moves no request"
-        routed = burst(mesh)
-        assert {tuple(g.nodes) for g in routed} == {("stage1",), ("stage2",)}  # the new replica serves
-        assert [g.result() for g in routed] == [alone[p] for p in PROMPTS]
 
-        # -- a node drained under load: its replica's requests move to the other
+        # -- the new replica serves; then it is drained under load: its requests move to the other
         gens = burst(mesh)
+        assert {tuple(g.nodes) for g in gens} == {("stage1",), ("stage2",)}, [g.nodes for g in gens]
         moved = [g for g in gens if g.nodes == ["stage2"]]
         with client_transport().sync_channel(mesh.controller_address, "controller") as ch:
             reply = controller_pb2_grpc.ControllerStub(ch).Drain(controller_pb2.DrainRequest(node="stage2"), timeout=120)

@@ -1,6 +1,7 @@
 """The controller's planner driver: profiles from node status, plan reuse, lpctl plan offline."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -133,8 +134,10 @@ def test_lpctl_plan_from_profiles_file(tmp_path, model_dir):
     assert {"node_id", "start", "end"} <= set(doc["pipelines"][0]["stages"][0])
     bad = subprocess.run([*lpctl, "--strategy", "custom"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "boundaries" in bad.stderr
-    bad = subprocess.run([*lpctl, "--replicas", "none"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--replicas must be auto" in bad.stderr
+    assert planning.replicas_flag("auto") == 0 and planning.replicas_flag("3") == 3
+    for bad_value in ("none", "0", "65"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--replicas must be auto"):
+            planning.replicas_flag(bad_value)
 
 
 def test_a_profile_is_costed_in_the_format_the_node_will_run(spec):

@@ -132,3 +132,26 @@ def test_short_error_keeps_the_reason():
     long = short_error("x" * 300)
     assert len(long) == ERROR_WIDTH and long.endswith("…")
     assert short_error("") == "unreachable"
+
+
+def test_lpctl_status_and_nodes_show_each_pipeline_of_replicas():
+    """Two pipelines: status lists them (stages, running, predicted tok/s) and numbers each stage
+    within its own pipeline; nodes says which pipeline a node serves."""
+    from logicpipe.controller.cli.lpctl import NODE_HEADER, node_rows, status_lines
+
+    st = mesh_status()
+    del st.stages[:]
+    st.stages.add(node_id="a", address="10.0.0.11:50061", start_layer=0, end_layer=30, device="cpu", pipeline=0)
+    st.stages.add(node_id="e", address="10.0.0.15:50061", start_layer=0, end_layer=12, device="cpu", pipeline=1)
+    st.stages.add(node_id="f", address="10.0.0.16:50061", start_layer=12, end_layer=30, device="cpu", pipeline=1)
+    st.pipelines.add(index=0, running=3, predicted_tokens_per_s=412.0, serving=True)
+    st.pipelines.add(index=1, running=1, predicted_tokens_per_s=0.0, serving=False)
+    st.nodes.add(address="10.0.0.15:50061", node_id="e", source="mdns", reachable=True, in_plan=True, pipeline=1)
+    lines = status_lines(st)
+    assert "pipelines: 2 (replicas; each request runs on one)" in lines
+    assert "  pipeline 0: 1 stage, 3 running, 412 tok/s predicted" in lines
+    assert "  pipeline 1: 2 stages, 1 running, not serving" in lines
+    rows = [line.split() for line in lines if "10.0.0.1" in line and line.split()[0].isdigit()]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("0", "0", "a"), ("1", "0", "e"), ("1", "1", "f")]
+    use = {r[0]: dict(zip(NODE_HEADER, r))["use"] for r in node_rows(st)}
+    assert use["10.0.0.11:50061"] == "in plan (pipeline 0)" and use["10.0.0.15:50061"] == "in plan (pipeline 1)"
