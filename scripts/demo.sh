@@ -20,7 +20,7 @@ MDNS=(--mdns-interface 127.0.0.1 --mesh "demo-$$")
 "$BIN/logicpipe-controller" --listen "$C" --state-dir "$LOGS/controller-state" "${MDNS[@]}" > "$LOGS/controller.log" 2>&1 & pids+=($!)
 echo "demo: starting 2 stage nodes and a controller that finds them by mDNS (logs in $LOGS)" >&2
 for _ in $(seq 1 240); do
-    if [ "$("$BIN/lpctl" --controller "$C" --timeout 2 status 2>/dev/null | grep -cE '^[0-9]+ +stage[01] ')" = 2 ]; then
+    if [ "$("$BIN/lpctl" --controller "$C" --timeout 2 status 2>/dev/null | grep -cE '^([0-9]+ +)+stage[01] ')" = 2 ]; then
         break
     fi
     if ! kill -0 "${pids[2]}" 2>/dev/null; then cat "$LOGS/controller.log" >&2; exit 1; fi

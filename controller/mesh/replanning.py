@@ -347,7 +347,7 @@ class Replanner:
         self.replans += 1
         self.last_replan, self.last_replan_s = why, time.monotonic() - since
         log.info("plan generation %d serves (%d pipelines: %s) %.1f s after: %s; %d requests replay",
-                 self.app.pipelines.generation, len(installed), ", ".join(str(len(p.stages)) + " stages" for p in installed),
+                 self.app.pipelines.generation, len(installed), ", ".join(f"{len(p.stages)} stage{'s' if len(p.stages) != 1 else ''}" for p in installed),
                  self.last_replan_s, why, len(sessions))
         self.app.state.set(Phase.READY)
         self.plan_changed.set()
