@@ -137,7 +137,7 @@ class ControllerApp:
                             self.config.vocab_size, options.speculate, options.wait_for_nodes_s),
             prefill_chunk=self.prefill_chunk_for,
             on_trouble=lambda why: self.replanner.request_replan(f"a stage fault: {why}"),
-            journal=self.journal, on_fenced=self.on_fenced)
+            journal=self.journal, on_fenced=self.on_fenced, on_traffic=self._on_traffic)
         self.members = Members(self.pipelines.probe, self.replanner.request_replan)
         self._browser: Browser | None = None
 
@@ -179,6 +179,12 @@ class ControllerApp:
         self.state.set(Phase.DEGRADED, f"stage {address} is down ({reason}); re-planning")
         self.members.mark_down(address, reason)
         self.replanner.request_replan(f"stage {address} lost: {reason}")
+
+    def _on_traffic(self, why: str) -> None:
+        """The requests at once moved to another power of two: a plan chosen by predicted tokens/s
+        is checked against it (classic mode plans one pipeline whatever the traffic)."""
+        if not planning.classic(self.options) and self.replanner.plan is not None:
+            self.replanner.request_replan(why)
 
     def why_down(self, address: str) -> str:
         """Membership's word on the node at `address`: why it cannot serve ("" when it can)."""

@@ -168,7 +168,8 @@ class Scheduler:
     def __init__(self, pipelines: PipelineSet, state: MeshState, config: SchedulerConfig, *,
                  prefill_chunk: Callable[[int, Pipeline], int] = lambda prompt_tokens, pipeline: 0,
                  on_trouble: Callable[[str], None] = lambda why: None, journal: Journal | None = None,
-                 on_fenced: Callable[[str], None] = lambda why: None):
+                 on_fenced: Callable[[str], None] = lambda why: None,
+                 on_traffic: Callable[[str], None] = lambda why: None):
         self.pipelines = pipelines      # the replicas in force; each request runs on one
         self.journal = journal if journal is not None else Journal(None, "")  # every admitted request, durably
         self.state = state              # admission runs while it is READY (its owner is the app)
@@ -176,6 +177,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk  # (prompt tokens, pipeline) -> rows per step there (0: budget)
         self.on_trouble = on_trouble        # a stage fault seen: check the plan
         self.on_fenced = on_fenced          # a stage follows a newer controller: this one must step down
+        self.on_traffic = on_traffic        # the traffic's bucket changed (requests at once): the plan may not fit it
+        self._traffic_bucket = 1
         self.active: dict[str, Request] = {}   # session id -> the request it serves
         self.opened: dict[str, Pipeline] = {}  # session id -> the pipeline it is open on (kept-open parents too)
         self.requests: dict[str, Request] = {}  # request id -> every request not ended yet
@@ -336,6 +339,9 @@ class Scheduler:
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.requests[req.id] = req
         self.traffic.observe(len(self.requests), req.capacity)
+        if (bucket := self.traffic.concurrency()) != self._traffic_bucket:
+            self._traffic_bucket = bucket
+            self.on_traffic(f"the traffic changed: up to {bucket} requests at once")
         if job.parent is None and not job.keep_open:  # forks (outline points) live and die with their run
             self.journal.admit(req.id, job.to_json(), req.priority)
         self.waiting.append(req)

@@ -201,3 +201,18 @@ def test_a_job_is_journaled_by_its_named_fields_and_older_journals_still_read():
     old = Job.from_json(older)
     assert (old.sampling.seed, old.sampling.presence_penalty, old.stop, old.api, old.client, old.prefill_chunk) == \
         (123, 0.0, ("END",), "chat", "alice", 64)
+
+
+def test_the_traffic_is_learned_in_powers_of_two_and_a_change_is_reported():
+    async def main():
+        sched, _ = scheduler(Journal(None, "d"))
+        said = []
+        sched.on_traffic = said.append
+        handles = [sched.submit(Job((1, 2, 3), 4)) for _ in range(3)]
+        wl = sched.traffic.workload(2048, 4096)
+        assert (wl.batch, wl.context_tokens) == (4, 8)  # 3 at once -> 4; 3 + 4 tokens -> 8
+        assert said == ["the traffic changed: up to 2 requests at once", "the traffic changed: up to 4 requests at once"]
+        for h in handles:
+            h.release()
+
+    asyncio.run(main())
