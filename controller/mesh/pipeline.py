@@ -109,7 +109,42 @@ class ControllerIdentity:
     revoked: list[str] = field(default_factory=list)  # certificate names the stages refuse (every Assign carries them)
 
 
-class Pipeline:
+class HoldsIdentity:
+    """The controller's identity read through `self.identity` (a Pipeline's and the PipelineSet's,
+    which share one): owner, key, fencing epoch, revocation list, and stubs that carry the key."""
+
+    identity: ControllerIdentity
+
+    @property
+    def owner(self) -> str:
+        return self.identity.owner
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.identity.metadata
+
+    @property
+    def epoch(self) -> int:
+        return self.identity.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.identity.epoch = value
+
+    @property
+    def revoked(self) -> list[str]:
+        return self.identity.revoked
+
+    @revoked.setter
+    def revoked(self, value: list[str]) -> None:
+        self.identity.revoked = list(value)
+
+    def stub(self, channel: grpc.aio.Channel) -> stage_pb2_grpc.StageNodeStub:
+        """A stage stub whose calls carry our key (a stage takes its holder's calls only)."""
+        return _KeyedStub(channel, self.metadata)
+
+
+class Pipeline(HoldsIdentity):
     """One pipeline (a replica): stage handles in pipeline order, event fan-in, and the input
     stream to stage 0. `index` names it among the controller's pipelines; `plan` is the planner's
     pipeline it installs (None before the first install)."""
@@ -139,46 +174,14 @@ class Pipeline:
         self._tasks: set[asyncio.Task] = set()
 
     @property
-    def owner(self) -> str:
-        return self.identity.owner
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.identity.metadata
-
-    @property
-    def epoch(self) -> int:
-        return self.identity.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.identity.epoch = value
-
-    @property
-    def revoked(self) -> list[str]:
-        return self.identity.revoked
-
-    @revoked.setter
-    def revoked(self, value: list[str]) -> None:
-        self.identity.revoked = list(value)
-
-    @property
-    def node_ids(self) -> list[str]:
-        return [h.node_id for h in self.stages]
-
-    @property
     def tokens_per_s(self) -> float:
         """Decode tokens/s the planner predicts for it (0: unknown): the router's weight."""
-        return getattr(self.plan, "tokens_per_s", 0.0) or 0.0
+        return self.plan.tokens_per_s if self.plan is not None else 0.0
 
     # ---- set-up ---------------------------------------------------------------------------
     async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it."""
         return await probe_node(self.transport, address, timeout)
-
-    def stub(self, channel: grpc.aio.Channel) -> stage_pb2_grpc.StageNodeStub:
-        """A stage stub whose calls carry our key (a stage takes its holder's calls only)."""
-        return _KeyedStub(channel, self.metadata)
 
     async def install(self, model_dir: str, digest: str, num_layers: int, assignments: list[StageAssignment],
                       dtype: str = "float32", micro_batches: int = 0, controller_address: str = "",

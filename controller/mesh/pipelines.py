@@ -9,7 +9,14 @@ from collections import OrderedDict
 from typing import Callable
 
 from logicpipe.common.transport import Transport
-from logicpipe.controller.mesh.pipeline import RPC_TIMEOUT_S, ControllerIdentity, Pipeline, StageHandle, _KeyedStub, probe_node
+from logicpipe.controller.mesh.pipeline import (
+    RPC_TIMEOUT_S,
+    ControllerIdentity,
+    HoldsIdentity,
+    Pipeline,
+    StageHandle,
+    probe_node,
+)
 from logicpipe.v1 import stage_pb2
 
 AFFINITY_BLOCK = 16        # prefix lengths are taken in whole KV blocks of the stages (their default block size)
@@ -26,7 +33,7 @@ def prefix_keys(tokens: list[int]) -> list[int]:
     return [hash((n, tuple(tokens[:n]))) for n in AFFINITY_LENGTHS if n <= usable]
 
 
-class PipelineSet:
+class PipelineSet(HoldsIdentity):
     """The controller's pipelines (replicas), in the order of the plan in force."""
 
     def __init__(self, transport: Transport, on_event: Callable[[stage_pb2.Event], None],
@@ -40,35 +47,6 @@ class PipelineSet:
         self._generation = 0
         self._affinity: OrderedDict[int, Pipeline] = OrderedDict()
         self.routed_by_prefix = 0  # requests sent to the pipeline that held their prefix
-
-    # ---- what the pipelines share --------------------------------------------------------------
-    @property
-    def owner(self) -> str:
-        return self.identity.owner
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.identity.metadata
-
-    @property
-    def epoch(self) -> int:
-        return self.identity.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.identity.epoch = value
-
-    @property
-    def revoked(self) -> list[str]:
-        return self.identity.revoked
-
-    @revoked.setter
-    def revoked(self, value: list[str]) -> None:
-        self.identity.revoked = list(value)
-
-    def stub(self, channel):
-        """A stage stub whose calls carry our key."""
-        return _KeyedStub(channel, self.metadata)
 
     async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it."""
@@ -119,9 +97,6 @@ class PipelineSet:
     def serving(self) -> list[Pipeline]:
         """The pipelines that take requests now: installed, no stage down."""
         return [p for p in self.all if p.stages and not p.down and not p.retired]
-
-    def of_address(self, address: str) -> Pipeline | None:
-        return next((p for p in self.all if any(h.address == address for h in p.stages)), None)
 
     def largest_request(self) -> int:
         """KV positions of the largest request any serving pipeline can hold (0: unknown)."""
