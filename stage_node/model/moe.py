@@ -35,35 +35,44 @@ def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torc
     return (top if moe.weights_in_float else top.to(h.dtype)), idx
 
 
-def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, act, rows: Rows) -> torch.Tensor:
-    """The mixture's output for h: [T, hidden] -> [T, hidden]."""
+def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, glu, rows: Rows) -> torch.Tensor:
+    """The mixture's output for h: [T, hidden] -> [T, hidden]; glu: the gated nonlinearity over an
+    expert's fused gate/up product (ops.glu)."""
     weights, idx = route(h, experts, moe, rows)
     if h.is_cuda and h.shape[0] <= GATHER_MAX_ROWS and not isinstance(experts.gate_up, list):
-        return experts_gathered(h, experts, weights, idx, act)
-    return experts_grouped(h, experts, weights, idx, act, rows)
+        return experts_gathered(h, experts, weights, idx, glu)
+    return experts_grouped(h, experts, weights, idx, glu, rows)
 
 
-def _expert(x: torch.Tensor, experts: Experts, e: int, act, rows: Rows) -> torch.Tensor:
-    gate, up = linear(x, experts.gate_up[e], None, rows).chunk(2, -1)
-    return linear(act(gate) * up, experts.down[e], None, rows)
+def _bias(b: torch.Tensor | None, e) -> torch.Tensor | None:
+    return None if b is None else b[e]
 
 
-def experts_grouped(h: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, act,
+def _expert(x: torch.Tensor, experts: Experts, e: int, glu, rows: Rows) -> torch.Tensor:
+    h = glu(linear(x, experts.gate_up[e], _bias(experts.gate_up_bias, e), rows))
+    return linear(h, experts.down[e], _bias(experts.down_bias, e), rows)
+
+
+def experts_grouped(h: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, glu,
                     rows: Rows) -> torch.Tensor:
     out = torch.zeros_like(h)
     for e in idx.unique().tolist():  # ascending
         tok, slot = torch.where(idx == e)
         part = rows.subset(tok.tolist(), h.device)
-        y = _expert(h[tok], experts, e, act, part) * weights[tok, slot, None]
+        y = _expert(h[tok], experts, e, glu, part) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
 
 def experts_gathered(h: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor,
-                     act) -> torch.Tensor:
+                     glu) -> torch.Tensor:
     T, k = idx.shape
     flat = idx.reshape(-1)  # [T * k]
     x = h.repeat_interleave(k, dim=0)[:, :, None]  # [T * k, hidden, 1]
-    gate, up = torch.bmm(experts.gate_up.index_select(0, flat), x).squeeze(-1).chunk(2, -1)  # [T * k, inter]
-    y = torch.bmm(experts.down.index_select(0, flat), (act(gate) * up)[:, :, None]).squeeze(-1)  # [T * k, hidden]
+    gate_up = torch.bmm(experts.gate_up.index_select(0, flat), x).squeeze(-1)  # [T * k, 2 * inter]
+    if experts.gate_up_bias is not None:
+        gate_up = gate_up + experts.gate_up_bias.index_select(0, flat)
+    y = torch.bmm(experts.down.index_select(0, flat), glu(gate_up)[:, :, None]).squeeze(-1)  # [T * k, hidden]
+    if experts.down_bias is not None:
+        y = y + experts.down_bias.index_select(0, flat)
     return (y.view(T, k, -1) * weights[:, :, None]).to(h.dtype).sum(dim=1)

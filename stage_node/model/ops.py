@@ -145,6 +145,20 @@ def activation(name: str):
     return F.silu if name == "silu" else _gelu_tanh
 
 
+def glu(name: str):
+    """The gated MLP's nonlinearity over its fused gate/up product: a function [rows, 2 * inter] (the
+    gate's columns, then the up's) -> [rows, inter]. "silu": act(gate) * up (SwiGLU), "gelu_tanh"
+    (GeGLU). Every MLP (dense, experts, shared experts) and every expert kernel calls it between its
+    two products, so a family's own gating is written once here."""
+    act = activation(name)
+
+    def gated(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, -1)
+        return act(gate) * up
+
+    return gated
+
+
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 

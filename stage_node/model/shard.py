@@ -31,7 +31,7 @@ from logicpipe.stage_node.model.ops import (
     DECODE_ROWS,
     INVARIANT_ROWS,
     Rows,
-    activation,
+    glu,
     attention,
     causal_mask,
     head_norm,
@@ -46,7 +46,6 @@ from logicpipe.stage_node.model.weights import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
-    Experts,
     LayerWeights,
     build_layer,
     read_tensors,
@@ -95,7 +94,7 @@ class Shard:
         self._kv_size = c.num_kv_heads * c.head_dim
         self._scale = a.attn_scale or c.head_dim ** -0.5
         self._gemma = a.norm == "gemma"
-        self._act = activation(a.activation)
+        self._glu = glu(a.activation)  # [rows, 2 * inter] -> [rows, inter]
         self._embed_scale = torch.tensor(a.embed_scale, dtype=dtype, device=device) if a.embed_scale != 1.0 else None
         # each layer's q and k norm weights as one [heads + kv_heads, head_dim]: one norm call per layer
         self._qk_norms = {i: torch.cat([w.q_norm.expand(c.num_heads, -1), w.k_norm.expand(c.num_kv_heads, -1)])
@@ -336,10 +335,9 @@ class Shard:
         x = x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm))
         h = self.norm(x, w.post_norm)
         if w.experts is not None:
-            mlp = experts_forward(h, w.experts, self.arch.moe, self._act, rows)
+            mlp = experts_forward(h, w.experts, self.arch.moe, self._glu, rows)
         else:
-            gate, up = linear(h, w.gate_up, w.gate_up_bias, rows).chunk(2, -1)
-            mlp = linear(self._act(gate) * up, w.down, w.down_bias, rows)
+            mlp = linear(self._glu(linear(h, w.gate_up, w.gate_up_bias, rows)), w.down, w.down_bias, rows)
         return x + (mlp if w.mlp_out_norm is None else self.norm(mlp, w.mlp_out_norm))
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
@@ -407,8 +405,8 @@ def quantize_layer(w: LayerWeights, fmt: str) -> LayerWeights:
         return w
     if w.experts is not None:
         e = w.experts
-        experts = Experts(e.router, [quantize_matrix(m, fmt) for m in e.gate_up.unbind(0)],
-                          [quantize_matrix(m, fmt) for m in e.down.unbind(0)])
+        experts = dataclasses.replace(e, gate_up=[quantize_matrix(m, fmt) for m in e.gate_up.unbind(0)],
+                                      down=[quantize_matrix(m, fmt) for m in e.down.unbind(0)])
         return dataclasses.replace(w, qkv=quantize_matrix(w.qkv, fmt), o=quantize_matrix(w.o, fmt), experts=experts)
     return dataclasses.replace(w, **{name: quantize_matrix(getattr(w, name), fmt)
                                      for name in ("qkv", "o", "gate_up", "down")})

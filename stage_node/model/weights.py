@@ -30,9 +30,12 @@ class Experts:
     router: torch.Tensor  # [experts, hidden]
     gate_up: torch.Tensor | list  # [experts, 2 * expert_intermediate, hidden]
     down: torch.Tensor | list  # [experts, hidden, expert_intermediate]
+    gate_up_bias: torch.Tensor | None = None  # [experts, 2 * expert_intermediate]
+    down_bias: torch.Tensor | None = None  # [experts, hidden]
 
     def numel(self) -> int:
-        return self.router.numel() + sum(_numel(x) for x in (self.gate_up, self.down))
+        return self.router.numel() + sum(_numel(x) for x in (self.gate_up, self.down, self.gate_up_bias,
+                                                              self.down_bias) if x is not None)
 
 
 def _numel(x) -> int:
