@@ -14,6 +14,9 @@ stage's one forward reads: where the families differ, nothing else.
     gemma3      gemma3, gemma3_text   as gemma2, with per-head q/k norms instead of attention soft-capping,
                                       and local layers with their own RoPE base
     phi3        phi3                  q/k/v and gate/up fused in the checkpoint
+    deepseek_v2 deepseek_v2,          multi-head latent attention (MLA: q and kv through low-rank latents, a
+    deepseek_v3 deepseek_v3           shared rotary key; the KV cache holds the latent), a mixture of experts
+                                      with shared experts past the first dense layers (Kimi K2: deepseek_v3)
 
 Everything here is read from config.json alone (no torch, no transformers); what the forward cannot
 run exactly is refused with a ModelError naming what is supported.
@@ -24,12 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-               "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3"}
+               "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3",
+               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
 """config.json's model_type -> the family that runs it."""
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 TIED_BY_DEFAULT = GEMMA  # families whose config.json may leave tie_word_embeddings out, meaning tied
 
 
@@ -48,6 +53,29 @@ class MoE:
     weights_in_float: bool      # the routing weights scale the experts' outputs in float32 (Mixtral),
                                 # else in the model dtype (Qwen3-MoE)
     layers: tuple[bool, ...]    # which decoder layers route (the others run a dense MLP)
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2). Each token's keys and values come from one
+    latent: c = norm(x W_kv_a) of `kv_lora_rank` elements, plus one rotary key of `rope_dim` shared by
+    every head; what the KV cache keeps per token and layer is that latent row (kv_lora_rank + rope_dim
+    elements, in place of 2 * heads * head_dim). Queries come from x directly (`q_lora_rank` 0) or
+    through a normed latent of q_lora_rank elements. A head's key is [W_uk c ; k_rope] and its value
+    W_uv c; the forward absorbs W_uk into the query and W_uv into the output (stage_node.model.mla)."""
+
+    q_lora_rank: int        # 0: q = x W_q (DeepSeek-V2-Lite); else q = norm(x W_q_a) W_q_b
+    kv_lora_rank: int       # elements of the latent c
+    nope_dim: int           # elements of a head's query/key without RoPE (qk_nope_head_dim)
+    rope_dim: int           # elements of the rotary part of every query head and of the shared key
+    v_dim: int              # elements of a head's value (v_head_dim)
+    interleaved: bool       # the checkpoint's rotary dims are in interleaved pairs (V2 always; V3's
+                            # rope_interleave): the loader reorders them to halves, exact for the dot
+
+    @property
+    def latent(self) -> int:
+        """Elements a token's cache row holds per layer (the latent and the rotary key)."""
+        return self.kv_lora_rank + self.rope_dim
 
 
 @dataclass(frozen=True)
@@ -70,6 +98,7 @@ class Arch:
     sliding_window: int | None = None       # a sliding layer attends to the last `window` positions
     layer_types: tuple[str, ...] = ()       # per decoder layer: "full" | "sliding"
     moe: MoE | None = None
+    mla: MLA | None = None                  # multi-head latent attention in place of q/k/v heads
     checkpoint: str = "llama"               # tensor naming: "llama" | "phi3" (fused) | "qwen3_moe" | "mixtral"
 
     def sliding(self, layer: int) -> bool:
@@ -97,6 +126,7 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
     window = int(window) if window else None
     pre_attn = raw.get("query_pre_attn_scalar")
     moe = _moe_of(family, raw, where, num_layers)
+    mla = _mla_of(raw, where) if family in DEEPSEEK else None
     return Arch(
         family=family,
         qkv_bias=family == "qwen2" or attention_bias,
@@ -107,14 +137,44 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         sandwich=family in GEMMA,
         activation=ACTIVATIONS[act],
         embed_scale=hidden_size ** 0.5 if family in GEMMA else 1.0,
-        attn_scale=float(pre_attn) ** -0.5 if family in GEMMA and pre_attn else head_dim ** -0.5,
+        attn_scale=(_mla_scale(raw, mla) if mla else
+                    float(pre_attn) ** -0.5 if family in GEMMA and pre_attn else head_dim ** -0.5),
         attn_softcap=_cap(raw.get("attn_logit_softcapping")) if family == "gemma2" else None,
         final_softcap=_cap(raw.get("final_logit_softcapping")) if family in GEMMA else None,
         sliding_window=window,
         layer_types=_layer_types(family, raw, where, num_layers, window),
         moe=moe,
+        mla=mla,
         checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(family, "llama"),
     )
+
+
+def _mla_of(raw: dict, where: Path) -> MLA:
+    try:
+        mla = MLA(q_lora_rank=int(raw.get("q_lora_rank") or 0), kv_lora_rank=int(raw["kv_lora_rank"]),
+                  nope_dim=int(raw["qk_nope_head_dim"]), rope_dim=int(raw["qk_rope_head_dim"]),
+                  v_dim=int(raw["v_head_dim"]),
+                  interleaved=raw["model_type"] == "deepseek_v2" or bool(raw.get("rope_interleave", True)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{where}: an incomplete multi-head latent attention config: {e!r}") from e
+    if min(mla.kv_lora_rank, mla.nope_dim, mla.rope_dim, mla.v_dim) < 1 or mla.rope_dim % 2:
+        raise ModelError(f"{where}: kv_lora_rank, qk_nope_head_dim, v_head_dim must be >= 1 and qk_rope_head_dim "
+                         f"even (got {mla})")
+    return mla
+
+
+def _mla_scale(raw: dict, mla: MLA) -> float:
+    """q·k's scale: (nope + rope) ** -0.5, times yarn's mscale squared when the RoPE is YaRN with
+    mscale_all_dim (as transformers' DeepSeek attention computes it)."""
+    import math
+
+    scale = (mla.nope_dim + mla.rope_dim) ** -0.5
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if (params.get("rope_type") or params.get("type") or "default") != "default" and params.get("mscale_all_dim"):
+        factor = float(params["factor"])
+        m = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return scale
 
 
 def _cap(value) -> float | None:

@@ -38,8 +38,8 @@ class ModelConfig:
     hidden_size: int  # residual stream width (elements per token)
     intermediate_size: int  # gated MLP inner width (elements per token; an expert's, for Mixtral)
     num_heads: int  # query heads (count)
-    num_kv_heads: int  # key/value heads (count); num_heads is a multiple of it (GQA)
-    head_dim: int  # elements per attention head
+    num_kv_heads: int  # key/value heads (count); num_heads is a multiple of it (GQA); MLA: 1 (the latent)
+    head_dim: int  # elements per attention head; MLA: of a token's cached latent row (arch.mla.latent)
     vocab_size: int  # tokens in the vocabulary (rows of embed_tokens / LM head)
     rms_norm_eps: float  # epsilon added to the mean square in RMSNorm (dimensionless)
     tie_word_embeddings: bool  # LM head shares embed_tokens' weight
@@ -53,6 +53,11 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return self.arch.family
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors the KV cache keeps per head and token: keys and values (2), or MLA's one latent row (1)."""
+        return 1 if self.arch.mla is not None else 2
 
     @classmethod
     def from_dir(cls, model_dir, require_weights: bool = True) -> "ModelConfig":
@@ -77,13 +82,17 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             head_dim = int(raw.get("head_dim") or hidden // num_heads)
             num_layers = int(raw["num_hidden_layers"])
+            arch = arch_of(raw, path, num_layers=num_layers, hidden_size=hidden, head_dim=head_dim)
+            num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+            if arch.mla is not None:  # the cache's view: one "head" per token, the latent row
+                num_kv_heads, head_dim = 1, arch.mla.latent
             cfg = cls(
                 model_type=model_type,
                 num_layers=num_layers,
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
                 num_heads=num_heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
                 vocab_size=int(raw["vocab_size"]),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -93,7 +102,7 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 eos_token_ids=_eos_token_ids(path, raw),
                 rope_type=rope_type,
-                arch=arch_of(raw, path, num_layers=num_layers, hidden_size=hidden, head_dim=head_dim),
+                arch=arch,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelError(f"{path / 'config.json'} is incomplete or malformed: {e!r}") from e

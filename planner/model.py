@@ -125,6 +125,9 @@ class ModelSpec:
         experts_per_token: int = 0,
         expert_intermediate_size: int = 0,
         moe_layers: int | None = None,
+        attention_params: int | None = None,
+        kv_elements_per_token: int | None = None,
+        attention_flops_per_context_token: float | None = None,
     ) -> "ModelSpec":
         """A decoder from its config.
 
@@ -142,6 +145,9 @@ class ModelSpec:
         - expert_bytes = ceil(X * b * s / L)  (the average layer's share of one expert)
         - attention_flops_per_context_token = 4 * a * d  (QK^T and AV, 2 FLOPs per multiply-add)
         - kv_bytes_per_token_per_layer = 2 * g * d * e ;  activation_bytes_per_token = h * e
+        - attention of another shape (multi-head latent attention) passes its own A
+          (`attention_params`, norms included), KV elements a token caches per layer
+          (`kv_elements_per_token`, in place of 2*g*d) and attention FLOPs per context token
         - embedding_bytes = ceil(V*h*b) ;  lm_head_bytes = ceil((V*h + h) * b)  [matrix + final norm]
         - lm_head_flops_per_token = 2 * V * h
         """
@@ -158,6 +164,8 @@ class ModelSpec:
         element_bytes = max(bytes_per_param, 2.0)
         attn = h * d * (2 * a + 2 * g) + (d * (a + 2 * g) if qkv_bias else 0) + (h if o_bias else 0) \
             + (2 * d if qk_norm else 0) + norms * h
+        if attention_params is not None:
+            attn = attention_params
         dense = 3 * h * intermediate_size
         held = run = float(dense)
         expert = 0
@@ -174,8 +182,10 @@ class ModelSpec:
             num_layers=num_layers,
             layer_weight_bytes=math.ceil((attn + held) * bytes_per_param),
             layer_flops_per_token=2.0 * (attn + run),
-            attention_flops_per_context_token=4.0 * num_heads * d,
-            kv_bytes_per_token_per_layer=math.ceil(2 * num_kv_heads * d * element_bytes),
+            attention_flops_per_context_token=(4.0 * num_heads * d if attention_flops_per_context_token is None
+                                               else attention_flops_per_context_token),
+            kv_bytes_per_token_per_layer=math.ceil((2 * num_kv_heads * d if kv_elements_per_token is None
+                                                    else kv_elements_per_token) * element_bytes),
             activation_bytes_per_token=math.ceil(hidden_size * element_bytes),
             embedding_bytes=math.ceil(matrix * bytes_per_param),
             lm_head_bytes=math.ceil((matrix + hidden_size) * bytes_per_param),

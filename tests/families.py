@@ -12,6 +12,10 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -61,6 +65,16 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
                                                               "sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 10000.0}})),
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(sliding_window=WINDOW)),
+    # multi-head latent attention: q and kv through low-rank latents (V2-Lite's q straight from x), rotary
+    # dims interleaved, V3 with YaRN and its mscale; the first layer dense
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        first_k_dense_replace=LAYERS, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 128, "mscale": 1.0,
+                                                       "mscale_all_dim": 1.0})),
+    "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, first_k_dense_replace=LAYERS)),
 }
 
 

@@ -85,7 +85,24 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         qk_norm=a.qk_norm, norms=4 if a.sandwich else 2,
         num_experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0,
         expert_intermediate_size=moe.intermediate_size if moe else 0,
-        moe_layers=sum(moe.layers) if moe else None)
+        moe_layers=sum(moe.layers) if moe else None, **mla_shape(config))
+
+
+def mla_shape(config: ModelConfig) -> dict:
+    """ModelSpec.decoder's attention overrides for multi-head latent attention ({} for other
+    attention): its parameters per layer, the latent row a token caches, and the absorbed attention's
+    FLOPs per context token (scores over the latent row, values over its latent part, every head)."""
+    m = config.arch.mla
+    if m is None:
+        return {}
+    h, heads = config.hidden_size, config.num_heads
+    qk = m.nope_dim + m.rope_dim
+    q = (h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk) if m.q_lora_rank else h * heads * qk
+    bias = (m.q_lora_rank + m.latent + h) if config.arch.o_bias else 0
+    params = q + h * m.latent + m.kv_lora_rank + m.kv_lora_rank * heads * (m.nope_dim + m.v_dim) \
+        + heads * m.v_dim * h + bias + 2 * h
+    return dict(attention_params=params, kv_elements_per_token=m.latent,
+                attention_flops_per_context_token=2.0 * heads * (m.latent + m.kv_lora_rank))
 
 
 def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: ModelSpec | None = None) -> DeviceProfile:

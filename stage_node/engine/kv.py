@@ -8,6 +8,10 @@ position of a sequence lives in one slot of the third axis, so a sequence whose 
 consecutive is read as one strided view (as a contiguous cache would be), and any other is
 gathered by slot index. The pool is allocated once, for the stage's whole KV budget (on a GPU too:
 CUDA graphs hold its address); its last slot is a scratch slot that no block owns.
+
+Multi-head latent attention (DeepSeek) keeps one tensor, not two: `parts` 1, one "head" whose row is a
+token's latent and rotary key ([layers, 1, 1, slots, kv_lora_rank + rope_dim]); `k` is that row and
+`v` the latent part of it (a view: the values are read from the same bytes).
 """
 from __future__ import annotations
 
@@ -19,16 +23,19 @@ import torch
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", parts: int = 2,
+                 value_dim: int | None = None):
         # one slot past the blocks: the scratch slot, where a CUDA graph's padding rows write
-        shape = (num_layers, 2, num_kv_heads, num_blocks * block_size + 1, head_dim)
+        shape = (num_layers, parts, num_kv_heads, num_blocks * block_size + 1, head_dim)
         # torch.empty on a CPU: its pages are only touched (and counted) as blocks are first written.
         # Zeros on a GPU: a CUDA graph's step reads whole blocks and masks the positions past a
         # row's own, and a NaN left there by a former allocation would survive the mask.
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
         self.kv = alloc(shape, dtype=dtype, device=device)  # kv: [layers, 2 (k, v), kv_heads, slots, head_dim]
         self.k = self.kv[:, 0]  # k: [layers, kv_heads, slots, head_dim] (a view)
-        self.v = self.kv[:, 1]  # v: [layers, kv_heads, slots, head_dim]
+        # v: [layers, kv_heads, slots, head_dim]; with one part, the first value_dim elements of k's rows
+        self.v = self.kv[:, 1] if parts == 2 else self.k[..., : value_dim or head_dim]
+        self.parts = parts
         self.num_blocks = num_blocks
         self.block_size = block_size  # positions per block (tokens)
         self.scratch_slot = num_blocks * block_size  # belongs to no block: written, never read
@@ -40,7 +47,7 @@ class KVPool:
     @property
     def block_bytes(self) -> int:
         """Bytes of keys and values one block holds (all local layers)."""
-        return 2 * self.k[:, :, : self.block_size].numel() * self.k.element_size()
+        return self.parts * self.k[:, :, : self.block_size].numel() * self.k.element_size()
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy on write: block src's positions into block dst, every layer, keys and values."""
@@ -89,6 +96,6 @@ def seq_slice(start_pos: int, num_tokens: int, blocks: Sequence[int], block_size
 
 
 def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token costs on a stage with `num_layers_local` layers."""
+    """Bytes of K and V (MLA: the latent row) one token costs on a stage with `num_layers_local` layers."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers_local * config.num_kv_heads * config.head_dim * itemsize
+    return config.kv_parts * num_layers_local * config.num_kv_heads * config.head_dim * itemsize

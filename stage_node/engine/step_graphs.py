@@ -274,13 +274,15 @@ class StepGraphs:
         cap = s.arch.attn_softcap
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim]
-            kv.index_copy_(2, g.write, torch.stack((k, v)).transpose(1, 2))  # [2, kv_heads, R, hd]
-            if s.batch_invariant:
-                return invariant.attention(q, kv[0], kv[1], slots.view(R, C), g.positions, g.tiles, scale=s._scale,
+            kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim] (MLA: [1, 1, slots, latent])
+            new = k[None] if v is None else torch.stack((k, v))
+            kv.index_copy_(2, g.write, new.transpose(1, 2))  # [parts, kv_heads, R, hd]
+            if s.batch_invariant:  # MLA: whole latent rows as values (the caller keeps their latent part)
+                return invariant.attention(q, kv[0], kv[-1], slots.view(R, C), g.positions, g.tiles, scale=s._scale,
                                            cap=cap, window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
-            both = kv.index_select(2, slots).view(2, kvh, R, C, hd).transpose(1, 2)  # [2, R, kv_heads, C, hd]
-            keys, values = both[0], both[1]
+            both = kv.index_select(2, slots).view(kv.shape[0], kvh, R, C, hd).transpose(1, 2)  # [parts, R, kv_heads, C, hd]
+            keys = both[0]
+            values = keys[..., : self.pool.v.shape[-1]] if v is None else both[1]
             mask = masks[s.kind(i)]
             q = q.view(R, kvh, group, hd)
             if cap is None:

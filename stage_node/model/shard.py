@@ -26,6 +26,7 @@ from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
+from logicpipe.stage_node.model.mla import mla_attention
 from logicpipe.stage_node.model.moe import experts_forward
 from logicpipe.stage_node.model.ops import (
     DECODE_ROWS,
@@ -115,7 +116,7 @@ class Shard:
                                for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)) and all(
                                w.qkv_bias is None and w.o_bias is None and w.gate_up_bias is None and
                                w.down_bias is None and w.q_norm is None and w.attn_out_norm is None and
-                               w.mlp_out_norm is None and w.experts is None for w in self.layers))
+                               w.mlp_out_norm is None and w.experts is None and w.mla is None for w in self.layers))
         return self._plain
 
     _plain: bool | None = None
@@ -239,8 +240,9 @@ class Shard:
     def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
         """A KV pool for this shard's layers: `num_blocks` blocks of `block_size` positions."""
         c = self.config
-        return KVPool(self.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
-                      dtype=self.dtype, device=self.device)
+        mla = self.arch.mla
+        return KVPool(self.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
+                      device=self.device, parts=c.kv_parts, value_dim=mla.kv_lora_rank if mla else None)
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
@@ -323,6 +325,9 @@ class Shard:
         forward's per sequence, or a graph's batched one)."""
         c = self.config
         T = x.shape[0]
+        if w.mla is not None:  # multi-head latent attention (stage_node.model.mla)
+            attn = mla_attention(i, w, self.norm(x, w.input_norm), self.arch.mla, c.num_heads, cos, sin, rows, attend)
+            return self._mlp(w, x + linear(attn, w.o, w.o_bias, rows), rows)
         qkv = linear(self.norm(x, w.input_norm), w.qkv, w.qkv_bias, rows)  # [T, q + 2 kv]
         qk_heads = c.num_heads + c.num_kv_heads
         qk = qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim)
@@ -332,7 +337,11 @@ class Shard:
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
         v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
         attn = linear(attend(i, q, k, v), w.o, w.o_bias, rows)  # attend: [T, heads * head_dim]
-        x = x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm))
+        return self._mlp(w, x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm)), rows)
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """The layer's second half over x [T, hidden] (the residual after attention): norm, MLP or
+        experts, residual."""
         h = self.norm(x, w.post_norm)
         if w.experts is not None:
             mlp = experts_forward(h, w.experts, self.arch.moe, self._glu, rows)
@@ -346,7 +355,8 @@ class Shard:
         positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
         k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
         k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
-        v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
+        if v is not None:  # None: MLA's latent rows, whose values are a part of k's (pool.v is that view)
+            v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
         # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
         # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
@@ -391,7 +401,10 @@ class Shard:
         """Store the new rows' k/v, then every row attends by the batch-invariant kernel. -> [T, heads * hd]"""
         k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
         k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
-        v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
+        if v is None:  # MLA: the kernel reads whole latent rows as values (the caller keeps the latent part)
+            v_pool = k_pool
+        else:
+            v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
         table, positions, tiles, tiles_at = reads
         return invariant.attention(q, k_pool, v_pool, table, positions, tiles, scale=self._scale,
                                    cap=self.arch.attn_softcap, tiles_at=tiles_at,

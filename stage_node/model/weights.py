@@ -43,6 +43,22 @@ def _numel(x) -> int:
 
 
 @dataclass(frozen=True)
+class MlaWeights:
+    """Multi-head latent attention's own weights (common.families.MLA); the layer's `qkv` holds the
+    products of x (W_q_a or W_q, then W_kv_a), `o` the output projection. The rotary rows are
+    reordered from interleaved pairs to halves when the checkpoint interleaves them."""
+
+    q_norm: torch.Tensor | None  # [q_lora_rank] (None: q = x W_q)
+    q_b: torch.Tensor | None  # [heads * (nope + rope), q_lora_rank]
+    kv_norm: torch.Tensor  # [kv_lora_rank]
+    uk: torch.Tensor  # [heads, nope, kv_lora_rank]: a head's W_uk transposed, absorbed into its query
+    uv: torch.Tensor  # [heads, kv_lora_rank, v_dim]: a head's W_uv transposed, absorbed into its output
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in vars(self).values() if t is not None)
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer. q/k/v and gate/up are fused into one matrix each; every matrix is kept
     in the checkpoint's [out, in] layout (see `stage_node.ops.linear` for how it is multiplied)."""
@@ -62,6 +78,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's post_attention_layernorm (of the attention's output)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's post_feedforward_layernorm
     experts: Experts | None = None  # a mixture of experts in place of the MLP
+    mla: MlaWeights | None = None  # multi-head latent attention (qkv: [q part + kv_lora + rope, hidden])
 
     def numel(self) -> int:
         return sum(t.numel() for t in vars(self).values() if t is not None)
@@ -111,19 +128,73 @@ def _router_name(config: ModelConfig, p: str) -> str:
     return f"{p}block_sparse_moe.gate.weight" if config.arch.checkpoint == "mixtral" else f"{p}mlp.gate.weight"
 
 
+def _mla_names(mla, p: str, bias: bool) -> list[str]:
+    a = p + "self_attn."
+    names = [a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight", a + "kv_b_proj.weight", a + "o_proj.weight"]
+    if mla.q_lora_rank:
+        names += [a + "q_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight"]
+    else:
+        names.append(a + "q_proj.weight")
+    if bias:
+        names += [a + "kv_a_proj_with_mqa.bias", a + "o_proj.bias"] + ([a + "q_a_proj.bias"] if mla.q_lora_rank else [])
+    return names
+
+
+def _halves(rows: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """rows with [start, start + n) reordered from interleaved pairs (x0, x1, x2, ...) to halves (x0, x2, ...,
+    x1, x3, ...): RoPE of interleaved pairs is then the rotate-half RoPE, the same products per pair."""
+    idx = torch.arange(rows.shape[0])
+    idx[start: start + n] = torch.cat([torch.arange(start, start + n, 2), torch.arange(start + 1, start + n, 2)])
+    return rows.index_select(0, idx)
+
+
+def _mla_layer(get, config: ModelConfig) -> dict:
+    """The MLA fields of a layer (qkv, qkv_bias, o, o_bias, mla) from its checkpoint tensors (`get`)."""
+    m, heads = config.arch.mla, config.num_heads
+    a = "self_attn."
+    qk = m.nope_dim + m.rope_dim
+
+    def rope_halves(w: torch.Tensor | None, per: int, at: int) -> torch.Tensor | None:
+        if w is None or not m.interleaved:
+            return w
+        for start in range(at, w.shape[0], per):
+            w = _halves(w, start, m.rope_dim)
+        return w
+
+    kv_a = rope_halves(get(a + "kv_a_proj_with_mqa.weight"), m.latent, m.kv_lora_rank)  # [kv_lora + rope, hidden]
+    kv_a_bias = rope_halves(get(a + "kv_a_proj_with_mqa.bias"), m.latent, m.kv_lora_rank)
+    if m.q_lora_rank:
+        q, q_bias = get(a + "q_a_proj.weight"), get(a + "q_a_proj.bias")  # [q_lora, hidden]
+        q_b = rope_halves(get(a + "q_b_proj.weight"), qk, m.nope_dim)  # [heads * qk, q_lora]
+    else:
+        q, q_bias, q_b = rope_halves(get(a + "q_proj.weight"), qk, m.nope_dim), None, None  # [heads * qk, hidden]
+    if kv_a_bias is not None and q_bias is None:  # q = x W_q has no bias: zeros add exactly nothing
+        q_bias = kv_a_bias.new_zeros(q.shape[0])
+    kv_b = get(a + "kv_b_proj.weight").view(heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
+    return dict(
+        qkv=torch.cat([q, kv_a]).contiguous(),
+        qkv_bias=None if kv_a_bias is None else torch.cat([q_bias, kv_a_bias]),
+        o=get(a + "o_proj.weight").contiguous(), o_bias=get(a + "o_proj.bias"),
+        mla=MlaWeights(q_norm=get(a + "q_a_layernorm.weight"), q_b=None if q_b is None else q_b.contiguous(),
+                       kv_norm=get(a + "kv_a_layernorm.weight"), uk=kv_b[:, : m.nope_dim].contiguous(),
+                       uv=kv_b[:, m.nope_dim:].transpose(1, 2).contiguous()))
+
+
 def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
     a = config.arch
     p = f"model.layers.{layer}."
     names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     if a.sandwich:
         names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
-    if a.checkpoint == "phi3":
+    if a.mla is not None:
+        names += _mla_names(a.mla, p, a.o_bias)
+    elif a.checkpoint == "phi3":
         names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
     else:
         names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
-    if a.qkv_bias:
+    if a.qkv_bias and a.mla is None:
         names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-    if a.o_bias:
+    if a.o_bias and a.mla is None:
         names.append(p + "self_attn.o_proj.bias")
     if a.qk_norm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
@@ -155,8 +226,14 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, 
         return cat(*names).contiguous()
 
     attn, mlp = "self_attn.", "mlp."
-    qkv = (matrix(attn + "qkv_proj.weight") if a.checkpoint == "phi3"
-           else matrix(*(f"{attn}{x}_proj.weight" for x in "qkv")))
+    if a.mla is not None:
+        attention = _mla_layer(get, config)
+    else:
+        attention = dict(
+            qkv=(matrix(attn + "qkv_proj.weight") if a.checkpoint == "phi3"
+                 else matrix(*(f"{attn}{x}_proj.weight" for x in "qkv"))),
+            qkv_bias=cat(*(f"{attn}{x}_proj.bias" for x in "qkv")) if a.qkv_bias else None,
+            o=matrix(attn + "o_proj.weight"), o_bias=get(attn + "o_proj.bias"))
     experts = gate_up = gate_up_bias = down = down_bias = None
     if a.routes(layer):
         gates, downs = [], []
@@ -176,10 +253,7 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, 
     sandwich = a.sandwich
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
-        qkv=qkv,
-        qkv_bias=cat(*(f"{attn}{x}_proj.bias" for x in "qkv")) if a.qkv_bias else None,
-        o=matrix(attn + "o_proj.weight"),
-        o_bias=get(attn + "o_proj.bias"),
+        **attention,
         post_norm=get("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
         gate_up=gate_up, gate_up_bias=gate_up_bias, down=down, down_bias=down_bias,
         q_norm=get(attn + "q_norm.weight"), k_norm=get(attn + "k_norm.weight"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -20,6 +21,7 @@ from tests.gguf_files import write_gguf
 from tests.localmesh import LocalMesh, free_port
 
 NEW = 6
+LONG = 300  # tokens of the generation a drain interrupts (replayed on the new plan)
 torch.manual_seed(11)
 PROMPTS = [torch.randint(0, 49152, (2 * WINDOW + i,)).tolist() for i in range(8)]  # past the sliding window
 
@@ -45,10 +47,23 @@ def mesh(models, tmp_path_factory):
         yield m
 
 
-def submit(mesh, ids, speculate: int, timings: list | None = None) -> list[int]:
+def eventually(check, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {within} s"
+        time.sleep(0.02)
+
+
+def submit(mesh, ids, speculate: int, timings: list | None = None, new: int = NEW,
+           streamed: list | None = None) -> list[int]:
+    """Greedy tokens of a Submit (`streamed`: each reply's tokens appended as they come)."""
+    replies = []
     with mesh.transport.sync_channel(mesh.controller_address, "controller") as ch:
-        replies = list(controller_pb2_grpc.ControllerStub(ch).Submit(controller_pb2.SubmitRequest(
-            prompt_token_ids=ids, max_tokens=NEW, ignore_eos=True, speculate=speculate), timeout=300))
+        for r in controller_pb2_grpc.ControllerStub(ch).Submit(controller_pb2.SubmitRequest(
+                prompt_token_ids=ids, max_tokens=new, ignore_eos=True, speculate=speculate), timeout=300):
+            replies.append(r)
+            if streamed is not None:
+                streamed.extend(r.token_ids)
     if timings is not None:
         timings.append(replies[-1].timings)
     return [t for r in replies for t in r.token_ids]
@@ -76,14 +91,28 @@ def test_a_family_through_3_2_and_1_stages(family, models, mesh):
     # lpctl and the OpenAI API serve it (text through the chat template)
     text = json.loads(lpctl(mesh, "submit", "Hello there", "--max-tokens", "5", "--json"))
     client = openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key="none", max_retries=0, timeout=120)
-    chat = client.chat.completions.create(model=models[family].name, max_tokens=5, temperature=0,
+    chat = client.chat.completions.create(model=models[family].name, max_tokens=5, temperature=0, n=3,
                                           messages=[{"role": "user", "content": "Hello there"}])
-    assert chat.choices[0].message.content == text["text"] and chat.usage.completion_tokens == len(text["token_ids"])
-    # 2 stages, then 1
-    for node, stages in (("stage2", 2), ("stage1", 1)):
-        assert "drained" in lpctl(mesh, "drain", node)
-        assert len(mesh.controller_status().stages) == stages
-        assert submit(mesh, prompts[1], 4) == want[1] and submit(mesh, prompts[0], 4) == want[0]
+    assert [c.message.content for c in chat.choices] == [text["text"]] * 3  # n=3 greedy: three times the same
+    assert chat.usage.completion_tokens == 3 * len(text["token_ids"])
+    # 2 stages: the third is killed in the middle of a long generation, which replays on the new plan;
+    # then 1 (a stage drained); the killed stage comes back for the next family
+    with ThreadPoolExecutor(1) as pool:
+        streamed: list = []
+        long = pool.submit(submit, mesh, prompts[2], 0, None, LONG, streamed)
+        eventually(lambda: len(streamed) >= 4, 120, "the long generation's first tokens")
+        replays = mesh.controller_status().replays
+        mesh.kill("stage2")
+        assert long.result() == hf_greedy(model, prompts[2], LONG)
+    assert mesh.controller_status().replays > replays, "the generation was not replayed"
+    try:
+        for node, stages in ((None, 2), ("stage1", 1)):
+            if node:
+                assert "drained" in lpctl(mesh, "drain", node)
+            assert len(mesh.wait_plan(stages=stages).stages) == stages
+            assert submit(mesh, prompts[1], 4) == want[1] and submit(mesh, prompts[0], 4) == want[0]
+    finally:
+        mesh.start_stage(2, mesh.stage_addresses[2])
 
 
 def test_a_gguf_file_is_converted_and_served(models, mesh, tmp_path):
