@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 LAYER = {  # checkpoint name after "model.layers.N." -> llama.cpp's after "blk.N."
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -28,6 +28,14 @@ LAYER = {  # checkpoint name after "model.layers.N." -> llama.cpp's after "blk.N
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+DEEPSEEK = {  # MLA (kv_b_proj is split in two, below), shared experts, the router's correction bias
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_experts.up_proj.weight":
+    "ffn_up_shexp.weight", "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
 }
 GEMMA_POST_ATTENTION = "post_attention_norm.weight"  # Gemma's post_attention_layernorm is a sandwich norm
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -60,13 +68,16 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
                arch: str | None = None) -> Path:
     """The GGUF llama.cpp would write for the checkpoint in `model_dir` (2-D weights stored as
     `qtype`: F32, F16 or Q8_0; norms and biases F32)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
     cfg = json.loads((model_dir / "config.json").read_text())
     state = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     gemma = family in ("gemma2", "gemma3")
     heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    deepseek = family.startswith("deepseek")
+    if deepseek:  # llama.cpp: MLA as multi-query attention over the latent
+        kv_heads = 1
     w = GGUFWriter(str(out), arch or ARCH[family])
     w.add_block_count(layers)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -75,8 +86,39 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if deepseek:
+        rope_dim, kv_lora = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"]
+        w.add_key_length(kv_lora + rope_dim)
+        w.add_value_length(kv_lora)
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dim)
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_kv_lora_rank(kv_lora)
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_rope_dimension_count(rope_dim)
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf_rope_yarn())
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+        if cfg["first_k_dense_replace"] < layers:
+            w.add_expert_count(cfg["n_routed_experts"])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_count(cfg["n_shared_experts"])
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            if cfg.get("norm_topk_prob"):
+                w.add_expert_weights_norm(True)
+            w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if family == "deepseek_v3"
+                                     else ExpertGatingFuncType.SOFTMAX)
+            if cfg.get("n_group"):
+                w.add_expert_group_count(cfg["n_group"])
+                w.add_expert_group_used_count(cfg["topk_group"])
+    else:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     rope = cfg.get("rope_parameters") or {}
@@ -91,8 +133,8 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     if family == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    if experts:
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    if experts and not deepseek:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if family == "qwen3_moe":
@@ -124,7 +166,14 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             continue
         if rest.endswith("experts.gate_up_proj") or rest.endswith("experts.down_proj"):
             raise AssertionError(f"{name}: fused experts; save per expert")
-        target = GEMMA_POST_ATTENTION if gemma and rest == "post_attention_layernorm.weight" else LAYER[rest]
+        if deepseek and rest == "self_attn.kv_b_proj.weight":  # llama.cpp: k_b (transposed) and v_b per head
+            nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            kv_b = x.reshape(heads, nope + v, x.shape[-1])
+            add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].swapaxes(1, 2))
+            add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:])
+            continue
+        target = (GEMMA_POST_ATTENTION if gemma and rest == "post_attention_layernorm.weight"
+                  else DEEPSEEK[rest] if deepseek and rest in DEEPSEEK else LAYER[rest])
         if ARCH[family] == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             x = permute(x, heads if "q_proj" in rest else kv_heads)
         add(f"blk.{layer}.{target}", x)
@@ -135,6 +184,12 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def gguf_rope_yarn():
+    from gguf import RopeScalingType
+
+    return RopeScalingType.YARN
 
 
 def dequantized(x: torch.Tensor, qtype: str) -> torch.Tensor:

@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 MARKER = ".logicpipe-converted.json"
 DTYPES = {"bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
-                 "gemma3": "gemma3", "phi3": "phi3"}
+                 "gemma3": "gemma3", "phi3": "phi3", "deepseek2": "deepseek_v3"}
 """GGUF general.architecture -> the family it converts to ("llama" with experts: Mixtral; llama.cpp
-writes Mistral as "llama" too)."""
+writes Mistral as "llama" too; "deepseek2" is DeepSeek V2, V3 and Kimi K2: V2 where its experts are
+chosen by softmax)."""
 
 # GGUF tensor name (after "blk.N.") -> the checkpoint's (after "model.layers.N."); per family where it differs
 _LAYER = {
@@ -59,6 +60,15 @@ _MIXTRAL = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _EXPERTS = re.compile(r"ffn_(gate|up|down)_exps\.weight")
+_DEEPSEEK = {  # multi-head latent attention, shared experts, the router's correction bias
+    "attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight", "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,9 @@ class Out:
     expert: int = -1      # of a stacked experts tensor: which expert (-1: the whole tensor)
     permute_heads: int = 0  # Llama's q/k: undo llama.cpp's RoPE permutation over this many heads
     minus_one: bool = False  # Gemma's norms: llama.cpp stored 1 + w
+    v_b: object = None    # DeepSeek's kv_b_proj, which llama.cpp splits: source is attn_k_b [heads, kv_lora,
+                          # nope] (transposed), this attn_v_b [heads, v, kv_lora]; joined back per head
+                          # (permute_heads then counts the heads; there is no RoPE permutation)
 
 
 def default_out_dir(gguf_path: Path, dtype: str) -> Path:
@@ -156,6 +169,8 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     names = {t.name for t in reader.tensors}
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     family = "mixtral" if arch == "llama" and experts else ARCHITECTURES.get(arch)
+    if arch == "deepseek2" and experts and int(meta.get(f"{arch}.expert_gating_func") or 1) == 1:
+        family = "deepseek_v2"  # softmax routing (llama.cpp's gating 1); V3 and Kimi K2 route by sigmoid (2)
     if family is None:
         raise ModelError(f"{src}: GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)} (and Mixtral as llama with experts)")
@@ -182,7 +197,8 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                           "phi3": "Phi3ForCausalLM"}[family]],
+                           "phi3": "Phi3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                           "deepseek_v3": "DeepseekV3ForCausalLM"}[family]],
         "num_hidden_layers": layers, "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -204,6 +220,8 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
     window = get("attention.sliding_window")
+    if family in ("deepseek_v2", "deepseek_v3"):
+        config.update(deepseek_config(get, family, layers, experts, config))
     if family in ("qwen3_moe", "mixtral"):
         config["num_experts" if family == "qwen3_moe" else "num_local_experts"] = experts
         config["num_experts_per_tok"] = int(get("expert_used_count"))
@@ -242,6 +260,35 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     return config
 
 
+def deepseek_config(get, family: str, layers: int, experts: int, config: dict) -> dict:
+    """config.json's DeepSeek fields from llama.cpp's deepseek2 metadata: MLA's ranks and head sizes
+    (llama.cpp writes the attention as multi-query over the latent: key_length = kv_lora + rope,
+    key_length_mla = nope + rope; files from before it split kv_b have no *_mla keys), the experts,
+    and YaRN's mscale (llama.cpp keeps 0.1 * mscale_all_dim as yarn_log_multiplier; DeepSeek sets
+    mscale to the same value)."""
+    rope = int(get("rope.dimension_count"))
+    kv_lora = int(get("attention.kv_lora_rank"))
+    qk = int(get("attention.key_length_mla", 0) or 0) or int(get("attention.key_length"))
+    v = int(get("attention.value_length_mla", 0) or 0) or int(get("attention.value_length"))
+    out = {"num_key_value_heads": config["num_attention_heads"], "head_dim": rope, "q_lora_rank":
+           int(get("attention.q_lora_rank", 0) or 0) or None, "kv_lora_rank": kv_lora, "qk_rope_head_dim": rope,
+           "qk_nope_head_dim": qk - rope, "v_head_dim": v, "rope_interleave": True,
+           "first_k_dense_replace": int(get("leading_dense_block_count", layers if not experts else 0))}
+    if experts:
+        out.update(n_routed_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+                   moe_intermediate_size=int(get("expert_feed_forward_length")),
+                   n_shared_experts=int(get("expert_shared_count", 0)),
+                   routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
+                   norm_topk_prob=bool(get("expert_weights_norm", False)),
+                   n_group=int(get("expert_group_count", 1)), topk_group=int(get("expert_group_used_count", 1)))
+        if family == "deepseek_v2":
+            out["topk_method"] = "group_limited_greedy" if out["n_group"] > 1 else "greedy"
+    log_mul = get("rope.scaling.yarn_log_multiplier")
+    if log_mul and "rope_scaling" in config:
+        config["rope_scaling"].update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
+    return out
+
+
 def plan_tensors(reader, config: dict) -> list[Out]:
     """Every output tensor in file order (experts split one per tensor), ModelError for a tensor
     whose quantization cannot be undone or whose name means nothing to the family."""
@@ -257,6 +304,9 @@ def plan_tensors(reader, config: dict) -> list[Out]:
         layer_names.update(_PHI3)
     if family == "mixtral":
         layer_names.update(_MIXTRAL)
+    if family in ("deepseek_v2", "deepseek_v3"):
+        layer_names.update(_DEEPSEEK)
+    by_name = {t.name: t for t in reader.tensors}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     outs: list[Out] = []
     undone: set = set()  # quantization types gguf has dequantized a row of
@@ -288,6 +338,15 @@ def plan_tensors(reader, config: dict) -> list[Out]:
                         else f"{p}mlp.experts.{x}.{kind}_proj.weight")
                 outs.append(Out(name, shape[1:], t, expert=x))
             continue
+        if rest == "attn_k_b.weight" and f"blk.{layer}.attn_v_b.weight" in by_name:  # [heads, kv_lora, nope]
+            v_b = by_name[f"blk.{layer}.attn_v_b.weight"]
+            h, _, nope = shape
+            v_dim = int(v_b.shape[1])  # gguf's shape: [kv_lora, v, heads]
+            outs.append(Out(p + "self_attn.kv_b_proj.weight", (h * (nope + v_dim), shape[1]), t, permute_heads=h,
+                            v_b=v_b))
+            continue
+        if rest == "attn_v_b.weight":  # joined with its attn_k_b above
+            continue
         if rest not in layer_names:
             raise ModelError(f"tensor {t.name} means nothing to a {family} model")
         permute = 0
@@ -304,6 +363,11 @@ def tensor_values(o: Out):
 
     t = o.source
     data = t.data[o.expert] if o.expert >= 0 else t.data
+    if o.v_b is not None:  # DeepSeek: [heads, kv_lora, nope] -> [heads, nope, kv_lora], then each head's v rows
+        heads, kv_lora = o.permute_heads, o.shape[1]
+        k_b = np.array(dequantize(data, t.tensor_type), dtype=np.float32).reshape(heads, kv_lora, -1).swapaxes(1, 2)
+        v_b = np.array(dequantize(o.v_b.data, o.v_b.tensor_type), dtype=np.float32).reshape(heads, -1, kv_lora)
+        return np.concatenate([k_b, v_b], axis=1).reshape(o.shape)
     w = np.array(dequantize(data, t.tensor_type), dtype=np.float32).reshape(o.shape)  # a copy: the file is read-only
     if o.permute_heads:  # llama.cpp: reshape(heads, 2, d/2, in).swapaxes(1, 2); undone
         n = o.permute_heads
@@ -353,6 +417,30 @@ def write_tokenizer(src: Path, out: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except ValueError as exc:
+        if "not supported" not in str(exc):
+            raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
+        tokenizer = _tokenizer_of_any_architecture(src)  # transformers reads no model of this architecture
     except Exception as exc:
         raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
     tokenizer.save_pretrained(str(out))
+
+
+def _tokenizer_of_any_architecture(src: Path):
+    """The tokenizer of a GGUF whose architecture transformers' GGUF loader refuses (DeepSeek's, ...):
+    its tokenizer is described by the file's tokenizer.* fields alone, so it is built from them with
+    the same transformers builders, without reading the model's config."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError as exc:
+        raise ModelError(f"{src}: this transformers cannot build a tokenizer from a GGUF of this architecture "
+                         f"({exc}); transformers >= 5.24 can") from exc
+    try:
+        architecture, described, config = get_gguf_tokenizer(str(src))
+        backend, extra = convert_gguf_tokenizer(architecture, described)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in config.items() if v is not None},
+                                       **extra)
+    except Exception as exc:
+        raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc

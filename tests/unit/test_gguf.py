@@ -25,7 +25,7 @@ from .test_families import PROMPT, STEPS, greedy, shards_of
 
 # what llama.cpp keeps of each family (it has no sliding window for Qwen2, and scales Gemma 2's queries by head_dim)
 FAMILIES = {"llama": {}, "qwen2": dict(use_sliding_window=False), "qwen3": {}, "qwen3_moe": {}, "mixtral": {},
-            "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}}
+            "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}, "deepseek_v2": {}, "deepseek_v3": {}}
 
 
 @pytest.fixture(scope="module")
