@@ -7,7 +7,7 @@
 used in turn so no layer's experts sit in L2) for 1, 8, 64 and 256 rows, timed as CUDA graph
 replays: the grouped kernel for each tile (BLOCK_N, BLOCK_K, warps, stages) of the sweep, the
 gathered way it replaces (up to 32 rows), the alignment by torch ops and by one Triton program, and
-the whole mixture (router, top-k, experts; SwiGLU in the kernel and by torch). GB/s = bytes of the distinct experts the rows route to
+the whole mixture (router, top-k, experts). GB/s = bytes of the distinct experts the rows route to
 over the time; the HBM limit is ~3.35 TB/s on an H100.
 `step`: the model `bench.gpu_families --part moe --layers N` made (under --work), one stage of it:
 a one-row decode step as a graph replay (ms, and of the HBM limit of the bytes it reads) and the
@@ -89,24 +89,21 @@ def kernels(args, res: dict) -> None:
             idx = routes[0][1]
             row["align_torch_us"] = round(graph_us(lambda: grouped.align_torch(idx, E)), 1)
             row["align_triton_us"] = round(graph_us(lambda: grouped.align_triton(idx, E)), 1)
-            for fuse in (False, True):  # SwiGLU by torch between the products, then in the kernel's loads
-                grouped.FUSE_SILU = fuse
-                row["mixture_us" if fuse else "mixture_glu_by_torch_us"] = round(graph_us(
-                    lambda: [moe_mod.experts_forward(h, w, moe, act, INVARIANT_ROWS) for w in layers]) / COPIES, 1)
+            row["mixture_us"] = round(graph_us(lambda: [moe_mod.experts_forward(h, w, moe, act, INVARIANT_ROWS)
+                                                        for w in layers]) / COPIES, 1)
             # the same row's bits alone and among these rows
             alone = grouped.experts(h[:1], layers[0], routes[0][0][:1], idx[:1], act)
             row["row0_equal_alone"] = bool(torch.equal(alone, grouped.experts(h, layers[0], routes[0][0], idx, act)[:1]))
             rows_out.append(row)
             print(json.dumps(row), flush=True)
     res["kernels"] = rows_out
-    print("\n| rows | experts | " + " | ".join(str(c) for c in SWEEP) + " | gathered | align torch / triton | mixture (glu by torch) |")
+    print("\n| rows | experts | " + " | ".join(str(c) for c in SWEEP) + " | gathered | align torch / triton | mixture |")
     for row in rows_out:
         cells = [f"{row[str(c)]['us']} us {row[str(c)]['gbps']} GB/s" if isinstance(row.get(str(c)), dict) else "-"
                  for c in SWEEP]
         g = row.get("gathered")
         print(f"| {row['rows']} | {row['distinct_experts']} | " + " | ".join(cells) +
-              f" | {g['us'] if g else '-'} | {row['align_torch_us']} / {row['align_triton_us']} | {row['mixture_us']} "
-              f"({row['mixture_glu_by_torch_us']}) |")
+              f" | {g['us'] if g else '-'} | {row['align_torch_us']} / {row['align_triton_us']} | {row['mixture_us']} |")
 
 
 def step(args, res: dict) -> None:

@@ -17,8 +17,9 @@ a few hundred rows of the Qwen3-30B-A3B shape). Here, as vLLM's fused MoE does (
      by its expert's [N, K] matrix: a decode step reads each chosen expert's weights once, the
      bytes the HBM limit counts. Optional per-expert bias (gpt-oss), and the routing weight of
      the pair multiplied into the second product's rows.
-  3. the gated nonlinearity between the two products is the `glu` passed in (ops.glu), in torch,
-     but SwiGLU ("silu") is computed in the second product's loads (two launches fewer a layer);
+  3. the gated nonlinearity between the two products is the `glu` passed in (ops.glu), in torch
+     (SwiGLU computed in the second product's loads instead was slower on the H100: the mixture
+     at 1 row 78.5 us against 68.6, at 64 rows 588 against 471; bench/gpu_moe.py, one run);
      then `combine` sums each row's k slots in the router's order (float32, rounded once), as
      experts_gathered does.
 
@@ -40,10 +41,6 @@ ALIGN_MAX_PAIRS = 8192  # more (row, slot) pairs (long prompts, eager) are align
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of each dtype's products: never a function of the rows
 CONFIGS = {torch.float32: (32, 32, 4, 3)}  # exact float32 (IEEE, no TF32): the tests' dtype
 CONFIG_16 = (64, 128, 4, 4)  # bf16 / fp16 (bench/gpu_moe.py: tiles within 1% of each other, one H100)
-# SwiGLU ("silu" glu) computed in the second product's loads instead of two torch kernels between
-# the products (bench/gpu_moe.py: the mixture's time with and without); its exp may round a value
-# one ulp off torch's silu, the same for a row in any step
-FUSE_SILU = True
 
 
 def config(dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -116,11 +113,10 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["P"])
     def grouped_kernel(x_ptr, w_ptr, b_ptr, rw_ptr, y_ptr, ids_ptr, bexp_ptr, P, N, K, sxm, swe, swn, sbe, sym,
-                       ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, SILU: tl.constexpr,
+                       ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
         # program (block, N tile): y[pair] = x[pair // ROW_DIV] @ w[e, N tile].T (+ b[e]) (* rw[pair])
-        # for the block's pairs, e the block's expert; K in BK steps in ascending order. SILU: x is
-        # the fused gate/up product [P, 2K] and the row is silu(gate) * up, rounded as torch does
+        # for the block's pairs, e the block's expert; K in BK steps in ascending order
         pid_b, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(bexp_ptr + pid_b)
         if e >= 0:
@@ -134,11 +130,6 @@ def _kernels():
             for k in range(0, K, BK):
                 kk = k + rk
                 a = tl.load(x_ptr + row[:, None] * sxm + kk[None, :], mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-                if SILU:
-                    up = tl.load(x_ptr + row[:, None] * sxm + K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
-                                 other=0.0)
-                    g = a.to(tl.float32)
-                    a = ((g / (1.0 + tl.exp(-g))).to(a.dtype).to(tl.float32) * up.to(tl.float32)).to(a.dtype)
                 b = tl.load(wb + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
                 if IEEE:
                     acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -189,13 +180,11 @@ def align_triton(idx: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tup
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, pairs: int,
-               row_div: int, bias: torch.Tensor | None = None, route_weights: torch.Tensor | None = None,
-               silu: bool = False) -> torch.Tensor:
+               row_div: int, bias: torch.Tensor | None = None, route_weights: torch.Tensor | None = None) -> torch.Tensor:
     """y [pairs, N]: y[p] = x[p // row_div] @ w[e(p)].T (+ bias[e(p)]) (* route_weights[p]), e(p)
-    the expert `align` put pair p under. x: [rows, K] ([rows, 2K] with `silu`: a row is then
-    silu(x[:, :K]) * x[:, K:], SwiGLU fused into the product); w: [E, N, K]; bias: [E, N];
-    route_weights: [pairs] (float32 or x's dtype). Each rounding as torch's: the product to x's
-    dtype, then the bias added, then the weight multiplied."""
+    the expert `align` put pair p under. x: [rows, K]; w: [E, N, K]; bias: [E, N]; route_weights:
+    [pairs] (float32 or x's dtype). Each rounding as torch's: the product to x's dtype, then the
+    bias added, then the weight multiplied."""
     triton, _, kernel, _ = _kernels()
     N, K = w.shape[1], w.shape[2]
     y = torch.empty(pairs, N, dtype=x.dtype, device=x.device)
@@ -206,7 +195,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block
     kernel[(block_expert.shape[0], triton.cdiv(N, bn))](
         x, w, bias if bias is not None else w, route_weights if route_weights is not None else w, y, sorted_ids,
         block_expert, pairs, N, K, x.stride(0), w.stride(0), w.stride(1), bias.stride(0) if bias is not None else 0,
-        y.stride(0), ROW_DIV=row_div, HAS_BIAS=bias is not None, WEIGHTED=route_weights is not None, SILU=silu, BM=BLOCK_M,
+        y.stride(0), ROW_DIV=row_div, HAS_BIAS=bias is not None, WEIGHTED=route_weights is not None, BM=BLOCK_M,
         BN=bn, BK=bk, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return y
 
@@ -228,8 +217,7 @@ def experts(h: torch.Tensor, experts, weights: torch.Tensor, idx: torch.Tensor, 
     h = h.contiguous()
     sorted_ids, block_expert = align(idx, experts.gate_up.shape[0])
     gate_up = grouped_mm(h, experts.gate_up, sorted_ids, block_expert, T * k, k, experts.gate_up_bias)
-    silu = FUSE_SILU and getattr(glu, "activation", None) == "silu"
-    act = gate_up if silu else glu(gate_up).contiguous()  # [T * k, 2 * inter] or [T * k, inter]
+    act = glu(gate_up).contiguous()  # [T * k, inter]
     y = grouped_mm(act, experts.down, sorted_ids, block_expert, T * k, 1, experts.down_bias,
-                   weights.reshape(-1).contiguous(), silu=silu)
+                   weights.reshape(-1).contiguous())
     return combine(y, k)

@@ -156,7 +156,6 @@ def glu(name: str):
         gate, up = gate_up.chunk(2, -1)
         return act(gate) * up
 
-    gated.activation = name  # a kernel may compute it itself (stage_node.kernels.grouped: "silu")
     return gated
 
 

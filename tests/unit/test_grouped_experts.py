@@ -74,7 +74,7 @@ def check(dtype, device, E=8, hidden=64, inter=48, k=3, T=13, bias=False, float_
     h = torch.randn(T, hidden, generator=g).to(dtype).to(device)
     idx = routes(T, E, k, g).to(device)
     weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(torch.float32 if float_weights else dtype).to(device)
-    act = glu(activation)  # "silu": fused into the kernel's loads; another: by torch between the products
+    act = glu(activation)
     f32 = Experts(*(None if m is None else m.float() for m in (w.router, w.gate_up, w.down, w.gate_up_bias, w.down_bias)))
     ref = experts_gathered(h.float(), f32, weights.float(), idx, act)
     out = grouped.experts(h, w, weights, idx, act)
