@@ -114,7 +114,7 @@ def step(args, res: dict) -> None:
     from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
     from logicpipe.stage_node.model.shard import Shard
 
-    path = next(args.work.glob("qwen3-30b-a3b-*"))
+    path = next(p for p in args.work.glob("qwen3-30b-a3b-*") if p.name.rsplit("-", 1)[1].isdigit())
     n = int(path.name.rsplit("-", 1)[1])
     shard = Shard.load(path, 0, n, first=True, last=True, device="cuda", dtype=torch.bfloat16)
     shard.batch_invariant = True

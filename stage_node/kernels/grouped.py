@@ -36,6 +36,8 @@ import functools
 
 import torch
 
+from logicpipe.stage_node.kernels import fused
+
 BLOCK_M = 16  # rows of a tile: pairs of one expert (decode routes ~1 row per expert)
 ALIGN_MAX_PAIRS = 8192  # more (row, slot) pairs (long prompts, eager) are aligned by torch ops: same output
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of each dtype's products: never a function of the rows
@@ -156,7 +158,32 @@ def _kernels():
             acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=keep, other=0.0).to(tl.float32)
         tl.store(o_ptr + t * H + h, acc.to(o_ptr.dtype.element_ty), mask=keep)
 
-    return triton, align_kernel, grouped_kernel, combine_kernel
+    @triton.jit
+    def route_kernel(l_ptr, w_ptr, i_ptr, E, s_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                     NORM: tl.constexpr):
+        # program (row): softmax of the row's logits in float32, its TOP_K largest in descending
+        # order (the lowest expert first among equals), renormalised with NORM, cast to w's dtype
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, E_PAD)
+        x = tl.load(l_ptr + t * s_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = p / tl.sum(p, 0)
+        p = tl.where(e < E, p, -1.0)
+        j = tl.arange(0, K_PAD)
+        top = tl.zeros((K_PAD,), dtype=tl.float32)
+        idx = tl.zeros((K_PAD,), dtype=tl.int32)
+        for n in tl.static_range(TOP_K):
+            v = tl.max(p, 0)
+            i = tl.min(tl.where(p == v, e, E_PAD), 0)
+            top = tl.where(j == n, v, top)
+            idx = tl.where(j == n, i, idx)
+            p = tl.where(e == i, -2.0, p)
+        if NORM:
+            top = top / tl.sum(top, 0)
+        tl.store(w_ptr + t * TOP_K + j, top.to(w_ptr.dtype.element_ty), mask=j < TOP_K)
+        tl.store(i_ptr + t * TOP_K + j, idx, mask=j < TOP_K)
+
+    return triton, align_kernel, grouped_kernel, combine_kernel, route_kernel
 
 
 def align(idx: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +195,7 @@ def align(idx: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torc
 
 def align_triton(idx: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_torch`'s output by one Triton program (one launch: a CUDA graph's decode step)."""
-    triton, kernel, _, _ = _kernels()
+    triton, kernel, _, _, _ = _kernels()
     pairs = idx.numel()
     n = max_blocks(pairs, experts, block_m)
     sorted_ids = torch.empty(n * block_m, dtype=torch.int32, device=idx.device)
@@ -185,7 +212,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block
     the expert `align` put pair p under. x: [rows, K]; w: [E, N, K]; bias: [E, N]; route_weights:
     [pairs] (float32 or x's dtype). Each rounding as torch's: the product to x's dtype, then the
     bias added, then the weight multiplied."""
-    triton, _, kernel, _ = _kernels()
+    triton, _, kernel, _, _ = _kernels()
     N, K = w.shape[1], w.shape[2]
     y = torch.empty(pairs, N, dtype=x.dtype, device=x.device)
     if pairs == 0:
@@ -202,12 +229,29 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block
 
 def combine(y: torch.Tensor, top_k: int) -> torch.Tensor:
     """y [T * k, H] -> [T, H]: each row's k slots summed in slot order in float32, rounded once."""
-    triton, _, _, kernel = _kernels()
+    triton, _, _, kernel, _ = _kernels()
     T, H = y.shape[0] // top_k, y.shape[1]
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
     if T:
         kernel[(T, triton.cdiv(H, 1024))](y, out, T, H, TOP_K=top_k, BLOCK=1024, num_warps=4)
     return out
+
+
+def route(logits: torch.Tensor, moe, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """stage_node.model.moe.route's arithmetic after the router's product, one program a row (one
+    launch, not six): logits [T, E] -> (weights [T, k] in `dtype`, or float32 where the family
+    scales in float32; expert ids [T, k] int32). Softmax in float32, top k, renormalised if the
+    config says; equal to torch's to float rounding (its own exp and sum order)."""
+    triton, _, _, _, kernel = _kernels()
+    T, E = logits.shape
+    k = moe.top_k
+    weights = torch.empty(T, k, dtype=torch.float32 if moe.weights_in_float else dtype, device=logits.device)
+    idx = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+    if T:
+        assert logits.stride(1) == 1
+        kernel[(T,)](logits, weights, idx, E, logits.stride(0), TOP_K=k, K_PAD=triton.next_power_of_2(k),
+                     E_PAD=triton.next_power_of_2(E), NORM=bool(moe.norm_topk_prob), num_warps=1)
+    return weights, idx
 
 
 def experts(h: torch.Tensor, experts, weights: torch.Tensor, idx: torch.Tensor, glu) -> torch.Tensor:
@@ -217,7 +261,10 @@ def experts(h: torch.Tensor, experts, weights: torch.Tensor, idx: torch.Tensor, 
     h = h.contiguous()
     sorted_ids, block_expert = align(idx, experts.gate_up.shape[0])
     gate_up = grouped_mm(h, experts.gate_up, sorted_ids, block_expert, T * k, k, experts.gate_up_bias)
-    act = glu(gate_up).contiguous()  # [T * k, inter]
+    if h.is_cuda and getattr(glu, "activation", None) == "silu":  # SwiGLU in one launch, not two
+        act = fused.silu_mul(gate_up)  # [T * k, inter]
+    else:
+        act = glu(gate_up).contiguous()
     y = grouped_mm(act, experts.down, sorted_ids, block_expert, T * k, 1, experts.down_bias,
                    weights.reshape(-1).contiguous())
     return combine(y, k)

@@ -11,10 +11,11 @@ Two ways to compute it, with the same arithmetic per row:
   * gathered (`experts_gathered`, CUDA, up to 32 rows): each (row, slot) gathers its expert's
     matrices and multiplies them alone (a batched product of one row each), then the slots are
     summed in the router's order. Fixed shapes and no sync: what a CUDA graph replays.
-  * on CUDA with Triton, every row count: stage_node.kernels.grouped's kernel, each chosen
-    expert's matrices read once per step, a row's bits independent of its step, no host sync (a
-    CUDA graph of any bucket replays it). The gathered way stays the reference it is tested against
-    (and the way without Triton).
+  * on CUDA with Triton, every row count: stage_node.kernels.grouped's kernels (the top k after
+    the router's product, then the experts), each chosen expert's matrices read once per step, a
+    row's bits independent of its step, no host sync (a CUDA graph of any bucket replays it).
+    `route` and the gathered way stay the reference they are tested against (and the way
+    without Triton).
 Quantized experts (a list of one matrix per expert) always go the grouped way.
 """
 from __future__ import annotations
@@ -43,12 +44,13 @@ def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torc
 def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, glu, rows: Rows) -> torch.Tensor:
     """The mixture's output for h: [T, hidden] -> [T, hidden]; glu: the gated nonlinearity over an
     expert's fused gate/up product (ops.glu)."""
+    if h.is_cuda and not isinstance(experts.gate_up, list) and invariant.triton_available():
+        # every row count: the top k and the experts by stage_node.kernels.grouped's kernels
+        weights, idx = grouped.route(linear(h, experts.router, None, rows), moe, h.dtype)
+        return grouped.experts(h, experts, weights, idx, glu)
     weights, idx = route(h, experts, moe, rows)
-    if h.is_cuda and not isinstance(experts.gate_up, list):
-        if invariant.triton_available():  # every row count: the grouped kernel (stage_node.kernels.grouped)
-            return grouped.experts(h, experts, weights, idx, glu)
-        if h.shape[0] <= GATHER_MAX_ROWS:
-            return experts_gathered(h, experts, weights, idx, glu)
+    if h.is_cuda and h.shape[0] <= GATHER_MAX_ROWS and not isinstance(experts.gate_up, list):
+        return experts_gathered(h, experts, weights, idx, glu)
     return experts_grouped(h, experts, weights, idx, glu, rows)
 
 

@@ -6,9 +6,10 @@
     process as tests/unit/test_fused.py does: the one-program alignment equals the torch one, the
     experts equal experts_gathered to rounding, with and without per-expert biases, and a row alone
     and among other rows agree (to the CPU's rounding of glu's vectorised tail);
+  * the top k by one program a row (grouped.route) against moe.route's arithmetic;
   * on CUDA (skipped without a GPU; run on the H100, results in docs/models.md): the same in bf16 at
-    the Qwen3-30B-A3B expert shape, a row alone vs among 40 rows bit-equal, and a CUDA graph's replay
-    equal to the eager call.
+    the Qwen3-30B-A3B expert shape, a row alone vs among 40 rows bit-equal, a CUDA graph's replay
+    equal to the eager call, and the whole mixture (experts_forward) against route + gathered.
 """
 from __future__ import annotations
 
@@ -119,6 +120,39 @@ def test_experts_interpreted(interpret, dtype, tol, bias, activation):
     assert check(dtype, "cpu", bias=bias, float_weights=bias, activation=activation) <= tol
 
 
+def check_route(dtype, device, T=37, E=60, k=4):
+    """grouped.route (one program a row) against moe.route's arithmetic after the router's product,
+    for each config: the same experts in the same order, weights to float rounding."""
+    from logicpipe.common.families import MoE
+
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(dtype).to(device)
+    for norm in (False, True):
+        for in_float in (False, True):
+            moe = MoE(num_experts=E, top_k=k, intermediate_size=8, norm_topk_prob=norm, weights_in_float=in_float,
+                      layers=())
+            probs = torch.softmax(logits.float(), dim=-1)
+            top, want_idx = torch.topk(probs, k, dim=-1)
+            if norm:
+                top = top / top.sum(dim=-1, keepdim=True)
+            want = top if in_float else top.to(dtype)
+            weights, idx = grouped.route(logits, moe, dtype)
+            assert idx.dtype == torch.int32 and weights.dtype == want.dtype
+            # experts of equal logits (16-bit logits tie often) may come in another order than
+            # torch.topk's (which does not say its own): the chosen probabilities are torch's top k
+            chosen = probs.gather(1, idx.long())
+            assert torch.allclose(chosen, probs.gather(1, want_idx), rtol=1e-5, atol=0)
+            assert (idx.long() == want_idx).float().mean() > 0.9
+            tol = 1e-6 if weights.dtype == torch.float32 else 1e-2
+            assert torch.allclose(weights.float(), want.float(), rtol=tol, atol=tol)
+            alone = grouped.route(logits[5:6], moe, dtype)
+            assert torch.equal(alone[0], weights[5:6]) and torch.equal(alone[1], idx[5:6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_route_interpreted(interpret, dtype):
+    check_route(dtype, "cpu")
+
+
 # ---- on the GPU -------------------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the H100: docs/models.md)")
 
@@ -172,3 +206,31 @@ def test_batch_invariant_cuda():
     p.copy_(weights[260:300])
     graph.replay()
     assert torch.equal(out, grouped.experts(h[260:300], w, weights[260:300], idx[260:300], act))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_cuda(dtype):
+    check_route(dtype, "cuda")
+    check_route(dtype, "cuda", T=300, E=128, k=8)
+
+
+@cuda
+def test_mixture_cuda():
+    """experts_forward on CUDA (router by the batch-invariant product, top k and experts by the
+    grouped kernels) against route + experts_gathered, and a row alone vs among 40: bit-equal."""
+    from logicpipe.common.families import MoE
+    from logicpipe.stage_node.model.moe import experts_forward, route
+    from logicpipe.stage_node.model.ops import INVARIANT_ROWS
+
+    g = torch.Generator().manual_seed(7)
+    w = make_experts(128, 2048, 768, torch.bfloat16, "cuda", g, False)
+    moe = MoE(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True, weights_in_float=False, layers=())
+    h = torch.randn(40, 2048, generator=g).to(torch.bfloat16).cuda()
+    act = glu("silu")
+    out = experts_forward(h, w, moe, act, INVARIANT_ROWS)
+    weights, idx = route(h, w, moe, INVARIANT_ROWS)
+    ref = experts_gathered(h, w, weights, idx, act)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() <= 1e-2
+    for r in (0, 17, 39):
+        assert torch.equal(experts_forward(h[r:r + 1], w, moe, act, INVARIANT_ROWS)[0], out[r]), r
