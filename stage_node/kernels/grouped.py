@@ -1,4 +1,4 @@
-"""A mixture of experts' products on CUDA by one grouped Triton kernel (issue 33): each chosen expert's
+"""A mixture of experts' top k and products on CUDA by grouped Triton kernels (issue 33): each chosen expert's
 matrices are read once per step, whatever the number of rows routed to it, and a row's bits never
 depend on the other rows of its step.
 
@@ -7,6 +7,8 @@ matrices before a batched product of one row each: about 3x the bytes a token mu
 kernels; the grouped way runs expert by expert with host syncs (no CUDA graph, ~1 s for a prefill of
 a few hundred rows of the Qwen3-30B-A3B shape). Here, as vLLM's fused MoE does (our own code):
 
+  0. `route`: after the router's product, the softmax, top k and renormalisation of
+     stage_node.model.moe.route by one program a row (one launch instead of six).
   1. `align`: the step's T * k (row, slot) pairs sorted by expert (stable: pair order within an
      expert), each expert's segment padded to BLOCK_M, as `sorted_ids` (pair index t * k + j, or
      T * k in the padding) and the expert of each block of BLOCK_M (-1 past the used blocks). Fixed
@@ -17,11 +19,11 @@ a few hundred rows of the Qwen3-30B-A3B shape). Here, as vLLM's fused MoE does (
      by its expert's [N, K] matrix: a decode step reads each chosen expert's weights once, the
      bytes the HBM limit counts. Optional per-expert bias (gpt-oss), and the routing weight of
      the pair multiplied into the second product's rows.
-  3. the gated nonlinearity between the two products is the `glu` passed in (ops.glu), in torch
-     (SwiGLU computed in the second product's loads instead was slower on the H100: the mixture
-     at 1 row 78.5 us against 68.6, at 64 rows 588 against 471; bench/gpu_moe.py, one run);
-     then `combine` sums each row's k slots in the router's order (float32, rounded once), as
-     experts_gathered does.
+  3. the gated nonlinearity between the two products is the `glu` passed in (ops.glu), SwiGLU on
+     CUDA by stage_node.kernels.fused.silu_mul (one launch; computed in the second product's loads
+     instead it was slower on the H100: the mixture at 1 row 78.5 us against 68.6, at 64 rows 588
+     against 471; bench/gpu_moe.py, one run); then `combine` sums each row's k slots in the
+     router's order (float32, rounded once), as experts_gathered does.
 
 Batch invariance (as stage_node.kernels.invariant): each output element's sum over K is taken by
 one program in BLOCK_K steps in ascending order (the tensor cores' 16-wide slices in order), and the

@@ -55,7 +55,7 @@ def test_align(T, E, k, bm):
 def test_max_blocks_is_reached():
     """The bound is tight: every pair on its own expert, each a block (decode: one row, k experts)."""
     assert grouped.max_blocks(8, 128) == 8
-    ids, experts = grouped.align_torch(torch.arange(8)[None], 128)
+    _, experts = grouped.align_torch(torch.arange(8)[None], 128)
     assert (experts >= 0).all()
 
 
@@ -95,7 +95,7 @@ def test_kernels_in_triton_interpreter():
         pytest.skip("this is the child process")
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k",
-                        "interpreted"], cwd=root, capture_output=True, text=True,
+                        "interpreted"], check=False, cwd=root, capture_output=True, text=True,
                        env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
