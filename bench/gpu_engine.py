@@ -274,6 +274,9 @@ def mesh_rates(addr: str, prompts: list[list[int]], tokens: int, rounds: int, co
                                          "decode_tps": rounds_[mid]["decode_tps"],
                                          "step_ms_per_stage": rounds_[mid]["step_ms"],
                                          "p50_gap_ms": rounds_[mid]["p50_gap_ms"],
+                                         # the longest gap between two tokens of a request, each round
+                                         # (after the one-stream warm-up and rounds; issue 33: a stall)
+                                         "max_gap_ms": [r["max_gap_ms"] for r in rounds_],
                                          "rows_per_step": rounds_[mid]["rows_per_step"], "rounds": rounds_}
     first = out["by_concurrency"][str(concurrency[0])]
     out["concurrent_tps"] = first["concurrent_tps"]  # (the first concurrency's, as before issue 32)

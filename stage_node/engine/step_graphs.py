@@ -19,7 +19,7 @@ forward in how it attends:
   * rows past the step's own (the bucket's padding) write to the pool's scratch slot;
   * a sliding-window layer masks the positions before the window too, and soft-capped scores
     (Gemma 2) go the eager way (scores, cap, mask, softmax in float32); a mixture of experts
-    gathers each row's experts (stage_node.moe), which keeps its shapes fixed;
+    runs the grouped kernel (stage_node.kernels.grouped), whose shapes are fixed by the rows;
   * with batch-invariant kernels (stage_node.invariant) every row attends by the same kernel as
     in the eager forward, reading its keys from the pool by slot (no gather, no padded context):
     a row gets the same bits in any bucket, and in a graph or not.
@@ -28,8 +28,8 @@ a NaN there would pass the mask), and the RoPE tables are grown to the
 largest bucket before the first capture and held, so the captured addresses stay valid.
 
 Buckets: rows 1, 2, 4, 8, 16, 32, 64, 128, 256 (issue 32: a step of 64 rows ran eagerly, 27 ms
-against 8.8 for 32 rows in a graph; past 32 only with the batch-invariant kernels and no mixture of
-experts, whose bodies gather keys or experts per row); context a power of two from 256 up to the model's positions (at
+against 8.8 for 32 rows in a graph; past 32 only with the batch-invariant kernels, as the other
+body gathers keys per row, and not for quantized experts); context a power of two from 256 up to the model's positions (at
 most 8,192). A step with more rows or a longer context runs eagerly. Graphs are captured when a
 bucket is first used (a few hundred ms for an 8B stage) into one shared memory pool. A capture that
 fails turns graphs off for the stage (logged), and it goes on eagerly.
@@ -53,7 +53,7 @@ from logicpipe.stage_node.model.ops import softcap
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SMALL_ROWS = 32  # the largest bucket where the body gathers keys (batch-invariant kernels off) or experts (MoE)
+SMALL_ROWS = 32  # the largest bucket where the body gathers keys (batch-invariant kernels off)
 MIN_CONTEXT = 256
 MAX_CONTEXT = 8192
 
@@ -118,8 +118,10 @@ class StepGraphs:
             rope.lookup(0, self.max_context)
             self.tables[kind] = (rope.cos, rope.sin_signed)
         # past 32 rows only with the batch-invariant kernels (attention reads the pool by slot; the
-        # gathering body would copy rows x context keys) and no mixture of experts (gathered up to 32)
-        big = shard.batch_invariant and shard.arch.moe is None
+        # gathering body would copy rows x context keys); a mixture of experts too, its experts by
+        # the grouped kernel (stage_node.kernels.grouped: fixed shapes, no sync), unless quantized
+        big = shard.batch_invariant and not any(w.experts is not None and isinstance(w.experts.gate_up, list)
+                                                for w in shard.layers)
         self.row_buckets = tuple(r for r in ROW_BUCKETS if big or r <= SMALL_ROWS)
         self.capture = capture
         self.disabled = False

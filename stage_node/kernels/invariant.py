@@ -26,9 +26,10 @@ batch-invariant mode: kernels whose reduction order per row is fixed, whatever t
     with the KV write, SwiGLU), one program per row or elementwise (checked on the H100 by
     bench/gpu_invariance.py: same bits for a row in batches of 1 to 512 rows).
 
-Not covered: quantized matrices (their own kernels, stage_node.quant: they scale a step's
-activations as a whole), and a mixture of experts' gathered products on CUDA (batched one-row
-products by cuBLAS, stage_node.moe). Triton is imported only when a CUDA stage turns this on.
+A mixture of experts' products on CUDA: stage_node.kernels.grouped, by the same rules (the sum over
+K in one program in ascending order, a tile fixed per dtype). Not covered: quantized matrices (their
+own kernels, stage_node.quant: they scale a step's activations as a whole). Triton is imported only
+when a CUDA stage turns this on.
 Measured and checked on the H100: bench/gpu_invariance.py; figures in docs/engine.md.
 """
 from __future__ import annotations

@@ -11,6 +11,11 @@ Two ways to compute it, with the same arithmetic per row:
   * gathered (`experts_gathered`, CUDA, up to 32 rows): each (row, slot) gathers its expert's
     matrices and multiplies them alone (a batched product of one row each), then the slots are
     summed in the router's order. Fixed shapes and no sync: what a CUDA graph replays.
+  * on CUDA with Triton, every row count: stage_node.kernels.grouped's kernels (the top k after
+    the router's product, then the experts), each chosen expert's matrices read once per step, a
+    row's bits independent of its step, no host sync (a CUDA graph of any bucket replays it).
+    `route` and the gathered way stay the reference they are tested against (and the way
+    without Triton).
 Quantized experts (a list of one matrix per expert) always go the grouped way.
 """
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from logicpipe.common.families import MoE
+from logicpipe.stage_node.kernels import grouped, invariant
 from logicpipe.stage_node.model.ops import Rows, linear
 from logicpipe.stage_node.model.weights import Experts
 
@@ -38,6 +44,10 @@ def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torc
 def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, glu, rows: Rows) -> torch.Tensor:
     """The mixture's output for h: [T, hidden] -> [T, hidden]; glu: the gated nonlinearity over an
     expert's fused gate/up product (ops.glu)."""
+    if h.is_cuda and not isinstance(experts.gate_up, list) and invariant.triton_available():
+        # every row count: the top k and the experts by stage_node.kernels.grouped's kernels
+        weights, idx = grouped.route(linear(h, experts.router, None, rows), moe, h.dtype)
+        return grouped.experts(h, experts, weights, idx, glu)
     weights, idx = route(h, experts, moe, rows)
     if h.is_cuda and h.shape[0] <= GATHER_MAX_ROWS and not isinstance(experts.gate_up, list):
         return experts_gathered(h, experts, weights, idx, glu)

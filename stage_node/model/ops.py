@@ -156,6 +156,7 @@ def glu(name: str):
         gate, up = gate_up.chunk(2, -1)
         return act(gate) * up
 
+    gated.activation = name  # a CUDA kernel may compute it in one launch (stage_node.kernels.grouped: "silu")
     return gated
 
 
