@@ -16,6 +16,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -61,7 +63,28 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
                                                               "sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 10000.0}})),
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(sliding_window=WINDOW)),
+    # sinks (random at init), alternating sliding/full layers, YaRN, 4 experts top-2 with biases and a clamp
+    # that bites (limit 3: gate/up values reach it), q/k/v/o biases
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                                       sliding_window=WINDOW, swiglu_limit=3.0,
+                                                       layer_types=["sliding_attention", "full_attention",
+                                                                    "sliding_attention"],
+                                                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                                        "factor": 4.0, "beta_fast": 32.0,
+                                                                        "beta_slow": 1.0, "truncate": False,
+                                                                        "original_max_position_embeddings": 128})),
 }
+
+
+def _random_biases(model) -> None:
+    """Every bias random (transformers initialises most to zero, which would test nothing)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "_bias")):
+                p.normal_(0.0, 0.3)
+
+
+AFTER_INIT = {"gpt_oss": _random_biases}  # family -> what its model needs after init
 
 
 def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, **overrides) -> Path:
@@ -71,6 +94,8 @@ def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: i
     config = config_cls(**{**COMMON, **own, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if family in AFTER_INIT:
+        AFTER_INIT[family](model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer_dir is not None:

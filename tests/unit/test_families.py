@@ -81,7 +81,7 @@ def test_the_description_says_what_the_forward_runs(family):
     arch = ModelConfig.from_dir(path).arch
     assert arch.family == name
     assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3"))
-    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral"))
+    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral", "gpt_oss"))
     assert (arch.norm == "gemma") == name.startswith("gemma")
     sliding = [t == "sliding" for t in arch.layer_types]
     hf_types = getattr(model.config, "layer_types", None)
@@ -91,6 +91,10 @@ def test_the_description_says_what_the_forward_runs(family):
         assert all(sliding) and arch.sliding_window == WINDOW
     if name == "qwen3_moe":
         assert arch.moe.layers == (True, False, True) and arch.moe.top_k == 2 and arch.moe.norm_topk_prob
+    if name == "gpt_oss":
+        assert arch.sinks and arch.qkv_bias and arch.o_bias and arch.activation == "swiglu_oai"
+        assert arch.moe.scoring == "topk_softmax" and arch.moe.top_k == 2 and sliding == [True, False, True]
+        assert arch.swiglu_limit == 3.0 and ModelConfig.from_dir(path).rope_type == "yarn"
 
 
 def test_the_graph_step_body_equals_the_forward(family):
@@ -158,7 +162,8 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
         return
     moe = config.arch.moe
     assert spec.layer_read_bytes(1) < spec.layer_read_bytes(8) < spec.layer_weight_bytes
-    one_expert = 3 * config.hidden_size * moe.intermediate_size * 4 * sum(moe.layers) / config.num_layers
+    biases = 2 * moe.intermediate_size + config.hidden_size if name == "gpt_oss" else 0  # gpt-oss's expert biases
+    one_expert = (3 * config.hidden_size * moe.intermediate_size + biases) * 4 * sum(moe.layers) / config.num_layers
     dense_part = spec.layer_weight_bytes - moe.num_experts * spec.expert_bytes
     assert abs(spec.layer_read_bytes(1) - (dense_part + moe.top_k * one_expert)) <= moe.num_experts
     assert "experts per layer" in note and f"{moe.top_k} per token" in note
