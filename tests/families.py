@@ -116,3 +116,43 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # e2m1 codes
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., K] (K a multiple of 32) -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8, the
+    values they hold [..., K]) as gpt-oss stores MXFP4: per block of 32 a power-of-two scale (e8m0, bias 127)
+    that brings its largest magnitude to at most 6, each value the nearest e2m1 code, two codes a byte (the
+    even element in the low nibble)."""
+    x = w.float().reshape(*w.shape[:-1], -1, 32)
+    e = torch.ceil(torch.log2(x.abs().amax(-1).clamp_min(2.0 ** -100) / 6.0)).clamp(-127, 127)
+    codes = (x / torch.exp2(e)[..., None])[..., None].sub(FP4).abs().argmin(-1)  # [..., G, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (e + 127).to(torch.uint8), (FP4[codes] * torch.exp2(e)[..., None]).reshape(w.shape)
+
+
+def write_mxfp4(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """A copy of gpt-oss checkpoint `src` in `dst` with its experts' matrices in MXFP4 as the released
+    gpt-oss checkpoints hold them (`..._blocks` / `..._scales` of [experts, out, in], a quantization_config
+    of quant_method mxfp4). -> the experts' matrices as they now are, in the checkpoint's own layout."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    state, held = load_file(str(src / "model.safetensors")), {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = state.pop(name).transpose(1, 2)  # [experts, in, out] -> [experts, out, in]
+        state[name + "_blocks"], state[name + "_scales"], values = mxfp4(w)
+        held[name] = values.transpose(1, 2).contiguous()
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy(f, dst / f.name)
+    return held

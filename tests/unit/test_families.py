@@ -203,3 +203,29 @@ def test_one_head_norm_call_equals_a_norm_per_head_kind(dtype, gemma):
     both = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)])
     apart = torch.cat([rms_norm(x[:, :heads], q_norm, 1e-6, gemma), rms_norm(x[:, heads:], k_norm, 1e-6, gemma)], 1)
     assert torch.equal(head_norm(x, both, 1e-6, gemma), apart)
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales (as released): the stage holds
+    exactly the values they encode (gate and up de-interleaved), transformers reads the same values
+    from it, and the greedy tokens equal transformers' on that dequantized model."""
+    from transformers import Mxfp4Config, AutoModelForCausalLM
+
+    from tests.families import write_mxfp4
+
+    path = tmp_path / "mxfp4"
+    held = write_mxfp4(build("gpt_oss", tmp_path / "float"), path)
+    assert ModelConfig.from_dir(path).arch.mxfp4_experts
+    shard = shards_of(path, [(0, 3)])[0]
+    for i, w in enumerate(shard.layers):
+        gate_up = held[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(1, 2)  # [experts, out, in], interleaved
+        assert torch.equal(w.experts.gate_up, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1))
+        assert torch.equal(w.experts.down, held[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True)).eval()
+    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj, held["model.layers.1.mlp.experts.gate_up_proj"])
+    logits, tokens = greedy(shards_of(path, [(0, 2), (2, 3)]), PROMPT, STEPS)
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0, -1]
+    assert ((logits - ref).abs().max() / ref.abs().max()).item() <= RTOL
+    assert tokens == hf_greedy(model, PROMPT, STEPS)
