@@ -2,9 +2,10 @@
 --gguf FILE`, `logicpipe-controller --model FILE.gguf`).
 
 Tensor by tensor: the file is memory-mapped, each tensor dequantized on its own (gguf's own
-dequantizers: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K quants, ...), undone where llama.cpp's
+dequantizers: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K quants, MXFP4, ...), undone where llama.cpp's
 converter changed it (Llama's q/k rows permuted for its RoPE layout, Gemma's norms stored as
-1 + w), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
+1 + w, gpt-oss's experts split into gate / up / down and transposed: put back into transformers'
+fused [experts, in, out] tensors with gate and up interleaved), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
 straight into one safetensors file whose header is laid out first: never the whole model in
 memory. config.json is written from the GGUF's metadata; the tokenizer and its chat template come
 from the GGUF too (transformers builds them from the metadata alone). The work happens in a
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 MARKER = ".logicpipe-converted.json"
 DTYPES = {"bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
-                 "gemma3": "gemma3", "phi3": "phi3"}
+                 "gemma3": "gemma3", "phi3": "phi3", "gpt-oss": "gpt_oss"}
 """GGUF general.architecture -> the family it converts to ("llama" with experts: Mixtral; llama.cpp
 writes Mistral as "llama" too)."""
 
@@ -59,6 +60,10 @@ _MIXTRAL = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _EXPERTS = re.compile(r"ffn_(gate|up|down)_exps\.weight")
+_GPT_OSS = {"post_attention_norm.weight": "post_attention_layernorm.weight", "attn_sinks.weight": "self_attn.sinks",
+            "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
+_GPT_OSS_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps\.(weight|bias)")  # gate + up -> gate_up_proj, interleaved
+GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}  # llama.cpp's constants (the GGUF holds no key)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ class Out:
     expert: int = -1      # of a stacked experts tensor: which expert (-1: the whole tensor)
     permute_heads: int = 0  # Llama's q/k: undo llama.cpp's RoPE permutation over this many heads
     minus_one: bool = False  # Gemma's norms: llama.cpp stored 1 + w
+    pair: object = None     # gpt-oss: the up tensor, interleaved with `source` (gate) along dim 1
+    transpose: bool = False  # gpt-oss's expert matrices: GGUF's [experts, out, in] -> [experts, in, out]
 
 
 def default_out_dir(gguf_path: Path, dtype: str) -> Path:
@@ -182,7 +189,7 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                           "phi3": "Phi3ForCausalLM"}[family]],
+                           "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[family]],
         "num_hidden_layers": layers, "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -204,6 +211,8 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
     window = get("attention.sliding_window")
+    if family == "gpt_oss":
+        return _gpt_oss_config(config, get, experts, window, names, src)
     if family in ("qwen3_moe", "mixtral"):
         config["num_experts" if family == "qwen3_moe" else "num_local_experts"] = experts
         config["num_experts_per_tok"] = int(get("expert_used_count"))
@@ -242,6 +251,48 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     return config
 
 
+def _gpt_oss_config(config: dict, get, experts: int, window, names: set, src: Path) -> dict:
+    """gpt-oss's config.json from llama.cpp's metadata: experts in every layer (with biases), sinks,
+    sliding and full layers in turn (llama.cpp's swa pattern 2: the even layers slide), YaRN, and
+    llama.cpp's constants for the clamped SwiGLU."""
+    layers = config["num_hidden_layers"]
+    if not experts or any(f"blk.{i}.ffn_gate_inp.weight" not in names for i in range(layers)):
+        raise ModelError(f"{src}: a gpt-oss GGUF needs experts (and a router) in every layer")
+    size = int(get("expert_feed_forward_length", 0) or config["intermediate_size"])
+    theta = config.pop("rope_theta")
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if "rope_scaling" in config:  # transformers' gpt-oss defaults for what llama.cpp does not write
+        rope = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, **config.pop("rope_scaling"), "rope_theta": theta}
+    config.update(num_local_experts=experts, num_experts_per_tok=int(get("expert_used_count")), intermediate_size=size,
+                  attention_bias=True, rope_parameters=rope, **GPT_OSS_SWIGLU)
+    if window:
+        config["sliding_window"] = int(window)
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return config
+
+
+def _gpt_oss_tensor(rest: str, p: str, shape: tuple[int, ...], t, by_name: dict) -> list[Out] | None:
+    """The checkpoint tensor (if any) that gpt-oss's GGUF tensor `rest` of the layer with prefix p
+    (HF's, "model.layers.N.") makes: None for a name it does not know; [] for an up tensor (made with its gate)."""
+    if rest in _GPT_OSS:
+        return [Out(p + _GPT_OSS[rest], shape, t)]
+    e = _GPT_OSS_EXPERTS.fullmatch(rest)
+    if e is None:
+        return None
+    kind, what = e.groups()
+    if kind == "up":
+        return []
+    if kind == "down":  # [experts, hidden, inter] -> [experts, inter, hidden]; its bias as it is
+        return [Out(f"{p}mlp.experts.down_proj" + ("_bias" if what == "bias" else ""),
+                    shape if what == "bias" else (shape[0], shape[2], shape[1]), t, transpose=what == "weight")]
+    up = by_name.get(t.name.replace("ffn_gate_exps", "ffn_up_exps"))
+    if up is None:
+        raise ModelError(f"tensor {t.name} has no ffn_up_exps beside it")
+    if what == "bias":
+        return [Out(f"{p}mlp.experts.gate_up_proj_bias", (shape[0], 2 * shape[1]), t, pair=up)]
+    return [Out(f"{p}mlp.experts.gate_up_proj", (shape[0], shape[2], 2 * shape[1]), t, pair=up, transpose=True)]
+
+
 def plan_tensors(reader, config: dict) -> list[Out]:
     """Every output tensor in file order (experts split one per tensor), ModelError for a tensor
     whose quantization cannot be undone or whose name means nothing to the family."""
@@ -258,6 +309,7 @@ def plan_tensors(reader, config: dict) -> list[Out]:
     if family == "mixtral":
         layer_names.update(_MIXTRAL)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    by_name = {t.name: t for t in reader.tensors}
     outs: list[Out] = []
     undone: set = set()  # quantization types gguf has dequantized a row of
     for t in reader.tensors:
@@ -279,6 +331,10 @@ def plan_tensors(reader, config: dict) -> list[Out]:
             raise ModelError(f"tensor {t.name} means nothing to a {family} model")
         layer, rest = m.group(1), m.group(2)
         p = f"model.layers.{layer}."
+        made = _gpt_oss_tensor(rest, p, shape, t, by_name) if family == "gpt_oss" else None
+        if made is not None:
+            outs += made
+            continue
         e = _EXPERTS.fullmatch(rest)
         if e is not None:  # [experts, out, in]: one tensor per expert
             kind = e.group(1)
@@ -303,6 +359,11 @@ def tensor_values(o: Out):
     from gguf.quants import dequantize
 
     t = o.source
+    if o.pair is not None or o.transpose:  # gpt-oss's experts: [experts, out, in] (or [experts, out]) in the file
+        w = _values(t)
+        if o.pair is not None:  # gate and up interleaved along out: gate rows 0, 2, ..., up rows 1, 3, ...
+            w = np.stack([w, _values(o.pair)], axis=2).reshape(w.shape[0], 2 * w.shape[1], *w.shape[2:])
+        return np.ascontiguousarray(w.transpose(0, 2, 1) if o.transpose else w).reshape(o.shape)
     data = t.data[o.expert] if o.expert >= 0 else t.data
     w = np.array(dequantize(data, t.tensor_type), dtype=np.float32).reshape(o.shape)  # a copy: the file is read-only
     if o.permute_heads:  # llama.cpp: reshape(heads, 2, d/2, in).swapaxes(1, 2); undone
@@ -311,6 +372,15 @@ def tensor_values(o: Out):
     if o.minus_one:
         w = w - 1.0
     return w
+
+
+def _values(t):
+    """A GGUF tensor's float32 values (numpy) in its own shape (outermost dimension first)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed([int(s) for s in t.shape]))
+    return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
 def write_safetensors(path: Path, outs: list[Out], dtype: str, say: Callable[[str], None]) -> None:
@@ -352,7 +422,41 @@ def write_tokenizer(src: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        if _architecture(src) in TOKENIZER_ONLY:
+            with tempfile.TemporaryDirectory() as tmp:
+                only = tokenizer_only(src, Path(tmp) / "tokenizer.gguf")
+                tokenizer = AutoTokenizer.from_pretrained(str(only.parent), gguf_file=only.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     except Exception as exc:
         raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
     tokenizer.save_pretrained(str(out))
+
+
+# architectures whose GGUF metadata transformers cannot parse (5.24 reads gpt-oss's rope.scaling fields wrongly
+# and fails): their tokenizer is read from a copy of the file's tokenizer fields alone
+TOKENIZER_ONLY = ("gpt-oss",)
+
+
+def _architecture(src: Path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(src)).fields.get("general.architecture")
+    return str(_contents(field)) if field is not None else ""
+
+
+def tokenizer_only(src: Path, path: Path) -> Path:
+    """A GGUF at `path` holding only `src`'s tokenizer fields (tokenizer.*, the chat template), under
+    architecture "llama": what transformers builds the tokenizer from."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    for name, field in GGUFReader(str(src)).fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
