@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): the router picks `top_k` experts per row; the row's
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): the router picks `top_k` experts per row; the row's
 output is their gated MLPs' outputs, each weighted by its routing probability, summed.
 
 Two ways to compute it, with the same arithmetic per row:

@@ -8,7 +8,7 @@ The forward runs on packed rows: the new tokens of several sequences, one after 
 through every projection and MLP together, and only attention is done per sequence, against that
 sequence's keys and values in the paged KV pool. The arithmetic follows transformers' models
 operation for operation (RMSNorm in float32, HF's RoPE tables, SDPA with GQA, HF's eager attention
-where scores are soft-capped), so logits agree to float32 rounding and greedy tokens match; and a
+where scores are soft-capped or joined by sinks), so logits agree to float32 rounding and greedy tokens match; and a
 row's result never depends on what else is in its batch (see `stage_node.ops`; on CUDA with
 `batch_invariant`, products and attention by the kernels of `stage_node.invariant`).
 """

@@ -95,6 +95,11 @@ def test_the_description_says_what_the_forward_runs(family):
         assert arch.sinks and arch.qkv_bias and arch.o_bias and arch.activation == "swiglu_oai"
         assert arch.moe.scoring == "topk_softmax" and arch.moe.top_k == 2 and sliding == [True, False, True]
         assert arch.swiglu_limit == 3.0 and ModelConfig.from_dir(path).rope_type == "yarn"
+        from logicpipe.stage_node.model.rope import rope_parameters
+
+        inv_freq, scaling = rope_parameters(path)  # YaRN with truncate off and its betas, as transformers has it
+        assert torch.equal(inv_freq, model.model.rotary_emb.inv_freq) and scaling == model.model.rotary_emb.attention_scaling
+        assert scaling != 1.0
 
 
 def test_the_graph_step_body_equals_the_forward(family):
