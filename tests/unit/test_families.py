@@ -234,3 +234,17 @@ def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path):
         ref = model(torch.tensor([PROMPT])).logits[0, -1]
     assert ((logits - ref).abs().max() / ref.abs().max()).item() <= RTOL
     assert tokens == hf_greedy(model, PROMPT, STEPS)
+
+
+def test_gpt_oss_refuses_a_quantization_it_cannot_read(tmp_path):
+    """A gpt-oss config.json quantized other than MXFP4 is refused, naming what is supported."""
+    import json
+
+    from logicpipe.common.modeldir import ModelError
+
+    path = build("gpt_oss", tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="supported: mxfp4"):
+        ModelConfig.from_dir(path)
