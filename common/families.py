@@ -17,6 +17,10 @@ stage's one forward reads: where the families differ, nothing else.
     deepseek_v2 deepseek_v2,          multi-head latent attention (MLA: q and kv through low-rank latents, a
     deepseek_v3 deepseek_v3           shared rotary key; the KV cache holds the latent), a mixture of experts
                                       with shared experts past the first dense layers (Kimi K2: deepseek_v3)
+    gpt_oss     gpt_oss               q/k/v/o biases; a learned sink logit per head in every softmax; alternating
+                                      sliding/full layers; YaRN; experts only (router with a bias: top-k of its
+                                      logits, then softmax over those k), with biases and a clamped SwiGLU
+                                      (checkpoint: fused 3-D expert tensors, gate/up interleaved; or MXFP4)
 
 Everything here is read from config.json alone (no torch, no transformers); what the forward cannot
 run exactly is refused with a ModelError naming what is supported.
@@ -28,10 +32,10 @@ from pathlib import Path
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3",
-               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
 """config.json's model_type -> the family that runs it."""
 
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "swiglu_oai": "swiglu_oai"}
 GEMMA = ("gemma2", "gemma3")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
@@ -53,6 +57,8 @@ class MoE:
     weights_in_float: bool      # the routing weights scale the experts' outputs in float32 (Mixtral),
                                 # else in the model dtype (Qwen3-MoE)
     layers: tuple[bool, ...]    # which decoder layers route (the others run a dense MLP)
+    scoring: str = "softmax"    # "softmax": top k of the softmax of the router's logits (HF's Mixtral/Qwen3-MoE);
+                                # "topk_softmax": softmax over the top k logits (gpt-oss; the router has a bias)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,11 @@ class Arch:
     moe: MoE | None = None
     mla: MLA | None = None                  # multi-head latent attention in place of q/k/v heads
     checkpoint: str = "llama"               # tensor naming: "llama" | "phi3" (fused) | "qwen3_moe" | "mixtral"
+                                            # | "gpt_oss" (fused 3-D experts, or their MXFP4 blocks/scales)
+    sinks: bool = False                     # a learned logit per head joins each row's softmax (gpt-oss)
+    swiglu_limit: float | None = None       # "swiglu_oai" activation: gate clamped above, up to [-limit, limit]
+    swiglu_alpha: float = 1.702             # "swiglu_oai": gate * sigmoid(alpha * gate) * (up + 1)
+    mxfp4_experts: bool = False             # gpt-oss: experts stored as MXFP4 blocks/scales (dequantized at load)
 
     def sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
@@ -116,6 +127,8 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if family in GEMMA and act == "gelu":  # Gemma's "gelu" is the tanh approximation (as transformers runs it)
         act = "gelu_pytorch_tanh"
+    if family == "gpt_oss":  # its experts' clamped SwiGLU, whatever hidden_act says (transformers ignores it)
+        act = "swiglu_oai"
     if act not in ACTIVATIONS:
         raise ModelError(f"{where}: activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
     rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
@@ -145,8 +158,23 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         layer_types=_layer_types(family, raw, where, num_layers, window),
         moe=moe,
         mla=mla,
-        checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(family, "llama"),
+        checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}.get(family,
+                                                                                                          "llama"),
+        **(_gpt_oss(raw, where) if family == "gpt_oss" else {}),
     )
+
+
+def _gpt_oss(raw: dict, where: Path) -> dict:
+    """gpt-oss's own Arch fields: sinks and its experts' clamped SwiGLU."""
+    try:
+        limit, alpha = float(raw.get("swiglu_limit", 7.0)), float(raw.get("swiglu_alpha", 1.702))
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{where}: swiglu_limit / swiglu_alpha must be numbers: {e}") from e
+    quant = raw.get("quantization_config")
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise ModelError(f"{where}: quantization_config {quant.get('quant_method')!r} is not supported for gpt_oss; "
+                         "supported: mxfp4 (its experts, dequantized at load)")
+    return dict(sinks=True, swiglu_limit=limit, swiglu_alpha=alpha, mxfp4_experts=bool(quant))
 
 
 def _mla_of(raw: dict, where: Path) -> MLA:
@@ -206,7 +234,7 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
 
 
 def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
-    if family not in ("qwen3_moe", "mixtral"):
+    if family not in ("qwen3_moe", "mixtral", "gpt_oss"):
         return None
     try:
         experts = int(raw.get("num_experts") or raw["num_local_experts"])
@@ -216,7 +244,7 @@ def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
             skip = set(raw.get("mlp_only_layers") or [])
             step = int(raw.get("decoder_sparse_step", 1))
             layers = tuple(i not in skip and (i + 1) % step == 0 for i in range(num_layers))
-        else:
+        else:  # mixtral, gpt_oss: every layer routes
             size = int(raw["intermediate_size"])
             layers = (True,) * num_layers
     except (KeyError, TypeError, ValueError) as e:
@@ -227,4 +255,5 @@ def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
         raise ModelError(f"{where}: shared experts are not supported")
     return MoE(num_experts=experts, top_k=top_k, intermediate_size=size,
                norm_topk_prob=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
-               weights_in_float=family == "mixtral", layers=layers)
+               weights_in_float=family == "mixtral", layers=layers,
+               scoring="topk_softmax" if family == "gpt_oss" else "softmax")

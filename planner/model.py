@@ -128,6 +128,9 @@ class ModelSpec:
         attention_params: int | None = None,
         kv_elements_per_token: int | None = None,
         attention_flops_per_context_token: float | None = None,
+        sinks: bool = False,
+        expert_bias: bool = False,
+        router_bias: bool = False,
     ) -> "ModelSpec":
         """A decoder from its config.
 
@@ -136,10 +139,11 @@ class ModelSpec:
         `weight_format`), e = compute bytes per element = max(b, 2):
 
         - attention params A = h*d*(2a + 2g)  [q, o; k, v]  + d*(a + 2g) [q/k/v biases]  + h [o bias]
-          + 2*d [q/k norms]  + norms*h [the layer's norms: 2, Gemma's 4]
+          + 2*d [q/k norms]  + norms*h [the layer's norms: 2, Gemma's 4]  + a [`sinks`: a logit per head]
         - a dense MLP's params M = 3*h*i  [gate, up, down]
         - a mixture (E = num_experts, k = experts_per_token, f = expert_intermediate_size, on s of
-          the layers, `moe_layers`, default all): X = 3*h*f per expert, router R = E*h; the
+          the layers, `moe_layers`, default all): X = 3*h*f (+ 2*f + h, `expert_bias`) per expert,
+          router R = E*h (+ E, `router_bias`); the
           average layer's MLP holds (s*(R + E*X) + (L - s)*M) / L and runs (s*(R + k*X) + (L - s)*M) / L
         - layer_weight_bytes = ceil((A + MLP held) * b) ;  layer_flops_per_token = 2 * (A + MLP run)
         - expert_bytes = ceil(X * b * s / L)  (the average layer's share of one expert)
@@ -163,7 +167,7 @@ class ModelSpec:
         h, a, g, L = hidden_size, num_heads, num_kv_heads, num_layers
         element_bytes = max(bytes_per_param, 2.0)
         attn = h * d * (2 * a + 2 * g) + (d * (a + 2 * g) if qkv_bias else 0) + (h if o_bias else 0) \
-            + (2 * d if qk_norm else 0) + norms * h
+            + (2 * d if qk_norm else 0) + norms * h + (a if sinks else 0)
         if attention_params is not None:
             attn = attention_params
         dense = 3 * h * intermediate_size
@@ -171,8 +175,8 @@ class ModelSpec:
         expert = 0
         if num_experts:
             s = L if moe_layers is None else moe_layers
-            expert = 3 * h * expert_intermediate_size
-            router = num_experts * h
+            expert = 3 * h * expert_intermediate_size + ((2 * expert_intermediate_size + h) if expert_bias else 0)
+            router = num_experts * h + (num_experts if router_bias else 0)
             held = (s * (router + num_experts * expert) + (L - s) * dense) / L
             run = (s * (router + experts_per_token * expert) + (L - s) * dense) / L
             expert = expert * s / L

@@ -20,6 +20,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -75,7 +77,28 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
     "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(
         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=12, first_k_dense_replace=LAYERS)),
+    # sinks (random at init), alternating sliding/full layers, YaRN, 4 experts top-2 with biases and a clamp
+    # that bites (limit 3: gate/up values reach it), q/k/v/o biases
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                                       sliding_window=WINDOW, swiglu_limit=3.0,
+                                                       layer_types=["sliding_attention", "full_attention",
+                                                                    "sliding_attention"],
+                                                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                                        "factor": 4.0, "beta_fast": 32.0,
+                                                                        "beta_slow": 1.0, "truncate": False,
+                                                                        "original_max_position_embeddings": 128})),
 }
+
+
+def _random_biases(model) -> None:
+    """Every bias random (transformers initialises most to zero, which would test nothing)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "_bias")):
+                p.normal_(0.0, 0.3)
+
+
+AFTER_INIT = {"gpt_oss": _random_biases}  # family -> what its model needs after init
 
 
 def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: int = 0, **overrides) -> Path:
@@ -85,6 +108,8 @@ def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: i
     config = config_cls(**{**COMMON, **own, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if family in AFTER_INIT:
+        AFTER_INIT[family](model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer_dir is not None:
@@ -105,3 +130,43 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # e2m1 codes
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., K] (K a multiple of 32) -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8, the
+    values they hold [..., K]) as gpt-oss stores MXFP4: per block of 32 a power-of-two scale (e8m0, bias 127)
+    that brings its largest magnitude to at most 6, each value the nearest e2m1 code, two codes a byte (the
+    even element in the low nibble)."""
+    x = w.float().reshape(*w.shape[:-1], -1, 32)
+    e = torch.ceil(torch.log2(x.abs().amax(-1).clamp_min(2.0 ** -100) / 6.0)).clamp(-127, 127)
+    codes = (x / torch.exp2(e)[..., None])[..., None].sub(FP4).abs().argmin(-1)  # [..., G, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (e + 127).to(torch.uint8), (FP4[codes] * torch.exp2(e)[..., None]).reshape(w.shape)
+
+
+def write_mxfp4(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """A copy of gpt-oss checkpoint `src` in `dst` with its experts' matrices in MXFP4 as the released
+    gpt-oss checkpoints hold them (`..._blocks` / `..._scales` of [experts, out, in], a quantization_config
+    of quant_method mxfp4). -> the experts' matrices as they now are, in the checkpoint's own layout."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    state, held = load_file(str(src / "model.safetensors")), {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = state.pop(name).transpose(1, 2)  # [experts, in, out] -> [experts, out, in]
+        state[name + "_blocks"], state[name + "_scales"], values = mxfp4(w)
+        held[name] = values.transpose(1, 2).contiguous()
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy(f, dst / f.name)
+    return held

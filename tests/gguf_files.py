@@ -1,7 +1,8 @@
 """GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, made in the test from a
 tiny checkpoint of tests/families.py with the `gguf` package's writer: llama.cpp's tensor names,
 Llama's q/k rows permuted for its RoPE, Gemma's norms stored as 1 + w, experts stacked in one
-tensor per projection, Phi-3's fused projections kept fused; the tokenizer (and chat template) of
+tensor per projection, Phi-3's fused projections kept fused, gpt-oss's fused experts split into gate / up /
+down [experts, out, in] (its convert_hf_to_gguf.py GptOssModel; MXFP4 experts as GGML's MXFP4); the tokenizer (and chat template) of
 the default model's GGUF. Written independently of the converter under test, from llama.cpp's
 naming, so a mistake on either side shows."""
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+        "gpt_oss": "gpt-oss"}
 LAYER = {  # checkpoint name after "model.layers.N." -> llama.cpp's after "blk.N."
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -41,6 +43,10 @@ GEMMA_POST_ATTENTION = "post_attention_norm.weight"  # Gemma's post_attention_la
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
           "lm_head.weight": "output.weight"}
 EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+GPT_OSS = {  # llama.cpp's names of gpt-oss's own tensors (after "model.layers.N." / "blk.N.")
+    "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias"}
 EXPERT_KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
@@ -65,9 +71,10 @@ def copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
 
 
 def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *, qtype: str = "F32",
-               arch: str | None = None) -> Path:
+               arch: str | None = None, experts_qtype: str | None = None) -> Path:
     """The GGUF llama.cpp would write for the checkpoint in `model_dir` (2-D weights stored as
-    `qtype`: F32, F16 or Q8_0; norms and biases F32)."""
+    `qtype`: F32, F16 or Q8_0; norms and biases F32; gpt-oss's expert matrices as `experts_qtype`,
+    e.g. MXFP4, default `qtype`)."""
     from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -128,7 +135,7 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     else:
         w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if cfg.get("sliding_window") and (gemma or family == "phi3"):
+    if cfg.get("sliding_window") and (gemma or family in ("phi3", "gpt_oss")):
         w.add_sliding_window(cfg["sliding_window"])
     if family == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
@@ -137,12 +144,19 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     if experts and not deepseek:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if family == "gpt_oss":  # as GptOssModel.set_gguf_parameters: YaRN's factor and original context
+            from gguf import RopeScalingType
+
+            w.add_expert_feed_forward_length(cfg["intermediate_size"])
+            w.add_rope_scaling_type(RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         if family == "qwen3_moe":
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
             w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
     copy_tokenizer(w, tokenizer_gguf)
 
-    def add(name: str, x: np.ndarray) -> None:
+    def add(name: str, x: np.ndarray, qtype: str = qtype) -> None:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim < 2 or qtype == "F32":
             w.add_tensor(name, x)
@@ -160,6 +174,24 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             add(GLOBAL[name], x)
             continue
         layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+        if family == "gpt_oss" and rest.startswith("mlp.experts."):  # split, [experts, out, in], as GptOssModel
+            q = f"blk.{layer}.ffn_"
+            kind = experts_qtype or qtype
+            if rest.endswith("gate_up_proj"):
+                x = x.swapaxes(1, 2)
+                add(q + "gate_exps.weight", x[:, 0::2], kind)
+                add(q + "up_exps.weight", x[:, 1::2], kind)
+            elif rest.endswith("gate_up_proj_bias"):
+                add(q + "gate_exps.bias", x[:, 0::2])
+                add(q + "up_exps.bias", x[:, 1::2])
+            elif rest.endswith("down_proj"):
+                add(q + "down_exps.weight", x.swapaxes(1, 2), kind)
+            else:
+                add(q + "down_exps.bias", x)
+            continue
+        if family == "gpt_oss" and rest in GPT_OSS:
+            add(f"blk.{layer}.{GPT_OSS[rest]}", x)
+            continue
         e = EXPERT.fullmatch(rest)
         if e is not None:
             stacked.setdefault(f"blk.{layer}.ffn_{EXPERT_KIND[e.group(2)]}_exps.weight", {})[int(e.group(1))] = x

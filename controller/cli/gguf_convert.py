@@ -2,9 +2,10 @@
 --gguf FILE`, `logicpipe-controller --model FILE.gguf`).
 
 Tensor by tensor: the file is memory-mapped, each tensor dequantized on its own (gguf's own
-dequantizers: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K quants, ...), undone where llama.cpp's
+dequantizers: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K quants, MXFP4, ...), undone where llama.cpp's
 converter changed it (Llama's q/k rows permuted for its RoPE layout, Gemma's norms stored as
-1 + w), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
+1 + w, gpt-oss's experts split into gate / up / down and transposed: put back into transformers'
+fused [experts, in, out] tensors with gate and up interleaved), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
 straight into one safetensors file whose header is laid out first: never the whole model in
 memory. config.json is written from the GGUF's metadata; the tokenizer and its chat template come
 from the GGUF too (transformers builds them from the metadata alone). The work happens in a
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 MARKER = ".logicpipe-converted.json"
 DTYPES = {"bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
-                 "gemma3": "gemma3", "phi3": "phi3", "deepseek2": "deepseek_v3"}
+                 "gemma3": "gemma3", "phi3": "phi3", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"}
 """GGUF general.architecture -> the family it converts to ("llama" with experts: Mixtral; llama.cpp
 writes Mistral as "llama" too; "deepseek2" is DeepSeek V2, V3 and Kimi K2: V2 where its experts are
 chosen by softmax)."""
@@ -69,6 +70,10 @@ _DEEPSEEK = {  # multi-head latent attention, shared experts, the router's corre
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
+_GPT_OSS = {"post_attention_norm.weight": "post_attention_layernorm.weight", "attn_sinks.weight": "self_attn.sinks",
+            "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
+_GPT_OSS_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps\.(weight|bias)")  # gate + up -> gate_up_proj, interleaved
+GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}  # llama.cpp's constants (the GGUF holds no key)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class Out:
     v_b: object = None    # DeepSeek's kv_b_proj, which llama.cpp splits: source is attn_k_b [heads, kv_lora,
                           # nope] (transposed), this attn_v_b [heads, v, kv_lora]; joined back per head
                           # (permute_heads then counts the heads; there is no RoPE permutation)
+    pair: object = None     # gpt-oss: the up tensor, interleaved with `source` (gate) along dim 1
+    transpose: bool = False  # gpt-oss's expert matrices: GGUF's [experts, out, in] -> [experts, in, out]
 
 
 def default_out_dir(gguf_path: Path, dtype: str) -> Path:
@@ -197,8 +204,8 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                           "phi3": "Phi3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                           "deepseek_v3": "DeepseekV3ForCausalLM"}[family]],
+                           "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                           "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family]],
         "num_hidden_layers": layers, "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -220,6 +227,8 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
     window = get("attention.sliding_window")
+    if family == "gpt_oss":
+        return _gpt_oss_config(config, get, experts, window, names, src)
     if family in ("deepseek_v2", "deepseek_v3"):
         config.update(deepseek_config(get, family, layers, experts, config))
     if family in ("qwen3_moe", "mixtral"):
@@ -260,6 +269,46 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     return config
 
 
+def _gpt_oss_config(config: dict, get, experts: int, window, names: set, src: Path) -> dict:
+    """gpt-oss's config.json from llama.cpp's metadata: experts in every layer (with biases), sinks,
+    sliding and full layers in turn (llama.cpp's swa pattern 2: the even layers slide), YaRN, and
+    llama.cpp's constants for the clamped SwiGLU."""
+    layers = config["num_hidden_layers"]
+    if not experts or any(f"blk.{i}.ffn_gate_inp.weight" not in names for i in range(layers)):
+        raise ModelError(f"{src}: a gpt-oss GGUF needs experts (and a router) in every layer")
+    size = int(get("expert_feed_forward_length", 0) or config["intermediate_size"])
+    theta = config.pop("rope_theta")
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if "rope_scaling" in config:  # transformers' gpt-oss defaults for what llama.cpp does not write
+        rope = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, **config.pop("rope_scaling"), "rope_theta": theta}
+    config.update(num_local_experts=experts, num_experts_per_tok=int(get("expert_used_count")), intermediate_size=size,
+                  attention_bias=True, rope_parameters=rope, **GPT_OSS_SWIGLU)
+    if window:
+        config["sliding_window"] = int(window)
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return config
+
+
+def _gpt_oss_tensor(rest: str, p: str, shape: tuple[int, ...], t, by_name: dict) -> list[Out] | None:
+    """The checkpoint tensor (if any) that gpt-oss's GGUF tensor `rest` of the layer with prefix p
+    (HF's, "model.layers.N.") makes: None for a name it does not know; [] for an up tensor (made with its gate)."""
+    if rest in _GPT_OSS:
+        return [Out(p + _GPT_OSS[rest], shape, t)]
+    e = _GPT_OSS_EXPERTS.fullmatch(rest)
+    if e is None:
+        return None
+    kind, what = e.groups()
+    if kind == "up":
+        return []
+    if kind == "down":  # [experts, hidden, inter] -> [experts, inter, hidden]; its bias as it is
+        return [Out(f"{p}mlp.experts.down_proj" + ("_bias" if what == "bias" else ""),
+                    shape if what == "bias" else (shape[0], shape[2], shape[1]), t, transpose=what == "weight")]
+    up = by_name.get(t.name.replace("ffn_gate_exps", "ffn_up_exps"))
+    if up is None:
+        raise ModelError(f"tensor {t.name} has no ffn_up_exps beside it")
+    if what == "bias":
+        return [Out(f"{p}mlp.experts.gate_up_proj_bias", (shape[0], 2 * shape[1]), t, pair=up)]
+    return [Out(f"{p}mlp.experts.gate_up_proj", (shape[0], shape[2], 2 * shape[1]), t, pair=up, transpose=True)]
 def deepseek_config(get, family: str, layers: int, experts: int, config: dict) -> dict:
     """config.json's DeepSeek fields from llama.cpp's deepseek2 metadata: MLA's ranks and head sizes
     (llama.cpp writes the attention as multi-query over the latent: key_length = kv_lora + rope,
@@ -329,6 +378,10 @@ def plan_tensors(reader, config: dict) -> list[Out]:
             raise ModelError(f"tensor {t.name} means nothing to a {family} model")
         layer, rest = m.group(1), m.group(2)
         p = f"model.layers.{layer}."
+        made = _gpt_oss_tensor(rest, p, shape, t, by_name) if family == "gpt_oss" else None
+        if made is not None:
+            outs += made
+            continue
         e = _EXPERTS.fullmatch(rest)
         if e is not None:  # [experts, out, in]: one tensor per expert
             kind = e.group(1)
@@ -362,6 +415,11 @@ def tensor_values(o: Out):
     from gguf.quants import dequantize
 
     t = o.source
+    if o.pair is not None or o.transpose:  # gpt-oss's experts: [experts, out, in] (or [experts, out]) in the file
+        w = _values(t)
+        if o.pair is not None:  # gate and up interleaved along out: gate rows 0, 2, ..., up rows 1, 3, ...
+            w = np.stack([w, _values(o.pair)], axis=2).reshape(w.shape[0], 2 * w.shape[1], *w.shape[2:])
+        return np.ascontiguousarray(w.transpose(0, 2, 1) if o.transpose else w).reshape(o.shape)
     data = t.data[o.expert] if o.expert >= 0 else t.data
     if o.v_b is not None:  # DeepSeek: [heads, kv_lora, nope] -> [heads, nope, kv_lora], then each head's v rows
         heads, kv_lora = o.permute_heads, o.shape[1]
@@ -375,6 +433,15 @@ def tensor_values(o: Out):
     if o.minus_one:
         w = w - 1.0
     return w
+
+
+def _values(t):
+    """A GGUF tensor's float32 values (numpy) in its own shape (outermost dimension first)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    shape = tuple(int(x) for x in reversed([int(s) for s in t.shape]))
+    return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
 def write_safetensors(path: Path, outs: list[Out], dtype: str, say: Callable[[str], None]) -> None:
@@ -416,31 +483,55 @@ def write_tokenizer(src: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        if _architecture(src) in TOKENIZER_ONLY:
+            tokenizer = _tokenizer_alone(src)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     except ValueError as exc:
         if "not supported" not in str(exc):
             raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
-        tokenizer = _tokenizer_of_any_architecture(src)  # transformers reads no model of this architecture
+        tokenizer = _tokenizer_alone(src)  # transformers reads no model of this architecture (deepseek2, ...)
     except Exception as exc:
         raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
     tokenizer.save_pretrained(str(out))
 
 
-def _tokenizer_of_any_architecture(src: Path):
-    """The tokenizer of a GGUF whose architecture transformers' GGUF loader refuses (DeepSeek's, ...):
-    its tokenizer is described by the file's tokenizer.* fields alone, so it is built from them with
-    the same transformers builders, without reading the model's config."""
-    from transformers import PreTrainedTokenizerFast
+# architectures whose GGUF metadata transformers cannot parse (5.24 reads gpt-oss's rope.scaling fields wrongly
+# and fails): their tokenizer is read from a copy of the file's tokenizer fields alone
+TOKENIZER_ONLY = ("gpt-oss",)
+
+
+def _architecture(src: Path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(src)).fields.get("general.architecture")
+    return str(_contents(field)) if field is not None else ""
+
+
+def tokenizer_only(src: Path, path: Path) -> Path:
+    """A GGUF at `path` holding only `src`'s tokenizer fields (tokenizer.*, the chat template), under
+    architecture "llama": what transformers builds the tokenizer from."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    for name, field in GGUFReader(str(src)).fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def _tokenizer_alone(src: Path):
+    """The tokenizer transformers builds from `src`'s tokenizer fields alone (see tokenizer_only)."""
+    from transformers import AutoTokenizer
 
     try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
-    except ImportError as exc:
-        raise ModelError(f"{src}: this transformers cannot build a tokenizer from a GGUF of this architecture "
-                         f"({exc}); transformers >= 5.24 can") from exc
-    try:
-        architecture, described, config = get_gguf_tokenizer(str(src))
-        backend, extra = convert_gguf_tokenizer(architecture, described)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in config.items() if v is not None},
-                                       **extra)
+        with tempfile.TemporaryDirectory() as tmp:
+            only = tokenizer_only(src, Path(tmp) / "tokenizer.gguf")
+            return AutoTokenizer.from_pretrained(str(only.parent), gguf_file=only.name)
     except Exception as exc:
         raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc

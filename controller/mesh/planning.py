@@ -85,7 +85,8 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         qk_norm=a.qk_norm, norms=4 if a.sandwich else 2,
         num_experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0,
         expert_intermediate_size=moe.intermediate_size if moe else 0,
-        moe_layers=sum(moe.layers) if moe else None, **mla_shape(config))
+        moe_layers=sum(moe.layers) if moe else None, sinks=a.sinks,
+        expert_bias=a.checkpoint == "gpt_oss", router_bias=a.checkpoint == "gpt_oss", **mla_shape(config))
 
 
 def mla_shape(config: ModelConfig) -> dict:

@@ -279,15 +279,22 @@ class StepGraphs:
             kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim] (MLA: [1, 1, slots, latent])
             new = k[None] if v is None else torch.stack((k, v))
             kv.index_copy_(2, g.write, new.transpose(1, 2))  # [parts, kv_heads, R, hd]
+            sinks = s.layers[i].sinks  # [heads] (gpt-oss) or None
             if s.batch_invariant:  # MLA: whole latent rows as values (the caller keeps their latent part)
                 return invariant.attention(q, kv[0], kv[-1], slots.view(R, C), g.positions, g.tiles, scale=s._scale,
-                                           cap=cap, window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
+                                           cap=cap, window=s.arch.sliding_window if s.kind(i) == "sliding" else None,
+                                           sinks=sinks)
             both = kv.index_select(2, slots).view(kv.shape[0], kvh, R, C, hd).transpose(1, 2)  # [parts, R, kv_heads, C, hd]
             keys = both[0]
             values = keys[..., : self.pool.v.shape[-1]] if v is None else both[1]
             mask = masks[s.kind(i)]
             q = q.view(R, kvh, group, hd)
-            if cap is None:
+            if sinks is not None:  # ops.attention's form with sinks: [R, kv_heads, group, C + 1]
+                scores = (q @ keys.transpose(-1, -2) * s._scale).masked_fill(~mask, float("-inf"))
+                both = torch.cat([scores, sinks.to(scores.dtype).view(1, kvh, group, 1).expand(R, -1, -1, -1)], -1)
+                both = both - both.max(dim=-1, keepdim=True).values
+                o = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(values.dtype) @ values
+            elif cap is None:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s._scale)
             else:  # [R, kv_heads, group, C]
                 scores = softcap(q @ keys.transpose(-1, -2) * s._scale, cap).masked_fill(~mask, float("-inf"))

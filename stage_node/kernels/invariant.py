@@ -184,11 +184,14 @@ def _kernels():
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
 
     @triton.jit(do_not_specialize=["row_base", "window", "chunks"])
-    def attn_merge(m_ptr, l_ptr, acc_ptr, pos_ptr, o_ptr, row_base, so_t, so_h, window, chunks,
+    def attn_merge(m_ptr, l_ptr, acc_ptr, pos_ptr, o_ptr, sink_ptr, row_base, so_t, so_h, window, chunks,
                    HEADS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
-                   HD: tl.constexpr, HAS_WINDOW: tl.constexpr, CB: tl.constexpr):
+                   HD: tl.constexpr, HAS_WINDOW: tl.constexpr, CB: tl.constexpr, HAS_SINK: tl.constexpr):
         # program (row, query head): the row's own chunks (those holding a position it sees) merged,
-        # CB chunks at a time from its first; chunks of other rows' positions are not read
+        # CB chunks at a time from its first; chunks of other rows' positions are not read. HAS_SINK
+        # (gpt-oss): the head's sink logit is one more split, of sum exp(sink) and no output, merged first
+        # (the splits' stats are in log2 units, like the sink here), so it counts once per row, whatever
+        # the splits
         i, hq = tl.program_id(0), tl.program_id(1)
         row = row_base + i
         pos = tl.load(pos_ptr + row)
@@ -203,6 +206,10 @@ def _kernels():
             c = c0 + cb
             big = tl.maximum(big, tl.load(m_ptr + base + c, mask=c <= c_hi, other=float("-inf")))
         top = tl.max(big, axis=0)
+        sink = top  # HAS_SINK: the head's sink logit in log2 units
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + hq).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(top, sink)
         d = tl.arange(0, D)
         total = tl.zeros((CB,), dtype=tl.float32)
         out = tl.zeros((D,), dtype=tl.float32)
@@ -213,7 +220,10 @@ def _kernels():
             total += tl.load(l_ptr + base + c, mask=keep, other=0.0) * w
             a = tl.load(acc_ptr + (base + c)[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)
             out += tl.sum(a * w[:, None], axis=0)
-        out = out / tl.sum(total, axis=0)
+        denom = tl.sum(total, axis=0)
+        if HAS_SINK:
+            denom = tl.exp2(sink - top) + denom
+        out = out / denom
         tl.store(o_ptr + row * so_t + hq * so_h + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
 
     return triton, mm_kernel, sum_parts, attn_part, attn_merge
@@ -321,15 +331,16 @@ def _attn_block_m(group: int) -> int:
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
               positions: torch.Tensor, tiles: torch.Tensor, *, scale: float, cap: float | None = None,
-              window: int | None = None, context: int | None = None, tiles_at: list[int] | None = None) -> torch.Tensor:
+              window: int | None = None, context: int | None = None, tiles_at: list[int] | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, heads, hd] (the step's rows, packed); k_pool, v_pool: [kv_heads, slots, hd] (one layer's
     pool, new keys already written); slots: [tables, L] int64, the pool slot of each position of a
     sequence (a table per sequence or per row; L >= every row's position + 1); positions: [T] int64,
     each row's position (it sees positions <= its own, and > its own - window); tiles: [3, n] int32,
     per tile its first row, its row count (at most `tile_rows(group)`, consecutive rows of one
     sequence) and its slot table row, in row order. `context`: positions the splits cover (default
-    L); `tiles_at`: the first row of each tile (host side: a long step goes in parts by it).
-    -> [T, heads * hd]
+    L); `tiles_at`: the first row of each tile (host side: a long step goes in parts by it); `sinks`:
+    [heads], a logit per head that joins every row's softmax with no value (gpt-oss). -> [T, heads * hd]
 
     Two kernels: each (tile, kv head, split of ATTN_CHUNK positions) computes its rows' softmax
     statistics and output over that split's keys; then each (row, head) merges its own splits in
@@ -366,9 +377,10 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
             scale * 1.4426950408889634, cap or 1.0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK, GROUP=group,
             BLOCK_M=_attn_block_m(group), BLOCK_N=ATTN_BLOCK_N, D=D, HD=hd, HAS_CAP=cap is not None,
             HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
-        merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, first, out.stride(0), out.stride(1),
-                                    window or 0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK, D=D, HD=hd,
-                                    HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS, num_warps=2)
+        merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, m_ws if sinks is None else sinks, first,
+                                    out.stride(0), out.stride(1), window or 0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK,
+                                    D=D, HD=hd, HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS,
+                                    HAS_SINK=sinks is not None, num_warps=2)
     return out.view(T, heads * hd)
 
 

@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): the router picks `top_k` experts per row; the row's
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): the router picks `top_k` experts per row; the row's
 output is their gated MLPs' outputs, each weighted by its routing probability, summed.
 
 Two ways to compute it, with the same arithmetic per row:
@@ -33,7 +33,12 @@ GATHER_MAX_ROWS = 32  # CUDA: steps up to this many rows take the gathered way (
 def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """h: [T, hidden] -> (weights [T, k], expert ids [T, k]), as HF's routers compute them: softmax of
     the router's logits in float32, the top k, renormalised if the config says, cast to the model
-    dtype unless the family scales in float32."""
+    dtype unless the family scales in float32. `moe.scoring` "topk_softmax" (gpt-oss): the top k of the
+    logits (the router has a bias), then the softmax over those k, in the model dtype."""
+    if moe.scoring == "topk_softmax":
+        logits = linear(h, experts.router, experts.router_bias, rows)  # [T, experts]
+        top, idx = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), idx
     logits = linear(h, experts.router, None, rows)  # [T, experts]
     top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)
     if moe.norm_topk_prob:

@@ -145,11 +145,24 @@ def activation(name: str):
     return F.silu if name == "silu" else _gelu_tanh
 
 
-def glu(name: str):
+def glu(name: str, *, limit: float | None = None, alpha: float = 1.702):
     """The gated MLP's nonlinearity over its fused gate/up product: a function [rows, 2 * inter] (the
     gate's columns, then the up's) -> [rows, inter]. "silu": act(gate) * up (SwiGLU), "gelu_tanh"
-    (GeGLU). Every MLP (dense, experts, shared experts) and every expert kernel calls it between its
-    two products, so a family's own gating is written once here."""
+    (GeGLU), "swiglu_oai" (gpt-oss's experts: gate clamped above at `limit`, up to [-limit, limit],
+    then gate * sigmoid(alpha * gate) * (up + 1), HF's operations in order). Every MLP (dense,
+    experts, shared experts) and every expert kernel calls it between its two products, so a
+    family's own gating is written once here."""
+    if name == "swiglu_oai":
+        if limit is None:
+            raise ValueError("the swiglu_oai activation needs its clamp limit (config.json's swiglu_limit)")
+
+        def clamped(gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, -1)
+            gate = gate.clamp(min=None, max=limit)
+            up = up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+        return clamped
     act = activation(name)
 
     def gated(gate_up: torch.Tensor) -> torch.Tensor:
@@ -184,12 +197,16 @@ def causal_mask(start_pos: int, n: int, device, window: int | None = None) -> to
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, scale: float,
-              cap: float | None = None) -> torch.Tensor:
+              cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [1, heads, n, hd]; k, v: [1, kv_heads, L, hd]; mask: bool [n, L], or None: the n rows see
     everything (n = 1) or are a fresh prefill (causal). -> [1, heads, n, hd]. Without a cap: SDPA
     with grouped-query attention, as HF calls it; with one (Gemma 2), the eager form HF runs:
-    scores scaled, soft-capped, masked, softmax in float32."""
+    scores scaled, soft-capped, masked, softmax in float32. With `sinks` ([heads], gpt-oss): HF's
+    eager form with a sink: each head's sink logit joins its rows' scores, the max is taken off,
+    softmax in the model dtype, the sink's share dropped."""
     n = q.shape[2]
+    if sinks is not None:
+        return _attention_sinks(q, k, v, mask, scale, sinks)
     if cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,
                                               enable_gqa=True)
@@ -203,3 +220,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scores = scores.masked_fill(~mask, float("-inf"))
     o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v[:, :, None]
     return o.flatten(1, 2)
+
+
+def _attention_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     sinks: torch.Tensor) -> torch.Tensor:
+    """`attention` with a sink logit per head (gpt-oss), HF's eager_attention_forward op for op."""
+    kvh, n, hd = k.shape[1], q.shape[2], q.shape[3]
+    group = q.shape[1] // kvh
+    L = k.shape[2]
+    qg = q.view(1, kvh, group, n, hd)  # [1, kv_heads, group, n, hd]: head kv * group + g, as repeat_kv orders them
+    scores = qg @ k[:, :, None].transpose(-1, -2) * scale  # [1, kv_heads, group, n, L]
+    if mask is None and n > 1:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, kvh, group, 1, 1).expand(1, kvh, group, n, 1)
+    combined = torch.cat([scores, sink], dim=-1)  # [1, kv_heads, group, n, L + 1]
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]  # the sink's share dropped
+    return (probs.to(v.dtype) @ v[:, :, None]).flatten(1, 2)

@@ -8,7 +8,7 @@ The forward runs on packed rows: the new tokens of several sequences, one after 
 through every projection and MLP together, and only attention is done per sequence, against that
 sequence's keys and values in the paged KV pool. The arithmetic follows transformers' models
 operation for operation (RMSNorm in float32, HF's RoPE tables, SDPA with GQA, HF's eager attention
-where scores are soft-capped), so logits agree to float32 rounding and greedy tokens match; and a
+where scores are soft-capped or joined by sinks), so logits agree to float32 rounding and greedy tokens match; and a
 row's result never depends on what else is in its batch (see `stage_node.ops`; on CUDA with
 `batch_invariant`, products and attention by the kernels of `stage_node.invariant`).
 """
@@ -95,7 +95,7 @@ class Shard:
         self._kv_size = c.num_kv_heads * c.head_dim
         self._scale = a.attn_scale or c.head_dim ** -0.5
         self._gemma = a.norm == "gemma"
-        self._glu = glu(a.activation)  # [rows, 2 * inter] -> [rows, inter]
+        self._glu = glu(a.activation, limit=a.swiglu_limit, alpha=a.swiglu_alpha)  # [rows, 2 * inter] -> [rows, inter]
         self._embed_scale = torch.tensor(a.embed_scale, dtype=dtype, device=device) if a.embed_scale != 1.0 else None
         # each layer's q and k norm weights as one [heads + kv_heads, head_dim]: one norm call per layer
         self._qk_norms = {i: torch.cat([w.q_norm.expand(c.num_heads, -1), w.k_norm.expand(c.num_kv_heads, -1)])
@@ -368,7 +368,7 @@ class Shard:
             else:
                 keys, values = k_pool.index_select(1, s.slots)[None], v_pool.index_select(1, s.slots)[None]
             outs.append(attention(qh if one else qh[:, :, row: row + s.num_tokens], keys, values, mask,
-                                  scale=self._scale, cap=self.arch.attn_softcap))
+                                  scale=self._scale, cap=self.arch.attn_softcap, sinks=self.layers[i].sinks))
             row += s.num_tokens
         o = outs[0] if one else torch.cat(outs, 2)  # [1, heads, T, hd]
         return o[0].transpose(0, 1).reshape(q.shape[0], -1)
@@ -408,7 +408,8 @@ class Shard:
         table, positions, tiles, tiles_at = reads
         return invariant.attention(q, k_pool, v_pool, table, positions, tiles, scale=self._scale,
                                    cap=self.arch.attn_softcap, tiles_at=tiles_at,
-                                   window=self.arch.sliding_window if kind == "sliding" else None)
+                                   window=self.arch.sliding_window if kind == "sliding" else None,
+                                   sinks=self.layers[i].sinks)
 
 
 def quantize_layer(w: LayerWeights, fmt: str) -> LayerWeights:

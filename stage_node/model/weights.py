@@ -3,7 +3,9 @@ embeddings / final norm / LM head where it holds them), fused per layer as the f
 
 Tensor names follow the family's checkpoint (common.families.Arch.checkpoint): Llama's
 (q/k/v/o, gate/up/down, two norms; Qwen3 and Gemma 3 add q/k norms, Gemma its pre/post feed-forward
-norms), Phi-3's (q/k/v and gate/up already fused), and the experts of Qwen3-MoE and Mixtral.
+norms), Phi-3's (q/k/v and gate/up already fused), and the experts of Qwen3-MoE and Mixtral; gpt-oss's
+experts are fused 3-D tensors ([experts, in, out], gate and up interleaved) or their MXFP4 blocks and
+scales, dequantized here.
 """
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ class Experts:
     down: torch.Tensor | list  # [experts, hidden, expert_intermediate]
     gate_up_bias: torch.Tensor | None = None  # [experts, 2 * expert_intermediate]
     down_bias: torch.Tensor | None = None  # [experts, hidden]
+    router_bias: torch.Tensor | None = None  # [experts] (gpt-oss)
 
     def numel(self) -> int:
         return self.router.numel() + sum(_numel(x) for x in (self.gate_up, self.down, self.gate_up_bias,
-                                                              self.down_bias) if x is not None)
+                                                              self.down_bias, self.router_bias) if x is not None)
 
 
 def _numel(x) -> int:
@@ -79,6 +82,7 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's post_feedforward_layernorm
     experts: Experts | None = None  # a mixture of experts in place of the MLP
     mla: MlaWeights | None = None  # multi-head latent attention (qkv: [q part + kv_lora + rope, hidden])
+    sinks: torch.Tensor | None = None  # [heads]: each head's sink logit (gpt-oss)
 
     def numel(self) -> int:
         return sum(t.numel() for t in vars(self).values() if t is not None)
@@ -122,6 +126,61 @@ def _expert_names(config: ModelConfig, p: str, e: int) -> tuple[str, str, str]:
         return q + "w1.weight", q + "w3.weight", q + "w2.weight"
     q = f"{p}mlp.experts.{e}."
     return q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"
+
+
+GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # under mlp.experts.
+MXFP4_EXPERTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks",
+                 "down_proj_scales", "down_proj_bias")
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 -> float32, as transformers' integrations/mxfp4.py reads gpt-oss: blocks [..., G, 16] uint8 (32
+    e2m1 codes per block, two a byte, the low nibble first), scales [..., G] uint8 (e8m0: 2 ** (s - 127) a
+    block) -> [..., G * 32]. gpt-oss stores its experts so that this is [experts, out, in]."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ModelError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                         "(expected blocks [..., G, 16] and scales [..., G])")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    blocks = blocks.to(torch.uint8)
+    out = torch.empty(*blocks.shape[:-1], 32, dtype=torch.float32, device=blocks.device)
+    out[..., 0::2] = lut[(blocks & 0x0F).long()]
+    out[..., 1::2] = lut[(blocks >> 4).long()]
+    out = torch.ldexp(out, scales.to(torch.int32)[..., None] - 127)
+    return out.flatten(-2)
+
+
+def _gpt_oss_names(config: ModelConfig, p: str) -> list[str]:
+    q = f"{p}mlp.experts."
+    return [f"{p}mlp.router.weight", f"{p}mlp.router.bias"] + [
+        q + n for n in (MXFP4_EXPERTS if config.arch.mxfp4_experts else GPT_OSS_EXPERTS)]
+
+
+def _gpt_oss_experts(t: dict[str, torch.Tensor], p: str, config: ModelConfig, *, device, dtype) -> Experts:
+    """gpt-oss's experts as Experts: [experts, out, in] matrices, gate/up de-interleaved into [gate; up]
+    (HF's gate is gate_up[..., ::2], its up gate_up[..., 1::2]) so that ops.glu's halves are gate and up."""
+    q = f"{p}mlp.experts."
+    if config.arch.mxfp4_experts:  # dequantized in float32: [experts, out, in] already
+        gate_up = dequantize_mxfp4(t.pop(q + "gate_up_proj_blocks"), t.pop(q + "gate_up_proj_scales"))
+        down = dequantize_mxfp4(t.pop(q + "down_proj_blocks"), t.pop(q + "down_proj_scales"))
+    else:  # [experts, in, out] (x @ w in HF's forward)
+        gate_up, down = t.pop(q + "gate_up_proj").transpose(1, 2), t.pop(q + "down_proj").transpose(1, 2)
+    gate_up_bias, down_bias = t.pop(q + "gate_up_proj_bias"), t.pop(q + "down_proj_bias")
+    inter = config.arch.moe.intermediate_size
+    want = (config.arch.moe.num_experts, 2 * inter, config.hidden_size)
+    want_down = (want[0], want[2], inter)
+    if tuple(gate_up.shape) != want or tuple(down.shape) != want_down:
+        raise ModelError(f"{p}mlp.experts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are not "
+                         f"[experts, out, in] = {want} / {want_down}")
+
+    def to(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=dtype).contiguous()
+
+    return Experts(router=to(t.pop(f"{p}mlp.router.weight")),
+                   gate_up=to(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)),  # [experts, 2 * inter, hidden]
+                   down=to(down),  # [experts, hidden, inter]
+                   gate_up_bias=to(torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1)),
+                   down_bias=to(down_bias), router_bias=to(t.pop(f"{p}mlp.router.bias")))
 
 
 def _router_name(config: ModelConfig, p: str) -> str:
@@ -198,6 +257,10 @@ def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
         names.append(p + "self_attn.o_proj.bias")
     if a.qk_norm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if a.sinks:
+        names.append(p + "self_attn.sinks")
+    if a.checkpoint == "gpt_oss":
+        return names + _gpt_oss_names(config, p)
     if a.routes(layer):
         names.append(_router_name(config, p))
         names += [n for e in range(a.moe.num_experts) for n in _expert_names(config, p, e)]
@@ -235,7 +298,9 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, 
             qkv_bias=cat(*(f"{attn}{x}_proj.bias" for x in "qkv")) if a.qkv_bias else None,
             o=matrix(attn + "o_proj.weight"), o_bias=get(attn + "o_proj.bias"))
     experts = gate_up = gate_up_bias = down = down_bias = None
-    if a.routes(layer):
+    if a.checkpoint == "gpt_oss":
+        experts = _gpt_oss_experts(t, p, config, device=device, dtype=dtype)
+    elif a.routes(layer):
         gates, downs = [], []
         for e in range(a.moe.num_experts):
             g, u, d = (t.pop(n) for n in _expert_names(config, p, e))
@@ -260,4 +325,5 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, 
         attn_out_norm=get("post_attention_layernorm.weight") if sandwich else None,
         mlp_out_norm=get("post_feedforward_layernorm.weight") if sandwich else None,
         experts=experts,
+        sinks=get(attn + "sinks"),
     )

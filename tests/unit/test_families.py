@@ -81,7 +81,7 @@ def test_the_description_says_what_the_forward_runs(family):
     arch = ModelConfig.from_dir(path).arch
     assert arch.family == name
     assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3"))
-    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral"))
+    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral", "gpt_oss"))
     assert (arch.norm == "gemma") == name.startswith("gemma")
     sliding = [t == "sliding" for t in arch.layer_types]
     hf_types = getattr(model.config, "layer_types", None)
@@ -91,6 +91,15 @@ def test_the_description_says_what_the_forward_runs(family):
         assert all(sliding) and arch.sliding_window == WINDOW
     if name == "qwen3_moe":
         assert arch.moe.layers == (True, False, True) and arch.moe.top_k == 2 and arch.moe.norm_topk_prob
+    if name == "gpt_oss":
+        assert arch.sinks and arch.qkv_bias and arch.o_bias and arch.activation == "swiglu_oai"
+        assert arch.moe.scoring == "topk_softmax" and arch.moe.top_k == 2 and sliding == [True, False, True]
+        assert arch.swiglu_limit == 3.0 and ModelConfig.from_dir(path).rope_type == "yarn"
+        from logicpipe.stage_node.model.rope import rope_parameters
+
+        inv_freq, scaling = rope_parameters(path)  # YaRN with truncate off and its betas, as transformers has it
+        assert torch.equal(inv_freq, model.model.rotary_emb.inv_freq) and scaling == model.model.rotary_emb.attention_scaling
+        assert scaling != 1.0
 
 
 def test_the_graph_step_body_equals_the_forward(family):
@@ -122,19 +131,19 @@ def test_the_graph_step_body_equals_the_forward(family):
     assert err <= 1e-5, f"{name}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_gathered_experts_equal_grouped_experts(name, tmp_path):
     """The CUDA graphs' way to the experts (each row's gathered, fixed shapes) computes what the
     grouped way does (here on the CPU)."""
     from logicpipe.stage_node.model.moe import experts_gathered, experts_grouped, route
-    from logicpipe.stage_node.model.ops import Rows, glu
+    from logicpipe.stage_node.model.ops import Rows
 
     shard = shards_of(build(name, tmp_path / name), [(0, 3)])[0]
     w = shard.layers[0].experts
     h = torch.randn(11, shard.config.hidden_size, generator=torch.Generator().manual_seed(1))
     rows = Rows(None, None, all_decode=True)
     weights, idx = route(h, w, shard.arch.moe, rows)
-    act = glu(shard.arch.activation)
+    act = shard._glu  # the family's gating (gpt-oss: clamped, with its limit)
     grouped = experts_grouped(h, w, weights, idx, act, rows)
     gathered = experts_gathered(h, w, weights, idx, act)
     assert ((grouped - gathered).abs().max() / grouped.abs().max()).item() <= 1e-5
@@ -158,7 +167,8 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
         return
     moe = config.arch.moe
     assert spec.layer_read_bytes(1) < spec.layer_read_bytes(8) < spec.layer_weight_bytes
-    one_expert = 3 * config.hidden_size * moe.intermediate_size * 4 * sum(moe.layers) / config.num_layers
+    biases = 2 * moe.intermediate_size + config.hidden_size if name == "gpt_oss" else 0  # gpt-oss's expert biases
+    one_expert = (3 * config.hidden_size * moe.intermediate_size + biases) * 4 * sum(moe.layers) / config.num_layers
     dense_part = spec.layer_weight_bytes - moe.num_experts * spec.expert_bytes
     assert abs(spec.layer_read_bytes(1) - (dense_part + moe.top_k * one_expert)) <= moe.num_experts
     assert "experts per layer" in note and f"{moe.top_k} per token" in note
@@ -198,3 +208,43 @@ def test_one_head_norm_call_equals_a_norm_per_head_kind(dtype, gemma):
     both = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)])
     apart = torch.cat([rms_norm(x[:, :heads], q_norm, 1e-6, gemma), rms_norm(x[:, heads:], k_norm, 1e-6, gemma)], 1)
     assert torch.equal(head_norm(x, both, 1e-6, gemma), apart)
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales (as released): the stage holds
+    exactly the values they encode (gate and up de-interleaved), transformers reads the same values
+    from it, and the greedy tokens equal transformers' on that dequantized model."""
+    from transformers import Mxfp4Config, AutoModelForCausalLM
+
+    from tests.families import write_mxfp4
+
+    path = tmp_path / "mxfp4"
+    held = write_mxfp4(build("gpt_oss", tmp_path / "float"), path)
+    assert ModelConfig.from_dir(path).arch.mxfp4_experts
+    shard = shards_of(path, [(0, 3)])[0]
+    for i, w in enumerate(shard.layers):
+        gate_up = held[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(1, 2)  # [experts, out, in], interleaved
+        assert torch.equal(w.experts.gate_up, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1))
+        assert torch.equal(w.experts.down, held[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True)).eval()
+    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj, held["model.layers.1.mlp.experts.gate_up_proj"])
+    logits, tokens = greedy(shards_of(path, [(0, 2), (2, 3)]), PROMPT, STEPS)
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0, -1]
+    assert ((logits - ref).abs().max() / ref.abs().max()).item() <= RTOL
+    assert tokens == hf_greedy(model, PROMPT, STEPS)
+
+
+def test_gpt_oss_refuses_a_quantization_it_cannot_read(tmp_path):
+    """A gpt-oss config.json quantized other than MXFP4 is refused, naming what is supported."""
+    import json
+
+    from logicpipe.common.modeldir import ModelError
+
+    path = build("gpt_oss", tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="supported: mxfp4"):
+        ModelConfig.from_dir(path)

@@ -92,12 +92,13 @@ def test_silu_mul(interpret, dtype):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 70])
-def test_attention_over_several_splits(interpret, window):
+@pytest.mark.parametrize("window, sinks", [(None, False), (70, False), (70, True)])
+def test_attention_over_several_splits(interpret, window, sinks):
     """stage_node.invariant.attention over 150 positions (three splits of ATTN_CHUNK, merged CB at a
     time) against softmax attention in float64; a row's bits the same alone in a tile with its
     sequence's slot table and with a longer one (a graph's: splits past its own are not read), and
-    as the first row of a prompt's tile. (Rows further down a prompt's tile are checked on the GPU,
+    as the first row of a prompt's tile; with `sinks` (gpt-oss), a logit per head that joins every row's
+    softmax once, whatever the splits. (Rows further down a prompt's tile are checked on the GPU,
     bench/gpu_invariance.py: the interpreter's numpy products give rows of one tile other bits by
     their place in it.)"""
     from logicpipe.stage_node.kernels import invariant
@@ -109,7 +110,8 @@ def test_attention_over_several_splits(interpret, window):
     slots = torch.randperm(L + 40, generator=g)[:L]
     q = torch.randn(L, heads, hd, generator=g)
     pos = torch.arange(L)
-    kw = dict(scale=hd ** -0.5, window=window)
+    sink = torch.randn(heads, generator=g) * 2 if sinks else None
+    kw = dict(scale=hd ** -0.5, window=window, sinks=sink)
     per = invariant.tile_rows(heads // kvh)
     prompt = invariant.attention(q, kp, vp, slots[None], pos, invariant.tiles_tensor(
         invariant.seq_tiles([L], heads // kvh), "cpu"), **kw)
@@ -129,7 +131,10 @@ def test_attention_over_several_splits(interpret, window):
     seen = pos[None, :] <= pos[:, None]
     if window:
         seen &= pos[None, :] > pos[:, None] - window
-    ref = (torch.softmax(s.masked_fill(~seen, float("-inf")), -1) @ v).transpose(0, 1).reshape(L, -1)
+    s = s.masked_fill(~seen, float("-inf"))
+    if sinks:  # the sink's column joins the softmax, its share then dropped
+        s = torch.cat([s, sink.double()[:, None, None].expand(-1, L, 1)], -1)
+    ref = (torch.softmax(s, -1)[..., :L] @ v).transpose(0, 1).reshape(L, -1)
     torch.testing.assert_close(prompt.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -180,6 +185,30 @@ def test_layers_fused_match_the_forward(interpret, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     used = write.tolist() + list(range(16, 22))
     torch.testing.assert_close(pools[1].kv[:, :, :, used], pools[0].kv[:, :, :, used], rtol=1e-4, atol=1e-4)
+
+
+def test_gpt_oss_with_the_invariant_attention_matches_the_forward(interpret, tmp_path):
+    """gpt-oss (sinks, sliding and full layers, experts) with the batch-invariant attention (its
+    kernels in the interpreter; the products stay the CPU's row kinds): a prompt past the window and a
+    second sequence's two rows after 11 held positions give the eager forward's hidden states."""
+    from tests.families import WINDOW, build
+
+    shard = Shard.load(build("gpt_oss", tmp_path / "m"), 0, 3, first=False, last=False)
+    bs, hidden = 4, shard.config.hidden_size
+    pools = [shard.new_pool(16, bs) for _ in range(2)]
+    g = torch.Generator().manual_seed(3)
+    held = torch.randn(11, hidden, generator=g)
+    for p in pools:  # the second sequence's first 11 positions, blocks 8, 9, 10
+        shard.forward(held, StepKV(p, torch.arange(32, 43), (seq_slice(0, 11, [8, 9, 10], bs),)))
+    n = 2 * WINDOW + 1
+    x = torch.randn(n + 2, hidden, generator=g)
+    seqs = (seq_slice(0, n, [0, 1, 2, 3, 4], bs), seq_slice(11, 2, [8, 9, 10, 11], bs))
+    write = torch.tensor(list(range(n)) + [43, 44])
+    outs = []
+    for on, pool in zip((False, True), pools):
+        shard.batch_invariant = on
+        outs.append(shard.forward(x, StepKV(pool, write, seqs)))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
 def test_every_bucket_is_warmed(tmp_path):

@@ -23,9 +23,11 @@ from tests.gguf_files import dequantized, write_gguf
 
 from .test_families import PROMPT, STEPS, greedy, shards_of
 
-# what llama.cpp keeps of each family (it has no sliding window for Qwen2, and scales Gemma 2's queries by head_dim)
+# what llama.cpp keeps of each family (it has no sliding window for Qwen2, scales Gemma 2's queries by head_dim,
+# and clamps gpt-oss's SwiGLU at its constant 7)
 FAMILIES = {"llama": {}, "qwen2": dict(use_sliding_window=False), "qwen3": {}, "qwen3_moe": {}, "mixtral": {},
-            "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}, "deepseek_v2": {}, "deepseek_v3": {}}
+            "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}, "deepseek_v2": {}, "deepseek_v3": {},
+            "gpt_oss": dict(swiglu_limit=7.0)}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,35 @@ def test_quantized_tensors_come_out_as_their_values_in_bfloat16(qtype, tmp_path,
     for name, x in load_file(str(original / "model.safetensors")).items():
         assert got[name].dtype == torch.bfloat16
         assert torch.equal(got[name], dequantized(x, qtype).to(torch.bfloat16)), name
+
+
+def test_gpt_oss_mxfp4_experts_come_out_as_their_values(tmp_path, tokenizer_gguf):
+    """gpt-oss with its expert matrices in GGML's MXFP4 (as llama.cpp writes the released checkpoints): they
+    convert to the values the blocks hold, in transformers' fused layout; the rest exactly; and the stages
+    give transformers' greedy tokens on the converted directory."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    def mxfp4(x: torch.Tensor) -> torch.Tensor:  # [experts, out, in] through MXFP4
+        q = GGMLQuantizationType.MXFP4
+        return torch.from_numpy(dequantize(quantize(x.numpy(), q), q).reshape(x.shape).copy())
+
+    original = build("gpt_oss", tmp_path / "hf", **FAMILIES["gpt_oss"])
+    gguf = write_gguf("gpt_oss", original, tmp_path / "m.gguf", tokenizer_gguf, experts_qtype="MXFP4")
+    out = prepare_gguf(gguf, tmp_path / "prepared", dtype="float32", progress=quiet)
+    got = load_file(str(out / "model.safetensors"))
+    for name, x in load_file(str(original / "model.safetensors")).items():
+        if name.endswith("experts.gate_up_proj"):  # each of gate and up quantized on its own, [out, in]
+            t = x.transpose(1, 2)
+            both = torch.stack([mxfp4(t[:, 0::2].contiguous()), mxfp4(t[:, 1::2].contiguous())], 2)
+            x = both.reshape(t.shape).transpose(1, 2)
+        elif name.endswith("experts.down_proj"):
+            x = mxfp4(x.transpose(1, 2).contiguous()).transpose(1, 2)
+        assert torch.equal(got[name], x), name
+    assert not torch.equal(got["model.layers.0.mlp.experts.down_proj"],
+                           load_file(str(original / "model.safetensors"))["model.layers.0.mlp.experts.down_proj"])
+    tokens = greedy(shards_of(out, [(0, 2), (2, 3)]), PROMPT, STEPS)[1]
+    assert tokens == hf_greedy(hf_model(out), PROMPT, STEPS)
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path, tokenizer_gguf, model_dir):
