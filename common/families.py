@@ -14,6 +14,14 @@ stage's one forward reads: where the families differ, nothing else.
     gemma3      gemma3, gemma3_text   as gemma2, with per-head q/k norms instead of attention soft-capping,
                                       and local layers with their own RoPE base
     phi3        phi3                  q/k/v and gate/up fused in the checkpoint
+    qwen2_moe   qwen2_moe             q/k/v biases; experts (softmax top-k) plus a shared expert scaled by a sigmoid gate
+    glm4_moe    glm4_moe              q/k/v biases, q/k norms (as configured); RoPE on the first half of each head
+                                      (partial_rotary_factor); dense first layers, then experts routed by sigmoid
+                                      scores with a correction bias, in groups ("noaux_tc"), plus shared experts
+    smollm3     smollm3               no RoPE on every 4th layer (no_rope_layers)
+
+The mixture-of-experts description (`MoE`) also serves DeepSeek V2 / V3 (`moe_of_config`), whose MLA
+attention is wired elsewhere.
 
 Everything here is read from config.json alone (no torch, no transformers); what the forward cannot
 run exactly is refused with a ModelError naming what is supported.
@@ -24,13 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-               "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3"}
+               "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3",
+               "qwen2_moe": "qwen2_moe", "glm4_moe": "glm4_moe", "smollm3": "smollm3"}
 """config.json's model_type -> the family that runs it."""
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3")
-TIED_BY_DEFAULT = GEMMA  # families whose config.json may leave tie_word_embeddings out, meaning tied
+PARTIAL_ROTARY = {"glm4_moe": 0.5}  # families whose RoPE may cover only part of a head -> their default share
+TIED_BY_DEFAULT = GEMMA + ("smollm3",)  # families whose config.json may leave tie_word_embeddings out, meaning tied
 
 
 class ModelError(ValueError):
@@ -48,6 +58,20 @@ class MoE:
     weights_in_float: bool      # the routing weights scale the experts' outputs in float32 (Mixtral),
                                 # else in the model dtype (Qwen3-MoE)
     layers: tuple[bool, ...]    # which decoder layers route (the others run a dense MLP)
+    # The general router (DeepSeek V2 / V3, GLM-4.5); the defaults are Qwen3-MoE's and Mixtral's.
+    scoring: str = "softmax"    # the experts' scores from the router logits: "softmax" | "sigmoid" (in float32)
+    router_in_float: bool = False  # the router (held in float32) multiplies the rows cast to float32
+                                # (DeepSeek, GLM); else the model dtype's rows and router
+    correction_bias: bool = False  # a per-expert bias (e_score_correction_bias) added to the scores to
+                                # choose the experts only; their weights stay the plain scores
+    n_group: int = 1            # experts split into this many groups; a token picks topk_group groups,
+    topk_group: int = 1         # then its top_k experts among theirs
+    group_score: str = "top2"   # a group's score: "top2": the sum of its two best (V3, GLM; masked -inf)
+                                # | "max": its best (V2's group_limited_greedy; masked to 0)
+    norm_eps: float = 0.0       # added to the top-k sum when renormalising (1e-20: DeepSeek V3, GLM)
+    routed_scaling_factor: float = 1.0  # the routing weights multiplied by this
+    shared_intermediate_size: int = 0  # a shared expert every token runs (0: none), added to the routed output
+    shared_gate: bool = False   # the shared expert's output scaled by sigmoid(h . gate) (Qwen2-MoE)
 
 
 @dataclass(frozen=True)
@@ -70,6 +94,8 @@ class Arch:
     sliding_window: int | None = None       # a sliding layer attends to the last `window` positions
     layer_types: tuple[str, ...] = ()       # per decoder layer: "full" | "sliding"
     moe: MoE | None = None
+    rotary: float = 1.0                     # RoPE on the first rotary * head_dim dims of each head (rotate-half)
+    rope_layers: tuple[bool, ...] = ()      # per decoder layer: RoPE applied (empty: every layer; SmolLM3's NoPE)
     checkpoint: str = "llama"               # tensor naming: "llama" | "phi3" (fused) | "qwen3_moe" | "mixtral"
 
     def sliding(self, layer: int) -> bool:
@@ -78,6 +104,10 @@ class Arch:
     def routes(self, layer: int) -> bool:
         """Whether decoder `layer` runs a mixture of experts."""
         return self.moe is not None and self.moe.layers[layer]
+
+    def ropes(self, layer: int) -> bool:
+        """Whether decoder `layer` rotates q and k (SmolLM3 leaves some layers without position encoding)."""
+        return not self.rope_layers or self.rope_layers[layer]
 
 
 def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_dim: int) -> Arch:
@@ -89,20 +119,26 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         act = "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
         raise ModelError(f"{where}: activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if rotary not in (None, 1, 1.0):
-        raise ModelError(f"{where}: partial_rotary_factor {rotary} is not supported (RoPE over the whole head only)")
+    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    rotary = float(PARTIAL_ROTARY.get(family, 1.0) if rotary is None else rotary)
+    if rotary != 1.0 and family not in PARTIAL_ROTARY:
+        raise ModelError(f"{where}: partial_rotary_factor {rotary} is not supported for {family} (RoPE over the "
+                         f"whole head; partial RoPE for: {', '.join(PARTIAL_ROTARY)})")
+    if not 0 < rotary <= 1 or int(head_dim * rotary) % 2:
+        raise ModelError(f"{where}: partial_rotary_factor {rotary} must give an even number of rotated dims "
+                         f"in (0, head_dim {head_dim}]")
     attention_bias = bool(raw.get("attention_bias", False))
     window = raw.get("sliding_window")
     window = int(window) if window else None
     pre_attn = raw.get("query_pre_attn_scalar")
     moe = _moe_of(family, raw, where, num_layers)
+    qkv_bias = {"qwen2": True, "qwen2_moe": bool(raw.get("qkv_bias", True))}.get(family, attention_bias)
     return Arch(
         family=family,
-        qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family != "qwen2" and attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=family not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=family in QK_NORM,
+        qk_norm=family in QK_NORM or (family == "glm4_moe" and bool(raw.get("use_qk_norm", False))),
         norm="gemma" if family in GEMMA else "llama",
         sandwich=family in GEMMA,
         activation=ACTIVATIONS[act],
@@ -113,7 +149,10 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         sliding_window=window,
         layer_types=_layer_types(family, raw, where, num_layers, window),
         moe=moe,
-        checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(family, "llama"),
+        rotary=rotary,
+        rope_layers=_rope_layers(family, raw, where, num_layers),
+        checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen3_moe",
+                    "glm4_moe": "qwen3_moe"}.get(family, "llama"),
     )
 
 
@@ -121,9 +160,23 @@ def _cap(value) -> float | None:
     return float(value) if value else None
 
 
+def _rope_layers(family: str, raw: dict, where: Path, num_layers: int) -> tuple[bool, ...]:
+    """SmolLM3: which layers rotate (no_rope_layers: 1 = RoPE, 0 = none; by default every
+    no_rope_layer_interval-th layer has none); () for the other families (every layer)."""
+    if family != "smollm3":
+        return ()
+    named = raw.get("no_rope_layers")
+    if named is None:
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        return tuple((i + 1) % interval != 0 for i in range(num_layers))
+    if len(named) != num_layers or any(v not in (0, 1) for v in named):
+        raise ModelError(f"{where}: no_rope_layers must give 0 or 1 for each of the {num_layers} layers")
+    return tuple(bool(v) for v in named)
+
+
 def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: int | None) -> tuple[str, ...]:
     """"full" or "sliding" per layer: config.json's layer_types when it has them, else the family's rule."""
-    if not window:
+    if not window or (family in ("smollm3", "qwen2_moe") and not raw.get("use_sliding_window", False)):
         return ("full",) * num_layers
     named = raw.get("layer_types")
     if named:
@@ -133,7 +186,7 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
             raise ModelError(f"{where}: layer_types must give one of {', '.join(kinds)} for each of the "
                              f"{num_layers} layers (got {len(named)}{', ' + ', '.join(map(str, bad)) if bad else ''})")
         return tuple(kinds[t] for t in named)
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         first = int(raw.get("max_window_layers", num_layers))
         on = bool(raw.get("use_sliding_window", False))
         return tuple("sliding" if on and i >= first else "full" for i in range(num_layers))
@@ -146,25 +199,87 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
 
 
 def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
-    if family not in ("qwen3_moe", "mixtral"):
+    if family not in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"):
         return None
+    return moe_of_config(raw, family, num_layers=num_layers, where=where)
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+
+
+def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, where: Path | str = "config.json") -> MoE:
+    """The MoE of a raw config.json dict of a mixture family (MOE_FAMILIES: the families run here, and
+    DeepSeek V2 / V3, whose MoE blocks are HF's DeepseekV2Moe / DeepseekV3MoE), as HF 5.24 runs it:
+
+        qwen3_moe, mixtral  softmax top-k (renormalised if norm_topk_prob; Mixtral always)
+        qwen2_moe           as qwen3_moe, plus a shared expert (shared_expert_intermediate_size) scaled
+                            by sigmoid(shared_expert_gate); mlp_only_layers / decoder_sparse_step
+        deepseek_v2         softmax in float32; topk_method "greedy" or "group_limited_greedy" (groups
+                            scored by their best expert); times routed_scaling_factor; no renormalising
+        deepseek_v3,        sigmoid scores + e_score_correction_bias to choose ("noaux_tc"); groups scored
+        glm4_moe            by their two best; renormalised (+1e-20) if norm_topk_prob; times routed_scaling_factor
+        (DeepSeek, GLM)     n_shared_experts * moe_intermediate_size of shared experts; dense first
+                            first_k_dense_replace layers; the router in float32
+
+    A setting HF does not run the same way is refused with a ModelError."""
+    where = Path(where)
+    deepseek = family in ("deepseek_v2", "deepseek_v3", "glm4_moe")
     try:
-        experts = int(raw.get("num_experts") or raw["num_local_experts"])
+        num_layers = int(raw["num_hidden_layers"]) if num_layers is None else num_layers
+        experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw["num_local_experts"])
         top_k = int(raw["num_experts_per_tok"])
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "qwen2_moe"):
             size = int(raw["moe_intermediate_size"])
             skip = set(raw.get("mlp_only_layers") or [])
             step = int(raw.get("decoder_sparse_step", 1))
             layers = tuple(i not in skip and (i + 1) % step == 0 for i in range(num_layers))
+        elif deepseek:
+            size = int(raw["moe_intermediate_size"])
+            dense = int(raw.get("first_k_dense_replace", 1 if family == "glm4_moe" else 0))
+            layers = tuple(i >= dense for i in range(num_layers))
         else:
             size = int(raw["intermediate_size"])
             layers = (True,) * num_layers
+        shared = int(raw.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else (
+            size * int(raw.get("n_shared_experts") or 0) if deepseek else 0)
+        scaling = float(raw.get("routed_scaling_factor") or 1.0) if deepseek else 1.0
+        n_group = int(raw.get("n_group") or 1) if deepseek else 1
+        topk_group = int(raw.get("topk_group") or n_group) if deepseek else 1
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"{where}: an incomplete mixture-of-experts config: {e!r}") from e
     if not 1 <= top_k <= experts:
         raise ModelError(f"{where}: num_experts_per_tok {top_k} must lie in [1, {experts}] (the experts)")
     if family == "qwen3_moe" and int(raw.get("shared_expert_intermediate_size") or 0):
-        raise ModelError(f"{where}: shared experts are not supported")
-    return MoE(num_experts=experts, top_k=top_k, intermediate_size=size,
-               norm_topk_prob=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
-               weights_in_float=family == "mixtral", layers=layers)
+        raise ModelError(f"{where}: shared experts are not supported for qwen3_moe (they are for qwen2_moe)")
+    norm = family == "mixtral" or bool(raw.get("norm_topk_prob", family in ("glm4_moe", "deepseek_v3")))
+    scoring, group_score, bias = "softmax", "top2", False
+    if family == "deepseek_v2":
+        method = raw.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ModelError(f"{where}: topk_method {method!r} is not supported for deepseek_v2; "
+                             "supported: greedy, group_limited_greedy")
+        if norm:
+            raise ModelError(f"{where}: norm_topk_prob true is not supported for deepseek_v2 (transformers "
+                             "does not renormalise its top-k weights)")
+        group_score = "max"
+        if method == "greedy":
+            n_group = topk_group = 1
+    elif family in ("deepseek_v3", "glm4_moe"):
+        scoring, bias = "sigmoid", True
+        method = raw.get("topk_method", "noaux_tc")
+        if method != "noaux_tc" or raw.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ModelError(f"{where}: topk_method {method!r} / scoring_func {raw.get('scoring_func')!r} are "
+                             f"not supported for {family}; supported: noaux_tc with sigmoid scores")
+    if deepseek and int(raw.get("moe_layer_freq") or 1) != 1:
+        raise ModelError(f"{where}: moe_layer_freq {raw.get('moe_layer_freq')} is not supported (experts on every "
+                         "layer from first_k_dense_replace on)")
+    per_group = experts // max(n_group, 1)
+    if n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group or (
+            n_group > 1 and (group_score == "top2" and per_group < 2 or topk_group * per_group < top_k)):
+        raise ModelError(f"{where}: n_group {n_group} / topk_group {topk_group} must split the {experts} experts "
+                         f"into equal groups (of at least 2 for noaux_tc) that hold num_experts_per_tok {top_k}")
+    return MoE(num_experts=experts, top_k=top_k, intermediate_size=size, norm_topk_prob=norm,
+               weights_in_float=family == "mixtral" or deepseek, layers=layers,
+               scoring=scoring, router_in_float=deepseek, correction_bias=bias, n_group=n_group,
+               topk_group=topk_group, group_score=group_score, norm_eps=1e-20 if bias else 0.0,
+               routed_scaling_factor=scaling, shared_intermediate_size=shared, shared_gate=family == "qwen2_moe")

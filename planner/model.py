@@ -125,6 +125,7 @@ class ModelSpec:
         experts_per_token: int = 0,
         expert_intermediate_size: int = 0,
         moe_layers: int | None = None,
+        moe_shared_params: int = 0,
     ) -> "ModelSpec":
         """A decoder from its config.
 
@@ -136,8 +137,10 @@ class ModelSpec:
           + 2*d [q/k norms]  + norms*h [the layer's norms: 2, Gemma's 4]
         - a dense MLP's params M = 3*h*i  [gate, up, down]
         - a mixture (E = num_experts, k = experts_per_token, f = expert_intermediate_size, on s of
-          the layers, `moe_layers`, default all): X = 3*h*f per expert, router R = E*h; the
-          average layer's MLP holds (s*(R + E*X) + (L - s)*M) / L and runs (s*(R + k*X) + (L - s)*M) / L
+          the layers, `moe_layers`, default all): X = 3*h*f per expert, router R = E*h + S, where S =
+          `moe_shared_params` is what every token of a routing layer reads besides (shared experts,
+          their gate, the correction bias); the average layer's MLP holds (s*(R + E*X) + (L - s)*M) / L
+          and runs (s*(R + k*X) + (L - s)*M) / L
         - layer_weight_bytes = ceil((A + MLP held) * b) ;  layer_flops_per_token = 2 * (A + MLP run)
         - expert_bytes = ceil(X * b * s / L)  (the average layer's share of one expert)
         - attention_flops_per_context_token = 4 * a * d  (QK^T and AV, 2 FLOPs per multiply-add)
@@ -164,7 +167,7 @@ class ModelSpec:
         if num_experts:
             s = L if moe_layers is None else moe_layers
             expert = 3 * h * expert_intermediate_size
-            router = num_experts * h
+            router = num_experts * h + moe_shared_params
             held = (s * (router + num_experts * expert) + (L - s) * dense) / L
             run = (s * (router + experts_per_token * expert) + (L - s) * dense) / L
             expert = expert * s / L

@@ -16,6 +16,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -26,10 +28,14 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 WINDOW = 8          # the sliding window of the families that have one: shorter than the test prompts
@@ -61,6 +67,16 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
                                                               "sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 10000.0}})),
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(sliding_window=WINDOW)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_experts=6, num_experts_per_tok=2,
+                                                             moe_intermediate_size=32, norm_topk_prob=False,
+                                                             shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # sigmoid routing in 4 groups of 2 experts (2 groups chosen), a correction bias, a shared expert, the
+    # first layer dense, q/k norms and biases, RoPE on half of each head
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                                          topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+                                                          first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                                          use_qk_norm=True, attention_bias=True)),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(no_rope_layers=[1, 0, 1])),
 }
 
 
@@ -71,6 +87,10 @@ def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: i
     config = config_cls(**{**COMMON, **own, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    with torch.no_grad():  # HF starts the routers' correction biases at zero: make them choose
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape, dtype=buf.dtype) * 0.5)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer_dir is not None:

@@ -80,8 +80,8 @@ def test_the_description_says_what_the_forward_runs(family):
     name, path, model, *_ = family
     arch = ModelConfig.from_dir(path).arch
     assert arch.family == name
-    assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3"))
-    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral"))
+    assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "glm4_moe"))
+    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"))
     assert (arch.norm == "gemma") == name.startswith("gemma")
     sliding = [t == "sliding" for t in arch.layer_types]
     hf_types = getattr(model.config, "layer_types", None)
@@ -91,6 +91,15 @@ def test_the_description_says_what_the_forward_runs(family):
         assert all(sliding) and arch.sliding_window == WINDOW
     if name == "qwen3_moe":
         assert arch.moe.layers == (True, False, True) and arch.moe.top_k == 2 and arch.moe.norm_topk_prob
+    if name == "qwen2_moe":
+        assert arch.moe.layers == (True, False, True) and arch.moe.shared_gate and arch.qkv_bias
+    if name == "glm4_moe":
+        m = arch.moe
+        assert m.layers == (False, True, True) and (m.scoring, m.n_group, m.topk_group) == ("sigmoid", 4, 2)
+        assert m.correction_bias and m.shared_intermediate_size == 32 and m.routed_scaling_factor == 2.5
+        assert arch.rotary == 0.5 and arch.qkv_bias and not arch.o_bias
+    if name == "smollm3":
+        assert arch.rope_layers == (True, False, True) and [arch.ropes(i) for i in range(3)] == [True, False, True]
 
 
 def test_the_graph_step_body_equals_the_forward(family):
@@ -122,7 +131,7 @@ def test_the_graph_step_body_equals_the_forward(family):
     assert err <= 1e-5, f"{name}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"])
 def test_gathered_experts_equal_grouped_experts(name, tmp_path):
     """The CUDA graphs' way to the experts (each row's gathered, fixed shapes) computes what the
     grouped way does (here on the CPU)."""
@@ -130,7 +139,7 @@ def test_gathered_experts_equal_grouped_experts(name, tmp_path):
     from logicpipe.stage_node.model.ops import Rows, glu
 
     shard = shards_of(build(name, tmp_path / name), [(0, 3)])[0]
-    w = shard.layers[0].experts
+    w = shard.layers[2].experts
     h = torch.randn(11, shard.config.hidden_size, generator=torch.Generator().manual_seed(1))
     rows = Rows(None, None, all_decode=True)
     weights, idx = route(h, w, shard.arch.moe, rows)
@@ -151,7 +160,9 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
     spec = model_spec(config, name, "d" * 16, "float32")
     held = spec.num_layers * spec.layer_weight_bytes + spec.embedding_bytes + (
         4 * config.hidden_size if config.tie_word_embeddings else spec.lm_head_bytes)
-    assert abs(held - 4 * model.num_parameters()) <= 4 * spec.num_layers, name
+    # the routers' correction biases are buffers in HF, parameters of the checkpoint here
+    params = model.num_parameters() + sum(b.numel() for n, b in model.named_buffers() if "correction_bias" in n)
+    assert abs(held - 4 * params) <= 4 * spec.num_layers, name
     note = format_model_note(spec)
     if config.arch.moe is None:
         assert spec.layer_read_bytes(1) == spec.layer_read_bytes(64) == spec.layer_weight_bytes and not note
