@@ -198,13 +198,21 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
     return ("sliding",) * num_layers  # mistral, phi3, llama with a window: every layer
 
 
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+_DEEPSEEK_DEFAULTS = {  # transformers' config defaults where config.json leaves a key out (or null)
+    "glm4_moe": dict(first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                     norm_topk_prob=True),
+    "deepseek_v3": dict(first_k_dense_replace=3, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
+                        topk_group=4, norm_topk_prob=True),
+    "deepseek_v2": dict(first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0, n_group=1,
+                        topk_group=1, norm_topk_prob=False),
+}
+
+
 def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
-    if family not in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"):
+    if family not in MOE_FAMILIES:
         return None
     return moe_of_config(raw, family, num_layers=num_layers, where=where)
-
-
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
 
 
 def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, where: Path | str = "config.json") -> MoE:
@@ -223,7 +231,10 @@ def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, wher
 
     A setting HF does not run the same way is refused with a ModelError."""
     where = Path(where)
-    deepseek = family in ("deepseek_v2", "deepseek_v3", "glm4_moe")
+    deepseek = family in _DEEPSEEK_DEFAULTS
+
+    def get(key):
+        return raw[key] if raw.get(key) is not None else _DEEPSEEK_DEFAULTS[family][key]
     try:
         num_layers = int(raw["num_hidden_layers"]) if num_layers is None else num_layers
         experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw["num_local_experts"])
@@ -235,29 +246,29 @@ def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, wher
             layers = tuple(i not in skip and (i + 1) % step == 0 for i in range(num_layers))
         elif deepseek:
             size = int(raw["moe_intermediate_size"])
-            dense = int(raw.get("first_k_dense_replace", 1 if family == "glm4_moe" else 0))
+            dense = int(get("first_k_dense_replace"))
             layers = tuple(i >= dense for i in range(num_layers))
         else:
             size = int(raw["intermediate_size"])
             layers = (True,) * num_layers
         shared = int(raw.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else (
-            size * int(raw.get("n_shared_experts") or 0) if deepseek else 0)
-        scaling = float(raw.get("routed_scaling_factor") or 1.0) if deepseek else 1.0
-        n_group = int(raw.get("n_group") or 1) if deepseek else 1
-        topk_group = int(raw.get("topk_group") or n_group) if deepseek else 1
+            size * int(get("n_shared_experts")) if deepseek else 0)
+        scaling = float(get("routed_scaling_factor")) if deepseek else 1.0
+        n_group = int(get("n_group")) if deepseek else 1
+        topk_group = int(get("topk_group")) if deepseek else 1
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"{where}: an incomplete mixture-of-experts config: {e!r}") from e
     if not 1 <= top_k <= experts:
         raise ModelError(f"{where}: num_experts_per_tok {top_k} must lie in [1, {experts}] (the experts)")
     if family == "qwen3_moe" and int(raw.get("shared_expert_intermediate_size") or 0):
         raise ModelError(f"{where}: shared experts are not supported for qwen3_moe (they are for qwen2_moe)")
-    norm = family == "mixtral" or bool(raw.get("norm_topk_prob", family in ("glm4_moe", "deepseek_v3")))
+    norm = family == "mixtral" or bool(get("norm_topk_prob") if deepseek else raw.get("norm_topk_prob", False))
     scoring, group_score, bias = "softmax", "top2", False
     if family == "deepseek_v2":
         method = raw.get("topk_method") or "greedy"
-        if method not in ("greedy", "group_limited_greedy"):
-            raise ModelError(f"{where}: topk_method {method!r} is not supported for deepseek_v2; "
-                             "supported: greedy, group_limited_greedy")
+        if method not in ("greedy", "group_limited_greedy") or raw.get("scoring_func", "softmax") != "softmax":
+            raise ModelError(f"{where}: topk_method {method!r} / scoring_func {raw.get('scoring_func')!r} are not "
+                             "supported for deepseek_v2; supported: greedy, group_limited_greedy with softmax scores")
         if norm:
             raise ModelError(f"{where}: norm_topk_prob true is not supported for deepseek_v2 (transformers "
                              "does not renormalise its top-k weights)")
