@@ -130,6 +130,8 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
     attention_bias = bool(raw.get("attention_bias", False))
     window = raw.get("sliding_window")
     window = int(window) if window else None
+    if family in ("smollm3", "qwen2_moe") and not raw.get("use_sliding_window", False):
+        window = None  # the window is used only when use_sliding_window says so
     pre_attn = raw.get("query_pre_attn_scalar")
     moe = _moe_of(family, raw, where, num_layers)
     qkv_bias = {"qwen2": True, "qwen2_moe": bool(raw.get("qkv_bias", True))}.get(family, attention_bias)
@@ -176,7 +178,7 @@ def _rope_layers(family: str, raw: dict, where: Path, num_layers: int) -> tuple[
 
 def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: int | None) -> tuple[str, ...]:
     """"full" or "sliding" per layer: config.json's layer_types when it has them, else the family's rule."""
-    if not window or (family in ("smollm3", "qwen2_moe") and not raw.get("use_sliding_window", False)):
+    if not window:
         return ("full",) * num_layers
     named = raw.get("layer_types")
     if named:
@@ -190,6 +192,9 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
         first = int(raw.get("max_window_layers", num_layers))
         on = bool(raw.get("use_sliding_window", False))
         return tuple("sliding" if on and i >= first else "full" for i in range(num_layers))
+    if family == "smollm3":  # its NoPE layers slide
+        ropes = _rope_layers(family, raw, where, num_layers)
+        return tuple("full" if r else "sliding" for r in ropes)
     if family == "gemma2":
         return tuple("sliding" if i % 2 == 0 else "full" for i in range(num_layers))
     if family == "gemma3":

@@ -76,7 +76,8 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
                                                           topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
                                                           first_k_dense_replace=1, routed_scaling_factor=2.5,
                                                           use_qk_norm=True, attention_bias=True)),
-    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(no_rope_layers=[1, 0, 1])),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(no_rope_layers=[1, 0, 1], use_sliding_window=True,
+                                                         sliding_window=WINDOW)),  # its NoPE layer slides
 }
 
 

@@ -100,6 +100,7 @@ def test_the_description_says_what_the_forward_runs(family):
         assert arch.rotary == 0.5 and arch.qkv_bias and not arch.o_bias
     if name == "smollm3":
         assert arch.rope_layers == (True, False, True) and [arch.ropes(i) for i in range(3)] == [True, False, True]
+        assert arch.layer_types == ("full", "sliding", "full") and arch.sliding_window == WINDOW
 
 
 def test_the_graph_step_body_equals_the_forward(family):

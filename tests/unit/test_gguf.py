@@ -27,7 +27,7 @@ from .test_families import PROMPT, STEPS, greedy, shards_of
 # (GLM: llama.cpp writes no expert groups; SmolLM3: llama.cpp's NoPE layers are every 4th, fixed)
 FAMILIES = {"llama": {}, "qwen2": dict(use_sliding_window=False), "qwen3": {}, "qwen3_moe": {}, "mixtral": {},
             "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}, "qwen2_moe": {},
-            "glm4_moe": dict(n_group=1, topk_group=1), "smollm3": dict(num_hidden_layers=4, no_rope_layers=None)}
+            "glm4_moe": dict(n_group=1, topk_group=1), "smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False)}
 LLAMA3 = dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
