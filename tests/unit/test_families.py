@@ -210,3 +210,21 @@ def test_one_head_norm_call_equals_a_norm_per_head_kind(dtype, gemma):
     both = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)])
     apart = torch.cat([rms_norm(x[:, :heads], q_norm, 1e-6, gemma), rms_norm(x[:, heads:], k_norm, 1e-6, gemma)], 1)
     assert torch.equal(head_norm(x, both, 1e-6, gemma), apart)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "glm4_moe"])
+def test_bfloat16_mixtures_equal_transformers(name, tmp_path):
+    """In bfloat16 the casts count: the float32 router and correction bias (GLM), the routing weights'
+    dtype, the shared expert added to the routed output. The same logits as transformers with its
+    experts run as its modeling file writes them (experts_implementation="eager"; its default,
+    grouped_mm, sums a row's weighted experts in float32 before casting)."""
+    from transformers import AutoModelForCausalLM
+
+    path = build(name, tmp_path / name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager").eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0, -1].float()
+    shard = Shard.load(path, 0, 3, first=True, last=True, dtype=torch.bfloat16)
+    got = shard.logits(PagedCache(shard).forward(shard.embed(torch.tensor(PROMPT)), [("s", 0, PROMPT)]))[-1]
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-3 and int(got.argmax()) == int(want.argmax()), f"{name}: relative error {err:.3g}"
