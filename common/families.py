@@ -21,6 +21,13 @@ stage's one forward reads: where the families differ, nothing else.
                                       sliding/full layers; YaRN; experts only (router with a bias: top-k of its
                                       logits, then softmax over those k), with biases and a clamped SwiGLU
                                       (checkpoint: fused 3-D expert tensors, gate/up interleaved; or MXFP4)
+    qwen2_moe   qwen2_moe             q/k/v biases; experts (softmax top-k) plus a shared expert scaled by a sigmoid gate
+    glm4_moe    glm4_moe              q/k/v biases, q/k norms (as configured); RoPE on the first half of each head
+                                      (partial_rotary_factor); dense first layers, then experts routed by sigmoid
+                                      scores with a correction bias, in groups ("noaux_tc"), plus shared experts
+    smollm3     smollm3               no RoPE on every 4th layer (no_rope_layers)
+
+The mixture-of-experts description (`MoE`, `moe_of_config`) serves DeepSeek V2 / V3 too.
 
 Everything here is read from config.json alone (no torch, no transformers); what the forward cannot
 run exactly is refused with a ModelError naming what is supported.
@@ -32,14 +39,16 @@ from pathlib import Path
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3",
-               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
+               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
+               "qwen2_moe": "qwen2_moe", "glm4_moe": "glm4_moe", "smollm3": "smollm3"}
 """config.json's model_type -> the family that runs it."""
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "swiglu_oai": "swiglu_oai"}
 GEMMA = ("gemma2", "gemma3")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
-TIED_BY_DEFAULT = GEMMA  # families whose config.json may leave tie_word_embeddings out, meaning tied
+PARTIAL_ROTARY = {"glm4_moe": 0.5}  # families whose RoPE may cover only part of a head -> their default share
+TIED_BY_DEFAULT = GEMMA + ("smollm3",)  # families whose config.json may leave tie_word_embeddings out, meaning tied
 
 
 class ModelError(ValueError):
@@ -57,8 +66,21 @@ class MoE:
     weights_in_float: bool      # the routing weights scale the experts' outputs in float32 (Mixtral),
                                 # else in the model dtype (Qwen3-MoE)
     layers: tuple[bool, ...]    # which decoder layers route (the others run a dense MLP)
-    scoring: str = "softmax"    # "softmax": top k of the softmax of the router's logits (HF's Mixtral/Qwen3-MoE);
-                                # "topk_softmax": softmax over the top k logits (gpt-oss; the router has a bias)
+    # The general router (DeepSeek V2 / V3, GLM-4.5); the defaults are Qwen3-MoE's and Mixtral's.
+    scoring: str = "softmax"    # the experts' scores from the router logits: "softmax" | "sigmoid" (in float32)
+                                # | "topk_softmax": softmax over the top k logits (gpt-oss; the router has a bias)
+    router_in_float: bool = False  # the router (held in float32) multiplies the rows cast to float32
+                                # (DeepSeek, GLM); else the model dtype's rows and router
+    correction_bias: bool = False  # a per-expert bias (e_score_correction_bias) added to the scores to
+                                # choose the experts only; their weights stay the plain scores
+    n_group: int = 1            # experts split into this many groups; a token picks topk_group groups,
+    topk_group: int = 1         # then its top_k experts among theirs
+    group_score: str = "top2"   # a group's score: "top2": the sum of its two best (V3, GLM; masked -inf)
+                                # | "max": its best (V2's group_limited_greedy; masked to 0)
+    norm_eps: float = 0.0       # added to the top-k sum when renormalising (1e-20: DeepSeek V3, GLM)
+    routed_scaling_factor: float = 1.0  # the routing weights multiplied by this
+    shared_intermediate_size: int = 0  # a shared expert every token runs (0: none), added to the routed output
+    shared_gate: bool = False   # the shared expert's output scaled by sigmoid(h . gate) (Qwen2-MoE)
 
 
 @dataclass(frozen=True)
@@ -105,6 +127,8 @@ class Arch:
     layer_types: tuple[str, ...] = ()       # per decoder layer: "full" | "sliding"
     moe: MoE | None = None
     mla: MLA | None = None                  # multi-head latent attention in place of q/k/v heads
+    rotary: float = 1.0                     # RoPE on the first rotary * head_dim dims of each head (rotate-half)
+    rope_layers: tuple[bool, ...] = ()      # per decoder layer: RoPE applied (empty: every layer; SmolLM3's NoPE)
     checkpoint: str = "llama"               # tensor naming: "llama" | "phi3" (fused) | "qwen3_moe" | "mixtral"
                                             # | "gpt_oss" (fused 3-D experts, or their MXFP4 blocks/scales)
     sinks: bool = False                     # a learned logit per head joins each row's softmax (gpt-oss)
@@ -119,6 +143,10 @@ class Arch:
         """Whether decoder `layer` runs a mixture of experts."""
         return self.moe is not None and self.moe.layers[layer]
 
+    def ropes(self, layer: int) -> bool:
+        """Whether decoder `layer` rotates q and k (SmolLM3 leaves some layers without position encoding)."""
+        return not self.rope_layers or self.rope_layers[layer]
+
 
 def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_dim: int) -> Arch:
     """The Arch of a config.json (already known to name a supported model_type)."""
@@ -131,21 +159,29 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         act = "swiglu_oai"
     if act not in ACTIVATIONS:
         raise ModelError(f"{where}: activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if rotary not in (None, 1, 1.0):
-        raise ModelError(f"{where}: partial_rotary_factor {rotary} is not supported (RoPE over the whole head only)")
+    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    rotary = float(PARTIAL_ROTARY.get(family, 1.0) if rotary is None else rotary)
+    if rotary != 1.0 and family not in PARTIAL_ROTARY:
+        raise ModelError(f"{where}: partial_rotary_factor {rotary} is not supported for {family} (RoPE over the "
+                         f"whole head; partial RoPE for: {', '.join(PARTIAL_ROTARY)})")
+    if not 0 < rotary <= 1 or int(head_dim * rotary) % 2:
+        raise ModelError(f"{where}: partial_rotary_factor {rotary} must give an even number of rotated dims "
+                         f"in (0, head_dim {head_dim}]")
     attention_bias = bool(raw.get("attention_bias", False))
     window = raw.get("sliding_window")
     window = int(window) if window else None
+    if family in ("smollm3", "qwen2_moe") and not raw.get("use_sliding_window", False):
+        window = None  # the window is used only when use_sliding_window says so
     pre_attn = raw.get("query_pre_attn_scalar")
     moe = _moe_of(family, raw, where, num_layers)
     mla = _mla_of(raw, where) if family in DEEPSEEK else None
+    qkv_bias = {"qwen2": True, "qwen2_moe": bool(raw.get("qkv_bias", True))}.get(family, attention_bias)
     return Arch(
         family=family,
-        qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family != "qwen2" and attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=family not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=family in QK_NORM,
+        qk_norm=family in QK_NORM or (family == "glm4_moe" and bool(raw.get("use_qk_norm", False))),
         norm="gemma" if family in GEMMA else "llama",
         sandwich=family in GEMMA,
         activation=ACTIVATIONS[act],
@@ -158,8 +194,11 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         layer_types=_layer_types(family, raw, where, num_layers, window),
         moe=moe,
         mla=mla,
-        checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}.get(family,
-                                                                                                          "llama"),
+        rotary=rotary,
+        rope_layers=_rope_layers(family, raw, where, num_layers),
+        checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen3_moe",
+                    "glm4_moe": "qwen3_moe", "deepseek_v2": "qwen3_moe", "deepseek_v3": "qwen3_moe",
+                    "gpt_oss": "gpt_oss"}.get(family, "llama"),
         **(_gpt_oss(raw, where) if family == "gpt_oss" else {}),
     )
 
@@ -209,6 +248,20 @@ def _cap(value) -> float | None:
     return float(value) if value else None
 
 
+def _rope_layers(family: str, raw: dict, where: Path, num_layers: int) -> tuple[bool, ...]:
+    """SmolLM3: which layers rotate (no_rope_layers: 1 = RoPE, 0 = none; by default every
+    no_rope_layer_interval-th layer has none); () for the other families (every layer)."""
+    if family != "smollm3":
+        return ()
+    named = raw.get("no_rope_layers")
+    if named is None:
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        return tuple((i + 1) % interval != 0 for i in range(num_layers))
+    if len(named) != num_layers or any(v not in (0, 1) for v in named):
+        raise ModelError(f"{where}: no_rope_layers must give 0 or 1 for each of the {num_layers} layers")
+    return tuple(bool(v) for v in named)
+
+
 def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: int | None) -> tuple[str, ...]:
     """"full" or "sliding" per layer: config.json's layer_types when it has them, else the family's rule."""
     if not window:
@@ -221,10 +274,13 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
             raise ModelError(f"{where}: layer_types must give one of {', '.join(kinds)} for each of the "
                              f"{num_layers} layers (got {len(named)}{', ' + ', '.join(map(str, bad)) if bad else ''})")
         return tuple(kinds[t] for t in named)
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         first = int(raw.get("max_window_layers", num_layers))
         on = bool(raw.get("use_sliding_window", False))
         return tuple("sliding" if on and i >= first else "full" for i in range(num_layers))
+    if family == "smollm3":  # its NoPE layers slide
+        ropes = _rope_layers(family, raw, where, num_layers)
+        return tuple("full" if r else "sliding" for r in ropes)
     if family == "gemma2":
         return tuple("sliding" if i % 2 == 0 else "full" for i in range(num_layers))
     if family == "gemma3":
@@ -233,27 +289,101 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
     return ("sliding",) * num_layers  # mistral, phi3, llama with a window: every layer
 
 
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+_DEEPSEEK_DEFAULTS = {  # transformers' config defaults where config.json leaves a key out (or null)
+    "glm4_moe": dict(first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                     norm_topk_prob=True),
+    "deepseek_v3": dict(first_k_dense_replace=3, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
+                        topk_group=4, norm_topk_prob=True),
+    "deepseek_v2": dict(first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0, n_group=1,
+                        topk_group=1, norm_topk_prob=False),
+}
+
+
 def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
-    if family not in ("qwen3_moe", "mixtral", "gpt_oss"):
+    if family not in MOE_FAMILIES:
         return None
+    return moe_of_config(raw, family, num_layers=num_layers, where=where)
+
+
+def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, where: Path | str = "config.json") -> MoE:
+    """The MoE of a raw config.json dict of a mixture family (MOE_FAMILIES: the families run here, and
+    DeepSeek V2 / V3, whose MoE blocks are HF's DeepseekV2Moe / DeepseekV3MoE), as HF 5.24 runs it:
+
+        qwen3_moe, mixtral  softmax top-k (renormalised if norm_topk_prob; Mixtral always)
+        qwen2_moe           as qwen3_moe, plus a shared expert (shared_expert_intermediate_size) scaled
+                            by sigmoid(shared_expert_gate); mlp_only_layers / decoder_sparse_step
+        deepseek_v2         softmax in float32; topk_method "greedy" or "group_limited_greedy" (groups
+                            scored by their best expert); times routed_scaling_factor; no renormalising
+        deepseek_v3,        sigmoid scores + e_score_correction_bias to choose ("noaux_tc"); groups scored
+        glm4_moe            by their two best; renormalised (+1e-20) if norm_topk_prob; times routed_scaling_factor
+        (DeepSeek, GLM)     n_shared_experts * moe_intermediate_size of shared experts; dense first
+                            first_k_dense_replace layers; the router in float32
+
+    A setting HF does not run the same way is refused with a ModelError."""
+    where = Path(where)
+    deepseek = family in _DEEPSEEK_DEFAULTS
+
+    def get(key):
+        return raw[key] if raw.get(key) is not None else _DEEPSEEK_DEFAULTS[family][key]
     try:
-        experts = int(raw.get("num_experts") or raw["num_local_experts"])
+        num_layers = int(raw["num_hidden_layers"]) if num_layers is None else num_layers
+        experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw["num_local_experts"])
         top_k = int(raw["num_experts_per_tok"])
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "qwen2_moe"):
             size = int(raw["moe_intermediate_size"])
             skip = set(raw.get("mlp_only_layers") or [])
             step = int(raw.get("decoder_sparse_step", 1))
             layers = tuple(i not in skip and (i + 1) % step == 0 for i in range(num_layers))
+        elif deepseek:
+            size = int(raw["moe_intermediate_size"])
+            dense = int(get("first_k_dense_replace"))
+            layers = tuple(i >= dense for i in range(num_layers))
         else:  # mixtral, gpt_oss: every layer routes
             size = int(raw["intermediate_size"])
             layers = (True,) * num_layers
+        shared = int(raw.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else (
+            size * int(get("n_shared_experts")) if deepseek else 0)
+        scaling = float(get("routed_scaling_factor")) if deepseek else 1.0
+        n_group = int(get("n_group")) if deepseek else 1
+        topk_group = int(get("topk_group")) if deepseek else 1
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"{where}: an incomplete mixture-of-experts config: {e!r}") from e
     if not 1 <= top_k <= experts:
         raise ModelError(f"{where}: num_experts_per_tok {top_k} must lie in [1, {experts}] (the experts)")
     if family == "qwen3_moe" and int(raw.get("shared_expert_intermediate_size") or 0):
-        raise ModelError(f"{where}: shared experts are not supported")
-    return MoE(num_experts=experts, top_k=top_k, intermediate_size=size,
-               norm_topk_prob=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
-               weights_in_float=family == "mixtral", layers=layers,
-               scoring="topk_softmax" if family == "gpt_oss" else "softmax")
+        raise ModelError(f"{where}: shared experts are not supported for qwen3_moe (they are for qwen2_moe)")
+    norm = family == "mixtral" or bool(get("norm_topk_prob") if deepseek else raw.get("norm_topk_prob", False))
+    scoring, group_score, bias = "softmax", "top2", False
+    if family == "deepseek_v2":
+        method = raw.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy") or raw.get("scoring_func", "softmax") != "softmax":
+            raise ModelError(f"{where}: topk_method {method!r} / scoring_func {raw.get('scoring_func')!r} are not "
+                             "supported for deepseek_v2; supported: greedy, group_limited_greedy with softmax scores")
+        if norm:
+            raise ModelError(f"{where}: norm_topk_prob true is not supported for deepseek_v2 (transformers "
+                             "does not renormalise its top-k weights)")
+        group_score = "max"
+        if method == "greedy":
+            n_group = topk_group = 1
+    elif family in ("deepseek_v3", "glm4_moe"):
+        scoring, bias = "sigmoid", True
+        method = raw.get("topk_method", "noaux_tc")
+        if method != "noaux_tc" or raw.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ModelError(f"{where}: topk_method {method!r} / scoring_func {raw.get('scoring_func')!r} are "
+                             f"not supported for {family}; supported: noaux_tc with sigmoid scores")
+    elif family == "gpt_oss":
+        scoring = "topk_softmax"
+    if deepseek and int(raw.get("moe_layer_freq") or 1) != 1:
+        raise ModelError(f"{where}: moe_layer_freq {raw.get('moe_layer_freq')} is not supported (experts on every "
+                         "layer from first_k_dense_replace on)")
+    per_group = experts // max(n_group, 1)
+    if n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group or (
+            n_group > 1 and (group_score == "top2" and per_group < 2 or topk_group * per_group < top_k)):
+        raise ModelError(f"{where}: n_group {n_group} / topk_group {topk_group} must split the {experts} experts "
+                         f"into equal groups (of at least 2 for noaux_tc) that hold num_experts_per_tok {top_k}")
+    return MoE(num_experts=experts, top_k=top_k, intermediate_size=size, norm_topk_prob=norm,
+               weights_in_float=family == "mixtral" or deepseek, layers=layers,
+               scoring=scoring, router_in_float=deepseek, correction_bias=bias, n_group=n_group,
+               topk_group=topk_group, group_score=group_score, norm_eps=1e-20 if bias else 0.0,
+               routed_scaling_factor=scaling, shared_intermediate_size=shared, shared_gate=family == "qwen2_moe")

@@ -131,6 +131,7 @@ class ModelSpec:
         sinks: bool = False,
         expert_bias: bool = False,
         router_bias: bool = False,
+        moe_shared_params: int = 0,
     ) -> "ModelSpec":
         """A decoder from its config.
 
@@ -143,8 +144,9 @@ class ModelSpec:
         - a dense MLP's params M = 3*h*i  [gate, up, down]
         - a mixture (E = num_experts, k = experts_per_token, f = expert_intermediate_size, on s of
           the layers, `moe_layers`, default all): X = 3*h*f (+ 2*f + h, `expert_bias`) per expert,
-          router R = E*h (+ E, `router_bias`); the
-          average layer's MLP holds (s*(R + E*X) + (L - s)*M) / L and runs (s*(R + k*X) + (L - s)*M) / L
+          router R = E*h (+ E, `router_bias`) + S, where S = `moe_shared_params` is what every token of a
+          routing layer reads besides (shared experts, their gate, the correction bias); the average
+          layer's MLP holds (s*(R + E*X) + (L - s)*M) / L and runs (s*(R + k*X) + (L - s)*M) / L
         - layer_weight_bytes = ceil((A + MLP held) * b) ;  layer_flops_per_token = 2 * (A + MLP run)
         - expert_bytes = ceil(X * b * s / L)  (the average layer's share of one expert)
         - attention_flops_per_context_token = 4 * a * d  (QK^T and AV, 2 FLOPs per multiply-add)
@@ -176,7 +178,7 @@ class ModelSpec:
         if num_experts:
             s = L if moe_layers is None else moe_layers
             expert = 3 * h * expert_intermediate_size + ((2 * expert_intermediate_size + h) if expert_bias else 0)
-            router = num_experts * h + (num_experts if router_bias else 0)
+            router = num_experts * h + (num_experts if router_bias else 0) + moe_shared_params
             held = (s * (router + num_experts * expert) + (L - s) * dense) / L
             run = (s * (router + experts_per_token * expert) + (L - s) * dense) / L
             expert = expert * s / L

@@ -22,6 +22,8 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -32,10 +34,14 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 WINDOW = 8          # the sliding window of the families that have one: shorter than the test prompts
@@ -44,6 +50,8 @@ VOCAB = 49152       # the default model's tokenizer
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, bos_token_id=None,
               eos_token_id=None, pad_token_id=None)
+DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                    moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
 FAMILIES = {  # family -> (config class, model class, its own settings)
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=WINDOW)),
@@ -68,15 +76,16 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
                                                                                     "rope_theta": 10000.0}})),
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(sliding_window=WINDOW)),
     # multi-head latent attention: q and kv through low-rank latents (V2-Lite's q straight from x), rotary
-    # dims interleaved, V3 with YaRN and its mscale; the first layer dense
+    # dims interleaved, V3 with YaRN and its mscale; the first layer dense, then experts routed in groups (V3:
+    # sigmoid with a correction bias; V2: softmax, groups by their best) with shared experts
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
         num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-        first_k_dense_replace=LAYERS, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                       "original_max_position_embeddings": 128, "mscale": 1.0,
-                                                       "mscale_all_dim": 1.0})),
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                         "mscale": 1.0, "mscale_all_dim": 1.0}, **DEEPSEEK_MOE)),
     "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(
         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=12, first_k_dense_replace=LAYERS)),
+        v_head_dim=12, topk_method="group_limited_greedy", **dict(DEEPSEEK_MOE, n_shared_experts=2, routed_scaling_factor=1.5,
+                                                                 norm_topk_prob=False))),
     # sinks (random at init), alternating sliding/full layers, YaRN, 4 experts top-2 with biases and a clamp
     # that bites (limit 3: gate/up values reach it), q/k/v/o biases
     "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -87,6 +96,17 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
                                                                         "factor": 4.0, "beta_fast": 32.0,
                                                                         "beta_slow": 1.0, "truncate": False,
                                                                         "original_max_position_embeddings": 128})),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_experts=6, num_experts_per_tok=2,
+                                                             moe_intermediate_size=32, norm_topk_prob=False,
+                                                             shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # sigmoid routing in 4 groups of 2 experts (2 groups chosen), a correction bias, a shared expert, the
+    # first layer dense, q/k norms and biases, RoPE on half of each head
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                                          topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+                                                          first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                                          use_qk_norm=True, attention_bias=True)),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(no_rope_layers=[1, 0, 1], use_sliding_window=True,
+                                                         sliding_window=WINDOW)),  # its NoPE layer slides
 }
 
 
@@ -110,6 +130,10 @@ def build(family: str, path: Path, tokenizer_dir: Path | None = None, *, seed: i
     model = model_cls(config).eval()
     if family in AFTER_INIT:
         AFTER_INIT[family](model)
+    with torch.no_grad():  # HF starts the routers' correction biases at zero: make them choose
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape, dtype=buf.dtype) * 0.5)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer_dir is not None:

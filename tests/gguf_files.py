@@ -1,8 +1,10 @@
 """GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, made in the test from a
 tiny checkpoint of tests/families.py with the `gguf` package's writer: llama.cpp's tensor names,
-Llama's q/k rows permuted for its RoPE, Gemma's norms stored as 1 + w, experts stacked in one
-tensor per projection, Phi-3's fused projections kept fused, gpt-oss's fused experts split into gate / up /
-down [experts, out, in] (its convert_hf_to_gguf.py GptOssModel; MXFP4 experts as GGML's MXFP4); the tokenizer (and chat template) of
+Llama's (and SmolLM3's) q/k rows permuted for its RoPE, Gemma's norms stored as 1 + w, experts
+stacked in one tensor per projection, Phi-3's fused projections kept fused, Llama 3.1's RoPE scaling
+as a rope_freqs table, GLM's multi-token-prediction layer as an extra block, gpt-oss's fused experts
+split into gate / up / down [experts, out, in] (its convert_hf_to_gguf.py GptOssModel; MXFP4 experts as
+GGML's MXFP4), DeepSeek's kv_b_proj split per head into k_b (transposed) and v_b; the tokenizer (and chat template) of
 the default model's GGUF. Written independently of the converter under test, from llama.cpp's
 naming, so a mistake on either side shows."""
 from __future__ import annotations
@@ -17,7 +19,7 @@ from safetensors.torch import load_file
 
 ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
         "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
-        "gpt_oss": "gpt-oss"}
+        "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe", "smollm3": "smollm3"}
 LAYER = {  # checkpoint name after "model.layers.N." -> llama.cpp's after "blk.N."
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -30,6 +32,9 @@ LAYER = {  # checkpoint name after "model.layers.N." -> llama.cpp's after "blk.N
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    **{f"mlp.shared_expert{s}.{x}_proj.weight": f"ffn_{x}_shexp.weight" for s in ("", "s") for x in ("gate", "up", "down")},
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",  # llama.cpp: e_score_correction.bias
 }
 DEEPSEEK = {  # MLA (kv_b_proj is split in two, below), shared experts, the router's correction bias
     "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
@@ -53,6 +58,28 @@ EXPERT_KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: q/k rows from rotate-half to interleaved pairs."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_factors(cfg: dict) -> np.ndarray:
+    """llama.cpp's rope_freqs of a "llama3" RoPE scaling (LlamaModel.generate_extra_tensors)."""
+    import math
+
+    rope = cfg["rope_parameters"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = cfg.get("original_max_position_embeddings", 8192)  # llama.cpp reads it at the top level
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
@@ -86,7 +113,8 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     if deepseek:  # llama.cpp: MLA as multi-query attention over the latent
         kv_heads = 1
     w = GGUFWriter(str(out), arch or ARCH[family])
-    w.add_block_count(layers)
+    nextn = 1 if family == "glm4_moe" else 0  # llama.cpp counts GLM's MTP layer among the blocks
+    w.add_block_count(layers + nextn)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -151,9 +179,22 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(rope["factor"])
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if family == "qwen3_moe":
             w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+        if family == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if family == "glm4_moe":  # llama.cpp's Glm4MoeModel.set_gguf_parameters
+        from gguf import ExpertGatingFuncType
+
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_nextn_predict_layers(nextn)
     copy_tokenizer(w, tokenizer_gguf)
 
     def add(name: str, x: np.ndarray, qtype: str = qtype) -> None:
@@ -166,6 +207,11 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             q = GGMLQuantizationType[qtype]
             w.add_tensor(name, quantize(x, q), raw_dtype=q)
 
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_factors(cfg))
+    if nextn:  # a few of the MTP layer's tensors (llama.cpp keeps them; nothing runs them here)
+        add(f"blk.{layers}.nextn.eh_proj.weight", np.ones((cfg["hidden_size"], 2 * cfg["hidden_size"])))
+        add(f"blk.{layers}.attn_norm.weight", np.ones(cfg["hidden_size"]))
     stacked: dict[str, dict[int, np.ndarray]] = {}
     for name, x in state.items():
         if gemma and name.endswith("norm.weight"):
@@ -204,9 +250,10 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].swapaxes(1, 2))
             add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:])
             continue
-        target = (GEMMA_POST_ATTENTION if gemma and rest == "post_attention_layernorm.weight"
+        post_norm = gemma or family == "glm4_moe"  # GLM's norm before the MLP is llama.cpp's post_attention_norm
+        target = (GEMMA_POST_ATTENTION if post_norm and rest == "post_attention_layernorm.weight"
                   else DEEPSEEK[rest] if deepseek and rest in DEEPSEEK else LAYER[rest])
-        if ARCH[family] == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+        if ARCH[family] in ("llama", "smollm3") and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             x = permute(x, heads if "q_proj" in rest else kv_heads)
         add(f"blk.{layer}.{target}", x)
     for name, per_expert in stacked.items():

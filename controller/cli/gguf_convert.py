@@ -3,9 +3,11 @@
 
 Tensor by tensor: the file is memory-mapped, each tensor dequantized on its own (gguf's own
 dequantizers: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K quants, MXFP4, ...), undone where llama.cpp's
-converter changed it (Llama's q/k rows permuted for its RoPE layout, Gemma's norms stored as
-1 + w, gpt-oss's experts split into gate / up / down and transposed: put back into transformers'
-fused [experts, in, out] tensors with gate and up interleaved), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
+converter changed it (Llama's and SmolLM3's q/k rows permuted for its RoPE layout, Gemma's norms
+stored as 1 + w, Llama 3.1's RoPE scaling turned into a table of per-frequency factors, gpt-oss's
+experts split into gate / up / down and transposed: put back into transformers' fused [experts, in,
+out] tensors with gate and up interleaved, DeepSeek's kv_b_proj split per head into k_b and v_b:
+joined back), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
 straight into one safetensors file whose header is laid out first: never the whole model in
 memory. config.json is written from the GGUF's metadata; the tokenizer and its chat template come
 from the GGUF too (transformers builds them from the metadata alone). The work happens in a
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 MARKER = ".logicpipe-converted.json"
 DTYPES = {"bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
-                 "gemma3": "gemma3", "phi3": "phi3", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"}
+                 "gemma3": "gemma3", "phi3": "phi3", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3",
+                 "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe", "smollm3": "smollm3"}
 """GGUF general.architecture -> the family it converts to ("llama" with experts: Mixtral; llama.cpp
 writes Mistral as "llama" too; "deepseek2" is DeepSeek V2, V3 and Kimi K2: V2 where its experts are
 chosen by softmax)."""
@@ -74,6 +77,14 @@ _GPT_OSS = {"post_attention_norm.weight": "post_attention_layernorm.weight", "at
             "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
 _GPT_OSS_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps\.(weight|bias)")  # gate + up -> gate_up_proj, interleaved
 GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}  # llama.cpp's constants (the GGUF holds no key)
+_SHARED = {f"ffn_{x}_shexp.weight": f"{x}_proj.weight" for x in ("gate", "up", "down")}  # after mlp.shared_expert(s).
+_QWEN2_MOE = {**{k: "mlp.shared_expert." + v for k, v in _SHARED.items()},
+              "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
+_GLM4_MOE = {**{k: "mlp.shared_experts." + v for k, v in _SHARED.items()},
+             "post_attention_norm.weight": "post_attention_layernorm.weight",  # GLM's norm before the MLP
+             "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE factors (Llama 3.1's "llama3" scaling)
+PERMUTED = ("llama", "mixtral", "smollm3")  # families whose q/k rows llama.cpp permutes
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,7 @@ class Out:
                           # (permute_heads then counts the heads; there is no RoPE permutation)
     pair: object = None     # gpt-oss: the up tensor, interleaved with `source` (gate) along dim 1
     transpose: bool = False  # gpt-oss's expert matrices: GGUF's [experts, out, in] -> [experts, in, out]
+    float32: bool = False   # kept in float32 whatever the dtype (the routers' correction bias, as HF keeps it)
 
 
 def default_out_dir(gguf_path: Path, dtype: str) -> Path:
@@ -187,9 +199,9 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     if any(n.startswith("rope_factors") for n in names):
         raise ModelError(f"{src}: LongRoPE factors (rope_factors_*, Phi-3's 128k variants) are not supported; use a "
                          "4k-context variant")
-    if "rope_freqs.weight" in names:
-        raise ModelError(f"{src}: a RoPE frequency table (rope_freqs, e.g. Llama 3.1's scaling) is not supported from "
-                         "GGUF yet; convert the model's safetensors checkpoint instead")
+    if ROPE_FREQS in names and family not in ("llama", "smollm3"):
+        raise ModelError(f"{src}: a RoPE frequency table (rope_freqs) is supported from GGUF for llama and smollm3 "
+                         f"(Llama 3.1's llama3 scaling), not for {family}")
 
     def get(key, default=None):
         value = meta.get(f"{arch}.{key}")
@@ -199,13 +211,17 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     layers = int(get("block_count"))
+    nextn = int(get("nextn_predict_layers", 0) or 0) if family == "glm4_moe" else 0
+    layers -= nextn  # GLM: llama.cpp counts its multi-token-prediction layers among the blocks (not run here)
     config = {
         "model_type": {"gemma3": "gemma3_text"}.get(family, family),
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                            "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                           "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family]],
+                           "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                           "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                           "smollm3": "SmolLM3ForCausalLM"}[family]],
         "num_hidden_layers": layers, "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -226,18 +242,47 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
         if scaling == "yarn":
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
+    if ROPE_FREQS in names:
+        tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+        scaling = llama3_rope(tensor.data, config["rope_theta"], int(get("rope.dimension_count", head_dim)),
+                              f"{src}: {ROPE_FREQS}")
+        if scaling is not None:
+            config["rope_parameters"] = {**scaling, "rope_theta": config.pop("rope_theta")}
     window = get("attention.sliding_window")
     if family == "gpt_oss":
         return _gpt_oss_config(config, get, experts, window, names, src)
     if family in ("deepseek_v2", "deepseek_v3"):
         config.update(deepseek_config(get, family, layers, experts, config))
+    if family == "qwen2_moe":
+        config["num_experts"], config["num_experts_per_tok"] = experts, int(get("expert_used_count"))
+        config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+        config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0) or 0)
+        config["norm_topk_prob"] = bool(get("expert_weights_norm", False))  # llama.cpp: off unless the file says
+        config["qkv_bias"] = "blk.0.attn_q.bias" in names
+    if family == "glm4_moe":
+        gating = get("expert_gating_func")
+        if gating not in (None, 2):  # gguf.ExpertGatingFuncType.SIGMOID
+            raise ModelError(f"{src}: expert_gating_func {gating} is not supported for glm4moe (2, sigmoid, is)")
+        config.update(
+            n_routed_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            n_shared_experts=int(get("expert_shared_count", 0) or 0),
+            first_k_dense_replace=int(get("leading_dense_block_count", 0) or 0),
+            routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0),
+            norm_topk_prob=bool(get("expert_weights_norm", False)),
+            n_group=int(get("expert_group_count", 1) or 1), topk_group=int(get("expert_group_used_count", 1) or 1),
+            partial_rotary_factor=int(get("rope.dimension_count", head_dim)) / head_dim,
+            use_qk_norm="blk.0.attn_q_norm.weight" in names, attention_bias="blk.0.attn_q.bias" in names,
+            num_nextn_predict_layers=0)  # the MTP layers are left out of the checkpoint
+    if family == "smollm3":
+        config["no_rope_layer_interval"] = 4  # llama.cpp: fixed, no key in the file
     if family in ("qwen3_moe", "mixtral"):
         config["num_experts" if family == "qwen3_moe" else "num_local_experts"] = experts
         config["num_experts_per_tok"] = int(get("expert_used_count"))
         if family == "qwen3_moe":
             config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
             config["norm_topk_prob"] = bool(get("expert_weights_norm", True))
-    if family in ("qwen3_moe", "mixtral"):  # layers without a router have a dense MLP (Qwen3-MoE's mlp_only_layers)
+    if family in ("qwen3_moe", "mixtral", "qwen2_moe"):  # layers without a router have a dense MLP (Qwen3-MoE's mlp_only_layers)
         dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
         if dense and family == "mixtral":
             raise ModelError(f"{src}: Mixtral layers {dense} have no router")
@@ -309,6 +354,8 @@ def _gpt_oss_tensor(rest: str, p: str, shape: tuple[int, ...], t, by_name: dict)
     if what == "bias":
         return [Out(f"{p}mlp.experts.gate_up_proj_bias", (shape[0], 2 * shape[1]), t, pair=up)]
     return [Out(f"{p}mlp.experts.gate_up_proj", (shape[0], shape[2], 2 * shape[1]), t, pair=up, transpose=True)]
+
+
 def deepseek_config(get, family: str, layers: int, experts: int, config: dict) -> dict:
     """config.json's DeepSeek fields from llama.cpp's deepseek2 metadata: MLA's ranks and head sizes
     (llama.cpp writes the attention as multi-query over the latent: key_length = kv_lora + rope,
@@ -338,6 +385,55 @@ def deepseek_config(get, family: str, layers: int, experts: int, config: dict) -
     return out
 
 
+def llama3_inv_freq(theta: float, dim: int, factor: float, low: float, high: float, original: int):
+    """HF's inverse frequencies [dim // 2] (float64 numpy) of a "llama3" RoPE scaling."""
+    import numpy as np
+
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def llama3_rope(factors, theta: float, dim: int, where: str) -> dict | None:
+    """The "llama3" rope_parameters (less rope_theta) whose inverse frequencies are llama.cpp's: the
+    plain ones divided by `factors` ([dim // 2], its rope_freqs table); None where every factor is 1
+    (no scaling). llama.cpp writes the table from (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) and no metadata; they are recovered here (the table fixes
+    the band edges only as original / low and original / high: the original context is taken as
+    Llama 3.1's 8192 and the two factors fitted to the smoothed band) and checked by recomputing
+    every frequency; a table no such parameters give is refused."""
+    import numpy as np
+
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.size != dim // 2 or not np.all(np.isfinite(f)) or f.min() <= 0:
+        raise ModelError(f"{where}: {f.size} factors for a RoPE of {dim} dims; expected {dim // 2} positive ones")
+    if np.allclose(f, 1.0, rtol=0, atol=1e-7):
+        return None
+    factor, original = float(f.max()), 8192
+    want = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim) / f
+    candidates = [(1.0, 4.0)]  # Llama 3.1 / 3.2
+    medium = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if medium.sum() >= 2:  # 1 / f = (1 - s) / factor + s, s linear in 1 / wavelen: fit its two factors
+        inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv[medium] / (2 * np.pi), s, 1)  # s = original / (high - low) / wavelen - ...
+        if slope > 0:
+            span = original / slope
+            low = -intercept * span
+            candidates.append((round(low, 6), round(low + span, 6)))
+    for low, high in candidates:
+        if 0 < low < high:
+            got = llama3_inv_freq(theta, dim, factor, low, high, original)
+            if np.allclose(got, want, rtol=1e-5, atol=0):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                        "original_max_position_embeddings": original}
+    raise ModelError(f"{where}: the RoPE factors are no llama3 scaling (factor {factor:g}, tried low/high frequency "
+                     f"factors {', '.join(f'{lo:g}/{hi:g}' for lo, hi in candidates)}); not supported")
+
+
 def plan_tensors(reader, config: dict) -> list[Out]:
     """Every output tensor in file order (experts split one per tensor), ModelError for a tensor
     whose quantization cannot be undone or whose name means nothing to the family."""
@@ -356,10 +452,19 @@ def plan_tensors(reader, config: dict) -> list[Out]:
     if family in ("deepseek_v2", "deepseek_v3"):
         layer_names.update(_DEEPSEEK)
     by_name = {t.name: t for t in reader.tensors}
+    if family == "qwen2_moe":
+        layer_names.update(_QWEN2_MOE)
+    if family == "glm4_moe":
+        layer_names.update(_GLM4_MOE)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     outs: list[Out] = []
     undone: set = set()  # quantization types gguf has dequantized a row of
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # in config.json's rope_parameters (hf_config)
+            continue
+        m = re.fullmatch(r"blk\.(\d+)\..+", t.name)
+        if m is not None and int(m.group(1)) >= config["num_hidden_layers"]:  # GLM's MTP layers: not run here
+            continue
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype not in undone:
             try:
@@ -403,9 +508,12 @@ def plan_tensors(reader, config: dict) -> list[Out]:
         if rest not in layer_names:
             raise ModelError(f"tensor {t.name} means nothing to a {family} model")
         permute = 0
-        if family in ("llama", "mixtral") and rest in ("attn_q.weight", "attn_k.weight"):
+        if family in PERMUTED and rest in ("attn_q.weight", "attn_k.weight"):
             permute = heads if rest == "attn_q.weight" else kv_heads
-        outs.append(Out(p + layer_names[rest], shape, t, permute_heads=permute, minus_one=gemma_norm))
+        if rest == "ffn_gate_inp_shexp.weight":  # Qwen2-MoE's shared expert gate: [1, hidden], however stored
+            shape = (1, shape[-1])
+        outs.append(Out(p + layer_names[rest], shape, t, permute_heads=permute, minus_one=gemma_norm,
+                        float32=rest == "exp_probs_b.bias"))
     return outs
 
 
@@ -450,9 +558,9 @@ def write_safetensors(path: Path, outs: list[Out], dtype: str, say: Callable[[st
     import numpy as np
     import torch
 
-    tag, size = DTYPES[dtype]
     header, offset = {}, 0
     for o in outs:
+        tag, size = DTYPES["float32" if o.float32 else dtype]
         n = int(np.prod(o.shape)) * size
         header[o.name] = {"dtype": tag, "shape": list(o.shape), "data_offsets": [offset, offset + n]}
         offset += n
@@ -468,9 +576,9 @@ def write_safetensors(path: Path, outs: list[Out], dtype: str, say: Callable[[st
         f.write(struct.pack("<Q", len(raw)) + raw)
         for i, o in enumerate(outs):
             x = torch.from_numpy(tensor_values(o))
-            data = x.to(getattr(torch, dtype)).contiguous()
+            data = x.to(torch.float32 if o.float32 else getattr(torch, dtype)).contiguous()
             f.write(data.view(torch.uint8).numpy())  # the raw bytes (numpy has no bfloat16), no copy
-            written += data.numel() * size
+            written += data.numel() * data.element_size()
             if (i + 1) % step == 0 or i + 1 == len(outs):
                 say(f"      {i + 1}/{len(outs)} tensors, {written / 2**20:.0f}/{total / 2**20:.0f} MiB "
                     f"({time.monotonic() - t0:.0f} s)")
@@ -482,17 +590,16 @@ def write_tokenizer(src: Path, out: Path) -> None:
     """The tokenizer (and chat template) transformers builds from the GGUF's metadata."""
     from transformers import AutoTokenizer
 
-    try:
-        if _architecture(src) in TOKENIZER_ONLY:
-            tokenizer = _tokenizer_alone(src)
-        else:
+    if _architecture(src) in TOKENIZER_ONLY:
+        tokenizer = _tokenizer_alone(src)
+    else:
+        try:
             tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    except ValueError as exc:
-        if "not supported" not in str(exc):
-            raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
-        tokenizer = _tokenizer_alone(src)  # transformers reads no model of this architecture (deepseek2, ...)
-    except Exception as exc:
-        raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
+        except Exception as exc:  # an architecture transformers reads no GGUF config of (deepseek2, glm4moe,
+            try:                  # smollm3, ...): the tokenizer from the file's tokenizer fields alone
+                tokenizer = _tokenizer_alone(src)
+            except ModelError:
+                raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
     tokenizer.save_pretrained(str(out))
 
 

@@ -86,7 +86,8 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         num_experts=moe.num_experts if moe else 0, experts_per_token=moe.top_k if moe else 0,
         expert_intermediate_size=moe.intermediate_size if moe else 0,
         moe_layers=sum(moe.layers) if moe else None, sinks=a.sinks,
-        expert_bias=a.checkpoint == "gpt_oss", router_bias=a.checkpoint == "gpt_oss", **mla_shape(config))
+        expert_bias=a.checkpoint == "gpt_oss", router_bias=a.checkpoint == "gpt_oss", moe_shared_params=_moe_shared_params(config),
+        **mla_shape(config))
 
 
 def mla_shape(config: ModelConfig) -> dict:
@@ -104,6 +105,16 @@ def mla_shape(config: ModelConfig) -> dict:
         + heads * m.v_dim * h + bias + 2 * h
     return dict(attention_params=params, kv_elements_per_token=m.latent,
                 attention_flops_per_context_token=2.0 * heads * (m.latent + m.kv_lora_rank))
+
+
+def _moe_shared_params(config: ModelConfig) -> int:
+    """Parameters of a routing layer that every token reads besides the router: the shared expert
+    (gate, up, down), its sigmoid gate and the correction bias (count)."""
+    moe, h = config.arch.moe, config.hidden_size
+    if moe is None:
+        return 0
+    return 3 * h * moe.shared_intermediate_size + (h if moe.shared_gate else 0) + (
+        moe.num_experts if moe.correction_bias else 0)
 
 
 def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: ModelSpec | None = None) -> DeviceProfile:

@@ -1,5 +1,10 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): the router picks `top_k` experts per row; the row's
-output is their gated MLPs' outputs, each weighted by its routing probability, summed.
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5, DeepSeek V2 / V3, gpt-oss): the
+router picks `top_k` experts per row; the row's output is their gated MLPs' outputs, each weighted by
+its routing weight, summed; plus, where the model has one, a shared expert every row runs.
+
+Routing (`route`, shared by every way below, no host sync) follows the family's HF router
+(common.families.MoE): softmax or sigmoid scores in float32, a correction bias that only chooses,
+group-limited choice, renormalising and a scaling factor; gpt-oss's softmax over its top k logits.
 
 Two ways to compute it, with the same arithmetic per row:
   * grouped (`experts_grouped`): the rows routed to an expert go through it together, expert by
@@ -31,18 +36,37 @@ GATHER_MAX_ROWS = 32  # CUDA: steps up to this many rows take the gathered way (
 
 
 def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """h: [T, hidden] -> (weights [T, k], expert ids [T, k]), as HF's routers compute them: softmax of
-    the router's logits in float32, the top k, renormalised if the config says, cast to the model
-    dtype unless the family scales in float32. `moe.scoring` "topk_softmax" (gpt-oss): the top k of the
-    logits (the router has a bias), then the softmax over those k, in the model dtype."""
+    """h: [T, hidden] -> (weights [T, k], expert ids [T, k]), as HF's routers compute them: softmax
+    (or sigmoid) of the router's logits in float32; the experts chosen by those scores (plus the
+    correction bias, among the top `topk_group` groups); their weights the plain scores, renormalised
+    if the config says, times routed_scaling_factor; cast to the model dtype unless the family scales
+    in float32. `moe.scoring` "topk_softmax" (gpt-oss): the top k of the logits (the router has a
+    bias), then the softmax over those k, in the model dtype."""
     if moe.scoring == "topk_softmax":
         logits = linear(h, experts.router, experts.router_bias, rows)  # [T, experts]
         top, idx = torch.topk(logits, moe.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), idx
-    logits = linear(h, experts.router, None, rows)  # [T, experts]
-    top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)
+    if moe.router_in_float:  # DeepSeek / GLM: the float32 router over the rows in float32
+        logits = linear(h.float(), experts.router, None, rows)  # [T, experts]
+    else:
+        logits = linear(h, experts.router, None, rows).float()
+    scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if experts.correction_bias is None else scores + experts.correction_bias
+    if moe.n_group > 1 and moe.topk_group < moe.n_group:
+        by_group = choice.view(choice.shape[0], moe.n_group, -1)  # [T, groups, experts per group]
+        group_scores = by_group.topk(2, dim=-1)[0].sum(dim=-1) if moe.group_score == "top2" else by_group.amax(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, moe.topk_group, dim=-1)[1], 1)
+        keep = keep[:, :, None].expand_as(by_group).reshape(choice.shape).bool()
+        choice = choice.masked_fill(~keep, float("-inf") if moe.group_score == "top2" else 0.0)
+    if experts.correction_bias is None:  # the chosen scores are the weights (V2: of the masked scores)
+        top, idx = torch.topk(choice, moe.top_k, dim=-1)
+    else:
+        idx = torch.topk(choice, moe.top_k, dim=-1)[1]
+        top = scores.gather(1, idx)
     if moe.norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
+        top = top / (top.sum(dim=-1, keepdim=True) + moe.norm_eps) if moe.norm_eps else top / top.sum(-1, keepdim=True)
+    if moe.routed_scaling_factor != 1.0:
+        top = top * moe.routed_scaling_factor
     return (top if moe.weights_in_float else top.to(h.dtype)), idx
 
 
@@ -50,13 +74,36 @@ def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, glu, rows: Rows
     """The mixture's output for h: [T, hidden] -> [T, hidden]; glu: the gated nonlinearity over an
     expert's fused gate/up product (ops.glu)."""
     if h.is_cuda and not isinstance(experts.gate_up, list) and invariant.triton_available():
-        # every row count: the top k and the experts by stage_node.kernels.grouped's kernels
-        weights, idx = grouped.route(linear(h, experts.router, None, rows), moe, h.dtype)
-        return grouped.experts(h, experts, weights, idx, glu)
+        # every row count: the experts by stage_node.kernels.grouped's kernels; the top k by its one-program
+        # router where the family routes plainly (softmax, top k), else by `route` (torch, no host sync)
+        if plain_routing(moe, experts):
+            weights, idx = grouped.route(linear(h, experts.router, None, rows), moe, h.dtype)
+        else:
+            weights, idx = route(h, experts, moe, rows)
+        out = grouped.experts(h, experts, weights, idx, glu)
+        return out if experts.shared_gate_up is None else out + shared_expert(h, experts, glu, rows)
     weights, idx = route(h, experts, moe, rows)
     if h.is_cuda and h.shape[0] <= GATHER_MAX_ROWS and not isinstance(experts.gate_up, list):
-        return experts_gathered(h, experts, weights, idx, glu)
-    return experts_grouped(h, experts, weights, idx, glu, rows)
+        out = experts_gathered(h, experts, weights, idx, glu)
+    else:
+        out = experts_grouped(h, experts, weights, idx, glu, rows)
+    return out if experts.shared_gate_up is None else out + shared_expert(h, experts, glu, rows)
+
+
+def plain_routing(moe: MoE, experts: Experts) -> bool:
+    """Whether `moe` routes as grouped.route computes: softmax of the model-dtype router's logits, the
+    top k, renormalised or not (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+    return (moe.scoring == "softmax" and not moe.router_in_float and experts.correction_bias is None
+            and experts.router_bias is None and moe.n_group == 1 and moe.routed_scaling_factor == 1.0)
+
+
+def shared_expert(h: torch.Tensor, experts: Experts, glu, rows: Rows) -> torch.Tensor:
+    """The shared expert's output for h: [T, hidden] -> [T, hidden] (a dense gated MLP every row runs;
+    Qwen2-MoE's scaled by sigmoid(h . gate)), as HF adds it to the routed output."""
+    y = linear(glu(linear(h, experts.shared_gate_up, None, rows)), experts.shared_down, None, rows)
+    if experts.shared_gate is not None:
+        y = torch.sigmoid(linear(h, experts.shared_gate, None, rows)) * y  # gate: [1, hidden]
+    return y
 
 
 def _bias(b: torch.Tensor | None, e) -> torch.Tensor | None:

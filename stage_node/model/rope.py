@@ -36,6 +36,7 @@ def rope_parameters(model_dir, kind: str = "full") -> tuple[torch.Tensor, float]
     if rope_type == "default":  # the same formula for every family (transformers 5 keeps it per model class)
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        dim = int(dim * params.get("partial_rotary_factor", 1.0))  # GLM-4.5: the first half of each head
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     extra = {"layer_type": layer_type} if layer_type else {}
@@ -84,7 +85,11 @@ class RopeTables:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin_signed: [T, head_dim]. HF's x*cos + rotate_half(x)*sin."""
+    """x: [T, heads, head_dim]; cos, sin_signed: [T, rotary_dim]. HF's x*cos + rotate_half(x)*sin over
+    the first rotary_dim dims of each head (all of it but for a partial RoPE), the rest passed through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:  # partial (GLM-4.5): rotate-half over x[..., :r], as HF's apply_rotary_pos_emb
+        return torch.cat([apply_rope(x[..., :r], cos, sin_signed), x[..., r:]], dim=-1)
     # rotate_half(x) * sin == roll(x, half) * sin_signed, exactly (negation is exact).
     half = x.shape[-1] // 2
     return x * cos[:, None] + x.roll(half, dims=-1) * sin_signed[:, None]

@@ -98,6 +98,7 @@ class Shard:
         self._glu = glu(a.activation, limit=a.swiglu_limit, alpha=a.swiglu_alpha)  # [rows, 2 * inter] -> [rows, inter]
         self._embed_scale = torch.tensor(a.embed_scale, dtype=dtype, device=device) if a.embed_scale != 1.0 else None
         # each layer's q and k norm weights as one [heads + kv_heads, head_dim]: one norm call per layer
+        self._ropes = [a.ropes(start + i) for i in range(len(layers))]  # per local layer: RoPE applied
         self._qk_norms = {i: torch.cat([w.q_norm.expand(c.num_heads, -1), w.k_norm.expand(c.num_kv_heads, -1)])
                           for i, w in enumerate(layers) if w.q_norm is not None}
 
@@ -105,7 +106,8 @@ class Shard:
     def fused_layers(self) -> bool:
         """Whether the layers run with stage_node.fused's kernels (norm + residual, RoPE + KV write,
         SwiGLU in one launch each): a CUDA stage with batch-invariant kernels, and layers of plain
-        Llama style in floats (no biases, per-head or extra norms, experts, Gemma norms; SwiGLU)."""
+        Llama style in floats (no biases, per-head or extra norms, experts, Gemma norms, partial or
+        skipped RoPE; SwiGLU)."""
         if not (self.use_fused and self.batch_invariant and self.device.type == "cuda"):
             return False
         if self._plain is None:
@@ -116,7 +118,8 @@ class Shard:
                                for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)) and all(
                                w.qkv_bias is None and w.o_bias is None and w.gate_up_bias is None and
                                w.down_bias is None and w.q_norm is None and w.attn_out_norm is None and
-                               w.mlp_out_norm is None and w.experts is None and w.mla is None for w in self.layers))
+                               w.mlp_out_norm is None and w.experts is None and w.mla is None for w in self.layers) and
+                           a.rotary == 1.0 and all(self._ropes))  # RoPE over every layer's whole heads
         return self._plain
 
     _plain: bool | None = None
@@ -333,7 +336,8 @@ class Shard:
         qk = qkv[:, : self._q_size + self._kv_size].view(T, qk_heads, c.head_dim)
         if w.q_norm is not None:  # per-head norms, before RoPE: q's heads by q_norm, k's by k_norm, in one call
             qk = head_norm(qk, self._qk_norms[i], c.rms_norm_eps, self._gemma)
-        qk = apply_rope(qk, cos, sin)
+        if self._ropes[i]:  # SmolLM3: some layers without RoPE
+            qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
         v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
         attn = linear(attend(i, q, k, v), w.o, w.o_bias, rows)  # attend: [T, heads * head_dim]

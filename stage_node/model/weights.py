@@ -3,9 +3,10 @@ embeddings / final norm / LM head where it holds them), fused per layer as the f
 
 Tensor names follow the family's checkpoint (common.families.Arch.checkpoint): Llama's
 (q/k/v/o, gate/up/down, two norms; Qwen3 and Gemma 3 add q/k norms, Gemma its pre/post feed-forward
-norms), Phi-3's (q/k/v and gate/up already fused), and the experts of Qwen3-MoE and Mixtral; gpt-oss's
+norms), Phi-3's (q/k/v and gate/up already fused), and the experts of Qwen3-MoE and Mixtral (and of
+Qwen2-MoE, GLM-4.5, DeepSeek: Qwen3-MoE's names plus a correction bias and shared experts); gpt-oss's
 experts are fused 3-D tensors ([experts, in, out], gate and up interleaved) or their MXFP4 blocks and
-scales, dequantized here.
+scales, dequantized here; DeepSeek's attention is multi-head latent attention (MlaWeights).
 """
 from __future__ import annotations
 
@@ -35,10 +36,15 @@ class Experts:
     gate_up_bias: torch.Tensor | None = None  # [experts, 2 * expert_intermediate]
     down_bias: torch.Tensor | None = None  # [experts, hidden]
     router_bias: torch.Tensor | None = None  # [experts] (gpt-oss)
+    correction_bias: torch.Tensor | None = None  # [experts] float32: added to the scores to choose (noaux_tc)
+    shared_gate_up: torch.Tensor | None = None  # [2 * shared_intermediate, hidden]: the shared expert
+    shared_down: torch.Tensor | None = None  # [hidden, shared_intermediate]
+    shared_gate: torch.Tensor | None = None  # [1, hidden]: its sigmoid gate (Qwen2-MoE)
 
     def numel(self) -> int:
-        return self.router.numel() + sum(_numel(x) for x in (self.gate_up, self.down, self.gate_up_bias,
-                                                              self.down_bias, self.router_bias) if x is not None)
+        return self.router.numel() + sum(_numel(x) for x in (
+            self.gate_up, self.down, self.gate_up_bias, self.down_bias, self.router_bias, self.correction_bias,
+            self.shared_gate_up, self.shared_down, self.shared_gate) if x is not None)
 
 
 def _numel(x) -> int:
@@ -239,6 +245,18 @@ def _mla_layer(get, config: ModelConfig) -> dict:
                        uv=kv_b[:, m.nope_dim:].transpose(1, 2).contiguous()))
 
 
+def _moe_extra_names(config: ModelConfig, p: str) -> list[str]:
+    """The correction bias and the shared expert's (gate, up, down[, gate vector]) of a routing layer."""
+    moe = config.arch.moe
+    names = [f"{p}mlp.gate.e_score_correction_bias"] if moe.correction_bias else []
+    if moe.shared_intermediate_size:
+        q = f"{p}mlp.shared_expert." if moe.shared_gate else f"{p}mlp.shared_experts."
+        names += [q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"]
+        if moe.shared_gate:
+            names.append(f"{p}mlp.shared_expert_gate.weight")
+    return names
+
+
 def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
     a = config.arch
     p = f"model.layers.{layer}."
@@ -264,7 +282,7 @@ def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
     if a.routes(layer):
         names.append(_router_name(config, p))
         names += [n for e in range(a.moe.num_experts) for n in _expert_names(config, p, e)]
-        return names
+        return names + _moe_extra_names(config, p)
     mlp = ("gate_up_proj", "down_proj") if a.checkpoint == "phi3" else ("gate_proj", "up_proj", "down_proj")
     names += [f"{p}mlp.{x}.weight" for x in mlp]
     if a.mlp_bias:
@@ -306,8 +324,17 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, 
             g, u, d = (t.pop(n) for n in _expert_names(config, p, e))
             gates.append(torch.cat([g, u], dim=0).to(device=device, dtype=dtype))  # [2 * inter, hidden]
             downs.append(d.to(device=device, dtype=dtype))  # [hidden, inter]
-        router = t.pop(_router_name(config, p)).to(device=device, dtype=dtype)
-        experts = Experts(router, torch.stack(gates), torch.stack(downs))
+        moe = a.moe
+        # DeepSeek / GLM keep the router (and the correction bias) in float32 whatever the model dtype, as HF does
+        router = t.pop(_router_name(config, p)).to(device=device, dtype=torch.float32 if moe.router_in_float else dtype)
+        extra = [t.pop(n) for n in _moe_extra_names(config, p)]
+        bias = extra.pop(0).to(device=device, dtype=torch.float32) if moe.correction_bias else None
+        shared = {}
+        if moe.shared_intermediate_size:
+            g, u, d = (x.to(device=device, dtype=dtype) for x in extra[:3])
+            shared = dict(shared_gate_up=torch.cat([g, u], dim=0).contiguous(), shared_down=d.contiguous(),
+                          shared_gate=extra[3].to(device=device, dtype=dtype) if moe.shared_gate else None)
+        experts = Experts(router, torch.stack(gates), torch.stack(downs), correction_bias=bias, **shared)
     elif a.checkpoint == "phi3":
         gate_up, gate_up_bias = matrix(mlp + "gate_up_proj.weight"), get(mlp + "gate_up_proj.bias")
         down, down_bias = matrix(mlp + "down_proj.weight"), get(mlp + "down_proj.bias")

@@ -106,3 +106,21 @@ def test_model_digest_stable_and_sensitive(tmp_path):
 def test_model_digest_missing_dir(tmp_path):
     with pytest.raises(ModelError):
         model_digest(tmp_path / "nope")
+
+
+def test_partial_rope_and_shared_experts_only_where_the_forward_runs_them(tmp_path):
+    """A partial RoPE is run for GLM-4.5 (half of each head by default) and refused for the others;
+    shared experts are run for qwen2_moe and refused in a qwen3_moe config; a NoPE layer list of the
+    wrong length is refused."""
+    with pytest.raises(ModelError, match="partial_rotary_factor 0.5 is not supported for llama"):
+        ModelConfig.from_dir(write_model(tmp_path / "a", {**LLAMA, "partial_rotary_factor": 0.5}))
+    moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    glm = {**LLAMA, "model_type": "glm4_moe", "n_routed_experts": 4, **moe}
+    assert ModelConfig.from_dir(write_model(tmp_path / "b", glm)).arch.rotary == 0.5
+    with pytest.raises(ModelError, match="even number of rotated dims"):
+        ModelConfig.from_dir(write_model(tmp_path / "c", {**glm, "partial_rotary_factor": 0.25}))
+    with pytest.raises(ModelError, match="shared experts are not supported for qwen3_moe"):
+        ModelConfig.from_dir(write_model(tmp_path / "d", {**LLAMA, "model_type": "qwen3_moe", "num_experts": 4, **moe,
+                                                           "shared_expert_intermediate_size": 16}))
+    with pytest.raises(ModelError, match="no_rope_layers"):
+        ModelConfig.from_dir(write_model(tmp_path / "e", {**LLAMA, "model_type": "smollm3", "no_rope_layers": [1]}))

@@ -80,8 +80,10 @@ def test_the_description_says_what_the_forward_runs(family):
     name, path, model, *_ = family
     arch = ModelConfig.from_dir(path).arch
     assert arch.family == name
-    assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3"))
-    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral", "gpt_oss"))
+    assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "glm4_moe"))
+    assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "glm4_moe",
+                                               "deepseek_v2", "deepseek_v3"))
+    assert (arch.mla is not None) == name.startswith("deepseek")
     assert (arch.norm == "gemma") == name.startswith("gemma")
     sliding = [t == "sliding" for t in arch.layer_types]
     hf_types = getattr(model.config, "layer_types", None)
@@ -100,6 +102,16 @@ def test_the_description_says_what_the_forward_runs(family):
         inv_freq, scaling = rope_parameters(path)  # YaRN with truncate off and its betas, as transformers has it
         assert torch.equal(inv_freq, model.model.rotary_emb.inv_freq) and scaling == model.model.rotary_emb.attention_scaling
         assert scaling != 1.0
+    if name == "qwen2_moe":
+        assert arch.moe.layers == (True, False, True) and arch.moe.shared_gate and arch.qkv_bias
+    if name == "glm4_moe":
+        m = arch.moe
+        assert m.layers == (False, True, True) and (m.scoring, m.n_group, m.topk_group) == ("sigmoid", 4, 2)
+        assert m.correction_bias and m.shared_intermediate_size == 32 and m.routed_scaling_factor == 2.5
+        assert arch.rotary == 0.5 and arch.qkv_bias and not arch.o_bias
+    if name == "smollm3":
+        assert arch.rope_layers == (True, False, True) and [arch.ropes(i) for i in range(3)] == [True, False, True]
+        assert arch.layer_types == ("full", "sliding", "full") and arch.sliding_window == WINDOW
 
 
 def test_the_graph_step_body_equals_the_forward(family):
@@ -131,7 +143,8 @@ def test_the_graph_step_body_equals_the_forward(family):
     assert err <= 1e-5, f"{name}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "glm4_moe", "deepseek_v2",
+                                  "deepseek_v3"])
 def test_gathered_experts_equal_grouped_experts(name, tmp_path):
     """The CUDA graphs' way to the experts (each row's gathered, fixed shapes) computes what the
     grouped way does (here on the CPU)."""
@@ -139,7 +152,7 @@ def test_gathered_experts_equal_grouped_experts(name, tmp_path):
     from logicpipe.stage_node.model.ops import Rows
 
     shard = shards_of(build(name, tmp_path / name), [(0, 3)])[0]
-    w = shard.layers[0].experts
+    w = shard.layers[2].experts
     h = torch.randn(11, shard.config.hidden_size, generator=torch.Generator().manual_seed(1))
     rows = Rows(None, None, all_decode=True)
     weights, idx = route(h, w, shard.arch.moe, rows)
@@ -160,7 +173,9 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
     spec = model_spec(config, name, "d" * 16, "float32")
     held = spec.num_layers * spec.layer_weight_bytes + spec.embedding_bytes + (
         4 * config.hidden_size if config.tie_word_embeddings else spec.lm_head_bytes)
-    assert abs(held - 4 * model.num_parameters()) <= 4 * spec.num_layers, name
+    # the routers' correction biases are buffers in HF, parameters of the checkpoint here
+    params = model.num_parameters() + sum(b.numel() for n, b in model.named_buffers() if "correction_bias" in n)
+    assert abs(held - 4 * params) <= 4 * spec.num_layers, name
     note = format_model_note(spec)
     if config.arch.moe is None:
         assert spec.layer_read_bytes(1) == spec.layer_read_bytes(64) == spec.layer_weight_bytes and not note
@@ -248,3 +263,19 @@ def test_gpt_oss_refuses_a_quantization_it_cannot_read(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match="supported: mxfp4"):
         ModelConfig.from_dir(path)
+@pytest.mark.parametrize("name", ["qwen2_moe", "glm4_moe"])
+def test_bfloat16_mixtures_equal_transformers(name, tmp_path):
+    """In bfloat16 the casts count: the float32 router and correction bias (GLM), the routing weights'
+    dtype, the shared expert added to the routed output. The same logits as transformers with its
+    experts run as its modeling file writes them (experts_implementation="eager"; its default,
+    grouped_mm, sums a row's weighted experts in float32 before casting)."""
+    from transformers import AutoModelForCausalLM
+
+    path = build(name, tmp_path / name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager").eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0, -1].float()
+    shard = Shard.load(path, 0, 3, first=True, last=True, dtype=torch.bfloat16)
+    got = shard.logits(PagedCache(shard).forward(shard.embed(torch.tensor(PROMPT)), [("s", 0, PROMPT)]))[-1]
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-3 and int(got.argmax()) == int(want.argmax()), f"{name}: relative error {err:.3g}"

@@ -25,9 +25,13 @@ from .test_families import PROMPT, STEPS, greedy, shards_of
 
 # what llama.cpp keeps of each family (it has no sliding window for Qwen2, scales Gemma 2's queries by head_dim,
 # and clamps gpt-oss's SwiGLU at its constant 7)
+# (GLM: llama.cpp writes no expert groups; SmolLM3: llama.cpp's NoPE layers are every 4th, fixed)
 FAMILIES = {"llama": {}, "qwen2": dict(use_sliding_window=False), "qwen3": {}, "qwen3_moe": {}, "mixtral": {},
             "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}, "deepseek_v2": {}, "deepseek_v3": {},
-            "gpt_oss": dict(swiglu_limit=7.0)}
+            "gpt_oss": dict(swiglu_limit=7.0), "qwen2_moe": {}, "glm4_moe": dict(n_group=1, topk_group=1),
+            "smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False)}
+LLAMA3 = dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +55,44 @@ def test_a_gguf_converts_back_to_its_checkpoint_and_serves_its_tokens(family, tm
     for name, x in want.items():
         assert torch.equal(got[name], x), name
     config = ModelConfig.from_dir(out)
-    assert config.family == ModelConfig.from_dir(original).family
-    tokens = greedy(shards_of(out, [(0, 1), (1, 2), (2, 3)]), PROMPT, STEPS)[1]
+    assert config.arch == ModelConfig.from_dir(original).arch
+    tokens = greedy(shards_of(out, [(0, 1), (1, 2), (2, config.num_layers)]), PROMPT, STEPS)[1]
     assert tokens == hf_greedy(hf_model(original), PROMPT, STEPS)
+
+
+def test_llama3_rope_scaling_comes_back_from_its_rope_freqs_table(tmp_path, tokenizer_gguf):
+    """Llama 3.1's RoPE scaling, which llama.cpp stores as per-frequency factors (rope_freqs) and no
+    metadata, converts back to the rope_parameters that give the same frequencies and tokens."""
+    from logicpipe.stage_node.model.rope import rope_parameters
+
+    original = build("llama", tmp_path / "hf", **LLAMA3)
+    out = prepare_gguf(write_gguf("llama", original, tmp_path / "l.gguf", tokenizer_gguf), tmp_path / "p",
+                       dtype="float32", progress=quiet)
+    assert json.loads((out / "config.json").read_text())["rope_parameters"] == {
+        **LLAMA3["rope_parameters"], "rope_theta": 500000.0}
+    assert torch.equal(rope_parameters(out)[0], rope_parameters(original)[0])
+    tokens = greedy(shards_of(out, [(0, 1), (1, 3)]), PROMPT, STEPS)[1]
+    assert tokens == hf_greedy(hf_model(original), PROMPT, STEPS)
+
+
+def test_llama3_parameters_are_fitted_to_the_table_and_checked():
+    """Another band than Llama 3.1's is fitted from its smoothed factors; factors no llama3 scaling
+    gives are refused."""
+    from logicpipe.controller.cli.gguf_convert import llama3_rope
+    from tests.gguf_files import llama3_factors
+
+    cfg = dict(hidden_size=512, num_attention_heads=4, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 16.0, "low_freq_factor": 0.5, "high_freq_factor": 8.0})
+    got = llama3_rope(llama3_factors(cfg), 10000.0, 128, "t")
+    assert got == {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 0.5, "high_freq_factor": 8.0,
+                   "original_max_position_embeddings": 8192}
+    assert llama3_rope(np.ones(64, np.float32), 10000.0, 128, "t") is None
+    bad = llama3_factors(cfg)
+    bad[20] *= 1.1
+    with pytest.raises(ModelError, match="no llama3 scaling"):
+        llama3_rope(bad, 10000.0, 128, "t")
+    with pytest.raises(ModelError, match="expected 64"):
+        llama3_rope(np.ones(10, np.float32), 10000.0, 128, "t")
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "F16"])
