@@ -3,6 +3,8 @@
     python -m bench.gpu_families --part tiny  --out $OUT   # every family's tiny model: greedy tokens
     python -m bench.gpu_families --part dense --out $OUT   # Qwen3-8B shape, random bf16
     python -m bench.gpu_families --part moe   --out $OUT   # Qwen3-30B-A3B shape, random bf16
+    python -m bench.gpu_families --part mla   --out $OUT   # DeepSeek-V2-Lite shape (MLA), random bf16
+    python -m bench.gpu_families --part gqa   --out $OUT   # its size with grouped-query attention instead
 
 `tiny`: each family's tiny random checkpoint (tests/families.py, float32), served by one 2-stage
 CUDA mesh (graphs on) whose controller restarts per family: 8 concurrent prompts longer than the
@@ -30,6 +32,7 @@ from bench.engine_bench import submit
 from bench.gpu_engine import HBM_TBPS, hf_generate, make_model, mesh_rates
 from logicpipe.common.modeldir import ModelConfig
 from logicpipe.controller.mesh.planning import model_spec
+from logicpipe.stage_node.engine.kv import kv_bytes_per_token
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.localmesh import LocalMesh
 
@@ -41,7 +44,22 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                      max_position_embeddings=8192, rope_theta=1000000.0, tie_word_embeddings=False,
                      eos_token_id=None, bos_token_id=None)
-SHAPES = {"dense": ("qwen3", QWEN3_8B, "qwen3-8b"), "moe": ("qwen3_moe", QWEN3_30B_A3B, "qwen3-30b-a3b")}
+# DeepSeek-V2-Lite (MLA: no q latent, a 512 + 64 latent; 64 experts, 6 a token, 2 shared; the first layer dense)
+# and a model of its size with grouped-query attention in its place (Qwen2-MoE's layers: 16 heads over 4 KV
+# heads of 128, the same experts and shared experts): the KV bytes a token costs, and the speed, side by side
+DEEPSEEK_V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                        num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408, first_k_dense_replace=1,
+                        topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                        max_position_embeddings=8192, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+GQA_OF_ITS_SIZE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=6,
+                       moe_intermediate_size=1408, shared_expert_intermediate_size=2816, mlp_only_layers=[0],
+                       norm_topk_prob=False, max_position_embeddings=8192, tie_word_embeddings=False,
+                       eos_token_id=None, bos_token_id=None)
+SHAPES = {"dense": ("qwen3", QWEN3_8B, "qwen3-8b"), "moe": ("qwen3_moe", QWEN3_30B_A3B, "qwen3-30b-a3b"),
+          "mla": ("deepseek_v2", DEEPSEEK_V2_LITE, "deepseek-v2-lite"), "gqa": ("qwen2_moe", GQA_OF_ITS_SIZE, "gqa-moe")}
 
 
 def read_bytes_per_token(path: Path) -> float:
@@ -86,9 +104,12 @@ def big(args, results: dict, save) -> None:
     layers = args.layers or shape["num_hidden_layers"]
     path = make_model(args.work / f"{name}-{layers}", dict(shape, num_hidden_layers=layers), torch.bfloat16, family)
     results.update(model=name, layers=f"{layers} of {shape['num_hidden_layers']}")
-    prompts = [[(31 * i + 7 * j) % 150000 for j in range(20 + 3 * i)] for i in range(args.concurrency)]
+    prompts = [[(31 * i + 7 * j) % (shape["vocab_size"] - 100) for j in range(20 + 3 * i)] for i in range(args.concurrency)]
     tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in results["device"]), 0.0)
     read = read_bytes_per_token(path)
+    config = ModelConfig.from_dir(path)
+    results.update(kv_bytes_per_token=kv_bytes_per_token(config, config.num_layers, torch.bfloat16),
+                   kv_bytes_per_token_per_layer=kv_bytes_per_token(config, 1, torch.bfloat16))
     results.update(read_gb_per_token=round(read / 1e9, 3), hbm_tbps=tbps,
                    hbm_limit_tps=round(tbps * 1e12 / read, 1) if tbps else None)
     save()
@@ -105,7 +126,7 @@ def big(args, results: dict, save) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["tiny", "dense", "moe"], required=True)
+    ap.add_argument("--part", choices=["tiny", "dense", "moe", "mla", "gqa"], required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lp-gpu"))
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--tokens", type=int, default=128)

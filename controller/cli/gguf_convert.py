@@ -381,7 +381,8 @@ def deepseek_config(get, family: str, layers: int, experts: int, config: dict) -
             out["topk_method"] = "group_limited_greedy" if out["n_group"] > 1 else "greedy"
     log_mul = get("rope.scaling.yarn_log_multiplier")
     if log_mul and "rope_scaling" in config:
-        config["rope_scaling"].update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
+        m = round(float(log_mul) / 0.1, 6)  # the file holds it in float32
+        config["rope_scaling"].update(mscale=m, mscale_all_dim=m)
     return out
 
 
