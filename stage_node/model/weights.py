@@ -210,7 +210,7 @@ def _halves(rows: torch.Tensor, start: int, n: int) -> torch.Tensor:
     x1, x3, ...): RoPE of interleaved pairs is then the rotate-half RoPE, the same products per pair."""
     idx = torch.arange(rows.shape[0])
     idx[start: start + n] = torch.cat([torch.arange(start, start + n, 2), torch.arange(start + 1, start + n, 2)])
-    return rows.index_select(0, idx)
+    return rows.index_select(0, idx.to(rows.device))
 
 
 def _mla_layer(get, config: ModelConfig) -> dict:
