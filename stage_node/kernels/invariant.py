@@ -376,7 +376,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), slots.stride(0), window or 0,
             scale * 1.4426950408889634, cap or 1.0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK, GROUP=group,
             BLOCK_M=_attn_block_m(group), BLOCK_N=ATTN_BLOCK_N, D=D, HD=hd, HAS_CAP=cap is not None,
-            HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+            HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
+            num_stages=2 if D <= 512 else 1)  # MLA's 576-wide latent rows (D 1024): one stage fits shared memory
         merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, m_ws if sinks is None else sinks, first,
                                     out.stride(0), out.stride(1), window or 0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK,
                                     D=D, HD=hd, HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS,
