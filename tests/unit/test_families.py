@@ -175,6 +175,13 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
         4 * config.hidden_size if config.tie_word_embeddings else spec.lm_head_bytes)
     # the routers' correction biases are buffers in HF, parameters of the checkpoint here
     params = model.num_parameters() + sum(b.numel() for n, b in model.named_buffers() if "correction_bias" in n)
+    # the KV a token costs: what the planner counts is what a stage's pool allocates (MLA: one latent row)
+    from logicpipe.stage_node.engine.kv import kv_bytes_per_token
+
+    pool = shards_of(path, [(0, 3)])[0].new_pool(2, 16)
+    assert pool.block_bytes == 16 * kv_bytes_per_token(config, 3, torch.float32) == 16 * 3 * spec.kv_bytes_per_token_per_layer
+    if config.arch.mla is not None:
+        assert spec.kv_bytes_per_token_per_layer == 4 * (config.arch.mla.kv_lora_rank + config.arch.mla.rope_dim)
     assert abs(held - 4 * params) <= 4 * spec.num_layers, name
     note = format_model_note(spec)
     if config.arch.moe is None:
