@@ -34,6 +34,7 @@ run exactly is refused with a ModelError naming what is supported.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,8 +234,6 @@ def _mla_of(raw: dict, where: Path) -> MLA:
 def _mla_scale(raw: dict, mla: MLA) -> float:
     """q·k's scale: (nope + rope) ** -0.5, times yarn's mscale squared when the RoPE is YaRN with
     mscale_all_dim (as transformers' DeepSeek attention computes it)."""
-    import math
-
     scale = (mla.nope_dim + mla.rope_dim) ** -0.5
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if (params.get("rope_type") or params.get("type") or "default") != "default" and params.get("mscale_all_dim"):

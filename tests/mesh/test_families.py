@@ -1,8 +1,8 @@
 """Mesh tier, every family: three stage processes, and a controller started for each family's tiny
 random checkpoint in turn (tests/families.py). Greedy tokens through 3, 2 and 1 stages equal
 transformers' generate for a prompt longer than the sliding window, alone and among 8 concurrent
-requests, with candidate tokens on (drafted by a small model) and off; and each family serves
-`lpctl submit` and the OpenAI API."""
+requests, with candidate tokens on (drafted by a small model) and off, and (issue 33's families) after
+a replay; and each family serves `lpctl submit` and the OpenAI API, `n=3` too."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,8 @@ from tests.gguf_files import write_gguf
 from tests.localmesh import LocalMesh, free_port
 
 NEW = 6
-LONG = 300  # tokens of the generation a drain interrupts (replayed on the new plan)
+LONG = 160  # tokens of the generation a killed stage interrupts (replayed on the new plan)
+REPLAYED = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen2_moe", "smollm3")  # issue 33's families
 torch.manual_seed(11)
 PROMPTS = [torch.randint(0, 49152, (2 * WINDOW + i,)).tolist() for i in range(8)]  # past the sliding window
 
@@ -95,24 +96,28 @@ def test_a_family_through_3_2_and_1_stages(family, models, mesh):
                                           messages=[{"role": "user", "content": "Hello there"}])
     assert [c.message.content for c in chat.choices] == [text["text"]] * 3  # n=3 greedy: three times the same
     assert chat.usage.completion_tokens == 3 * len(text["token_ids"])
-    # 2 stages: the third is killed in the middle of a long generation, which replays on the new plan;
-    # then 1 (a stage drained); the killed stage comes back for the next family
-    with ThreadPoolExecutor(1) as pool:
-        streamed: list = []
-        long = pool.submit(submit, mesh, prompts[2], 0, None, LONG, streamed)
-        eventually(lambda: len(streamed) >= 4, 120, "the long generation's first tokens")
-        replays = mesh.controller_status().replays
-        mesh.kill("stage2")
-        assert long.result() == hf_greedy(model, prompts[2], LONG)
-    assert mesh.controller_status().replays > replays, "the generation was not replayed"
+    # 2 stages, then 1. The families of issue 33 get there by a fault: the third stage is killed in the
+    # middle of a long generation, which replays on the 2-stage plan, and comes back for the next family
+    # (the others by drains, a replay costing a stage's restart: the suite's time)
+    killed = family in REPLAYED
+    if killed:
+        with ThreadPoolExecutor(1) as pool:
+            streamed: list = []
+            long = pool.submit(submit, mesh, prompts[2], 0, None, LONG, streamed)
+            eventually(lambda: len(streamed) >= 4, 120, "the long generation's first tokens")
+            replays = mesh.controller_status().replays
+            mesh.kill("stage2")
+            assert long.result() == hf_greedy(model, prompts[2], LONG)
+        assert mesh.controller_status().replays > replays, "the generation was not replayed"
     try:
-        for node, stages in ((None, 2), ("stage1", 1)):
-            if node:
+        for node, stages in (("stage2", 2), ("stage1", 1)):
+            if not (killed and node == "stage2"):
                 assert "drained" in lpctl(mesh, "drain", node)
             assert len(mesh.wait_plan(stages=stages).stages) == stages
             assert submit(mesh, prompts[1], 4) == want[1] and submit(mesh, prompts[0], 4) == want[0]
     finally:
-        mesh.start_stage(2, mesh.stage_addresses[2])
+        if killed:
+            mesh.start_stage(2, mesh.stage_addresses[2])
 
 
 def test_a_gguf_file_is_converted_and_served(models, mesh, tmp_path):

@@ -34,6 +34,7 @@ LOCAL_IMPORTS = {
     "stage_node/kernels/quant.py": {"bitsandbytes"},  # the `quant` extra: --quantize nf4|fp4
     "stage_node/kernels/invariant.py": {"triton"},  # CUDA stages only (--batch-invariant; ships with torch's CUDA wheels)
     "stage_node/kernels/fused.py": {"triton"},  # the same: CUDA stages' fused layer kernels
+    "stage_node/kernels/grouped.py": {"triton"},  # the same: CUDA stages' grouped-expert kernels
     # structured output only: xgrammar's import takes a second, transformers' more (the tokenizer)
     "protos/logicpipe/sampling.py": {"xgrammar"},
     "stage_node/model/grammar.py": {"xgrammar", "transformers"},
