@@ -205,37 +205,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     eager form with a sink: each head's sink logit joins its rows' scores, the max is taken off,
     softmax in the model dtype, the sink's share dropped."""
     n = q.shape[2]
-    if sinks is not None:
-        return _attention_sinks(q, k, v, mask, scale, sinks)
-    if cap is None:
+    if cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,
                                               enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    L = k.shape[2]
-    qg = q.view(1, k.shape[1], group, n, q.shape[3])  # [1, kv_heads, group, n, hd]
+    kvh, L = k.shape[1], k.shape[2]
+    group = q.shape[1] // kvh
+    qg = q.view(1, kvh, group, n, q.shape[3])  # [1, kv_heads, group, n, hd]: head kv * group + g, as repeat_kv orders
     scores = softcap(qg @ k[:, :, None].transpose(-1, -2) * scale, cap)  # [1, kv_heads, group, n, L]
     if mask is None and n > 1:
         mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v[:, :, None]
-    return o.flatten(1, 2)
-
-
-def _attention_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                     sinks: torch.Tensor) -> torch.Tensor:
-    """`attention` with a sink logit per head (gpt-oss), HF's eager_attention_forward op for op."""
-    kvh, n, hd = k.shape[1], q.shape[2], q.shape[3]
-    group = q.shape[1] // kvh
-    L = k.shape[2]
-    qg = q.view(1, kvh, group, n, hd)  # [1, kv_heads, group, n, hd]: head kv * group + g, as repeat_kv orders them
-    scores = qg @ k[:, :, None].transpose(-1, -2) * scale  # [1, kv_heads, group, n, L]
-    if mask is None and n > 1:
-        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, kvh, group, 1, 1).expand(1, kvh, group, n, 1)
-    combined = torch.cat([scores, sink], dim=-1)  # [1, kv_heads, group, n, L + 1]
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]  # the sink's share dropped
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # the sink joins each row's scores; the max taken off, softmax in the scores' dtype, its share dropped
+        sink = sinks.to(scores.dtype).view(1, kvh, group, 1, 1).expand(1, kvh, group, n, 1)
+        combined = torch.cat([scores, sink], dim=-1)  # [1, kv_heads, group, n, L + 1]
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
     return (probs.to(v.dtype) @ v[:, :, None]).flatten(1, 2)
