@@ -30,6 +30,8 @@ from pathlib import Path
 
 from logicpipe.common.modeldir import ModelError
 from logicpipe.common.paths import cache_root
+from logicpipe.controller.cli.gguf_rope import llama3_rope
+from logicpipe.controller.cli.gguf_tokenizer import write_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -386,55 +388,6 @@ def deepseek_config(get, family: str, layers: int, experts: int, config: dict) -
     return out
 
 
-def llama3_inv_freq(theta: float, dim: int, factor: float, low: float, high: float, original: int):
-    """HF's inverse frequencies [dim // 2] (float64 numpy) of a "llama3" RoPE scaling."""
-    import numpy as np
-
-    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    wavelen = 2 * np.pi / inv
-    scaled = np.where(wavelen > original / low, inv / factor, inv)
-    smooth = (original / wavelen - low) / (high - low)
-    medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-
-
-def llama3_rope(factors, theta: float, dim: int, where: str) -> dict | None:
-    """The "llama3" rope_parameters (less rope_theta) whose inverse frequencies are llama.cpp's: the
-    plain ones divided by `factors` ([dim // 2], its rope_freqs table); None where every factor is 1
-    (no scaling). llama.cpp writes the table from (factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings) and no metadata; they are recovered here (the table fixes
-    the band edges only as original / low and original / high: the original context is taken as
-    Llama 3.1's 8192 and the two factors fitted to the smoothed band) and checked by recomputing
-    every frequency; a table no such parameters give is refused."""
-    import numpy as np
-
-    f = np.asarray(factors, dtype=np.float64).reshape(-1)
-    if f.size != dim // 2 or not np.all(np.isfinite(f)) or f.min() <= 0:
-        raise ModelError(f"{where}: {f.size} factors for a RoPE of {dim} dims; expected {dim // 2} positive ones")
-    if np.allclose(f, 1.0, rtol=0, atol=1e-7):
-        return None
-    factor, original = float(f.max()), 8192
-    want = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim) / f
-    candidates = [(1.0, 4.0)]  # Llama 3.1 / 3.2
-    medium = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
-    if medium.sum() >= 2:  # 1 / f = (1 - s) / factor + s, s linear in 1 / wavelen: fit its two factors
-        inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
-        slope, intercept = np.polyfit(inv[medium] / (2 * np.pi), s, 1)  # s = original / (high - low) / wavelen - ...
-        if slope > 0:
-            span = original / slope
-            low = -intercept * span
-            candidates.append((round(low, 6), round(low + span, 6)))
-    for low, high in candidates:
-        if 0 < low < high:
-            got = llama3_inv_freq(theta, dim, factor, low, high, original)
-            if np.allclose(got, want, rtol=1e-5, atol=0):
-                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                        "original_max_position_embeddings": original}
-    raise ModelError(f"{where}: the RoPE factors are no llama3 scaling (factor {factor:g}, tried low/high frequency "
-                     f"factors {', '.join(f'{lo:g}/{hi:g}' for lo, hi in candidates)}); not supported")
-
-
 def plan_tensors(reader, config: dict) -> list[Out]:
     """Every output tensor in file order (experts split one per tensor), ModelError for a tensor
     whose quantization cannot be undone or whose name means nothing to the family."""
@@ -585,61 +538,3 @@ def write_safetensors(path: Path, outs: list[Out], dtype: str, say: Callable[[st
                     f"({time.monotonic() - t0:.0f} s)")
         f.flush()
         os.fsync(f.fileno())
-
-
-def write_tokenizer(src: Path, out: Path) -> None:
-    """The tokenizer (and chat template) transformers builds from the GGUF's metadata."""
-    from transformers import AutoTokenizer
-
-    if _architecture(src) in TOKENIZER_ONLY:
-        tokenizer = _tokenizer_alone(src)
-    else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        except Exception as exc:  # an architecture transformers reads no GGUF config of (deepseek2, glm4moe,
-            try:                  # smollm3, ...): the tokenizer from the file's tokenizer fields alone
-                tokenizer = _tokenizer_alone(src)
-            except ModelError:
-                raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
-    tokenizer.save_pretrained(str(out))
-
-
-# architectures whose GGUF metadata transformers cannot parse (5.24 reads gpt-oss's rope.scaling fields wrongly
-# and fails): their tokenizer is read from a copy of the file's tokenizer fields alone
-TOKENIZER_ONLY = ("gpt-oss",)
-
-
-def _architecture(src: Path) -> str:
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(src)).fields.get("general.architecture")
-    return str(_contents(field)) if field is not None else ""
-
-
-def tokenizer_only(src: Path, path: Path) -> Path:
-    """A GGUF at `path` holding only `src`'s tokenizer fields (tokenizer.*, the chat template), under
-    architecture "llama": what transformers builds the tokenizer from."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    writer = GGUFWriter(str(path), "llama")
-    for name, field in GGUFReader(str(src)).fields.items():
-        if name.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
-    return path
-
-
-def _tokenizer_alone(src: Path):
-    """The tokenizer transformers builds from `src`'s tokenizer fields alone (see tokenizer_only)."""
-    from transformers import AutoTokenizer
-
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            only = tokenizer_only(src, Path(tmp) / "tokenizer.gguf")
-            return AutoTokenizer.from_pretrained(str(only.parent), gguf_file=only.name)
-    except Exception as exc:
-        raise ModelError(f"{src}: its tokenizer cannot be read ({exc})") from exc
