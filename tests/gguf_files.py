@@ -9,6 +9,8 @@ the default model's GGUF. Written independently of the converter under test, fro
 naming, so a mistake on either side shows."""
 from __future__ import annotations
 
+import functools
+
 import json
 import re
 from pathlib import Path
@@ -82,11 +84,20 @@ def llama3_factors(cfg: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
-    """The tokenizer fields of another GGUF (the default model's: a GPT-2 BPE with a chat template)."""
+SMALL_VOCAB = 512  # tokens of `small_tokenizer_gguf`'s vocabulary
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_fields(tokenizer_gguf: Path) -> dict:
+    """The tokenizer fields of a GGUF (read once: a 49k-token vocabulary takes seconds to parse)."""
     from gguf import GGUFReader
 
-    meta = {k: f.contents() for k, f in GGUFReader(str(tokenizer_gguf)).fields.items() if k.startswith("tokenizer.")}
+    return {k: f.contents() for k, f in GGUFReader(str(tokenizer_gguf)).fields.items() if k.startswith("tokenizer.")}
+
+
+def copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
+    """The tokenizer fields of another GGUF (the default model's: a GPT-2 BPE with a chat template)."""
+    meta = tokenizer_fields(tokenizer_gguf)
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(meta.get("tokenizer.ggml.pre", "default"))
     writer.add_token_list(meta["tokenizer.ggml.tokens"])
@@ -95,6 +106,30 @@ def copy_tokenizer(writer, tokenizer_gguf: Path) -> None:
     writer.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
     writer.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
     writer.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def small_tokenizer_gguf(tokenizer_gguf: Path, out: Path, vocab: int = SMALL_VOCAB) -> Path:
+    """A GGUF of tokenizer fields only: `tokenizer_gguf`'s first `vocab` tokens (its special tokens and
+    bytes come first) and the merges among them, with its chat template: a real BPE whose files parse
+    in milliseconds (models built with vocab_size=`vocab` pair with it)."""
+    from gguf import GGUFWriter
+
+    meta = tokenizer_fields(tokenizer_gguf)
+    tokens = meta["tokenizer.ggml.tokens"][:vocab]
+    kept = set(tokens)
+    merges = [m for m in meta["tokenizer.ggml.merges"]
+              if (lambda a, b: a in kept and b in kept and a + b in kept)(*m.split(" ", 1))]
+    w = GGUFWriter(str(out), "llama")
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(meta.get("tokenizer.ggml.pre", "default"))
+    w.add_token_list(tokens)
+    w.add_token_types(meta["tokenizer.ggml.token_type"][:vocab])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_chat_template(meta["tokenizer.chat_template"])
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return out
 
 
 def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *, qtype: str = "F32",

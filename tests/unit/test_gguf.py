@@ -18,10 +18,12 @@ from safetensors.torch import load_file
 from logicpipe.common.modeldir import ModelConfig, ModelError
 from logicpipe.controller.cli.gguf_convert import prepare_gguf
 from logicpipe.controller.cli.model_prep import find_default_gguf, resolve_model
-from tests.families import build, hf_greedy, hf_model
-from tests.gguf_files import dequantized, write_gguf
+from tests.families import build as _build, hf_greedy, hf_model
+from tests.gguf_files import SMALL_VOCAB, dequantized, small_tokenizer_gguf, write_gguf
 
 from .test_families import PROMPT, STEPS, greedy, shards_of
+
+PROMPT = [t % SMALL_VOCAB for t in PROMPT]  # the tiny models here have the small tokenizer's vocabulary
 
 # what llama.cpp keeps of each family (it has no sliding window for Qwen2, scales Gemma 2's queries by head_dim,
 # and clamps gpt-oss's SwiGLU at its constant 7)
@@ -35,8 +37,13 @@ LLAMA3 = dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "f
 
 
 @pytest.fixture(scope="module")
-def tokenizer_gguf():
-    return find_default_gguf()
+def tokenizer_gguf(tmp_path_factory):
+    """A small real BPE (the default model's first SMALL_VOCAB tokens): files that parse in milliseconds."""
+    return small_tokenizer_gguf(find_default_gguf(), tmp_path_factory.mktemp("tok") / "tokenizer.gguf")
+
+
+def build(family, path, **overrides):
+    return _build(family, path, **{"vocab_size": SMALL_VOCAB, **overrides})
 
 
 def quiet(_msg: str) -> None:
@@ -136,11 +143,11 @@ def test_gpt_oss_mxfp4_experts_come_out_as_their_values(tmp_path, tokenizer_gguf
     assert tokens == hf_greedy(hf_model(out), PROMPT, STEPS)
 
 
-def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path, tokenizer_gguf, model_dir):
+def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path, model_dir):
     from transformers import AutoTokenizer
 
-    original = build("llama", tmp_path / "hf")
-    out = prepare_gguf(write_gguf("llama", original, tmp_path / "m.gguf", tokenizer_gguf), tmp_path / "p",
+    original = _build("llama", tmp_path / "hf")  # the default model's whole vocabulary
+    out = prepare_gguf(write_gguf("llama", original, tmp_path / "m.gguf", find_default_gguf()), tmp_path / "p",
                        progress=quiet)
     ours, default = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(model_dir)
     text = "GGUF files, as users have them: 3 + 4 = 7."
