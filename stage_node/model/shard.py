@@ -370,7 +370,10 @@ class Shard:
             if span is not None:  # consecutive blocks: strided views of the pool, taken once a step
                 keys, values = span[0][i], span[1][i]
             else:
-                keys, values = k_pool.index_select(1, s.slots)[None], v_pool.index_select(1, s.slots)[None]
+                keys = k_pool.index_select(1, s.slots)[None]
+                # MLA: the values are the first elements of the gathered latent rows (index_select of the
+                # pool's non-contiguous value view would copy the whole pool first)
+                values = keys[..., : v_pool.shape[-1]] if v is None else v_pool.index_select(1, s.slots)[None]
             outs.append(attention(qh if one else qh[:, :, row: row + s.num_tokens], keys, values, mask,
                                   scale=self._scale, cap=self.arch.attn_softcap, sinks=self.layers[i].sinks))
             row += s.num_tokens
