@@ -1,8 +1,8 @@
 """Mesh tier, every family: three stage processes, and a controller started for each family's tiny
 random checkpoint in turn (tests/families.py). Greedy tokens through 3, 2 and 1 stages equal
 transformers' generate for a prompt longer than the sliding window, alone and among 8 concurrent
-requests, with candidate tokens on (drafted by a small model) and off, and (issue 33's families) after
-a replay; and each family serves `lpctl submit` and the OpenAI API, `n=3` too."""
+requests, with candidate tokens on (drafted by a small model) and off, and (three of issue 33's families)
+after a replay; and each family serves `lpctl submit` and the OpenAI API, `n=3` too."""
 from __future__ import annotations
 
 import json
@@ -21,8 +21,10 @@ from tests.gguf_files import write_gguf
 from tests.localmesh import LocalMesh, free_port
 
 NEW = 6
-LONG = 160  # tokens of the generation a killed stage interrupts (replayed on the new plan)
-REPLAYED = ("deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen2_moe", "smollm3")  # issue 33's families
+LONG = 96  # tokens of the generation a killed stage interrupts (replayed on the new plan)
+# replayed after a fault: a family of each attention issue 33 added (MLA's latent KV, gpt-oss's sinks and
+# sliding layers, GLM's partial RoPE); a replay costs a stage's restart, the suite's time
+REPLAYED = ("deepseek_v2", "gpt_oss", "glm4_moe")
 torch.manual_seed(11)
 PROMPTS = [torch.randint(0, 49152, (2 * WINDOW + i,)).tolist() for i in range(8)]  # past the sliding window
 
