@@ -2,8 +2,8 @@
 and completions with the official `openai` client, and Submit's json_schema over gRPC, against an
 in-process controller over one in-process stage holding the default model (CPU): every answer
 parses and validates against its schema (20 prompts, greedy and seeded sampling, candidates
-included), ends with finish_reason "stop" when the grammar ends, and a bad schema or an unknown
-type is a 400 naming response_format with the grammar library's reason."""
+included), ends with finish_reason "stop" when the grammar ends, and a bad schema, one no value
+satisfies or an unknown type is a 400 naming response_format with the reason."""
 from __future__ import annotations
 
 import asyncio
@@ -103,12 +103,15 @@ def test_json_object_on_completions_and_grpc_json_schema(runner, api):
     ({"type": "xml"}, "got type xml"),
     (rf({"type": "nope"}), 'Unsupported type "nope"'),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
+    (rf({"$ref": "#"}), "can never be satisfied"),  # issue 34: was 16 replays, then a 503 "no_plan" after 12 s
+    (rf({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}), "never ends"),
 ])
 def test_bad_response_format_is_a_400_naming_it(runner, api, fmt, reason):
+    """Refused at the door, well before a 5 s deadline (a timeout is no 400)."""
     async def go():
         with pytest.raises(openai.BadRequestError) as info:
             await api.client.chat.completions.create(model=api.model, messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=4, response_format=fmt)
+                                                     max_tokens=4, response_format=fmt, timeout=5.0)
         assert info.value.body["param"] == "response_format"
         assert reason in info.value.body["message"]
     arun(runner, go())
