@@ -198,6 +198,9 @@ def number(body: dict, name: str, kind, default, low=None, high=None):
 def request_options(body: dict, api: str = "chat") -> RequestOptions:
     """The body's generation fields as the front door's options (`api`: "chat" or "completions")."""
     tokens = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
+    if None not in (body.get("max_tokens"), body.get("max_completion_tokens")) and \
+            body["max_tokens"] != body["max_completion_tokens"]:  # (one of them would be dropped)
+        raise ApiError(400, "max_tokens and max_completion_tokens differ: send one of them", param="max_tokens")
     echo = echoed(body, api)
     max_tokens = number(tokens, "max_tokens", int, DEFAULT_MAX_TOKENS, 0 if echo else 1, None)  # 0: the prompt only
     stop = body.get("stop")

@@ -65,6 +65,7 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
     ("top_logprobs on completions", "/v1/completions", b'{"prompt": "hi", "top_logprobs": 2}', 400, "top_logprobs"),
     ("logprobs of an outline", CHAT, chat(logprobs=True, outline=True), 400, "logprobs"),
     ("stop with an outline", CHAT, chat(stop=["x"], outline=True), 400, None),  # was dropped without a word
+    ("two different token caps", CHAT, chat(max_completion_tokens=8), 400, "max_tokens"),  # (one was dropped)
     ("echo on chat", CHAT, chat(echo=True), 400, "echo"),
     ("max_tokens 0 without echo", "/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     ("echo \"true\"", "/v1/completions", b'{"prompt": "hi", "echo": "true"}', 400, "echo"),
