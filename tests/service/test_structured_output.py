@@ -117,6 +117,35 @@ def test_bad_response_format_is_a_400_naming_it(runner, api, fmt, reason):
     arun(runner, go())
 
 
+def test_a_grammar_that_dead_ends_on_a_stage_ends_its_request_as_invalid_argument(runner, api, monkeypatch):
+    """The door refuses a schema no value satisfies; one that reaches a stage all the same (the
+    door's check taken away here) ends its request with INVALID_ARGUMENT naming json_schema, well
+    before a 10 s deadline and replayed 0 times (was: 16 replays, then UNAVAILABLE / 503 no_plan
+    after 12 s); the mesh then serves a good schema."""
+    import grpc
+
+    from logicpipe.controller.jobs import rules
+    from logicpipe.sampling import check_grammar
+
+    monkeypatch.setattr(rules, "check_schema", check_grammar)  # only the library's check: {"$ref": "#"} passes it
+
+    async def go():
+        replays = api.ctl.app.scheduler.stats.replays
+        call = api.ctl.stub.Submit(controller_pb2.SubmitRequest(prompt="Hi", max_tokens=8,
+                                                                json_schema='{"$ref": "#"}'), timeout=10.0)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "json_schema: its grammar allows no token" in info.value.details()
+        assert api.ctl.app.scheduler.stats.replays == replays
+        replies = [x async for x in api.ctl.stub.Submit(controller_pb2.SubmitRequest(
+            prompt="Is water wet? Answer as JSON.", max_tokens=16, json_schema=json.dumps(SCHEMA)),
+            timeout=CALL_TIMEOUT_S)]
+        assert replies[-1].finished
+    arun(runner, go())
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
