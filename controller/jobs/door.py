@@ -220,7 +220,7 @@ class FrontDoor:
                                prompt_logprobs=job.prompt_logprobs)
             c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=job.api,
                            top_logprobs=req.top_logprobs, prompt_ids=tuple(req.prompt_ids))
-            c._pieces = self._plain_pieces(c, handle, o, skip=have)
+            c._pieces = self._plain_pieces(c, handle, o, skip=have, skip_name=have_name)
             try:
                 yield c
             finally:
@@ -264,9 +264,10 @@ class FrontDoor:
         return c
 
     async def _plain_pieces(self, c: Completion, handle: RequestHandle, o: RequestOptions,
-                            skip: int = 0) -> AsyncIterator[Piece]:
+                            skip: int = 0, skip_name: str = "") -> AsyncIterator[Piece]:
         """Its pieces; `skip`: the first tokens are the client's already (their text is worked out,
-        so what follows comes out as it would have, but not sent)."""
+        so what follows comes out as it would have, but not sent; a request that finishes with
+        fewer is InvalidArgument naming `skip_name`: the client cannot hold them)."""
         text, stops = TextStream(self.tokenizer), StopScan(o.stop)
         async with contextlib.aclosing(handle.updates()) as updates:
             async for u in updates:
@@ -286,6 +287,9 @@ class FrontDoor:
                     c.finish_reason = "stop"
                 elif u.finished:
                     c.finish_reason = "stop" if u.finish_reason == "stop" else "length"
+                if c.finish_reason and skip > len(c.tokens):
+                    raise InvalidArgument(f"{skip_name} {skip} is more tokens than request {c.id!r} has: it finished "
+                                          f"with {len(c.tokens)}; give the number of its tokens you hold")
                 if len(c.tokens) > skip or c.finish_reason:
                     new = len(c.tokens) > skip
                     yield Piece((u.token_id,) if new else (), released if new else "", finished=bool(c.finish_reason),

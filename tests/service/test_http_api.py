@@ -552,18 +552,25 @@ def test_flawed_request_ids_stops_and_resumes_are_400_at_once(model_dir):
             status, _, body = await client.post(CHAT, data=chat(stop=["é" * 512, "b", "c", "d"]), timeout=at_once)
             assert status == 200, body  # 1024 bytes: the cap itself is taken
             fake.gate.clear()
-            first = asyncio.create_task(client.post(CHAT, data=chat(stream=True, max_tokens=4),
+            first = asyncio.create_task(client.post(CHAT, data=chat(stream=True, max_tokens=20),
                                                     headers={"X-Request-Id": "held-1"}))
             deadline = time.monotonic() + 10
             while "held-1" not in fake.requests:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
-            for last in ("4294967295", "5"):
+            for last in ("4294967295", "21"):
                 status, _, body = await client.get("/v1/requests/held-1/stream", headers={"Last-Event-ID": last},
                                                    timeout=at_once)
                 err = openai_error(body)
-                assert status == 400 and "Last-Event-ID" in err["message"] and "its max_tokens is 4" in err["message"]
+                assert status == 400 and "Last-Event-ID" in err["message"] and "its max_tokens is 20" in err["message"]
+            # 15 may come (under max_tokens): the resume waits; the answer then ends with fewer (its fixed 8)
+            waiting = asyncio.create_task(client.get("/v1/requests/held-1/stream", headers={"Last-Event-ID": "15"}))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
             fake.gate.set()
+            status, _, body = await asyncio.wait_for(waiting, AT_ONCE)
+            assert status == 400 and "Last-Event-ID 15 is more tokens than request 'held-1' has: it finished with " \
+                f"{len(fake.answer)}" in openai_error(body)["message"], body
             status, headers, _ = await first
             assert status == 200 and {k.lower(): v for k, v in headers.items()}["x-request-id"] == "held-1", headers
     run(go())
