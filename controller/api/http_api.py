@@ -103,6 +103,10 @@ def answer(request: web.BaseRequest, err: ApiError) -> web.Response:
     return response
 
 
+async def _inline(fn, *args):
+    return fn(*args)
+
+
 class HttpApi:
     """The routes over the front door (`keys`: the API keys /v1/* needs; None: none)."""
 
@@ -249,13 +253,14 @@ class HttpApi:
                     check_request_id("X-Request-Id", rid)
                 except InvalidArgument as exc:
                     raise ApiError(400, str(exc), param="X-Request-Id") from None
-            options = (await asyncio.to_thread(request_options, body, api) if body.get("response_format") is not None
-                       else request_options(body, api))  # a schema is compiled: off the event loop
-            options = replace(options, request_id=rid, api=api)
+            parse_options = asyncio.to_thread if body.get("response_format") is not None else _inline
+            options = replace(await parse_options(request_options, body, api), request_id=rid, api=api)  # (a
+            # schema is compiled: off the event loop)
             n = number(body, "n", int, 1, 1, MAX_CHOICES)
             tooled = None  # (family, tools) when the answer may call a tool: parsed into tool_calls
             if api == "chat":
-                prompts, options, tooled = self._tools(body, prompts[0], options)
+                tools = asyncio.to_thread if body.get("tools") else _inline  # their schemas are compiled: off the loop
+                prompts, options, tooled = await tools(self._tools, body, prompts[0], options)
             if len(prompts) * n > 1:
                 for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None),
                                     ("echo", n > 1 and echoed(body, api))):
