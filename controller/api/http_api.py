@@ -7,7 +7,8 @@ template, stop strings and outline requests.
     POST /v1/completions        a raw prompt (a string, or a list of token ids), or a batch of them:
                                 each prompt is its own choice (`index`), computed as its own request
     (both: `n` choices of each prompt, the prompt computed once and forked: FrontDoor.open_n;
-     logprobs, penalties, logit_bias; completions' echo: controller.http_body, controller.http_form)
+     logprobs, penalties, logit_bias; completions' echo: controller.http_body, controller.http_form;
+     the prompts: controller.http_prompt)
     GET  /v1/models             the one model the mesh serves
     GET  /v1/models/{id}        that model (404 model_not_found for any other id)
     GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
@@ -58,9 +59,8 @@ from logicpipe.controller.app import ControllerApp
 from logicpipe.controller.api.http_auth import ApiKeys
 from logicpipe.controller.api.http_body import (
     ApiError,
-    chat_prompt,
     check_fields,
-    completion_prompts,
+    mesh_error,
     echoed,
     number,
     parse,
@@ -69,23 +69,17 @@ from logicpipe.controller.api.http_body import (
     stream_options,
     tool_options,
 )
+from logicpipe.controller.api.http_prompt import chat_prompt, completion_prompts
 from logicpipe.controller.api.http_form import Form, close_stream, merged, open_stream
 from logicpipe.controller.api.logprobs import TokenText
 from logicpipe.controller.api.metrics import Metrics
-from logicpipe.controller.jobs.door import MAX_CHOICES, Completion, FrontDoor, host_client
+from logicpipe.controller.jobs.door import Completion, FrontDoor, host_client
+from logicpipe.controller.jobs.rules import MAX_CHOICES
 from logicpipe.controller.mesh.state import Phase
 from logicpipe.controller.api.tools import call_schema
 from logicpipe.controller.api.tools import family as tool_family
-from logicpipe.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    MeshError,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
-from logicpipe.limits import check_id
+from logicpipe.errors import InvalidArgument, MeshError
+from logicpipe.limits import check_request_id
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +93,6 @@ ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET"
           ("POST", "/v1/completions"), ("GET", "/v1/requests/{id}/stream")]
 
 
-def mesh_error(err: MeshError) -> ApiError:
-    if isinstance(err, InvalidArgument):
-        return ApiError(400, str(err))
-    if isinstance(err, NotFound):
-        return ApiError(404, str(err), code="request_not_found")
-    if isinstance(err, AlreadyExists):
-        return ApiError(409, str(err), code="request_exists")
-    if isinstance(err, ResourceExhausted):
-        return ApiError(429, str(err), "rate_limit_error", code="mesh_full")
-    if isinstance(err, (Unavailable, FailedPrecondition)):
-        return ApiError(503, str(err), "service_unavailable", code="no_plan")
-    return ApiError(500, str(err), "server_error")
-
-
 def answer(request: web.BaseRequest, err: ApiError) -> web.Response:
     """The error's response; a body left unread means the connection closes after it (the client
     may still be sending: it must not take what follows for its next request)."""
@@ -121,6 +101,10 @@ def answer(request: web.BaseRequest, err: ApiError) -> web.Response:
     if request.can_read_body:
         response.force_close()
     return response
+
+
+async def _inline(fn, *args):
+    return fn(*args)
 
 
 class HttpApi:
@@ -266,14 +250,17 @@ class HttpApi:
             rid = request.headers.get("X-Request-Id", "")
             if rid:
                 try:
-                    check_id("X-Request-Id", rid)
+                    check_request_id("X-Request-Id", rid)
                 except InvalidArgument as exc:
                     raise ApiError(400, str(exc), param="X-Request-Id") from None
-            options = replace(request_options(body, api), request_id=rid, api=api)
+            parse_options = asyncio.to_thread if body.get("response_format") is not None else _inline
+            options = replace(await parse_options(request_options, body, api), request_id=rid, api=api)  # (a
+            # schema is compiled: off the event loop)
             n = number(body, "n", int, 1, 1, MAX_CHOICES)
             tooled = None  # (family, tools) when the answer may call a tool: parsed into tool_calls
             if api == "chat":
-                prompts, options, tooled = self._tools(body, prompts[0], options)
+                tools = asyncio.to_thread if body.get("tools") else _inline  # their schemas are compiled: off the loop
+                prompts, options, tooled = await tools(self._tools, body, prompts[0], options)
             if len(prompts) * n > 1:
                 for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None),
                                     ("echo", n > 1 and echoed(body, api))):
@@ -371,11 +358,15 @@ class HttpApi:
 
     async def resume(self, request):
         rid = request.match_info["id"]
+        try:
+            check_request_id("the request id in the path", rid)
+        except InvalidArgument as exc:
+            raise ApiError(400, str(exc), param="id") from None
         last = request.headers.get("Last-Event-ID", request.query.get("after", "0")) or "0"
         if not (last.isascii() and last.isdigit() and len(last) <= MAX_EVENT_ID_DIGITS):
             raise ApiError(400, f"Last-Event-ID must be the id of the last event received (a number), not "
                                 f"{shown(last, 20)!r}", param="Last-Event-ID")
-        async with self.door.resume(rid, int(last), self._admit(request)) as completion:
+        async with self.door.resume(rid, int(last), self._admit(request), have_name="Last-Event-ID") as completion:
             form = Form(self.model_id, completion.api != "completions", [completion], self.token_text)
             return await self._stream(request, [completion], form)
 

@@ -18,7 +18,18 @@ import json
 import math
 import re
 
-from logicpipe.controller.jobs.door import ROLES, OutlineOptions, Prompt, RequestOptions
+from logicpipe.controller.jobs.grammar_check import check_schema
+from logicpipe.controller.jobs.rules import OutlineOptions, RequestOptions, check_stops
+from logicpipe.controller.jobs.outline import MAX_POINTS as MAX_OUTLINE_POINTS
+from logicpipe.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from logicpipe.sampling import (
     JSON_OBJECT,
     MAX_BIAS,
@@ -26,13 +37,9 @@ from logicpipe.sampling import (
     MAX_PENALTY,
     MAX_TOP_LOGPROBS,
     SamplingParams,
-    check_grammar,
 )
 
 DEFAULT_MAX_TOKENS = 256
-MAX_OUTLINE_POINTS = 32
-MAX_STOPS = 4
-MAX_BATCH_PROMPTS = 64   # prompts of one completions request (each counts toward the client's cap)
 MAX_JSON_DEPTH = 32  # a chat body is 5 deep; deeper is refused before any field is read
 
 # the fields each endpoint honours: OpenAI's, and the mesh's own (speculate, top_k, ignore_eos, outline, max_points)
@@ -63,6 +70,21 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def mesh_error(err: MeshError) -> ApiError:
+    """A front-door refusal as the API answers it: the status its kind maps to, the same message."""
+    if isinstance(err, InvalidArgument):
+        return ApiError(400, str(err))
+    if isinstance(err, NotFound):
+        return ApiError(404, str(err), code="request_not_found")
+    if isinstance(err, AlreadyExists):
+        return ApiError(409, str(err), code="request_exists")
+    if isinstance(err, ResourceExhausted):
+        return ApiError(429, str(err), "rate_limit_error", code="mesh_full")
+    if isinstance(err, (Unavailable, FailedPrecondition)):
+        return ApiError(503, str(err), "service_unavailable", code="no_plan")
+    return ApiError(500, str(err), "server_error")
 
 
 def shown(text: str, n: int = 40) -> str:
@@ -176,12 +198,17 @@ def number(body: dict, name: str, kind, default, low=None, high=None):
 def request_options(body: dict, api: str = "chat") -> RequestOptions:
     """The body's generation fields as the front door's options (`api`: "chat" or "completions")."""
     tokens = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
+    if None not in (body.get("max_tokens"), body.get("max_completion_tokens")) and \
+            body["max_tokens"] != body["max_completion_tokens"]:  # (one of them would be dropped)
+        raise ApiError(400, "max_tokens and max_completion_tokens differ: send one of them", param="max_tokens")
     echo = echoed(body, api)
     max_tokens = number(tokens, "max_tokens", int, DEFAULT_MAX_TOKENS, 0 if echo else 1, None)  # 0: the prompt only
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them", param="stop")
+    try:
+        check_stops(stops if isinstance(stops, list) else [None])  # (not a list: refused as no string)
+    except InvalidArgument as exc:
+        raise ApiError(400, str(exc), param="stop") from None
     sampling = SamplingParams(number(body, "temperature", float, 1.0, 0.0, 2.0), number(body, "top_k", int, 0, 0, None),
                               number(body, "top_p", float, 1.0, 0.0, 1.0), number(body, "seed", int, None, 0, 2**63 - 1),
                               number(body, "presence_penalty", float, 0.0, -MAX_PENALTY, MAX_PENALTY),
@@ -217,8 +244,9 @@ def request_options(body: dict, api: str = "chat") -> RequestOptions:
 
 def response_format(body: dict) -> str:
     """OpenAI's response_format as the grammar the last stage samples under: "" (text), JSON_OBJECT,
-    or the schema's text; an unknown type or a schema the grammar library refuses is a 400 with its
-    reason (checked here, so it never reaches a stage)."""
+    or the schema's text; an unknown type, a schema the grammar library refuses or one that admits
+    no JSON value is a 400 with its reason (checked here, so it never reaches a stage; compiling it
+    takes milliseconds: the API calls this off the event loop for a body that has one)."""
     rf = body.get("response_format")
     if rf is None:
         return ""
@@ -237,7 +265,7 @@ def response_format(body: dict) -> str:
         raise ApiError(400, 'response_format json_schema needs "json_schema": {"name": ..., "schema": {a JSON '
                        "schema object}}", param="response_format")
     try:
-        return check_grammar(json.dumps(schema))
+        return check_schema(json.dumps(schema))
     except ValueError as exc:
         raise ApiError(400, f"response_format: {exc}", param="response_format") from None
 
@@ -298,100 +326,6 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, boolean(opts, "include_usage", where="stream_options.include_usage")
 
 
-def chat_prompt(body: dict) -> Prompt:
-    """The conversation of a chat body. A tool loop's turns are taken too: an assistant turn's
-    `tool_calls` become its text in the tool-call format the tools' system message teaches
-    (<tool_call>{"name", "arguments"}</tool_call>), and a `tool` turn (its `tool_call_id`) the
-    tool's answer (controller.text renders it for the model's template)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
-    turns = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{where} must be an object with a role and content", param=where)
-        role = m.get("role")
-        allowed = {"role", "content"} | ({"tool_calls"} if role == "assistant" else set()) | \
-            ({"tool_call_id"} if role == "tool" else set())
-        for key in m:
-            if key not in allowed:
-                raise ApiError(400, f"{where}.{shown(key)} is not supported by this server yet; a message is its "
-                               "role and content (an assistant's tool_calls, a tool's tool_call_id)",
-                               param=f"{where}.{shown(key)}", code="unsupported_parameter")
-        if role not in ROLES:  # developer: OpenAI's newer name for system, taken as system
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, not "
-                           f"{shown(json.dumps(role), 30)}", param=f"{where}.role")
-        calls = m.get("tool_calls")
-        if calls is not None:
-            text = "" if m.get("content") is None else message_text(m.get("content"), f"{where}.content")
-            turns.append((role, "\n".join(x for x in (text, *tool_call_texts(calls, f"{where}.tool_calls")) if x)))
-            continue
-        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise ApiError(400, f"{where}.tool_call_id must name the call this answers", param=f"{where}.tool_call_id")
-        turns.append((role, message_text(m.get("content"), f"{where}.content")))
-    return Prompt(messages=tuple(turns))
-
-
-def tool_call_texts(calls, where: str) -> list[str]:
-    """An assistant turn's tool_calls as the model wrote them: <tool_call>{"name", "arguments"}</tool_call>."""
-    if not isinstance(calls, list) or not calls or len(calls) > MAX_TOOLS:
-        raise ApiError(400, f"{where} must be a list of 1 to {MAX_TOOLS} calls", param=where)
-    out = []
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise ApiError(400, f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                           "\"arguments\": \"<JSON text>\"}}}}", param=f"{where}[{j}]")
-        try:
-            args = json.loads(fn["arguments"])
-        except ValueError:
-            raise ApiError(400, f"{where}[{j}].function.arguments is not JSON text", param=f"{where}[{j}]") from None
-        out.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
-                   + "\n</tool_call>")
-    return out
-
-
-def message_text(content, where: str) -> str:
-    """A message's content: text, or a list of text parts [{"type": "text", "text": ...}]."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where} must be text (a string or a list of text parts)", param=where)
-    parts = []
-    for j, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str) \
-                or set(p) != {"type", "text"}:
-            kind = p.get("type") if isinstance(p, dict) else None
-            raise ApiError(400, f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": \"...\"}}"
-                           + (f"; {shown(str(kind), 30)!r} parts are not supported by this server yet"
-                              if isinstance(kind, str) and kind != "text" else ""), param=f"{where}[{j}]")
-        parts.append(p["text"])
-    return "".join(parts)
-
-
-def completion_prompts(body: dict) -> list[Prompt]:
-    """The prompts of a completions body, each its own choice: a string, a list of token ids, or a
-    batch (a list) of either kind, up to MAX_BATCH_PROMPTS."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > MAX_BATCH_PROMPTS:
-            raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is over the cap of {MAX_BATCH_PROMPTS}; "
-                           "send them in several requests", param="prompt")
-        return [one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [one_prompt(prompt, "prompt")]
-
-
-def one_prompt(prompt, where: str) -> Prompt:
-    """A string, or a list of token ids (`where`: its place, for the error)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return Prompt(token_ids=tuple(prompt))
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, f"{where} must be a non-empty string or a list of token ids"
-                       + ("" if where != "prompt" else " (or a list of either: a batch)"), param=where)
-    return Prompt(text=prompt, raw=True)
-
-
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
 
@@ -418,7 +352,7 @@ def tool_options(body: dict) -> tuple[list[dict], str | None]:
         params = f.get("parameters")
         if params is not None:
             try:
-                check_grammar(json.dumps(params) if isinstance(params, dict) else "[]")
+                check_schema(json.dumps(params) if isinstance(params, dict) else "[]")
             except ValueError as exc:
                 raise ApiError(400, f"tools[{i}].function.parameters: {exc}", param=f"tools[{i}]") from None
     if choice is None:

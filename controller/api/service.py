@@ -10,15 +10,8 @@ from logicpipe.common.transport import Transport, caller_address
 from logicpipe.controller.app import ControllerApp, ControllerSnapshot, StageView
 from logicpipe.controller.mesh.join import JoinAuthority
 from logicpipe.controller.mesh.membership import FORGET_AFTER_S, NOT_PROBED
-from logicpipe.controller.jobs.door import (
-    Completion,
-    FrontDoor,
-    OutlineOptions,
-    Prompt,
-    RequestOptions,
-    Timings,
-    host_client,
-)
+from logicpipe.controller.jobs.door import Completion, FrontDoor, Timings, host_client
+from logicpipe.controller.jobs.rules import OutlineOptions, Prompt, RequestOptions
 from logicpipe.controller.jobs.scheduler import DEFAULT_MAX_TOKENS
 from logicpipe.controller.jobs.standby import Replicator
 from logicpipe.controller.mesh.state import Phase
@@ -80,6 +73,10 @@ def submit_request(request: controller_pb2.SubmitRequest) -> tuple[Prompt, Reque
     if request.outline:
         outline = OutlineOptions(max_points=request.max_points, outline_text=request.outline_text,
                                  sequential=request.sequential_points)
+    else:  # an outline's fields without `outline` would be dropped: refused instead
+        given = [name for name in ("max_points", "outline_text", "sequential_points") if getattr(request, name)]
+        if given:
+            raise InvalidArgument(f"{', '.join(given)}: for an outline request only; set outline too")
     options = RequestOptions(
         max_tokens=request.max_tokens or (DEFAULT_POINT_TOKENS if outline else DEFAULT_MAX_TOKENS),
         sampling=SamplingParams.from_proto(request.sampling), ignore_eos=request.ignore_eos,

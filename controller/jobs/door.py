@@ -1,8 +1,9 @@
 """The one front door for requests. Whichever API a request comes by (gRPC `Submit`, the HTTP API),
 its adapter turns it into a `Prompt` and `RequestOptions` and opens a `Completion` here; this
-module owns every rule a request meets on the way in and out, so they are the same at every door:
-requests per client, prompt and conversation size, tokenizing (off the event loop), the chat
-template, stop strings, detokenizing, and outline-DAG requests.
+module applies every rule a request meets on the way in and out, so they are the same at every
+door: requests per client, the caps and checks of controller.jobs.rules (prompt and conversation
+size, stop strings, request ids, a grammar that admits some value), tokenizing (off the event
+loop), the chat template, detokenizing, and outline-DAG requests.
 
     async with door.open(prompt, options, client) as completion:   # a MeshError says why not
         async for piece in completion:                             # its tokens and text as they come
@@ -28,105 +29,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from logicpipe.controller.jobs.outline import MAX_POINTS, OutlineRun
+from logicpipe.controller.jobs.outline import OutlineRun
 from logicpipe.controller.jobs.job import Job, Request
 from logicpipe.controller.jobs.scheduler import RequestHandle, Scheduler
-from logicpipe.controller.jobs.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
+from logicpipe.controller.jobs.rules import (
+    MAX_CHOICES,
+    ROLE_ALIASES,
+    Prompt,
+    RequestOptions,
+    checked,
+)
+from logicpipe.controller.jobs.text import StopScan, TextStream, encode_chat, encode_prompt
 from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from logicpipe.limits import check_id
-from logicpipe.sampling import SamplingParams, check_grammar
+from logicpipe.limits import check_request_id
+from logicpipe.sampling import SamplingParams
 
-MAX_PROMPT_CHARS = 2**20   # characters of one prompt or conversation (refused before any work beyond that)
-MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
-MAX_CHAT_MESSAGES = 1024   # turns of one conversation
-MAX_STOPS = 4              # stop strings of one request
-MAX_CHOICES = 16           # completions of one prompt in one request (OpenAI's n)
 DEFAULT_REQUESTS_PER_CLIENT = 64  # requests one client may have open at once (--max-requests-per-client)
-ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system turn (o1 and later models)
-ROLES = (*CHAT_ROLES, *ROLE_ALIASES)    # the roles a conversation's turns may have
+
+def resumable_tokens(req) -> int:
+    """The most tokens a client of `req` (a scheduler Request) can hold: all it finished with, else
+    its max_tokens (none when it asked for the prompt's logprobs only)."""
+    if req.job.prompt_only:
+        return 0
+    return len(req.received) if req.done else req.job.max_tokens
 
 
 def host_client(host: str) -> str:
     """The client a call without a certificate counts as: its host (IPv6 in brackets), whichever
     door it came by."""
     return f"host [{host}]" if ":" in host and not host.startswith("[") else f"host {host}"
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """What to continue: exactly one of a text, a conversation or token ids."""
-
-    text: str = ""
-    raw: bool = False                                  # the text as is, no chat template
-    messages: tuple[tuple[str, str], ...] = ()         # (role, content) turns, through the chat template
-    token_ids: tuple[int, ...] = ()                    # already tokenized
-    tools: str = ""                                    # with messages: OpenAI's tools (a JSON list), in the prompt
-
-    def check(self) -> None:
-        # a blank prompt beside messages is still two inputs: one would be dropped without a word
-        given = [name for name, v in (("a prompt", self.text), ("messages", self.messages),
-                                      ("prompt token ids", self.token_ids)) if v]
-        if len(given) > 1:
-            raise InvalidArgument(f"give one of a prompt, messages or prompt token ids, not {' and '.join(given)}")
-        if not (self.text.strip() or self.messages or self.token_ids):
-            raise InvalidArgument("the prompt is empty: give a prompt, messages or prompt token ids")
-        chars = len(self.text) + sum(len(c) for _, c in self.messages)
-        if chars > MAX_PROMPT_CHARS or len(self.token_ids) > MAX_PROMPT_TOKENS:
-            raise InvalidArgument(f"the prompt is {chars} characters / {len(self.token_ids)} token ids, over the cap "
-                                  f"of {MAX_PROMPT_CHARS} characters / {MAX_PROMPT_TOKENS} ids")
-        if self.messages and len(self.messages) > MAX_CHAT_MESSAGES:
-            raise InvalidArgument(f"a conversation has 1 to {MAX_CHAT_MESSAGES} messages, not {len(self.messages)}")
-        for i, (role, _) in enumerate(self.messages):
-            if role not in ROLES:
-                raise InvalidArgument(f"messages[{i}]: role must be one of {', '.join(ROLES)} (developer is taken "
-                                      f"as system), not {role[:20]!r}")
-
-
-@dataclass(frozen=True)
-class OutlineOptions:
-    """An outline-DAG request (see controller/jobs/outline.py); `max_tokens` is then per point."""
-
-    max_points: int = 0          # 0: the default (8)
-    outline_text: str = ""       # use this outline instead of asking the model for one
-    sequential: bool = False     # decode the points one after another (for comparison)
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    max_tokens: int                                 # new tokens at most (per point for an outline); 0: none,
-                                                    # the prompt only (its logprobs: prompt_logprobs)
-    sampling: SamplingParams = SamplingParams()
-    ignore_eos: bool = False                        # go on past the model's stop tokens (benchmarks)
-    speculate: int | None = None                    # candidates per step at most (None: the controller's)
-    prefill_chunk: int = 0                          # prompt tokens per step (0: the controller's choice)
-    stop: tuple[str, ...] = ()                      # stop strings: the text ends before the first
-    outline: OutlineOptions | None = None
-    request_id: str = ""                            # the client's id for it ("" : the controller makes one)
-    api: str = ""                                   # which door it came by ("grpc", "chat", "completions")
-    top_logprobs: int | None = None                 # each token's logprob and this many most likely (None: none)
-    prompt_logprobs: int | None = None              # ... each prompt token's too, from the second (None: none)
-    json_schema: str = ""                           # structured output: "json_object" or a JSON schema ("": none)
-
-    def check(self) -> None:
-        if self.request_id:
-            check_id("request_id", self.request_id)
-        if len(self.stop) > MAX_STOPS or not all(self.stop):
-            raise InvalidArgument(f"stop: up to {MAX_STOPS} non-empty strings")
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise InvalidArgument("max_tokens 0 asks for nothing: give max_tokens, or ask for the prompt's logprobs")
-        if self.outline is not None and (self.top_logprobs, self.prompt_logprobs) != (None, None):
-            raise InvalidArgument("logprobs are not available for an outline request (its answer is several sequences)")
-        if self.json_schema:
-            if self.outline is not None:
-                raise InvalidArgument("json_schema is for plain requests: an outline's answer is several sequences")
-            try:
-                check_grammar(self.json_schema)
-            except ValueError as exc:
-                raise InvalidArgument(f"json_schema: {exc}") from exc
-        if self.outline is not None and self.outline.max_points > MAX_POINTS:
-            raise InvalidArgument(f"max_points {self.outline.max_points} is over the cap of {MAX_POINTS}")
-        if self.outline is not None and len(self.outline.outline_text) > MAX_PROMPT_CHARS:
-            raise InvalidArgument(f"outline_text is over the cap of {MAX_PROMPT_CHARS} characters")
 
 
 @dataclass(frozen=True)
@@ -215,8 +146,7 @@ class FrontDoor:
         the block is left, also when the client went away. `admitted`: the caller holds the
         client's place already (`admit`)."""
         async with self._held(client, admitted):
-            prompt.check()
-            options.check()
+            await checked(prompt, options)
             completion = await (self._outline(prompt, options) if options.outline is not None
                                 else self._plain(prompt, options, client))
             try:
@@ -237,8 +167,7 @@ class FrontDoor:
         if not 1 <= n <= MAX_CHOICES:
             raise InvalidArgument(f"n must be 1 to {MAX_CHOICES} choices, not {n}")
         async with self._held(client, admitted):
-            prompt.check()
-            options.check()
+            await checked(prompt, options)
             if options.outline is not None or options.prompt_logprobs is not None or not options.max_tokens:
                 raise InvalidArgument("n > 1 is for plain requests: not with an outline or the prompt's logprobs")
             o = options
@@ -266,24 +195,32 @@ class FrontDoor:
                 parent.release()
 
     @contextlib.asynccontextmanager
-    async def resume(self, request_id: str, have: int, client: str, *,
-                     admitted: bool = False) -> AsyncIterator[Completion]:
+    async def resume(self, request_id: str, have: int, client: str, *, admitted: bool = False,
+                     have_name: str = "have_tokens") -> AsyncIterator[Completion]:
         """Request `request_id` again, from its token `have` on (the client holds the ones before):
         its pieces are those the first stream would have carried from there. Only the client that
-        submitted it may (any other is told it does not exist)."""
+        submitted it may (any other is told it does not exist). `have` past what the request can
+        ever have is refused at once (INVALID_ARGUMENT naming `have_name`); up to that, a resume
+        waits for the tokens still to come."""
         async with self._held(client, admitted):
-            check_id("request_id", request_id)
+            check_request_id("request_id", request_id)
             handle = self.scheduler.attach(request_id)
             req = handle.request
             job = req.job
             if job.client and job.client != client:  # (not released: that would end it for its client)
                 raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or it "
                                "failed) or was never admitted; submit it again")
+            most = resumable_tokens(req)
+            if have > most:
+                why = (f"it finished with {most}" if req.done else
+                       f"its max_tokens is {most}" if not job.prompt_only else "it asked for the prompt's logprobs only")
+                raise InvalidArgument(f"{have_name} {have} is more tokens than request {request_id!r} can ever have "
+                                      f"({why}): give the number of its tokens you hold, 0 to {most}")
             o = RequestOptions(0 if job.prompt_only else job.max_tokens, job.sampling, stop=job.stop,
                                prompt_logprobs=job.prompt_logprobs)
             c = Completion(handle.id, len(req.prompt_ids), handle=handle, api=job.api,
                            top_logprobs=req.top_logprobs, prompt_ids=tuple(req.prompt_ids))
-            c._pieces = self._plain_pieces(c, handle, o, skip=have)
+            c._pieces = self._plain_pieces(c, handle, o, skip=have, skip_name=have_name)
             try:
                 yield c
             finally:
@@ -327,9 +264,10 @@ class FrontDoor:
         return c
 
     async def _plain_pieces(self, c: Completion, handle: RequestHandle, o: RequestOptions,
-                            skip: int = 0) -> AsyncIterator[Piece]:
+                            skip: int = 0, skip_name: str = "") -> AsyncIterator[Piece]:
         """Its pieces; `skip`: the first tokens are the client's already (their text is worked out,
-        so what follows comes out as it would have, but not sent)."""
+        so what follows comes out as it would have, but not sent; a request that finishes with
+        fewer is InvalidArgument naming `skip_name`: the client cannot hold them)."""
         text, stops = TextStream(self.tokenizer), StopScan(o.stop)
         async with contextlib.aclosing(handle.updates()) as updates:
             async for u in updates:
@@ -349,6 +287,9 @@ class FrontDoor:
                     c.finish_reason = "stop"
                 elif u.finished:
                     c.finish_reason = "stop" if u.finish_reason == "stop" else "length"
+                if c.finish_reason and skip > len(c.tokens):
+                    raise InvalidArgument(f"{skip_name} {skip} is more tokens than request {c.id!r} has: it finished "
+                                          f"with {len(c.tokens)}; give the number of its tokens you hold")
                 if len(c.tokens) > skip or c.finish_reason:
                     new = len(c.tokens) > skip
                     yield Piece((u.token_id,) if new else (), released if new else "", finished=bool(c.finish_reason),

@@ -309,6 +309,9 @@ class Scheduler:
         if job.speculate is not None and not 0 <= job.speculate <= MAX_SPECULATE:
             raise InvalidArgument(f"speculate must be 0 (off) to {MAX_SPECULATE} candidates per step, "
                                   f"not {job.speculate}")
+        if not 0 <= job.prefill_chunk <= cfg.max_context:  # a chunk is of one prompt, which fits the context
+            raise InvalidArgument(f"prefill_chunk must be 0 (the controller's choice) to {cfg.max_context} prompt "
+                                  f"tokens per step (the model's context), not {job.prefill_chunk}")
         bad = next((t for t, _ in job.sampling.logit_bias if not 0 <= t < cfg.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")

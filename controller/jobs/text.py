@@ -79,23 +79,25 @@ class TextStream:
 
 class StopScan:
     """Text released to a client, cut before the first of the stop strings: the tail that could be
-    the start of one is held back until the next text (or the end) shows it is not."""
+    the start of one is held back until the next text (or the end) shows it is not. Only that
+    tail is kept and searched, so a push costs the new text plus the longest stop (capped at the
+    front door), never the whole answer again."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.held = max((len(s) for s in stops), default=1) - 1  # characters a stop may have begun in
-        self.text = ""   # everything seen, cut at a stop once found
-        self.sent = 0    # characters of it released
+        self.pending = ""  # text seen and not released yet (at most `held` characters between pushes)
         self.stopped = False
 
     def push(self, text: str, final: bool = False) -> str:
         """The text that may be released now (all that is left when `final` or a stop was found)."""
-        scan = max(0, len(self.text) - self.held)  # a stop can only end in the new text
-        self.text += text
-        cut = min((i for i in (self.text.find(s, scan) for s in self.stops) if i >= 0), default=-1)
+        if self.stopped:
+            return ""
+        pending = self.pending + text  # a stop that began in released text would have been found then
+        cut = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
-            self.text, self.stopped = self.text[:cut], True
-        upto = len(self.text) if (final or self.stopped or not self.stops) else max(self.sent,
-                                                                                   len(self.text) - self.held)
-        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
-        return out
+            self.pending, self.stopped = "", True
+            return pending[:cut]
+        keep = 0 if final or not self.stops else min(len(pending), self.held)
+        self.pending = pending[len(pending) - keep:]
+        return pending[:len(pending) - keep]

@@ -11,10 +11,14 @@ MAX_MESSAGE_BYTES = 64 * 2**20  # one gRPC message either way, bytes (every chan
 MAX_ID_CHARS = 256              # session ids, owners, node ids, token ids
 MAX_HOST_CHARS = 253            # a DNS name at most (an IPv6 address with its zone is shorter)
 MAX_ADDRESS_CHARS = MAX_HOST_CHARS + 2 + 6  # host (bracketed) + ":65535"
+MAX_REQUEST_ID_CHARS = 64       # a client's request id (it names the request in a URL path and the journal)
 
 # C0 and C1 controls, DEL, and the Unicode line and paragraph separators: none belongs in an id,
 # and each can cut or forge a line of a log that quotes the id.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,%d}" % MAX_REQUEST_ID_CHARS)
+REQUEST_ID_RULE = (f"1 to {MAX_REQUEST_ID_CHARS} of the characters A-Z a-z 0-9 . _ - (not '.' or '..' alone), "
+                   "e.g. a UUID's hex")
 _DNS_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 _ADDRESS_FORM = ("a port 1 to 65535 after an IPv4 address, a bracketed IPv6 address or a DNS name (10.0.0.5:50061, "
                  "[fe80::2]:50061, jetson-1.local:50061)")
@@ -38,6 +42,18 @@ def check_id(what: str, value: str, *, empty_ok: bool = False) -> str:
     if len(value) > MAX_ID_CHARS:
         raise InvalidArgument(f"{what} is {len(value)} characters, over the {MAX_ID_CHARS}-character cap")
     return check_printable(what, value)
+
+
+def check_request_id(what: str, value: str) -> str:
+    """`value`, or InvalidArgument naming `what` and REQUEST_ID_RULE: the one rule for a request
+    id a client names, at every door (gRPC Submit and Resume, the HTTP X-Request-Id header and
+    resume path), so an id admitted by one can always be resumed by another (it goes in a URL
+    path as it is)."""
+    if not _REQUEST_ID.fullmatch(value) or value in (".", ".."):
+        shown = repr(value[:MAX_REQUEST_ID_CHARS]) + ("..." if len(value) > MAX_REQUEST_ID_CHARS else "")
+        raise InvalidArgument(f"{what} {shown} ({len(value)} characters) is not a request id: give "
+                              f"{REQUEST_ID_RULE}")
+    return value
 
 
 def _host_problem(host: str) -> str:

@@ -23,6 +23,7 @@ import torch
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
+from logicpipe.stage_node.model.grammar import DeadEnd
 from logicpipe.stage_node.model.sampling import penalize, sample, token_logprobs, verify
 from logicpipe.stage_node.engine.scheduler import PlannedSeq, Step
 from logicpipe.stage_node.model.shard import Shard
@@ -235,8 +236,12 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
         if p.seq.grammar is not None:  # masked after penalties and bias: the choice is always grammatical
             k = p.work.num_candidates
             logits = raw.float().clone() if logits is raw else logits
-            allowed[p.seq.id] = p.seq.grammar.mask_rows(logits[r: r + k + 1], p.seq.generated,
-                                                        p.work.token_ids[len(p.work.token_ids) - k:] if k else ())
+            try:
+                allowed[p.seq.id] = p.seq.grammar.mask_rows(logits[r: r + k + 1], p.seq.generated,
+                                                            p.work.token_ids[len(p.work.token_ids) - k:] if k else ())
+            except DeadEnd as exc:  # the request's own error (INVALID_ARGUMENT): it ends, never replayed
+                result.failed[p.seq.id] = exc
+    plain = [i for i in plain if sampled[i].seq.id not in result.failed]  # (a dead end's row allows nothing)
     if plain:
         ps = [sampled[i] for i in plain]
         tokens = sample(logits[[rows[i] for i in plain]], [p.seq.spec.sampling for p in ps],
@@ -244,6 +249,8 @@ def _sample(shard: Shard, seqs: list[PlannedSeq], outs: dict[str, torch.Tensor],
         for p, t in zip(ps, tokens):
             result.tokens[p.seq.id] = [t]
     for p, r in zip(sampled, rows):
+        if p.seq.id in result.failed:
+            continue
         k = p.work.num_candidates
         if k:  # [k + 1, vocab]: the row before each candidate, and the last
             j = allowed.get(p.seq.id, k)  # candidates from the first the grammar rejects on are cut

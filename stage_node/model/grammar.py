@@ -93,6 +93,12 @@ class GrammarBook:
         return c
 
 
+class DeadEnd(InvalidArgument):
+    """The grammar allows no next token (and has not ended): no text goes on from here, so the
+    request can never finish. The request's own error, not a stage fault: the controller ends it
+    (INVALID_ARGUMENT) rather than replay it."""
+
+
 class Constraint:
     """One sequence's matcher. `accepted`: generated tokens it has advanced over; `terminated`:
     the grammar reached its end (the sequence finishes there)."""
@@ -107,21 +113,28 @@ class Constraint:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def _mask(self, row: torch.Tensor) -> None:
-        """Disallowed tokens of `row` (a [1, vocab] view of float logits) to -inf, in place."""
+    def _mask(self, row: torch.Tensor) -> bool:
+        """Disallowed tokens of `row` (a [1, vocab] view of float logits) to -inf, in place; False
+        when that leaves no token (every logit is finite before: the model's, penalized, biased)."""
         import xgrammar as xgr
         self.matcher.fill_next_token_bitmask(self.bitmask)
         xgr.apply_token_bitmask_inplace(row, self.bitmask.to(row.device))
+        return bool(torch.isfinite(row).any())
 
     def mask_rows(self, logits: torch.Tensor, index: int, candidates: Sequence[int]) -> int:
         """Mask the rows of one sequence's step in place (logits: [k + 1, vocab], the row before
         each candidate and the last; `index`: its generated tokens before them) -> how many leading
         candidates the grammar allows; the rows after those are not to be used (the first rejected
-        candidate and everything after it are cut)."""
+        candidate and everything after it are cut). DeadEnd when the grammar allows no token at a
+        row (nothing is sampled for the sequence then)."""
         self.sync(index)
         ok = 0
         for i in range(len(candidates) + 1):
-            self._mask(logits[i: i + 1])
+            if not self._mask(logits[i: i + 1]):
+                if ok:
+                    self.matcher.rollback(ok)
+                raise DeadEnd(f"json_schema: its grammar allows no token after generated token {index + i} and has "
+                              "not ended: no JSON value goes on from there (the schema cannot be completed)")
             if i == len(candidates) or not self.matcher.accept_token(candidates[i]):
                 break
             if self.matcher.is_terminated():  # the row that ends it samples the end itself

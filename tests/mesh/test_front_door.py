@@ -12,7 +12,7 @@ import grpc
 import openai
 import pytest
 
-from logicpipe.controller.jobs.door import MAX_PROMPT_CHARS
+from logicpipe.controller.jobs.rules import MAX_PROMPT_CHARS
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.localmesh import LocalMesh, free_port
 

@@ -43,6 +43,8 @@ class FakeRequest:
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_lps: list | None = None  # made-up prompt logprobs: -1 - i / 10 for prompt token i + 1
+    received: tuple = ()  # what a scheduler Request has of these (a resume's bound): none yet, not done
+    done: bool = False
 
 
 def fake_logprob(token: int, i: int, top: int | None) -> TokenLogprob | None:

@@ -430,3 +430,69 @@ def test_register_calls_are_rate_capped_per_caller_and_a_real_stage_still_plans(
             assert await ctl.app.wait_ready(120), ctl.app.state.reason
             assert [h.node_id for h in ctl.app.pipelines.stages] == ["rate-real"]
     run(main(), timeout=240)
+
+
+AT_ONCE_S = 5.0  # a refusal's deadline: a call that hangs fails as DEADLINE_EXCEEDED, not as a slow answer
+FLAWED_SUBMITS = {  # issue 34's flawed answers: SubmitRequest fields, fragments of the message
+    "request-id-65-chars": (dict(request_id="r" * 65), ["request_id 'rrrr", "(65 characters)", "1 to 64 of"]),
+    "request-id-a-path": (dict(request_id="../x"), ["request_id '../x'", "A-Z a-z 0-9 . _ -"]),
+    "request-id-a-space": (dict(request_id="a b"), ["request_id 'a b'"]),
+    "request-id-non-ascii": (dict(request_id="caf\u00e9"), ["request_id 'caf\u00e9'"]),
+    "prefill-chunk-2^32-1": (dict(prefill_chunk=2**32 - 1), ["prefill_chunk", "not 4294967295", "the model's context"]),
+    "json-schema-ref-itself": (dict(json_schema='{"$ref": "#"}'), ["json_schema", "can never be satisfied"]),
+    "json-schema-required-self": (dict(json_schema=json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}},
+                                                               "required": ["a"]})), ["json_schema", "never ends"]),
+    "json-schema-any-of-nothing": (dict(json_schema='{"anyOf": []}'), ["json_schema", "only the empty text"]),
+    # fields that were dropped without a word: an outline's without outline, a plain request's with one
+    "max-points-without-outline": (dict(max_points=4, sequential_points=True),
+                                   ["max_points, sequential_points: for an outline request only"]),
+    "outline-with-plain-fields": (dict(outline=True, ignore_eos=True, prefill_chunk=8, request_id="o-1"),
+                                  ["ignore_eos, prefill_chunk, request_id: not available for an outline request"]),
+    "raw-with-token-ids": (dict(prompt="", prompt_token_ids=[1, 2], raw=True), ["raw is for a prompt text"]),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAWED_SUBMITS))
+def test_flawed_submits_are_invalid_argument_at_once(runner, actl, case):
+    fields, fragments = FLAWED_SUBMITS[case]
+
+    async def main():
+        call = actl.stub.Submit(controller_pb2.SubmitRequest(**{"prompt": "Hello", "max_tokens": 4, **fields}),
+                                timeout=AT_ONCE_S)
+        await expect_status(call.read(), IA, *fragments)
+        assert not actl.ctl.app.scheduler.requests
+        await still_serves(actl)
+    arun(runner, main())
+
+
+def test_resume_past_what_a_request_can_have_is_invalid_argument_at_once(runner, actl):
+    """A request waiting for a plan (this controller has no stages) with max_tokens 8: Resume with
+    have_tokens 2^32 - 1 (or 9) is refused at once naming have_tokens, not left to wait for tokens
+    that can never come; an id that is no request id is refused before it is looked up."""
+    async def main():
+        submitted = actl.stub.Submit(controller_pb2.SubmitRequest(prompt="Hello", max_tokens=8, request_id="wait-1"),
+                                     timeout=60)
+        reading = asyncio.ensure_future(submitted.read())
+        try:
+            deadline = asyncio.get_running_loop().time() + 20
+            while "wait-1" not in actl.ctl.app.scheduler.requests:
+                assert asyncio.get_running_loop().time() < deadline, "the request was not admitted"
+                await asyncio.sleep(0.02)
+            for have in (2**32 - 1, 9):
+                call = actl.stub.Resume(controller_pb2.ResumeRequest(request_id="wait-1", have_tokens=have),
+                                        timeout=AT_ONCE_S)
+                await expect_status(call.read(), IA, f"have_tokens {have}", "its max_tokens is 8", "0 to 8")
+            call = actl.stub.Resume(controller_pb2.ResumeRequest(request_id="a/../b"), timeout=AT_ONCE_S)
+            await expect_status(call.read(), IA, "request_id 'a/../b'", "1 to 64 of")
+            assert "wait-1" in actl.ctl.app.scheduler.requests  # a refused resume leaves it to its client
+        finally:
+            submitted.cancel()
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await reading
+        deadline = asyncio.get_running_loop().time() + 10
+        while "wait-1" in actl.ctl.app.scheduler.requests:  # its client went away: it ends
+            assert asyncio.get_running_loop().time() < deadline, "the cancelled request stayed"
+            await asyncio.sleep(0.02)
+        await still_serves(actl)
+    arun(runner, main())

@@ -64,6 +64,8 @@ BAD = [  # (what, path, raw body, status, param: None for "not asserted")
     ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("top_logprobs on completions", "/v1/completions", b'{"prompt": "hi", "top_logprobs": 2}', 400, "top_logprobs"),
     ("logprobs of an outline", CHAT, chat(logprobs=True, outline=True), 400, "logprobs"),
+    ("stop with an outline", CHAT, chat(stop=["x"], outline=True), 400, None),  # was dropped without a word
+    ("two different token caps", CHAT, chat(max_completion_tokens=8), 400, "max_tokens"),  # (one was dropped)
     ("echo on chat", CHAT, chat(echo=True), 400, "echo"),
     ("max_tokens 0 without echo", "/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     ("echo \"true\"", "/v1/completions", b'{"prompt": "hi", "echo": "true"}', 400, "echo"),
@@ -517,4 +519,58 @@ def test_a_tool_loop_conversation_is_taken(model_dir):
                     ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[2].tool_call_id")):
                 status, _, body = await client.post(CHAT, data=json.dumps({"messages": [*loop[:2], bad]}).encode())
                 assert status == 400 and body["error"]["param"] == param, body
+    run(go())
+
+
+AT_ONCE = 5.0  # s: a refusal's deadline (a hang fails as a timeout, not as a slow answer)
+
+
+def test_flawed_request_ids_stops_and_resumes_are_400_at_once(model_dir):
+    """Issue 34's flawed answers over HTTP: an X-Request-Id that is no request id (a path, spaces,
+    non-ASCII, 65 characters), a resume path of one, a stop string over the byte cap (1 MiB) or
+    more than 4 of them, and a Last-Event-ID past what the request can ever have (its max_tokens)
+    are each a 400 naming the parameter, well before a 5 s deadline; a good id still serves."""
+    import aiohttp
+
+    at_once = aiohttp.ClientTimeout(total=AT_ONCE)
+
+    async def go():
+        async with http_api(model_dir) as (client, fake):
+            for rid in ("a/../b", "../x", "a b", "caf\xe9", "r" * 65, ".."):
+                status, _, body = await client.post(CHAT, data=chat(), headers={"X-Request-Id": rid}, timeout=at_once)
+                err = openai_error(body)
+                assert status == 400 and err["param"] == "X-Request-Id" and "A-Z a-z 0-9 . _ -" in err["message"], \
+                    (rid, body)
+                assert not fake.requests
+            status, _, body = await client.get("/v1/requests/a%20b/stream", timeout=at_once)
+            assert status == 400 and openai_error(body)["param"] == "id" and "'a b'" in body["error"]["message"]
+            for stop, phrase in ((["x" * 2**20], "stop[0] is 1048576 bytes"), (["\u00e9" * 513], "stop[0] is 1026"),
+                                 (["a", "b", "c", "d", "e"], "up to 4")):
+                status, _, body = await client.post(CHAT, data=chat(stop=stop), timeout=at_once)
+                err = openai_error(body)
+                assert status == 400 and err["param"] == "stop" and phrase in err["message"], body
+            status, _, body = await client.post(CHAT, data=chat(stop=["é" * 512, "b", "c", "d"]), timeout=at_once)
+            assert status == 200, body  # 1024 bytes: the cap itself is taken
+            fake.gate.clear()
+            first = asyncio.create_task(client.post(CHAT, data=chat(stream=True, max_tokens=20),
+                                                    headers={"X-Request-Id": "held-1"}))
+            deadline = time.monotonic() + 10
+            while "held-1" not in fake.requests:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            for last in ("4294967295", "21"):
+                status, _, body = await client.get("/v1/requests/held-1/stream", headers={"Last-Event-ID": last},
+                                                   timeout=at_once)
+                err = openai_error(body)
+                assert status == 400 and "Last-Event-ID" in err["message"] and "its max_tokens is 20" in err["message"]
+            # 15 may come (under max_tokens): the resume waits; the answer then ends with fewer (its fixed 8)
+            waiting = asyncio.create_task(client.get("/v1/requests/held-1/stream", headers={"Last-Event-ID": "15"}))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+            fake.gate.set()
+            status, _, body = await asyncio.wait_for(waiting, AT_ONCE)
+            assert status == 400 and "Last-Event-ID 15 is more tokens than request 'held-1' has: it finished with " \
+                f"{len(fake.answer)}" in openai_error(body)["message"], body
+            status, headers, _ = await first
+            assert status == 200 and {k.lower(): v for k, v in headers.items()}["x-request-id"] == "held-1", headers
     run(go())

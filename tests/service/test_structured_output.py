@@ -2,8 +2,8 @@
 and completions with the official `openai` client, and Submit's json_schema over gRPC, against an
 in-process controller over one in-process stage holding the default model (CPU): every answer
 parses and validates against its schema (20 prompts, greedy and seeded sampling, candidates
-included), ends with finish_reason "stop" when the grammar ends, and a bad schema or an unknown
-type is a 400 naming response_format with the grammar library's reason."""
+included), ends with finish_reason "stop" when the grammar ends, and a bad schema, one no value
+satisfies or an unknown type is a 400 naming response_format with the reason."""
 from __future__ import annotations
 
 import asyncio
@@ -103,14 +103,46 @@ def test_json_object_on_completions_and_grpc_json_schema(runner, api):
     ({"type": "xml"}, "got type xml"),
     (rf({"type": "nope"}), 'Unsupported type "nope"'),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
+    (rf({"$ref": "#"}), "can never be satisfied"),  # issue 34: was 16 replays, then a 503 "no_plan" after 12 s
+    (rf({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}), "never ends"),
 ])
 def test_bad_response_format_is_a_400_naming_it(runner, api, fmt, reason):
+    """Refused at the door, well before a 5 s deadline (a timeout is no 400)."""
     async def go():
         with pytest.raises(openai.BadRequestError) as info:
             await api.client.chat.completions.create(model=api.model, messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=4, response_format=fmt)
+                                                     max_tokens=4, response_format=fmt, timeout=5.0)
         assert info.value.body["param"] == "response_format"
         assert reason in info.value.body["message"]
+    arun(runner, go())
+
+
+def test_a_grammar_that_dead_ends_on_a_stage_ends_its_request_as_invalid_argument(runner, api, monkeypatch):
+    """The door refuses a schema no value satisfies; one that reaches a stage all the same (the
+    door's check taken away here) ends its request with INVALID_ARGUMENT naming json_schema, well
+    before a 10 s deadline and replayed 0 times (was: 16 replays, then UNAVAILABLE / 503 no_plan
+    after 12 s); the mesh then serves a good schema."""
+    import grpc
+
+    from logicpipe.controller.jobs import rules
+    from logicpipe.sampling import check_grammar
+
+    monkeypatch.setattr(rules, "check_schema", check_grammar)  # only the library's check: {"$ref": "#"} passes it
+
+    async def go():
+        replays = api.ctl.app.scheduler.stats.replays
+        call = api.ctl.stub.Submit(controller_pb2.SubmitRequest(prompt="Hi", max_tokens=8,
+                                                                json_schema='{"$ref": "#"}'), timeout=10.0)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "json_schema: its grammar allows no token" in info.value.details()
+        assert api.ctl.app.scheduler.stats.replays == replays
+        replies = [x async for x in api.ctl.stub.Submit(controller_pb2.SubmitRequest(
+            prompt="Is water wet? Answer as JSON.", max_tokens=16, json_schema=json.dumps(SCHEMA)),
+            timeout=CALL_TIMEOUT_S)]
+        assert replies[-1].finished
     arun(runner, go())
 
 

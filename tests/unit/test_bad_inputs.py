@@ -1,5 +1,6 @@
 """The pure checkers behind issue 23's refusals: ids, addresses, the Assign fields a stage takes,
-a prompt given twice, a join token's lifetime, a revoked name, the Register rate cap."""
+a prompt given twice, a join token's lifetime, a revoked name, the Register rate cap; and issue 34's:
+one rule for a request id at every door, stop strings capped in count and bytes."""
 from __future__ import annotations
 
 import math
@@ -10,9 +11,17 @@ from logicpipe.common.security import ca as tls_ca
 from logicpipe.common.security.bundle import TlsError
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.controller.mesh.join import JoinAuthority
-from logicpipe.controller.jobs.door import Prompt
+from logicpipe.controller.jobs.rules import Prompt
 from logicpipe.errors import InvalidArgument
-from logicpipe.limits import MAX_ADDRESS_CHARS, MAX_ID_CHARS, check_address, check_id
+from logicpipe.controller.jobs.rules import MAX_STOP_BYTES, MAX_STOPS, check_stops
+from logicpipe.limits import (
+    MAX_ADDRESS_CHARS,
+    MAX_ID_CHARS,
+    MAX_REQUEST_ID_CHARS,
+    check_address,
+    check_id,
+    check_request_id,
+)
 from logicpipe.stage_node.config import MAX_MICRO_BATCHES, Assignment
 
 
@@ -115,3 +124,29 @@ def test_register_rate_cap_is_a_bucket_per_caller(monkeypatch):
         now[0] += 10
         cap.take(f"c{i}")
     assert len(cap._buckets) <= 11
+
+
+@pytest.mark.parametrize("rid", ["0f" * 16, "req-1", "a.b_c-D", "r" * MAX_REQUEST_ID_CHARS, "...", "-"])
+def test_request_ids_that_are(rid):
+    assert check_request_id("request_id", rid) == rid
+
+
+@pytest.mark.parametrize("rid", ["", "r" * (MAX_REQUEST_ID_CHARS + 1), "../x", "a/../b", "a b", "caf\u00e9", "\u6771",
+                                 ".", "..", "a\x00", "a\nb", "a%2Fb", "a:b", "r" * 100_000])
+def test_request_ids_that_are_not(rid):
+    with pytest.raises(InvalidArgument, match="X-Request-Id") as info:
+        check_request_id("X-Request-Id", rid)
+    message = str(info.value)
+    assert f"1 to {MAX_REQUEST_ID_CHARS} of the characters A-Z a-z 0-9 . _ -" in message and "\n" not in message
+    assert len(message) < 400  # a huge id is not echoed whole
+
+
+def test_stops_are_capped_in_count_and_bytes():
+    check_stops(("a",) * MAX_STOPS)
+    check_stops(("\u00e9" * (MAX_STOP_BYTES // 2),))  # 2 bytes a character: the cap exactly
+    for stops, phrase in ((("a",) * (MAX_STOPS + 1), f"up to {MAX_STOPS}"), (("a", ""), "non-empty"),
+                          (("ok", "x" * 2**20), "stop[1] is 1048576 bytes"),
+                          (("\u00e9" * (MAX_STOP_BYTES // 2 + 1),), f"stop[0] is {MAX_STOP_BYTES + 2} bytes")):
+        with pytest.raises(InvalidArgument, match="stop") as info:
+            check_stops(stops)
+        assert phrase in str(info.value)

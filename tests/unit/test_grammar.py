@@ -84,3 +84,71 @@ def test_bad_grammars_are_refused_with_the_library_reason(book):
         check_grammar("{bad")
     assert check_grammar(JSON_OBJECT) == JSON_OBJECT
     assert b.compile(SCHEMA) is b.compile(SCHEMA)  # cached by text
+
+
+def test_a_grammar_that_allows_no_token_ends_its_request_as_the_clients_error(book):
+    """A schema no text satisfies ({"$ref": "#"}: a value that is itself) reaching a stage all the
+    same (the door refuses it: controller.grammar_check) is a DeadEnd, an INVALID_ARGUMENT the
+    controller ends the request with, not a fault it replays; the matcher is left where it was."""
+    from logicpipe.stage_node.model.grammar import DeadEnd
+
+    b, tok = book
+    c = b.constraint(json.dumps({"$ref": "#"}))
+    with pytest.raises(DeadEnd, match="json_schema: its grammar allows no token after generated token 0") as info:
+        c.mask_rows(torch.zeros(1, 49152), 0, ())
+    assert isinstance(info.value, InvalidArgument) and c.accepted == 0
+    ok = b.constraint(SCHEMA)  # a schema with values: its rows always allow a token
+    assert ok.mask_rows(torch.zeros(1, 49152), 0, ()) == 0
+
+
+NEVER = {  # schemas the grammar library takes whose grammar admits no JSON value: (schema, why)
+    "a $ref to itself": ({"$ref": "#"}, "never ends"),
+    "a required property that is the whole schema": (
+        {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "never ends"),
+    "a non-empty array of itself": ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "never ends"),
+    "a definition that needs itself": ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                        "required": ["next"]}}, "$ref": "#/$defs/n"}, "never ends"),
+    "anyOf nothing": ({"anyOf": []}, "only the empty text"),
+    "oneOf nothing": ({"oneOf": []}, "only the empty text"),
+}
+SATISFIABLE = [  # recursive ones with a way out, and the usual forms (patterns, formats, bounds, enums)
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},
+    {"type": "array", "items": {"$ref": "#"}},
+    {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["v", "kids"]}}, "$ref": "#/$defs/n"},
+    {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                      "day": {"type": "string", "format": "date"},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1}},
+     "required": ["name", "age"]},
+    {"type": "string", "minLength": 3, "maxLength": 10}, {"type": "number", "minimum": 1.5}, {"const": "x"}, {},
+    {"type": "object", "additionalProperties": {"type": "integer"}}, json.loads(SCHEMA),
+]
+
+
+@pytest.mark.parametrize("case", list(NEVER))
+def test_a_schema_no_value_satisfies_is_refused_at_the_door(case):
+    from logicpipe.controller.jobs.grammar_check import check_schema
+
+    schema, why = NEVER[case]
+    check_grammar(json.dumps(schema))  # the library itself takes it: only the door's own check refuses it
+    with pytest.raises(ValueError, match="can never be satisfied") as info:
+        check_schema(json.dumps(schema))
+    assert why in str(info.value)
+
+
+def test_satisfiable_schemas_pass_and_every_printed_form_is_read():
+    """The check refuses only what it has shown empty: each schema here passes, and its grammar's
+    printed form (and xgrammar's built-in JSON grammar) is read without a form left unknown."""
+    import xgrammar as xgr
+
+    from logicpipe.controller.jobs.grammar_check import check_schema, emptiness, read_rules
+
+    for schema in SATISFIABLE:
+        text = json.dumps(schema)
+        assert check_schema(text) == text
+        read_rules(str(xgr.Grammar.from_json_schema(text, any_whitespace=False)))  # raises on an unknown form
+    builtin = str(xgr.Grammar.builtin_json_grammar())
+    assert read_rules(builtin) and emptiness(builtin) == ""
+    assert check_schema(JSON_OBJECT) == JSON_OBJECT

@@ -39,6 +39,7 @@ LOCAL_IMPORTS = {
     "stage_node/kernels/grouped.py": {"triton"},  # the same: CUDA stages' grouped-expert kernels
     # structured output only: xgrammar's import takes a second, transformers' more (the tokenizer)
     "protos/logicpipe/sampling.py": {"xgrammar"},
+    "controller/jobs/grammar_check.py": {"xgrammar"},  # the door's check that a schema admits some value
     "stage_node/model/grammar.py": {"xgrammar", "transformers"},
 }
 
