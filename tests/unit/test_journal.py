@@ -358,7 +358,7 @@ def test_a_full_state_dir_refuses_requests_fails_those_not_durable_and_recovers(
         journal.start()
         sched, pipe = scheduler(journal)
         first = sched.submit(Job(tuple(range(1, 50)), 4, request_id="durable"))
-        await until(lambda: not journal._pending, "committed")
+        await until(lambda: journal.rows() == 1, "committed")  # (rows() waits for a commit under way)
         fill(mnt / "filler")
         caught = []
         journal.on_lost.append(lambda ids, err: caught.append(ids))
