@@ -126,6 +126,7 @@ def status_reply(snap: ControllerSnapshot) -> controller_pb2.ControllerStatusRep
         stages=[stage_info(s) for s in snap.stages], last_replan=snap.last_replan, last_replan_s=snap.last_replan_s,
         replans=snap.replans, waiting=snap.reason if snap.phase is Phase.WAITING else "", role=snap.role,
         epoch=snap.epoch, active=snap.active, journaled=snap.journaled, replays=st.replays,
+        journal=snap.journal, journal_damage=snap.journal_damage,
         pipelines=[controller_pb2.PipelineInfo(index=p.index, plan_id=p.plan_id, generation=p.generation,
                                                micro_batches=p.micro_batches, running=p.running,
                                                predicted_tokens_per_s=p.predicted_tokens_per_s, serving=p.serving)

@@ -445,6 +445,10 @@ def status_lines(st: controller_pb2.ControllerStatusReply) -> list[str]:
                      f"{st.replans} plans so far)")
     lines.append(f"requests: {st.active_requests} active, {st.queued_requests} queued, "
                  f"{st.completed_requests} completed")
+    if st.journal:
+        lines.append(f"journal: {st.journal}; {st.journaled} requests, fencing epoch {st.epoch}")
+    if st.journal_damage:
+        lines.append(f"JOURNAL DAMAGED: {st.journal_damage}")
     spec = f"{st.tokens_per_step:.2f} tokens per pipeline trip" if st.decode_steps else "no tokens yet"
     if st.candidates:
         spec += f", {st.acceptance_rate:.0%} of {st.candidates} candidates accepted"

@@ -28,6 +28,9 @@ import struct
 import time
 from pathlib import Path
 
+from logicpipe.common import statedir
+from logicpipe.common.statedir import StateDirError, os_problem
+
 log = logging.getLogger(__name__)
 
 MAIN, WAL, SHM = "journal.sqlite3", "journal.sqlite3-wal", "journal.sqlite3-shm"
@@ -35,7 +38,6 @@ EPOCH_FILE = "journal.epoch"
 DAMAGED_PREFIX = "journal.damaged-"
 HEADER = b"SQLite format 3\x00"
 WAL_MAGIC = (0x377F0682, 0x377F0683)  # checksums in little-endian / big-endian words
-PROBE_BYTES = 64 * 1024                # written and removed at open: a full or read-only directory says so then
 
 
 class JournalError(Exception):
@@ -44,19 +46,13 @@ class JournalError(Exception):
 
 
 # ---- the state directory ----------------------------------------------------------------------
-def os_problem(directory: Path, exc: OSError) -> str:
-    """`exc` met in `directory` as one line naming the fix."""
-    why = exc.strerror or str(exc)
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{directory} is full ({why}): free space there, or give --state-dir a directory on another disk"
-    if exc.errno == errno.EROFS:
-        return f"{directory} is on a read-only file system: give --state-dir a writable directory"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return (f"{directory} is not writable by this user ({why}): give --state-dir a directory it owns, or "
-                "change the owner of this one")
-    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
-        return f"{directory} is not a directory (a file is in its place): give --state-dir a directory"
-    return f"{directory}: {why}: give --state-dir a writable directory"
+def prepare(directory: Path) -> None:
+    """Make `directory` if missing and check that a journal can be written there (JournalError
+    otherwise, one line): not a file, writable, not full (common.statedir)."""
+    try:
+        statedir.prepare(directory)
+    except StateDirError as exc:
+        raise JournalError(str(exc)) from None
 
 
 def sqlite_problem(directory: Path, exc: sqlite3.Error) -> str:
@@ -67,28 +63,6 @@ def sqlite_problem(directory: Path, exc: sqlite3.Error) -> str:
     if "readonly" in text or "read-only" in text:
         return os_problem(directory, OSError(errno.EACCES, f"SQLite: {text}"))
     return f"the journal in {directory} cannot be used ({text}): give --state-dir a writable local directory"
-
-
-def prepare(directory: Path) -> None:
-    """Make `directory` if missing and check that a journal can be written there (JournalError
-    otherwise): not a file, writable, not full."""
-    if directory.exists() and not directory.is_dir():
-        raise JournalError(f"{directory} is a file, not a directory: give --state-dir a directory (it is made "
-                           "when missing)")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".journal-probe"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, bytes(PROBE_BYTES))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        finally:
-            probe.unlink(missing_ok=True)
-    except OSError as exc:
-        raise JournalError(os_problem(directory, exc)) from None
 
 
 # ---- damage -----------------------------------------------------------------------------------

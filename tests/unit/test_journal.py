@@ -389,3 +389,25 @@ def test_a_full_state_dir_refuses_requests_fails_those_not_durable_and_recovers(
         for j in opened:
             j.close_now()
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_the_controllers_status_and_lpctl_status_report_a_damaged_journal(tmp_path):  # (imports: the app is heavy)
+    from logicpipe.common.transport import PLAINTEXT
+    from logicpipe.controller.api.service import status_reply
+    from logicpipe.controller.app import ControllerApp
+    from logicpipe.controller.cli.lpctl import status_lines
+    from tests.unit.test_newcomer_errors import tiny_model
+
+    dead = written(tmp_path)
+    damage_wal(dead)
+    journal = Journal(dead, "d")
+    app = ControllerApp(tiny_model(tmp_path / "m"), [], transport=PLAINTEXT, journal=journal)
+    journal.open(app.digest)
+    try:
+        reply = status_reply(app.snapshot())
+        assert reply.journal == f"ok ({dead})" and "damaged WAL" in reply.journal_damage
+        lines = status_lines(reply)
+        assert f"journal: ok ({dead}); 0 requests, fencing epoch 3" in lines
+        assert any(line.startswith("JOURNAL DAMAGED: ") and "moved aside" in line for line in lines), lines
+    finally:
+        journal.close_now()

@@ -132,6 +132,23 @@ def test_an_http_port_taken_after_the_grpc_server_started_stops_cleanly(tmp_path
         f"`ss -ltnp 'sport = :{port}'`); pick another with --http HOST:PORT")], out.stderr
 
 
+# --- a bad --state-dir ----------------------------------------------------------------------------------
+
+def test_a_state_dir_naming_a_file_is_one_line_before_the_model_loads(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    line = in_process(controller_main.main, ["--listen", f"127.0.0.1:{free_port()}", "--model",
+                                             str(tmp_path / "not-loaded"), *controller_flags(tmp_path),
+                                             "--state-dir", str(afile)], capsys)
+    assert line == (f"logicpipe-controller: --state-dir: {afile} is a file, not a directory: give --state-dir a "
+                    "directory (it is made when missing)")
+    from logicpipe.stage_node import main as stage_main  # (torch: only here)
+    line = in_process(stage_main.main, ["--listen", f"127.0.0.1:{free_port()}", "--no-mdns", "--no-profile",
+                                        "--device", "cpu", "--state-dir", str(afile)], capsys)
+    assert line == (f"logicpipe-stage: --state-dir: {afile} is a file, not a directory: give --state-dir a "
+                    "directory (it is made when missing)")
+
+
 # --- a bad --model -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mistake", ["missing", "no-config", "unsupported", "no-weights"])
