@@ -332,3 +332,35 @@ def test_chat_says_how_to_end_and_marks_an_answer_cut_at_max_tokens(capsys, monk
             lpctl.main(["--controller", address, "submit", "tell me a story", "--max-tokens", "3"])
         out = capsys.readouterr()
         assert info.value.code == 0 and out.out == "Once upon a time\n" and "[cut at --max-tokens 3]" in out.err
+
+
+class BreaksOnce(controller_pb2_grpc.ControllerServicer):
+    """A controller that stops in the middle of the first answer and resumes it when asked."""
+
+    def __init__(self):
+        self.submitted, self.resumed = [], []
+
+    def Status(self, request, context):
+        return controller_pb2.ControllerStatusReply(state="ready")
+
+    def Submit(self, request, context):
+        self.submitted.append(request.request_id)
+        yield controller_pb2.SubmitReply(text="Once upon", token_ids=[1, 2])
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the controller is stopping; resume the request")
+
+    def Resume(self, request, context):
+        self.resumed.append((request.request_id, request.have_tokens))
+        yield controller_pb2.SubmitReply(text=" a time", token_ids=[3], finished=True, finish_reason="stop")
+
+
+def test_chat_resumes_an_answer_whose_stream_broke(capsys, monkeypatch):
+    fake = BreaksOnce()
+    with grpc_server(servicer=fake) as address:
+        monkeypatch.setattr(sys, "stdin", io.StringIO("tell me a story\n"))
+        with pytest.raises(SystemExit) as info:
+            lpctl.main(["--controller", address, "chat", "--max-tokens", "8"])
+        out = capsys.readouterr()
+    assert info.value.code == 0, out.err
+    assert out.out == "Once upon a time\n"  # one answer, nothing twice, nothing lost
+    assert len(fake.submitted) == 1 and fake.resumed == [(fake.submitted[0], 2)]
+    assert f"resuming request {fake.submitted[0]}" in out.err and "\nlpctl: " not in out.err  # (no error line)
