@@ -153,8 +153,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     async def Resume(self, request, context):
         async with self.door.resume(request.request_id, request.have_tokens,
-                                    client_identity(self.transport, context)) as completion:
-            async for reply in self._replies(completion, False):
+                                    client_identity(self.transport, context),
+                                    have_points=tuple(request.have_points)) as completion:
+            async for reply in self._replies(completion, completion.outline):
                 yield reply
 
     async def Replicate(self, request, context):

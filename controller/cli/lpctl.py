@@ -139,23 +139,26 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
     req.request_id = req.request_id or uuid.uuid4().hex
     if req.sampling.temperature > 0 and not req.sampling.HasField("seed"):
         req.sampling.seed = random.getrandbits(63)
-    have, broke, resume, answered = 0, 0.0, False, False
+    held: dict[int, int] = {}  # tokens received of each point (an outline's; a plain request's are all point 0)
+    broke, resume, answered = 0.0, False, False
     call = None
     try:
         while True:
-            skip = 0
+            skip: dict[int, int] = {}
             try:
                 stub = _stub(args)
                 if resume:
+                    have = controller_pb2.ResumeRequest(request_id=req.request_id, have_tokens=sum(held.values()))
+                    if req.outline:
+                        have.have_points.extend(held.get(p, 0) for p in range(max(held, default=-1) + 1))
                     try:
-                        call = stub.Resume(controller_pb2.ResumeRequest(request_id=req.request_id, have_tokens=have),
-                                           timeout=args.timeout)
+                        call = stub.Resume(have, timeout=args.timeout)
                         first = next(call)
                     except grpc.RpcError as exc:
                         if exc.code() != grpc.StatusCode.NOT_FOUND:
                             raise
                         # not journaled: again, from the start
-                        call, skip = stub.Submit(req, timeout=args.timeout), have
+                        call, skip = stub.Submit(req, timeout=args.timeout), dict(held)
                         first = next(call)
                 else:
                     call = stub.Submit(req, timeout=args.timeout)
@@ -166,15 +169,15 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
                           file=sys.stderr)
                 broke = 0.0
                 for reply in _chain(first, call):
-                    if skip:  # the tokens of a submitted-again request that the client holds already
-                        n = min(skip, len(reply.token_ids))
-                        skip -= n
+                    if skip.get(reply.point):  # the tokens of a submitted-again request that the client holds
+                        n = min(skip[reply.point], len(reply.token_ids))
+                        skip[reply.point] -= n
                         if n and not reply.finished:
                             continue
                         del reply.token_ids[:n]
                         if n:
                             reply.text = ""
-                    have += len(reply.token_ids)
+                    held[reply.point] = held.get(reply.point, 0) + len(reply.token_ids)
                     yield reply
                 return
             except StopIteration:
@@ -377,7 +380,7 @@ def _submit_outline(args, req) -> int:
     order (or, --json, the answer and the DAG)."""
     counts: dict[int, int] = {}
     final = None
-    for reply in _stub(args).Submit(req, timeout=args.timeout):
+    for reply in stream_resuming(args, req):  # journaled: a controller that dies meanwhile does not lose it
         if reply.finished:
             final = reply
             break

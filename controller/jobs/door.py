@@ -15,29 +15,33 @@ template, stop strings, detokenizing, and outline-DAG requests.
 A plain request is journaled (controller.journal) with what resuming it needs: its stop strings
 and which API it came by; a client whose stream broke (the controller restarted, a standby took
 over) resumes it by its id and gets what it would have got, from the tokens it already holds on.
-Outline requests are not resumable (their points are forks of one another).
+An outline request is journaled as what runs it again (outline.outline_record); a client that
+resumes it after its controller died, or its stream broke, gets it run again from its start
+(exact: greedy, or seeded here), the tokens it holds of each point skipped (`have_points`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from logicpipe.controller.jobs.outline import MAX_POINTS, OutlineRun
-from logicpipe.controller.jobs.job import Job, Request
+from logicpipe.controller.jobs.outline import MAX_POINTS, OutlineRun, outline_record, run_of_record
+from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, Request
 from logicpipe.controller.jobs.scheduler import RequestHandle, Scheduler
 from logicpipe.controller.jobs.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
-from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from logicpipe.errors import AlreadyExists, FailedPrecondition, InvalidArgument, MeshError, NotFound, ResourceExhausted
 from logicpipe.limits import check_id
 from logicpipe.sampling import SamplingParams, check_grammar
 
 MAX_PROMPT_CHARS = 2**20   # characters of one prompt or conversation (refused before any work beyond that)
 MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
+OUTLINE_RETAIN_S = 600.0   # an outline request left by its client stays in the journal this long for a resume
 MAX_CHAT_MESSAGES = 1024   # turns of one conversation
 MAX_STOPS = 4              # stop strings of one request
 MAX_CHOICES = 16           # completions of one prompt in one request (OpenAI's n)
@@ -185,6 +189,7 @@ class Completion:
     prompt_ids: tuple[int, ...] = ()                  # its prompt's tokens
     prompt_logprobs: list | None = None               # asked: a TokenLogprob per prompt token from the second
     shares_prompt: bool = False                       # a choice after the first of n: its prompt is counted once
+    outline: bool = False                             # an outline request (its points follow its pieces)
     _pieces: AsyncIterator[Piece] | None = None
 
     def __aiter__(self) -> AsyncIterator[Piece]:
@@ -206,6 +211,9 @@ class FrontDoor:
         self.model_dir = model_dir
         self.requests_per_client = requests_per_client
         self._open: dict[str, int] = {}     # client -> its completions open now
+        self._outlines: dict[str, int] = {}  # outline request id -> its runs streaming now
+        self._lost: dict[str, MeshError] = {}  # outline request id -> why the journal could not keep it
+        scheduler.journal.on_lost.append(self._not_durable)
 
     @contextlib.asynccontextmanager
     async def open(self, prompt: Prompt, options: RequestOptions, client: str, *,
@@ -217,7 +225,7 @@ class FrontDoor:
         async with self._held(client, admitted):
             prompt.check()
             options.check()
-            completion = await (self._outline(prompt, options) if options.outline is not None
+            completion = await (self._outline(prompt, options, client) if options.outline is not None
                                 else self._plain(prompt, options, client))
             try:
                 yield completion
@@ -266,13 +274,25 @@ class FrontDoor:
                 parent.release()
 
     @contextlib.asynccontextmanager
-    async def resume(self, request_id: str, have: int, client: str, *,
+    async def resume(self, request_id: str, have: int, client: str, *, have_points: tuple[int, ...] = (),
                      admitted: bool = False) -> AsyncIterator[Completion]:
-        """Request `request_id` again, from its token `have` on (the client holds the ones before):
-        its pieces are those the first stream would have carried from there. Only the client that
-        submitted it may (any other is told it does not exist)."""
+        """Request `request_id` again, from its token `have` on (the client holds the ones before;
+        of an outline request, have_points[i] of point i, 0 the outline): its pieces are those the
+        first stream would have carried from there. Only the client that submitted it may (any
+        other is told it does not exist)."""
         async with self._held(client, admitted):
             check_id("request_id", request_id)
+            entry = self.scheduler.journal.entries.get(request_id)
+            if entry is not None and OUTLINE_RECORD in entry.job:
+                if entry.job[OUTLINE_RECORD].get("client") not in ("", client):
+                    raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or "
+                                   "it failed) or was never admitted; submit it again")
+                c = self._outline_completion(request_id, entry.job, held_points(have, have_points, entry.job))
+                try:
+                    yield c
+                finally:
+                    await c._pieces.aclose()
+                return
             handle = self.scheduler.attach(request_id)
             req = handle.request
             job = req.job
@@ -375,8 +395,9 @@ class FrontDoor:
         return encode_prompt(self.tokenizer, text, raw)
 
     # ---- outline requests ----------------------------------------------------------------------
-    async def _outline(self, prompt: Prompt, o: RequestOptions) -> Completion:
-        """The question is the prompt's text, or the last user message of a conversation."""
+    async def _outline(self, prompt: Prompt, o: RequestOptions, client: str) -> Completion:
+        """The question is the prompt's text, or the last user message of a conversation. Journaled
+        before it runs (refused when the journal cannot hold it)."""
         if self.tokenizer is None:
             raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: outline requests need one")
         users = [c for r, c in prompt.messages if r == "user"]
@@ -385,19 +406,76 @@ class FrontDoor:
             raise InvalidArgument("an outline request needs a prompt (the question)")
         raw = prompt.raw and not prompt.messages
         prompt_tokens = len(await asyncio.to_thread(self.encode_prompt, question, raw))
-        run = OutlineRun(self.scheduler, self.tokenizer, question, outline_text=o.outline.outline_text,
-                         max_points=o.outline.max_points, point_tokens=o.max_tokens, sampling=o.sampling,
-                         sequential=o.outline.sequential, speculate=o.speculate)
-        c = Completion(uuid.uuid4().hex, prompt_tokens)
-        c._pieces = self._outline_pieces(c, run)
+        rid = o.request_id or uuid.uuid4().hex
+        journal = self.scheduler.journal
+        if rid in journal.entries or self.scheduler.find(rid) is not None:
+            raise AlreadyExists(f"request {rid} exists; resume it instead of submitting it again")
+        journal.check_durable()
+        self._sweep_outlines()
+        sampling = o.sampling
+        if not sampling.greedy and sampling.seed is None:  # a seed of our own: run again, it draws the same
+            sampling = sampling.with_seed(random.getrandbits(63))
+        doc = outline_record(question, outline_text=o.outline.outline_text, max_points=o.outline.max_points,
+                             point_tokens=o.max_tokens, sampling=sampling, sequential=o.outline.sequential,
+                             speculate=o.speculate, client=client, prompt_tokens=prompt_tokens)
+        journal.admit(rid, doc, 0)
+        return self._outline_completion(rid, doc, {})
+
+    def _outline_completion(self, rid: str, doc: dict, held: dict[int, int]) -> Completion:
+        c = Completion(rid, int(doc[OUTLINE_RECORD]["prompt_tokens"]), outline=True)
+        c._pieces = self._outline_pieces(c, run_of_record(self.scheduler, self.tokenizer, doc), held)
         return c
 
-    async def _outline_pieces(self, c: Completion, run: OutlineRun) -> AsyncIterator[Piece]:
+    async def _outline_pieces(self, c: Completion, run: OutlineRun, held: dict[int, int]) -> AsyncIterator[Piece]:
+        """Its pieces, but the first held[p] tokens of point p (a client that resumes holds them);
+        delivered to the end, it leaves the journal."""
         streams: dict[int, TextStream] = {}
-        async with contextlib.aclosing(run.events()) as events:
-            async for pid, token, finished in events:
-                c.tokens.append(token)
-                text = streams.setdefault(pid, TextStream(self.tokenizer)).push([token], finished)
-                yield Piece((token,), text, point=pid)
-        c.points, c.warnings, c.finish_reason = run.points, run.warnings, "stop"
-        c.text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)
+        seen: dict[int, int] = {}
+        self._outlines[c.id] = self._outlines.get(c.id, 0) + 1
+        try:
+            async with contextlib.aclosing(run.events()) as events:
+                async for pid, token, finished in events:
+                    if c.id in self._lost:
+                        raise self._lost[c.id]
+                    c.tokens.append(token)
+                    text = streams.setdefault(pid, TextStream(self.tokenizer)).push([token], finished)
+                    seen[pid] = seen.get(pid, 0) + 1
+                    if seen[pid] > held.get(pid, 0):
+                        yield Piece((token,), text, point=pid)
+            c.points, c.warnings, c.finish_reason = run.points, run.warnings, "stop"
+            c.text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)
+            self.scheduler.journal.drop(c.id)
+        finally:
+            self._outlines[c.id] -= 1
+            if not self._outlines[c.id]:
+                del self._outlines[c.id]
+                self._lost.pop(c.id, None)
+
+    def _not_durable(self, ids: list[str], err: MeshError) -> None:
+        """The journal could not commit these admissions: an outline among them fails (journal.on_lost)."""
+        for rid in ids:
+            if rid in self._outlines:
+                self._lost[rid] = err
+                self.scheduler.journal.drop(rid)
+
+    def _sweep_outlines(self) -> None:
+        """Outline requests no client resumed within OUTLINE_RETAIN_S leave the journal."""
+        now = time.time()
+        journal = self.scheduler.journal
+        for rid, e in list(journal.entries.items()):
+            if OUTLINE_RECORD in e.job and rid not in self._outlines and now - e.admitted > OUTLINE_RETAIN_S:
+                journal.drop(rid)
+
+
+def held_points(have: int, have_points: tuple[int, ...], doc: dict) -> dict[int, int]:
+    """The tokens a resuming client holds of each point of an outline request (0: the outline)."""
+    if len(have_points) > MAX_POINTS + 1:
+        raise InvalidArgument(f"have_points: {len(have_points)} counts for at most {MAX_POINTS} points and the outline")
+    if have_points:
+        if sum(have_points) != have and have:
+            raise InvalidArgument(f"have_points adds up to {sum(have_points)}, have_tokens says {have}")
+        return {p: n for p, n in enumerate(have_points) if n}
+    if not have:
+        return {}
+    raise InvalidArgument("resuming an outline request needs have_points: the tokens held of each point (0: the "
+                          "outline), as lpctl sends them")

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from logicpipe.controller.jobs.job import Job, Request, RequestState, TokenUpdate
+from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, Request, RequestState, TokenUpdate
 from logicpipe.controller.jobs.journal import Journal
 from logicpipe.controller.mesh.pipeline import Pipeline
 from logicpipe.controller.mesh.pipelines import PipelineSet
@@ -367,7 +367,7 @@ class Scheduler:
         now = time.monotonic()
         top = restored = 0
         for e in sorted(entries, key=lambda e: e.priority):
-            if e.id in self.requests:
+            if e.id in self.requests or OUTLINE_RECORD in e.job:  # an outline runs again when its client resumes it
                 continue
             restored += 1
             job = replace(Job.from_json(e.job), request_id=e.id)

@@ -22,7 +22,7 @@ from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.jobs.job import Job
 from logicpipe.controller.jobs.scheduler import MAX_REPLAYS, Scheduler, SchedulerConfig
 from logicpipe.controller.mesh.state import MeshState, Phase
-from logicpipe.errors import ResourceExhausted, Unavailable, code_number
+from logicpipe.errors import InvalidArgument, ResourceExhausted, Unavailable, code_number
 from logicpipe.v1 import stage_pb2
 
 
@@ -411,3 +411,27 @@ def test_the_controllers_status_and_lpctl_status_report_a_damaged_journal(tmp_pa
         assert any(line.startswith("JOURNAL DAMAGED: ") and "moved aside" in line for line in lines), lines
     finally:
         journal.close_now()
+
+
+def test_an_outline_request_is_journaled_as_what_runs_it_again_and_resumed_by_its_client_only():
+    from logicpipe.controller.jobs.door import held_points
+    from logicpipe.controller.jobs.outline import outline_record, run_of_record
+    from logicpipe.sampling import SamplingParams
+
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [5]}
+
+    journal = Journal(None, "d")
+    sched, pipe = scheduler(journal)
+    doc = outline_record("why is the sky blue?", outline_text="", max_points=3, point_tokens=9,
+                         sampling=SamplingParams(0.8, 0, 1.0, 42), sequential=False, speculate=None, client="c1",
+                         prompt_tokens=7)
+    journal.admit("o1", json.loads(json.dumps(doc)), 0)  # as the journal stores it: JSON
+    run = run_of_record(sched, tokenizer, journal.entries["o1"].job)
+    assert (run.question, run.max_points, run.point_tokens, run.sampling.seed, run.sampling.temperature) == \
+        ("why is the sky blue?", 3, 9, 42, 0.8)
+    assert sched.restore(list(journal.entries.values())) == 0 and sched.find("o1") is None  # not a plain Job
+    assert held_points(5, (2, 0, 3), doc) == {0: 2, 2: 3} and held_points(0, (), doc) == {}
+    for have, points in ((4, ()), (5, (1, 1)), (1, (1,) * 40)):
+        with pytest.raises(InvalidArgument):
+            held_points(have, points, doc)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("request_id", "have_tokens")
+    __slots__ = ("request_id", "have_tokens", "have_points")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_POINTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     have_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., have_tokens: _Optional[int] = ...) -> None: ...
+    have_points: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., have_tokens: _Optional[int] = ..., have_points: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("follower",)
