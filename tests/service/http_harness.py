@@ -23,6 +23,7 @@ from aiohttp import web
 from logicpipe.controller.api.http_api import HttpApi
 from logicpipe.controller.jobs.door import FrontDoor
 from logicpipe.controller.jobs.job import Job, TokenUpdate
+from logicpipe.controller.jobs.journal import Journal
 from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
 from logicpipe.controller.mesh.state import Phase
 from logicpipe.errors import AlreadyExists, NotFound
@@ -101,8 +102,12 @@ class FakeScheduler:
         self.requests: dict[str, FakeHandle] = {}
         self.gate = asyncio.Event()  # held requests wait for this after their first token
         self.gate.set()
+        self.journal = Journal(None, "")  # the front door journals outline requests itself
 
     validate = Scheduler.validate
+
+    def find(self, request_id: str) -> FakeHandle | None:
+        return self.requests.get(request_id)
 
     def submit(self, job: Job) -> FakeHandle:
         self.validate(job)
