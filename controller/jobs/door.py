@@ -24,24 +24,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from logicpipe.controller.jobs.outline import MAX_POINTS, OutlineRun, outline_record, run_of_record
+from logicpipe.controller.jobs.outline import MAX_POINTS, OutlineRun
+from logicpipe.controller.jobs.outline_door import OutlineRequests, held_points
 from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, Request
 from logicpipe.controller.jobs.scheduler import RequestHandle, Scheduler
 from logicpipe.controller.jobs.text import CHAT_ROLES, StopScan, TextStream, encode_chat, encode_prompt
-from logicpipe.errors import AlreadyExists, FailedPrecondition, InvalidArgument, MeshError, NotFound, ResourceExhausted
+from logicpipe.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from logicpipe.limits import check_id
 from logicpipe.sampling import SamplingParams, check_grammar
 
 MAX_PROMPT_CHARS = 2**20   # characters of one prompt or conversation (refused before any work beyond that)
 MAX_PROMPT_TOKENS = 2**17  # token ids of one prompt
-OUTLINE_RETAIN_S = 600.0   # an outline request left by its client stays in the journal this long for a resume
 MAX_CHAT_MESSAGES = 1024   # turns of one conversation
 MAX_STOPS = 4              # stop strings of one request
 MAX_CHOICES = 16           # completions of one prompt in one request (OpenAI's n)
@@ -211,9 +209,7 @@ class FrontDoor:
         self.model_dir = model_dir
         self.requests_per_client = requests_per_client
         self._open: dict[str, int] = {}     # client -> its completions open now
-        self._outlines: dict[str, int] = {}  # outline request id -> its runs streaming now
-        self._lost: dict[str, MeshError] = {}  # outline request id -> why the journal could not keep it
-        scheduler.journal.on_lost.append(self._not_durable)
+        self.outlines = OutlineRequests(scheduler, tokenizer)  # journaled, resumed by running them again
 
     @contextlib.asynccontextmanager
     async def open(self, prompt: Prompt, options: RequestOptions, client: str, *,
@@ -282,12 +278,9 @@ class FrontDoor:
         other is told it does not exist)."""
         async with self._held(client, admitted):
             check_id("request_id", request_id)
-            entry = self.scheduler.journal.entries.get(request_id)
-            if entry is not None and OUTLINE_RECORD in entry.job:
-                if entry.job[OUTLINE_RECORD].get("client") not in ("", client):
-                    raise NotFound(f"no request {request_id!r} here: it ended (its tokens were all delivered, or "
-                                   "it failed) or was never admitted; submit it again")
-                c = self._outline_completion(request_id, entry.job, held_points(have, have_points, entry.job))
+            doc = self.outlines.record(request_id, client)
+            if doc is not None:
+                c = self._outline_completion(request_id, doc, held_points(have, have_points))
                 try:
                     yield c
                 finally:
@@ -397,7 +390,7 @@ class FrontDoor:
     # ---- outline requests ----------------------------------------------------------------------
     async def _outline(self, prompt: Prompt, o: RequestOptions, client: str) -> Completion:
         """The question is the prompt's text, or the last user message of a conversation. Journaled
-        before it runs (refused when the journal cannot hold it)."""
+        before it runs (outline_door: refused when the journal cannot hold it)."""
         if self.tokenizer is None:
             raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: outline requests need one")
         users = [c for r, c in prompt.messages if r == "user"]
@@ -406,76 +399,26 @@ class FrontDoor:
             raise InvalidArgument("an outline request needs a prompt (the question)")
         raw = prompt.raw and not prompt.messages
         prompt_tokens = len(await asyncio.to_thread(self.encode_prompt, question, raw))
-        rid = o.request_id or uuid.uuid4().hex
-        journal = self.scheduler.journal
-        if rid in journal.entries or self.scheduler.find(rid) is not None:
-            raise AlreadyExists(f"request {rid} exists; resume it instead of submitting it again")
-        journal.check_durable()
-        self._sweep_outlines()
-        sampling = o.sampling
-        if not sampling.greedy and sampling.seed is None:  # a seed of our own: run again, it draws the same
-            sampling = sampling.with_seed(random.getrandbits(63))
-        doc = outline_record(question, outline_text=o.outline.outline_text, max_points=o.outline.max_points,
-                             point_tokens=o.max_tokens, sampling=sampling, sequential=o.outline.sequential,
-                             speculate=o.speculate, client=client, prompt_tokens=prompt_tokens)
-        journal.admit(rid, doc, 0)
+        rid, doc = self.outlines.admit(question, o.request_id, outline_text=o.outline.outline_text,
+                                       max_points=o.outline.max_points, point_tokens=o.max_tokens,
+                                       sampling=o.sampling, sequential=o.outline.sequential, speculate=o.speculate,
+                                       client=client, prompt_tokens=prompt_tokens)
         return self._outline_completion(rid, doc, {})
 
     def _outline_completion(self, rid: str, doc: dict, held: dict[int, int]) -> Completion:
         c = Completion(rid, int(doc[OUTLINE_RECORD]["prompt_tokens"]), outline=True)
-        c._pieces = self._outline_pieces(c, run_of_record(self.scheduler, self.tokenizer, doc), held)
+        run = self.outlines.run(doc)
+        c._pieces = self._outline_pieces(c, run, self.outlines.events(rid, run, held))
         return c
 
-    async def _outline_pieces(self, c: Completion, run: OutlineRun, held: dict[int, int]) -> AsyncIterator[Piece]:
-        """Its pieces, but the first held[p] tokens of point p (a client that resumes holds them);
-        delivered to the end, it leaves the journal."""
+    async def _outline_pieces(self, c: Completion, run: OutlineRun, events) -> AsyncIterator[Piece]:
+        """Its pieces, but those its client holds (a resumed request)."""
         streams: dict[int, TextStream] = {}
-        seen: dict[int, int] = {}
-        self._outlines[c.id] = self._outlines.get(c.id, 0) + 1
-        try:
-            async with contextlib.aclosing(run.events()) as events:
-                async for pid, token, finished in events:
-                    if c.id in self._lost:
-                        raise self._lost[c.id]
-                    c.tokens.append(token)
-                    text = streams.setdefault(pid, TextStream(self.tokenizer)).push([token], finished)
-                    seen[pid] = seen.get(pid, 0) + 1
-                    if seen[pid] > held.get(pid, 0):
-                        yield Piece((token,), text, point=pid)
-            c.points, c.warnings, c.finish_reason = run.points, run.warnings, "stop"
-            c.text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)
-            self.scheduler.journal.drop(c.id)
-        finally:
-            self._outlines[c.id] -= 1
-            if not self._outlines[c.id]:
-                del self._outlines[c.id]
-                self._lost.pop(c.id, None)
-
-    def _not_durable(self, ids: list[str], err: MeshError) -> None:
-        """The journal could not commit these admissions: an outline among them fails (journal.on_lost)."""
-        for rid in ids:
-            if rid in self._outlines:
-                self._lost[rid] = err
-                self.scheduler.journal.drop(rid)
-
-    def _sweep_outlines(self) -> None:
-        """Outline requests no client resumed within OUTLINE_RETAIN_S leave the journal."""
-        now = time.time()
-        journal = self.scheduler.journal
-        for rid, e in list(journal.entries.items()):
-            if OUTLINE_RECORD in e.job and rid not in self._outlines and now - e.admitted > OUTLINE_RETAIN_S:
-                journal.drop(rid)
-
-
-def held_points(have: int, have_points: tuple[int, ...], doc: dict) -> dict[int, int]:
-    """The tokens a resuming client holds of each point of an outline request (0: the outline)."""
-    if len(have_points) > MAX_POINTS + 1:
-        raise InvalidArgument(f"have_points: {len(have_points)} counts for at most {MAX_POINTS} points and the outline")
-    if have_points:
-        if sum(have_points) != have and have:
-            raise InvalidArgument(f"have_points adds up to {sum(have_points)}, have_tokens says {have}")
-        return {p: n for p, n in enumerate(have_points) if n}
-    if not have:
-        return {}
-    raise InvalidArgument("resuming an outline request needs have_points: the tokens held of each point (0: the "
-                          "outline), as lpctl sends them")
+        async with contextlib.aclosing(events) as events:
+            async for pid, token, finished, held in events:
+                c.tokens.append(token)
+                text = streams.setdefault(pid, TextStream(self.tokenizer)).push([token], finished)
+                if not held:
+                    yield Piece((token,), text, point=pid)
+        c.points, c.warnings, c.finish_reason = run.points, run.warnings, "stop"
+        c.text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)

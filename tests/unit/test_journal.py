@@ -414,7 +414,7 @@ def test_the_controllers_status_and_lpctl_status_report_a_damaged_journal(tmp_pa
 
 
 def test_an_outline_request_is_journaled_as_what_runs_it_again_and_resumed_by_its_client_only():
-    from logicpipe.controller.jobs.door import held_points
+    from logicpipe.controller.jobs.outline_door import held_points
     from logicpipe.controller.jobs.outline import outline_record, run_of_record
     from logicpipe.sampling import SamplingParams
 
@@ -431,7 +431,7 @@ def test_an_outline_request_is_journaled_as_what_runs_it_again_and_resumed_by_it
     assert (run.question, run.max_points, run.point_tokens, run.sampling.seed, run.sampling.temperature) == \
         ("why is the sky blue?", 3, 9, 42, 0.8)
     assert sched.restore(list(journal.entries.values())) == 0 and sched.find("o1") is None  # not a plain Job
-    assert held_points(5, (2, 0, 3), doc) == {0: 2, 2: 3} and held_points(0, (), doc) == {}
+    assert held_points(5, (2, 0, 3)) == {0: 2, 2: 3} and held_points(0, ()) == {}
     for have, points in ((4, ()), (5, (1, 1)), (1, (1,) * 40)):
         with pytest.raises(InvalidArgument):
-            held_points(have, points, doc)
+            held_points(have, points)
