@@ -323,12 +323,20 @@ def test_every_state_dir_mistake_is_one_line_naming_the_fix(tmp_path):
         with pytest.raises(JournalError, match=says) as e:
             Journal(d, "d").open()
         assert "--state-dir" in str(e.value) and "\n" not in str(e.value)
-    ro = tmp_path / "ro"
+    ro, full = tmp_path / "ro", tmp_path / "full"
     ro.mkdir()
+    full.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
     try:
-        with pytest.raises(JournalError, match="read-only file system: give --state-dir a writable directory"):
-            Journal(ro, "d").open()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], check=True)
+        try:
+            with pytest.raises(JournalError, match="read-only file system: give --state-dir a writable directory"):
+                Journal(ro, "d").open()
+            fill(full / "filler")
+            with pytest.raises(JournalError, match=f"^{full} is full .*: free space there, or give --state-dir"):
+                Journal(full, "d").open()
+        finally:
+            subprocess.run(["umount", str(full)], check=True)
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 
