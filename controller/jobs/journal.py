@@ -349,10 +349,10 @@ class Journal:
 
     def state(self) -> str:
         """The journal's health in a few words (Status, `lpctl status`)."""
-        if self.directory is None:
-            return "in memory only (nothing survives a restart)"
         if self.failure is not None:
             return f"failing: {self.failure}"
+        if self.directory is None:
+            return "in memory only (nothing survives a restart)"
         return f"ok ({self.directory})"
 
     def flush(self) -> None:

@@ -163,7 +163,7 @@ async def http_api(model_dir: Path, *, requests_per_client: int = 64, keys=None)
     http_auth.ApiKeys, None: none)."""
     tok = tokenizer(model_dir)
     fake = FakeScheduler(tok(ANSWER, add_special_tokens=False)["input_ids"], len(tok))
-    app = SimpleNamespace(model_dir=model_dir, scheduler=fake,
+    app = SimpleNamespace(model_dir=model_dir, scheduler=fake, journal=fake.journal,
                           state=SimpleNamespace(admitting=True, phase=Phase.READY, reason=""))
     door = FrontDoor(fake, tok, model_dir=model_dir, requests_per_client=requests_per_client)
     runner = HttpApi(app, door, keys=keys).runner()
