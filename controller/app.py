@@ -89,6 +89,8 @@ class ControllerSnapshot:
     active: str = ""            # a standby: the active controller it follows
     journaled: int = 0          # requests in the journal
     pipelines: list = field(default_factory=list)  # PipelineView per pipeline in force
+    journal: str = ""           # the journal's health (Journal.state)
+    journal_damage: str = ""    # what was found wrong with it at start ("" nothing)
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ class ControllerApp:
             last_replan=r.last_replan, last_replan_s=r.last_replan_s, replans=r.replans,
             links={a: dict(b) for a, b in r.links.items()}, role=self.role,
             epoch=self.pipelines.epoch or self.journal.epoch, active=self.active_peer,
-            journaled=len(self.journal.entries), pipelines=self.pipeline_views())
+            journaled=len(self.journal.entries), pipelines=self.pipeline_views(), journal=self.journal.state(),
+            journal_damage=self.journal.damage)
 
     # ---- membership ---------------------------------------------------------------------------
     def _on_event(self, ev) -> None:

@@ -32,6 +32,7 @@ from logicpipe.controller.api.http_api import start_http
 from logicpipe.controller.api.http_auth import ApiKeys, KeyFileError, check_exposure
 from logicpipe.controller.mesh.join import JoinAuthority
 from logicpipe.controller.jobs.journal import Journal, JournalError
+from logicpipe.controller.jobs.journal_files import prepare as prepare_state_dir
 from logicpipe.controller.cli.model_prep import GGUF_DTYPE, resolve_model
 from logicpipe.controller.mesh.planning import replicas_flag
 from logicpipe.controller.jobs.door import DEFAULT_REQUESTS_PER_CLIENT, FrontDoor
@@ -128,7 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(`lpctl token create`) and revoke nodes (`lpctl revoke`); revoked names are kept there")
     ap.add_argument("--state-dir", default=None, metavar="DIR",
                     help="where the request journal lives (every admitted request, so that a restarted controller "
-                         "resumes them; default $STATE_DIRECTORY or ~/.local/state/logicpipe, controller-PORT)")
+                         "resumes them; default $STATE_DIRECTORY or ~/.local/state/logicpipe, controller-PORT); "
+                         "while it cannot be written (full, read-only) new requests are refused, and a journal found "
+                         "damaged at start is moved aside to journal.damaged-TIME/ and reported by `lpctl status`")
     ap.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                     type=address_list_flag(CONTROLLER_PORT),
                     help="another controller of this mesh (repeat, or comma-separate; a HOST alone means port "
@@ -177,6 +180,11 @@ def load_model(args: argparse.Namespace) -> Path:
 async def serve(args: argparse.Namespace) -> None:
     for flag, address in listen_flags(args):  # before a model is converted or loaded: a taken port says so at once
         check_free(address, flag, PROG)
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(args.listen)
+    try:  # the same: a state directory that cannot hold the journal says so before the model loads
+        await asyncio.to_thread(prepare_state_dir, state_dir)
+    except JournalError as exc:
+        raise SystemExit(f"--state-dir: {exc}") from None
     model_dir = await asyncio.to_thread(load_model, args)
     authority = None
     try:
@@ -207,14 +215,14 @@ async def serve(args: argparse.Namespace) -> None:
         micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
         speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas)
-    journal = Journal(Path(args.state_dir) if args.state_dir else default_state_dir(args.listen))
+    journal = Journal(state_dir)
     try:
         app = ControllerApp(model_dir, args.nodes, transport=transport, revocations=revocations, options=options,
                             journal=journal)
     except (ModelError, OSError) as exc:  # a tokenizer that does not load is an OSError of transformers
         raise SystemExit(f"--model {args.model or model_dir}: {exc}") from None
-    try:
-        journal.open(app.digest)
+    try:  # (its files are read and checked: disk work, off the loop)
+        await asyncio.to_thread(journal.open, app.digest)
     except JournalError as exc:
         raise SystemExit(f"--state-dir: {exc}") from None
     app.on_step_down.append(lambda: os.kill(os.getpid(), signal.SIGTERM))

@@ -19,6 +19,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
 
 import torch  # noqa: E402
 
+from logicpipe.common import statedir  # noqa: E402
 from logicpipe.common.discovery import discovery_interface  # noqa: E402
 from logicpipe.common.health import add_health  # noqa: E402
 from logicpipe.common.paths import cache_root  # noqa: E402
@@ -64,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stable id of this node (default: made once per host, device and port, and kept in the "
                          "state directory)")
     ap.add_argument("--state-dir", default=None,
-                    help="where the node keeps its identity and pulled weights (default $STATE_DIRECTORY, else "
+                    help="where the node keeps its identity, its fence (the controller that holds it and its epoch, "
+                         "kept across restarts) and pulled weights (default $STATE_DIRECTORY, else "
                          "$XDG_STATE_HOME/logicpipe, else ~/.local/state/logicpipe)")
     ap.add_argument("--controller", default=None, metavar="HOST:PORT", type=address_flag(CONTROLLER_PORT),
                     help="register with this controller (networks without multicast; mDNS needs no flag; a HOST "
@@ -142,6 +144,12 @@ async def join_once(args, state_dir: Path, device: str, port: int) -> None:
     log.info("joined the mesh at %s as %s: certificate kept in %s", args.join_address, node_id, args.tls_dir)
 
 
+def fence_file(state_dir: Path, node_id: str) -> Path:
+    """Where the node keeps its fence (the controller that holds it, at which epoch; the revoked
+    names): in its state directory, so that a restarted node still refuses an older controller."""
+    return state_dir / f"fence-{node_id}.json"
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
@@ -155,6 +163,11 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--draft-model {args.draft_model}: no config.json there (a Hugging Face model directory)")
     if args.draft_layers < 0:
         raise SystemExit("--draft-layers must be 0 (all) or more")
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
+    try:  # its identity and its fence live there: a directory that cannot keep them says so now
+        await asyncio.to_thread(statedir.prepare, state_dir)
+    except statedir.StateDirError as exc:
+        raise SystemExit(f"--state-dir: {exc}") from None
 
     runner = Runner(args.threads)  # every torch operation of this process runs on its thread
     has_cuda = await runner.call(cuda_available)
@@ -174,7 +187,6 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("batch-invariant kernels %s (--batch-invariant %s)", "on" if invariant else "off",
                  args.batch_invariant)
     host, _, port = args.listen.rpartition(":")
-    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     try:
         if args.join_token:
             await join_once(args, state_dir, device, int(port))
@@ -198,7 +210,7 @@ async def serve(args: argparse.Namespace) -> None:
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()))
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
-                           local_model_dir=args.model_dir, fence_path=state_dir / f"fence-{node_id}.json")
+                           local_model_dir=args.model_dir, fence_path=fence_file(state_dir, node_id))
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))
     server = transport.server(STAGE_POLICY, revocations=runtime.fence)  # the controller's list, kept here
     stage_pb2_grpc.add_StageNodeServicer_to_server(servicer, server)

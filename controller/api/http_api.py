@@ -12,7 +12,7 @@ template, stop strings and outline requests.
     GET  /v1/models             the one model the mesh serves
     GET  /v1/models/{id}        that model (404 model_not_found for any other id)
     GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
-    GET  /health                200 while a plan serves, 503 otherwise (no key needed)
+    GET  /health                200 while a plan serves and the journal can be written, 503 otherwise (no key)
     GET  /metrics               Prometheus (controller.metrics; no key needed)
 
 Keys. With `--http-token-file` (controller.http_auth) every /v1/* call needs `Authorization:
@@ -192,9 +192,14 @@ class HttpApi:
 
     # ---- open routes -----------------------------------------------------------------------------
     async def health(self, request):
-        ready = self.app.state.admitting
-        return web.json_response({"status": "ok" if ready else self.app.state.phase.value,
-                                  "waiting": self.app.state.reason if self.app.state.phase is Phase.WAITING else ""},
+        """200 while a plan serves and the journal can hold new requests; the journal's state and
+        any damage found at start besides."""
+        journal = self.app.journal
+        ready = self.app.state.admitting and journal.failure is None
+        status = "ok" if ready else self.app.state.phase.value if not self.app.state.admitting else "journal_failing"
+        return web.json_response({"status": status,
+                                  "waiting": self.app.state.reason if self.app.state.phase is Phase.WAITING else "",
+                                  "journal": journal.state(), "journal_damage": journal.damage},
                                  status=200 if ready else 503)
 
     async def scrape(self, request):

@@ -123,6 +123,7 @@ def status_reply(snap: ControllerSnapshot) -> controller_pb2.ControllerStatusRep
         stages=[stage_info(s) for s in snap.stages], last_replan=snap.last_replan, last_replan_s=snap.last_replan_s,
         replans=snap.replans, waiting=snap.reason if snap.phase is Phase.WAITING else "", role=snap.role,
         epoch=snap.epoch, active=snap.active, journaled=snap.journaled, replays=st.replays,
+        journal=snap.journal, journal_damage=snap.journal_damage,
         pipelines=[controller_pb2.PipelineInfo(index=p.index, plan_id=p.plan_id, generation=p.generation,
                                                micro_batches=p.micro_batches, running=p.running,
                                                predicted_tokens_per_s=p.predicted_tokens_per_s, serving=p.serving)
@@ -149,8 +150,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     async def Resume(self, request, context):
         async with self.door.resume(request.request_id, request.have_tokens,
-                                    client_identity(self.transport, context)) as completion:
-            async for reply in self._replies(completion, False):
+                                    client_identity(self.transport, context),
+                                    have_points=tuple(request.have_points)) as completion:
+            async for reply in self._replies(completion, completion.outline):
                 yield reply
 
     async def Replicate(self, request, context):

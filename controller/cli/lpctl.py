@@ -134,64 +134,75 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
     broken stream is resumed by the request's id (made here) from the tokens already received, at
     whichever of --controller answers as active, for up to --resume-s. Without a journal entry
     (never admitted, or lost) it is submitted again under the same id, its tokens up to those held
-    skipped: replay is exact, and a sampled request carries its seed (drawn here when not given)."""
+    skipped: replay is exact, and a sampled request carries its seed (drawn here when not given).
+    Closing the generator, or a Ctrl-C while it waits, cancels the call under way."""
     req.request_id = req.request_id or uuid.uuid4().hex
     if req.sampling.temperature > 0 and not req.sampling.HasField("seed"):
         req.sampling.seed = random.getrandbits(63)
-    have, broke, resume, answered = 0, 0.0, False, False
-    while True:
-        skip = 0
-        try:
-            stub = _stub(args)
-            if resume:
-                try:
-                    call = stub.Resume(controller_pb2.ResumeRequest(request_id=req.request_id, have_tokens=have),
-                                       timeout=args.timeout)
+    held: dict[int, int] = {}  # tokens received of each point (an outline's; a plain request's are all point 0)
+    broke, resume, answered = 0.0, False, False
+    call = None
+    try:
+        while True:
+            skip: dict[int, int] = {}
+            try:
+                stub = _stub(args)
+                if resume:
+                    have = controller_pb2.ResumeRequest(request_id=req.request_id, have_tokens=sum(held.values()))
+                    if req.outline:
+                        have.have_points.extend(held.get(p, 0) for p in range(max(held, default=-1) + 1))
+                    try:
+                        call = stub.Resume(have, timeout=args.timeout)
+                        first = next(call)
+                    except grpc.RpcError as exc:
+                        if exc.code() != grpc.StatusCode.NOT_FOUND:
+                            raise
+                        # not journaled: again, from the start
+                        call, skip = stub.Submit(req, timeout=args.timeout), dict(held)
+                        first = next(call)
+                else:
+                    call = stub.Submit(req, timeout=args.timeout)
                     first = next(call)
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.NOT_FOUND:
-                        raise
-                    call, skip = stub.Submit(req, timeout=args.timeout), have  # not journaled: again, from the start
-                    first = next(call)
-            else:
-                call = stub.Submit(req, timeout=args.timeout)
-                first = next(call)
-            answered = True
-            if broke:
-                print(f"[lpctl: resumed request {req.request_id} after {time.monotonic() - broke:.1f} s]",
-                      file=sys.stderr)
-            broke = 0.0
-            for reply in _chain(first, call):
-                if skip:  # the tokens of a submitted-again request that the client holds already
-                    n = min(skip, len(reply.token_ids))
-                    skip -= n
-                    if n and not reply.finished:
-                        continue
-                    del reply.token_ids[:n]
-                    if n:
-                        reply.text = ""
-                have += len(reply.token_ids)
-                yield reply
-            return
-        except StopIteration:
-            return
-        except grpc.RpcError as exc:
-            if not _resumable(exc) or args.resume_s <= 0:
-                raise
-            broke = broke or time.monotonic()
-            if time.monotonic() - broke > args.resume_s:
-                raise
-            if not resume and not answered and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                lasting, line = diagnose(args, exc)
-                if lasting:  # a TLS mismatch: no waiting mends it
+                answered = True
+                if broke:
+                    print(f"[lpctl: resumed request {req.request_id} after {time.monotonic() - broke:.1f} s]",
+                          file=sys.stderr)
+                broke = 0.0
+                for reply in _chain(first, call):
+                    if skip.get(reply.point):  # the tokens of a submitted-again request that the client holds
+                        n = min(skip[reply.point], len(reply.token_ids))
+                        skip[reply.point] -= n
+                        if n and not reply.finished:
+                            continue
+                        del reply.token_ids[:n]
+                        if n:
+                            reply.text = ""
+                    held[reply.point] = held.get(reply.point, 0) + len(reply.token_ids)
+                    yield reply
+                return
+            except StopIteration:
+                return
+            except grpc.RpcError as exc:
+                if not _resumable(exc) or args.resume_s <= 0:
                     raise
-                print(f"[lpctl: {line}; trying again for up to {args.resume_s:.0f} s (--resume-s), as request "
-                      f"{req.request_id}]", file=sys.stderr)
-            elif not resume:
-                print(f"[lpctl: {exc.code().name}: {exc.details()}; resuming request {req.request_id}]",
-                      file=sys.stderr)
-            resume = True
-            time.sleep(RESUME_RETRY_S)
+                broke = broke or time.monotonic()
+                if time.monotonic() - broke > args.resume_s:
+                    raise
+                if not resume and not answered and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    lasting, line = diagnose(args, exc)
+                    if lasting:  # a TLS mismatch: no waiting mends it
+                        raise
+                    print(f"[lpctl: {line}; trying again for up to {args.resume_s:.0f} s (--resume-s), as request "
+                          f"{req.request_id}]", file=sys.stderr)
+                elif not resume:
+                    print(f"[lpctl: {exc.code().name}: {exc.details()}; resuming request {req.request_id}]",
+                          file=sys.stderr)
+                resume = True
+                time.sleep(RESUME_RETRY_S)
+    except (GeneratorExit, KeyboardInterrupt):  # closed (a Ctrl-C): the call under way is cancelled
+        if call is not None:
+            call.cancel()
+        raise
 
 
 def _chain(first, rest):
@@ -234,17 +245,17 @@ def cmd_chat(args) -> int:
             print("(history forgotten)", file=sys.stderr)
             continue
         history.append(controller_pb2.ChatMessage(role="user", content=line))
-        call = stub.Submit(controller_pb2.SubmitRequest(messages=history, max_tokens=args.max_tokens,
-                                                        sampling=sampling.to_proto()), timeout=args.timeout)
+        # a broken stream (the controller stopped, died, or handed over) is resumed as `lpctl submit` does
+        replies = stream_resuming(args, controller_pb2.SubmitRequest(
+            messages=history, max_tokens=args.max_tokens, sampling=sampling.to_proto()))
         answer, reason = [], ""
         try:
-            for reply in call:
+            for reply in replies:
                 answer.append(reply.text)
                 sys.stdout.write(reply.text)
                 sys.stdout.flush()
                 reason = reply.finish_reason or reason
-        except KeyboardInterrupt:
-            call.cancel()
+        except KeyboardInterrupt:  # (the call was cancelled by stream_resuming)
             sys.stdout.write(" [stopped]")
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
@@ -369,7 +380,7 @@ def _submit_outline(args, req) -> int:
     order (or, --json, the answer and the DAG)."""
     counts: dict[int, int] = {}
     final = None
-    for reply in _stub(args).Submit(req, timeout=args.timeout):
+    for reply in stream_resuming(args, req):  # journaled: a controller that dies meanwhile does not lose it
         if reply.finished:
             final = reply
             break
@@ -445,6 +456,10 @@ def status_lines(st: controller_pb2.ControllerStatusReply) -> list[str]:
                      f"{st.replans} plans so far)")
     lines.append(f"requests: {st.active_requests} active, {st.queued_requests} queued, "
                  f"{st.completed_requests} completed")
+    if st.journal:
+        lines.append(f"journal: {st.journal}; {st.journaled} requests, fencing epoch {st.epoch}")
+    if st.journal_damage:
+        lines.append(f"JOURNAL DAMAGED: {st.journal_damage}")
     spec = f"{st.tokens_per_step:.2f} tokens per pipeline trip" if st.decode_steps else "no tokens yet"
     if st.candidates:
         spec += f", {st.acceptance_rate:.0%} of {st.candidates} candidates accepted"

@@ -16,7 +16,9 @@ loop), the chat template, detokenizing, and outline-DAG requests.
 A plain request is journaled (controller.journal) with what resuming it needs: its stop strings
 and which API it came by; a client whose stream broke (the controller restarted, a standby took
 over) resumes it by its id and gets what it would have got, from the tokens it already holds on.
-Outline requests are not resumable (their points are forks of one another).
+An outline request is journaled as what runs it again (outline.outline_record); a client that
+resumes it after its controller died, or its stream broke, gets it run again from its start
+(exact: greedy, or seeded here), the tokens it holds of each point skipped (`have_points`).
 """
 from __future__ import annotations
 
@@ -24,13 +26,13 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
 from logicpipe.controller.jobs.outline import OutlineRun
-from logicpipe.controller.jobs.job import Job, Request
+from logicpipe.controller.jobs.outline_door import OutlineRequests, held_points
+from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, Request
 from logicpipe.controller.jobs.scheduler import RequestHandle, Scheduler
 from logicpipe.controller.jobs.rules import (
     MAX_CHOICES,
@@ -116,6 +118,7 @@ class Completion:
     prompt_ids: tuple[int, ...] = ()                  # its prompt's tokens
     prompt_logprobs: list | None = None               # asked: a TokenLogprob per prompt token from the second
     shares_prompt: bool = False                       # a choice after the first of n: its prompt is counted once
+    outline: bool = False                             # an outline request (its points follow its pieces)
     _pieces: AsyncIterator[Piece] | None = None
 
     def __aiter__(self) -> AsyncIterator[Piece]:
@@ -137,6 +140,7 @@ class FrontDoor:
         self.model_dir = model_dir
         self.requests_per_client = requests_per_client
         self._open: dict[str, int] = {}     # client -> its completions open now
+        self.outlines = OutlineRequests(scheduler, tokenizer)  # journaled, resumed by running them again
 
     @contextlib.asynccontextmanager
     async def open(self, prompt: Prompt, options: RequestOptions, client: str, *,
@@ -147,7 +151,7 @@ class FrontDoor:
         client's place already (`admit`)."""
         async with self._held(client, admitted):
             await checked(prompt, options)
-            completion = await (self._outline(prompt, options) if options.outline is not None
+            completion = await (self._outline(prompt, options, client) if options.outline is not None
                                 else self._plain(prompt, options, client))
             try:
                 yield completion
@@ -195,15 +199,24 @@ class FrontDoor:
                 parent.release()
 
     @contextlib.asynccontextmanager
-    async def resume(self, request_id: str, have: int, client: str, *, admitted: bool = False,
-                     have_name: str = "have_tokens") -> AsyncIterator[Completion]:
-        """Request `request_id` again, from its token `have` on (the client holds the ones before):
-        its pieces are those the first stream would have carried from there. Only the client that
-        submitted it may (any other is told it does not exist). `have` past what the request can
-        ever have is refused at once (INVALID_ARGUMENT naming `have_name`); up to that, a resume
-        waits for the tokens still to come."""
+    async def resume(self, request_id: str, have: int, client: str, *, have_points: tuple[int, ...] = (),
+                     admitted: bool = False, have_name: str = "have_tokens") -> AsyncIterator[Completion]:
+        """Request `request_id` again, from its token `have` on (the client holds the ones before;
+        of an outline request, have_points[i] of point i, 0 the outline): its pieces are those the
+        first stream would have carried from there. Only the client that submitted it may (any
+        other is told it does not exist). `have` past what the request can ever have is refused at
+        once (INVALID_ARGUMENT naming `have_name`); up to that, a resume waits for the tokens still
+        to come."""
         async with self._held(client, admitted):
             check_request_id("request_id", request_id)
+            doc = self.outlines.record(request_id, client)
+            if doc is not None:
+                c = self._outline_completion(request_id, doc, held_points(have, have_points))
+                try:
+                    yield c
+                finally:
+                    await c._pieces.aclose()
+                return
             handle = self.scheduler.attach(request_id)
             req = handle.request
             job = req.job
@@ -316,8 +329,9 @@ class FrontDoor:
         return encode_prompt(self.tokenizer, text, raw)
 
     # ---- outline requests ----------------------------------------------------------------------
-    async def _outline(self, prompt: Prompt, o: RequestOptions) -> Completion:
-        """The question is the prompt's text, or the last user message of a conversation."""
+    async def _outline(self, prompt: Prompt, o: RequestOptions, client: str) -> Completion:
+        """The question is the prompt's text, or the last user message of a conversation. Journaled
+        before it runs (outline_door: refused when the journal cannot hold it)."""
         if self.tokenizer is None:
             raise InvalidArgument(f"the model at {self.model_dir} has no tokenizer: outline requests need one")
         users = [c for r, c in prompt.messages if r == "user"]
@@ -326,19 +340,26 @@ class FrontDoor:
             raise InvalidArgument("an outline request needs a prompt (the question)")
         raw = prompt.raw and not prompt.messages
         prompt_tokens = len(await asyncio.to_thread(self.encode_prompt, question, raw))
-        run = OutlineRun(self.scheduler, self.tokenizer, question, outline_text=o.outline.outline_text,
-                         max_points=o.outline.max_points, point_tokens=o.max_tokens, sampling=o.sampling,
-                         sequential=o.outline.sequential, speculate=o.speculate)
-        c = Completion(uuid.uuid4().hex, prompt_tokens)
-        c._pieces = self._outline_pieces(c, run)
+        rid, doc = self.outlines.admit(question, o.request_id, outline_text=o.outline.outline_text,
+                                       max_points=o.outline.max_points, point_tokens=o.max_tokens,
+                                       sampling=o.sampling, sequential=o.outline.sequential, speculate=o.speculate,
+                                       client=client, prompt_tokens=prompt_tokens)
+        return self._outline_completion(rid, doc, {})
+
+    def _outline_completion(self, rid: str, doc: dict, held: dict[int, int]) -> Completion:
+        c = Completion(rid, int(doc[OUTLINE_RECORD]["prompt_tokens"]), outline=True)
+        run = self.outlines.run(doc)
+        c._pieces = self._outline_pieces(c, run, self.outlines.events(rid, run, held))
         return c
 
-    async def _outline_pieces(self, c: Completion, run: OutlineRun) -> AsyncIterator[Piece]:
+    async def _outline_pieces(self, c: Completion, run: OutlineRun, events) -> AsyncIterator[Piece]:
+        """Its pieces, but those its client holds (a resumed request)."""
         streams: dict[int, TextStream] = {}
-        async with contextlib.aclosing(run.events()) as events:
-            async for pid, token, finished in events:
+        async with contextlib.aclosing(events) as events:
+            async for pid, token, finished, held in events:
                 c.tokens.append(token)
                 text = streams.setdefault(pid, TextStream(self.tokenizer)).push([token], finished)
-                yield Piece((token,), text, point=pid)
+                if not held:
+                    yield Piece((token,), text, point=pid)
         c.points, c.warnings, c.finish_reason = run.points, run.warnings, "stop"
         c.text = "\n\n".join(f"{p.id}. {p.title}\n{p.text.strip()}" for p in run.points)

@@ -33,6 +33,27 @@ class TokenUpdate:
     logprob: TokenLogprob | None = None  # a request that asked for logprobs (None: not kept, e.g. before a restore)
 
 
+OUTLINE_RECORD = "outline"  # the key of an outline request's journal record (controller.jobs.outline), not a Job's
+
+
+def sampling_to_json(s: SamplingParams) -> dict:
+    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+            "logit_bias": [list(b) for b in s.logit_bias]}
+
+
+def sampling_from_json(s) -> SamplingParams:
+    """As sampling_to_json wrote it; also as a list (older journals)."""
+    if isinstance(s, list):  # [temperature, top_k, top_p, seed, presence, frequency, bias] (older journals)
+        t, k, p, seed, *penalties = s
+        presence, frequency, bias = penalties or (0.0, 0.0, [])
+        s = {"temperature": t, "top_k": k, "top_p": p, "seed": seed, "presence_penalty": presence,
+             "frequency_penalty": frequency, "logit_bias": bias}
+    return SamplingParams(float(s["temperature"]), int(s["top_k"]), float(s["top_p"]), s.get("seed"),
+                          float(s.get("presence_penalty", 0.0)), float(s.get("frequency_penalty", 0.0)),
+                          tuple((int(i), float(b)) for i, b in s.get("logit_bias", ())))
+
+
 @dataclass(frozen=True)
 class Job:
     """What one sequence asks of the mesh. Once admitted, its defaults are resolved (the seed of a
@@ -61,11 +82,8 @@ class Job:
 
     def to_json(self) -> dict:
         """The journal's record of it: named fields, plain JSON types."""
-        s = self.sampling
         return {"prompt": list(self.prompt_ids), "max_tokens": self.max_tokens,
-                "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
-                             "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
-                             "logit_bias": [list(b) for b in s.logit_bias]},
+                "sampling": sampling_to_json(self.sampling),
                 "ignore_eos": self.ignore_eos, "stop_ids": sorted(self.stop_ids), "speculate": self.speculate,
                 "chunk": self.prefill_chunk, "request_id": self.request_id, "top_logprobs": self.top_logprobs,
                 "prompt_logprobs": self.prompt_logprobs, "sequence": self.sequence, "stop": list(self.stop),
@@ -75,15 +93,7 @@ class Job:
     def from_json(cls, doc: dict) -> "Job":
         """A job as `to_json` wrote it; also as journals before it kept named fields did (the
         sampling as a list, the adapter's fields in a "meta" object)."""
-        s = doc["sampling"]
-        if isinstance(s, list):  # [temperature, top_k, top_p, seed, presence, frequency, bias] (older journals)
-            t, k, p, seed, *penalties = s
-            presence, frequency, bias = penalties or (0.0, 0.0, [])
-            s = {"temperature": t, "top_k": k, "top_p": p, "seed": seed, "presence_penalty": presence,
-                 "frequency_penalty": frequency, "logit_bias": bias}
-        sampling = SamplingParams(float(s["temperature"]), int(s["top_k"]), float(s["top_p"]), s.get("seed"),
-                                  float(s.get("presence_penalty", 0.0)), float(s.get("frequency_penalty", 0.0)),
-                                  tuple((int(i), float(b)) for i, b in s.get("logit_bias", ())))
+        sampling = sampling_from_json(doc["sampling"])
         meta = doc.get("meta") or {}
         kept = {**meta, **{k: doc[k] for k in ("stop", "api", "client", "grammar", "prompt_only") if k in doc}}
         speculate = doc.get("speculate")

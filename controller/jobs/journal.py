@@ -23,6 +23,7 @@ controller ships its journal to a standby (controller.standby).
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import json
 import logging
@@ -35,6 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from logicpipe.controller.jobs import journal_files as files
+from logicpipe.controller.jobs.journal_files import JournalError
+from logicpipe.errors import MeshError, ResourceExhausted, Unavailable
+
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.05                 # queued operations are committed together this often
@@ -44,8 +49,14 @@ SCHEMA = 1
 ADMIT, TOKENS, DROP, EPOCH = "admit", "tokens", "drop", "epoch"
 
 
-class JournalError(Exception):
-    """The journal cannot be used (another controller holds it, an unreadable file)."""
+TABLES = {"meta": ["key", "value"], "requests": ["id", "priority", "admitted", "job"],
+          "tokens": ["id", "start", "ids"]}
+TABLE_SQL = ("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+             "CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY, priority INTEGER NOT NULL, "
+             "admitted REAL NOT NULL, job TEXT NOT NULL)",
+             "CREATE TABLE IF NOT EXISTS tokens (id TEXT NOT NULL, start INTEGER NOT NULL, "
+             "ids BLOB NOT NULL, PRIMARY KEY (id, start))")
+RETRY_MAX_S = 5.0  # a failing writer tries again after FLUSH_S, doubling up to this
 
 
 @dataclass
@@ -97,17 +108,28 @@ class Journal:
         self._flusher: asyncio.Task | None = None
         self._write_lock = threading.Lock()
         self.seq = 0                        # operations made since open (a standby's position)
+        self.damage = ""                    # what was found wrong at open (moved aside, reported); "" none
+        self.epoch_lost = False             # ... and the fencing epoch went with it
+        self.failure: MeshError | None = None  # why the last commit failed (None: the writer keeps up)
+        # called with the requests whose admission could not be made durable, and why: they must fail
+        self.on_lost: list[Callable[[list[str], MeshError], None]] = []
 
     # ---- opening ----------------------------------------------------------------------------
     def open(self, model_digest: str | None = None) -> "Journal":
-        """Lock the directory (one controller per journal), read what is there; requests of
-        another model are dropped (their token ids mean something else now), with a warning."""
+        """Lock the directory (one controller per journal), check its files and read what is
+        there. A damaged journal is moved aside (journal.damaged-<time>/) and reported (`damage`),
+        and this one starts empty at the epoch journal.epoch kept; requests of another model are
+        dropped (their token ids mean something else now), with a warning. JournalError: the
+        directory cannot hold a journal (one line naming the fix)."""
         self.model_digest = model_digest if model_digest is not None else self.model_digest
         if self.directory is None:
             return self
-        self.directory.mkdir(parents=True, exist_ok=True)
+        files.prepare(self.directory)
         lock = self.directory / "journal.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise JournalError(files.os_problem(self.directory, exc)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -116,47 +138,109 @@ class Journal:
                                "its own --state-dir") from None
         self._lock_fd = fd
         try:
-            self._db = sqlite3.connect(self.directory / "journal.sqlite3", check_same_thread=False,
-                                       isolation_level=None)
-            db = self._db
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
-            db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            db.execute("CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY, priority INTEGER NOT NULL, "
-                       "admitted REAL NOT NULL, job TEXT NOT NULL)")
-            db.execute("CREATE TABLE IF NOT EXISTS tokens (id TEXT NOT NULL, start INTEGER NOT NULL, "
-                       "ids BLOB NOT NULL, PRIMARY KEY (id, start))")
+            kept, problem = files.read_epoch(self.directory)
+            reasons = files.find_damage(self.directory)
+            main_size = (self.directory / files.MAIN).stat().st_size if (self.directory / files.MAIN).exists() else 0
+            if not reasons and kept and not main_size:
+                reasons.append(f"{files.MAIN} is missing or empty, but {files.EPOCH_FILE} says a journal of epoch "
+                               f"{kept} was here")
+            if not reasons:
+                reasons = self._read(kept)
+            if reasons:
+                self._reopen_empty(reasons, kept)
+            elif problem:  # the database is whole: its epoch stands, and the file is written again
+                self.damage = f"{problem}; the epoch {self.epoch} of {files.MAIN} is used and the file written again"
+                log.warning("the journal in %s: %s", self.directory, self.damage)
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?), ('model_digest', ?)",
+                             (str(SCHEMA), self.model_digest))
+            if self.epoch and (kept != self.epoch or problem):
+                files.write_epoch(self.directory, self.epoch)
+        except sqlite3.Error as exc:
+            self.close_now()
+            raise JournalError(files.sqlite_problem(self.directory, exc)) from None
+        except OSError as exc:
+            self.close_now()
+            raise JournalError(files.os_problem(self.directory, exc)) from None
+        if not self.damage and (aside := files.damaged_copies(self.directory)):
+            self.damage = (f"{len(aside)} damaged journal(s) kept aside in {self.directory} and not resumed "
+                           f"({', '.join(p.name for p in aside[-3:])}); inspect, then remove them (docs/"
+                           "membership-and-faults.md, \"A damaged journal\")")
+            log.warning("%s", self.damage)
+        return self
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.directory / files.MAIN, check_same_thread=False, isolation_level=None)
+        self._db = db
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
+        return db
+
+    def _read(self, kept: int | None) -> list[str]:
+        """Open the database and read it; the signs of damage SQLite itself finds (none: read)."""
+        try:
+            db = self._connect()
+            check = [r[0] for r in db.execute("PRAGMA quick_check(5)").fetchall()]
+            if check != ["ok"]:
+                return [f"SQLite's quick_check of {files.MAIN} fails: {'; '.join(check)[:300]}"]
+            tables = {name: [c[1] for c in db.execute(f"PRAGMA table_info({name})")]
+                      for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if tables and {n: tables.get(n) for n in TABLES} != TABLES:
+                return [f"{files.MAIN} does not have this journal's tables (schema mismatch: "
+                        f"{', '.join(sorted(tables))[:200]})"]
+            for sql in TABLE_SQL:
+                db.execute(sql)
             meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
             if meta.get("schema", str(SCHEMA)) != str(SCHEMA):
-                raise JournalError(f"the journal in {self.directory} has schema {meta['schema']}, not {SCHEMA}")
+                return [f"{files.MAIN} has schema {meta['schema'][:20]!r}, not {SCHEMA} (schema mismatch)"]
             self.epoch = int(meta.get("epoch", 0))
+            if kept is not None and kept > self.epoch:
+                return [f"{files.MAIN} is at epoch {self.epoch}, {files.EPOCH_FILE} at {kept}: commits were lost"]
             rows = db.execute("SELECT id, priority, admitted, job FROM requests").fetchall()
             tokens: dict[str, list[tuple[int, bytes]]] = {}
             for rid, start, blob in db.execute("SELECT id, start, ids FROM tokens"):
                 tokens.setdefault(rid, []).append((start, blob))
-            stale = meta.get("model_digest") not in (None, self.model_digest)
+            entries = {}
             for rid, priority, admitted, job in rows:
-                if stale:
-                    self.dropped_on_open.append(rid)
-                    continue
                 got: list[int] = []
                 for start, blob in sorted(tokens.get(rid, ())):
                     if start != len(got):  # a gap cannot happen (batches commit in order); keep the prefix
                         break
                     got.extend(_unpack(blob))
-                self.entries[rid] = Entry(rid, json.loads(job), priority, got, admitted)
-            if stale:
-                log.warning("the journal in %s holds %d requests of another model; they are not resumed",
-                            self.directory, len(self.dropped_on_open))
-                db.execute("DELETE FROM requests")
-                db.execute("DELETE FROM tokens")
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?), ('model_digest', ?)",
-                       (str(SCHEMA), self.model_digest))
-        except sqlite3.Error as exc:
-            self.close_now()
-            raise JournalError(f"the journal in {self.directory} cannot be read: {exc}") from None
-        return self
+                entries[rid] = Entry(rid, json.loads(job), priority, got, admitted)
+        except sqlite3.OperationalError:
+            raise  # the directory's fault (full, read-only, locked): JournalError
+        except (sqlite3.DatabaseError, ValueError, TypeError) as exc:  # not a database, malformed, bad JSON
+            return [f"{files.MAIN} cannot be read: {exc}"]
+        if meta.get("model_digest") not in (None, self.model_digest):
+            self.dropped_on_open = sorted(entries)
+            log.warning("the journal in %s holds %d requests of another model; they are not resumed",
+                        self.directory, len(self.dropped_on_open))
+            db.execute("DELETE FROM requests")
+            db.execute("DELETE FROM tokens")
+        else:
+            self.entries = entries
+        return []
+
+    def _reopen_empty(self, reasons: list[str], kept: int | None) -> None:
+        """Move the damaged files aside, start an empty journal at the epoch kept, and report."""
+        self.close_db()
+        self.entries, self.epoch = {}, kept or 0
+        aside = files.move_aside(self.directory, reasons)
+        self._connect()
+        for sql in TABLE_SQL:
+            self._db.execute(sql)
+        if kept:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('epoch', ?)", (str(kept),))
+            epoch = f"the fencing epoch ({kept}) is kept from {files.EPOCH_FILE}"
+        else:
+            self.epoch_lost = True
+            epoch = ("the fencing epoch was lost with it: stages that remember a later one refuse this controller "
+                     "until the operator lets it back in")
+        self.damage = (f"the journal in {self.directory} was damaged ({'; '.join(reasons)}); it was moved aside to "
+                       f"{aside} and not resumed, this controller started with an empty journal, and {epoch}; "
+                       "inspect it and restore or remove it (docs/membership-and-faults.md, \"A damaged journal\")")
+        log.error("%s", self.damage)
 
     def start(self) -> None:
         """Commit queued operations in the background from now on (in the running loop)."""
@@ -224,13 +308,52 @@ class Journal:
 
     # ---- writing ----------------------------------------------------------------------------
     async def _flush_loop(self) -> None:
+        delay = FLUSH_S
         while True:
-            await asyncio.sleep(FLUSH_S)
-            if self._pending:
-                try:
-                    await asyncio.to_thread(self._commit)
-                except sqlite3.Error as exc:  # keep serving; the operations stay queued and are retried
-                    log.error("writing the request journal failed: %s (retrying)", exc)
+            await asyncio.sleep(delay)
+            if not self._pending:
+                continue
+            try:
+                await asyncio.to_thread(self._commit)
+            except (sqlite3.Error, OSError) as exc:  # the operations stay queued and are tried again
+                self._failed(exc)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            delay = FLUSH_S
+            if self.failure is not None:
+                log.warning("the request journal in %s is written again; new requests are admitted", self.directory)
+                self.failure = None
+
+    def _failed(self, exc: Exception) -> None:
+        """A commit failed: from now on new requests are refused (check_durable), and the requests
+        whose admission was in the failed batch fail (on_lost): nothing runs as if it were durable."""
+        text = getattr(exc, "strerror", None) or str(exc)
+        full = "full" in text or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+        why = (f"the request journal in {self.directory} cannot be written ({text}): "
+               + ("free space there (or give the controller another --state-dir); " if full else
+                  "check the disk and the directory's permissions; ")
+               + "new requests are refused until it can")
+        if self.failure is None:
+            log.error("%s; retrying every %.0f s at most, logged again when it works", why, RETRY_MAX_S)
+        self.failure = (ResourceExhausted if full else Unavailable)(why)
+        lost = [op.id for op in self._pending if op.kind == ADMIT and op.id in self.entries]
+        if lost:
+            for cb in list(self.on_lost):
+                cb(lost, self.failure)
+
+    def check_durable(self) -> None:
+        """Raises why a new request cannot be journaled now (ResourceExhausted: the disk is full;
+        Unavailable: it cannot be written); nothing when it can."""
+        if self.failure is not None:
+            raise self.failure
+
+    def state(self) -> str:
+        """The journal's health in a few words (Status, `lpctl status`)."""
+        if self.failure is not None:
+            return f"failing: {self.failure}"
+        if self.directory is None:
+            return "in memory only (nothing survives a restart)"
+        return f"ok ({self.directory})"
 
     def flush(self) -> None:
         """Commit what is queued now (synchronously)."""
@@ -258,10 +381,16 @@ class Journal:
                     elif op.kind == EPOCH:
                         db.execute("INSERT OR REPLACE INTO meta VALUES ('epoch', ?)", (str(op.epoch),))
                 db.execute("COMMIT")
-            except sqlite3.Error:
+                epochs = [op.epoch for op in ops if op.kind == EPOCH]
+                if epochs:  # beside the database: a damaged one does not take the epoch with it
+                    files.write_epoch(self.directory, epochs[-1])
+            except (sqlite3.Error, OSError):
                 if db.in_transaction:
-                    db.execute("ROLLBACK")
-                self._pending = ops + self._pending
+                    try:
+                        db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass  # rolled back already by SQLite itself
+                self._pending = ops + self._pending  # (each op applies the same twice: in order, idempotent)
                 raise
 
     def rows(self) -> int:
@@ -279,15 +408,18 @@ class Journal:
         if self._db is not None:
             try:
                 await asyncio.to_thread(self._commit)
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, OSError) as exc:
                 log.error("writing the request journal at stop failed: %s", exc)
         self.close_now()
 
-    def close_now(self) -> None:
+    def close_db(self) -> None:
         if self._db is not None:
             with self._write_lock:
                 self._db.close()
             self._db = None
+
+    def close_now(self) -> None:
+        self.close_db()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

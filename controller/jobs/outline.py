@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from logicpipe.controller.jobs.job import Job
+from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, sampling_from_json, sampling_to_json
 from logicpipe.controller.jobs.scheduler import RequestHandle, Scheduler
 from logicpipe.errors import InvalidArgument
 from logicpipe.sampling import SamplingParams
@@ -110,6 +110,26 @@ def ancestors(points: list[Point], p: Point) -> list[int]:
             seen.add(d)
             todo.extend(points[d - 1].deps)
     return sorted(seen)
+
+
+def outline_record(question: str, *, outline_text: str, max_points: int, point_tokens: int,
+                   sampling: SamplingParams, sequential: bool, speculate: int | None, client: str,
+                   prompt_tokens: int) -> dict:
+    """An outline request as the journal keeps it: what runs it again, exactly (greedy, or with
+    this seed), for the client that resumes it after the controller died."""
+    return {OUTLINE_RECORD: {"question": question, "outline_text": outline_text, "max_points": max_points,
+                             "point_tokens": point_tokens, "sampling": sampling_to_json(sampling),
+                             "sequential": sequential, "speculate": speculate, "client": client,
+                             "prompt_tokens": prompt_tokens}}
+
+
+def run_of_record(scheduler: Scheduler, tokenizer, doc: dict) -> "OutlineRun":
+    """The run `outline_record` describes (from its start)."""
+    r = doc[OUTLINE_RECORD]
+    return OutlineRun(scheduler, tokenizer, str(r["question"]), outline_text=str(r["outline_text"]),
+                      max_points=int(r["max_points"]), point_tokens=int(r["point_tokens"]),
+                      sampling=sampling_from_json(r["sampling"]), sequential=bool(r["sequential"]),
+                      speculate=None if r["speculate"] is None else int(r["speculate"]))
 
 
 class OutlineRun:

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from logicpipe.controller.jobs.job import Job, Request, RequestState, TokenUpdate
+from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, Request, RequestState, TokenUpdate
 from logicpipe.controller.jobs.journal import Journal
 from logicpipe.controller.mesh.pipeline import Pipeline
 from logicpipe.controller.mesh.pipelines import PipelineSet
@@ -195,6 +195,7 @@ class Scheduler:
         self._arrivals = itertools.count(1)
         self._hold_replays = False  # a preemption happened: replays wait until some request ends
         state.watch(self.kick)
+        self.journal.on_lost.append(self._not_durable)
 
     @property
     def running(self) -> int:
@@ -328,6 +329,7 @@ class Scheduler:
         """Queue `job` (checked first: a MeshError says why it cannot run); its handle yields its
         tokens as they come."""
         self.validate(job)
+        self.journal.check_durable()  # the journal cannot hold it: refused, never served as if it were durable
         if len(self.waiting) >= MAX_QUEUED:
             raise ResourceExhausted(f"{len(self.waiting)} requests are already waiting for the mesh; retry later")
         if job.request_id in self.requests:
@@ -368,7 +370,7 @@ class Scheduler:
         now = time.monotonic()
         top = restored = 0
         for e in sorted(entries, key=lambda e: e.priority):
-            if e.id in self.requests:
+            if e.id in self.requests or OUTLINE_RECORD in e.job:  # an outline runs again when its client resumes it
                 continue
             restored += 1
             job = replace(Job.from_json(e.job), request_id=e.id)
@@ -464,6 +466,16 @@ class Scheduler:
                 if req.error is not None or req.received and len(req.received) > req.delivered:
                     return
                 continue
+
+    def _not_durable(self, ids: list[str], err: MeshError) -> None:
+        """The journal could not commit these requests' admission: they fail (their clients are
+        told why) rather than run as if a controller's death could not lose them."""
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.ended:
+                self._fail(req, err)
+                if not req.readers:
+                    self._end(req)
 
     def _fail(self, req: Request, err: MeshError) -> None:
         """`req` fails with `err` (its readers get the tokens they have not read, then the error)."""

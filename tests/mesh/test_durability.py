@@ -6,9 +6,12 @@ faults (SIGKILL, SIGSTOP, SIGTERM, killed stages started again at once) loses no
 changes no output."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
 import threading
@@ -178,6 +181,27 @@ def lpctl_submit(mesh: LocalMesh, controllers: str, prompt: str, max_tokens: int
                              "--ignore-eos", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def lpctl_outline(mesh: LocalMesh, prompt: str) -> subprocess.Popen:
+    """An outline request (journaled too) by lpctl, which resumes it by point."""
+    return subprocess.Popen([*mesh.lpctl(), "--resume-s", str(RESUME_S), "submit", prompt, "--outline",
+                             "--max-points", "2", "--max-tokens", "12", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def outline_points(proc: subprocess.Popen) -> tuple[list[tuple[str, str]], str]:
+    """An outline request's points as (title, text), and what lpctl said on stderr."""
+    try:
+        out, err = proc.communicate(timeout=RESUME_S + 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    points = [(p["title"], p["text"]) for p in json.loads(out)["dag"]["points"]]
+    assert points and all(text for _, text in points), out
+    return points, err
+
+
 def lpctl_tokens(proc: subprocess.Popen) -> tuple[list[int], str]:
     try:
         out, err = proc.communicate(timeout=RESUME_S + 120)
@@ -200,29 +224,84 @@ def wait_producing(clients, mesh, lp=None) -> None:
         assert c.error is None, c.error
 
 
+OUTLINE_PROMPT = "How do I make tea?"
+
+
 def test_a_controller_killed_mid_generation_comes_back_and_every_client_gets_the_rest(model_dir, tmp_path):
+    """... an outline request too; then, killed again, it finds its journal damaged and its state
+    dir full: it says so (Status, lpctl status), keeps its epoch, and refuses what it cannot keep."""
     http_address = f"127.0.0.1:{free_port()}"
-    with LocalMesh(2, model_dir, tmp_path, threads=1, controller_args=("--http", http_address)) as mesh:
-        addr = mesh.controller_address
-        ref = {"greedy": submit(addr, PROMPTS[0], N), "sampled": submit(addr, PROMPTS[1], N, 0.9, seed=7),
-               "lpctl": submit(addr, PROMPTS[2], N), "http": http_text(http_address, PROMPTS[3], N)}
-        greedy, sampled = GrpcClient([addr], PROMPTS[0], N), GrpcClient([addr], PROMPTS[1], N, 0.9, seed=7)
-        stream = HttpStream(http_address, PROMPTS[3], N)
-        lp = lpctl_submit(mesh, addr, PROMPTS[2], N)
-        wait_producing([greedy, sampled, stream], mesh)
-        time.sleep(0.5)  # lpctl's tokens too
-        mesh.kill("controller")  # SIGKILL: nothing runs on the way out
-        assert len(greedy.tokens) < N and len(sampled.tokens) < N, "the requests finished before the kill"
-        mesh.start_controller()  # what systemd does: the same flags, the same journal
-        assert greedy.result() == ref["greedy"]
-        assert sampled.result() == ref["sampled"]
-        assert greedy.resumes and sampled.resumes
-        assert stream.result() == ref["http"]
-        tokens, err = lpctl_tokens(lp)
-        assert tokens == ref["lpctl"], err
-        assert "resum" in err, err
-        st = mesh.controller_status()
-        assert st.role == "active" and st.journaled == 0, st  # finished requests leave the journal
+    try:
+        with LocalMesh(2, model_dir, tmp_path, threads=1, controller_args=("--http", http_address)) as mesh:
+            controller_killed_then_damaged_then_full(mesh, http_address)
+    finally:  # the small tmpfs mounted late in the test as the controller's state dir (every process stopped)
+        small = tmp_path / "controller-state"
+        if os.path.ismount(small) and subprocess.run(["umount", str(small)]).returncode:
+            subprocess.run(["umount", "-l", str(small)], check=True)
+
+
+def controller_killed_then_damaged_then_full(mesh: LocalMesh, http_address: str) -> None:
+    addr = mesh.controller_address
+    ref = {"greedy": submit(addr, PROMPTS[0], N), "sampled": submit(addr, PROMPTS[1], N, 0.9, seed=7),
+           "lpctl": submit(addr, PROMPTS[2], N), "http": http_text(http_address, PROMPTS[3], N)}
+    ref["outline"], _ = outline_points(lpctl_outline(mesh, OUTLINE_PROMPT))
+    greedy, sampled = GrpcClient([addr], PROMPTS[0], N), GrpcClient([addr], PROMPTS[1], N, 0.9, seed=7)
+    stream = HttpStream(http_address, PROMPTS[3], N)
+    lp = lpctl_submit(mesh, addr, PROMPTS[2], N)
+    outline = lpctl_outline(mesh, OUTLINE_PROMPT)
+    wait_producing([greedy, sampled, stream], mesh)
+    time.sleep(0.5)  # lpctl's tokens too
+    mesh.kill("controller")  # SIGKILL: nothing runs on the way out
+    assert len(greedy.tokens) < N and len(sampled.tokens) < N, "the requests finished before the kill"
+    mesh.start_controller()  # what systemd does: the same flags, the same journal
+    assert greedy.result() == ref["greedy"]
+    assert sampled.result() == ref["sampled"]
+    assert greedy.resumes and sampled.resumes
+    assert stream.result() == ref["http"]
+    tokens, err = lpctl_tokens(lp)
+    assert tokens == ref["lpctl"], err
+    assert "resum" in err, err
+    points, err = outline_points(outline)
+    assert "resum" in err, err  # it was cut by the kill, and run again for its client
+    assert points == ref["outline"], err
+    st = mesh.controller_status()
+    assert st.role == "active" and st.journaled == 0, st  # finished requests leave the journal
+    assert st.journal.startswith("ok (") and not st.journal_damage, st
+    damaged_then_full(mesh, st.epoch)
+
+
+def damaged_then_full(mesh: LocalMesh, epoch: int) -> None:
+    """Killed again: its journal damaged (a bad header) and its state dir a small tmpfs: started
+    again it reports the damage and keeps its epoch; filled up, it refuses what it cannot journal."""
+    mesh.kill("controller")
+    state = mesh.workdir / "controller-state"
+    kept = mesh.workdir / "controller-state.kept"
+    shutil.copytree(state, kept)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(state)], check=True)
+    for f in kept.iterdir():
+        shutil.copy(f, state / f.name)
+    with open(state / "journal.sqlite3", "r+b") as f:
+        f.write(b"this is no journal")
+    mesh.start_controller()
+    st = mesh.controller_status()
+    assert "bad header" in st.journal_damage and "moved aside" in st.journal_damage, st
+    assert st.epoch > epoch, st  # not back at 1: the epoch outlived the damaged journal
+    lines = subprocess.run([*mesh.lpctl(), "status"], capture_output=True, text=True, timeout=60).stdout
+    assert "JOURNAL DAMAGED: " in lines and f"fencing epoch {st.epoch}" in lines, lines
+    with open(state / "filler", "wb", buffering=0) as f:  # the state dir full
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(4096))
+    told = []
+    for _ in range(2):  # the first is admitted and fails when its admission cannot be written; the next is refused
+        with pytest.raises(grpc.RpcError) as e:
+            submit(mesh.controller_address, PROMPTS[0], N)
+        told.append(e.value)
+    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(state) in e.details() for e in told), told
+    assert "new requests are refused" in told[-1].details(), told[-1].details()
+    st = mesh.controller_status()
+    assert st.journal.startswith("failing: ") and st.journaled == 0, st  # nothing served as if durable
+    mesh.kill("controller")  # (its files open on the tmpfs: gone before it is unmounted)
 
 
 def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_path):

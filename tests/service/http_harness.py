@@ -23,6 +23,7 @@ from aiohttp import web
 from logicpipe.controller.api.http_api import HttpApi
 from logicpipe.controller.jobs.door import FrontDoor
 from logicpipe.controller.jobs.job import Job, TokenUpdate
+from logicpipe.controller.jobs.journal import Journal
 from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
 from logicpipe.controller.mesh.state import Phase
 from logicpipe.errors import AlreadyExists, NotFound
@@ -103,8 +104,12 @@ class FakeScheduler:
         self.requests: dict[str, FakeHandle] = {}
         self.gate = asyncio.Event()  # held requests wait for this after their first token
         self.gate.set()
+        self.journal = Journal(None, "")  # the front door journals outline requests itself
 
     validate = Scheduler.validate
+
+    def find(self, request_id: str) -> FakeHandle | None:
+        return self.requests.get(request_id)
 
     def submit(self, job: Job) -> FakeHandle:
         self.validate(job)
@@ -160,7 +165,7 @@ async def http_api(model_dir: Path, *, requests_per_client: int = 64, keys=None)
     http_auth.ApiKeys, None: none)."""
     tok = tokenizer(model_dir)
     fake = FakeScheduler(tok(ANSWER, add_special_tokens=False)["input_ids"], len(tok))
-    app = SimpleNamespace(model_dir=model_dir, scheduler=fake,
+    app = SimpleNamespace(model_dir=model_dir, scheduler=fake, journal=fake.journal,
                           state=SimpleNamespace(admitting=True, phase=Phase.READY, reason=""))
     door = FrontDoor(fake, tok, model_dir=model_dir, requests_per_client=requests_per_client)
     runner = HttpApi(app, door, keys=keys).runner()

@@ -14,6 +14,7 @@ import pytest
 
 from logicpipe.controller.api.http_api import MAX_BODY_BYTES
 from logicpipe.controller.api.http_auth import ApiKeys, parse
+from logicpipe.errors import ResourceExhausted
 
 from .conftest import run
 from .http_harness import http_api, tokenizer
@@ -198,7 +199,7 @@ def test_a_chunked_body_over_the_cap_gets_413(model_dir):
 
 def test_v1_needs_a_key_health_does_not(model_dir):
     async def go():
-        async with http_api(model_dir, keys=KEYS) as (client, _):
+        async with http_api(model_dir, keys=KEYS) as (client, fake):
             for headers in ({}, {"Authorization": "Bearer " + "c" * 32}, {"Authorization": TOKEN_A},
                             {"Authorization": f"Basic {TOKEN_A}"}):
                 for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/v1/requests/abc/stream"),
@@ -218,7 +219,12 @@ def test_v1_needs_a_key_health_does_not(model_dir):
             status, _, body = await client.get("/v1/models", headers={"Authorization": f"bearer {TOKEN_B}"})
             assert status == 200 and body["data"]
             status, _, body = await client.get("/health")
-            assert status == 200 and body["status"] == "ok"
+            assert status == 200 and body["status"] == "ok" and body["journal"].startswith("in memory")
+            # a journal that cannot be written (as its writer records a failed commit): not healthy
+            fake.journal.failure = ResourceExhausted("the request journal in /s cannot be written (full)")
+            status, _, body = await client.get("/health")
+            assert status == 503 and body["status"] == "journal_failing", body
+            assert body["journal"] == "failing: the request journal in /s cannot be written (full)", body
     run(go())
 
 

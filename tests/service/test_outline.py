@@ -66,4 +66,42 @@ def test_an_outline_submit_streams_points_and_reports_the_dag(runner, model_dir)
                 raise AssertionError("99 points were accepted")
             except grpc.aio.AioRpcError as err:
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "32" in err.details()
+            await a_broken_outline_stream_is_resumed_by_point(ctl, replies)
     runner.run(asyncio.wait_for(main(), 300))
+
+
+def by_point(replies) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in replies:
+        out.setdefault(r.point, []).extend(r.token_ids)
+    return out
+
+
+async def a_broken_outline_stream_is_resumed_by_point(ctl, whole) -> None:
+    """The same request again under an id of the client's, its stream cut after a few tokens: it
+    stays journaled, and Resume with the tokens held of each point gives the rest of each point."""
+    journal = ctl.app.scheduler.journal
+    ask = controller_pb2.SubmitRequest(prompt=QUESTION, outline=True, max_tokens=10, max_points=4,
+                                       request_id="outline-resumed")
+    call = ctl.stub.Submit(ask, timeout=120)
+    first = []
+    async for r in call:
+        first.append(r)
+        if sum(len(x.token_ids) for x in first) >= 5:
+            break
+    call.cancel()
+    assert journal.entries["outline-resumed"].job["outline"]["question"] == QUESTION  # kept for a resume
+    held = by_point(first)
+    have = [len(held.get(p, ())) for p in range(max(held) + 1)]
+    call = ctl.stub.Resume(controller_pb2.ResumeRequest(request_id="outline-resumed", have_tokens=sum(have),
+                                                        have_points=have), timeout=120)
+    rest = [r async for r in call]
+    assert rest[-1].finished and [p.text for p in rest[-1].points] == [p.text for p in whole[-1].points]
+    got = by_point(first + rest[:-1])
+    assert got == by_point(whole[:-1])  # every point whole, nothing twice (greedy: the same tokens)
+    assert "outline-resumed" not in journal.entries  # delivered: out of the journal
+    try:
+        [r async for r in ctl.stub.Resume(controller_pb2.ResumeRequest(request_id="outline-resumed"), timeout=30)]
+        raise AssertionError("an outline request delivered to its end was resumed again")
+    except grpc.aio.AioRpcError as err:
+        assert err.code() == grpc.StatusCode.NOT_FOUND

@@ -86,3 +86,19 @@ def test_the_fence_and_the_revocations_outlive_a_restart(tmp_path):
         again.take(B, "b", 6, never)          # an older controller does not get a restarted node
     path.write_text("{not json")
     assert Fence("n1", path, tls=True).holder is None  # unreadable: logged, trusts the next controller
+
+
+def test_a_stage_started_with_no_state_dir_flag_keeps_its_fence_across_a_restart(tmp_path, monkeypatch):
+    """Where `logicpipe-stage` keeps the fence by default ($STATE_DIRECTORY, else the XDG state
+    dir): a node restarted with the same flags still follows the controller of the highest epoch."""
+    from logicpipe.stage_node import main as stage_main  # (torch: only here)
+    from logicpipe.stage_node.net.identity import default_state_dir
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    assert stage_main.parse_args([]).state_dir is None
+    path = stage_main.fence_file(default_state_dir(), "n1")
+    assert path.parent == tmp_path / "state"
+    Fence("n1", path, tls=True).take(A, "a", 3, never)
+    restarted = Fence("n1", stage_main.fence_file(default_state_dir(), "n1"), tls=True)
+    assert (restarted.epoch, restarted.controller_id) == (3, "a")
+    with pytest.raises(Fenced):
+        restarted.take(B, "b", 2, never)

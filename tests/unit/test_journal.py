@@ -5,18 +5,24 @@ OpenSession whose plan is replaced under it, and the stages' fencing of replaced
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
+import shutil
+import sqlite3
+import subprocess
 
 import grpc
 import pytest
 
-from logicpipe.controller.jobs.journal import Journal, JournalError
+from logicpipe.controller.jobs import journal_files as files
+from logicpipe.controller.jobs.journal import FLUSH_S, Journal, JournalError
 from logicpipe.controller.mesh.pipeline import Pipeline, StageHandle
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.jobs.job import Job
 from logicpipe.controller.jobs.scheduler import MAX_REPLAYS, Scheduler, SchedulerConfig
 from logicpipe.controller.mesh.state import MeshState, Phase
-from logicpipe.errors import Unavailable, code_number
+from logicpipe.errors import InvalidArgument, ResourceExhausted, Unavailable, code_number
 from logicpipe.v1 import stage_pb2
 
 
@@ -91,8 +97,8 @@ def tokens(sched: Scheduler, req, ids, finished=False):
         token_ids=ids, index=len(req.received), finished=finished, finish_reason="length" if finished else "")))
 
 
-async def until(check, what: str):
-    for _ in range(200):
+async def until(check, what: str, tries: int = 200):
+    for _ in range(tries):
         if check():
             return
         await asyncio.sleep(0.01)
@@ -216,3 +222,224 @@ def test_the_traffic_is_learned_in_powers_of_two_and_a_change_is_reported():
             h.release()
 
     asyncio.run(main())
+
+
+# ---- no silent loss: damage found at start, a full state directory, every --state-dir mistake ------
+def killed_copy(src, dst) -> None:
+    """What a SIGKILL leaves: the journal's files as they are while it is open (WAL not checkpointed)."""
+    dst.mkdir()
+    for name in (files.MAIN, files.WAL, files.EPOCH_FILE):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+
+
+def written(tmp_path, n: int = 3):
+    """A journal with n requests and their tokens at epoch 3, its files as a SIGKILL leaves them in `dead`."""
+    live = tmp_path / "live"
+    j = Journal(live, "d").open()
+    j.set_epoch(3)
+    for i in range(n):
+        j.admit(f"r{i}", {"prompt": list(range(200))}, i + 1)
+        j.tokens(f"r{i}", 0, [7, 8, 9])
+    j.flush()
+    dead = tmp_path / "dead"
+    killed_copy(live, dead)
+    j.close_now()
+    return dead
+
+
+def test_a_journal_killed_whole_resumes_everything_and_raises_no_alarm(tmp_path):
+    dead = written(tmp_path)
+    assert (dead / files.WAL).stat().st_size > 32 and files.find_damage(dead) == []
+    j = Journal(dead, "d").open()
+    assert sorted(j.entries) == ["r0", "r1", "r2"] and j.epoch == 3 and j.damage == "" and not j.epoch_lost
+    j.close_now()
+
+
+def damage_wal(d):
+    with open(d / files.WAL, "r+b") as f:  # a byte of the first frame's page
+        f.seek(32 + 24 + 100)
+        b = f.read(1)
+        f.seek(32 + 24 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def truncate_main(d):
+    j = Journal(d, "d").open()  # checkpointed at close: everything in the main file, no WAL
+    j.close_now()
+    size = (d / files.MAIN).stat().st_size
+    assert size >= 2 * 4096
+    os.truncate(d / files.MAIN, size // 2 // 4096 * 4096)
+
+
+def bad_header(d):
+    with open(d / files.MAIN, "r+b") as f:
+        f.write(b"not a journal at all")
+
+
+def schema_mismatch(d):
+    db = sqlite3.connect(d / files.MAIN)
+    db.execute("ALTER TABLE requests RENAME TO requests_v0")
+    db.commit()
+    db.close()
+
+
+def emptied(d):
+    os.truncate(d / files.MAIN, 0)
+    (d / files.WAL).unlink()
+
+
+@pytest.mark.parametrize("damage,found", [(damage_wal, "damaged WAL"), (truncate_main, "truncated"),
+                                          (bad_header, "bad header"), (schema_mismatch, "schema mismatch"),
+                                          (emptied, "missing or empty")])
+def test_a_damaged_journal_is_moved_aside_and_reported_and_its_epoch_is_kept(tmp_path, caplog, damage, found):
+    dead = written(tmp_path)
+    damage(dead)
+    j = Journal(dead, "d").open()
+    assert j.entries == {} and j.epoch == 3 and not j.epoch_lost  # empty, said so, and not back at epoch 1
+    assert found in j.damage and "moved aside" in j.damage and "epoch (3) is kept" in j.damage
+    aside = files.damaged_copies(dead)
+    assert len(aside) == 1 and (aside[0] / files.MAIN).exists() and found in (aside[0] / "why.txt").read_text()
+    assert any(r.levelname == "ERROR" and found in r.getMessage() for r in caplog.records)
+    j.close_now()
+    again = Journal(dead, "d").open()  # reported on every start until the operator deals with the copy
+    assert again.epoch == 3 and "1 damaged journal(s) kept aside" in again.damage
+    again.close_now()
+
+
+def test_a_damaged_journal_whose_epoch_file_is_gone_says_the_epoch_was_lost(tmp_path):
+    dead = written(tmp_path)
+    (dead / files.EPOCH_FILE).unlink()
+    damage_wal(dead)
+    j = Journal(dead, "d").open()
+    assert j.entries == {} and j.epoch_lost and "fencing epoch was lost" in j.damage
+    j.close_now()
+
+
+def test_every_state_dir_mistake_is_one_line_naming_the_fix(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for d, says in ((afile, "is a file, not a directory"), (afile / "sub", "not a directory")):
+        with pytest.raises(JournalError, match=says) as e:
+            Journal(d, "d").open()
+        assert "--state-dir" in str(e.value) and "\n" not in str(e.value)
+    ro, full = tmp_path / "ro", tmp_path / "full"
+    ro.mkdir()
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], check=True)
+        try:
+            with pytest.raises(JournalError, match="read-only file system: give --state-dir a writable directory"):
+                Journal(ro, "d").open()
+            fill(full / "filler")
+            with pytest.raises(JournalError, match=f"^{full} is full .*: free space there, or give --state-dir"):
+                Journal(full, "d").open()
+        finally:
+            subprocess.run(["umount", str(full)], check=True)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+journal_log = "logicpipe.controller.jobs.journal"
+
+
+def fill(path) -> None:
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+def test_a_full_state_dir_refuses_requests_fails_those_not_durable_and_recovers(tmp_path, caplog):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(mnt)], check=True)
+
+    opened: list[Journal] = []
+
+    async def main():
+        journal = Journal(mnt, "d").open()
+        opened.append(journal)
+        journal.start()
+        sched, pipe = scheduler(journal)
+        first = sched.submit(Job(tuple(range(1, 50)), 4, request_id="durable"))
+        await until(lambda: journal.rows() == 1, "committed")  # (rows() waits for a commit under way)
+        fill(mnt / "filler")
+        caught = []
+        journal.on_lost.append(lambda ids, err: caught.append(ids))
+        late = sched.submit(Job(tuple(i % 100 for i in range(900)), 4, request_id="late"))  # admitted before the disk said full
+        with pytest.raises(ResourceExhausted, match=f"journal in {mnt} cannot be written.*free space"):
+            async for _ in late:
+                pass
+        assert caught == [["late"]] and sched.find("late") is None
+        with pytest.raises(ResourceExhausted, match="new requests are refused"):
+            sched.submit(Job((1, 2), 4, request_id="refused"))
+        assert journal.state().startswith("failing: ") and "durable" in journal.entries
+        await asyncio.sleep(4 * FLUSH_S * 2 ** 3)  # several retries, backing off
+        errors = [r for r in caplog.records if r.name == journal_log and r.levelname == "ERROR"]
+        assert len(errors) == 1, [r.getMessage() for r in errors]  # once per state change, not each retry
+        (mnt / "filler").unlink()
+        await until(lambda: journal.failure is None, "written again", tries=1000)
+        sched.submit(Job((1, 2), 4, request_id="after")).release()
+        assert journal.state().startswith("ok")
+        await journal.close()
+        again = Journal(mnt, "d").open()
+        opened.append(again)
+        assert "durable" in again.entries and "late" not in again.entries
+        first.release()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for j in opened:
+            j.close_now()
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_the_controllers_status_and_lpctl_status_report_a_damaged_journal(tmp_path):  # (imports: the app is heavy)
+    from logicpipe.common.transport import PLAINTEXT
+    from logicpipe.controller.api.service import status_reply
+    from logicpipe.controller.app import ControllerApp
+    from logicpipe.controller.cli.lpctl import status_lines
+    from tests.unit.test_newcomer_errors import tiny_model
+
+    dead = written(tmp_path)
+    damage_wal(dead)
+    journal = Journal(dead, "d")
+    app = ControllerApp(tiny_model(tmp_path / "m"), [], transport=PLAINTEXT, journal=journal)
+    journal.open(app.digest)
+    try:
+        reply = status_reply(app.snapshot())
+        assert reply.journal == f"ok ({dead})" and "damaged WAL" in reply.journal_damage
+        lines = status_lines(reply)
+        assert f"journal: ok ({dead}); 0 requests, fencing epoch 3" in lines
+        assert any(line.startswith("JOURNAL DAMAGED: ") and "moved aside" in line for line in lines), lines
+    finally:
+        journal.close_now()
+
+
+def test_an_outline_request_is_journaled_as_what_runs_it_again_and_resumed_by_its_client_only():
+    from logicpipe.controller.jobs.outline_door import held_points
+    from logicpipe.controller.jobs.outline import outline_record, run_of_record
+    from logicpipe.sampling import SamplingParams
+
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [5]}
+
+    journal = Journal(None, "d")
+    sched, pipe = scheduler(journal)
+    doc = outline_record("why is the sky blue?", outline_text="", max_points=3, point_tokens=9,
+                         sampling=SamplingParams(0.8, 0, 1.0, 42), sequential=False, speculate=None, client="c1",
+                         prompt_tokens=7)
+    journal.admit("o1", json.loads(json.dumps(doc)), 0)  # as the journal stores it: JSON
+    run = run_of_record(sched, tokenizer, journal.entries["o1"].job)
+    assert (run.question, run.max_points, run.point_tokens, run.sampling.seed, run.sampling.temperature) == \
+        ("why is the sky blue?", 3, 9, 42, 0.8)
+    assert sched.restore(list(journal.entries.values())) == 0 and sched.find("o1") is None  # not a plain Job
+    assert held_points(5, (2, 0, 3)) == {0: 2, 2: 3} and held_points(0, ()) == {}
+    for have, points in ((4, ()), (5, (1, 1)), (1, (1,) * 40)):
+        with pytest.raises(InvalidArgument):
+            held_points(have, points)

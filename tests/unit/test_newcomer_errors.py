@@ -132,6 +132,23 @@ def test_an_http_port_taken_after_the_grpc_server_started_stops_cleanly(tmp_path
         f"`ss -ltnp 'sport = :{port}'`); pick another with --http HOST:PORT")], out.stderr
 
 
+# --- a bad --state-dir ----------------------------------------------------------------------------------
+
+def test_a_state_dir_naming_a_file_is_one_line_before_the_model_loads(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    line = in_process(controller_main.main, ["--listen", f"127.0.0.1:{free_port()}", "--model",
+                                             str(tmp_path / "not-loaded"), *controller_flags(tmp_path),
+                                             "--state-dir", str(afile)], capsys)
+    assert line == (f"logicpipe-controller: --state-dir: {afile} is a file, not a directory: give --state-dir a "
+                    "directory (it is made when missing)")
+    from logicpipe.stage_node import main as stage_main  # (torch: only here)
+    line = in_process(stage_main.main, ["--listen", f"127.0.0.1:{free_port()}", "--no-mdns", "--no-profile",
+                                        "--device", "cpu", "--state-dir", str(afile)], capsys)
+    assert line == (f"logicpipe-stage: --state-dir: {afile} is a file, not a directory: give --state-dir a "
+                    "directory (it is made when missing)")
+
+
 # --- a bad --model -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mistake", ["missing", "no-config", "unsupported", "no-weights"])
@@ -315,3 +332,35 @@ def test_chat_says_how_to_end_and_marks_an_answer_cut_at_max_tokens(capsys, monk
             lpctl.main(["--controller", address, "submit", "tell me a story", "--max-tokens", "3"])
         out = capsys.readouterr()
         assert info.value.code == 0 and out.out == "Once upon a time\n" and "[cut at --max-tokens 3]" in out.err
+
+
+class BreaksOnce(controller_pb2_grpc.ControllerServicer):
+    """A controller that stops in the middle of the first answer and resumes it when asked."""
+
+    def __init__(self):
+        self.submitted, self.resumed = [], []
+
+    def Status(self, request, context):
+        return controller_pb2.ControllerStatusReply(state="ready")
+
+    def Submit(self, request, context):
+        self.submitted.append(request.request_id)
+        yield controller_pb2.SubmitReply(text="Once upon", token_ids=[1, 2])
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the controller is stopping; resume the request")
+
+    def Resume(self, request, context):
+        self.resumed.append((request.request_id, request.have_tokens))
+        yield controller_pb2.SubmitReply(text=" a time", token_ids=[3], finished=True, finish_reason="stop")
+
+
+def test_chat_resumes_an_answer_whose_stream_broke(capsys, monkeypatch):
+    fake = BreaksOnce()
+    with grpc_server(servicer=fake) as address:
+        monkeypatch.setattr(sys, "stdin", io.StringIO("tell me a story\n"))
+        with pytest.raises(SystemExit) as info:
+            lpctl.main(["--controller", address, "chat", "--max-tokens", "8"])
+        out = capsys.readouterr()
+    assert info.value.code == 0, out.err
+    assert out.out == "Once upon a time\n"  # one answer, nothing twice, nothing lost
+    assert len(fake.submitted) == 1 and fake.resumed == [(fake.submitted[0], 2)]
+    assert f"resuming request {fake.submitted[0]}" in out.err and "\nlpctl: " not in out.err  # (no error line)
