@@ -121,10 +121,10 @@ class RequestOptions:
             raise InvalidArgument("json_schema is for plain requests: an outline's answer is several sequences")
         if self.outline is not None:  # what an outline run would not honour is refused, not dropped
             given = [name for name, v in (("stop", self.stop), ("ignore_eos", self.ignore_eos),
-                                          ("prefill_chunk", self.prefill_chunk), ("request_id", self.request_id)) if v]
+                                          ("prefill_chunk", self.prefill_chunk)) if v]
             if given:
                 raise InvalidArgument(f"{', '.join(given)}: not available for an outline request (its points are "
-                                      "sequences of their own, and it is not resumable); send it as a plain request")
+                                      "sequences of their own); send it as a plain request")
         if self.outline is not None and self.outline.max_points > MAX_POINTS:
             raise InvalidArgument(f"max_points {self.outline.max_points} is over the cap of {MAX_POINTS}")
         if self.outline is not None and len(self.outline.outline_text) > MAX_PROMPT_CHARS:

@@ -446,8 +446,8 @@ FLAWED_SUBMITS = {  # issue 34's flawed answers: SubmitRequest fields, fragments
     # fields that were dropped without a word: an outline's without outline, a plain request's with one
     "max-points-without-outline": (dict(max_points=4, sequential_points=True),
                                    ["max_points, sequential_points: for an outline request only"]),
-    "outline-with-plain-fields": (dict(outline=True, ignore_eos=True, prefill_chunk=8, request_id="o-1"),
-                                  ["ignore_eos, prefill_chunk, request_id: not available for an outline request"]),
+    "outline-with-plain-fields": (dict(outline=True, ignore_eos=True, prefill_chunk=8),
+                                  ["ignore_eos, prefill_chunk: not available for an outline request"]),
     "raw-with-token-ids": (dict(prompt="", prompt_token_ids=[1, 2], raw=True), ["raw is for a prompt text"]),
 }
 
