@@ -120,14 +120,15 @@ class LocalMesh:
         self.controller_address = ""
 
     # ---- processes --------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+               prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
         if name in self.procs and self.procs[name].poll() is None:  # it would be lost to stop(), and leak
             raise ValueError(f"a process named {name!r} still runs in this mesh; spawn under another name")
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env, **(env or {}))
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+            proc = subprocess.Popen([*prefix, sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         self.procs[name] = proc
         return proc, log
@@ -147,10 +148,11 @@ class LocalMesh:
         return addr
 
     def start_controller(self, *extra: str, ready: bool = True, env: dict[str, str] | None = None,
-                         name: str = "controller", address: str | None = None) -> str:
+                         name: str = "controller", address: str | None = None, prefix: tuple[str, ...] = ()) -> str:
         """Start the controller (`env`: its own extra environment); `ready`: wait until a plan serves
         (its Status says "ready"). `name` and `address`: another controller (a standby), with
-        its own journal (--state-dir under the work directory, by name: a restart keeps it)."""
+        its own journal (--state-dir under the work directory, by name: a restart keeps it).
+        `prefix`: what its command line runs under (tests.netns: `ip netns exec NS`)."""
         if address is None:
             self.controller_address = address = self.controller_address or f"127.0.0.1:{free_port()}"
         found = (["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns
@@ -159,7 +161,7 @@ class LocalMesh:
             found += ["--tls-dir", str(mesh_bundle("controller", "controller"))]
         proc, log = self._spawn(name, [
             "-m", "logicpipe.controller.main", "--listen", address, "--model", str(self.model_dir),
-            "--state-dir", str(self.workdir / f"{name}-state"), *found, *self.controller_args, *extra], env)
+            "--state-dir", str(self.workdir / f"{name}-state"), *found, *self.controller_args, *extra], env, prefix)
         wait_serving(address, proc, log, peer_role="controller", transport=self.transport)
         if ready:
             self.wait_plan(proc=proc, log=log, address=address)
