@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 PROBE_S = 2.0               # every member's Status is asked this often
 PROBE_TIMEOUT_S = 1.5
-DOWN_AFTER_MISSES = 2       # unanswered probes in a row before a node counts as down
+DOWN_AFTER_MISSES = 2       # unanswered probes in a row before a node counts as down; one that does not
+STALL_GRACE_S = 5.0         # answer in time (stalled, its address still taking connections) only once it
+                            # has also been silent this long: it keeps its sessions if it answers again
 NOT_PROBED = "not probed yet"
 FORGET_AFTER_S = 600.0      # a discovered (not --nodes) member down this long is forgotten
 
@@ -36,6 +38,7 @@ class Member:
     down_since: float = 0.0
     drained: bool = False         # lpctl drain: left out of planning until undrained
     misses: int = 0               # probes unanswered in a row
+    answered: float = 0.0         # when it last answered a probe (monotonic)
     leaving: bool = False         # it told us it stops (Leave)
     refused_start: float | None = None  # its assignment failed for good: when that process started (monotonic)
 
@@ -123,10 +126,11 @@ class Members:
             st = await self._status(m.address, timeout=PROBE_TIMEOUT_S)
         except MeshError as exc:
             m.misses += 1
-            if m.misses >= DOWN_AFTER_MISSES or m.down == NOT_PROBED or hint:  # one slow answer is not death
+            stalled = "no answer in time" in str(exc) and time.monotonic() - m.answered < STALL_GRACE_S
+            if (m.misses >= DOWN_AFTER_MISSES and not stalled) or m.down == NOT_PROBED or hint:  # one slow answer is not death
                 self.mark_down(m.address, hint or str(exc))
             return
-        m.misses = 0
+        m.misses, m.answered = 0, time.monotonic()
         if st.stopping:
             if not m.leaving:
                 m.leaving = True
