@@ -39,6 +39,7 @@ class Member:
     drained: bool = False         # lpctl drain: left out of planning until undrained
     misses: int = 0               # probes unanswered in a row
     answered: float = 0.0         # when it last answered a probe (monotonic)
+    fell: float = 0.0             # when it last went down or said it stops (monotonic; 0: never)
     leaving: bool = False         # it told us it stops (Leave)
     refused_start: float | None = None  # its assignment failed for good: when that process started (monotonic)
 
@@ -84,6 +85,10 @@ class Members:
         return next((m for m in self.by_address.values()
                      if m.node_id == node_id and m.address != besides and not m.down), None)
 
+    def last_fault(self) -> float:
+        """When a member last went down or said it stops (monotonic; 0: never)."""
+        return max((m.fell for m in self.by_address.values()), default=0.0)
+
     # ---- changes ------------------------------------------------------------------------------
     def add(self, address: str, source: str) -> Member:
         """Know of a node at `address` (probed at once; usable once it answers)."""
@@ -100,6 +105,7 @@ class Members:
         m = self.by_address.get(address)
         if m is not None and m.down in ("", NOT_PROBED):
             m.down, m.down_since = why, time.monotonic()
+            m.fell = m.down_since
             log.warning("node %s (%s) is down: %s", m.node_id or "?", address, why)
             self.on_change(f"node {m.node_id or address} down: {why}")
 
@@ -133,7 +139,7 @@ class Members:
         m.misses, m.answered = 0, time.monotonic()
         if st.stopping:
             if not m.leaving:
-                m.leaving = True
+                m.leaving, m.fell = True, time.monotonic()
                 self.on_change(f"node {st.node_id} is stopping")
             return
         other = self.owner_of_id(st.node_id, besides=m.address)
