@@ -268,6 +268,7 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
 
         kinds = [signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM]
         fault_times: list[float] = []
+        fault_log: list[str] = []  # "seconds after the first fault, stage, signal" for each fault
         for n in range(faults):
             time.sleep(0.3 if n % 4 == 3 else spacing)
             live = [i for i in range(3) if not (i in restarting and restarting[i].is_alive())]
@@ -275,6 +276,7 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
                 continue
             i, sig = rng.choice(live), kinds[n % 3]
             fault_times.append(time.monotonic())
+            fault_log.append(f"{fault_times[-1] - fault_times[0]:.1f}s stage{i} {signal.Signals(sig).name}")
             mesh.signal(f"stage{i}", sig)
             if sig == signal.SIGSTOP:
                 threading.Timer(3.0, mesh.signal, (f"stage{i}", signal.SIGCONT)).start()
@@ -284,13 +286,14 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
         for r in reqs:
             r.thread.join(WAIT_S + 300)
         gaps = [max(b - a for a, b in zip(r.times, r.times[1:])) for r in reqs if len(r.times) > 1]
-        per_fault = [s for s in (_fault_resume_s(reqs, t) for t in fault_times) if s is not None]
+        each = [_fault_resume_s(reqs, t) for t in fault_times]
+        per_fault = [s for s in each if s is not None]
         return {"fault": f"storm ({faults} faults, {spacing:g} s apart)", "lost": sum(1 for r in reqs if r.error),
                 "of": len(reqs), "resumed_s": statistics.median(gaps) if gaps else None,
                 "resumed_max_s": max(gaps) if gaps else None,
                 "fault_resume_median_s": statistics.median(per_fault) if per_fault else None,
                 "fault_resume_max_s": max(per_fault) if per_fault else None,
-                "fault_resume_s": [round(s, 1) for s in per_fault],
+                "fault_resume_s": [None if s is None else round(s, 1) for s in each], "faults": fault_log,
                 "errors": sorted({r.error for r in reqs if r.error})}
 
 
