@@ -194,6 +194,18 @@ def _resume_s(requests: list[Resuming], since: float) -> float | None:
     return max(after) - since if after and all(a is not None for a in after) else None
 
 
+def _fault_resume_s(requests: list[Resuming], fault: float) -> float | None:
+    """Seconds from a storm's fault until every request still running at it had a new token (a
+    request that ended after it without one counts at its end); None when none was running."""
+    waits = []
+    for r in requests:
+        if not r.times or r.times[0] > fault or (r.ended is not None and r.ended <= fault):
+            continue
+        nxt = r.first_after(fault)
+        waits.append((nxt if nxt is not None else (r.ended or fault)) - fault)
+    return max(waits) if waits else None
+
+
 def run_restart(sig: int, model_dir: Path, work: Path) -> dict:
     """The controller stopped by `sig` mid-generation and started again at once over its journal."""
     with LocalMesh(3, model_dir, work, threads=1, controller_args=("--strategy", "uniform")) as mesh:
@@ -255,12 +267,16 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
             mesh.start_stage(i, mesh.stage_addresses[i])
 
         kinds = [signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM]
+        fault_times: list[float] = []
+        fault_log: list[str] = []  # "seconds after the first fault, stage, signal" for each fault
         for n in range(faults):
             time.sleep(0.3 if n % 4 == 3 else spacing)
             live = [i for i in range(3) if not (i in restarting and restarting[i].is_alive())]
             if not live:
                 continue
             i, sig = rng.choice(live), kinds[n % 3]
+            fault_times.append(time.monotonic())
+            fault_log.append(f"{fault_times[-1] - fault_times[0]:.1f}s stage{i} {signal.Signals(sig).name}")
             mesh.signal(f"stage{i}", sig)
             if sig == signal.SIGSTOP:
                 threading.Timer(3.0, mesh.signal, (f"stage{i}", signal.SIGCONT)).start()
@@ -270,9 +286,15 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
         for r in reqs:
             r.thread.join(WAIT_S + 300)
         gaps = [max(b - a for a, b in zip(r.times, r.times[1:])) for r in reqs if len(r.times) > 1]
-        return {"fault": f"storm ({faults} faults, {spacing:.0f} s apart)", "lost": sum(1 for r in reqs if r.error),
+        each = [_fault_resume_s(reqs, t) for t in fault_times]
+        per_fault = [s for s in each if s is not None]
+        return {"fault": f"storm ({faults} faults, {spacing:g} s apart)", "lost": sum(1 for r in reqs if r.error),
                 "of": len(reqs), "resumed_s": statistics.median(gaps) if gaps else None,
-                "resumed_max_s": max(gaps) if gaps else None, "errors": sorted({r.error for r in reqs if r.error})}
+                "resumed_max_s": max(gaps) if gaps else None,
+                "fault_resume_median_s": statistics.median(per_fault) if per_fault else None,
+                "fault_resume_max_s": max(per_fault) if per_fault else None,
+                "fault_resume_s": [None if s is None else round(s, 1) for s in each], "faults": fault_log,
+                "errors": sorted({r.error for r in reqs if r.error})}
 
 
 def main() -> None:
@@ -281,12 +303,16 @@ def main() -> None:
     ap.add_argument("--ttl", type=float, default=5.0, help="the stages' --session-ttl-s (where they have it)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--spacing", type=float, default=4.0, help="the storm's seconds between faults")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="keep each mesh's work dir (its logs) here instead of a temporary one")
     args = ap.parse_args()
     from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = args.work_dir or tmp
         for name in args.faults.split(","):
             work = Path(tmp) / name
             if name in FAULTS:
@@ -296,7 +322,7 @@ def main() -> None:
             elif name == "standby-takeover":
                 rows.append(run_takeover(model_dir, work))
             elif name == "storm":
-                rows.append(run_storm(model_dir, work))
+                rows.append(run_storm(model_dir, work, spacing=args.spacing))
             else:
                 raise SystemExit(f"--faults: no fault {name!r}")
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -309,6 +335,9 @@ def main() -> None:
             res = "-" if r["resumed_s"] is None else f"{r['resumed_s']:.1f} s"
             if r.get("resumed_max_s") is not None:
                 res = f"longest pause of a request: median {r['resumed_s']:.1f} s, max {r['resumed_max_s']:.1f} s"
+            if r.get("fault_resume_max_s") is not None:
+                res += (f"; per fault, until every running request had a token: median "
+                        f"{r['fault_resume_median_s']:.1f} s, max {r['fault_resume_max_s']:.1f} s")
             print(f"| {r['fault']} | {r['lost']} of {r['of']} | {res} |")
     if rows:
         print("| fault | resumed (or ended) | controller Status during it | requests lost | sessions leaked | state after |")

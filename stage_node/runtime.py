@@ -106,7 +106,10 @@ class StageRuntime:
                 if old is not None and old.assignment.same_weights(a) and old.shard_dir == model_dir:
                     shard, pool, kv = old.shard, old.pool, old.kv  # keeps the prefix cache too
                 else:
-                    shard, pool = await self.runner.call(loading.load_shard, a, model_dir, self.device, self.options)
+                    reuse = old.shard if old is not None and old.shard_dir == model_dir and \
+                        (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers) else None
+                    shard, pool = await self.runner.call(loading.load_shard, a, model_dir, self.device, self.options,
+                                                         reuse)
                     kv = None
             except MeshError:
                 self.state = before

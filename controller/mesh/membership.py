@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 PROBE_S = 2.0               # every member's Status is asked this often
 PROBE_TIMEOUT_S = 1.5
-DOWN_AFTER_MISSES = 2       # unanswered probes in a row before a node counts as down
+DOWN_AFTER_MISSES = 2       # unanswered probes in a row before a node counts as down; one that does not
+STALL_GRACE_S = 5.0         # answer in time (stalled, its address still taking connections) only once it
+                            # has also been silent this long: it keeps its sessions if it answers again
 NOT_PROBED = "not probed yet"
 FORGET_AFTER_S = 600.0      # a discovered (not --nodes) member down this long is forgotten
 
@@ -36,6 +38,8 @@ class Member:
     down_since: float = 0.0
     drained: bool = False         # lpctl drain: left out of planning until undrained
     misses: int = 0               # probes unanswered in a row
+    answered: float = 0.0         # when it last answered a probe (monotonic)
+    fell: float = 0.0             # when it last went down or said it stops (monotonic; 0: never)
     leaving: bool = False         # it told us it stops (Leave)
     refused_start: float | None = None  # its assignment failed for good: when that process started (monotonic)
 
@@ -81,6 +85,10 @@ class Members:
         return next((m for m in self.by_address.values()
                      if m.node_id == node_id and m.address != besides and not m.down), None)
 
+    def last_fault(self) -> float:
+        """When a member last went down or said it stops (monotonic; 0: never)."""
+        return max((m.fell for m in self.by_address.values()), default=0.0)
+
     # ---- changes ------------------------------------------------------------------------------
     def add(self, address: str, source: str) -> Member:
         """Know of a node at `address` (probed at once; usable once it answers)."""
@@ -97,6 +105,7 @@ class Members:
         m = self.by_address.get(address)
         if m is not None and m.down in ("", NOT_PROBED):
             m.down, m.down_since = why, time.monotonic()
+            m.fell = m.down_since
             log.warning("node %s (%s) is down: %s", m.node_id or "?", address, why)
             self.on_change(f"node {m.node_id or address} down: {why}")
 
@@ -123,13 +132,14 @@ class Members:
             st = await self._status(m.address, timeout=PROBE_TIMEOUT_S)
         except MeshError as exc:
             m.misses += 1
-            if m.misses >= DOWN_AFTER_MISSES or m.down == NOT_PROBED or hint:  # one slow answer is not death
+            stalled = "no answer in time" in str(exc) and time.monotonic() - m.answered < STALL_GRACE_S
+            if (m.misses >= DOWN_AFTER_MISSES and not stalled) or m.down == NOT_PROBED or hint:  # one slow answer is not death
                 self.mark_down(m.address, hint or str(exc))
             return
-        m.misses = 0
+        m.misses, m.answered = 0, time.monotonic()
         if st.stopping:
             if not m.leaving:
-                m.leaving = True
+                m.leaving, m.fell = True, time.monotonic()
                 self.on_change(f"node {st.node_id} is stopping")
             return
         other = self.owner_of_id(st.node_id, besides=m.address)

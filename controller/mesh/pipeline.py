@@ -27,7 +27,11 @@ OPEN_TIMEOUT_S = 5.0      # OpenSession (admission takes no compute)
 ASSIGN_TIMEOUT_S = 600.0  # loading a shard can take minutes on a slow disk
 PROBE_INTERVAL_S = 1.0    # every stage of the pipeline is asked for its Status this often
 PROBE_TIMEOUT_S = 1.5     # an answer slower than this counts as none
-DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as down
+DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as down ...
+STALL_GRACE_S = 5.0       # ... and silent this long since its last answer: a stage that stalls (SIGSTOP, a
+                          # swap storm) but keeps its connection open and answers again within this keeps
+                          # its sessions, so its requests wait for it rather than replaying elsewhere (a
+                          # stage that died closes its event stream and is lost at once, without this)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class StageHandle:
     status: stage_pb2.StatusReply | None = None
     events_task: asyncio.Task | None = field(default=None, repr=False)
     misses: int = 0          # Status probes unanswered in a row (reported to membership as a hint)
+    answered: float = field(default_factory=time.monotonic)  # when it last answered a probe (monotonic)
+    stalled: bool = False    # reported silent (see STALL_GRACE_S) and not answered since
     down_reason: str = ""    # why it was lost ("" while it is not)
     lost: bool = False       # its event stream ended, or it serves another plan: only a new plan brings it back
 
@@ -271,12 +277,20 @@ class Pipeline(HoldsIdentity):
             for h, r in zip(stages, replies):
                 if isinstance(r, BaseException):
                     h.misses += 1
-                    if h.misses == DOWN_AFTER_MISSES:
-                        why = f"no answer to {h.misses} status probes in a row"
+                    silent = time.monotonic() - h.answered
+                    if h.misses >= DOWN_AFTER_MISSES and silent >= STALL_GRACE_S and not h.stalled:
+                        h.stalled = True
+                        why = f"no answer to {h.misses} status probes in a row ({silent:.1f} s)"
                         log.warning("stage %s (%s): %s", h.node_id, h.address, why)
                         self._on_stage_lost(h.address, why)
+                    elif h.misses == DOWN_AFTER_MISSES:
+                        log.info("stage %s (%s) stalls: no answer to %d status probes; waiting up to %.0f s for it",
+                                 h.node_id, h.address, h.misses, STALL_GRACE_S)
                     continue
-                h.misses, h.status = 0, r
+                if h.misses >= DOWN_AFTER_MISSES and not h.stalled:
+                    log.info("stage %s (%s) answers again after %.1f s: its sessions go on", h.node_id, h.address,
+                             time.monotonic() - h.answered)
+                h.misses, h.status, h.answered, h.stalled = 0, r, time.monotonic(), False
                 if r.generation != self.generation and not h.lost and h in self.stages:
                     # it restarted, or another party assigned it: steps between it and its neighbours
                     # are refused as stale from now on (it reports them), so the plan cannot serve

@@ -4,7 +4,8 @@ broke is replaced over the nodes no serving pipeline holds and only its requests
 their tokens on the pipelines that serve: none is lost, greedy output does not change); with
 nothing broken, a better plan (by predicted tokens/s, or in classic mode by its step cost) is
 installed only when it gains --replan-gain, and a plan that serves is never replaced for a better
-one within HOLD_S of its install."""
+one within HOLD_S of its install or of the last fault (in a storm, nodes that come back join the
+plan once it is over, rather than moving every running request again between two faults)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 DEBOUNCE_S = 0.3        # changes this close together make one re-plan (a burst: until it is quiet this long ...)
 MAX_DEBOUNCE_S = 2.0    # ... or this long after its first change)
 HOLD_S = 10.0           # a plan that still serves is replaced for a better one (a node back, a join) only once
-                        # the last plan has served this long: in a storm of faults, running requests move once
-                        # per fault, not again for every node that comes back
+                        # the last plan has served this long and no node has gone down for this long: in a
+                        # storm of faults, running requests move once per fault that breaks their pipeline,
+                        # not again for every node that comes back
 RETRY_S = 1.0           # a re-plan that failed is tried again after this
 CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
 
@@ -211,11 +213,12 @@ class Replanner:
             return full  # only pipelines added: nothing in force moves
         grown = extra()
         if planning.better(full, current, o):
-            served = time.monotonic() - self._installed_at
+            served = time.monotonic() - max(self._installed_at, self.app.members.last_fault())
             if self.app.scheduler.running and served < HOLD_S and not self._now:
-                # better, but the plan in force serves and was installed just now: moving its running
-                # requests again waits until the mesh has been quiet for a while
-                log.info("%s: a better plan (%s vs %s) waits %.1f s more (the plan in force is new)",
+                # better, but the plan in force serves and was installed (or a node fell) just now: moving
+                # its running requests again waits until the mesh has been quiet for a while
+                log.info("%s: a better plan (%s vs %s) waits %.1f s more (the plan in force is new, or a fault "
+                         "was recent)",
                          why, planning.describe(full), planning.describe(current), HOLD_S - served)
                 self.later(HOLD_S - served, why)
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -118,14 +119,54 @@ class WeightSource:
         return str(result.path)
 
 
-def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions) -> tuple[Shard, KVPool]:
-    """Runner thread: the shard's weights and an empty KV pool sized by --max-kv-mib (with CUDA
-    graphs for small steps on a GPU)."""
+def _tied(src: Shard) -> bool:
+    """Whether `src`'s LM head is the (tied) input embedding matrix."""
+    return src.tied_copy_count > 0 or (src.first and src.last and src.lm_head is src.embed_tokens)
+
+
+def reusable(old: Shard | None, a: Assignment, options: StageOptions) -> bool:
+    """Whether `old` (the shard in force, from the same model directory) holds some of the layers
+    `a` needs in the same dtype: they are taken over rather than read again (`shard_for`)."""
+    return (old is not None and options.quantize == "none" and old.dtype == getattr(torch, a.dtype)
+            and old.start < a.end and a.start < old.end and old.graphs is None)
+
+
+def shard_for(a: Assignment, model_dir: str, device: str, options: StageOptions, old: Shard | None = None) -> Shard:
+    """Runner thread: the weights of `a`. With `old` reusable (a re-plan moved this stage's range
+    over layers it holds), its layers in `a`'s range, its embeddings and LM head where `a` needs
+    them too, are taken over as they are, and only the rest is read from the checkpoint (a range
+    that shrank reads nothing)."""
+    dtype = getattr(torch, a.dtype)
+    if not reusable(old, a, options):
+        return Shard.load(model_dir, a.start, a.end, first=a.first, last=a.last, device=device, dtype=dtype,
+                          quantize=options.quantize)
+    t0 = time.perf_counter()
+    low = Shard.load(model_dir, a.start, old.start, first=a.first, last=False, device=device, dtype=dtype) \
+        if a.start < old.start else None
+    high = Shard.load(model_dir, old.end, a.end, first=False, last=a.last, device=device, dtype=dtype) \
+        if a.end > old.end else None
+    kept = old.layers[max(a.start, old.start) - old.start:min(a.end, old.end) - old.start]
+    layers = (low.layers if low else []) + kept + (high.layers if high else [])
+    embed = (low.embed_tokens if low else old.embed_tokens) if a.first else None
+    head_src = (high if high else old) if a.last else None
+    shard = Shard(old.config, a.start, a.end, first=a.first, last=a.last, layers=layers, embed_tokens=embed,
+                  final_norm=head_src.final_norm if head_src else None, lm_head=head_src.lm_head if head_src else None,
+                  lm_head_tied=_tied(head_src) if head_src else False, ropes=old.ropes, device=old.device, dtype=dtype)
+    shard.weight_format = old.weight_format
+    log.info("layers [%d, %d): kept %d layers of [%d, %d) loaded before, read %d in %.2f s", a.start, a.end,
+             len(kept), old.start, old.end, len(layers) - len(kept), time.perf_counter() - t0)
+    return shard
+
+
+def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions,
+               old: Shard | None = None) -> tuple[Shard, KVPool]:
+    """Runner thread: the shard's weights (those of `old`, the shard in force, kept where they
+    overlap: `shard_for`) and an empty KV pool sized by --max-kv-mib (with CUDA graphs for small
+    steps on a GPU)."""
     if DTYPE_FORMAT[a.dtype] not in float_formats(device):
         raise ValueError(f"this {device} cannot compute in {a.dtype} (it has {', '.join(float_formats(device))})")
     dtype = getattr(torch, a.dtype)
-    shard = Shard.load(model_dir, a.start, a.end, first=a.first, last=a.last, device=device, dtype=dtype,
-                       quantize=options.quantize)
+    shard = shard_for(a, model_dir, device, options, old)
     bs = options.block_size
     block_bytes = bs * kv_bytes_per_token(shard.config, a.end - a.start, dtype)
     num_blocks = options.max_kv_bytes // block_bytes

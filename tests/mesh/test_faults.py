@@ -1,5 +1,5 @@
-"""Mesh tier, faults of real processes: a stopped (SIGSTOP) middle stage is planned around within
-seconds, its requests finish unchanged, and it is planned on again after SIGCONT with nothing
+"""Mesh tier, faults of real processes: a middle stage stopped (SIGSTOP) for less than the stall
+grace costs no re-plan; one stopped for good is planned around within seconds, its requests finish unchanged, and it is planned on again after SIGCONT with nothing
 leaked; a controller stopped with SIGTERM closes every session it opened."""
 from __future__ import annotations
 
@@ -73,6 +73,18 @@ def test_a_stopped_stage_is_planned_around_within_seconds_and_comes_back(model_d
     with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
         addr = mesh.controller_address
         alone = [Request(addr, p).result() for p in PROMPTS]
+        # stopped for less than the stall grace: nothing re-planned, nothing replayed, same output
+        requests = [Request(addr, p) for p in PROMPTS]
+        for r in requests:
+            assert r.producing.wait(60) and r.error is None, mesh.logs()
+        before = controller_status(addr, timeout=5)
+        mesh.signal("stage1", signal.SIGSTOP)
+        time.sleep(1.0)
+        mesh.signal("stage1", signal.SIGCONT)
+        assert [r.result() for r in requests] == alone
+        after = controller_status(addr, timeout=5)
+        assert (after.plan_generation, after.replans) == (before.plan_generation, before.replans), mesh.logs()
+        # stopped for good: planned around
         requests = [Request(addr, p) for p in PROMPTS]
         for r in requests:
             assert r.producing.wait(60) and r.error is None, mesh.logs()

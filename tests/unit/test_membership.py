@@ -77,3 +77,39 @@ def test_members_learn_ids_refuse_a_taken_one_and_come_back(world):
 ])
 def test_caller_address_fills_in_a_wildcard_host(address, peer, expect):
     assert caller_address(address, peer) == expect
+
+
+def test_a_stalled_node_is_waited_for_within_the_grace(world, monkeypatch):
+    """A node that answers no probe in time (SIGSTOPped, its port still open) is not down while it
+    has been silent less than STALL_GRACE_S, however many probes it missed; past that it is; a
+    node that refuses connections is down after two misses as before."""
+    import logicpipe.controller.mesh.membership as membership
+
+    class Stalling(World):
+        async def probe(self, address, timeout=0):
+            if self.get(address) == "stalled":
+                raise Unavailable(f"stage node {address} is unreachable: no answer in time")
+            return await super().probe(address, timeout)
+
+    async def main():
+        w = Stalling(a=status("a"))
+        changes: list[str] = []
+        m = Members(w.probe, changes.append)
+        m.add("a", "static")
+        await asyncio.sleep(0.05)
+        a = m.by_address["a"]
+        assert a.usable
+        w["a"] = "stalled"
+        for _ in range(4):
+            await m.probe(a)
+        assert a.usable and a.misses == 4 and not any("down" in c for c in changes)
+        w["a"] = status("a")  # answers again: nothing changed, nothing to re-plan
+        await m.probe(a)
+        assert a.usable and a.misses == 0 and changes == ["node a joined"]
+        w["a"] = "stalled"
+        monkeypatch.setattr(membership, "STALL_GRACE_S", 0.0)  # silent past the grace: down
+        await m.probe(a)
+        assert a.usable
+        await m.probe(a)
+        assert not a.usable and changes[-1].startswith("node a down")
+    asyncio.run(main())

@@ -318,3 +318,29 @@ def test_tiny_llama_bfloat16_matches_hf(tmp_path):
     shard = Shard.load(tmp_path, 0, 4, first=True, last=True, dtype=torch.bfloat16)
     assert shard.new_pool(2, 16).k.dtype == torch.bfloat16
     assert_close(run_pipeline([shard], caches_for([shard]), ids, 0), ref, rtol=2e-2)
+
+
+def test_a_moved_range_keeps_the_layers_it_held(model_dir, split3, hf_run, prompt_ids):
+    """A re-plan that moves a stage over layers it holds (3 stages -> 2 and back) reads only the
+    layers it lacks: the ones it keeps are the same tensors, and the pipeline so built still
+    matches HF."""
+    from logicpipe.stage_node.config import Assignment, StageOptions
+    from logicpipe.stage_node.weights.loading import shard_for
+
+    def assignment(s: int, e: int, i: int, n: int) -> Assignment:
+        return Assignment(str(model_dir), s, e, 30, i, n, "x" if i + 1 < n else "", "y" if i else "")
+
+    opts = StageOptions()
+    a0 = shard_for(assignment(0, 15, 0, 2), str(model_dir), "cpu", opts, old=split3[0])   # grows up
+    a1 = shard_for(assignment(15, 30, 1, 2), str(model_dir), "cpu", opts, old=split3[2])  # grows down
+    assert a0.layers[:10] == split3[0].layers and a0.embed_tokens is split3[0].embed_tokens
+    assert all(x is y for x, y in zip(a0.layers[:10], split3[0].layers))
+    assert all(x is y for x, y in zip(a1.layers[5:], split3[2].layers)) and a1.lm_head is split3[2].lm_head
+    assert (a0.start, a0.end, len(a0.layers), a1.start, a1.end, len(a1.layers)) == (0, 15, 15, 15, 30, 15)
+    check_against_hf([a0, a1], *hf_run, prompt_ids)
+    back = shard_for(assignment(0, 10, 0, 3), str(model_dir), "cpu", opts, old=a0)  # shrinks: reads nothing
+    assert all(x is y for x, y in zip(back.layers, a0.layers[:10])) and len(back.layers) == 10
+    whole = shard_for(assignment(0, 30, 0, 1), str(model_dir), "cpu", opts, old=split3[1])  # both ends
+    assert whole.first and whole.last and all(x is y for x, y in zip(whole.layers[10:20], split3[1].layers))
+    assert sum(s.parameter_count for s in (a0, a1)) == sum(s.parameter_count for s in split3)
+    check_against_hf([whole], *hf_run, prompt_ids)
