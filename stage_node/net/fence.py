@@ -88,15 +88,23 @@ class Fence:
 
     # ---- the checks ------------------------------------------------------------------------
     def take(self, caller: Caller, controller_id: str, epoch: int, connected: Callable[[str], bool]) -> None:
-        """Assign, OpenSession, Revoked: `caller` holds this node afterwards, or Fenced /
-        PermissionDenied says why not. `connected(controller_id)`: whether that controller has an
-        Events subscription open here."""
+        """Assign: `caller` holds this node afterwards, or Fenced / PermissionDenied says why not.
+        `connected(controller_id)`: whether that controller has an Events subscription open here."""
+        h = self.holder
+        if self.may_take(caller, controller_id, epoch, connected):
+            if h is not None:
+                log.warning("controller %s (epoch %d, %s) takes this node over from %s (epoch %d)", controller_id,
+                            epoch, caller.describe(), h.controller_id, h.epoch)
+            self._hold(Holder(caller, controller_id, epoch))
+
+    def may_take(self, caller: Caller, controller_id: str, epoch: int, connected: Callable[[str], bool]) -> bool:
+        """take's checks, holding nothing (an Assign is checked before its weights load, and takes
+        the fence only once they did). Raises Fenced / PermissionDenied; returns whether taking
+        would change the holder (False: the holder again, at no newer epoch)."""
         self._refuse_revoked(caller)
         h = self.holder
         if h is not None and (h.caller, h.controller_id) == (caller, controller_id):
-            if epoch > h.epoch:
-                self._hold(Holder(caller, controller_id, epoch))
-            return
+            return epoch > h.epoch
         if h is not None and not (h.caller.name and h.caller.name in self.revoked):
             if self.tls:
                 if epoch <= h.epoch:
@@ -105,10 +113,7 @@ class Fence:
             elif connected(h.controller_id):
                 raise Fenced(f"{Fenced.PREFIX} node {self.node_id} follows controller {h.controller_id}, which is "
                              f"connected; {caller.describe()} as {controller_id or '?'} cannot take it over")
-        if h is not None:
-            log.warning("controller %s (epoch %d, %s) takes this node over from %s (epoch %d)", controller_id, epoch,
-                        caller.describe(), h.controller_id, h.epoch)
-        self._hold(Holder(caller, controller_id, epoch))
+        return True
 
     def check(self, caller: Caller, what: str) -> None:
         """CloseSession, Events, MeasureLink, a prompt feed: only from the holder (anyone while

@@ -65,10 +65,16 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         revoked = revoked_names(request.revoked)
         if len(request.stream_key) > MAX_KEY_CHARS:
             raise InvalidArgument(f"stream_key is {len(request.stream_key)} characters, over the {MAX_KEY_CHARS} cap")
-        self.runtime.fence.take(self._caller(context), request.controller_id, request.controller_epoch, self._connected)
-        self.runtime.fence.set_revoked(revoked)
+        fence, caller = self.runtime.fence, self._caller(context)
+        cid, epoch = request.controller_id, request.controller_epoch
+        fence.may_take(caller, cid, epoch, self._connected)  # refused before anything loads
+
+        def admit() -> None:  # loaded and valid: only now does the caller hold this node
+            fence.take(caller, cid, epoch, self._connected)
+            fence.set_revoked(revoked)
+
         t0 = time.monotonic()
-        eng = await self.runtime.assign(a, stream_key=request.stream_key)
+        eng = await self.runtime.assign(a, stream_key=request.stream_key, admit=admit)
         return stage_pb2.AssignReply(parameter_count=eng.shard.parameter_count,
                                      tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 

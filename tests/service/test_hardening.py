@@ -496,3 +496,33 @@ def test_resume_past_what_a_request_can_have_is_invalid_argument_at_once(runner,
             await asyncio.sleep(0.02)
         await still_serves(actl)
     arun(runner, main())
+
+
+# ----------------------------------------------------------------------------- issue 34: the fence
+def keyed(key: str) -> tuple:
+    from logicpipe.policy import KEY_HEADER
+
+    return ((KEY_HEADER, key),)
+
+
+def test_an_assign_that_cannot_load_never_takes_the_fence(runner, tiny_model):
+    """An Assign refused for its content (layers the model does not have: found only by loading)
+    leaves the fence as it was: unheld stays unheld, and a holder stays the holder."""
+    from .conftest import assign_request
+
+    async def main():
+        async with stage_node("unloaded") as node:
+            fence = node.runtime.fence
+            bad = assign_request(tiny_model.path, 0, TINY_LAYERS + 2, num_layers=TINY_LAYERS + 2,
+                                 controller_id="rogue", controller_epoch=9)
+            await expect_status(node.stub.Assign(bad, timeout=RPC_TIMEOUT_S, metadata=keyed("rogue")),
+                                grpc.StatusCode.FAILED_PRECONDITION, "has 4 layers")
+            assert fence.holder is None and fence.epoch == 0
+            good = assign_request(tiny_model.path, controller_id="real", controller_epoch=1)
+            await node.stub.Assign(good, timeout=RPC_TIMEOUT_S, metadata=keyed("real"))
+            assert (fence.controller_id, fence.epoch) == ("real", 1)
+            bad.controller_epoch = 2**62
+            await expect_status(node.stub.Assign(bad, timeout=RPC_TIMEOUT_S, metadata=keyed("rogue")),
+                                grpc.StatusCode.FAILED_PRECONDITION, "has 4 layers")
+            assert (fence.controller_id, fence.epoch, node.runtime.engine.assignment.end) == ("real", 1, TINY_LAYERS)
+    run(main())
