@@ -106,6 +106,7 @@ class StageRuntime:
             before = self.state
             self.state = NodeState.LOADING
             try:
+                self.weights.pull_key = stream_key
                 model_dir = await self.weights.model_dir_for(a)
                 self.stats.weights_pulled_bytes = self.weights.pulled_bytes
                 if old is not None and old.assignment.same_weights(a) and old.shard_dir == model_dir:

@@ -6,10 +6,12 @@ stage 0. It never sits between two stages.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -107,6 +109,13 @@ class ControllerIdentity:
     metadata: tuple[tuple[str, str], ...] = field(default_factory=lambda: ((KEY_HEADER, secrets.token_hex(16)),))
     epoch: int = 0       # the fencing epoch: stages refuse an older one (another controller took over)
     revoked: list[str] = field(default_factory=list)  # certificate names the stages refuse (every Assign carries them)
+    # the stream keys of the plans we assigned lately: a stage shows one to PullWeights (only the
+    # stages we assign know them), so the model's files go to no one else
+    stream_keys: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def assigned(self, key: str) -> bool:
+        """Whether `key` is the stream key of a plan this controller assigned lately."""
+        return bool(key) and any(hmac.compare_digest(key.encode(), k.encode()) for k in self.stream_keys)
 
 
 class HoldsIdentity:
@@ -207,6 +216,7 @@ class Pipeline(HoldsIdentity):
             handles.append(StageHandle(a.address, ch, self.stub(ch), start=a.start, end=a.end))
         n = len(handles)
         stream_key = secrets.token_hex(16)  # this plan's: its stages stream to each other with it
+        self.identity.stream_keys.append(stream_key)  # and show it to PullWeights
 
         async def assign(i: int) -> None:
             h = handles[i]

@@ -1,7 +1,8 @@
 """Who may steer this stage: the controller that holds it, and the certificate names it refuses.
 
 A stage takes Assign, OpenSession, CloseSession, Events, MeasureLink, Revoked and prompt feeds
-from one party only, the controller that holds it (the last one to Assign it). A caller is known
+from one party only, the controller that holds it (the last one to Assign it; an Assign takes
+the fence only once its assignment loaded). MeasureLink is refused while nobody holds the node. A caller is known
 by a `Caller`: its certificate's name (mutual TLS) and a digest of the key its process sends in
 the call metadata (KEY_HEADER; in plaintext the only proof). The owner id a controller stamps on
 its sessions is no secret (any stage learns it from Register): it names sessions, it proves nothing.
@@ -123,6 +124,16 @@ class Fence:
         if h is not None and h.caller != caller:
             raise PermissionDenied(f"node {self.node_id} takes {what} only from the controller that holds it "
                                    f"({h.controller_id}); {caller.describe()} is not it")
+
+    def check_holder(self, caller: Caller, what: str) -> None:
+        """MeasureLink: only from the holder, and never while nobody holds this node (a node dials
+        only where its controller asks it to, so no other party can make it connect anywhere)."""
+        self._refuse_revoked(caller)
+        h = self.holder
+        if h is None:
+            raise PermissionDenied(f"node {self.node_id} takes {what} only from the controller that holds it, and "
+                                   "none does yet: a controller measures its links once it has assigned it")
+        self.check(caller, what)
 
     def _refuse_revoked(self, caller: Caller) -> None:
         if caller.name in self:

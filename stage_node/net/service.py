@@ -180,8 +180,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
 
     async def MeasureLink(self, request, context):
         check_id("controller_id", request.controller_id, empty_ok=True)
-        self.runtime.fence.take(self._caller(context), request.controller_id, request.controller_epoch,
-                                self._connected)  # it dials only for its holder: the targets it knows
+        self.runtime.fence.check_holder(self._caller(context), "MeasureLink")  # it dials only for its holder
         if not request.target_address or len(request.target_address) > 256:
             raise InvalidArgument("target_address must be a host:port of 1 to 256 characters")
         if request.probes > MAX_PROBES:

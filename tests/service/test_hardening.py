@@ -526,3 +526,49 @@ def test_an_assign_that_cannot_load_never_takes_the_fence(runner, tiny_model):
                                 grpc.StatusCode.FAILED_PRECONDITION, "has 4 layers")
             assert (fence.controller_id, fence.epoch, node.runtime.engine.assignment.end) == ("real", 1, TINY_LAYERS)
     run(main())
+
+
+def test_measure_link_dials_only_for_the_holder(runner, tiny_model):
+    """A stage nobody holds dials nowhere (it used to connect to any listener a local caller
+    named); a held one dials only for its holder."""
+    from .conftest import assign_request
+
+    async def main():
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            target = f"127.0.0.1:{listener.getsockname()[1]}"
+            async with stage_node("dialer") as node:
+                probe = stage_pb2.MeasureLinkRequest(target_address=target, controller_id="x", controller_epoch=2**62)
+                await expect_status(node.stub.MeasureLink(probe, timeout=RPC_TIMEOUT_S, metadata=keyed("x")), PD,
+                                    "none does yet")
+                assert node.runtime.fence.holder is None  # measuring takes nothing either
+                await node.stub.Assign(assign_request(tiny_model.path, controller_id="real", controller_epoch=1),
+                                       timeout=RPC_TIMEOUT_S, metadata=keyed("real"))
+                await expect_status(node.stub.MeasureLink(probe, timeout=RPC_TIMEOUT_S, metadata=keyed("x")), PD,
+                                    "only from the controller that holds it")
+                own = stage_pb2.MeasureLinkRequest(target_address=node.address, probes=2, payload_bytes=1024)
+                ok = await node.stub.MeasureLink(own, timeout=RPC_TIMEOUT_S, metadata=keyed("real"))
+                assert ok.latency_s > 0 and node.runtime.fence.controller_id == "real"
+    run(main())
+
+
+def test_pull_weights_serves_only_the_stages_this_controller_assigns(runner, actl):
+    """PullWeights served tokenizer.json (and every tensor) to any anonymous caller; now only a
+    caller showing the stream key of a plan this controller assigned gets anything."""
+    from logicpipe.policy import STREAM_KEY_HEADER
+
+    app = actl.ctl.app
+    request = controller_pb2.PullWeightsRequest(model_digest=app.digest, files=["tokenizer.json", "config.json"])
+
+    async def pull(metadata=None):
+        return [c async for c in actl.stub.PullWeights(request, timeout=RPC_TIMEOUT_S, metadata=metadata)]
+
+    async def main():
+        for metadata in (None, ((STREAM_KEY_HEADER, "guessed"),), ((STREAM_KEY_HEADER, ""),)):
+            await expect_status(pull(metadata), PD, "PullWeights serves only the stages this controller assigns")
+        app.pipelines.identity.stream_keys.append("k" * 32)  # what Pipeline.install does for each plan
+        chunks = await pull(((STREAM_KEY_HEADER, "k" * 32),))
+        assert {c.name for c in chunks if c.is_file} >= {"config.json"}
+        await still_serves(actl)
+    arun(runner, main())

@@ -66,7 +66,7 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
                     session_id="intruder", capacity=16, owner=owner), timeout=RPC_TIMEOUT_S), PD, "sessions")
                 await expect_status(stage.stub.MeasureLink(stage_pb2.MeasureLinkRequest(  # no dialing for others
                     target_address=closed_port_address(), controller_epoch=2**63, controller_id=owner),
-                    timeout=RPC_TIMEOUT_S), FP, "FENCED", "connected")
+                    timeout=RPC_TIMEOUT_S), PD, "MeasureLink only from the controller that holds it")
                 await expect_status(stage.stub.Revoked(stage_pb2.RevokedRequest(names=["stage"]),
                                                        timeout=RPC_TIMEOUT_S), PD)
             # a feed into the victim's session on stage 0, a step into stage 1: neither holder nor plan
