@@ -49,6 +49,8 @@ class ControllerOptions:
     prefill_chunk: int = 0            # prompt tokens per step (0: the cost model's choice)
     replicas: int = 0                 # pipelines at most (0: auto, the planner's choice; 1: one pipeline over
                                       # the nodes, planned by the bottleneck DP as before replicas)
+    standby_name: str = ""            # over TLS: the certificate name of the one standby Replicate serves
+    peer_secret: bytes = b""          # in plaintext: the secret a standby sends to Replicate (--peer-secret-file)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from logicpipe.common.process import (
     serve_until_signalled,
     with_port,
 )
-from logicpipe.common.security.bundle import TlsError
+from logicpipe.common.security.bundle import TlsError, check_name
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
 from logicpipe.controller.app import ControllerApp, ControllerOptions
@@ -38,7 +38,7 @@ from logicpipe.controller.jobs.door import DEFAULT_REQUESTS_PER_CLIENT, FrontDoo
 from logicpipe.controller.jobs.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.api.service import ControllerServicer, JoinServicer
 from logicpipe.formats import FLOAT_DTYPES
-from logicpipe.controller.jobs.standby import Standby
+from logicpipe.controller.jobs.standby import Standby, read_peer_secret
 from logicpipe.policy import CONTROLLER_POLICY
 from logicpipe.v1 import controller_pb2_grpc
 
@@ -134,6 +134,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="another controller of this mesh (repeat, or comma-separate; a HOST alone means port "
                          f"{CONTROLLER_PORT}): the one that finds no active peer at start is active, the other its "
                          "standby, which copies its journal and takes over within seconds when it dies")
+    ap.add_argument("--standby-name", default="", metavar="NAME",
+                    help="with --peer over TLS: the certificate name of the standby controller, the only party "
+                         "Replicate streams this controller's journal (every running prompt) to; default: nobody")
+    ap.add_argument("--peer-secret-file", default="", metavar="FILE",
+                    help="with --peer in plaintext: a file holding a secret (e.g. `openssl rand -hex 32`), the same "
+                         "on both controllers; the standby sends it, and Replicate streams the journal only to a "
+                         "caller that does; default: nobody")
     ap.add_argument("--join-listen", default=None, metavar="HOST:PORT", type=address_flag(None),
                     help="with --ca-dir: serve joining nodes here (plaintext; only Join, each call authenticated by "
                          "a one-time token's HMAC)")
@@ -202,11 +209,21 @@ async def serve(args: argparse.Namespace) -> None:
         address = with_port(args.advertise, bound, "--advertise") if args.advertise else f"{host}:{bound}"
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        peer_secret = read_peer_secret(args.peer_secret_file) if args.peer_secret_file else b""
+    except ValueError as exc:
+        raise SystemExit(f"--peer-secret-file: {exc}") from None
+    if args.standby_name:
+        try:
+            check_name(args.standby_name)
+        except TlsError as exc:
+            raise SystemExit(f"--standby-name: {exc}") from None
     options = ControllerOptions(
         dtype=args.dtype, plan_path=args.plan, strategy=args.strategy, objective=args.objective, context=args.context,
         micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
-        speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas)
+        speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas,
+        standby_name=args.standby_name, peer_secret=peer_secret)
     journal = Journal(Path(args.state_dir) if args.state_dir else default_state_dir(args.listen))
     try:
         app = ControllerApp(model_dir, args.nodes, transport=transport, revocations=revocations, options=options,
@@ -233,7 +250,7 @@ async def serve(args: argparse.Namespace) -> None:
     takeover: asyncio.Task | None = None
 
     async def follow_then_take_over() -> None:
-        nodes = await Standby(app, peers, transport, options.address).run()
+        nodes = await Standby(app, peers, transport, options.address, peer_secret).run()
         await app.start(mdns_interface=args.mdns_interface, nodes=nodes)
 
     async def ready() -> str:

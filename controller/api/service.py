@@ -154,7 +154,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 yield reply
 
     async def Replicate(self, request, context):
-        async for op in self.replicator.follow(request.follower or context.peer()):
+        follower = check_id("follower", request.follower, empty_ok=True) or context.peer()
+        async for op in self.replicator.follow(follower, self.transport.tls, self.transport.peer(context)[1],
+                                               context.invocation_metadata()):
             yield op
 
     async def _replies(self, completion: Completion, outline: bool):

@@ -228,10 +228,14 @@ def test_a_controller_killed_mid_generation_comes_back_and_every_client_gets_the
 def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_path):
     mesh = LocalMesh(2, model_dir, tmp_path, threads=1)
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    secret = tmp_path / "peer.secret"  # Replicate serves only the standby that sends it
+    secret.write_text("0123456789abcdef" * 2 + "\n")
+    # over TLS both controllers hold the mesh's "controller" certificate: each names it as its standby's
+    pair = ("--peer-secret-file", str(secret), "--standby-name", "controller")
     try:
         mesh.stage_addresses = [mesh.start_stage(i) for i in range(2)]
-        mesh.start_controller("--peer", b, address=a)
-        mesh.start_controller("--peer", a, name="controller-b", address=b, ready=False)
+        mesh.start_controller("--peer", b, *pair, address=a)
+        mesh.start_controller("--peer", a, *pair, name="controller-b", address=b, ready=False)
         deadline = time.monotonic() + 30
         while mesh.controller_status(address=b).role != "standby" or not mesh.controller_status(address=b).active:
             assert time.monotonic() < deadline, mesh.logs()
@@ -260,7 +264,7 @@ def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_pat
                 assert stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=5) \
                     .controller_epoch == st.epoch
         # the old active, started again as systemd would, finds B active and becomes its standby
-        mesh.start_controller("--peer", b, address=a, ready=False)
+        mesh.start_controller("--peer", b, *pair, address=a, ready=False)
         deadline = time.monotonic() + 30
         while mesh.controller_status(address=a).role != "standby":
             assert time.monotonic() < deadline, mesh.logs()

@@ -572,3 +572,54 @@ def test_pull_weights_serves_only_the_stages_this_controller_assigns(runner, act
         assert {c.name for c in chunks if c.is_file} >= {"config.json"}
         await still_serves(actl)
     arun(runner, main())
+
+
+def test_replicate_streams_the_journal_only_to_the_named_standby(runner, actl):
+    """Controller.Replicate streamed the whole journal (every running prompt's tokens) to any
+    anonymous caller; now only to the standby that sends --peer-secret-file's secret (plaintext),
+    and by default to nobody."""
+    from dataclasses import replace
+
+    from logicpipe.controller.jobs.standby import PEER_SECRET_HEADER
+
+    app = actl.ctl.app
+    secret = "s3cret-" + "x" * 25
+
+    async def first_op(metadata=None):
+        call = actl.stub.Replicate(controller_pb2.ReplicateRequest(follower="b"), timeout=RPC_TIMEOUT_S,
+                                   metadata=metadata)
+        try:
+            return await call.read()
+        finally:
+            call.cancel()
+
+    async def main():
+        before = app.options
+        try:
+            await expect_status(first_op(), PD, "to no one", "--peer-secret-file")
+            app.options = replace(before, peer_secret=secret.encode())
+            await expect_status(first_op(), PD, "sent none")
+            await expect_status(first_op(((PEER_SECRET_HEADER, secret[:-1] + "y"),)), PD, "does not match")
+            assert (await first_op(((PEER_SECRET_HEADER, secret),))).kind == "snapshot"
+        finally:
+            app.options = before
+        await still_serves(actl)
+    arun(runner, main())
+
+
+def test_replicate_over_tls_only_to_the_standby_certificate_and_secret_files_are_checked(tmp_path):
+    from logicpipe.controller.jobs.standby import PeerAuth, read_peer_secret
+    from logicpipe.errors import PermissionDenied
+
+    with pytest.raises(PermissionDenied, match="--standby-name"):
+        PeerAuth("", b"any secret at all").check(True, "ctl-b", ())  # a secret proves nothing over TLS
+    with pytest.raises(PermissionDenied, match="'ctl-rogue' is not it"):
+        PeerAuth("ctl-b").check(True, "ctl-rogue", ())
+    PeerAuth("ctl-b").check(True, "ctl-b", ())
+    good, short, missing = tmp_path / "good", tmp_path / "short", tmp_path / "missing"
+    good.write_text("a" * 32 + "\n")
+    short.write_text("abc\n")
+    assert read_peer_secret(str(good)) == b"a" * 32
+    for path, phrase in ((short, "16 to"), (missing, "cannot read")):
+        with pytest.raises(ValueError, match=phrase):
+            read_peer_secret(str(path))
