@@ -140,7 +140,8 @@ class ControllerApp:
             prefill_chunk=self.prefill_chunk_for,
             on_trouble=lambda why: self.replanner.request_replan(f"a stage fault: {why}"),
             journal=self.journal, on_fenced=self.on_fenced, on_traffic=self._on_traffic)
-        self.members = Members(self.pipelines.probe, self.replanner.request_replan)
+        self.pipelines.identity.standby_name = options.standby_name
+        self.members = Members(self._probe, self.replanner.request_replan)
         self._browser: Browser | None = None
 
     def prefill_chunk_for(self, prompt_tokens: int, pipeline: Pipeline) -> int:
@@ -201,6 +202,18 @@ class ControllerApp:
             return ("standby: this controller is the standby; the active controller is "
                     + (self.active_peer or "not known yet (a takeover may be under way)"))
         return ""
+
+    async def _probe(self, address: str, timeout: float):
+        """Membership's probe (every PROBE_S, which renews our lease): a stage that another
+        controller holds with a newer epoch means we were replaced (also found by the first probe
+        after this process was stopped and resumed): step down at once."""
+        st = await self.pipelines.probe(address, timeout=timeout)
+        mine = self.pipelines.epoch
+        if (self.role == "active" and mine and st.controller_epoch > mine
+                and st.controller_id != self.pipelines.owner):
+            self.on_fenced(f"node {st.node_id} follows controller {st.controller_id} of epoch {st.controller_epoch}, "
+                           f"above ours ({mine})")
+        return st
 
     def on_fenced(self, why: str) -> None:
         """A stage follows a newer controller (a standby took over): step down. Requests are not

@@ -4,7 +4,8 @@ Two controllers (on two boxes) name each other with --peer. The one that finds n
 start is active; the other follows it as the standby: it streams the active's journal
 (Replicate: a snapshot, then every change, and a heartbeat every HEARTBEAT_S with the nodes of
 the plan in force), so its own journal is a copy. When that stream breaks and no peer answers as active for
-TAKEOVER_S, the standby takes over: it starts as the active controller with a fencing epoch above
+TAKEOVER_S and the stages' lease (STAGE_LEASE_S), the standby takes over, if it reaches a
+majority of the plan's stages and none follows a newer controller already: it starts as the active controller with a fencing epoch above
 the one it copied, re-adopts the plan's nodes (assigning them with the new epoch, which the
 stages then hold: the old active's Assign and OpenSession are refused from then on), and resumes
 every journaled request from its tokens. Clients hold both addresses (lpctl --controller A,B) and
@@ -31,6 +32,7 @@ import grpc
 
 from logicpipe.common.transport import Transport
 from logicpipe.controller.jobs.journal import ADMIT, DROP, EPOCH, TOKENS, Op
+from logicpipe.controller.mesh.pipeline import probe_node
 from logicpipe.errors import FailedPrecondition, PermissionDenied
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
@@ -40,6 +42,8 @@ HEARTBEAT_S = 0.5       # the active's stream to a standby says something at lea
 TAKEOVER_S = 1.5        # no active controller heard from for this long: the standby takes over
 CONNECT_TIMEOUT_S = 0.5  # a peer that does not answer this fast counts as gone
 MAX_BEHIND = 200_000    # journal operations queued for a standby that reads too slowly: it is cut off
+STAGE_LEASE_S = 3.0     # the stages' lease (stage_node.net.fence.LEASE_S): a takeover waits it out
+PROBE_TIMEOUT_S = 1.0   # a stage that does not answer a takeover's probe this fast counts as unreachable
 PEER_SECRET_HEADER = "lp-peer-secret"  # call metadata: the standby's proof in plaintext (--peer-secret-file)
 MAX_SECRET_BYTES = 4096
 
@@ -168,12 +172,36 @@ class Standby:
                             log.error("peer %s refuses to replicate to this standby: %s", peer, why)
                         continue
                     log.debug("peer %s: %s", peer, why)
-            if time.monotonic() - heard >= TAKEOVER_S:
-                log.warning("no active controller answers (%s) for %.1f s: taking over", ", ".join(self.peers),
-                            time.monotonic() - heard)
-                app.active_peer = ""
-                return self.nodes
+            silent = time.monotonic() - heard
+            if silent >= TAKEOVER_S and silent >= STAGE_LEASE_S + 0.3:  # the old active's lease has run out too
+                why = await self._cannot_take_over()
+                if not why:
+                    log.warning("no active controller answers (%s) for %.1f s: taking over", ", ".join(self.peers),
+                                silent)
+                    app.active_peer = ""
+                    return self.nodes
+                if time.monotonic() - refused_logged > 10:
+                    refused_logged = time.monotonic()
+                    log.warning("no active controller answers (%s), but this standby does not take over: %s",
+                                ", ".join(self.peers), why)
             await asyncio.sleep(0.1)
+
+    async def _cannot_take_over(self) -> str:
+        """Why this standby must not call itself active now ("": it may): it reaches no majority of
+        the plan's stages (it may be the one cut off), or a stage already follows a controller of a
+        newer epoch than the one copied."""
+        if not self.nodes:
+            return ""
+        answers = await asyncio.gather(*(probe_node(self.transport, a, PROBE_TIMEOUT_S) for a in self.nodes.values()),
+                                       return_exceptions=True)
+        ok = [st for st in answers if not isinstance(st, BaseException)]
+        if 2 * len(ok) <= len(self.nodes):
+            return f"it reaches {len(ok)} of the plan's {len(self.nodes)} stages, no majority"
+        newer = [st for st in ok if st.controller_epoch > self.app.journal.epoch]
+        if newer:
+            return (f"stage {newer[0].node_id} follows controller {newer[0].controller_id} of epoch "
+                    f"{newer[0].controller_epoch}, above the one copied ({self.app.journal.epoch})")
+        return ""
 
     async def _follow(self, peer: str) -> bool:
         """Copy `peer`'s journal while it streams it; returns whether it was followed at all."""

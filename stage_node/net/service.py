@@ -57,9 +57,6 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
     def _caller(self, context) -> Caller:
         return Caller.of(self.transport.peer(context)[1], context.invocation_metadata())
 
-    def _connected(self, controller_id: str) -> bool:
-        return self.runtime.events.listening(controller_id)
-
     async def Assign(self, request, context):
         a = wire.assignment_from_proto(request, caller_address(request.controller_address, context.peer()))
         revoked = revoked_names(request.revoked)
@@ -67,10 +64,11 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             raise InvalidArgument(f"stream_key is {len(request.stream_key)} characters, over the {MAX_KEY_CHARS} cap")
         fence, caller = self.runtime.fence, self._caller(context)
         cid, epoch = request.controller_id, request.controller_epoch
-        fence.may_take(caller, cid, epoch, self._connected)  # refused before anything loads
+        standby = check_id("standby_name", request.standby_name, empty_ok=True)
+        fence.may_take(caller, cid, epoch)  # refused before anything loads
 
         def admit() -> None:  # loaded and valid: only now does the caller hold this node
-            fence.take(caller, cid, epoch, self._connected)
+            fence.take(caller, cid, epoch, standby)
             fence.set_revoked(revoked)
 
         t0 = time.monotonic()
@@ -160,6 +158,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         reply = wire.status_reply(self.runtime.snapshot(), profile=self.profile, compute_id=self.compute_id,
                                   version=__version__)
         fence = self.runtime.fence
+        fence.renew(self._caller(context))  # the holder's probe renews its lease
         reply.controller_epoch, reply.controller_id, reply.revoked = fence.epoch, fence.controller_id, len(fence.revoked)
         reply.stale_steps = self.runtime.stats.stale_steps
         return reply

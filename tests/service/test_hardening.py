@@ -521,7 +521,11 @@ def test_an_assign_that_cannot_load_never_takes_the_fence(runner, tiny_model):
             good = assign_request(tiny_model.path, controller_id="real", controller_epoch=1)
             await node.stub.Assign(good, timeout=RPC_TIMEOUT_S, metadata=keyed("real"))
             assert (fence.controller_id, fence.epoch) == ("real", 1)
+            fence.lease_s = 0.0  # as if the holder were gone: a takeover may be tried (epoch 2, the next) ...
             bad.controller_epoch = 2**62
+            await expect_status(node.stub.Assign(bad, timeout=RPC_TIMEOUT_S, metadata=keyed("rogue")),
+                                grpc.StatusCode.FAILED_PRECONDITION, "FENCED", "only with epoch 2")
+            bad.controller_epoch = 2  # ... and is refused for its content, holding nothing
             await expect_status(node.stub.Assign(bad, timeout=RPC_TIMEOUT_S, metadata=keyed("rogue")),
                                 grpc.StatusCode.FAILED_PRECONDITION, "has 4 layers")
             assert (fence.controller_id, fence.epoch, node.runtime.engine.assignment.end) == ("real", 1, TINY_LAYERS)

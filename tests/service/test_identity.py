@@ -55,7 +55,7 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
                                              num_layers=SMOL_LAYERS, stage_index=0, num_stages=2,
                                              next_address=fake.address, generation=generation + 1,
                                              controller_epoch=2**63, controller_id=owner)
-            await expect_status(m.first.stub.Assign(hijack, timeout=RPC_TIMEOUT_S), FP, "FENCED", "connected")
+            await expect_status(m.first.stub.Assign(hijack, timeout=RPC_TIMEOUT_S), FP, "FENCED", "lease runs")
             # eavesdrop: the controller's events, by its owner id
             events = m.last.stub.Events(stage_pb2.EventsRequest(owner=owner), timeout=RPC_TIMEOUT_S)
             await expect_status(events.read(), PD, "only from the controller that holds it")
