@@ -627,3 +627,51 @@ def test_replicate_over_tls_only_to_the_standby_certificate_and_secret_files_are
     for path, phrase in ((short, "16 to"), (missing, "cannot read")):
         with pytest.raises(ValueError, match=phrase):
             read_peer_secret(str(path))
+
+
+def test_an_active_whose_probe_finds_a_newer_epoch_steps_down_at_once(runner, actl, tiny_model):
+    """After a SIGSTOP the active's first membership probe sees its stage held by another
+    controller of a newer epoch (the standby took over meanwhile): it steps down at once instead
+    of serving on; a stage it still holds changes nothing."""
+    from logicpipe.stage_node.net.fence import Caller
+
+    app = actl.ctl.app
+    stepped: list[str] = []
+
+    async def main():
+        async with stage_node("probed") as node:
+            before = (app.pipelines.epoch, app.fenced, list(app.on_step_down))
+            app.on_step_down.append(lambda: stepped.append(app.fenced))
+            try:
+                app.pipelines.epoch = 3
+                node.runtime.fence.take(Caller("", app.pipelines.identity.metadata[0][1]), app.pipelines.owner, 3)
+                st = await app._probe(node.address, timeout=RPC_TIMEOUT_S)
+                assert st.controller_epoch == 3 and not app.fenced and not stepped
+                node.runtime.fence.lease_s = 0.0
+                node.runtime.fence.take(Caller("", "standby-key"), "controller-b", 4)  # the takeover
+                await app._probe(node.address, timeout=RPC_TIMEOUT_S)
+                assert stepped and "controller-b of epoch 4" in app.fenced
+            finally:
+                app.pipelines.epoch, app.fenced, app.on_step_down[:] = before[0], before[1], before[2]
+    arun(runner, main())
+
+
+def test_a_standby_does_not_take_over_without_a_majority_of_the_stages_or_under_a_newer_epoch(runner, actl):
+    from logicpipe.common.transport import PLAINTEXT
+    from logicpipe.controller.jobs.standby import Standby
+    from logicpipe.stage_node.net.fence import Caller
+
+    from .conftest import closed_port_address
+
+    app = actl.ctl.app
+
+    async def main():
+        async with stage_node("s1") as s1, stage_node("s2") as s2:
+            standby = Standby(app, [closed_port_address()], PLAINTEXT)
+            standby.nodes = {"s1": s1.address, "gone1": closed_port_address(), "gone2": closed_port_address()}
+            assert "reaches 1 of the plan's 3 stages, no majority" in await standby._cannot_take_over()
+            standby.nodes = {"s1": s1.address, "s2": s2.address, "gone": closed_port_address()}
+            assert await standby._cannot_take_over() == ""
+            s2.runtime.fence.take(Caller("", "k"), "controller-c", app.journal.epoch + 1)  # another took over
+            assert "follows controller controller-c" in await standby._cannot_take_over()
+    arun(runner, main())
