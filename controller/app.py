@@ -227,6 +227,25 @@ class ControllerApp:
         for cb in self.on_step_down:
             cb()
 
+    async def readmit(self) -> int:
+        """--readmit, an operator's act: a controller whose journal was lost (it would start at
+        epoch 1 while the stages remember a higher one, and every stage would refuse it) takes
+        the highest epoch the --nodes' Status shows, so that take_journal's next is the one
+        the stages accept (stage_node.net.fence: the holder's + 1, once its lease expired)."""
+        if not self.nodes:
+            raise ValueError("it needs --nodes HOST:PORT,... (the stages whose epoch to read)")
+        answers = await asyncio.gather(*(self.pipelines.probe(a, timeout=5.0) for a in self.nodes),
+                                       return_exceptions=True)
+        seen = [st for st in answers if not isinstance(st, BaseException)]
+        if not seen:
+            raise ValueError(f"none of --nodes ({', '.join(self.nodes)}) answered; start them first")
+        top = max(st.controller_epoch for st in seen)
+        if top > self.journal.epoch:
+            log.warning("re-admitted by the operator (--readmit): the stages remember epoch %d, this journal %d; "
+                        "taking %d", top, self.journal.epoch, top + 1)
+            self.journal.set_epoch(top)
+        return top
+
     def take_journal(self) -> int:
         """Become the active controller over the journal, in one step of the loop (a client that
         resumes never finds this controller active without its requests): a fencing epoch above

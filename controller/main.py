@@ -141,6 +141,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --peer in plaintext: a file holding a secret (e.g. `openssl rand -hex 32`), the same "
                          "on both controllers; the standby sends it, and Replicate streams the journal only to a "
                          "caller that does; default: nobody")
+    ap.add_argument("--readmit", action="store_true",
+                    help="an operator's act after this controller's journal (--state-dir) was lost: take the "
+                         "fencing epoch from the --nodes' Status (their highest + 1), so the stages that refuse "
+                         "an epoch-1 controller take this one again once the old one's lease expired")
     ap.add_argument("--join-listen", default=None, metavar="HOST:PORT", type=address_flag(None),
                     help="with --ca-dir: serve joining nodes here (plaintext; only Join, each call authenticated by "
                          "a one-time token's HMAC)")
@@ -240,6 +244,13 @@ async def serve(args: argparse.Namespace) -> None:
     peers = [p for arg in args.peer for p in arg]
     door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
                      requests_per_client=args.max_requests_per_client, serving=app.not_serving)
+    if args.readmit:
+        if peers:
+            raise SystemExit("--readmit: not with --peer (a standby takes its epoch from the active's journal)")
+        try:
+            await app.readmit()
+        except ValueError as exc:
+            raise SystemExit(f"--readmit: {exc}") from None
     if not peers:  # the journal's requests are there before the first client can ask to resume one
         app.take_journal()
     else:  # a standby until it finds no active peer (Standby.run): it takes no request before that

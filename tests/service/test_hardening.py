@@ -675,3 +675,31 @@ def test_a_standby_does_not_take_over_without_a_majority_of_the_stages_or_under_
             s2.runtime.fence.take(Caller("", "k"), "controller-c", app.journal.epoch + 1)  # another took over
             assert "follows controller controller-c" in await standby._cannot_take_over()
     arun(runner, main())
+
+
+def test_a_controller_whose_journal_was_lost_is_readmitted_by_the_operator(runner, model_dir):
+    """The stages remember epoch 7; a controller started on an empty journal would take epoch 1
+    and be refused by every stage. With --readmit (ControllerApp.readmit) it takes 8, which a stage
+    whose holder's lease expired accepts."""
+    from logicpipe.errors import Fenced
+    from logicpipe.stage_node.net.fence import Caller
+
+    async def main():
+        async with stage_node("remembers") as node:
+            fence = node.runtime.fence
+            fence.take(Caller("", "the lost controller's key"), "controller-lost", 7)
+            fence.lease_s = 0.0  # the lost controller is gone
+            async with controller(model_dir, [node.address], start=False) as ctl:
+                me = Caller("", ctl.app.pipelines.identity.metadata[0][1])
+                assert ctl.app.journal.epoch + 1 == 1
+                with pytest.raises(Fenced):
+                    fence.may_take(me, ctl.app.pipelines.owner, 1)  # locked out without it
+                assert await ctl.app.readmit() == 7
+                ctl.app.take_journal()
+                assert ctl.app.pipelines.epoch == 8
+                fence.take(me, ctl.app.pipelines.owner, ctl.app.pipelines.epoch)
+                assert fence.controller_id == ctl.app.pipelines.owner
+            async with controller(model_dir, [], start=False) as ctl:
+                with pytest.raises(ValueError, match="--nodes"):
+                    await ctl.app.readmit()
+    arun(runner, main())
