@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from logicpipe.common.discovery import discovery_interface
@@ -38,7 +39,7 @@ from logicpipe.controller.jobs.door import DEFAULT_REQUESTS_PER_CLIENT, FrontDoo
 from logicpipe.controller.jobs.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.api.service import ControllerServicer, JoinServicer
 from logicpipe.formats import FLOAT_DTYPES
-from logicpipe.controller.jobs.standby import Standby, read_peer_secret
+from logicpipe.controller.jobs.standby import STAGE_LEASE_S, Standby, read_peer_secret
 from logicpipe.policy import CONTROLLER_POLICY
 from logicpipe.v1 import controller_pb2_grpc
 
@@ -47,6 +48,7 @@ log = logging.getLogger("logicpipe.controller")
 PROG = "logicpipe-controller"
 
 SERVICE_NAME = "logicpipe.v1.Controller"
+STARTED = time.monotonic()  # about when this process started (its predecessor was gone by then)
 EXIT_FENCED = 75  # another controller took over: stopped, to be started again (as its standby) by systemd
 
 
@@ -269,6 +271,10 @@ async def serve(args: argparse.Namespace) -> None:
         if peers:  # the standby until no peer answers as the active one (at once when none does)
             takeover = asyncio.create_task(follow_then_take_over(), name="standby")
             return f"standby of {', '.join(peers)} (active once none of them is)"
+        left = STAGE_LEASE_S + 0.3 - (time.monotonic() - STARTED)
+        if app.journal.epoch > 1 and left > 0:  # the stages' lease of our predecessor on this journal runs out first
+            log.info("waiting %.1f s for the stages' lease of the previous controller to expire", left)
+            await asyncio.sleep(left)
         await app.start(mdns_interface=args.mdns_interface)
         where = "by mDNS" + (f" on {args.mdns_interface}" if args.mdns_interface else "") if not args.no_mdns else ""
         listed = f"{len(args.nodes)} listed" if args.nodes else ""

@@ -150,6 +150,7 @@ class Standby:
         self.me = me
         self.metadata = ((PEER_SECRET_HEADER, secret.decode("ascii")),) if secret else None
         self.nodes: dict[str, str] = {}  # the active's plan: node id -> address (where a takeover starts)
+        self.last_heard = time.monotonic()  # when the active last said anything (a snapshot, a change, a heartbeat)
 
     async def run(self) -> dict[str, str]:
         """Be the standby until a takeover is due; returns the nodes of the last plan seen."""
@@ -172,6 +173,7 @@ class Standby:
                             log.error("peer %s refuses to replicate to this standby: %s", peer, why)
                         continue
                     log.debug("peer %s: %s", peer, why)
+            heard = max(heard, self.last_heard)  # a stream that broke was heard from until it broke
             silent = time.monotonic() - heard
             if silent >= TAKEOVER_S and silent >= STAGE_LEASE_S + 0.3:  # the old active's lease has run out too
                 why = await self._cannot_take_over()
@@ -215,6 +217,7 @@ class Standby:
                 m = await asyncio.wait_for(call.read(), TAKEOVER_S if followed else CONNECT_TIMEOUT_S + TAKEOVER_S)
                 if m is grpc.aio.EOF:
                     return followed
+                self.last_heard = time.monotonic()
                 if m.kind == "snapshot":
                     snapshot = []
                 elif m.kind in ("ready", "heartbeat"):

@@ -270,6 +270,30 @@ def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_pat
             assert time.monotonic() < deadline, mesh.logs()
             time.sleep(0.2)
         assert mesh.controller_status(address=b).role == "active"
+        # issue 34: the active (B) stopped: A takes over once B's lease on the stages expired; B,
+        # continued, steps down at its first probe (it exits 75, as under systemd): one active
+        mesh.signal("controller-b", signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while mesh.controller_status(address=a).role != "active":
+                assert time.monotonic() < deadline, mesh.logs()
+                time.sleep(0.2)
+        finally:
+            mesh.signal("controller-b", signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                b_active = mesh.controller_status(address=b).role == "active" and \
+                    mesh.procs["controller-b"].poll() is None
+            except grpc.RpcError:
+                b_active = False
+            if not b_active:
+                break
+            assert time.monotonic() < deadline, mesh.logs()
+            time.sleep(0.2)
+        assert mesh.procs["controller-b"].wait(30) == 75, mesh.logs()  # it stepped down, fenced
+        assert mesh.controller_status(address=a).role == "active"
+        assert submit(a, PROMPTS[0], N) == ref["greedy"]
     finally:
         mesh.stop()
 
