@@ -108,10 +108,10 @@ class Fence:
         PermissionDenied says why not. `standby`: the certificate name of its standby."""
         h = self.holder
         self.may_take(caller, controller_id, epoch)
-        if h is not None and (h.caller, h.controller_id) != (caller, controller_id):
+        same = h is not None and (h.caller, h.controller_id) == (caller, controller_id)
+        if h is not None and not same:
             log.warning("controller %s (epoch %d, %s) takes this node over from %s (epoch %d)", controller_id,
                         epoch, caller.describe(), h.controller_id, h.epoch)
-        same = h is not None and (h.caller, h.controller_id) == (caller, controller_id)
         held = Holder(caller, controller_id, max(epoch, h.epoch) if same else epoch, standby)
         self.renewed = self.clock()
         if held != h:
