@@ -272,10 +272,18 @@ def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_pat
         assert mesh.controller_status(address=b).role == "active"
         # issue 34: the active (B) stopped: A takes over once B's lease on the stages expired; B,
         # continued, steps down at its first probe (it exits 75, as under systemd): one active
+        def stage_epochs() -> set[int]:
+            out = set()
+            for s in mesh.stage_addresses:
+                with client_transport().sync_channel(s, "stage") as ch:
+                    out.add(stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=5)
+                            .controller_epoch)
+            return out
+
         mesh.signal("controller-b", signal.SIGSTOP)
-        try:
+        try:  # until the stages follow A (A reports active a moment before its Assigns reach them)
             deadline = time.monotonic() + 60
-            while mesh.controller_status(address=a).role != "active":
+            while mesh.controller_status(address=a).role != "active" or min(stage_epochs()) <= st.epoch:
                 assert time.monotonic() < deadline, mesh.logs()
                 time.sleep(0.2)
         finally:
