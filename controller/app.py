@@ -49,6 +49,8 @@ class ControllerOptions:
     prefill_chunk: int = 0            # prompt tokens per step (0: the cost model's choice)
     replicas: int = 0                 # pipelines at most (0: auto, the planner's choice; 1: one pipeline over
                                       # the nodes, planned by the bottleneck DP as before replicas)
+    standby_name: str = ""            # over TLS: the certificate name of the one standby Replicate serves
+    peer_secret: bytes = b""          # in plaintext: the secret a standby sends to Replicate (--peer-secret-file)
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ class ControllerApp:
             prefill_chunk=self.prefill_chunk_for,
             on_trouble=lambda why: self.replanner.request_replan(f"a stage fault: {why}"),
             journal=self.journal, on_fenced=self.on_fenced, on_traffic=self._on_traffic)
-        self.members = Members(self.pipelines.probe, self.replanner.request_replan)
+        self.pipelines.identity.standby_name = options.standby_name
+        self.members = Members(self._probe, self.replanner.request_replan)
         self._browser: Browser | None = None
 
     def prefill_chunk_for(self, prompt_tokens: int, pipeline: Pipeline) -> int:
@@ -203,6 +206,18 @@ class ControllerApp:
                     + (self.active_peer or "not known yet (a takeover may be under way)"))
         return ""
 
+    async def _probe(self, address: str, timeout: float):
+        """Membership's probe (every PROBE_S, which renews our lease): a stage that another
+        controller holds with a newer epoch means we were replaced (also found by the first probe
+        after this process was stopped and resumed): step down at once."""
+        st = await self.pipelines.probe(address, timeout=timeout)
+        mine = self.pipelines.epoch
+        if (self.role == "active" and mine and st.controller_epoch > mine
+                and st.controller_id != self.pipelines.owner):
+            self.on_fenced(f"node {st.node_id} follows controller {st.controller_id} of epoch {st.controller_epoch}, "
+                           f"above ours ({mine})")
+        return st
+
     def on_fenced(self, why: str) -> None:
         """A stage follows a newer controller (a standby took over): step down. Requests are not
         failed here; the process stops (controller.main exits with EXIT_FENCED and its service
@@ -214,6 +229,25 @@ class ControllerApp:
         self.state.set(Phase.WAITING, f"replaced by a newer controller: {why}")
         for cb in self.on_step_down:
             cb()
+
+    async def readmit(self) -> int:
+        """--readmit, an operator's act: a controller whose journal was lost (it would start at
+        epoch 1 while the stages remember a higher one, and every stage would refuse it) takes
+        the highest epoch the --nodes' Status shows, so that take_journal's next is the one
+        the stages accept (stage_node.net.fence: the holder's + 1, once its lease expired)."""
+        if not self.nodes:
+            raise ValueError("it needs --nodes HOST:PORT,... (the stages whose epoch to read)")
+        answers = await asyncio.gather(*(self.pipelines.probe(a, timeout=5.0) for a in self.nodes),
+                                       return_exceptions=True)
+        seen = [st for st in answers if not isinstance(st, BaseException)]
+        if not seen:
+            raise ValueError(f"none of --nodes ({', '.join(self.nodes)}) answered; start them first")
+        top = max(st.controller_epoch for st in seen)
+        if top > self.journal.epoch:
+            log.warning("re-admitted by the operator (--readmit): the stages remember epoch %d, this journal %d; "
+                        "taking %d", top, self.journal.epoch, top + 1)
+            self.journal.set_epoch(top)
+        return top
 
     def take_journal(self) -> int:
         """Become the active controller over the journal, in one step of the loop (a client that

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from logicpipe.common.discovery import discovery_interface
@@ -23,7 +24,7 @@ from logicpipe.common.process import (
     serve_until_signalled,
     with_port,
 )
-from logicpipe.common.security.bundle import TlsError
+from logicpipe.common.security.bundle import TlsError, check_name
 from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import PLAINTEXT, add_flags, from_flags
 from logicpipe.controller.app import ControllerApp, ControllerOptions
@@ -39,7 +40,7 @@ from logicpipe.controller.jobs.door import DEFAULT_REQUESTS_PER_CLIENT, FrontDoo
 from logicpipe.controller.jobs.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.api.service import ControllerServicer, JoinServicer
 from logicpipe.formats import FLOAT_DTYPES
-from logicpipe.controller.jobs.standby import Standby
+from logicpipe.controller.jobs.standby import STAGE_LEASE_S, Standby, read_peer_secret
 from logicpipe.policy import CONTROLLER_POLICY
 from logicpipe.v1 import controller_pb2_grpc
 
@@ -48,6 +49,7 @@ log = logging.getLogger("logicpipe.controller")
 PROG = "logicpipe-controller"
 
 SERVICE_NAME = "logicpipe.v1.Controller"
+STARTED = time.monotonic()  # about when this process started (its predecessor was gone by then)
 EXIT_FENCED = 75  # another controller took over: stopped, to be started again (as its standby) by systemd
 
 
@@ -137,6 +139,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="another controller of this mesh (repeat, or comma-separate; a HOST alone means port "
                          f"{CONTROLLER_PORT}): the one that finds no active peer at start is active, the other its "
                          "standby, which copies its journal and takes over within seconds when it dies")
+    ap.add_argument("--standby-name", default="", metavar="NAME",
+                    help="with --peer over TLS: the certificate name of the standby controller, the only party "
+                         "Replicate streams this controller's journal (every running prompt) to; default: nobody")
+    ap.add_argument("--peer-secret-file", default="", metavar="FILE",
+                    help="with --peer in plaintext: a file holding a secret (e.g. `openssl rand -hex 32`), the same "
+                         "on both controllers; the standby sends it, and Replicate streams the journal only to a "
+                         "caller that does; default: nobody")
+    ap.add_argument("--readmit", action="store_true",
+                    help="an operator's act after this controller's journal (--state-dir) was lost: take the "
+                         "fencing epoch from the --nodes' Status (their highest + 1), so the stages that refuse "
+                         "an epoch-1 controller take this one again once the old one's lease expired")
     ap.add_argument("--join-listen", default=None, metavar="HOST:PORT", type=address_flag(None),
                     help="with --ca-dir: serve joining nodes here (plaintext; only Join, each call authenticated by "
                          "a one-time token's HMAC)")
@@ -210,11 +223,21 @@ async def serve(args: argparse.Namespace) -> None:
         address = with_port(args.advertise, bound, "--advertise") if args.advertise else f"{host}:{bound}"
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        peer_secret = read_peer_secret(args.peer_secret_file) if args.peer_secret_file else b""
+    except ValueError as exc:
+        raise SystemExit(f"--peer-secret-file: {exc}") from None
+    if args.standby_name:
+        try:
+            check_name(args.standby_name)
+        except TlsError as exc:
+            raise SystemExit(f"--standby-name: {exc}") from None
     options = ControllerOptions(
         dtype=args.dtype, plan_path=args.plan, strategy=args.strategy, objective=args.objective, context=args.context,
         micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
-        speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas)
+        speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas,
+        standby_name=args.standby_name, peer_secret=peer_secret)
     journal = Journal(state_dir)
     try:
         app = ControllerApp(model_dir, args.nodes, transport=transport, revocations=revocations, options=options,
@@ -231,6 +254,13 @@ async def serve(args: argparse.Namespace) -> None:
     peers = [p for arg in args.peer for p in arg]
     door = FrontDoor(app.scheduler, app.tokenizer, model_dir=app.model_dir,
                      requests_per_client=args.max_requests_per_client, serving=app.not_serving)
+    if args.readmit:
+        if peers:
+            raise SystemExit("--readmit: not with --peer (a standby takes its epoch from the active's journal)")
+        try:
+            await app.readmit()
+        except ValueError as exc:
+            raise SystemExit(f"--readmit: {exc}") from None
     if not peers:  # the journal's requests are there before the first client can ask to resume one
         app.take_journal()
     else:  # a standby until it finds no active peer (Standby.run): it takes no request before that
@@ -241,7 +271,7 @@ async def serve(args: argparse.Namespace) -> None:
     takeover: asyncio.Task | None = None
 
     async def follow_then_take_over() -> None:
-        nodes = await Standby(app, peers, transport, options.address).run()
+        nodes = await Standby(app, peers, transport, options.address, peer_secret).run()
         await app.start(mdns_interface=args.mdns_interface, nodes=nodes)
 
     async def ready() -> str:
@@ -249,6 +279,10 @@ async def serve(args: argparse.Namespace) -> None:
         if peers:  # the standby until no peer answers as the active one (at once when none does)
             takeover = asyncio.create_task(follow_then_take_over(), name="standby")
             return f"standby of {', '.join(peers)} (active once none of them is)"
+        left = STAGE_LEASE_S + 0.3 - (time.monotonic() - STARTED)
+        if app.journal.epoch > 1 and left > 0:  # the stages' lease of our predecessor on this journal runs out first
+            log.info("waiting %.1f s for the stages' lease of the previous controller to expire", left)
+            await asyncio.sleep(left)
         await app.start(mdns_interface=args.mdns_interface)
         where = "by mDNS" + (f" on {args.mdns_interface}" if args.mdns_interface else "") if not args.no_mdns else ""
         listed = f"{len(args.nodes)} listed" if args.nodes else ""

@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from enum import Enum
 from pathlib import Path
+from typing import Callable
 
 from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, PermissionDenied
@@ -89,18 +90,23 @@ class StageRuntime:
         self.runner.close()
 
     # ---- assignment ------------------------------------------------------------------------
-    async def assign(self, a: Assignment, stream_key: str = "") -> Engine:
+    async def assign(self, a: Assignment, stream_key: str = "", admit: Callable[[], None] | None = None) -> Engine:
         """Load `a` fully, then put it in place of the assignment in force (whose sessions end).
-        `stream_key`: the plan's (its stages' Stream calls carry it)."""
+        `stream_key`: the plan's (its stages' Stream calls carry it). `admit`: called once `a` is
+        loaded and valid, just before it takes effect (the Assign's caller takes the fence there);
+        if it raises, nothing changes: an invalid or refused assignment never holds the node."""
         a.check()
         loading.check_formats(a, self.node_id, self.options)
         async with self._assign_lock:
             old = self.engine
             if old is not None and old.assignment == a and old.stream_key == stream_key:
+                if admit is not None:
+                    admit()
                 return old
             before = self.state
             self.state = NodeState.LOADING
             try:
+                self.weights.pull_key = stream_key
                 model_dir = await self.weights.model_dir_for(a)
                 self.stats.weights_pulled_bytes = self.weights.pulled_bytes
                 if old is not None and old.assignment.same_weights(a) and old.shard_dir == model_dir:
@@ -119,6 +125,12 @@ class StageRuntime:
                 keeps = "it keeps its previous assignment" if old is not None else "it stays unassigned"
                 raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}) of "
                                          f"{a.model_dir[:200]}: {str(exc).splitlines()[0][:300]}; {keeps}") from exc
+            if admit is not None:
+                try:
+                    admit()
+                except BaseException:
+                    self.state = before
+                    raise
             async with self._step_lock:  # no step of the old engine is computing into the pool
                 self.engine = self._new_engine(a, shard, pool, kv, model_dir, stream_key)
                 if old is not None:

@@ -18,7 +18,7 @@ from logicpipe.controller.mesh.state import Phase
 from logicpipe.controller.mesh.weights_server import stream_weights
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, PermissionDenied, ResourceExhausted
 from logicpipe.limits import check_address, check_id
-from logicpipe.policy import STAGE
+from logicpipe.policy import STAGE, STREAM_KEY_HEADER
 from logicpipe.sampling import SamplingParams
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
@@ -156,7 +156,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 yield reply
 
     async def Replicate(self, request, context):
-        async for op in self.replicator.follow(request.follower or context.peer()):
+        follower = check_id("follower", request.follower, empty_ok=True) or context.peer()
+        async for op in self.replicator.follow(follower, self.transport.tls, self.transport.peer(context)[1],
+                                               context.invocation_metadata()):
             yield op
 
     async def _replies(self, completion: Completion, outline: bool):
@@ -245,6 +247,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.DrainReply(plan_generation=self.app.pipelines.generation, message=message)
 
     async def PullWeights(self, request, context):
+        key = next((v for k, v in context.invocation_metadata() or () if k == STREAM_KEY_HEADER), "")
+        if not (isinstance(key, str) and self.app.pipelines.identity.assigned(key)):
+            raise PermissionDenied("PullWeights serves only the stages this controller assigns (they send the "
+                                   f"plan's stream key as {STREAM_KEY_HEADER}); assign the node from this controller")
         async for chunk in stream_weights(self.app.model_dir, self.app.digest, request, peer=context.peer()):
             yield chunk
 

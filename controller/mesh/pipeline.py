@@ -6,10 +6,12 @@ stage 0. It never sits between two stages.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -69,11 +71,14 @@ class StageHandle:
         return self.status.kv_blocks_total * self.status.block_size if self.status else 0
 
 
-async def probe_node(transport: Transport, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
-    """Status of a node, or Unavailable naming it (Status is open to any caller)."""
+async def probe_node(transport: Transport, address: str, timeout: float = RPC_TIMEOUT_S,
+                     metadata=None) -> stage_pb2.StatusReply:
+    """Status of a node, or Unavailable naming it (Status is open to any caller; `metadata`: the
+    controller's key, with which the probe renews its lease on the stages it holds)."""
     async with transport.channel(address, "stage") as ch:
         try:
-            return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=timeout)
+            return await stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=timeout,
+                                                                 metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             why = "no answer in time" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else exc.details()
             raise Unavailable(f"stage node {address} is unreachable: {why}") from exc
@@ -113,6 +118,14 @@ class ControllerIdentity:
     metadata: tuple[tuple[str, str], ...] = field(default_factory=lambda: ((KEY_HEADER, secrets.token_hex(16)),))
     epoch: int = 0       # the fencing epoch: stages refuse an older one (another controller took over)
     revoked: list[str] = field(default_factory=list)  # certificate names the stages refuse (every Assign carries them)
+    # the stream keys of the plans we assigned lately: a stage shows one to PullWeights (only the
+    # stages we assign know them), so the model's files go to no one else
+    stream_keys: deque = field(default_factory=lambda: deque(maxlen=64))
+    standby_name: str = ""  # over TLS: our standby's certificate, the one the stages let take over from us
+
+    def assigned(self, key: str) -> bool:
+        """Whether `key` is the stream key of a plan this controller assigned lately."""
+        return bool(key) and any(hmac.compare_digest(key.encode(), k.encode()) for k in self.stream_keys)
 
 
 class HoldsIdentity:
@@ -186,8 +199,8 @@ class Pipeline(HoldsIdentity):
 
     # ---- set-up ---------------------------------------------------------------------------
     async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
-        """Status of a node, or Unavailable naming it."""
-        return await probe_node(self.transport, address, timeout)
+        """Status of a node, or Unavailable naming it (with our key: it renews our lease there)."""
+        return await probe_node(self.transport, address, timeout, self.metadata)
 
     async def install(self, model_dir: str, digest: str, num_layers: int, assignments: list[StageAssignment],
                       dtype: str = "float32", micro_batches: int = 0, controller_address: str = "",
@@ -213,6 +226,7 @@ class Pipeline(HoldsIdentity):
             handles.append(StageHandle(a.address, ch, self.stub(ch), start=a.start, end=a.end))
         n = len(handles)
         stream_key = secrets.token_hex(16)  # this plan's: its stages stream to each other with it
+        self.identity.stream_keys.append(stream_key)  # and show it to PullWeights
 
         async def assign(i: int) -> None:
             h = handles[i]
@@ -226,7 +240,7 @@ class Pipeline(HoldsIdentity):
                 last_node_id=assignments[-1].node_id if i == 0 and n > 1 else "",
                 plan_id=self.plan_id, controller_epoch=self.epoch, controller_id=self.owner,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address,
-                revoked=self.revoked, stream_key=stream_key)
+                revoked=self.revoked, stream_key=stream_key, standby_name=self.identity.standby_name)
             try:
                 reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
                 h.parameter_count = reply.parameter_count

@@ -49,8 +49,9 @@ class PipelineSet(HoldsIdentity):
         self.routed_by_prefix = 0  # requests sent to the pipeline that held their prefix
 
     async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
-        """Status of a node, or Unavailable naming it."""
-        return await probe_node(self.transport, address, timeout)
+        """Status of a node, or Unavailable naming it (with our key: membership's probe every
+        PROBE_S renews our lease on the stages we hold, stage_node.net.fence)."""
+        return await probe_node(self.transport, address, timeout, self.identity.metadata)
 
     def next_generation(self) -> int:
         """A plan generation above every one before (across restarts too: it starts from the clock)."""

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import grpc
+
 from logicpipe.controller.mesh import planning
 from logicpipe.controller.mesh.membership import NOT_PROBED
 from logicpipe.controller.mesh.pipeline import Pipeline, StageAssignment
@@ -261,6 +263,11 @@ class Replanner:
             for (a, b), link in zip(pairs, measured):
                 if not isinstance(link, BaseException):
                     self.links.setdefault(a, {})[b] = link
+                    continue
+                if a not in in_plan and getattr(link, "code", lambda: None)() == grpc.StatusCode.PERMISSION_DENIED:
+                    # a node measures links only for the controller that holds it: a newcomer not
+                    # assigned yet is planned with the default link, measured once it is assigned
+                    log.info("link %s -> %s not measured yet (%s is not assigned): planning with the default", a, b, a)
                     continue
                 if Fenced.seen_in(str(link)) and a in in_plan:  # a stage of our plan follows another controller
                     self.app.on_fenced(str(link))

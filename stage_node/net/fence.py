@@ -1,18 +1,23 @@
 """Who may steer this stage: the controller that holds it, and the certificate names it refuses.
 
 A stage takes Assign, OpenSession, CloseSession, Events, MeasureLink, Revoked and prompt feeds
-from one party only, the controller that holds it (the last one to Assign it). A caller is known
+from one party only, the controller that holds it (the last one to Assign it; an Assign takes
+the fence only once its assignment loaded). MeasureLink is refused while nobody holds the node. A caller is known
 by a `Caller`: its certificate's name (mutual TLS) and a digest of the key its process sends in
 the call metadata (KEY_HEADER; in plaintext the only proof). The owner id a controller stamps on
 its sessions is no secret (any stage learns it from Register): it names sessions, it proves nothing.
 
-Another controller takes the stage over
-- over TLS, with a newer fencing epoch than the holder's (a standby taking over, a controller
-  started again; certificates of the mesh's CA are trusted until revoked);
-- in plaintext, only while the holder is not connected (none of its Events subscriptions is
-  open): anyone can claim an epoch there, so a live holder is never displaced;
-- at once, whatever the epoch, when the holder's certificate was revoked.
-A refused controller gets FENCED (and steps down, see controller.app.on_fenced).
+The holder holds a lease: every call of its (Assign, OpenSession, CloseSession, Events, prompts,
+MeasureLink, and the Status probe it sends every 2 s with its key) renews it for LEASE_S. Whether
+its Events streams are open says nothing (a stopped process keeps them open). Another
+controller takes the stage over only
+- once the holder's lease expired (it is gone, or stopped), and
+- with the holder's epoch + 1 exactly (the journal's next: a standby's takeover, or the holder
+  started again on its journal), never a number above it; and
+- over TLS, only with the holder's own certificate or the standby's it named in its Assign
+  (AssignRequest.standby_name); any other certificate gets PERMISSION_DENIED.
+A holder whose certificate is revoked holds nothing from then on: the next controller takes the
+stage. A refused controller gets FENCED (and steps down, see controller.app.on_fenced).
 
 The revocation list is the controller's (pushed with every Assign and by Revoked); it and the
 holder are kept in the node's state directory, so a restarted node still refuses a revoked
@@ -24,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -34,6 +40,7 @@ from logicpipe.policy import KEY_HEADER
 log = logging.getLogger(__name__)
 
 FENCE_FILE = "fence.json"
+LEASE_S = 3.0  # the holder is taken for gone this long after its last call (its Status probe every 2 s renews it)
 MAX_REVOKED = 10_000  # names one list may hold
 
 
@@ -62,15 +69,20 @@ class Holder:
     caller: Caller
     controller_id: str  # the id it stamps on its sessions and subscribes to Events with
     epoch: int
+    standby: str = ""   # over TLS: the certificate name of its standby (AssignRequest.standby_name)
 
 
 class Fence:
-    """The holder and the revoked names of one node; `path`: where they are kept (None: memory)."""
+    """The holder and the revoked names of one node; `path`: where they are kept (None: memory);
+    `clock`: monotonic seconds (tests give a fake one)."""
 
-    def __init__(self, node_id: str, path: Path | None = None, *, tls: bool):
+    def __init__(self, node_id: str, path: Path | None = None, *, tls: bool, lease_s: float = LEASE_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.node_id, self.path, self.tls = node_id, path, tls
+        self.lease_s, self.clock = lease_s, clock
         self.holder: Holder | None = None
         self.revoked: frozenset[str] = frozenset()
+        self.renewed = clock()  # the holder's lease runs lease_s from here (a restarted node gives it a new one)
         if path is not None:
             self._load()
 
@@ -82,42 +94,85 @@ class Fence:
     def controller_id(self) -> str:
         return self.holder.controller_id if self.holder else ""
 
+    def lease_left(self) -> float:
+        """Seconds the holder's lease runs still (0: expired, or nobody holds this node)."""
+        return max(0.0, self.renewed + self.lease_s - self.clock()) if self.holder else 0.0
+
     def __contains__(self, name: str) -> bool:
         """A revoked certificate name (the server's role check asks)."""
         return bool(name) and name in self.revoked
 
     # ---- the checks ------------------------------------------------------------------------
-    def take(self, caller: Caller, controller_id: str, epoch: int, connected: Callable[[str], bool]) -> None:
-        """Assign, OpenSession, Revoked: `caller` holds this node afterwards, or Fenced /
-        PermissionDenied says why not. `connected(controller_id)`: whether that controller has an
-        Events subscription open here."""
+    def take(self, caller: Caller, controller_id: str, epoch: int, standby: str = "") -> None:
+        """Assign: `caller` holds this node afterwards (its lease renewed), or Fenced /
+        PermissionDenied says why not. `standby`: the certificate name of its standby."""
+        h = self.holder
+        self.may_take(caller, controller_id, epoch)
+        same = h is not None and (h.caller, h.controller_id) == (caller, controller_id)
+        if h is not None and not same:
+            log.warning("controller %s (epoch %d, %s) takes this node over from %s (epoch %d)", controller_id,
+                        epoch, caller.describe(), h.controller_id, h.epoch)
+        held = Holder(caller, controller_id, max(epoch, h.epoch) if same else epoch, standby)
+        self.renewed = self.clock()
+        if held != h:
+            self._hold(held)
+
+    def may_take(self, caller: Caller, controller_id: str, epoch: int) -> None:
+        """take's checks, holding nothing (an Assign is checked before its weights load, and takes
+        the fence only once they did). Raises Fenced / PermissionDenied.
+
+        Another controller takes a held node over only (a) once the holder's lease expired, (b)
+        with the holder's epoch + 1, no other (a number no caller can pick: the journal's next),
+        and (c) over TLS, with the holder's own certificate (the same controller, started again)
+        or its standby's. A holder whose certificate was revoked holds nothing (set_revoked)."""
         self._refuse_revoked(caller)
         h = self.holder
-        if h is not None and (h.caller, h.controller_id) == (caller, controller_id):
-            if epoch > h.epoch:
-                self._hold(Holder(caller, controller_id, epoch))
+        if h is None or (h.caller, h.controller_id) == (caller, controller_id):
             return
-        if h is not None and not (h.caller.name and h.caller.name in self.revoked):
-            if self.tls:
-                if epoch <= h.epoch:
-                    raise Fenced(f"{Fenced.PREFIX} node {self.node_id} follows controller {h.controller_id} of epoch "
-                                 f"{h.epoch}; controller {controller_id or '?'} of epoch {epoch} was replaced")
-            elif connected(h.controller_id):
-                raise Fenced(f"{Fenced.PREFIX} node {self.node_id} follows controller {h.controller_id}, which is "
-                             f"connected; {caller.describe()} as {controller_id or '?'} cannot take it over")
-        if h is not None:
-            log.warning("controller %s (epoch %d, %s) takes this node over from %s (epoch %d)", controller_id, epoch,
-                        caller.describe(), h.controller_id, h.epoch)
-        self._hold(Holder(caller, controller_id, epoch))
+        who = f"{caller.describe()} as {controller_id or '?'}"
+        if epoch <= h.epoch:
+            raise Fenced(f"{Fenced.PREFIX} node {self.node_id} follows controller {h.controller_id} of epoch "
+                         f"{h.epoch}; {who} of epoch {epoch} was replaced")
+        if self.tls and caller.name not in {h.caller.name, h.standby}:
+            allowed = " or its standby's " + repr(h.standby) if h.standby else " (it names no standby)"
+            raise PermissionDenied(f"node {self.node_id} is held by controller {h.controller_id}; only its own "
+                                   f"certificate {h.caller.name!r}{allowed} may take it over, not {who}")
+        left = self.lease_left()
+        if left > 0:
+            raise Fenced(f"{Fenced.PREFIX} node {self.node_id} follows controller {h.controller_id}, whose lease "
+                         f"runs {left:.1f} s more; {who} cannot take it over while it is alive")
+        if epoch != h.epoch + 1:
+            raise Fenced(f"{Fenced.PREFIX} node {self.node_id} is taken over only with epoch {h.epoch + 1} (its "
+                         f"holder's + 1, from the journal), not {epoch}: {who} was refused")
 
     def check(self, caller: Caller, what: str) -> None:
-        """CloseSession, Events, MeasureLink, a prompt feed: only from the holder (anyone while
-        nobody holds this node: tests and tools drive an unassigned node by hand)."""
+        """CloseSession, Events, a prompt feed: only from the holder (anyone while nobody holds
+        this node: tests and tools drive an unassigned node by hand). The holder's lease is renewed."""
         self._refuse_revoked(caller)
         h = self.holder
         if h is not None and h.caller != caller:
             raise PermissionDenied(f"node {self.node_id} takes {what} only from the controller that holds it "
                                    f"({h.controller_id}); {caller.describe()} is not it")
+        if h is not None:
+            self.renewed = self.clock()
+
+    def renew(self, caller: Caller) -> bool:
+        """Status: the holder's probe renews its lease (anyone else's changes nothing)."""
+        h = self.holder
+        if h is None or h.caller != caller or caller.name in self:
+            return False
+        self.renewed = self.clock()
+        return True
+
+    def check_holder(self, caller: Caller, what: str) -> None:
+        """MeasureLink: only from the holder, and never while nobody holds this node (a node dials
+        only where its controller asks it to, so no other party can make it connect anywhere)."""
+        self._refuse_revoked(caller)
+        h = self.holder
+        if h is None:
+            raise PermissionDenied(f"node {self.node_id} takes {what} only from the controller that holds it, and "
+                                   "none does yet: a controller measures its links once it has assigned it")
+        self.check(caller, what)
 
     def _refuse_revoked(self, caller: Caller) -> None:
         if caller.name in self:
@@ -135,6 +190,11 @@ class Fence:
         self.revoked = names
         if added:
             log.warning("refusing the certificates of %s from now on (revoked)", ", ".join(sorted(added)[:20]))
+        h = self.holder
+        if h is not None and h.caller.name in names:  # a revoked holder holds nothing: the next controller takes it
+            log.warning("controller %s (certificate %r) held this node and was revoked: it is free", h.controller_id,
+                        h.caller.name)
+            self.holder = None
         self._save()
         return True
 
@@ -147,7 +207,8 @@ class Fence:
             return
         h = self.holder
         data = {"holder": None if h is None else {"name": h.caller.name, "key": h.caller.key,
-                                                   "controller_id": h.controller_id, "epoch": h.epoch},
+                                                   "controller_id": h.controller_id, "epoch": h.epoch,
+                                                   "standby": h.standby},
                 "revoked": sorted(self.revoked)}
         tmp = self.path.with_suffix(".tmp")
         try:
@@ -164,7 +225,8 @@ class Fence:
             data = json.loads(self.path.read_text())
             h = data.get("holder")
             if h:
-                self.holder = Holder(Caller(str(h["name"]), str(h["key"])), str(h["controller_id"]), int(h["epoch"]))
+                self.holder = Holder(Caller(str(h["name"]), str(h["key"])), str(h["controller_id"]), int(h["epoch"]),
+                                     str(h.get("standby", "")))
             self.revoked = frozenset(str(n) for n in data.get("revoked", ()))
         except FileNotFoundError:
             return

@@ -57,18 +57,22 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
     def _caller(self, context) -> Caller:
         return Caller.of(self.transport.peer(context)[1], context.invocation_metadata())
 
-    def _connected(self, controller_id: str) -> bool:
-        return self.runtime.events.listening(controller_id)
-
     async def Assign(self, request, context):
         a = wire.assignment_from_proto(request, caller_address(request.controller_address, context.peer()))
         revoked = revoked_names(request.revoked)
         if len(request.stream_key) > MAX_KEY_CHARS:
             raise InvalidArgument(f"stream_key is {len(request.stream_key)} characters, over the {MAX_KEY_CHARS} cap")
-        self.runtime.fence.take(self._caller(context), request.controller_id, request.controller_epoch, self._connected)
-        self.runtime.fence.set_revoked(revoked)
+        fence, caller = self.runtime.fence, self._caller(context)
+        cid, epoch = request.controller_id, request.controller_epoch
+        standby = check_id("standby_name", request.standby_name, empty_ok=True)
+        fence.may_take(caller, cid, epoch)  # refused before anything loads
+
+        def admit() -> None:  # loaded and valid: only now does the caller hold this node
+            fence.take(caller, cid, epoch, standby)
+            fence.set_revoked(revoked)
+
         t0 = time.monotonic()
-        eng = await self.runtime.assign(a, stream_key=request.stream_key)
+        eng = await self.runtime.assign(a, stream_key=request.stream_key, admit=admit)
         return stage_pb2.AssignReply(parameter_count=eng.shard.parameter_count,
                                      tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 
@@ -154,6 +158,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         reply = wire.status_reply(self.runtime.snapshot(), profile=self.profile, compute_id=self.compute_id,
                                   version=__version__)
         fence = self.runtime.fence
+        fence.renew(self._caller(context))  # the holder's probe renews its lease
         reply.controller_epoch, reply.controller_id, reply.revoked = fence.epoch, fence.controller_id, len(fence.revoked)
         reply.stale_steps = self.runtime.stats.stale_steps
         return reply
@@ -174,8 +179,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
 
     async def MeasureLink(self, request, context):
         check_id("controller_id", request.controller_id, empty_ok=True)
-        self.runtime.fence.take(self._caller(context), request.controller_id, request.controller_epoch,
-                                self._connected)  # it dials only for its holder: the targets it knows
+        self.runtime.fence.check_holder(self._caller(context), "MeasureLink")  # it dials only for its holder
         if not request.target_address or len(request.target_address) > 256:
             raise InvalidArgument("target_address must be a host:port of 1 to 256 characters")
         if request.probes > MAX_PROBES:

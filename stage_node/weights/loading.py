@@ -60,6 +60,7 @@ class WeightSource:
         self.local_model_dir = local_model_dir
         self.pull_root = pull_root
         self.pulled_bytes = 0       # tensor bytes pulled so far
+        self.pull_key = ""          # the stream key of the plan being assigned (PullWeights asks for it)
 
     def _can_pull(self, a: Assignment) -> bool:
         return bool(a.controller_address and a.model_digest and self.pull_root is not None)
@@ -109,7 +110,7 @@ class WeightSource:
         """Pull the assignment's tensors (those not cached yet) from the controller."""
         try:
             result = await pull_assignment(self.transport, a.controller_address, a.model_digest, a.start, a.end,
-                                           a.num_layers, self.pull_root)
+                                           a.num_layers, self.pull_root, key=self.pull_key)
         except MeshError:
             raise
         except Exception as exc:  # noqa: BLE001 — said as the node's own error

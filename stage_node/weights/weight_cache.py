@@ -33,6 +33,7 @@ import grpc
 from logicpipe.common.modeldir import ModelConfig, ModelError, safetensors_files, safetensors_layout
 from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, InvalidArgument, Unavailable, from_code
+from logicpipe.policy import STREAM_KEY_HEADER
 from logicpipe.stage_node.model.weights import shard_tensor_names
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
@@ -75,11 +76,11 @@ def needed_tensors(config: ModelConfig, start: int, end: int, *, first: bool, la
 
 
 async def pull_assignment(transport: Transport, controller_address: str, digest: str, start: int, end: int, num_layers: int,
-                          cache_root: Path, *, progress: Progress = log.info) -> PullResult:
+                          cache_root: Path, *, progress: Progress = log.info, key: str = "") -> PullResult:
     """Pull what layers [start, end) of a `num_layers` model need (config first, on a fresh cache)."""
     cache_dir = cache_dir_for(cache_root, digest)
     if not (cache_dir / "config.json").is_file():
-        await pull_shard(transport, controller_address, digest, True, [], cache_root, progress=progress)
+        await pull_shard(transport, controller_address, digest, True, [], cache_root, progress=progress, key=key)
     try:
         layout = await asyncio.to_thread(ModelConfig.from_dir, cache_dir, False)  # weights may be to come
     except ModelError as e:
@@ -88,13 +89,14 @@ async def pull_assignment(transport: Transport, controller_address: str, digest:
         raise FailedPrecondition(f"the controller's model (digest {digest}) has {layout.num_layers} layers, "
                                  f"the assignment says {num_layers}")
     names = needed_tensors(layout, start, end, first=start == 0, last=end == num_layers)
-    return await pull_shard(transport, controller_address, digest, True, names, cache_root, progress=progress)
+    return await pull_shard(transport, controller_address, digest, True, names, cache_root, progress=progress,
+                            key=key)
 
 
 async def pull_shard(transport: Transport, controller_address: str, digest: str, config_needed: bool, names: list[str],
-                     cache_root: Path, *, progress: Progress = log.info) -> PullResult:
+                     cache_root: Path, *, progress: Progress = log.info, key: str = "") -> PullResult:
     """Make `cache_root/<digest>/` hold `names` (and the config files when `config_needed`),
-    pulling from the controller only what it lacks. Raises a MeshError: the controller's status
+    pulling from the controller only what it lacks (showing it `key`, the plan's stream key). Raises a MeshError: the controller's status
     (FailedPrecondition for another digest, NotFound for an unknown tensor, ...), or Unavailable
     for a broken, stalled or corrupted stream; then nothing new was added to the cache."""
     cache_dir = cache_dir_for(cache_root, digest)
@@ -114,7 +116,7 @@ async def pull_shard(transport: Transport, controller_address: str, digest: str,
         for i, batch in enumerate(batches):
             request = controller_pb2.PullWeightsRequest(model_digest=digest, tensors=batch,
                                                         files=files if i == 0 else [])
-            await _pull_one(stub, request, controller_address, cache_dir, meter)
+            await _pull_one(stub, request, controller_address, cache_dir, meter, key)
     took = time.perf_counter() - t0
     if missing:
         log.info("pulled %d tensor(s), %.1f MiB from the controller at %s in %.2f s (%.0f MiB/s) into %s; "
@@ -159,10 +161,10 @@ def _prepare(cache_dir: Path) -> None:
 # ----------------------------------------------------------------------------- one request
 
 async def _pull_one(stub: controller_pb2_grpc.ControllerStub, request: controller_pb2.PullWeightsRequest,
-                    address: str, cache_dir: Path, meter: "_Meter") -> None:
+                    address: str, cache_dir: Path, meter: "_Meter", key: str = "") -> None:
     receiver = _Receiver(request, address, cache_dir, meter)
     try:
-        call = stub.PullWeights(request)
+        call = stub.PullWeights(request, metadata=((STREAM_KEY_HEADER, key),) if key else None)
         try:
             while True:
                 try:

@@ -307,10 +307,14 @@ def damaged_then_full(mesh: LocalMesh, epoch: int) -> None:
 def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_path):
     mesh = LocalMesh(2, model_dir, tmp_path, threads=1)
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    secret = tmp_path / "peer.secret"  # Replicate serves only the standby that sends it
+    secret.write_text("0123456789abcdef" * 2 + "\n")
+    # over TLS both controllers hold the mesh's "controller" certificate: each names it as its standby's
+    pair = ("--peer-secret-file", str(secret), "--standby-name", "controller")
     try:
         mesh.stage_addresses = [mesh.start_stage(i) for i in range(2)]
-        mesh.start_controller("--peer", b, address=a)
-        mesh.start_controller("--peer", a, name="controller-b", address=b, ready=False)
+        mesh.start_controller("--peer", b, *pair, address=a)
+        mesh.start_controller("--peer", a, *pair, name="controller-b", address=b, ready=False)
         deadline = time.monotonic() + 30
         while mesh.controller_status(address=b).role != "standby" or not mesh.controller_status(address=b).active:
             assert time.monotonic() < deadline, mesh.logs()
@@ -339,12 +343,44 @@ def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_pat
                 assert stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=5) \
                     .controller_epoch == st.epoch
         # the old active, started again as systemd would, finds B active and becomes its standby
-        mesh.start_controller("--peer", b, address=a, ready=False)
+        mesh.start_controller("--peer", b, *pair, address=a, ready=False)
         deadline = time.monotonic() + 30
         while mesh.controller_status(address=a).role != "standby":
             assert time.monotonic() < deadline, mesh.logs()
             time.sleep(0.2)
         assert mesh.controller_status(address=b).role == "active"
+        # issue 34: the active (B) stopped: A takes over once B's lease on the stages expired; B,
+        # continued, steps down at its first probe (it exits 75, as under systemd): one active
+        def stage_epochs() -> set[int]:
+            out = set()
+            for s in mesh.stage_addresses:
+                with client_transport().sync_channel(s, "stage") as ch:
+                    out.add(stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=5)
+                            .controller_epoch)
+            return out
+
+        mesh.signal("controller-b", signal.SIGSTOP)
+        try:  # until the stages follow A (A reports active a moment before its Assigns reach them)
+            deadline = time.monotonic() + 60
+            while mesh.controller_status(address=a).role != "active" or min(stage_epochs()) <= st.epoch:
+                assert time.monotonic() < deadline, mesh.logs()
+                time.sleep(0.2)
+        finally:
+            mesh.signal("controller-b", signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                b_active = mesh.controller_status(address=b).role == "active" and \
+                    mesh.procs["controller-b"].poll() is None
+            except grpc.RpcError:
+                b_active = False
+            if not b_active:
+                break
+            assert time.monotonic() < deadline, mesh.logs()
+            time.sleep(0.2)
+        assert mesh.procs["controller-b"].wait(30) == 75, mesh.logs()  # it stepped down, fenced
+        assert mesh.controller_status(address=a).role == "active"
+        assert submit(a, PROMPTS[0], N) == ref["greedy"]
     finally:
         mesh.stop()
 

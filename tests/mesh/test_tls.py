@@ -220,7 +220,17 @@ def test_only_the_holding_controller_steers_a_stage_and_stages_refuse_a_revoked_
             assert code == grpc.StatusCode.PERMISSION_DENIED and "holds it" in msg, msg
         code, msg = code_of(lambda: stub.MeasureLink(stage_pb2.MeasureLinkRequest(  # dials for its holder only
             target_address="127.0.0.1:9", controller_id=owner), timeout=5))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "FENCED" in msg, msg
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "holds it" in msg, msg
+        # issue 34: a controller certificate not named as the holder's standby cannot take the
+        # stage, whatever epoch it read off Status and adds to (it took it with 2^62 before)
+        epoch = stub.Status(stage_pb2.StatusRequest(), timeout=5).controller_epoch
+        steal = stage_pb2.AssignRequest(model_dir="/", start_layer=0, end_layer=30, num_layers=30, stage_index=0,
+                                        num_stages=1, generation=generation + 1, controller_epoch=2**62,
+                                        controller_id="rogue")
+        for claimed in (epoch + 1, 2**62):
+            steal.controller_epoch = claimed
+            code, msg = code_of(lambda: stub.Assign(steal, timeout=5))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "may take it over" in msg, msg
     with mesh.transport.sync_channel(mesh.controller_address, "controller") as ch:
         msg = controller_pb2_grpc.ControllerStub(ch).Revoke(controller_pb2.RevokeRequest(node="ctl-rogue"),
                                                             timeout=60).message

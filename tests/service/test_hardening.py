@@ -496,3 +496,210 @@ def test_resume_past_what_a_request_can_have_is_invalid_argument_at_once(runner,
             await asyncio.sleep(0.02)
         await still_serves(actl)
     arun(runner, main())
+
+
+# ----------------------------------------------------------------------------- issue 34: the fence
+def keyed(key: str) -> tuple:
+    from logicpipe.policy import KEY_HEADER
+
+    return ((KEY_HEADER, key),)
+
+
+def test_an_assign_that_cannot_load_never_takes_the_fence(runner, tiny_model):
+    """An Assign refused for its content (layers the model does not have: found only by loading)
+    leaves the fence as it was: unheld stays unheld, and a holder stays the holder."""
+    from .conftest import assign_request
+
+    async def main():
+        async with stage_node("unloaded") as node:
+            fence = node.runtime.fence
+            bad = assign_request(tiny_model.path, 0, TINY_LAYERS + 2, num_layers=TINY_LAYERS + 2,
+                                 controller_id="rogue", controller_epoch=9)
+            await expect_status(node.stub.Assign(bad, timeout=RPC_TIMEOUT_S, metadata=keyed("rogue")),
+                                grpc.StatusCode.FAILED_PRECONDITION, "has 4 layers")
+            assert fence.holder is None and fence.epoch == 0
+            good = assign_request(tiny_model.path, controller_id="real", controller_epoch=1)
+            await node.stub.Assign(good, timeout=RPC_TIMEOUT_S, metadata=keyed("real"))
+            assert (fence.controller_id, fence.epoch) == ("real", 1)
+            fence.lease_s = 0.0  # as if the holder were gone: a takeover may be tried (epoch 2, the next) ...
+            bad.controller_epoch = 2**62
+            await expect_status(node.stub.Assign(bad, timeout=RPC_TIMEOUT_S, metadata=keyed("rogue")),
+                                grpc.StatusCode.FAILED_PRECONDITION, "FENCED", "only with epoch 2")
+            bad.controller_epoch = 2  # ... and is refused for its content, holding nothing
+            await expect_status(node.stub.Assign(bad, timeout=RPC_TIMEOUT_S, metadata=keyed("rogue")),
+                                grpc.StatusCode.FAILED_PRECONDITION, "has 4 layers")
+            assert (fence.controller_id, fence.epoch, node.runtime.engine.assignment.end) == ("real", 1, TINY_LAYERS)
+    run(main())
+
+
+def test_measure_link_dials_only_for_the_holder(runner, tiny_model):
+    """A stage nobody holds dials nowhere (it used to connect to any listener a local caller
+    named); a held one dials only for its holder."""
+    from .conftest import assign_request
+
+    async def main():
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            target = f"127.0.0.1:{listener.getsockname()[1]}"
+            async with stage_node("dialer") as node:
+                probe = stage_pb2.MeasureLinkRequest(target_address=target, controller_id="x", controller_epoch=2**62)
+                await expect_status(node.stub.MeasureLink(probe, timeout=RPC_TIMEOUT_S, metadata=keyed("x")), PD,
+                                    "none does yet")
+                assert node.runtime.fence.holder is None  # measuring takes nothing either
+                await node.stub.Assign(assign_request(tiny_model.path, controller_id="real", controller_epoch=1),
+                                       timeout=RPC_TIMEOUT_S, metadata=keyed("real"))
+                await expect_status(node.stub.MeasureLink(probe, timeout=RPC_TIMEOUT_S, metadata=keyed("x")), PD,
+                                    "only from the controller that holds it")
+                own = stage_pb2.MeasureLinkRequest(target_address=node.address, probes=2, payload_bytes=1024)
+                ok = await node.stub.MeasureLink(own, timeout=RPC_TIMEOUT_S, metadata=keyed("real"))
+                assert ok.latency_s > 0 and node.runtime.fence.controller_id == "real"
+    run(main())
+
+
+def test_pull_weights_serves_only_the_stages_this_controller_assigns(runner, actl):
+    """PullWeights served tokenizer.json (and every tensor) to any anonymous caller; now only a
+    caller showing the stream key of a plan this controller assigned gets anything."""
+    from logicpipe.policy import STREAM_KEY_HEADER
+
+    app = actl.ctl.app
+    request = controller_pb2.PullWeightsRequest(model_digest=app.digest, files=["tokenizer.json", "config.json"])
+
+    async def pull(metadata=None):
+        return [c async for c in actl.stub.PullWeights(request, timeout=RPC_TIMEOUT_S, metadata=metadata)]
+
+    async def main():
+        for metadata in (None, ((STREAM_KEY_HEADER, "guessed"),), ((STREAM_KEY_HEADER, ""),)):
+            await expect_status(pull(metadata), PD, "PullWeights serves only the stages this controller assigns")
+        app.pipelines.identity.stream_keys.append("k" * 32)  # what Pipeline.install does for each plan
+        chunks = await pull(((STREAM_KEY_HEADER, "k" * 32),))
+        assert {c.name for c in chunks if c.is_file} >= {"config.json"}
+        await still_serves(actl)
+    arun(runner, main())
+
+
+def test_replicate_streams_the_journal_only_to_the_named_standby(runner, actl):
+    """Controller.Replicate streamed the whole journal (every running prompt's tokens) to any
+    anonymous caller; now only to the standby that sends --peer-secret-file's secret (plaintext),
+    and by default to nobody."""
+    from dataclasses import replace
+
+    from logicpipe.controller.jobs.standby import PEER_SECRET_HEADER
+
+    app = actl.ctl.app
+    secret = "s3cret-" + "x" * 25
+
+    async def first_op(metadata=None):
+        call = actl.stub.Replicate(controller_pb2.ReplicateRequest(follower="b"), timeout=RPC_TIMEOUT_S,
+                                   metadata=metadata)
+        try:
+            return await call.read()
+        finally:
+            call.cancel()
+
+    async def main():
+        before = app.options
+        try:
+            await expect_status(first_op(), PD, "to no one", "--peer-secret-file")
+            app.options = replace(before, peer_secret=secret.encode())
+            await expect_status(first_op(), PD, "sent none")
+            await expect_status(first_op(((PEER_SECRET_HEADER, secret[:-1] + "y"),)), PD, "does not match")
+            assert (await first_op(((PEER_SECRET_HEADER, secret),))).kind == "snapshot"
+        finally:
+            app.options = before
+        await still_serves(actl)
+    arun(runner, main())
+
+
+def test_replicate_over_tls_only_to_the_standby_certificate_and_secret_files_are_checked(tmp_path):
+    from logicpipe.controller.jobs.standby import PeerAuth, read_peer_secret
+    from logicpipe.errors import PermissionDenied
+
+    with pytest.raises(PermissionDenied, match="--standby-name"):
+        PeerAuth("", b"any secret at all").check(True, "ctl-b", ())  # a secret proves nothing over TLS
+    with pytest.raises(PermissionDenied, match="'ctl-rogue' is not it"):
+        PeerAuth("ctl-b").check(True, "ctl-rogue", ())
+    PeerAuth("ctl-b").check(True, "ctl-b", ())
+    good, short, missing = tmp_path / "good", tmp_path / "short", tmp_path / "missing"
+    good.write_text("a" * 32 + "\n")
+    short.write_text("abc\n")
+    assert read_peer_secret(str(good)) == b"a" * 32
+    for path, phrase in ((short, "16 to"), (missing, "cannot read")):
+        with pytest.raises(ValueError, match=phrase):
+            read_peer_secret(str(path))
+
+
+def test_an_active_whose_probe_finds_a_newer_epoch_steps_down_at_once(runner, actl, tiny_model):
+    """After a SIGSTOP the active's first membership probe sees its stage held by another
+    controller of a newer epoch (the standby took over meanwhile): it steps down at once instead
+    of serving on; a stage it still holds changes nothing."""
+    from logicpipe.stage_node.net.fence import Caller
+
+    app = actl.ctl.app
+    stepped: list[str] = []
+
+    async def main():
+        async with stage_node("probed") as node:
+            before = (app.pipelines.epoch, app.fenced, list(app.on_step_down))
+            app.on_step_down.append(lambda: stepped.append(app.fenced))
+            try:
+                app.pipelines.epoch = 3
+                node.runtime.fence.take(Caller("", app.pipelines.identity.metadata[0][1]), app.pipelines.owner, 3)
+                st = await app._probe(node.address, timeout=RPC_TIMEOUT_S)
+                assert st.controller_epoch == 3 and not app.fenced and not stepped
+                node.runtime.fence.lease_s = 0.0
+                node.runtime.fence.take(Caller("", "standby-key"), "controller-b", 4)  # the takeover
+                await app._probe(node.address, timeout=RPC_TIMEOUT_S)
+                assert stepped and "controller-b of epoch 4" in app.fenced
+            finally:
+                app.pipelines.epoch, app.fenced, app.on_step_down[:] = before[0], before[1], before[2]
+    arun(runner, main())
+
+
+def test_a_standby_does_not_take_over_without_a_majority_of_the_stages_or_under_a_newer_epoch(runner, actl):
+    from logicpipe.common.transport import PLAINTEXT
+    from logicpipe.controller.jobs.standby import Standby
+    from logicpipe.stage_node.net.fence import Caller
+
+    from .conftest import closed_port_address
+
+    app = actl.ctl.app
+
+    async def main():
+        async with stage_node("s1") as s1, stage_node("s2") as s2:
+            standby = Standby(app, [closed_port_address()], PLAINTEXT)
+            standby.nodes = {"s1": s1.address, "gone1": closed_port_address(), "gone2": closed_port_address()}
+            assert "reaches 1 of the plan's 3 stages, no majority" in await standby._cannot_take_over()
+            standby.nodes = {"s1": s1.address, "s2": s2.address, "gone": closed_port_address()}
+            assert await standby._cannot_take_over() == ""
+            s2.runtime.fence.take(Caller("", "k"), "controller-c", app.journal.epoch + 1)  # another took over
+            assert "follows controller controller-c" in await standby._cannot_take_over()
+    arun(runner, main())
+
+
+def test_a_controller_whose_journal_was_lost_is_readmitted_by_the_operator(runner, model_dir):
+    """The stages remember epoch 7; a controller started on an empty journal would take epoch 1
+    and be refused by every stage. With --readmit (ControllerApp.readmit) it takes 8, which a stage
+    whose holder's lease expired accepts."""
+    from logicpipe.errors import Fenced
+    from logicpipe.stage_node.net.fence import Caller
+
+    async def main():
+        async with stage_node("remembers") as node:
+            fence = node.runtime.fence
+            fence.take(Caller("", "the lost controller's key"), "controller-lost", 7)
+            fence.lease_s = 0.0  # the lost controller is gone
+            async with controller(model_dir, [node.address], start=False) as ctl:
+                me = Caller("", ctl.app.pipelines.identity.metadata[0][1])
+                assert ctl.app.journal.epoch + 1 == 1
+                with pytest.raises(Fenced):
+                    fence.may_take(me, ctl.app.pipelines.owner, 1)  # locked out without it
+                assert await ctl.app.readmit() == 7
+                ctl.app.take_journal()
+                assert ctl.app.pipelines.epoch == 8
+                fence.take(me, ctl.app.pipelines.owner, ctl.app.pipelines.epoch)
+                assert fence.controller_id == ctl.app.pipelines.owner
+            async with controller(model_dir, [], start=False) as ctl:
+                with pytest.raises(ValueError, match="--nodes"):
+                    await ctl.app.readmit()
+    arun(runner, main())

@@ -55,7 +55,7 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
                                              num_layers=SMOL_LAYERS, stage_index=0, num_stages=2,
                                              next_address=fake.address, generation=generation + 1,
                                              controller_epoch=2**63, controller_id=owner)
-            await expect_status(m.first.stub.Assign(hijack, timeout=RPC_TIMEOUT_S), FP, "FENCED", "connected")
+            await expect_status(m.first.stub.Assign(hijack, timeout=RPC_TIMEOUT_S), FP, "FENCED", "lease runs")
             # eavesdrop: the controller's events, by its owner id
             events = m.last.stub.Events(stage_pb2.EventsRequest(owner=owner), timeout=RPC_TIMEOUT_S)
             await expect_status(events.read(), PD, "only from the controller that holds it")
@@ -66,7 +66,7 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
                     session_id="intruder", capacity=16, owner=owner), timeout=RPC_TIMEOUT_S), PD, "sessions")
                 await expect_status(stage.stub.MeasureLink(stage_pb2.MeasureLinkRequest(  # no dialing for others
                     target_address=closed_port_address(), controller_epoch=2**63, controller_id=owner),
-                    timeout=RPC_TIMEOUT_S), FP, "FENCED", "connected")
+                    timeout=RPC_TIMEOUT_S), PD, "MeasureLink only from the controller that holds it")
                 await expect_status(stage.stub.Revoked(stage_pb2.RevokedRequest(names=["stage"]),
                                                        timeout=RPC_TIMEOUT_S), PD)
             # a feed into the victim's session on stage 0, a step into stage 1: neither holder nor plan
