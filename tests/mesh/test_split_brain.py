@@ -67,9 +67,11 @@ def test_at_most_one_controller_serves_through_a_pause_a_kill_and_a_partition(mo
         mesh = LocalMesh(2, model_dir, tmp_path, threads=1, tls=False)
         addr = {n: f"{ns.address(n)}:{free_port()}" for n in ("a", "b")}
         peer = {"a": addr["b"], "b": addr["a"]}
+        secret = tmp_path / "peer.secret"  # the journal streams only to the standby that sends it
+        secret.write_text("0123456789abcdef" * 2 + "\n")
 
         def start(name: str, ready: bool) -> None:
-            mesh.start_controller("--peer", peer[name], "--insecure", name=f"controller-{name}", address=addr[name],
+            mesh.start_controller("--peer", peer[name], "--peer-secret-file", str(secret), "--insecure", name=f"controller-{name}", address=addr[name],
                                   ready=ready, prefix=tuple(ns.prefix(name)))
 
         def restart_if_exited(name: str) -> None:  # as systemd does (Restart=on-failure)
