@@ -234,8 +234,13 @@ def run_takeover(model_dir: Path, work: Path) -> dict:
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     try:
         mesh.stage_addresses = [mesh.start_stage(i) for i in range(3)]
-        mesh.start_controller("--peer", b, address=a)
-        mesh.start_controller("--peer", a, name="controller-b", address=b, ready=False)
+        secret = Path(work) / "peer.secret"  # the journal streams only to the standby that sends it
+        secret.parent.mkdir(parents=True, exist_ok=True)
+        secret.write_text("0123456789abcdef" * 2 + "\n")
+        pair = ("--peer-secret-file", str(secret), "--standby-name", "controller") \
+            if supports("--peer-secret-file", "logicpipe.controller.main") else ()
+        mesh.start_controller("--peer", b, *pair, address=a)
+        mesh.start_controller("--peer", a, *pair, name="controller-b", address=b, ready=False)
         while not mesh.controller_status(address=b).active:
             time.sleep(0.2)
         reqs = [Resuming([a, b], p) for p in PROMPTS]
