@@ -152,8 +152,8 @@ def test_a_stage_started_with_no_state_dir_flag_keeps_its_fence_across_a_restart
     assert stage_main.parse_args([]).state_dir is None
     path = stage_main.fence_file(default_state_dir(), "n1")
     assert path.parent == tmp_path / "state"
-    Fence("n1", path, tls=True).take(A, "a", 3, never)
+    Fence("n1", path, tls=True).take(A, "a", 3)
     restarted = Fence("n1", stage_main.fence_file(default_state_dir(), "n1"), tls=True)
     assert (restarted.epoch, restarted.controller_id) == (3, "a")
     with pytest.raises(Fenced):
-        restarted.take(B, "b", 2, never)
+        restarted.take(B, "b", 2)
