@@ -362,6 +362,29 @@ class Replanner:
         self.app.state.set(Phase.READY)
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
+        self._measure_held(ids)
+
+    def _measure_held(self, ids: dict[str, str]) -> None:
+        """A newcomer measures links only for the controller that holds it, so its links were not
+        measured before its first assignment: measure them now that this controller holds it (in the
+        background, after the plan serves), for the next plan and /metrics."""
+        held = {h.node_id for h in self.app.pipelines.stages}
+        todo = {n: a for n, a in ids.items() if n in held}
+        if not any(b not in self.links.get(a, {}) for a in todo for b in todo if a != b):
+            return
+
+        async def measure() -> None:
+            try:
+                async with self._plan_lock:
+                    await self._measure_links(todo)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — the next re-plan measures them again
+                log.info("measuring the new stages' links failed: %s", exc)
+
+        task = asyncio.get_running_loop().create_task(measure(), name="measure-links")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     def _order(mesh, p: Pipeline) -> int:
