@@ -188,8 +188,8 @@ def lpctl_outline(mesh: LocalMesh, prompt: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def outline_points(proc: subprocess.Popen) -> tuple[list[tuple[str, str]], str]:
-    """An outline request's points as (title, text), and what lpctl said on stderr."""
+def lpctl_output(proc: subprocess.Popen) -> tuple[str, str]:
+    """What an lpctl process printed (stdout, stderr) once it exited 0 (killed if it hangs)."""
     try:
         out, err = proc.communicate(timeout=RESUME_S + 120)
     finally:
@@ -197,19 +197,19 @@ def outline_points(proc: subprocess.Popen) -> tuple[list[tuple[str, str]], str]:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
+    return out, err
+
+
+def outline_points(proc: subprocess.Popen) -> tuple[list[tuple[str, str]], str]:
+    """An outline request's points as (title, text), and what lpctl said on stderr."""
+    out, err = lpctl_output(proc)
     points = [(p["title"], p["text"]) for p in json.loads(out)["dag"]["points"]]
     assert points and all(text for _, text in points), out
     return points, err
 
 
 def lpctl_tokens(proc: subprocess.Popen) -> tuple[list[int], str]:
-    try:
-        out, err = proc.communicate(timeout=RESUME_S + 120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
+    out, err = lpctl_output(proc)
     return json.loads(out)["token_ids"], err
 
 
