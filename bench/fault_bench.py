@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import statistics
@@ -155,6 +156,50 @@ def open_sessions(address: str) -> int | None:
         return None
 
 
+class StageWatch:
+    """Polls every stage's Status every 0.25 s in a thread: when none answered (every stage dead,
+    restarting or stopped: nothing could serve, whatever the controller does)."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses, self.samples, self._stop = addresses, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        channels = [grpc.insecure_channel(a) for a in self.addresses]
+        stubs = [stage_pb2_grpc.StageNodeStub(ch) for ch in channels]
+        while not self._stop.wait(0.25):
+            futures = [s.Status.future(stage_pb2.StatusRequest(), timeout=0.5) for s in stubs]
+            up = 0
+            for f in futures:
+                try:
+                    f.result()
+                    up += 1
+                except grpc.RpcError:
+                    pass
+            self.samples.append((time.monotonic(), up, os.getloadavg()[0]))
+        for ch in channels:
+            ch.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+
+    def none_up_s(self, start: float, end: float) -> float:
+        """Seconds within [start, end] during which no stage answered."""
+        total, prev = 0.0, None
+        for t, up, _ in self.samples:
+            if prev is not None and start <= t <= end and prev[1] == 0:
+                total += t - max(prev[0], start)
+            prev = (t, up)
+        return total
+
+    def load(self) -> list[float]:
+        """The 1-minute load average's lowest and highest while watched."""
+        loads = [x for _, _, x in self.samples]
+        return [round(min(loads), 1), round(max(loads), 1)] if loads else []
+
+
 def supports(flag: str, module: str = "logicpipe.stage_node.main") -> bool:
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
     return flag in out.stdout
@@ -266,6 +311,7 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
         for r in reqs:
             r.started.wait(120)
         restarting: dict[int, threading.Thread] = {}
+        watch = StageWatch(mesh.stage_addresses)
 
         def restart(i: int, proc) -> None:
             proc.wait(60)
@@ -290,15 +336,22 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
                 restarting[i].start()
         for r in reqs:
             r.thread.join(WAIT_S + 300)
+        watch.stop()
         gaps = [max(b - a for a, b in zip(r.times, r.times[1:])) for r in reqs if len(r.times) > 1]
         each = [_fault_resume_s(reqs, t) for t in fault_times]
         per_fault = [s for s in each if s is not None]
+        # the same, less the time within each fault's wait during which no stage answered at all
+        served = [s - watch.none_up_s(t, t + s) for s, t in zip(each, fault_times) if s is not None]
         return {"fault": f"storm ({faults} faults, {spacing:g} s apart)", "lost": sum(1 for r in reqs if r.error),
                 "of": len(reqs), "resumed_s": statistics.median(gaps) if gaps else None,
                 "resumed_max_s": max(gaps) if gaps else None,
                 "fault_resume_median_s": statistics.median(per_fault) if per_fault else None,
                 "fault_resume_max_s": max(per_fault) if per_fault else None,
                 "fault_resume_s": [None if s is None else round(s, 1) for s in each], "faults": fault_log,
+                "fault_resume_stage_up_median_s": statistics.median(served) if served else None,
+                "fault_resume_stage_up_max_s": max(served) if served else None,
+                "no_stage_up_s": round(watch.none_up_s(fault_times[0], time.monotonic()), 1) if fault_times else 0.0,
+                "load_average": watch.load(),
                 "errors": sorted({r.error for r in reqs if r.error})}
 
 
@@ -343,6 +396,10 @@ def main() -> None:
             if r.get("fault_resume_max_s") is not None:
                 res += (f"; per fault, until every running request had a token: median "
                         f"{r['fault_resume_median_s']:.1f} s, max {r['fault_resume_max_s']:.1f} s")
+            if r.get("fault_resume_stage_up_max_s") is not None:
+                res += (f"; the same less the time no stage was up: median {r['fault_resume_stage_up_median_s']:.1f} s, "
+                        f"max {r['fault_resume_stage_up_max_s']:.1f} s; no stage up {r['no_stage_up_s']:.1f} s in all; "
+                        f"load average {r['load_average'][0]}-{r['load_average'][1]}")
             print(f"| {r['fault']} | {r['lost']} of {r['of']} | {res} |")
     if rows:
         print("| fault | resumed (or ended) | controller Status during it | requests lost | sessions leaked | state after |")

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
+import threading
 from pathlib import Path
 
 # OpenMP workers (torch's CPU thread team) spin this many iterations waiting for the next parallel
@@ -43,6 +44,7 @@ from logicpipe.stage_node.kernels.invariant import SETTINGS as INVARIANT_SETTING
 from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
+from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.engine.runner import Runner  # noqa: E402
@@ -218,6 +220,7 @@ async def serve(args: argparse.Namespace) -> None:
     bound = bind(transport, server, args.listen, "--listen", PROG)
     runtime.start()
     await server.start()
+    threading.Thread(target=warm_imports, daemon=True, name="warm-imports").start()
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
     members = StageMembership(runtime, f"{host}:{bound}", transport, controller=args.controller,
                               mdns=not args.no_mdns, mesh=args.mesh,

@@ -194,12 +194,18 @@ class Scheduler:
         self._admitter: asyncio.Task | None = None
         self._arrivals = itertools.count(1)
         self._hold_replays = False  # a preemption happened: replays wait until some request ends
+        self.caught_up_at = 0.0  # when the last moved request had its first token after the move (monotonic)
         state.watch(self.kick)
         self.journal.on_lost.append(self._not_durable)
 
     @property
     def running(self) -> int:
         return len(self.active)
+
+    def catching_up(self) -> int:
+        """Requests moved by a fault or a re-plan that have not had a token since (their replay,
+        queued or under way): a better plan waits for them rather than moving them again."""
+        return sum(1 for r in (*self.active.values(), *self.waiting) if r.catching_up and not r.ended)
 
     # ---- events from the stages (called by the Pipeline) -----------------------------------
     def on_event(self, ev: stage_pb2.Event) -> None:
@@ -219,6 +225,8 @@ class Scheduler:
             if req.prompt_logprobs is not None and req.prompt_lps is None:  # (the first event of a session asked)
                 req.prompt_lps = [TokenLogprob.from_proto(lp) for lp in t.prompt_logprobs]
             req.failures = 0  # it moves again
+            if req.catching_up:
+                req.catching_up, self.caught_up_at = False, time.monotonic()
             req.done = t.finished
             req.stage_reason = t.finish_reason
             accepted = len(t.token_ids) - 1 if t.candidates else 0
@@ -546,6 +554,7 @@ class Scheduler:
                 return
         else:
             req.replays += 1
+            req.catching_up = True
             if not moved:
                 req.failures += 1
                 if req.failures > MAX_REPLAYS:

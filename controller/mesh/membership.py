@@ -1,7 +1,7 @@
 """The nodes the controller knows of, however it learnt of them (`--nodes`, mDNS, a node's own
 Register call), and which of them can take part in a plan now.
 
-Every member is probed (StageNode.Status) every PROBE_S: the probe learns its id and profile,
+Every member is probed (StageNode.Status) every PROBE_S (one down or stopping every DOWN_PROBE_S): the probe learns its id and profile,
 notices a node that stopped answering, and brings back one that answers again (a node restarted
 after a crash, on the same address, is re-admitted without anyone doing anything). What changes
 the set of usable nodes is reported through `on_change(why)`; the app re-plans on it.
@@ -20,6 +20,7 @@ from logicpipe.v1 import stage_pb2
 log = logging.getLogger(__name__)
 
 PROBE_S = 2.0               # every member's Status is asked this often
+DOWN_PROBE_S = 0.5          # ... and a member that is down or stopping this often (a restarted node is back sooner)
 PROBE_TIMEOUT_S = 1.5
 DOWN_AFTER_MISSES = 2       # unanswered probes in a row before a node counts as down; one that does not
 STALL_GRACE_S = 5.0         # answer in time (stalled, its address still taking connections) only once it
@@ -178,11 +179,17 @@ class Members:
             self.on_change(f"node {st.node_id} {'joined' if was == NOT_PROBED else 'is back'}")
 
     async def _probe_loop(self) -> None:
+        last_round = time.monotonic()
         while True:
-            await asyncio.sleep(PROBE_S)
+            await asyncio.sleep(DOWN_PROBE_S)
             now = time.monotonic()
             for m in list(self.by_address.values()):
                 if m.source != "static" and m.down and now - m.down_since > FORGET_AFTER_S:
                     log.info("forgetting node %s (%s): down for %.0f s", m.node_id or "?", m.address, now - m.down_since)
                     del self.by_address[m.address]
-            await asyncio.gather(*(self.probe(m) for m in list(self.by_address.values())), return_exceptions=True)
+            every = now - last_round >= PROBE_S
+            if every:
+                last_round = now
+            due = [m for m in self.by_address.values()
+                   if every or (m.down and m.down != NOT_PROBED and m.refused_start is None) or m.leaving]
+            await asyncio.gather(*(self.probe(m) for m in due), return_exceptions=True)

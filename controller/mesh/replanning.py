@@ -4,8 +4,9 @@ broke is replaced over the nodes no serving pipeline holds and only its requests
 their tokens on the pipelines that serve: none is lost, greedy output does not change); with
 nothing broken, a better plan (by predicted tokens/s, or in classic mode by its step cost) is
 installed only when it gains --replan-gain, and a plan that serves is never replaced for a better
-one within HOLD_S of its install or of the last fault (in a storm, nodes that come back join the
-plan once it is over, rather than moving every running request again between two faults)."""
+one within HOLD_S of its install, of the last fault or of its moved requests catching up, nor while
+they replay (in a storm, nodes that come back join the plan once it is over, rather than moving
+every running request again between two faults and throwing away the replays under way)."""
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +34,8 @@ HOLD_S = 10.0           # a plan that still serves is replaced for a better one 
                         # the last plan has served this long and no node has gone down for this long: in a
                         # storm of faults, running requests move once per fault that breaks their pipeline,
                         # not again for every node that comes back
+MAX_HOLD_S = 60.0       # ... and waits for the requests still replaying on the plan in force at most this long
+                        # after its install
 RETRY_S = 1.0           # a re-plan that failed is tried again after this
 CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
 
@@ -60,6 +63,7 @@ class Replanner:
         self._installed_at = 0.0      # when the plan in force was installed (monotonic)
         self._now = False             # the re-plan in progress was asked for by an operator (drain, revoke, leave)
         self._recheck: asyncio.TimerHandle | None = None
+        self._left_out = False        # the re-plan in progress left a node out (its install could not reach it)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="replanner")
@@ -96,19 +100,22 @@ class Replanner:
             self._trigger.clear()
             reasons, since, self._reasons = self._reasons, self._since, []
             why = "; ".join(dict.fromkeys(reasons)) or "a check"
+            self._left_out = False
             try:
                 async with self._plan_lock:
                     await self.replan(why, since)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 — try again: requests are waiting for it
-                log.warning("re-plan (%s) failed: %s; trying again in %.0f s", why, exc, RETRY_S,
+                # a node the install could not reach is left out now: the next try needs no wait
+                retry = 0.0 if self._left_out else RETRY_S
+                log.warning("re-plan (%s) failed: %s; trying again in %.1f s", why, exc, retry,
                             exc_info=not isinstance(exc, MeshError))
                 if self._broken():  # no plan serves: requests wait for one, bounded
                     self.app.state.set(Phase.WAITING, f"re-plan failed: {exc}")
                 else:  # the plan in force still serves
                     self.app.state.set(Phase.READY)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(retry)
                 self.request_replan(why)
 
     async def _settle(self) -> None:
@@ -215,14 +222,19 @@ class Replanner:
             return full  # only pipelines added: nothing in force moves
         grown = extra()
         if planning.better(full, current, o):
-            served = time.monotonic() - max(self._installed_at, self.app.members.last_fault())
-            if self.app.scheduler.running and served < HOLD_S and not self._now:
-                # better, but the plan in force serves and was installed (or a node fell) just now: moving
-                # its running requests again waits until the mesh has been quiet for a while
-                log.info("%s: a better plan (%s vs %s) waits %.1f s more (the plan in force is new, or a fault "
-                         "was recent)",
-                         why, planning.describe(full), planning.describe(current), HOLD_S - served)
-                self.later(HOLD_S - served, why)
+            sched = self.app.scheduler
+            served = time.monotonic() - max(self._installed_at, self.app.members.last_fault(), sched.caught_up_at)
+            replaying = sched.catching_up() if time.monotonic() - self._installed_at < MAX_HOLD_S else 0
+            if sched.running and (served < HOLD_S or replaying) and not self._now:
+                # better, but the plan in force serves and was installed (or a node fell, or its moved
+                # requests caught up) just now, or requests it took over are still replaying: moving its
+                # running requests again waits until the mesh has been quiet for a while
+                wait = HOLD_S - served if served < HOLD_S else 1.0
+                log.info("%s: a better plan (%s vs %s) waits %.1f s more (%s)", why, planning.describe(full),
+                         planning.describe(current), wait,
+                         f"{replaying} moved requests are still replaying" if replaying else
+                         "the plan in force is new, or a fault was recent")
+                self.later(wait, why)
             else:
                 return full
         if grown:
@@ -344,6 +356,7 @@ class Replanner:
                                 self.app.members.refuse(m.address, f"its assignment failed: {err}")
                             else:
                                 self.app.members.mark_down(m.address, f"its assignment failed: {err}")
+                            self._left_out = True
             for i, p in fresh.items():
                 if p not in installed:
                     await p.close(wait_closes=False)

@@ -17,6 +17,18 @@ log = logging.getLogger(__name__)
 MIN_TABLE_POSITIONS = 1024  # first table size (positions); it doubles as longer contexts arrive
 
 
+def warm_imports() -> None:
+    """Import what `rope_parameters` needs from transformers (about 2 s of a stage's first load on a
+    small CPU: its config machinery), on a thread of its own while the stage waits to be assigned,
+    so that a restarted stage's first assignment does not pay it."""
+    try:
+        from transformers import AutoConfig  # noqa: F401
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: F401
+        import transformers.activations  # noqa: F401  (what a model's configuration module pulls in)
+    except Exception:  # noqa: BLE001 — only a head start: the first load imports them itself
+        log.debug("warming the transformers imports failed", exc_info=True)
+
+
 def rope_parameters(model_dir, kind: str = "full") -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32, attention_scaling) of a model directory's RoPE for its
     layers of `kind` ("full", or "sliding": Gemma 3's local layers have a RoPE of their own)."""

@@ -113,3 +113,34 @@ def test_a_stalled_node_is_waited_for_within_the_grace(world, monkeypatch):
         await m.probe(a)
         assert not a.usable and changes[-1].startswith("node a down")
     asyncio.run(main())
+
+
+def test_a_down_node_is_probed_sooner_than_the_round(world, monkeypatch):
+    """Every member is probed every PROBE_S; one that is down (a node restarting) every
+    DOWN_PROBE_S too, so that it is back in the plan soon after it answers again."""
+    import logicpipe.controller.mesh.membership as membership
+
+    monkeypatch.setattr(membership, "PROBE_S", 60.0)
+    monkeypatch.setattr(membership, "DOWN_PROBE_S", 0.02)
+    asked: list[str] = []
+
+    async def probe(address, timeout=0):
+        asked.append(address)
+        return await world.probe(address, timeout)
+
+    async def main():
+        changes: list[str] = []
+        m = Members(probe, changes.append)
+        world.update({"up:1": status("up"), "down:1": status("down")})
+        m.add("up:1", "static")
+        m.add("down:1", "static")
+        await asyncio.sleep(0.05)
+        m.mark_down("down:1", "killed")
+        m.start()
+        try:
+            await asyncio.sleep(0.3)
+        finally:
+            await m.close()
+        assert asked.count("up:1") == 1  # its first probe only: the round is 60 s
+        assert m.by_address["down:1"].usable and changes[-1] == "node down is back"
+    asyncio.run(main())
