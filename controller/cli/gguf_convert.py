@@ -16,6 +16,7 @@ nothing half-written; a finished one is reused while the source file's size and 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -116,12 +117,29 @@ def _stamp(path: Path) -> dict:
     return {"source": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def is_converted(out_dir: Path, gguf_path: Path, dtype: str) -> bool:
+    """Whether `out_dir` holds a finished conversion of `gguf_path` to `dtype`: the same file (path,
+    size, modification time), or the same bytes elsewhere (another checkout's or virtualenv's copy of
+    a packaged GGUF: its digest), so that one conversion serves every copy of the file."""
     try:
         marker = json.loads((out_dir / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("stamp") == _stamp(gguf_path) and marker.get("dtype") == dtype
+    if not isinstance(marker, dict) or marker.get("dtype") != dtype:
+        return False
+    stamp = _stamp(gguf_path)
+    if marker.get("stamp") == stamp:
+        return True
+    return (marker.get("stamp", {}).get("size") == stamp["size"] and bool(marker.get("sha256"))
+            and marker["sha256"] == _sha256(gguf_path))
 
 
 def prepare_gguf(gguf_path, out_dir=None, *, dtype: str = "bfloat16", force: bool = False,
@@ -165,10 +183,16 @@ def prepare_gguf(gguf_path, out_dir=None, *, dtype: str = "bfloat16", force: boo
             {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}))
         say("[3/3] writing the tokenizer and its chat template")
         write_tokenizer(src, tmp)
-        (tmp / MARKER).write_text(json.dumps({"stamp": _stamp(src), "dtype": dtype, "created": time.time()}))
-        if out.exists():
-            shutil.rmtree(out)
+        (tmp / MARKER).write_text(json.dumps({"stamp": _stamp(src), "sha256": _sha256(src), "dtype": dtype,
+                                              "created": time.time()}))
+        # the old conversion is moved aside, not deleted in place: a process reading it meanwhile (a
+        # stage loading its layers) keeps its open files, and the directory is missing for a rename only
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent)) if out.exists() else None
+        if old is not None:
+            os.replace(out, old / out.name)
         os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

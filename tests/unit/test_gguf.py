@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -164,7 +165,13 @@ def test_a_conversion_is_done_once_and_redone_when_the_file_changes(tmp_path, to
     messages: list[str] = []
     assert prepare_gguf(gguf, tmp_path / "p", progress=messages.append) == out
     assert weights.stat().st_mtime_ns == first and messages == [f"model ready: {out}"]
-    os.utime(gguf, ns=(first + 10**9, first + 10**9))
+    # the same bytes at another path, newer (another checkout's virtualenv): the conversion serves it
+    copy = tmp_path / "elsewhere" / "m.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(gguf, copy)
+    os.utime(copy, ns=(first + 10**9, first + 10**9))
+    assert prepare_gguf(copy, tmp_path / "p", progress=quiet) == out and weights.stat().st_mtime_ns == first
+    write_gguf("llama", build("llama", tmp_path / "hf2", seed=1), gguf, tokenizer_gguf)  # other bytes: again
     prepare_gguf(gguf, tmp_path / "p", progress=quiet)
     assert weights.stat().st_mtime_ns != first
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".p.")]  # no temporary left behind
