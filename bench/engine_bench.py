@@ -9,6 +9,9 @@ same script measures any version of the mesh. Scenarios (all by default):
   concurrency  C concurrent requests / 1 stream, aggregate new tokens per second (new tokens of
                all requests / wall time from the first submit to the last token), S-stage mesh,
                interleaved round by round, medians.
+  llamacpp_batched
+               llama.cpp decoding the C requests' sequences in one batch (prefill counted): the
+               ratio printed is the mesh's C-concurrent aggregate / it (not run by default)
   llamacpp     llama.cpp (llama-cpp-python, optional: `pip install llama-cpp-python`) single stream
                on the same GGUF the default model comes from, same thread count, same token count;
                the ratio printed is the mesh's C-concurrent aggregate / llama.cpp's one stream.
@@ -196,6 +199,87 @@ def scenario_llamacpp(args, model_dir, work) -> dict:
     return {"gguf": find_default_gguf().name, "tps": statistics.median(rates), "raw": rates}
 
 
+def scenario_llamacpp_batched(args, model_dir, work) -> dict:
+    """llama.cpp decoding `--concurrency` sequences in one batch (its own multi-sequence KV), greedy:
+    the prompts prefilled in one batch, then one token of every sequence per decode; aggregate new
+    tokens per second over the whole (prefill counted), medians over rounds."""
+    try:
+        import llama_cpp
+        from llama_cpp import Llama
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from logicpipe.controller.cli.model_prep import find_default_gguf
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    n = args.concurrency
+    prompts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], tokenize=False,
+                                       add_generation_prompt=True) for i in range(n)]
+    llm = Llama(model_path=str(find_default_gguf()), n_threads=args.threads, n_threads_batch=args.threads,
+                n_ctx=n * (128 + args.tokens), n_batch=2048, n_seq_max=n, kv_unified=True, verbose=False)
+    ctx, vocab = llm.ctx, llm.n_vocab()
+    ids = [llm.tokenize(p.encode(), add_bos=False, special=True) for p in prompts]
+    batch = llama_cpp.llama_batch_init(max(2048, sum(map(len, ids))), 0, n)
+
+    def put(i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+        batch.seq_id[i][0], batch.logits[i] = seq, logits
+
+    def argmax(i: int) -> int:
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,))
+        return int(row.argmax())
+
+    rates = []
+    try:
+        for _ in range(args.rounds + 1):
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+            t0 = time.perf_counter()
+            k, last = 0, []
+            for seq, p in enumerate(ids):
+                for pos, t in enumerate(p):
+                    put(k, t, pos, seq, pos == len(p) - 1)
+                    k += 1
+                last.append(k - 1)
+            batch.n_tokens = k
+            if llama_cpp.llama_decode(ctx, batch):
+                raise RuntimeError("llama_decode failed on the prompts")
+            nxt = [argmax(i) for i in last]
+            lengths = [len(p) for p in ids]
+            for step in range(1, args.tokens):
+                for seq in range(n):
+                    put(seq, nxt[seq], lengths[seq] + step - 1, seq, True)
+                batch.n_tokens = n
+                if llama_cpp.llama_decode(ctx, batch):
+                    raise RuntimeError("llama_decode failed on a decode step")
+                nxt = [argmax(i) for i in range(n)]
+            rates.append(n * args.tokens / (time.perf_counter() - t0))
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    rates = rates[1:]  # the first run warms up
+    print(f"llama.cpp, {n} sequences batched: {statistics.median(rates):.1f} tok/s aggregate", file=sys.stderr)
+    return {"gguf": find_default_gguf().name, "concurrency": n, "tps": statistics.median(rates), "raw": rates}
+
+
+def cpu_description() -> dict:
+    """The CPU the figures come from: its model name and the vector extensions that matter here."""
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
+                name = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags |= set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "asimddp", "sve")
+    return {"model": name, "machine": platform.machine(), "flags": [f for f in wanted if f in flags]}
+
+
 def scenario_prefix(args, model_dir, work) -> dict:
     from transformers import AutoTokenizer
 
@@ -291,7 +375,8 @@ def scenario_microbatches(args, model_dir, work) -> dict:
     return {str(m): statistics.median(v) for m, v in rates.items()}
 
 
-SCENARIOS = {"single": scenario_single, "concurrency": scenario_concurrency, "llamacpp": scenario_llamacpp, "prefix": scenario_prefix,
+SCENARIOS = {"single": scenario_single, "concurrency": scenario_concurrency, "llamacpp": scenario_llamacpp,
+             "llamacpp_batched": scenario_llamacpp_batched, "prefix": scenario_prefix,
              "admission": scenario_admission, "microbatches": scenario_microbatches}
 
 
@@ -317,7 +402,7 @@ def main() -> None:
     from logicpipe.controller.cli.model_prep import prepare_default_model
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
-    results = {}
+    results = {"cpu": cpu_description()}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.scenarios.split(","):
             results[name] = SCENARIOS[name](args, model_dir, Path(tmp))
@@ -326,6 +411,9 @@ def main() -> None:
         results["mesh_concurrent_over_llamacpp"] = results["concurrency"]["concurrent_tps"] / peer
     if "single" in results and peer:
         results["single_stage_one_stream_over_llamacpp"] = results["single"]["tps"] / peer
+    batched = results.get("llamacpp_batched", {}).get("tps")
+    if "concurrency" in results and batched:
+        results["mesh_concurrent_over_llamacpp_batched"] = results["concurrency"]["concurrent_tps"] / batched
     print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "raw"} if isinstance(v, dict) else v)
                       for k, v in results.items()}, indent=2))
     if args.json:

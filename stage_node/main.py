@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import logging
 import os
-import threading
 from pathlib import Path
 
 # OpenMP workers (torch's CPU thread team) spin this many iterations waiting for the next parallel
@@ -220,7 +219,7 @@ async def serve(args: argparse.Namespace) -> None:
     bound = bind(transport, server, args.listen, "--listen", PROG)
     runtime.start()
     await server.start()
-    threading.Thread(target=warm_imports, daemon=True, name="warm-imports").start()
+    warming = asyncio.ensure_future(runner.call(warm_imports))  # a head start for the first load (queued before it)
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
     members = StageMembership(runtime, f"{host}:{bound}", transport, controller=args.controller,
                               mdns=not args.no_mdns, mesh=args.mesh,
@@ -230,6 +229,7 @@ async def serve(args: argparse.Namespace) -> None:
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0, ready=members.start,
                                     on_stop=members.leave, alive=runtime.alive)
     finally:
+        warming.cancel()
         await members.close()
         await runtime.stop()
 

@@ -19,8 +19,10 @@ MIN_TABLE_POSITIONS = 1024  # first table size (positions); it doubles as longer
 
 def warm_imports() -> None:
     """Import what `rope_parameters` needs from transformers (about 2 s of a stage's first load on a
-    small CPU: its config machinery), on a thread of its own while the stage waits to be assigned,
-    so that a restarted stage's first assignment does not pay it."""
+    small CPU: its config machinery) while the stage waits to be assigned, so that a restarted
+    stage's first assignment does not pay it. Run on the runner thread, as loads are: transformers'
+    lazy modules are not safe to import from two threads at once, and a load that comes meanwhile
+    queues behind it."""
     try:
         from transformers import AutoConfig  # noqa: F401
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: F401
