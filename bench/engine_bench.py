@@ -217,11 +217,17 @@ def scenario_llamacpp_batched(args, model_dir, work) -> dict:
     n = args.concurrency
     prompts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], tokenize=False,
                                        add_generation_prompt=True) for i in range(n)]
-    llm = Llama(model_path=str(find_default_gguf()), n_threads=args.threads, n_threads_batch=args.threads,
-                n_ctx=n * (128 + args.tokens), n_batch=2048, n_seq_max=n, kv_unified=True, verbose=False)
-    ctx, vocab = llm.ctx, llm.n_vocab()
+    llm = Llama(model_path=str(find_default_gguf()), n_threads=args.threads, n_ctx=256, verbose=False)
     ids = [llm.tokenize(p.encode(), add_bos=False, special=True) for p in prompts]
-    batch = llama_cpp.llama_batch_init(max(2048, sum(map(len, ids))), 0, n)
+    params = llama_cpp.llama_context_default_params()  # (Llama's own context holds one sequence)
+    total = sum(map(len, ids))
+    params.n_ctx, params.n_batch, params.n_ubatch = n * (max(map(len, ids)) + args.tokens + 16), total, total
+    params.n_seq_max, params.kv_unified = n, True
+    params.n_threads = params.n_threads_batch = args.threads
+    ctx, vocab = llama_cpp.llama_init_from_model(llm._model.model, params), llm.n_vocab()
+    if not ctx:
+        return {"skipped": "llama.cpp could not make a context of that many sequences"}
+    batch = llama_cpp.llama_batch_init(total, 0, n)
 
     def put(i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
@@ -257,6 +263,7 @@ def scenario_llamacpp_batched(args, model_dir, work) -> dict:
             rates.append(n * args.tokens / (time.perf_counter() - t0))
     finally:
         llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
     rates = rates[1:]  # the first run warms up
     print(f"llama.cpp, {n} sequences batched: {statistics.median(rates):.1f} tok/s aggregate", file=sys.stderr)
     return {"gguf": find_default_gguf().name, "concurrency": n, "tps": statistics.median(rates), "raw": rates}
