@@ -27,7 +27,15 @@ deterministic for a given batch but may differ between a request alone and one a
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
+
 import torch
+
+from logicpipe.stage_node.kernels import cpu_native
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("none", "int4", "int8", "nf4", "fp4")
 BLOCK_4BIT = 64       # bitsandbytes' block
@@ -81,53 +89,130 @@ def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Packed(QuantMatrix):
-    """int8 weights, one bf16 scale per output channel (absmax / 127), by `_weight_int8pack_mm`."""
+    """int8 weights, one bf16 scale per output channel (absmax / 127), by `kernel` ("native":
+    cpu_quant.c; "torch": `_weight_int8pack_mm`; None: this CPU's choice, `cpu_kernel`)."""
 
     format = "int8"
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, kernel: str | None = None):
         super().__init__(*w.shape)
         w = w.float()
-        self._scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
-        self._q = (w / self._scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.kernel = kernel or cpu_kernel("int8")
+        scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
+        q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self._scales, self._q = scales, q.contiguous()
+        if self.kernel == "native":
+            self._q, self._scales = cpu_native.pack_int8(q, scales)
+            self._native = cpu_native.library().lp_int8_mm
         self._mm = torch._weight_int8pack_mm  # the direct binding: torch.ops.aten.* boxes each call (+2.5 µs)
 
     @property
     def nbytes(self) -> int:
-        return self._q.numel() + 2 * self._scales.numel()
+        return self._q.numel() + self._scales.numel() * self._scales.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "native":
+            return cpu_native.call(self._native, x, self._q, self._scales, self.shape[0]).to(x.dtype)
         return self._mm(x.to(torch.bfloat16), self._q, self._scales).to(x.dtype)
 
 
 class Int4Packed(QuantMatrix):
     """4-bit weights in groups of GROUP_INT4 along the input, each group with a bf16 scale and zero
-    point (w = (q - 8) * scale + zero, q in 0..15), by `_weight_int4pack_mm_for_cpu`."""
+    point (w = (q - 8) * scale + zero, q in 0..15), by `kernel` ("native": cpu_quant.c; "torch":
+    `_weight_int4pack_mm_for_cpu`; None: this CPU's choice, `cpu_kernel`)."""
 
     format = "int4"
 
-    def __init__(self, w: torch.Tensor, group: int = GROUP_INT4):
+    def __init__(self, w: torch.Tensor, group: int = GROUP_INT4, kernel: str | None = None):
         out, inp = w.shape
-        if inp % group or out % 16:
+        if inp % group or out % 16:  # the same rule for either kernel: a shape runs whichever is chosen
             raise QuantError(f"int4 needs matrices whose input size is a multiple of {group} and output size a "
                              f"multiple of 16 (the kernel's packing), got {out} x {inp}: use --quantize int8")
         super().__init__(out, inp)
+        self.kernel = kernel or cpu_kernel("int4")
         g = w.float().reshape(out, inp // group, group)
         lo, hi = g.amin(-1), g.amax(-1)                                      # [out, groups]
         scale = _bf16_at_least(((hi - lo) / 15.0).clamp(min=1e-30))
         zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
         q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).round().clamp(0, 15)
         self.group = group
-        self._scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2] bf16
-        self._packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
+        if self.kernel == "native":
+            self._packed, self._scale_zero = cpu_native.pack_int4(q.reshape(out, inp), scale, zero, group)
+            self._native = cpu_native.library().lp_int4_mm
+        else:
+            self._scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2] bf16
+            self._packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
         self._mm = torch._weight_int4pack_mm_for_cpu
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
+        if self.kernel == "native":  # [tiles, groups, 2, 4] bf16 bits -> [out, groups, 2]
+            sz = self._scale_zero.view(torch.bfloat16).float().permute(0, 3, 1, 2).reshape(-1, *self._scale_zero.shape[1:3])
+            sz = sz[: self.shape[0]]
+        else:
+            sz = self._scale_zero.float().transpose(0, 1)
+        return sz[..., 0], sz[..., 1]
 
     @property
     def nbytes(self) -> int:
         return self._packed.numel() * self._packed.element_size() + 2 * self._scale_zero.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "native":
+            return cpu_native.call(self._native, x, self._packed, self._scale_zero, self.shape[0]).to(x.dtype)
         return self._mm(x.to(torch.bfloat16), self._packed, self.group, self._scale_zero).to(x.dtype)
+
+
+CPU_KERNELS = ("native", "torch")  # the int4 / int8 kernels on a CPU (LOGICPIPE_CPU_KERNEL forces one)
+_chosen: dict[str, str] = {}        # format -> the kernel this process's new matrices use
+
+
+def cpu_kernel(fmt: str) -> str:
+    """The kernel new `fmt` matrices use in this process: chosen once (`choose_cpu_kernel`)."""
+    if fmt not in _chosen:
+        choose_cpu_kernel(fmt)
+    return _chosen[fmt]
+
+
+def time_cpu_kernel(fmt: str, kernel: str, shape: tuple[int, int] = (1024, 1024), rounds: int = 5) -> float:
+    """Seconds of one 1-row product plus one 8-row product through `kernel` on a [out, in] `shape`
+    (decode and a small batch), best of `rounds`."""
+    g = torch.Generator().manual_seed(0)
+    m = quantize(torch.randn(*shape, generator=g) * 0.05, fmt, kernel)
+    xs = [torch.randn(rows, shape[1], generator=g) for rows in (1, 8)]
+    best = float("inf")
+    for _ in range(rounds + 1):  # the first warms up
+        t0 = time.perf_counter()
+        for x in xs:
+            m(x)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_cpu_kernel(fmt: str, force: str | None = None) -> str:
+    """Pick the int4 / int8 kernel of this process for `fmt`: `force` or $LOGICPIPE_CPU_KERNEL
+    (native | torch) if set, else the faster of the two on a representative product (a few ms;
+    the native one only where it builds, see cpu_native). Logged with the times."""
+    force = force or os.environ.get("LOGICPIPE_CPU_KERNEL", "") or "auto"
+    if force not in (*CPU_KERNELS, "auto"):
+        raise QuantError(f"LOGICPIPE_CPU_KERNEL={force}: use native, torch or auto")
+    native_ok = cpu_native.library() is not None
+    if force == "torch" or not native_ok:
+        if force == "native":
+            log.warning("%s CPU kernel: native asked for but not available; torch's", fmt)
+        _chosen[fmt] = "torch"
+        log.info("%s CPU kernel: torch (%s)", fmt, "forced" if force == "torch" else "native kernels unavailable")
+        return "torch"
+    if force == "native":
+        _chosen[fmt] = "native"
+        log.info("%s CPU kernel: native, %s (forced)", fmt, cpu_native.isa())
+        return "native"
+    times = {k: time_cpu_kernel(fmt, k) for k in CPU_KERNELS}
+    _chosen[fmt] = min(times, key=times.get)
+    log.info("%s CPU kernel: %s (1 + 8 rows of a 1024 x 1024 product with %d threads: %s; native built for %s)",
+             fmt, _chosen[fmt], torch.get_num_threads(),
+             ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()), cpu_native.isa())
+    return _chosen[fmt]
 
 
 class Bnb4bit(QuantMatrix):
@@ -150,12 +235,13 @@ class Bnb4bit(QuantMatrix):
         return self._matmul(x.to(self._dtype), self._q.t(), quant_state=self._state).to(x.dtype)
 
 
-def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
-    """w: [out, in] float, on its device -> the quantized matrix."""
+def quantize(w: torch.Tensor, fmt: str, kernel: str | None = None) -> QuantMatrix:
+    """w: [out, in] float, on its device -> the quantized matrix (int4 / int8: by `kernel`, else
+    this CPU's choice)."""
     if fmt == "int4":
-        return Int4Packed(w)
+        return Int4Packed(w, kernel=kernel)
     if fmt == "int8":
-        return Int8Packed(w)
+        return Int8Packed(w, kernel=kernel)
     if fmt in ("nf4", "fp4"):
         return Bnb4bit(w, fmt)
     raise QuantError(f"cannot quantize to {fmt!r}")
