@@ -174,18 +174,22 @@ def cpu_kernel(fmt: str) -> str:
     return _chosen[fmt]
 
 
-def time_cpu_kernel(fmt: str, kernel: str, shape: tuple[int, int] = (1024, 1024), rounds: int = 5) -> float:
-    """Seconds of one 1-row product plus one 8-row product through `kernel` on a [out, in] `shape`
-    (decode and a small batch), best of `rounds`."""
+def time_cpu_kernels(fmt: str, kernels: tuple[str, ...] = CPU_KERNELS, shape: tuple[int, int] = (1024, 1024),
+                     rounds: int = 5) -> dict[str, float]:
+    """Seconds of one 1-row product plus one 8-row product (decode and a small batch) of a [out, in]
+    `shape` through each of `kernels`, best of `rounds` taken in turn (the same machine load)."""
     g = torch.Generator().manual_seed(0)
-    m = quantize(torch.randn(*shape, generator=g) * 0.05, fmt, kernel)
+    w = torch.randn(*shape, generator=g) * 0.05
+    mats = {k: quantize(w, fmt, k) for k in kernels}
     xs = [torch.randn(rows, shape[1], generator=g) for rows in (1, 8)]
-    best = float("inf")
-    for _ in range(rounds + 1):  # the first warms up
-        t0 = time.perf_counter()
-        for x in xs:
-            m(x)
-        best = min(best, time.perf_counter() - t0)
+    best = dict.fromkeys(kernels, float("inf"))
+    for r in range(rounds + 1):  # the first round warms up
+        for k, m in mats.items():
+            t0 = time.perf_counter()
+            for x in xs:
+                m(x)
+            if r:
+                best[k] = min(best[k], time.perf_counter() - t0)
     return best
 
 
@@ -207,7 +211,7 @@ def choose_cpu_kernel(fmt: str, force: str | None = None) -> str:
         _chosen[fmt] = "native"
         log.info("%s CPU kernel: native, %s (forced)", fmt, cpu_native.isa())
         return "native"
-    times = {k: time_cpu_kernel(fmt, k) for k in CPU_KERNELS}
+    times = time_cpu_kernels(fmt)
     _chosen[fmt] = min(times, key=times.get)
     log.info("%s CPU kernel: %s (1 + 8 rows of a 1024 x 1024 product with %d threads: %s; native built for %s)",
              fmt, _chosen[fmt], torch.get_num_threads(),
