@@ -7,19 +7,29 @@ stages hold it in int8 (`HEAD_FORMAT`) as llama.cpp's Q4_1 files do (Q8_0): in f
 third of a small model's decode time.
 
 Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`, docs/engine.md):
-- **int4 on the CPU**: torch's weight-only packed kernel (`_weight_int4pack_mm_for_cpu`): 4-bit
-  weights in groups of 32 along the input, each group with a scale and a zero point (w = (q - 8) *
-  scale + zero: llama.cpp's Q4_1 grid), bf16 activations.
-- **int8 on the CPU**: torch's weight-only `_weight_int8pack_mm`: int8 weights, one scale per
-  output channel, bf16 activations.
+- **int4 on the CPU**: 4-bit weights in groups of 32 along the input, each group with a scale and a
+  zero point (w = (q - 8) * scale + zero: llama.cpp's Q4_1 grid), by one of two kernels:
+  * native (cpu_quant.c, built by the host's gcc at first use: cpu_native): as llama.cpp does, each
+    row of activations is quantized to int8 in blocks of 32 (one scale a block, and the block's sum
+    for the zero-point term), every group is an integer dot product (AVX2 maddubs/madd; NEON; or
+    portable C), scaled and summed in float32. Threads (torch's count) split output features only.
+  * torch's weight-only packed kernel (`_weight_int4pack_mm_for_cpu`), bf16 activations: fast
+    with AVX-512 only (issue 35: on an AVX2-only EPYC it was 0.38x llama.cpp).
+- **int8 on the CPU**: int8 weights, one scale per output channel, by the native kernel (activations
+  as above) or torch's `_weight_int8pack_mm` (bf16 activations; input sizes multiples of 8).
+  A process picks one kernel per format at start (`choose_cpu_kernel`): the faster on a 1024 x 1024
+  product of 1 and 8 rows, logged with both times; LOGICPIPE_CPU_KERNEL=native|torch forces one,
+  and without a C compiler it is torch's. The profile (stage_node.profile) measures the chosen one.
+  Activations in int8 blocks round each value by at most half a step (block max / 254), torch's bf16
+  by 2^-9 of it: the two agree with float32 about equally (tests/unit/test_cpu_kernels.py).
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA.
 - int4 and int8 on CUDA are refused with a message saying what to use instead (not built yet).
 
 Scales and zero points are rounded to bf16 (the kernels take them so) before the weights are
 quantized against them, so the grid the weights are rounded to is the one the kernel uses.
 
-Batch invariance. The packed int4 and int8 kernels compute each row of a product on its own, in an
-order that does not depend on the number of rows (checked for 1 to 64 rows by
+Batch invariance. The int4 and int8 kernels (native and torch's) compute each row of a product on its
+own, in an order that does not depend on the number of rows (checked for 1 to 64 rows by
 tests/unit/test_quant.py): a request gives the same greedy tokens alone or among others, as the
 float path does (`stage_node.ops`). bitsandbytes' nf4/fp4 does not promise that: one row takes its
 matrix-vector kernel, several rows a dequantized product, so greedy tokens on such a stage are
@@ -104,7 +114,13 @@ class Int8Packed(QuantMatrix):
         if self.kernel == "native":
             self._q, self._scales = cpu_native.pack_int8(q, scales)
             self._native = cpu_native.library().lp_int8_mm
+        elif self.shape[1] % 8:  # torch 2.13's kernel reads past such rows (a segmentation fault)
+            raise QuantError(f"int8 by torch's kernel needs an input size that is a multiple of 8, got {self.shape[1]}")
         self._mm = torch._weight_int8pack_mm  # the direct binding: torch.ops.aten.* boxes each call (+2.5 µs)
+
+    def grid(self) -> torch.Tensor:
+        """The scale of each output channel, float32 [out]: w = q * scale."""
+        return self._scales.float()[: self.shape[0]]
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +188,13 @@ def cpu_kernel(fmt: str) -> str:
     if fmt not in _chosen:
         choose_cpu_kernel(fmt)
     return _chosen[fmt]
+
+
+def set_cpu_kernel(fmt: str, kernel: str) -> None:
+    """Make new `fmt` matrices of this process use `kernel` (benchmarks and tests; a stage chooses)."""
+    if kernel not in CPU_KERNELS:
+        raise QuantError(f"unknown CPU kernel {kernel!r}: use native or torch")
+    _chosen[fmt] = kernel
 
 
 def time_cpu_kernels(fmt: str, kernels: tuple[str, ...] = CPU_KERNELS, shape: tuple[int, int] = (1024, 1024),
