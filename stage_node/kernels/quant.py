@@ -10,9 +10,10 @@ Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`
 - **int4 on the CPU**: 4-bit weights in groups of 32 along the input, each group with a scale and a
   zero point (w = (q - 8) * scale + zero: llama.cpp's Q4_1 grid), by one of two kernels:
   * native (cpu_quant.c, built by the host's gcc at first use: cpu_native): as llama.cpp does, each
-    row of activations is quantized to int8 in blocks of 32 (one scale a block, and the block's sum
-    for the zero-point term), every group is an integer dot product (AVX2 maddubs/madd; NEON; or
-    portable C), scaled and summed in float32. Threads (torch's count) split output features only.
+    row of activations is quantized in blocks of 32 (one scale a block, and the block's sum for the
+    zero-point term), every group is an integer dot product (AVX2 madd; NEON; or portable C), scaled
+    and summed in float32. The blocks are int16, not llama.cpp's int8: as fast here, and int8 lost 3%
+    of the default model's greedy agreement. Threads (torch's count) split output features only.
   * torch's weight-only packed kernel (`_weight_int4pack_mm_for_cpu`), bf16 activations: fast
     with AVX-512 only (issue 35: on an AVX2-only EPYC it was 0.38x llama.cpp).
 - **int8 on the CPU**: int8 weights, one scale per output channel, by the native kernel (activations
@@ -20,8 +21,8 @@ Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`
   A process picks one kernel per format at start (`choose_cpu_kernel`): the faster on a 1024 x 1024
   product of 1 and 8 rows, logged with both times; LOGICPIPE_CPU_KERNEL=native|torch forces one,
   and without a C compiler it is torch's. The profile (stage_node.profile) measures the chosen one.
-  Activations in int8 blocks round each value by at most half a step (block max / 254), torch's bf16
-  by 2^-9 of it: the two agree with float32 about equally (tests/unit/test_cpu_kernels.py).
+  Activations in int16 blocks round each value by at most half a step (block max / 65534), torch's
+  bf16 by 2^-9 of it (tests/unit/test_cpu_kernels.py bounds both).
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA.
 - int4 and int8 on CUDA are refused with a message saying what to use instead (not built yet).
 

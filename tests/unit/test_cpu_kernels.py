@@ -4,11 +4,11 @@ portable C build, the fallback without a compiler, the choice by timing, and the
 greedy tokens through the native int4 kernel against float32.
 
 Error bounds. Both kernels multiply by exactly the dequantized weights W; what they round is the
-activations. The native kernel quantizes each block of 32 activations to int8 with the step
-dx = max|x| / 127 (round to nearest), so each x[k] moves by at most dx / 2 and a product by at most
+activations. The native kernel quantizes each block of 32 activations to int16 with the step
+dx = max|x| / 32767 (round to nearest), so each x[k] moves by at most dx / 2 and a product by at most
 sum_k |W[n, k]| * dx(k) / 2; then it sums in float32 (integer within a group, exact), whose own error
-is far below that (we allow 1e-5 of sum |W| |x|). torch's kernels round x to bf16 (8 bits: at most
-2^-9 relative) and their output to bf16: sum |W| |x| * 2^-9 + |y| * 2^-9, with the same float slack.
+is below what we allow besides (1e-5 of sum |W| |x|). torch's kernels round x to bf16 (8 bits: at
+most 2^-9 relative) and their output to bf16: sum |W| |x| * 2^-9 + |y| * 2^-9, with the same slack.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def bound(kernel: str, w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> t
     if kernel == "torch":
         return mag * 2**-9 + ref.abs() * 2**-9 + 1e-5 * mag + 1e-6
     xp = torch.nn.functional.pad(x, (0, -x.shape[1] % 32))
-    step = (xp.abs().reshape(x.shape[0], -1, 32).amax(-1) / 127).repeat_interleave(32, 1)[:, : x.shape[1]]  # [rows, in]
+    step = (xp.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32767).repeat_interleave(32, 1)[:, : x.shape[1]]  # [rows, in]
     return step @ w.abs().T / 2 + 1e-5 * mag + 1e-6
 
 
