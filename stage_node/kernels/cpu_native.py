@@ -158,13 +158,14 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     return q.contiguous(), _pad_rows(scale.float()).contiguous()
 
 
-def call(fn, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int) -> torch.Tensor:
+def call(fn, x: torch.Tensor, w: int, s: int, n: int) -> torch.Tensor:
     """x [..., K] @ a packed matrix of n output features by `fn` (the library's lp_int4_mm or
-    lp_int8_mm, with its pack_int4 / pack_int8 tensors w and s) -> [..., n] float32."""
-    lead = x.shape[:-1]
-    x = x.reshape(-1, x.shape[-1]).float().contiguous()  # [M, K]
-    out = torch.empty(x.shape[0], n)
-    if x.shape[0] and fn(x.data_ptr(), x.shape[1], x.shape[0], x.shape[1], w.data_ptr(), s.data_ptr(), n,
-                         out.data_ptr(), n, torch.get_num_threads()):
+    lp_int8_mm; w and s the addresses of its pack_int4 / pack_int8 tensors, kept alive by the
+    caller) -> [..., n] float32. On the per-token path: a 2-D contiguous float32 x goes as it is."""
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+        return call(fn, x.reshape(-1, x.shape[-1]).float().contiguous(), w, s, n).reshape(*x.shape[:-1], n)
+    m, k = x.shape
+    out = torch.empty(m, n)
+    if m and fn(x.data_ptr(), k, m, k, w, s, n, out.data_ptr(), n, torch.get_num_threads()):
         raise MemoryError("native CPU kernel: no memory for the quantized activations")
-    return out.reshape(*lead, n)
+    return out

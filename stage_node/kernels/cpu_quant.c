@@ -33,6 +33,9 @@
 #include <arm_neon.h>
 #define LP_NEON 1
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define QK 32     /* activation block = int4 group */
 #define TILE 4    /* output features per tile */
@@ -270,55 +273,85 @@ static inline void store(float *out, int64_t ldo, int64_t m, int64_t n0, int64_t
     for (int c = 0; c < TILE && n0 + c < N; c++) out[m * ldo + n0 + c] = o[c];
 }
 
-/* x [M, K] (rows ldx floats apart) @ int4 W [N, K].T -> out [M, N] (rows ldo apart). 0, or -1: no memory. */
-int lp_int4_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sz,
-               int64_t N, float *out, int64_t ldo, int nthreads) {
-    qrows r;
-    if (quantize_rows(x, ldx, M, K, &r)) return -1;
-    int64_t G = r.G, tiles = (N + TILE - 1) / TILE;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && tiles >= 2 * nthreads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *wt = w + t * TILE * G * 16;
-        const uint16_t *st = sz + t * TILE * G * 2;
+/* Tiles [t0, t1) of a product: every row of x against the tile's TILE output features. */
+typedef struct {
+    const qrows *r;
+    int64_t M, N, ldo;
+    const void *w, *s;  /* int4: bytes and bf16 scales / zeros; int8: int8 weights and float scales */
+    float *out;
+} job;
+
+static void int4_tiles(const job *j, int64_t t0, int64_t t1) {
+    const qrows *r = j->r;
+    int64_t G = r->G;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *wt = (const uint8_t *)j->w + t * TILE * G * 16;
+        const uint16_t *st = (const uint16_t *)j->s + t * TILE * G * 2;
         float o[2 * TILE];
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2) {
-            int4_tile(2, r.xq + m * G * QK, r.xd + m * G, r.xs + m * G, G, wt, st, o);
-            store(out, ldo, m, t * TILE, N, o);
-            store(out, ldo, m + 1, t * TILE, N, o + TILE);
+        for (; m + 2 <= j->M; m += 2) {
+            int4_tile(2, r->xq + m * G * QK, r->xd + m * G, r->xs + m * G, G, wt, st, o);
+            store(j->out, j->ldo, m, t * TILE, j->N, o);
+            store(j->out, j->ldo, m + 1, t * TILE, j->N, o + TILE);
         }
-        if (m < M) {
-            int4_tile(1, r.xq + m * G * QK, r.xd + m * G, r.xs + m * G, G, wt, st, o);
-            store(out, ldo, m, t * TILE, N, o);
+        if (m < j->M) {
+            int4_tile(1, r->xq + m * G * QK, r->xd + m * G, r->xs + m * G, G, wt, st, o);
+            store(j->out, j->ldo, m, t * TILE, j->N, o);
         }
     }
+}
+
+static void int8_tiles(const job *j, int64_t t0, int64_t t1) {
+    const qrows *r = j->r;
+    int64_t G = r->G;
+    for (int64_t t = t0; t < t1; t++) {
+        const int8_t *wt = (const int8_t *)j->w + t * TILE * G * QK;
+        const float *st = (const float *)j->s + t * TILE;
+        float o[2 * TILE];
+        int64_t m = 0;
+        for (; m + 2 <= j->M; m += 2) {
+            int8_tile(2, r->xq + m * G * QK, r->xd + m * G, G, wt, st, o);
+            store(j->out, j->ldo, m, t * TILE, j->N, o);
+            store(j->out, j->ldo, m + 1, t * TILE, j->N, o + TILE);
+        }
+        if (m < j->M) {
+            int8_tile(1, r->xq + m * G * QK, r->xd + m * G, G, wt, st, o);
+            store(j->out, j->ldo, m, t * TILE, j->N, o);
+        }
+    }
+}
+
+/* Quantize x's rows, then the tiles on `nthreads` threads, each a contiguous share of the output features
+   (one thread: no parallel region at all). 0, or -1: no memory. */
+static int run(void (*tiles_fn)(const job *, int64_t, int64_t), const float *x, int64_t ldx, int64_t M, int64_t K,
+               const void *w, const void *s, int64_t N, float *out, int64_t ldo, int nthreads) {
+    qrows r;
+    if (quantize_rows(x, ldx, M, K, &r)) return -1;
+    job j = {&r, M, N, ldo, w, s, out};
+    int64_t tiles = (N + TILE - 1) / TILE;
+#ifdef _OPENMP
+    if (nthreads > 1 && tiles >= 2 * nthreads) {
+        #pragma omp parallel num_threads(nthreads)
+        {
+            int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+            tiles_fn(&j, tiles * i / n, tiles * (i + 1) / n);
+        }
+    } else
+#endif
+        tiles_fn(&j, 0, tiles);
     free(r.xq);
     free(r.xd);
     return 0;
 }
 
+/* x [M, K] (rows ldx floats apart) @ int4 W [N, K].T -> out [M, N] (rows ldo apart). 0, or -1: no memory. */
+int lp_int4_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sz,
+               int64_t N, float *out, int64_t ldo, int nthreads) {
+    return run(int4_tiles, x, ldx, M, K, w, sz, N, out, ldo, nthreads);
+}
+
 /* x [M, K] @ int8 W [N, Kp].T (one scale per row of W) -> out [M, N]. 0, or -1: no memory. */
 int lp_int8_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const float *scale,
                int64_t N, float *out, int64_t ldo, int nthreads) {
-    qrows r;
-    if (quantize_rows(x, ldx, M, K, &r)) return -1;
-    int64_t G = r.G, tiles = (N + TILE - 1) / TILE;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && tiles >= 2 * nthreads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int8_t *wt = w + t * TILE * G * QK;
-        float o[2 * TILE];
-        int64_t m = 0;
-        for (; m + 2 <= M; m += 2) {
-            int8_tile(2, r.xq + m * G * QK, r.xd + m * G, G, wt, scale + t * TILE, o);
-            store(out, ldo, m, t * TILE, N, o);
-            store(out, ldo, m + 1, t * TILE, N, o + TILE);
-        }
-        if (m < M) {
-            int8_tile(1, r.xq + m * G * QK, r.xd + m * G, G, wt, scale + t * TILE, o);
-            store(out, ldo, m, t * TILE, N, o);
-        }
-    }
-    free(r.xq);
-    free(r.xd);
-    return 0;
+    return run(int8_tiles, x, ldx, M, K, w, scale, N, out, ldo, nthreads);
 }

@@ -115,6 +115,7 @@ class Int8Packed(QuantMatrix):
         if self.kernel == "native":
             self._q, self._scales = cpu_native.pack_int8(q, scales)
             self._native = cpu_native.library().lp_int8_mm
+            self._ptrs = (self._q.data_ptr(), self._scales.data_ptr())  # the tensors stay: they own the memory
         elif self.shape[1] % 8:  # torch 2.13's kernel reads past such rows (a segmentation fault)
             raise QuantError(f"int8 by torch's kernel needs an input size that is a multiple of 8, got {self.shape[1]}")
         self._mm = torch._weight_int8pack_mm  # the direct binding: torch.ops.aten.* boxes each call (+2.5 µs)
@@ -129,7 +130,8 @@ class Int8Packed(QuantMatrix):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "native":
-            return cpu_native.call(self._native, x, self._q, self._scales, self.shape[0]).to(x.dtype)
+            out = cpu_native.call(self._native, x, *self._ptrs, self.shape[0])
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         return self._mm(x.to(torch.bfloat16), self._q, self._scales).to(x.dtype)
 
 
@@ -156,6 +158,7 @@ class Int4Packed(QuantMatrix):
         if self.kernel == "native":
             self._packed, self._scale_zero = cpu_native.pack_int4(q.reshape(out, inp), scale, zero, group)
             self._native = cpu_native.library().lp_int4_mm
+            self._ptrs = (self._packed.data_ptr(), self._scale_zero.data_ptr())  # the tensors stay: they own the memory
         else:
             self._scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2] bf16
             self._packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
@@ -176,7 +179,8 @@ class Int4Packed(QuantMatrix):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "native":
-            return cpu_native.call(self._native, x, self._packed, self._scale_zero, self.shape[0]).to(x.dtype)
+            out = cpu_native.call(self._native, x, *self._ptrs, self.shape[0])
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         return self._mm(x.to(torch.bfloat16), self._packed, self.group, self._scale_zero).to(x.dtype)
 
 

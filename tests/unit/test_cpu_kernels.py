@@ -118,11 +118,11 @@ def test_the_portable_c_build_computes_the_same_products(portable):
             packed, s = cpu_native.pack_int8(q, m.grid())
             fn = portable.lp_int8_mm
         x = torch.randn(17, k, generator=g)
-        y = cpu_native.call(fn, x, packed, s, n)
+        y = cpu_native.call(fn, x, packed.data_ptr(), s.data_ptr(), n)
         ref = x.double() @ deq.double().T
         assert ((y.double() - ref).abs() <= bound("native", deq.double(), x.double(), ref)).all(), fmt
         for rows in (1, 3):
-            assert torch.equal(cpu_native.call(fn, x[5: 5 + rows], packed, s, n), y[5: 5 + rows]), fmt
+            assert torch.equal(cpu_native.call(fn, x[5: 5 + rows], packed.data_ptr(), s.data_ptr(), n), y[5: 5 + rows]), fmt
 
 
 @pytest.fixture
