@@ -2,9 +2,10 @@
 first use and loaded with ctypes (nothing downloaded, no build step at install).
 
 Build. `gcc` (else `cc`; `$LOGICPIPE_CC` names another, a path that does not exist turns the build
-off) with `-O3 -mavx2 -mfma -mf16c` on an x86 CPU with AVX2, `-O3` on aarch64 (NEON; `+dotprod`
-where the CPU has it), plain `-O3` elsewhere (portable C), always `-fopenmp` (the threads are
-torch's own OpenMP runtime: the wheel's libgomp is already loaded under the same name) and
+off) with `-O3 -mavx2 -mfma -mf16c` on an x86 CPU with AVX2, `-O3` on aarch64 (NEON is baseline
+there; that path is compile-checked only, by zig cc -target aarch64-linux-gnu, never run), plain
+`-O3` elsewhere (portable C); `-fopenmp` (the threads are torch's own OpenMP runtime: the wheel's
+libgomp is already loaded under the same name; a compiler without OpenMP builds one thread) and
 `-ffp-contract=off`. The library is cached under <cache>/kernels/ by a hash of the source, the
 flags, the compiler and the CPU, written to a temporary name and renamed into place, so processes
 starting together never load a half-written file. No compiler, a failed build or a failed load:
@@ -68,8 +69,6 @@ def compile_flags(machine: str | None = None, flags: set[str] | None = None) -> 
     out = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
     if machine in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= flags:
         out += ["-mavx2", "-mfma", "-mf16c"]
-    elif machine in ("aarch64", "arm64") and "asimddp" in flags:
-        out += ["-march=armv8.2-a+dotprod"]
     return out
 
 
@@ -89,6 +88,15 @@ def build(cflags: list[str] | None = None) -> ctypes.CDLL | None:
                     f"LOGICPIPE_CC={os.environ['LOGICPIPE_CC']}" if os.environ.get("LOGICPIPE_CC") else "gcc, cc")
         return None
     cflags = compile_flags() if cflags is None else cflags
+    lib = _build(cc, cflags)
+    if lib is None and "-fopenmp" in cflags:  # a compiler without OpenMP (clang without libomp): one thread
+        lib = _build(cc, [f for f in cflags if f != "-fopenmp"])
+    if lib is None:
+        log.warning("native CPU kernels off: %s could not build %s; torch's kernels instead", cc, SOURCE.name)
+    return lib
+
+
+def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join(cflags).encode(), cc.encode(), platform.machine().encode(),
                                      cpu_name().encode(), " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
@@ -102,8 +110,7 @@ def build(cflags: list[str] | None = None) -> ctypes.CDLL | None:
                 proc = subprocess.run([cc, *cflags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                                       timeout=120)
                 if proc.returncode:
-                    log.warning("native CPU kernels off: %s failed (%s); torch's kernels instead", cc,
-                                proc.stderr.strip().splitlines()[-1:] or proc.returncode)
+                    log.info("%s %s failed: %s", cc, " ".join(cflags), proc.stderr.strip().splitlines()[-1:] or proc.returncode)
                     return None
                 os.replace(tmp, path)  # atomic: a process that finds the file finds it whole
             finally:
@@ -111,7 +118,7 @@ def build(cflags: list[str] | None = None) -> ctypes.CDLL | None:
                     os.unlink(tmp)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native CPU kernels off: %s; torch's kernels instead", exc)
+        log.info("native CPU kernels: %s", exc)
         return None
     ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for fn in (lib.lp_int4_mm, lib.lp_int8_mm):

@@ -143,7 +143,7 @@ def test_without_a_working_compiler_torch_kernels_run(cc, fresh_choice, monkeypa
         assert cpu_native.library() is None
         assert choose_cpu_kernel("int4", force="native") == "torch"
     off = [r for r in caplog.records if "native CPU kernels off" in r.getMessage()]
-    assert len(off) == 1 and ("no C compiler" in off[0].getMessage() if cc.startswith("/") else "failed" in off[0].getMessage())
+    assert len(off) == 1 and ("no C compiler" if cc.startswith("/") else "could not build") in off[0].getMessage()
     assert quantize(torch.randn(16, 32), "int4").kernel == "torch" and quantize(torch.randn(4, 8), "int8").kernel == "torch"
     assert not list((tmp_path / "kernels").glob("*.so"))
 
