@@ -228,8 +228,8 @@ def choose_cpu_kernel(fmt: str, force: str | None = None) -> str:
     force = force or os.environ.get("LOGICPIPE_CPU_KERNEL", "") or "auto"
     if force not in (*CPU_KERNELS, "auto"):
         raise QuantError(f"LOGICPIPE_CPU_KERNEL={force}: use native, torch or auto")
-    native_ok = cpu_native.library() is not None
-    if force == "torch" or not native_ok:
+    native_ok = force != "torch" and cpu_native.library() is not None  # (forced torch: no build at all)
+    if not native_ok:
         if force == "native":
             log.warning("%s CPU kernel: native asked for but not available; torch's", fmt)
         _chosen[fmt] = "torch"
