@@ -3,6 +3,13 @@ and (`--kernels`) the kernels and a decode step taken apart.
 
     python -m bench.quant_bench --rounds 3
     python -m bench.quant_bench --kernels
+    python -m bench.quant_bench --cpu-kernels
+
+`--cpu-kernels` (issue 35, in this process): torch's packed int4 / int8 kernels against the native
+ones (stage_node.kernels.cpu_native) on each of the default model's matrices, 1 and 8 rows, 1 and
+2 threads, taken in turn batch by batch (medians; the ratio torch / native beside), then a whole
+int4 decode step of the default model (1 row, 1 thread, head in int8) by each; the CPU's name and
+its avx2 / avx512f / neon flags first.
 
 `--kernels` (in this process, no mesh; `--threads` torch threads): for each of the default model's
 matrices (fused q/k/v, o, fused gate/up, down, the LM head) the time of one product of 1 and of 8
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -135,13 +143,88 @@ def decode_step(threads: int, model_dir: Path) -> dict:
     return out
 
 
+def _interleaved_us(fns: dict, repeats: int, batches: int = 7, clock=time.perf_counter) -> dict[str, float]:
+    """Median over `batches` of each fn's time per call (microseconds), the fns taken in turn within
+    each batch so that they see the same machine load (`clock`: time.thread_time gives the CPU time
+    of this thread, which a loaded machine's waits for a core do not inflate)."""
+    for fn in fns.values():
+        fn()
+    runs: dict[str, list[float]] = {k: [] for k in fns}
+    for b in range(batches):
+        for k in (list(fns) if b % 2 == 0 else list(fns)[::-1]):
+            t0 = clock()
+            for _ in range(repeats):
+                fns[k]()
+            runs[k].append((clock() - t0) / repeats * 1e6)
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def cpu_kernels(model_dir: Path, step_rounds: int) -> dict:
+    """Issue 35: the int4 / int8 kernels (torch's packed vs native) on the default model's product
+    shapes, 1 and 8 rows, 1 and 2 threads, then the whole int4 decode step (1 row, 1 thread)."""
+    from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+    from logicpipe.stage_node.kernels import cpu_native
+    from logicpipe.stage_node.kernels.quant import set_cpu_kernel
+
+    flags = cpu_native.cpu_flags()
+    cpu = {"model": cpu_native.cpu_name(), "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+           "neon": bool({"asimd", "neon"} & flags), "native_build": cpu_native.isa(), "cores": os.cpu_count()}
+    print("cpu", json.dumps(cpu), flush=True)
+    kinds = ("torch", "native") if cpu_native.library() else ("torch",)
+    g = torch.Generator().manual_seed(0)
+    shapes = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, generator=g) * 0.05
+            for fmt in ("int4", "int8"):
+                mats = {kind: quantize(w, fmt, kind) for kind in kinds}
+                for m in (1, 8):
+                    x = torch.randn(m, k, generator=g)
+                    us = _interleaved_us({kind: (lambda q=q: q(x)) for kind, q in mats.items()}, 10 if name == "lm_head" else 100)
+                    row = {kind: round(v, 1) for kind, v in us.items()}
+                    if "native" in row:
+                        row["torch/native"] = round(row["torch"] / row["native"], 2)
+                    shapes[f"{name} {n}x{k} {fmt} {m} row{'s' if m > 1 else ''} {threads} thread{'s' if threads > 1 else ''}"] = row
+                    print(f"{name} {n}x{k} {fmt} rows={m} threads={threads}", json.dumps(row), flush=True)
+    torch.set_num_threads(1)
+    shards = {}
+    for kind in kinds:
+        set_cpu_kernel("int4", kind)
+        set_cpu_kernel("int8", kind)  # the head beside int4
+        shards[kind] = Shard.load(model_dir, 0, 30, first=True, last=True, quantize="int4")
+    pools = {kind: s.new_pool(128, 16) for kind, s in shards.items()}
+
+    def step(kind: str, pos: int = 100) -> None:
+        shard, pool = shards[kind], pools[kind]
+        seqs = (seq_slice(pos, 1, list(range(16)), 16, "cpu", 0),)
+        shard.logits(shard.forward(shard.embed(torch.tensor([100])), StepKV(pool, torch.tensor([pos]), seqs))).argmax(-1)
+
+    steps = {}
+    for clock in (time.perf_counter, time.thread_time):  # wall time, and this (only) thread's CPU time
+        ms = {kind: round(v / 1000, 2) for kind, v in
+              _interleaved_us({k: (lambda k=k: step(k)) for k in kinds}, step_rounds, clock=clock).items()}
+        if "native" in ms:
+            ms["torch/native"] = round(ms["torch"] / ms["native"], 2)
+        steps["wall" if clock is time.perf_counter else "cpu"] = ms
+        print(f"int4 step (1 row, 1 thread, ms, {clock.__name__})", json.dumps(ms), flush=True)
+    return {"cpu": cpu, "products_us": shapes, "int4_step_ms": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", action="store_true", help="the kernels and a decode step, in this process")
+    ap.add_argument("--cpu-kernels", action="store_true",
+                    help="issue 35: torch's packed int4/int8 kernels vs the native ones, in this process")
     args = ap.parse_args()
+    if args.cpu_kernels:
+        from logicpipe.controller.cli.model_prep import prepare_default_model
+
+        print(json.dumps(cpu_kernels(prepare_default_model(), step_rounds=10)))
+        return
     if args.kernels:
         from logicpipe.controller.cli.model_prep import prepare_default_model
 

@@ -42,7 +42,7 @@ from logicpipe.stage_node.net.identity import default_state_dir, node_identity  
 from logicpipe.stage_node.kernels.invariant import SETTINGS as INVARIANT_SETTINGS  # noqa: E402
 from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
-from logicpipe.stage_node.profile import compute_id, host_profile, offered_formats  # noqa: E402
+from logicpipe.stage_node.profile import compute_id, cpu_kernels, host_profile, offered_formats  # noqa: E402
 from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
@@ -99,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds a session outlives its gone controller (default %(default)s)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
     ap.add_argument("--quantize", default="none", choices=list(QUANT_CHOICES),
-                    help="hold this stage's layers quantized: int4 or int8 (CPU, torch's packed kernels; the LM head "
-                         "then in int8 too), nf4 or fp4 (bitsandbytes); embeddings and norms stay in the compute "
+                    help="hold this stage's layers quantized: int4 or int8 (CPU: the native kernels or torch's "
+                         "packed ones, whichever is faster here, timed at start; LOGICPIPE_CPU_KERNEL=native|torch "
+                         "forces one; the LM head then in int8 too), nf4 or fp4 (bitsandbytes); embeddings and norms stay in the compute "
                          "dtype (default none)")
     ap.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                     help="CUDA stages: replay steps of up to 32 rows as CUDA graphs, captured per size bucket "
@@ -178,6 +179,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.quantize != "none":
         try:
             await runner.call(check_format, args.quantize, device)
+            # int4 / int8 on a CPU: the faster kernel for this CPU, timed now on the runner's threads (logged)
+            await runner.call(cpu_kernels, device, (args.quantize,))
         except QuantError as exc:
             raise SystemExit(f"--quantize {args.quantize}: {exc}") from None
     try:

@@ -14,8 +14,10 @@ Speeds are measured in those formats by short micro-benchmarks (about a second):
   * the weight bandwidth of a one-token product in the preferred format: weight bytes over its
     time, which is what decode costs (a quantized kernel that dequantizes slower than memory
     streams shows here), and the bytes per parameter it holds, scales included.
-They are cached per host, device and format (speeds do not change between restarts; memory is read
-fresh every time) under the LogicPipe cache directory.
+They are cached per host, device, format and, for int4 / int8 on a CPU, the kernel this process
+chose for the format (`quant.cpu_kernel`: the native kernel or torch's, by timing at start, so the
+profile measures the kernel that will run) — speeds do not change between restarts; memory is read
+fresh every time — under the LogicPipe cache directory.
 """
 from __future__ import annotations
 
@@ -34,11 +36,12 @@ import torch
 from logicpipe.common.paths import cache_root
 from logicpipe.formats import DTYPE_FORMAT
 from logicpipe.stage_node.model.ops import DECODE_ROWS, linear
-from logicpipe.stage_node.kernels.quant import quantize, tensor_bytes
+from logicpipe.stage_node.kernels.quant import HEAD_FORMAT, cpu_kernel, quantize, tensor_bytes
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 4  # 3: int4, and int8 by the packed weight-only kernel; 4: CUDA timings without launch overhead
+PROFILE_VERSION = 5  # 3: int4, and int8 by the packed weight-only kernel; 4: CUDA timings without launch overhead;
+                     # 5: int4 / int8 by the kernel chosen at start (native or torch's), named in the cache
 
 FORMAT_DTYPE = {f: getattr(torch, d) for d, f in DTYPE_FORMAT.items()}
 CUDA_INNER = 20  # on a GPU each timing runs the kernel this many times back to back: one launch and sync
@@ -59,8 +62,17 @@ class HostProfile:
     format_flops: tuple[tuple[str, float], ...] = ()  # FLOP/s per offered format
 
 
-def _cache_path(device: str, formats: tuple[str, ...] = ("fp32",), compute: str = "fp32") -> Path:
-    return cache_root() / "profiles" / f"{socket.gethostname()}-{device}-{'.'.join(formats)}-{compute}.json"
+def _cache_path(device: str, formats: tuple[str, ...] = ("fp32",), compute: str = "fp32", kernels: str = "") -> Path:
+    return cache_root() / "profiles" / f"{socket.gethostname()}-{device}-{'.'.join(formats)}-{compute}{kernels}.json"
+
+
+def cpu_kernels(device: str, formats: tuple[str, ...]) -> str:
+    """The CPU kernels chosen for the quantized formats among `formats` (and their LM head's), as a
+    cache-name suffix ("" for none): choosing them here, at start, is what times them."""
+    if device != "cpu":
+        return ""
+    fmts = sorted({g for f in formats if f in HEAD_FORMAT for g in (f, HEAD_FORMAT[f])})
+    return "".join(f"-{f}.{cpu_kernel(f)}" for f in fmts)
 
 
 def _device_name(device: str) -> str:
@@ -180,7 +192,8 @@ def offered_formats(device: str, dtype: str = "auto", quantize: str = "none") ->
 def host_profile(device: str, *, dtype: str = "auto", quantize: str = "none", refresh: bool = False) -> HostProfile:
     """Measure (or read from the cache) this host's profile for `device`, `dtype` and `quantize`."""
     formats, compute = offered_formats(device, dtype, quantize)
-    path = _cache_path(device, formats, compute)
+    kernels = cpu_kernels(device, formats)
+    path = _cache_path(device, formats, compute, kernels)
     speeds = None
     if not refresh and path.is_file():
         try:
@@ -195,8 +208,8 @@ def host_profile(device: str, *, dtype: str = "auto", quantize: str = "none", re
         speeds = {"version": PROFILE_VERSION, "torch": torch.__version__,
                   "format_flops": {f: measure_flops(device, f, compute) for f in formats},
                   "mem_bandwidth": measure_bandwidth(device), "weight_bandwidth": wbw, "weight_bytes_per_param": per_param}
-        log.info("profiled %s (%s) in %.1f s: %s, %.1f GB/s copy, %.1f GB/s of %s weights (%.3g bytes/param)",
-                 device, "/".join(formats), time.monotonic() - t0,
+        log.info("profiled %s (%s%s) in %.1f s: %s, %.1f GB/s copy, %.1f GB/s of %s weights (%.3g bytes/param)",
+                 device, "/".join(formats), kernels.replace("-", " ").replace(".", ": "), time.monotonic() - t0,
                  ", ".join(f"{f} {v / 1e9:.1f} GFLOP/s" for f, v in speeds["format_flops"].items()),
                  speeds["mem_bandwidth"] / 1e9, wbw / 1e9, formats[0], per_param)
         try:

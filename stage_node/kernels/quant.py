@@ -7,19 +7,30 @@ stages hold it in int8 (`HEAD_FORMAT`) as llama.cpp's Q4_1 files do (Q8_0): in f
 third of a small model's decode time.
 
 Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`, docs/engine.md):
-- **int4 on the CPU**: torch's weight-only packed kernel (`_weight_int4pack_mm_for_cpu`): 4-bit
-  weights in groups of 32 along the input, each group with a scale and a zero point (w = (q - 8) *
-  scale + zero: llama.cpp's Q4_1 grid), bf16 activations.
-- **int8 on the CPU**: torch's weight-only `_weight_int8pack_mm`: int8 weights, one scale per
-  output channel, bf16 activations.
+- **int4 on the CPU**: 4-bit weights in groups of 32 along the input, each group with a scale and a
+  zero point (w = (q - 8) * scale + zero: llama.cpp's Q4_1 grid), by one of two kernels:
+  * native (cpu_quant.c, built by the host's gcc at first use: cpu_native): as llama.cpp does, each
+    row of activations is quantized in blocks of 32 (one scale a block, and the block's sum for the
+    zero-point term), every group is an integer dot product (AVX2 madd; NEON; or portable C), scaled
+    and summed in float32. The blocks are int16, not llama.cpp's int8: as fast here, and int8 lost 3%
+    of the default model's greedy agreement. Threads (torch's count) split output features only.
+  * torch's weight-only packed kernel (`_weight_int4pack_mm_for_cpu`), bf16 activations: fast
+    with AVX-512 only (issue 35: on an AVX2-only EPYC it was 0.38x llama.cpp).
+- **int8 on the CPU**: int8 weights, one scale per output channel, by the native kernel (activations
+  as above) or torch's `_weight_int8pack_mm` (bf16 activations; input sizes multiples of 8).
+  A process picks one kernel per format at start (`choose_cpu_kernel`): the faster on a 1024 x 1024
+  product of 1 and 8 rows, logged with both times; LOGICPIPE_CPU_KERNEL=native|torch forces one,
+  and without a C compiler it is torch's. The profile (stage_node.profile) measures the chosen one.
+  Activations in int16 blocks round each value by at most half a step (block max / 65534), torch's
+  bf16 by 2^-9 of it (tests/unit/test_cpu_kernels.py bounds both).
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA.
 - int4 and int8 on CUDA are refused with a message saying what to use instead (not built yet).
 
 Scales and zero points are rounded to bf16 (the kernels take them so) before the weights are
 quantized against them, so the grid the weights are rounded to is the one the kernel uses.
 
-Batch invariance. The packed int4 and int8 kernels compute each row of a product on its own, in an
-order that does not depend on the number of rows (checked for 1 to 64 rows by
+Batch invariance. The int4 and int8 kernels (native and torch's) compute each row of a product on its
+own, in an order that does not depend on the number of rows (checked for 1 to 64 rows by
 tests/unit/test_quant.py): a request gives the same greedy tokens alone or among others, as the
 float path does (`stage_node.ops`). bitsandbytes' nf4/fp4 does not promise that: one row takes its
 matrix-vector kernel, several rows a dequantized product, so greedy tokens on such a stage are
@@ -27,7 +38,15 @@ deterministic for a given batch but may differ between a request alone and one a
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
+
 import torch
+
+from logicpipe.stage_node.kernels import cpu_native
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("none", "int4", "int8", "nf4", "fp4")
 BLOCK_4BIT = 64       # bitsandbytes' block
@@ -81,53 +100,151 @@ def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Packed(QuantMatrix):
-    """int8 weights, one bf16 scale per output channel (absmax / 127), by `_weight_int8pack_mm`."""
+    """int8 weights, one bf16 scale per output channel (absmax / 127), by `kernel` ("native":
+    cpu_quant.c; "torch": `_weight_int8pack_mm`; None: this CPU's choice, `cpu_kernel`)."""
 
     format = "int8"
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, kernel: str | None = None):
         super().__init__(*w.shape)
         w = w.float()
-        self._scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
-        self._q = (w / self._scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.kernel = kernel or cpu_kernel("int8")
+        scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
+        q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self._scales, self._q = scales, q.contiguous()
+        if self.kernel == "native":
+            self._q, self._scales = cpu_native.pack_int8(q, scales)
+            self._native = cpu_native.library().lp_int8_mm
+            self._ptrs = (self._q.data_ptr(), self._scales.data_ptr())  # the tensors stay: they own the memory
+        elif self.shape[1] % 8:  # torch 2.13's kernel reads past such rows (a segmentation fault)
+            raise QuantError(f"int8 by torch's kernel needs an input size that is a multiple of 8, got {self.shape[1]}")
         self._mm = torch._weight_int8pack_mm  # the direct binding: torch.ops.aten.* boxes each call (+2.5 µs)
+
+    def grid(self) -> torch.Tensor:
+        """The scale of each output channel, float32 [out]: w = q * scale."""
+        return self._scales.float()[: self.shape[0]]
 
     @property
     def nbytes(self) -> int:
-        return self._q.numel() + 2 * self._scales.numel()
+        return self._q.numel() + self._scales.numel() * self._scales.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "native":
+            out = cpu_native.call(self._native, x, *self._ptrs, self.shape[0])
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         return self._mm(x.to(torch.bfloat16), self._q, self._scales).to(x.dtype)
 
 
 class Int4Packed(QuantMatrix):
     """4-bit weights in groups of GROUP_INT4 along the input, each group with a bf16 scale and zero
-    point (w = (q - 8) * scale + zero, q in 0..15), by `_weight_int4pack_mm_for_cpu`."""
+    point (w = (q - 8) * scale + zero, q in 0..15), by `kernel` ("native": cpu_quant.c; "torch":
+    `_weight_int4pack_mm_for_cpu`; None: this CPU's choice, `cpu_kernel`)."""
 
     format = "int4"
 
-    def __init__(self, w: torch.Tensor, group: int = GROUP_INT4):
+    def __init__(self, w: torch.Tensor, group: int = GROUP_INT4, kernel: str | None = None):
         out, inp = w.shape
-        if inp % group or out % 16:
+        if inp % group or out % 16:  # the same rule for either kernel: a shape runs whichever is chosen
             raise QuantError(f"int4 needs matrices whose input size is a multiple of {group} and output size a "
                              f"multiple of 16 (the kernel's packing), got {out} x {inp}: use --quantize int8")
         super().__init__(out, inp)
+        self.kernel = kernel or cpu_kernel("int4")
         g = w.float().reshape(out, inp // group, group)
         lo, hi = g.amin(-1), g.amax(-1)                                      # [out, groups]
         scale = _bf16_at_least(((hi - lo) / 15.0).clamp(min=1e-30))
         zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
         q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).round().clamp(0, 15)
         self.group = group
-        self._scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2] bf16
-        self._packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
+        if self.kernel == "native":
+            self._packed, self._scale_zero = cpu_native.pack_int4(q.reshape(out, inp), scale, zero, group)
+            self._native = cpu_native.library().lp_int4_mm
+            self._ptrs = (self._packed.data_ptr(), self._scale_zero.data_ptr())  # the tensors stay: they own the memory
+        else:
+            self._scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out, 2] bf16
+            self._packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, inp).to(torch.int32), 1)
         self._mm = torch._weight_int4pack_mm_for_cpu
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
+        if self.kernel == "native":  # [tiles, groups, 2, 4] bf16 bits -> [out, groups, 2]
+            sz = self._scale_zero.view(torch.bfloat16).float().permute(0, 3, 1, 2).reshape(-1, *self._scale_zero.shape[1:3])
+            sz = sz[: self.shape[0]]
+        else:
+            sz = self._scale_zero.float().transpose(0, 1)
+        return sz[..., 0], sz[..., 1]
 
     @property
     def nbytes(self) -> int:
         return self._packed.numel() * self._packed.element_size() + 2 * self._scale_zero.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "native":
+            out = cpu_native.call(self._native, x, *self._ptrs, self.shape[0])
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         return self._mm(x.to(torch.bfloat16), self._packed, self.group, self._scale_zero).to(x.dtype)
+
+
+CPU_KERNELS = ("native", "torch")  # the int4 / int8 kernels on a CPU (LOGICPIPE_CPU_KERNEL forces one)
+_chosen: dict[str, str] = {}        # format -> the kernel this process's new matrices use
+
+
+def cpu_kernel(fmt: str) -> str:
+    """The kernel new `fmt` matrices use in this process: chosen once (`choose_cpu_kernel`)."""
+    if fmt not in _chosen:
+        choose_cpu_kernel(fmt)
+    return _chosen[fmt]
+
+
+def set_cpu_kernel(fmt: str, kernel: str) -> None:
+    """Make new `fmt` matrices of this process use `kernel` (benchmarks and tests; a stage chooses)."""
+    if kernel not in CPU_KERNELS:
+        raise QuantError(f"unknown CPU kernel {kernel!r}: use native or torch")
+    _chosen[fmt] = kernel
+
+
+def time_cpu_kernels(fmt: str, kernels: tuple[str, ...] = CPU_KERNELS, shape: tuple[int, int] = (1024, 1024),
+                     rounds: int = 5) -> dict[str, float]:
+    """Seconds of one 1-row product plus one 8-row product (decode and a small batch) of a [out, in]
+    `shape` through each of `kernels`, best of `rounds` taken in turn (the same machine load)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*shape, generator=g) * 0.05
+    mats = {k: quantize(w, fmt, k) for k in kernels}
+    xs = [torch.randn(rows, shape[1], generator=g) for rows in (1, 8)]
+    best = dict.fromkeys(kernels, float("inf"))
+    for r in range(rounds + 1):  # the first round warms up
+        for k, m in mats.items():
+            t0 = time.perf_counter()
+            for x in xs:
+                m(x)
+            if r:
+                best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def choose_cpu_kernel(fmt: str, force: str | None = None) -> str:
+    """Pick the int4 / int8 kernel of this process for `fmt`: `force` or $LOGICPIPE_CPU_KERNEL
+    (native | torch) if set, else the faster of the two on a representative product (a few ms;
+    the native one only where it builds, see cpu_native). Logged with the times."""
+    force = force or os.environ.get("LOGICPIPE_CPU_KERNEL", "") or "auto"
+    if force not in (*CPU_KERNELS, "auto"):
+        raise QuantError(f"LOGICPIPE_CPU_KERNEL={force}: use native, torch or auto")
+    native_ok = force != "torch" and cpu_native.library() is not None  # (forced torch: no build at all)
+    if not native_ok:
+        if force == "native":
+            log.warning("%s CPU kernel: native asked for but not available; torch's", fmt)
+        _chosen[fmt] = "torch"
+        log.info("%s CPU kernel: torch (%s)", fmt, "forced" if force == "torch" else "native kernels unavailable")
+        return "torch"
+    if force == "native":
+        _chosen[fmt] = "native"
+        log.info("%s CPU kernel: native, %s (forced)", fmt, cpu_native.isa())
+        return "native"
+    times = time_cpu_kernels(fmt)
+    _chosen[fmt] = min(times, key=times.get)
+    log.info("%s CPU kernel: %s (1 + 8 rows of a 1024 x 1024 product with %d threads: %s; native built for %s)",
+             fmt, _chosen[fmt], torch.get_num_threads(),
+             ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()), cpu_native.isa())
+    return _chosen[fmt]
 
 
 class Bnb4bit(QuantMatrix):
@@ -150,12 +267,13 @@ class Bnb4bit(QuantMatrix):
         return self._matmul(x.to(self._dtype), self._q.t(), quant_state=self._state).to(x.dtype)
 
 
-def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
-    """w: [out, in] float, on its device -> the quantized matrix."""
+def quantize(w: torch.Tensor, fmt: str, kernel: str | None = None) -> QuantMatrix:
+    """w: [out, in] float, on its device -> the quantized matrix (int4 / int8: by `kernel`, else
+    this CPU's choice)."""
     if fmt == "int4":
-        return Int4Packed(w)
+        return Int4Packed(w, kernel=kernel)
     if fmt == "int8":
-        return Int8Packed(w)
+        return Int8Packed(w, kernel=kernel)
     if fmt in ("nf4", "fp4"):
         return Bnb4bit(w, fmt)
     raise QuantError(f"cannot quantize to {fmt!r}")

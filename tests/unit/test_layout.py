@@ -136,6 +136,7 @@ def test_the_wheel_installs_logicpipe_only(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"logicpipe"}, tops
     for sub in ("common", "common/security", "planner", "stage_node", "controller", "v1"):
         assert f"logicpipe/{sub}/__init__.py" in names
+    assert "logicpipe/stage_node/kernels/cpu_quant.c" in names  # the native CPU kernels' source, built at first use
     scripts = dict(line.split(" = ") for line in entry_points.splitlines() if " = " in line)
     assert set(scripts) == {"logicpipe-controller", "logicpipe-stage", "lpctl"}
     for target in scripts.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from logicpipe.stage_node.kernels import cpu_native
 from logicpipe.stage_node.kernels.quant import QuantError, check_format, quantize, tensor_bytes
 from logicpipe.stage_node.model.shard import Shard
 
@@ -18,6 +19,8 @@ PROMPTS = [
     "Give me a recipe for pancakes.",
 ]
 TOKENS = 48
+KERNELS = [pytest.param("torch"), pytest.param("native", marks=pytest.mark.skipif(
+    cpu_native.library() is None, reason="no native CPU kernels here (no C compiler)"))]
 
 
 @pytest.mark.parametrize("fmt, tol", [("int4", 0.1), ("int8", 0.02), ("nf4", 0.15), ("fp4", 0.2)])
@@ -31,12 +34,13 @@ def test_a_quantized_matrix_multiplies_like_the_float_one(fmt, tol):
     assert tensor_bytes(q) < tensor_bytes(w) / (3 if fmt == "int8" else 6)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_packed_kernels_give_a_row_the_same_bits_whatever_its_batch(fmt):
+def test_packed_kernels_give_a_row_the_same_bits_whatever_its_batch(fmt, kernel):
     """The packed int4 / int8 products compute each row on its own: a row's result is the same
     bits alone, at any place among 1 to 64 rows (the CPU's decode and prompt rows both)."""
     g = torch.Generator().manual_seed(1)
-    q = quantize(torch.randn(208, 96, generator=g) * 0.05, fmt)
+    q = quantize(torch.randn(208, 96, generator=g) * 0.05, fmt, kernel)
     x = torch.randn(64, 96, generator=g)
     full = q(x)
     for m in list(range(1, 18)) + [31, 64]:
@@ -45,16 +49,17 @@ def test_packed_kernels_give_a_row_the_same_bits_whatever_its_batch(fmt):
                 assert torch.equal(q(x[at: at + m]), full[at: at + m]), f"{fmt}: {m} rows at {at}"
 
 
-def test_int4_rounds_to_its_own_grid():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int4_rounds_to_its_own_grid(kernel):
     """int4: each group of 32 weights takes 16 levels (q - 8) * scale + zero, the nearest of them,
-    and the kernel multiplies by exactly that grid (up to bf16 activations)."""
+    and the kernel multiplies by exactly that grid (up to its activations' rounding: bf16 for
+    torch's, int8 in blocks of 32 for the native one)."""
     from logicpipe.stage_node.kernels.quant import GROUP_INT4, Int4Packed
 
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 128, generator=g) * 0.05
-    q = Int4Packed(w)
-    sz = q._scale_zero.float()  # [groups, out, 2]
-    scale, zero = sz[..., 0].t(), sz[..., 1].t()  # [out, groups]
+    q = Int4Packed(w, kernel=kernel)
+    scale, zero = q.grid()  # [out, groups]
     grid = (torch.arange(16.0) - 8)[None, None, :] * scale[..., None] + zero[..., None]  # [out, groups, 16]
     wg = w.reshape(64, 128 // GROUP_INT4, GROUP_INT4)
     nearest = grid.gather(-1, (wg[..., None] - grid[:, :, None, :]).abs().argmin(-1))  # [out, groups, 32]
@@ -64,7 +69,7 @@ def test_int4_rounds_to_its_own_grid():
     assert (q(x) - ref).abs().max() <= 0.02 * ref.abs().max()
     for shape in ((16, 48), (8, 64)):
         with pytest.raises(QuantError, match="multiple of 32 and output size a multiple of 16"):
-            Int4Packed(torch.randn(*shape))
+            Int4Packed(torch.randn(*shape), kernel=kernel)
 
 
 def test_formats_a_node_cannot_run_say_what_to_do(monkeypatch):

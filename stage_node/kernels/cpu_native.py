@@ -1,0 +1,178 @@
+"""The native CPU kernels of the int4 and int8 formats: cpu_quant.c, built by the host's C compiler at
+first use and loaded with ctypes (nothing downloaded, no build step at install).
+
+Build. `gcc` (else `cc`; `$LOGICPIPE_CC` names another, a path that does not exist turns the build
+off) with `-O3 -mavx2 -mfma -mf16c` on an x86 CPU with AVX2, `-O3` on aarch64 (NEON is baseline
+there; that path is compile-checked only, by zig cc -target aarch64-linux-gnu, never run), plain
+`-O3` elsewhere (portable C); `-fopenmp` (the threads are torch's own OpenMP runtime: the wheel's
+libgomp is already loaded under the same name; a compiler without OpenMP builds one thread) and
+`-ffp-contract=off`. The library is cached under <cache>/kernels/ by a hash of the source, the
+flags, the compiler and the CPU, written to a temporary name and renamed into place, so processes
+starting together never load a half-written file. No compiler, a failed build or a failed load:
+one log line, and `library()` is None (quant.py then keeps torch's kernels).
+
+Calls take contiguous tensors' raw pointers; the output is float32, one call per product, the
+number of threads torch runs with on the calling thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from logicpipe.common.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+ISA_NAMES = {2: "avx2", 1: "neon", 0: "portable C"}
+TILE = 4  # output features per tile (cpu_quant.c): packed matrices are padded to a multiple
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo's `flags` or `Features`), empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def compile_flags(machine: str | None = None, flags: set[str] | None = None) -> list[str]:
+    """gcc's flags for this CPU (see the module docstring)."""
+    machine = machine or platform.machine()
+    flags = cpu_flags() if flags is None else flags
+    out = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+    if machine in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= flags:
+        out += ["-mavx2", "-mfma", "-mf16c"]
+    return out
+
+
+def compiler() -> str | None:
+    cc = os.environ.get("LOGICPIPE_CC")
+    if cc:
+        return cc if shutil.which(cc) else None
+    return shutil.which("gcc") or shutil.which("cc")
+
+
+def build(cflags: list[str] | None = None) -> ctypes.CDLL | None:
+    """Compile (or find in the cache) and load cpu_quant.c with `cflags` (default: compile_flags());
+    None, logged once, when it cannot be built or loaded."""
+    cc = compiler()
+    if cc is None:
+        log.warning("native CPU kernels off: no C compiler (%s); torch's kernels instead",
+                    f"LOGICPIPE_CC={os.environ['LOGICPIPE_CC']}" if os.environ.get("LOGICPIPE_CC") else "gcc, cc")
+        return None
+    cflags = compile_flags() if cflags is None else cflags
+    lib = _build(cc, cflags)
+    if lib is None and "-fopenmp" in cflags:  # a compiler without OpenMP (clang without libomp): one thread
+        lib = _build(cc, [f for f in cflags if f != "-fopenmp"])
+    if lib is None:
+        log.warning("native CPU kernels off: %s could not build %s; torch's kernels instead", cc, SOURCE.name)
+    return lib
+
+
+def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(cflags).encode(), cc.encode(), platform.machine().encode(),
+                                     cpu_name().encode(), " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"cpu_quant-{key}.so"
+    try:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+            os.close(fd)
+            try:
+                proc = subprocess.run([cc, *cflags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                      timeout=120)
+                if proc.returncode:
+                    log.info("%s %s failed: %s", cc, " ".join(cflags), proc.stderr.strip().splitlines()[-1:] or proc.returncode)
+                    return None
+                os.replace(tmp, path)  # atomic: a process that finds the file finds it whole
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("native CPU kernels: %s", exc)
+        return None
+    ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for fn in (lib.lp_int4_mm, lib.lp_int8_mm):
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, cint]
+        fn.restype = cint
+    log.info("native CPU kernels (%s) loaded from %s", ISA_NAMES.get(lib.lp_isa(), "?"), path)
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The library built for this CPU, once per process (None: unavailable)."""
+    return build()
+
+
+def isa(lib: ctypes.CDLL | None = None) -> str:
+    lib = lib or library()
+    return ISA_NAMES.get(lib.lp_isa(), "?") if lib else "none"
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """t: [N, ...] -> [Np, ...] with zero rows up to a multiple of TILE."""
+    pad = -t.shape[0] % TILE
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] (0..15), scale and zero [N, K / group] bf16 -> cpu_quant.c's int4 layout: (bytes
+    [Np / 4, K / 32, 4, 16] uint8, scales and zeros [Np / 4, K / 32, 2, 4] as bf16 bits in int16)."""
+    n, k = q.shape
+    g = q.to(torch.uint8).reshape(n, k // group, 2, group // 2)  # [N, G, halves, 16]
+    packed = _pad_rows(g[:, :, 0] | (g[:, :, 1] << 4))  # byte j: q[j] low nibble, q[j + 16] high
+    packed = packed.reshape(-1, TILE, k // group, group // 2).transpose(1, 2)  # [T, G, 4, 16]
+    sz = _pad_rows(torch.stack([scale, zero], -1).to(torch.bfloat16).view(torch.int16))  # [Np, G, 2]
+    sz = sz.reshape(-1, TILE, k // group, 2).permute(0, 2, 3, 1)  # [T, G, 2, 4]
+    return packed.contiguous(), sz.contiguous()
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, scale [N] -> cpu_quant.c's int8 layout: (q [Np / 4, Kp / 32, 4, 32], k padded
+    with zeros to a multiple of 32; scale [Np] float32)."""
+    q = _pad_rows(torch.nn.functional.pad(q, (0, -q.shape[1] % 32)))
+    q = q.reshape(-1, TILE, q.shape[1] // 32, 32).transpose(1, 2)  # [T, G, 4, 32]
+    return q.contiguous(), _pad_rows(scale.float()).contiguous()
+
+
+def call(fn, x: torch.Tensor, w: int, s: int, n: int) -> torch.Tensor:
+    """x [..., K] @ a packed matrix of n output features by `fn` (the library's lp_int4_mm or
+    lp_int8_mm; w and s the addresses of its pack_int4 / pack_int8 tensors, kept alive by the
+    caller) -> [..., n] float32. On the per-token path: a 2-D contiguous float32 x goes as it is."""
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+        return call(fn, x.reshape(-1, x.shape[-1]).float().contiguous(), w, s, n).reshape(*x.shape[:-1], n)
+    m, k = x.shape
+    out = torch.empty(m, n)
+    if m and fn(x.data_ptr(), k, m, k, w, s, n, out.data_ptr(), n, torch.get_num_threads()):
+        raise MemoryError("native CPU kernel: no memory for the quantized activations")
+    return out
