@@ -21,7 +21,7 @@ from logicpipe.stage_node.kernels import cpu_native, quant
 from logicpipe.stage_node.kernels.quant import Int4Packed, Int8Packed, QuantError, choose_cpu_kernel, quantize
 from logicpipe.stage_node.model.shard import Shard
 
-from .test_quant import TOKENS, forced, reference  # noqa: F401  (reference: the float32 model's greedy tokens)
+from .test_quant import TOKENS, forced  # (the `reference` fixture, the float32 model's greedy tokens: conftest)
 
 NATIVE = pytest.mark.skipif(cpu_native.library() is None, reason="no native CPU kernels here (no C compiler)")
 KERNELS = [pytest.param("torch"), pytest.param("native", marks=NATIVE)]

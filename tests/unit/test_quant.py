@@ -116,27 +116,6 @@ def forced(shard: Shard, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    """The float32 model's greedy tokens for each prompt (its own top-1, fed back)."""
-    from transformers import AutoTokenizer
-
-    from logicpipe.controller.jobs.text import encode_prompt
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    full = Shard.load(model_dir, 0, 30, first=True, last=True)
-    out = []
-    for prompt in PROMPTS:
-        ids = encode_prompt(tok, prompt)
-        cache = PagedCache(full, num_blocks=16)
-        h = cache.forward(full.embed(torch.tensor(ids)), [("s", 0, ids)], {"s": len(ids)})
-        for _ in range(TOKENS):
-            ids.append(int(full.logits(h[-1:]).argmax()))
-            h = cache.forward(full.embed(torch.tensor(ids[-1:])), [("s", len(ids) - 1, ids[-1:])])
-        out.append((len(ids) - TOKENS, ids))
-    return out
-
-
-@pytest.fixture(scope="module")
 def whole():
     """The default model in one shard per format, loaded once."""
     loaded = {}
