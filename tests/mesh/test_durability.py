@@ -245,11 +245,16 @@ def controller_killed_then_damaged_then_full(mesh: LocalMesh, http_address: str)
     ref = {"greedy": submit(addr, PROMPTS[0], N), "sampled": submit(addr, PROMPTS[1], N, 0.9, seed=7),
            "lpctl": submit(addr, PROMPTS[2], N), "http": http_text(http_address, PROMPTS[3], N)}
     ref["outline"], _ = outline_points(lpctl_outline(mesh, OUTLINE_PROMPT))
-    greedy, sampled = GrpcClient([addr], PROMPTS[0], N), GrpcClient([addr], PROMPTS[1], N, 0.9, seed=7)
-    stream = HttpStream(http_address, PROMPTS[3], N)
+    # the lpctl processes first: they take seconds to start on a loaded machine, and one that first
+    # calls after the kill has nothing to resume (it fails, rightly: nothing listens)
     lp = lpctl_submit(mesh, addr, PROMPTS[2], N)
     outline = lpctl_outline(mesh, OUTLINE_PROMPT)
+    greedy, sampled = GrpcClient([addr], PROMPTS[0], N), GrpcClient([addr], PROMPTS[1], N, 0.9, seed=7)
+    stream = HttpStream(http_address, PROMPTS[3], N)
     wait_producing([greedy, sampled, stream], mesh)
+    deadline = time.monotonic() + 90
+    while mesh.controller_status().journaled < 5 and time.monotonic() < deadline:  # lpctl's two admitted too
+        time.sleep(0.1)
     time.sleep(0.5)  # lpctl's tokens too
     mesh.kill("controller")  # SIGKILL: nothing runs on the way out
     assert len(greedy.tokens) < N and len(sampled.tokens) < N, "the requests finished before the kill"
