@@ -273,18 +273,11 @@ def cpu_description() -> dict:
     """The CPU the figures come from: its model name and the vector extensions that matter here."""
     import platform
 
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
-                name = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags |= set(value.split())
-    except OSError:
-        pass
+    from logicpipe.stage_node.kernels.cpu_native import cpu_flags, cpu_name
+
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "asimddp", "sve")
-    return {"model": name, "machine": platform.machine(), "flags": [f for f in wanted if f in flags]}
+    flags = cpu_flags()
+    return {"model": cpu_name(), "machine": platform.machine(), "flags": [f for f in wanted if f in flags]}
 
 
 def scenario_prefix(args, model_dir, work) -> dict:
