@@ -20,6 +20,7 @@ import grpc
 from logicpipe.common.transport import Transport
 from logicpipe.errors import MeshError, Unavailable, from_code
 from logicpipe.policy import KEY_HEADER
+from logicpipe.controller.mesh.membership import STALL_GRACE_S
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,10 @@ ASSIGN_TIMEOUT_S = 600.0  # loading a shard can take minutes on a slow disk
 PROBE_INTERVAL_S = 1.0    # every stage of the pipeline is asked for its Status this often
 PROBE_TIMEOUT_S = 1.5     # an answer slower than this counts as none
 DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as down ...
-STALL_GRACE_S = 5.0       # ... and silent this long since its last answer: a stage that stalls (SIGSTOP, a
-                          # swap storm) but keeps its connection open and answers again within this keeps
-                          # its sessions, so its requests wait for it rather than replaying elsewhere (a
-                          # stage that died closes its event stream and is lost at once, without this)
+# ... and silent STALL_GRACE_S (membership's, one grace for both) since its last answer: a stage that
+# stalls (SIGSTOP, a swap storm) but keeps its connection open and answers again within it keeps its
+# sessions, so its requests wait for it rather than replaying elsewhere (a stage that died closes its
+# event stream and is lost at once, without it)
 
 
 @dataclass(frozen=True)
