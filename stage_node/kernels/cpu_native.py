@@ -124,6 +124,9 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     for fn in (lib.lp_int4_mm, lib.lp_int8_mm):
         fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, cint]
         fn.restype = cint
+    lib.lp_layers.argtypes = [ctypes.POINTER(Dims), ctypes.POINTER(Layer), i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
+                              ptr, ptr, ptr, cint]
+    lib.lp_layers.restype = cint
     log.info("native CPU kernels (%s) loaded from %s", ISA_NAMES.get(lib.lp_isa(), "?"), path)
     return lib
 
@@ -137,6 +140,26 @@ def library() -> ctypes.CDLL | None:
 def isa(lib: ctypes.CDLL | None = None) -> str:
     lib = lib or library()
     return ISA_NAMES.get(lib.lp_isa(), "?") if lib else "none"
+
+
+class Mat(ctypes.Structure):
+    """cpu_quant.c's lp_mat: a packed matrix (fmt 4: int4, 8: int8) of n output features."""
+    _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("n", ctypes.c_int64), ("fmt", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """cpu_quant.c's lp_layer: one decoder layer's packed matrices, biases and norms (NULL: none)."""
+    _fields_ = [("qkv", Mat), ("o", Mat), ("gate_up", Mat), ("down", Mat),
+                ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p), ("gate_up_bias", ctypes.c_void_p),
+                ("down_bias", ctypes.c_void_p), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qk_norm", ctypes.c_void_p), ("rope", ctypes.c_int64), ("window", ctypes.c_int64)]
+
+
+class Dims(ctypes.Structure):
+    """cpu_quant.c's lp_dims: the model's sizes (slots: the KV pool's slots per layer and head)."""
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("slots", ctypes.c_int64),
+                ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("act", ctypes.c_int64)]
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:

@@ -355,3 +355,194 @@ int lp_int8_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *
                int64_t N, float *out, int64_t ldo, int nthreads) {
     return run(int8_tiles, x, ldx, M, K, w, scale, N, out, ldo, nthreads);
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+   Whole decoder layers (stage_node.model.shard's native path): a CPU stage whose layers are all quantized
+   by these kernels, with float32 activations and KV and Llama-style layers (RMSNorm, fused q/k/v and
+   gate/up, rotate-half RoPE over whole heads, grouped-query attention, SwiGLU or GeGLU; optional biases,
+   per-head q/k norms, layers without RoPE, sliding windows), runs every layer of a step in one call
+   instead of some twenty torch operations a layer (on a small model most of a decode step's time).
+
+   Every row is computed on its own: its norms, products (the tiles above), RoPE, attention over its
+   sequence's positions [lo, pos] and activations never read another row's numbers but through the
+   KV pool, so a row's result is the same alone or among others, in a prompt chunk of any size or as a
+   decode row, and in a replay. Threads split the output features of the products and the (row, head)
+   pairs of attention, never a sum.
+
+   The KV pool is [layers, 2 (k, v), kv_heads, slots, head_dim] float32; row r of the step writes its keys
+   and values at slot write_slots[r] of every layer, then attends over the slots table[row_seq[r]][j] of
+   positions j in [lo, pos[r]] (lo = pos[r] - window + 1 with a window). cos and sin_signed are the RoPE
+   tables [positions, head_dim] (stage_node.model.rope: x * cos + roll(x, half) * sin_signed). */
+
+typedef struct { const void *w, *s; int64_t n, fmt; } lp_mat;  /* fmt 4: int4, 8: int8 */
+
+typedef struct {
+    lp_mat qkv, o, gate_up, down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;  /* NULL: none */
+    const float *input_norm, *post_norm;                        /* [hidden] */
+    const float *qk_norm;                                       /* [heads + kv_heads, head_dim] or NULL */
+    int64_t rope, window;                                       /* rope 0: a layer without; window 0: none */
+} lp_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, slots;   /* slots: the pool's third axis */
+    double eps, scale;
+    int64_t act;                                                /* 0: SiLU, 1: GELU (tanh) */
+} lp_dims;
+
+static int mat_mm(const lp_mat *m, const float *x, int64_t ldx, int64_t M, int64_t K, float *out, int64_t ldo,
+                  int nt) {
+    return run(m->fmt == 4 ? int4_tiles : int8_tiles, x, ldx, M, K, m->w, m->s, m->n, out, ldo, nt);
+}
+
+static void add_bias(float *y, int64_t ld, int64_t M, int64_t N, const float *b) {
+    if (!b) return;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * ld + n] += b[n];
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w (w NULL: 1) */
+static void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w ? (x[i] * r) * w[i] : x[i] * r;
+}
+
+static void rope_head(float *x, const float *cos, const float *sin_signed, int64_t hd) {
+    float t[512];
+    int64_t half = hd / 2;
+    memcpy(t, x, (size_t)hd * sizeof(float));
+    for (int64_t j = 0; j < hd; j++) x[j] = t[j] * cos[j] + t[(j + half) % hd] * sin_signed[j];
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+#if defined(LP_AVX2)
+    if (n % 8 == 0) {
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+        return hsum8(s);
+    }
+#elif defined(LP_NEON)
+    if (n % 4 == 0) {
+        float32x4_t s = vdupq_n_f32(0.0f);
+        for (int64_t i = 0; i < n; i += 4) s = vfmaq_f32(s, vld1q_f32(a + i), vld1q_f32(b + i));
+        return vaddvq_f32(s);
+    }
+#endif
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y += a * x */
+#if defined(LP_AVX2)
+    if (n % 8 == 0) {
+        __m256 av = _mm256_set1_ps(a);
+        for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        return;
+    }
+#elif defined(LP_NEON)
+    if (n % 4 == 0) {
+        for (int64_t i = 0; i < n; i += 4) vst1q_f32(y + i, vfmaq_n_f32(vld1q_f32(y + i), vld1q_f32(x + i), a));
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* One row's head: softmax(q . k_j * scale) . v_j over the slots slots[lo..hi] -> out [hd]; p: scratch */
+static void attend_head(const float *q, const float *kb, const float *vb, const int64_t *slots, int64_t lo,
+                        int64_t hi, int64_t hd, float scale, float *p, float *out) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t j = lo; j <= hi; j++) {
+        float s = dot(q, kb + slots[j] * hd, hd) * scale;
+        p[j - lo] = s;
+        m = s > m ? s : m;
+    }
+    for (int64_t j = lo; j <= hi; j++) {
+        float e = expf(p[j - lo] - m);
+        p[j - lo] = e;
+        sum += e;
+    }
+    memset(out, 0, (size_t)hd * sizeof(float));
+    for (int64_t j = lo; j <= hi; j++) axpy(out, p[j - lo], vb + slots[j] * hd, hd);
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < hd; i++) out[i] *= inv;
+}
+
+static inline float act_fn(float g, int64_t act) {
+    if (act == 1) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
+/* Layers [0, nl) of `L` over x [T, hidden] in place (the residual stream). 0, or -1: no memory, -2: a
+   head larger than 512. */
+int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
+              const int64_t *row_seq, const int64_t *table, int64_t table_len, const int64_t *write_slots,
+              float *kv, const float *cos, const float *sin_signed, int nt) {
+    const int64_t H = d->hidden, nh = d->heads, kvh = d->kv_heads, hd = d->head_dim, I = d->inter;
+    const int64_t qn = nh * hd, kvn = kvh * hd, QKV = qn + 2 * kvn, group = nh / kvh;
+    const float eps = (float)d->eps, scale = (float)d->scale;
+    if (hd > 512) return -2;
+    int threads = nt > 1 ? nt : 1;
+    float *h = (float *)malloc((size_t)(T * H) * sizeof(float));
+    float *qkv = (float *)malloc((size_t)(T * QKV) * sizeof(float));
+    float *att = (float *)malloc((size_t)(T * qn) * sizeof(float));
+    float *gu = (float *)malloc((size_t)(T * 2 * I) * sizeof(float));
+    float *tmp = (float *)malloc((size_t)(T * H) * sizeof(float));
+    float *p = (float *)malloc((size_t)(threads * table_len) * sizeof(float));
+    int rc = (h && qkv && att && gu && tmp && p) ? 0 : -1;
+    const int64_t part = kvh * d->slots * hd;  /* floats of one (layer, k or v) */
+    for (int64_t l = 0; l < nl && !rc; l++) {
+        const lp_layer *w = L + l;
+        float *kl = kv + 2 * l * part, *vl = kl + part;
+        for (int64_t r = 0; r < T; r++) rms_norm_row(x + r * H, w->input_norm, h + r * H, H, eps);
+        if ((rc = mat_mm(&w->qkv, h, H, T, H, qkv, QKV, nt))) break;
+        add_bias(qkv, QKV, T, QKV, w->qkv_bias);
+        for (int64_t r = 0; r < T; r++) {
+            float *q = qkv + r * QKV, *k = q + qn, *v = k + kvn;
+            if (w->qk_norm)
+                for (int64_t i = 0; i < nh + kvh; i++) rms_norm_row(q + i * hd, NULL, q + i * hd, hd, eps);
+            if (w->qk_norm)
+                for (int64_t i = 0; i < (nh + kvh) * hd; i++) q[i] *= w->qk_norm[i];
+            if (w->rope)
+                for (int64_t i = 0; i < nh + kvh; i++) rope_head(q + i * hd, cos + pos[r] * hd, sin_signed + pos[r] * hd, hd);
+            for (int64_t g = 0; g < kvh; g++) {
+                memcpy(kl + (g * d->slots + write_slots[r]) * hd, k + g * hd, (size_t)hd * sizeof(float));
+                memcpy(vl + (g * d->slots + write_slots[r]) * hd, v + g * hd, (size_t)hd * sizeof(float));
+            }
+        }
+        int64_t pairs = T * nh;
+#ifdef _OPENMP
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && pairs >= 2 * threads)
+#endif
+        for (int64_t i = 0; i < pairs; i++) {
+            int64_t r = i / nh, hh = i % nh, g = hh / group;
+            int64_t hi = pos[r], lo = w->window > 0 && hi - w->window + 1 > 0 ? hi - w->window + 1 : 0;
+#ifdef _OPENMP
+            float *pt = p + (int64_t)omp_get_thread_num() * table_len;
+#else
+            float *pt = p;
+#endif
+            attend_head(qkv + r * QKV + hh * hd, kl + g * d->slots * hd, vl + g * d->slots * hd,
+                        table + row_seq[r] * table_len, lo, hi, hd, scale, pt, att + r * qn + hh * hd);
+        }
+        if ((rc = mat_mm(&w->o, att, qn, T, qn, tmp, H, nt))) break;
+        add_bias(tmp, H, T, H, w->o_bias);
+        for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
+        for (int64_t r = 0; r < T; r++) rms_norm_row(x + r * H, w->post_norm, h + r * H, H, eps);
+        if ((rc = mat_mm(&w->gate_up, h, H, T, H, gu, 2 * I, nt))) break;
+        add_bias(gu, 2 * I, T, 2 * I, w->gate_up_bias);
+        for (int64_t r = 0; r < T; r++) {
+            float *g = gu + r * 2 * I;
+            for (int64_t i = 0; i < I; i++) g[i] = act_fn(g[i], d->act) * g[I + i];
+        }
+        if ((rc = mat_mm(&w->down, gu, 2 * I, T, I, tmp, H, nt))) break;
+        add_bias(tmp, H, T, H, w->down_bias);
+        for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
+    }
+    free(h); free(qkv); free(att); free(gu); free(tmp); free(p);
+    return rc;
+}

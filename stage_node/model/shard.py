@@ -26,6 +26,7 @@ from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
+from logicpipe.stage_node.model import native_layers
 from logicpipe.stage_node.model.mla import mla_attention
 from logicpipe.stage_node.model.moe import experts_forward
 from logicpipe.stage_node.model.ops import (
@@ -84,6 +85,9 @@ class Shard:
         # CUDA with batch_invariant: plain Llama-style layers run stage_node.fused's kernels (the
         # benches turn it off to compare); see `fused_layers`
         self.use_fused = True
+        # a CPU shard of natively quantized plain layers runs them in one call (native_layers; benches
+        # and tests turn it off to compare)
+        self.use_native = True
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -123,6 +127,21 @@ class Shard:
         return self._plain
 
     _plain: bool | None = None
+
+    @property
+    def native(self):
+        """The layers as one native call a step (stage_node.model.native_layers), or None where they
+        cannot run so (or `use_native` is off)."""
+        if not self.use_native:
+            return None
+        if self._native is None:
+            why = native_layers.eligible(self)
+            self._native = native_layers.NativeLayers(self) if why is None else False
+            log.info("layers [%d, %d): %s", self.start, self.end,
+                     "native CPU layers (one call a step)" if why is None else f"torch forward ({why})")
+        return self._native or None
+
+    _native = None
 
     def layers_fused(self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv: torch.Tensor,
                      tables: dict, attend) -> torch.Tensor:
@@ -282,6 +301,8 @@ class Shard:
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         check_step(hidden, kv, self.num_layers)
         seqs = kv.seqs
+        if self.device.type == "cpu" and self.native is not None:
+            return self.native.forward(hidden, kv)
         reads = self._invariant_reads(kv) if self.batch_invariant else None
         if self.fused_layers:
             table, positions, tiles, tiles_at = reads

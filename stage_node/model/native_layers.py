@@ -1,0 +1,121 @@
+"""A CPU stage's decoder layers in one native call a step (cpu_quant.c's `lp_layers`).
+
+On a small model most of a CPU decode step was not its matrix products but the twenty-odd torch
+operations around them in every layer (norms, RoPE, the KV write, SDPA, the activation: 7 to 10 ms
+of a 20 ms step of the default model at one thread on an AVX2 core, measured with torch's
+profiler). Where a shard's layers are all quantized by the native kernels and are of plain Llama
+style, the whole layer range runs in C instead: the same products (the same tiles, so a row's
+result depends only on that row), and per row a float32 RMSNorm, RoPE, the KV write and attention
+over its own positions. Every row is computed on its own, so prompt rows and decode rows, a chunk
+of any size, a request alone or among 64 and a replay all give a row the same numbers.
+
+What runs here (`eligible`): float32 activations and KV on the CPU, every layer's four matrices
+int4 or int8 by the native kernel, RMSNorm of Llama's kind, SiLU or tanh-GELU gating, rotate-half
+RoPE over whole heads (layers without RoPE too), one RoPE table for every layer kind, optional
+biases, per-head q/k norms and sliding windows. Anything else (experts, latent attention, sinks,
+soft-capping, Gemma's norms, partial RoPE) keeps the torch forward. LOGICPIPE_CPU_LAYERS=torch
+turns this path off (to compare).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from logicpipe.stage_node.engine.kv import StepKV
+from logicpipe.stage_node.kernels import cpu_native
+from logicpipe.stage_node.kernels.quant import Int4Packed, Int8Packed
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+MAX_HEAD_DIM = 512  # cpu_quant.c's RoPE scratch
+
+
+def _native(m) -> bool:
+    return isinstance(m, (Int4Packed, Int8Packed)) and m.kernel == "native"
+
+
+def eligible(shard) -> str | None:
+    """None when `shard`'s layers can run natively, else why not (one line)."""
+    if os.environ.get("LOGICPIPE_CPU_LAYERS", "").lower() == "torch":
+        return "LOGICPIPE_CPU_LAYERS=torch"
+    a, c = shard.arch, shard.config
+    if shard.device.type != "cpu" or shard.dtype != torch.float32:
+        return "not a float32 CPU stage"
+    if not shard.layers or cpu_native.library() is None:
+        return "no layers" if not shard.layers else "native kernels unavailable"
+    if not all(_native(m) for w in shard.layers for m in (w.qkv, w.o, w.gate_up, w.down)):
+        return "layers not all quantized by the native kernels"
+    if any(w.experts is not None or w.mla is not None or w.sinks is not None or w.attn_out_norm is not None
+           or w.mlp_out_norm is not None for w in shard.layers):
+        return "experts, latent attention, sinks or sandwich norms"
+    if a.norm != "llama" or a.activation not in ACTIVATIONS or a.attn_softcap is not None or a.rotary != 1.0:
+        return "Gemma norms, another activation, soft-capping or partial RoPE"
+    if len({id(r) for r in shard.ropes.values()}) != 1:
+        return "a RoPE table per layer kind"
+    if c.head_dim > MAX_HEAD_DIM or c.head_dim % 2 or c.num_heads % c.num_kv_heads:
+        return "head shape"
+    return None
+
+
+def _mat(m) -> cpu_native.Mat:
+    return cpu_native.Mat(m._ptrs[0], m._ptrs[1], m.shape[0], 4 if isinstance(m, Int4Packed) else 8)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeLayers:
+    """The shard's layers as cpu_quant.c structures (built once; they point into the shard's tensors,
+    which it keeps)."""
+
+    def __init__(self, shard):
+        c, a = shard.config, shard.arch
+        self.shard = shard
+        self._keep = []  # tensors made here that the structures point into
+        layers = (cpu_native.Layer * len(shard.layers))()
+        for i, w in enumerate(shard.layers):
+            qk = shard._qk_norms.get(i)
+            qk = None if qk is None else qk.float().contiguous()
+            biases = [None if b is None else b.float().contiguous() for b in (w.qkv_bias, w.o_bias, w.gate_up_bias,
+                                                                           w.down_bias)]
+            norms = [w.input_norm.float().contiguous(), w.post_norm.float().contiguous()]
+            self._keep += [qk, *biases, *norms]
+            layers[i] = cpu_native.Layer(_mat(w.qkv), _mat(w.o), _mat(w.gate_up), _mat(w.down),
+                                         *map(_ptr, biases), *map(_ptr, norms), _ptr(qk), int(shard._ropes[i]),
+                                         (a.sliding_window or 0) if shard.kind(i) == "sliding" else 0)
+        self.layers = layers
+        self.inter = shard.layers[0].gate_up.shape[0] // 2
+        self.dims = cpu_native.Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.inter, 0,
+                                    c.rms_norm_eps, shard._scale, ACTIVATIONS[a.activation])
+        self.fn = cpu_native.library().lp_layers
+
+    def forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
+        """hidden [T, hidden] float32 -> [T, hidden]: every layer, as Shard.forward."""
+        seqs = kv.seqs
+        top = max(s.stop for s in seqs)
+        rope = self.shard.rope
+        cos, sin = rope.lookup(0, top)  # grows the tables to the step's positions
+        cos, sin = rope.cos, rope.sin_signed
+        if len(seqs) == 1:
+            s = seqs[0]
+            pos = torch.arange(s.start_pos, s.stop)
+            row_seq = torch.zeros(s.num_tokens, dtype=torch.long)
+            table = torch.arange(s.span, s.span + s.stop) if s.span is not None else s.slots[: s.stop].contiguous()
+        else:
+            pos = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs])
+            row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
+            table = torch.zeros(len(seqs), top, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                table[i, : s.stop] = torch.arange(s.span, s.span + s.stop) if s.span is not None else s.slots[: s.stop]
+        x = hidden.to(torch.float32).contiguous().clone()
+        pool = kv.pool.kv  # [layers, 2, kv_heads, slots, head_dim], contiguous
+        self.dims.slots = pool.shape[3]
+        ws = kv.write_slots.contiguous()
+        rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.shard.layers), x.data_ptr(), x.shape[0],
+                     pos.data_ptr(), row_seq.data_ptr(), table.data_ptr(), top, ws.data_ptr(), pool.data_ptr(),
+                     cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"native CPU layers failed ({rc}): no memory for a step of {x.shape[0]} rows")
+        return x
