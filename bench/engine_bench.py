@@ -15,6 +15,10 @@ same script measures any version of the mesh. Scenarios (all by default):
   llamacpp     llama.cpp (llama-cpp-python, optional: `pip install llama-cpp-python`) single stream
                on the same GGUF the default model comes from, same thread count, same token count;
                the ratio printed is the mesh's C-concurrent aggregate / llama.cpp's one stream.
+  overhead     the mesh's own cost per token: one stream's decode wall time per token on a 1-stage
+               mesh (token arrival times at the client, past the first 8) less the bare step (embed,
+               every layer, head, argmax) of the same shard in this process with the same threads and
+               format, the mesh stopped; with the controller's and the stage's CPU time per token.
   prefix       two requests sharing a ~500-token system prompt (a fresh one every round): time to
                first token of the second / of the first.
   microbatches the S-stage mesh with --micro-batches 1..S, C concurrent requests, interleaved
@@ -145,6 +149,85 @@ def scenario_single(args, model_dir, work) -> dict:
             rates.append(args.tokens / res["total_s"])
             print(f"round {r + 1}/{args.rounds}: 1 stage, 1 stream {rates[-1]:.1f} tok/s", file=sys.stderr)
     return {"quantize": args.quantize, "tps": statistics.median(rates), "raw": rates}
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds (/proc)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stream_times(address: str, prompt: str, tokens: int) -> list[float]:
+    """One greedy stream: the arrival time of each new token."""
+    req = controller_pb2.SubmitRequest(prompt=prompt, max_tokens=tokens, ignore_eos=True)
+    times = []
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        for reply in controller_pb2_grpc.ControllerStub(ch).Submit(req, timeout=1800):
+            times += [time.perf_counter()] * len(reply.token_ids)
+    return times
+
+
+def bare_step_ms(model_dir, args, prompt_ids: list[int]) -> float:
+    """Median ms of one decode step of the whole model in this process (embed, forward over the paged
+    KV, head, argmax), `args.threads` threads, the stages' format, after the prompt's prefill."""
+    import torch
+
+    from logicpipe.stage_node.model.shard import Shard
+    from tests.unit.paged import PagedCache
+
+    torch.set_num_threads(args.threads)
+    shard = Shard.load(model_dir, 0, _num_layers(model_dir), first=True, last=True, device=args.device,
+                       quantize=args.quantize)
+    cache = PagedCache(shard, num_blocks=-(-(len(prompt_ids) + args.tokens + 16) // 16), block_size=16)
+    ids = list(prompt_ids)
+    h = cache.forward(shard.embed(torch.tensor(ids)), [("s", 0, ids)], {"s": len(ids)})
+    tok = int(shard.logits(h[-1:]).argmax())
+    times = []
+    for _ in range(args.tokens - 1):
+        t0 = time.perf_counter()
+        h = cache.forward(shard.embed(torch.tensor([tok])), [("s", len(ids), [tok])], {"s": len(prompt_ids)})
+        ids.append(tok)
+        tok = int(shard.logits(h).argmax())
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _num_layers(model_dir) -> int:
+    from logicpipe.common.modeldir import ModelConfig
+
+    return ModelConfig.from_dir(Path(model_dir)).num_layers
+
+
+def scenario_overhead(args, model_dir, work) -> dict:
+    from transformers import AutoTokenizer
+
+    from logicpipe.controller.jobs.text import encode_prompt
+
+    walls, ctl_cpu, stage_cpu = [], [], []
+    with LocalMesh(1, model_dir, work / "overhead", threads=args.threads, device=args.device,
+                   controller_args=tuple(args.controller_arg), stage_args=stage_args(args)) as mesh:
+        addr = mesh.controller_address
+        submit(addr, prompt=PROMPTS[0], tokens=8)  # warm-up
+        ctl, stage = mesh.procs["controller"].pid, mesh.procs["stage0"].pid
+        for r in range(args.rounds):
+            c0, s0 = _cpu_s(ctl), _cpu_s(stage)
+            times = _stream_times(addr, PROMPTS[0], args.tokens)
+            c1, s1 = _cpu_s(ctl), _cpu_s(stage)
+            walls.append(1000 * (times[-1] - times[8]) / (len(times) - 9))
+            ctl_cpu.append(1000 * (c1 - c0) / len(times))
+            stage_cpu.append(1000 * (s1 - s0) / len(times))
+            print(f"round {r + 1}/{args.rounds}: mesh decode {walls[-1]:.2f} ms/token, CPU per token: controller "
+                  f"{ctl_cpu[-1]:.2f} ms, stage {stage_cpu[-1]:.2f} ms", file=sys.stderr)
+    ids = encode_prompt(AutoTokenizer.from_pretrained(model_dir), PROMPTS[0])
+    bare = bare_step_ms(model_dir, args, ids)
+    wall = statistics.median(walls)
+    print(f"bare step {bare:.2f} ms; the mesh's own cost {wall - bare:.2f} ms/token", file=sys.stderr)
+    return {"quantize": args.quantize, "threads": args.threads, "mesh_ms_per_token": wall, "bare_step_ms": bare,
+            "mesh_cost_ms": wall - bare, "controller_cpu_ms_per_token": statistics.median(ctl_cpu),
+            "stage_cpu_ms_per_token": statistics.median(stage_cpu), "raw": [walls, ctl_cpu, stage_cpu]}
 
 
 def scenario_concurrency(args, model_dir, work) -> dict:
@@ -377,7 +460,8 @@ def scenario_microbatches(args, model_dir, work) -> dict:
 
 SCENARIOS = {"single": scenario_single, "concurrency": scenario_concurrency, "llamacpp": scenario_llamacpp,
              "llamacpp_batched": scenario_llamacpp_batched, "prefix": scenario_prefix,
-             "admission": scenario_admission, "microbatches": scenario_microbatches}
+             "admission": scenario_admission, "microbatches": scenario_microbatches,
+             "overhead": scenario_overhead}
 
 
 def main() -> None:
