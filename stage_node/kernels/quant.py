@@ -290,4 +290,6 @@ def tensor_bytes(x) -> int:
         return sum(tensor_bytes(m) for m in x)
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
+    if isinstance(x, (int, float)):  # a field that is not a weight (Experts.first)
+        return 0
     return sum(tensor_bytes(v) for v in vars(x).values())

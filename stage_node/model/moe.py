@@ -72,7 +72,8 @@ def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torc
 
 def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, glu, rows: Rows) -> torch.Tensor:
     """The mixture's output for h: [T, hidden] -> [T, hidden]; glu: the gated nonlinearity over an
-    expert's fused gate/up product (ops.glu)."""
+    expert's fused gate/up product (ops.glu). With a part of the experts (a tensor-parallel rank's,
+    model.tp): the part of the output its experts give (a routed expert held elsewhere counts zero)."""
     if h.is_cuda and not isinstance(experts.gate_up, list) and invariant.triton_available():
         # every row count: the experts by stage_node.kernels.grouped's kernels; the top k by its one-program
         # router where the family routes plainly (softmax, top k), else by `route` (torch, no host sync)
@@ -80,14 +81,25 @@ def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, glu, rows: Rows
             weights, idx = grouped.route(linear(h, experts.router, None, rows), moe, h.dtype)
         else:
             weights, idx = route(h, experts, moe, rows)
-        out = grouped.experts(h, experts, weights, idx, glu)
+        out = grouped.experts(h, experts, *held_here(weights, idx, experts), glu)
         return out if experts.shared_gate_up is None else out + shared_expert(h, experts, glu, rows)
     weights, idx = route(h, experts, moe, rows)
     if h.is_cuda and h.shape[0] <= GATHER_MAX_ROWS and not isinstance(experts.gate_up, list):
-        out = experts_gathered(h, experts, weights, idx, glu)
+        out = experts_gathered(h, experts, *held_here(weights, idx, experts), glu)
     else:
-        out = experts_grouped(h, experts, weights, idx, glu, rows)
+        out = experts_grouped(h, experts, weights, idx - experts.first, glu, rows)
     return out if experts.shared_gate_up is None else out + shared_expert(h, experts, glu, rows)
+
+
+def held_here(weights: torch.Tensor, idx: torch.Tensor, experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, local ids) of the routed experts for kernels that run every (row, slot): a slot whose
+    expert is held elsewhere (a tensor-parallel rank's part, model.tp) weighs zero and points at expert 0."""
+    n = len(experts.gate_up)
+    if experts.first == 0 and n == experts.router.shape[0]:
+        return weights, idx
+    local = idx - experts.first
+    here = (local >= 0) & (local < n)
+    return torch.where(here, weights, torch.zeros_like(weights)), torch.where(here, local, torch.zeros_like(local))
 
 
 def plain_routing(moe: MoE, experts: Experts) -> bool:
@@ -117,8 +129,12 @@ def _expert(x: torch.Tensor, experts: Experts, e: int, glu, rows: Rows) -> torch
 
 def experts_grouped(h: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, glu,
                     rows: Rows) -> torch.Tensor:
+    """idx: the routed experts' ids among experts.gate_up (one held elsewhere: out of range, skipped)."""
     out = torch.zeros_like(h)
+    n = len(experts.gate_up)
     for e in idx.unique().tolist():  # ascending
+        if not 0 <= e < n:
+            continue
         tok, slot = torch.where(idx == e)
         part = rows.subset(tok.tolist(), h.device)
         y = _expert(h[tok], experts, e, glu, part) * weights[tok, slot, None]

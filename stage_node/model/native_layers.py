@@ -40,6 +40,8 @@ def eligible(shard) -> str | None:
     if os.environ.get("LOGICPIPE_CPU_LAYERS", "").lower() == "torch":
         return "LOGICPIPE_CPU_LAYERS=torch"
     a, c = shard.arch, shard.config
+    if shard.tp is not None:
+        return "tensor-parallel (its all-reduces run in torch)"
     if shard.device.type != "cpu" or shard.dtype != torch.float32:
         return "not a float32 CPU stage"
     if not shard.layers or cpu_native.library() is None:

@@ -27,6 +27,8 @@ from logicpipe.stage_node.kernels import fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
 from logicpipe.stage_node.model import native_layers
+from logicpipe.stage_node.model import tp as tp_split
+from logicpipe.stage_node.model.tp import TensorParallel
 from logicpipe.stage_node.model.mla import mla_attention
 from logicpipe.stage_node.model.moe import experts_forward
 from logicpipe.stage_node.model.ops import (
@@ -65,7 +67,11 @@ class Shard:
     def __init__(self, config: ModelConfig, start: int, end: int, *, first: bool, last: bool,
                  layers: list[LayerWeights], embed_tokens: torch.Tensor | None,
                  final_norm: torch.Tensor | None, lm_head: torch.Tensor | None, lm_head_tied: bool,
-                 ropes: dict[str, RopeTables], device: torch.device, dtype: torch.dtype):
+                 ropes: dict[str, RopeTables], device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel | None = None):
+        # tp: this process's rank of a tensor-parallel stage (model.tp): `config` is then its share
+        # (heads, MLP), the layers its parts, the LM head its rows of the vocabulary
+        self.tp = tp
         self.config = config
         self.arch = config.arch
         self.start, self.end = start, end  # decoder layers [start, end) of the whole model
@@ -123,7 +129,7 @@ class Shard:
                                w.qkv_bias is None and w.o_bias is None and w.gate_up_bias is None and
                                w.down_bias is None and w.q_norm is None and w.attn_out_norm is None and
                                w.mlp_out_norm is None and w.experts is None and w.mla is None for w in self.layers) and
-                           a.rotary == 1.0 and all(self._ropes))  # RoPE over every layer's whole heads
+                           a.rotary == 1.0 and all(self._ropes) and self.tp is None)  # RoPE over every layer's whole heads
         return self._plain
 
     _plain: bool | None = None
@@ -205,10 +211,11 @@ class Shard:
 
     @classmethod
     def load(cls, model_dir, start: int, end: int, *, first: bool, last: bool,
-             device="cpu", dtype=torch.float32, quantize: str = "none") -> "Shard":
+             device="cpu", dtype=torch.float32, quantize: str = "none", tp: TensorParallel | None = None) -> "Shard":
         """Load layers [start, end) (+ embeddings if first, + final norm and LM head if last);
         `quantize`: the layers' matrices in int4 / int8 / nf4 / fp4, each quantized as it is built
-        (with int4 / int8 the LM head in int8 too, quant.HEAD_FORMAT)."""
+        (with int4 / int8 the LM head in int8 too, quant.HEAD_FORMAT); `tp`: this rank's part of
+        a tensor-parallel stage (model.tp), each layer split as it is read."""
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
@@ -222,13 +229,19 @@ class Shard:
         t = read_tensors(model_dir, names, index)
         if quantize != "none":
             check_format(quantize, device.type)
-        layers = [quantize_layer(build_layer(t, i, config, device=device, dtype=dtype), quantize)
+        whole = config
+        if tp is not None:
+            config = tp_split.local_config(config, tp.world)
+        layers = [quantize_layer(tp_split.part_of(build_layer(t, i, whole, device=device, dtype=dtype), whole, tp), quantize)
                   for i in range(start, end)]
         embed = t.pop(EMBED).to(device=device, dtype=dtype) if EMBED in t else None  # [vocab, hidden]
         norm = t.pop(FINAL_NORM).to(device=device, dtype=dtype) if last else None
         head = None
         if last:  # tied: the embeddings serve as the head (one tensor on a stage that is both)
             head = embed if tied else t.pop(LM_HEAD).to(device=device, dtype=dtype)  # [vocab, hidden]
+            if tp is not None:  # this rank's rows of the vocabulary
+                a, b = tp.span(whole.vocab_size)
+                head = head[a:b].contiguous()
             if quantize in HEAD_FORMAT:  # int4 / int8 stages: the head in int8 (a copy beside a tied embedding)
                 head = quantize_matrix(head, HEAD_FORMAT[quantize])
         del t
@@ -239,7 +252,7 @@ class Shard:
             ropes["sliding"] = ropes["full"] if same else RopeTables(*sliding, dtype=dtype, device=device)
         shard = cls(config, start, end, first=first, last=last, layers=layers,
                     embed_tokens=embed if first else None, final_norm=norm, lm_head=head,
-                    lm_head_tied=tied, ropes=ropes, device=device, dtype=dtype)
+                    lm_head_tied=tied, ropes=ropes, device=device, dtype=dtype, tp=tp)
         shard.weight_format = quantize if quantize != "none" else str(dtype).removeprefix("torch.")
         log.info("loaded layers [%d, %d) of %s%s%s: %.1fM params (+%.1fM tied copy), %s %s, weights %s in %.1f MiB, "
                  "%.2f s", start, end, model_dir.name, " +embed" if first else "", " +head" if last else "",
@@ -289,6 +302,8 @@ class Shard:
                                   self.lm_head)
             return softcap(logits, self.arch.final_softcap).float()
         logits = linear(self.norm(hidden, self.final_norm), self.lm_head, None, self.decode_rows)
+        if self.tp is not None:  # each rank's rows of the vocabulary, side by side
+            logits = self.tp.all_gather_last(logits.contiguous())
         return softcap(logits, self.arch.final_softcap).float()
 
     @torch.inference_mode()
@@ -349,7 +364,7 @@ class Shard:
         forward's per sequence, or a graph's batched one)."""
         c = self.config
         T = x.shape[0]
-        if w.mla is not None:  # multi-head latent attention (stage_node.model.mla)
+        if w.mla is not None:  # multi-head latent attention (stage_node.model.mla; never tensor-parallel)
             attn = mla_attention(i, w, self.norm(x, w.input_norm), self.arch.mla, c.num_heads, cos, sin, rows, attend)
             return self._mlp(w, x + linear(attn, w.o, w.o_bias, rows), rows)
         qkv = linear(self.norm(x, w.input_norm), w.qkv, w.qkv_bias, rows)  # [T, q + 2 kv]
@@ -361,7 +376,7 @@ class Shard:
             qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
         v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
-        attn = linear(attend(i, q, k, v), w.o, w.o_bias, rows)  # attend: [T, heads * head_dim]
+        attn = self._reduced(linear(attend(i, q, k, v), w.o, None, rows), w.o_bias)  # attend: [T, heads * head_dim]
         return self._mlp(w, x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm)), rows)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -369,10 +384,17 @@ class Shard:
         experts, residual."""
         h = self.norm(x, w.post_norm)
         if w.experts is not None:
-            mlp = experts_forward(h, w.experts, self.arch.moe, self._glu, rows)
+            mlp = self._reduced(experts_forward(h, w.experts, self.arch.moe, self._glu, rows), None)
         else:
-            mlp = linear(self._glu(linear(h, w.gate_up, w.gate_up_bias, rows)), w.down, w.down_bias, rows)
+            mlp = self._reduced(linear(self._glu(linear(h, w.gate_up, w.gate_up_bias, rows)), w.down, None, rows),
+                                w.down_bias)
         return x + (mlp if w.mlp_out_norm is None else self.norm(mlp, w.mlp_out_norm))
+
+    def _reduced(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel product's result: the ranks' partial sums added (tensor-parallel), then its bias."""
+        if self.tp is not None:
+            y = self.tp.all_reduce(y)
+        return y if bias is None else y + bias
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
                    masks: list, spans: list) -> torch.Tensor:

@@ -40,6 +40,7 @@ class Experts:
     shared_gate_up: torch.Tensor | None = None  # [2 * shared_intermediate, hidden]: the shared expert
     shared_down: torch.Tensor | None = None  # [hidden, shared_intermediate]
     shared_gate: torch.Tensor | None = None  # [1, hidden]: its sigmoid gate (Qwen2-MoE)
+    first: int = 0  # the id of gate_up[0]: a tensor-parallel rank holds experts [first, first + len) (model.tp)
 
     def numel(self) -> int:
         return self.router.numel() + sum(_numel(x) for x in (

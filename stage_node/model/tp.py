@@ -1,0 +1,150 @@
+"""Tensor parallelism inside one stage (issue 36): a stage's layers split over `world` ranks (the GPUs
+of one node through NCCL, or several CPU processes or hosts through gloo), Megatron-style.
+
+Per layer, rank r of w holds (`split_layer`):
+  * attention: query heads [r * H / w, (r + 1) * H / w) and their key/value heads (kv_heads / w each,
+    so H / kv_heads query heads keep sharing theirs), its rows of the fused q/k/v matrix (and bias,
+    per-head norms are shared), the matching columns of the output projection; its KV pool holds its
+    heads only;
+  * a dense MLP: intermediate columns [r * I / w, (r + 1) * I / w) of gate and of up (rows of the
+    fused gate_up), the matching columns of down;
+  * a mixture of experts (expert parallelism): the whole experts [r * E / w, (r + 1) * E / w) (the
+    router and its biases on every rank, so every rank routes every row the same); a row's routed
+    experts that live elsewhere count zero here; a shared expert split as a dense MLP;
+  * norms everywhere.
+After the output projection and after the MLP (or the experts) each rank holds a partial sum of
+the whole result: one all-reduce (`TensorParallel.all_reduce`) each, then the biases of those
+products, once. Every rank then holds the same residual stream, so the next layer, the next stage's
+input and the sampled tokens are the same on every rank; rank 0 is the one that talks to the mesh.
+
+The LM head is split over the vocabulary (rank r: rows [r * V / w, (r + 1) * V / w)), its logits
+gathered; the embeddings stay whole on every rank (one row per token, nothing to gain).
+
+Reduction order. An all-reduce of w ranks adds the same partial sums in the same order every time
+(gloo's and NCCL's ring / tree for a fixed world and size), so a row's bits do not depend on the
+step it is in any more than without TP; they differ from one rank's whole product by float rounding.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from logicpipe.common.modeldir import ModelConfig, ModelError
+from logicpipe.stage_node.model.weights import Experts, LayerWeights
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a tensor-parallel stage: rank of world, and the torch.distributed
+    process group that links the ranks (None: the default group)."""
+
+    rank: int
+    world: int
+    group: object = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x (same shape on every rank), in place; returned."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [..., n] side by side along the last dim, in rank order -> [..., world * n]."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def span(self, n: int) -> tuple[int, int]:
+        """This rank's [start, stop) of n things split evenly."""
+        return self.rank * n // self.world, (self.rank + 1) * n // self.world
+
+
+def check_split(config: ModelConfig, world: int) -> None:
+    """Refuse, with the reason, a model that cannot be split over `world` ranks."""
+    c, a = config, config.arch
+    problems = []
+    if a.mla is not None:
+        problems.append("multi-head latent attention (one latent KV head) is not split yet")
+    if c.num_kv_heads % world:
+        problems.append(f"{c.num_kv_heads} key/value heads do not divide by {world}")
+    if c.num_heads % world:
+        problems.append(f"{c.num_heads} query heads do not divide by {world}")
+    if a.moe is None and c.intermediate_size % world:
+        problems.append(f"the MLP's {c.intermediate_size} do not divide by {world}")
+    if a.moe is not None and a.moe.num_experts % world:
+        problems.append(f"{a.moe.num_experts} experts do not divide by {world}")
+    if a.moe is not None and a.moe.shared_intermediate_size and a.moe.shared_intermediate_size % world:
+        problems.append(f"the shared expert's {a.moe.shared_intermediate_size} do not divide by {world}")
+    if c.vocab_size % world:
+        problems.append(f"a vocabulary of {c.vocab_size} does not divide by {world}")
+    if problems:
+        raise ModelError(f"{c.model_type} cannot run tensor-parallel over {world}: " + "; ".join(problems))
+
+
+def local_config(config: ModelConfig, world: int) -> ModelConfig:
+    """The config one rank's layers look like: its share of the heads and of the MLP."""
+    check_split(config, world)
+    return dataclasses.replace(config, num_heads=config.num_heads // world,
+                               num_kv_heads=config.num_kv_heads // world,
+                               intermediate_size=config.intermediate_size // world if config.arch.moe is None
+                               else config.intermediate_size)
+
+
+def _rows(x: torch.Tensor | None, parts: list[tuple[int, int]]) -> torch.Tensor | None:
+    """The rows [a, b) of each part of x, concatenated (x None: None)."""
+    return None if x is None else torch.cat([x[a:b] for a, b in parts]).contiguous()
+
+
+def _gated_rows(inter: int, tp: TensorParallel) -> list[tuple[int, int]]:
+    """Rows of a fused [gate; up] matrix of `inter` each that are this rank's."""
+    a, b = tp.span(inter)
+    return [(a, b), (inter + a, inter + b)]
+
+
+def split_layer(w: LayerWeights, config: ModelConfig, tp: TensorParallel) -> LayerWeights:
+    """Rank tp.rank's part of a whole layer (module docstring); `config` is the whole model's."""
+    c = config
+    hd = c.head_dim
+    q0, q1 = tp.span(c.num_heads)
+    k0, k1 = tp.span(c.num_kv_heads)
+    qn, kvn = c.num_heads * hd, c.num_kv_heads * hd
+    qkv_rows = [(q0 * hd, q1 * hd), (qn + k0 * hd, qn + k1 * hd), (qn + kvn + k0 * hd, qn + kvn + k1 * hd)]
+    parts = dict(qkv=_rows(w.qkv, qkv_rows), qkv_bias=_rows(w.qkv_bias, qkv_rows),
+                 o=w.o[:, q0 * hd: q1 * hd].contiguous(),
+                 sinks=None if w.sinks is None else w.sinks[q0:q1].contiguous())
+    if w.experts is not None:
+        parts["experts"] = split_experts(w.experts, tp)
+    else:
+        inter = w.gate_up.shape[0] // 2
+        a, b = tp.span(inter)
+        parts.update(gate_up=_rows(w.gate_up, _gated_rows(inter, tp)), gate_up_bias=_rows(w.gate_up_bias, _gated_rows(inter, tp)),
+                     down=w.down[:, a:b].contiguous())
+    return dataclasses.replace(w, **parts)
+
+
+def part_of(w: LayerWeights, config: ModelConfig, tp: TensorParallel | None) -> LayerWeights:
+    """`split_layer`, or the whole layer without tensor parallelism."""
+    return w if tp is None else split_layer(w, config, tp)
+
+
+def split_experts(e: Experts, tp: TensorParallel) -> Experts:
+    """This rank's whole experts (E / world of them, `first` = the first one's id), the router whole,
+    a shared expert split as a dense MLP."""
+    n = e.router.shape[0]
+    a, b = tp.span(n)
+    shared = {}
+    if e.shared_gate_up is not None:
+        inter = e.shared_gate_up.shape[0] // 2
+        s0, s1 = tp.span(inter)
+        shared = dict(shared_gate_up=_rows(e.shared_gate_up, _gated_rows(inter, tp)),
+                      shared_down=e.shared_down[:, s0:s1].contiguous())
+    return dataclasses.replace(
+        e, gate_up=e.gate_up[a:b], down=e.down[a:b],
+        gate_up_bias=None if e.gate_up_bias is None else e.gate_up_bias[a:b],
+        down_bias=None if e.down_bias is None else e.down_bias[a:b], first=a, **shared)
