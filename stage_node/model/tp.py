@@ -30,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
 from logicpipe.stage_node.model.weights import Experts, LayerWeights
@@ -46,16 +47,12 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank), in place; returned."""
-        import torch.distributed as dist
-
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x [..., n] side by side along the last dim, in rank order -> [..., world * n]."""
-        import torch.distributed as dist
-
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
