@@ -29,6 +29,7 @@ class StageOptions:
     batch_invariant: str = "auto"        # CUDA: auto / on / off, batch-invariant kernels (stage_node.invariant)
     dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in
     model_root: str = ""                 # an assigned model directory must lie under this ("": anywhere)
+    tp: object = None                    # --tp N > 1: the stage's engine.tp_group.Leader (rank 0 of N)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.engine.runner import Runner  # noqa: E402
+from logicpipe.stage_node.engine.tp_group import Leader  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
@@ -87,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "and runs the one the mesh asks for (the controller's --dtype; a 16-bit mesh format is "
                          "upcast to float32 where it is not offered); a named dtype is the only one this node runs")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor-parallel over N ranks: the layers split over N processes of this node (CUDA: GPUs "
+                         "0..N-1 over NCCL; CPU: N processes of --threads each, over gloo); one stage to the "
+                         "controller (default 1)")
     ap.add_argument("--max-kv-mib", type=int, default=2048,
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
@@ -152,6 +157,10 @@ def fence_file(state_dir: Path, node_id: str) -> Path:
     return state_dir / f"fence-{node_id}.json"
 
 
+def torch_cuda_count() -> int:
+    return torch.cuda.device_count()
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
@@ -165,6 +174,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--draft-model {args.draft_model}: no config.json there (a Hugging Face model directory)")
     if args.draft_layers < 0:
         raise SystemExit("--draft-layers must be 0 (all) or more")
+    if args.tp < 1:
+        raise SystemExit("--tp must be at least 1")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     try:  # its identity and its fence live there: a directory that cannot keep them says so now
         await asyncio.to_thread(statedir.prepare, state_dir)
@@ -176,6 +187,14 @@ async def serve(args: argparse.Namespace) -> None:
     device = args.device or ("cuda" if has_cuda else "cpu")
     if device == "cuda" and not has_cuda:
         raise SystemExit("--device cuda but torch sees no CUDA device")
+    leader = None
+    if args.tp > 1:
+        if device == "cuda" and await runner.call(torch_cuda_count) < args.tp:
+            raise SystemExit(f"--tp {args.tp}: this node has {await runner.call(torch_cuda_count)} CUDA devices")
+        if args.draft_model:
+            raise SystemExit("--tp with --draft-model is not supported yet")
+        leader = Leader(args.tp, device, args.threads)
+        await runner.call(leader.start)
     if args.quantize != "none":
         try:
             await runner.call(check_format, args.quantize, device)
@@ -212,7 +231,7 @@ async def serve(args: argparse.Namespace) -> None:
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
-                           model_root=str(args.model_root or cache_root()))
+                           model_root=str(args.model_root or cache_root()), tp=leader)
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir, fence_path=fence_file(state_dir, node_id))
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))
@@ -235,6 +254,8 @@ async def serve(args: argparse.Namespace) -> None:
         warming.cancel()
         await members.close()
         await runtime.stop()
+        if leader is not None:
+            leader.close()
 
 
 def main(argv=None) -> None:

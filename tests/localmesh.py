@@ -94,7 +94,8 @@ class LocalMesh:
     def __init__(self, n_stages: int, model_dir: Path | str, workdir: Path | str, *, threads: int = 1,
                  device: str = "cpu", controller_args: tuple[str, ...] = (), stage_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, mdns: bool = False,
-                 stage_env: dict[int, dict[str, str]] | None = None, tls: bool | None = None):
+                 stage_env: dict[int, dict[str, str]] | None = None, tls: bool | None = None,
+                 stage_extra: dict[int, tuple[str, ...]] | None = None):
         self.n_stages = n_stages
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
@@ -107,6 +108,7 @@ class LocalMesh:
         self.stage_args = tuple(stage_args)     # extra logicpipe-stage flags, every stage
         self.env = dict(env or {})              # extra environment of every process
         self.stage_env = dict(stage_env or {})  # stage index -> its own extra environment (e.g. CUDA_VISIBLE_DEVICES)
+        self.stage_extra = dict(stage_extra or {})  # stage index -> its own extra flags (e.g. --tp 2)
         # mdns: the controller finds the stages by mDNS on 127.0.0.1 (a mesh name of its own keeps
         # other meshes on this host out); else it gets --nodes and nobody advertises
         self.mdns = mdns
@@ -204,7 +206,7 @@ class LocalMesh:
                 signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
-            self.stage_addresses = [self.start_stage(i) for i in range(self.n_stages)]
+            self.stage_addresses = [self.start_stage(i, None, *self.stage_extra.get(i, ())) for i in range(self.n_stages)]
             self.start_controller()
         except BaseException:
             self.stop()

@@ -49,8 +49,12 @@ class KVPool:
         """Bytes of keys and values one block holds (all local layers)."""
         return self.parts * self.k[:, :, : self.block_size].numel() * self.k.element_size()
 
+    mirror = None  # a tensor-parallel stage's rank 0: engine.tp_group.Leader, the other ranks copy too
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy on write: block src's positions into block dst, every layer, keys and values."""
+        if copies and self.mirror is not None:
+            self.mirror.copy(copies)
         bs = self.block_size
         for src, dst in copies:
             self.kv[..., dst * bs:(dst + 1) * bs, :] = self.kv[..., src * bs:(src + 1) * bs, :]

@@ -148,6 +148,9 @@ class Shard:
         return self._native or None
 
     _native = None
+    # rank 0 of a tensor-parallel stage: its engine.tp_group.Leader, which mirrors forward and logits to
+    # the other ranks before they run here
+    mirror = None
 
     def layers_fused(self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv: torch.Tensor,
                      tables: dict, attend) -> torch.Tensor:
@@ -297,6 +300,13 @@ class Shard:
         if not self.last:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
         hidden = hidden.to(device=self.device, dtype=self.dtype)
+        if self.mirror is not None:  # a tensor-parallel stage's rank 0: the other ranks gather with it
+            self.mirror.logits(hidden)
+            with self.mirror.lost_on_error():
+                return self._logits(hidden)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fused_layers:  # the final norm by the fused layers' kernel (one launch)
             logits = invariant.mm(fused.add_norm(None, hidden, self.final_norm, self.config.rms_norm_eps)[1],
                                   self.lm_head)
@@ -315,6 +325,13 @@ class Shard:
         """
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         check_step(hidden, kv, self.num_layers)
+        if self.mirror is not None:  # a tensor-parallel stage's rank 0: the other ranks run it too
+            self.mirror.forward(hidden, kv)
+            with self.mirror.lost_on_error():
+                return self._forward(hidden, kv)
+        return self._forward(hidden, kv)
+
+    def _forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
         seqs = kv.seqs
         if self.device.type == "cpu" and self.native is not None:
             return self.native.forward(hidden, kv)

@@ -167,14 +167,21 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     if DTYPE_FORMAT[a.dtype] not in float_formats(device):
         raise ValueError(f"this {device} cannot compute in {a.dtype} (it has {', '.join(float_formats(device))})")
     dtype = getattr(torch, a.dtype)
-    shard = shard_for(a, model_dir, device, options, old)
+    tp = options.tp
+    if tp is not None:  # every rank loads its part (stage_node.engine.tp_group); nothing is taken over
+        shard = tp.load(model_dir, a.start, a.end, first=a.first, last=a.last, dtype=dtype, quantize=options.quantize,
+                        invariant=resolve_invariant(options.batch_invariant, device))
+    else:
+        shard = shard_for(a, model_dir, device, options, old)
     bs = options.block_size
     block_bytes = bs * kv_bytes_per_token(shard.config, a.end - a.start, dtype)
     num_blocks = options.max_kv_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
-    pool = shard.new_pool(num_blocks, bs)
+    pool = tp.new_pool(shard, num_blocks, bs) if tp is not None else shard.new_pool(num_blocks, bs)
     shard.batch_invariant = resolve_invariant(options.batch_invariant, device)
+    if tp is not None:  # no CUDA graphs or warm-up yet: the ranks must run every forward together
+        return shard, pool
     if shard.device.type == "cuda" and options.cuda_graphs:
         shard.graphs = StepGraphs(shard, pool)  # warms at start-up: every kernel variant and graph bucket
     elif shard.device.type == "cuda":

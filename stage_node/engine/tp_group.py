@@ -1,0 +1,269 @@
+"""A tensor-parallel stage on one node (`logicpipe-stage --tp N`): the stage process is rank 0 and
+starts N - 1 follower processes (ranks 1..N-1: `python -m logicpipe.stage_node.engine.tp_group`), each
+holding its part of every layer (stage_node.model.tp) on its own device (CUDA: GPU r; CPU: a process
+with the stage's --threads). To the controller the node stays one node and one stage.
+
+Only rank 0 talks to the mesh. Every operation of its runner that involves the other ranks is
+mirrored to them before it runs, in the same order on every rank: loading an assignment's layers,
+making the KV pool, its copy-on-write block copies, a forward over the pool and the LM head's logits
+(`Shard.mirror`, `KVPool.mirror`). A follower is a loop over those messages; it keeps no scheduler
+and no sessions: the slots each row writes and reads come with the step.
+
+Messages are tensors, never pickles: an int64 header [op, ...] and the op's int64 tables, broadcast
+from rank 0 over gloo (the control group); the hidden states go over the data group (gloo on a CPU,
+NCCL on CUDA, the group the layers' all-reduces use).
+
+Failure. A member that dies takes the stage down: rank 0 watches its followers and exits (status
+75) the moment one is gone, so the controller re-plans and the requests replay elsewhere, as for any
+lost node; a follower dies with rank 0 (the kernel's parent-death signal, and its next broadcast
+fails).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from logicpipe.stage_node.engine.kv import KVPool, SeqSlice, StepKV
+from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.model.tp import TensorParallel
+
+log = logging.getLogger(__name__)
+
+STOP, LOAD, POOL, COPY, FORWARD, LOGITS = range(6)
+HEADER = 8  # int64s of a message's header
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IDLE_TIMEOUT = timedelta(days=365)  # a follower waits for the next message as long as the stage lives
+EXIT_MEMBER_LOST = 75
+WATCH_S = 0.2  # rank 0 checks its followers this often
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this process when its parent (rank 0) dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class Channel:
+    """The messages between ranks (rank 0 sends, the others receive): the control group for headers and
+    tables, the data group for the hidden states."""
+
+    def __init__(self, tp: TensorParallel, control, device: torch.device):
+        self.tp, self.control, self.device = tp, control, device
+
+    def ints(self, values: torch.Tensor | None, n: int) -> torch.Tensor:
+        """An int64 table of n elements, from rank 0 (values) to every rank."""
+        t = values.contiguous() if values is not None else torch.empty(n, dtype=torch.long)
+        if n:
+            dist.broadcast(t, 0, group=self.control)
+        return t
+
+    def header(self, *fields: int) -> torch.Tensor:
+        t = torch.zeros(HEADER, dtype=torch.long)
+        t[: len(fields)] = torch.tensor(fields, dtype=torch.long)
+        return self.ints(t if self.tp.rank == 0 else None, HEADER)
+
+    def rows(self, x: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A [T, hidden] tensor from rank 0 to every rank, on each rank's device."""
+        t = x.to(self.device).contiguous() if x is not None else torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(t, 0, group=self.tp.group)
+        return t
+
+
+def _seq_table(seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 [S, 4]: start_pos, num_tokens, span or -1, decode_from; the slots of the sequences read by
+    slot, concatenated)"""
+    table = torch.tensor([[s.start_pos, s.num_tokens, -1 if s.span is None else s.span, s.decode_from] for s in seqs],
+                         dtype=torch.long).reshape(-1, 4)
+    slots = [s.slots.cpu() for s in seqs if s.span is None]
+    return table, torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
+
+
+def _seqs_of(table: torch.Tensor, slots: torch.Tensor, device) -> tuple[SeqSlice, ...]:
+    out, at = [], 0
+    for start, n, span, decode_from in table.tolist():
+        if span >= 0:
+            out.append(SeqSlice(start, n, span, None, decode_from))
+        else:
+            out.append(SeqSlice(start, n, None, slots[at: at + start + n].to(device), decode_from))
+            at += start + n
+    return tuple(out)
+
+
+class Leader:
+    """Rank 0 of a node's tensor-parallel stage: starts the followers, mirrors the runner's operations to
+    them (Shard.mirror / KVPool.mirror), and exits when one of them is lost."""
+
+    def __init__(self, world: int, device: str, threads: int):
+        self.world = world
+        self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
+        self.procs: list[subprocess.Popen] = []
+        self.tp: TensorParallel | None = None
+        self.channel: Channel | None = None
+        self._device_kind, self._threads = device, threads
+
+    def start(self) -> None:
+        """Runner thread: start the followers and join the process groups with them."""
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        for r in range(1, self.world):
+            cmd = [sys.executable, "-m", "logicpipe.stage_node.engine.tp_group", "--rank", str(r), "--world",
+                   str(self.world), "--init", init, "--device", self._device_kind, "--threads", str(self._threads)]
+            self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+        self.tp, control = join(0, self.world, init, self._device_kind)
+        self.channel = Channel(self.tp, control, self.device)
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+        log.info("tensor-parallel stage of %d ranks (%s): followers %s", self.world, self._device_kind,
+                 ", ".join(str(p.pid) for p in self.procs))
+
+    def _watch(self) -> None:
+        while True:
+            for r, p in enumerate(self.procs, 1):
+                if p.poll() is not None:
+                    log.error("tensor-parallel rank %d (pid %d) is gone (status %s): this stage cannot compute "
+                              "without it; exiting so the mesh re-plans", r, p.pid, p.returncode)
+                    self.close()
+                    os._exit(EXIT_MEMBER_LOST)
+            time.sleep(WATCH_S)
+
+    @contextlib.contextmanager
+    def lost_on_error(self):
+        """Around rank 0's part of a mirrored operation: if it fails, the ranks no longer agree on what
+        comes next (a follower may wait in an all-reduce), so the stage exits and the mesh re-plans."""
+        try:
+            yield
+        except BaseException as exc:
+            log.error("a tensor-parallel operation failed on rank 0 (%s): the ranks are out of step; exiting so "
+                      "the mesh re-plans", exc)
+            self.close()
+            os._exit(EXIT_MEMBER_LOST)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    # ---- what rank 0 runs, mirrored first ---------------------------------------------------
+    def load(self, model_dir: str, start: int, end: int, *, first: bool, last: bool, dtype: torch.dtype,
+             quantize: str, invariant: bool) -> Shard:
+        text = torch.tensor(list(f"{model_dir}\0{quantize}".encode()), dtype=torch.long)
+        self.channel.header(LOAD, start, end, int(first), int(last), DTYPES.index(dtype), text.numel(), int(invariant))
+        self.channel.ints(text, text.numel())
+        shard = Shard.load(model_dir, start, end, first=first, last=last, device=self.device, dtype=dtype,
+                           quantize=quantize, tp=self.tp)
+        shard.batch_invariant = invariant
+        shard.mirror = self
+        return shard
+
+    def new_pool(self, shard: Shard, num_blocks: int, block_size: int) -> KVPool:
+        self.channel.header(POOL, num_blocks, block_size)
+        pool = shard.new_pool(num_blocks, block_size)
+        pool.mirror = self
+        return pool
+
+    def copy(self, copies) -> None:
+        pairs = torch.tensor(list(copies), dtype=torch.long).reshape(-1, 2)
+        self.channel.header(COPY, pairs.shape[0])
+        self.channel.ints(pairs.flatten(), pairs.numel())
+
+    def forward(self, hidden: torch.Tensor, kv: StepKV) -> None:
+        table, slots = _seq_table(kv.seqs)
+        self.channel.header(FORWARD, hidden.shape[0], table.shape[0], slots.numel(), DTYPES.index(hidden.dtype))
+        self.channel.ints(table.flatten(), table.numel())
+        self.channel.ints(slots, slots.numel())
+        self.channel.ints(kv.write_slots.cpu(), hidden.shape[0])
+        self.channel.rows(hidden, tuple(hidden.shape), hidden.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> None:
+        self.channel.header(LOGITS, hidden.shape[0], DTYPES.index(hidden.dtype))
+        self.channel.rows(hidden, tuple(hidden.shape), hidden.dtype)
+
+
+def join(rank: int, world: int, init: str, device: str) -> tuple[TensorParallel, object]:
+    """Join the stage's process groups: (this rank's TensorParallel over the data group, the control
+    group). CPU: one gloo group for both; CUDA: NCCL for the data, gloo for the control."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if device == "cuda" else None
+    return TensorParallel(rank, world), control
+
+
+def follow(rank: int, world: int, init: str, device: str) -> None:
+    """A follower's life: join, then run every mirrored operation until STOP (or rank 0 is gone)."""
+    tp, control = join(rank, world, init, device)
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    channel = Channel(tp, control, dev)
+    shard: Shard | None = None
+    pool: KVPool | None = None
+    hidden_size = 0
+    with torch.inference_mode():
+        while True:
+            h = channel.header().tolist()
+            op = h[0]
+            if op == STOP:
+                return
+            if op == LOAD:
+                text = bytes(channel.ints(None, h[6]).tolist()).decode()
+                model_dir, quantize = text.split("\0")
+                shard = Shard.load(model_dir, h[1], h[2], first=bool(h[3]), last=bool(h[4]), device=dev,
+                                   dtype=DTYPES[h[5]], quantize=quantize, tp=tp)
+                shard.batch_invariant = bool(h[7])
+                hidden_size, pool = shard.config.hidden_size, None
+            elif op == POOL:
+                pool = shard.new_pool(h[1], h[2])
+            elif op == COPY:
+                pool.copy_blocks([tuple(p) for p in channel.ints(None, 2 * h[1]).reshape(-1, 2).tolist()])
+            elif op == FORWARD:
+                T, S, n_slots, dtype = h[1], h[2], h[3], DTYPES[h[4]]
+                table = channel.ints(None, 4 * S).reshape(S, 4)
+                slots = channel.ints(None, n_slots)
+                write = channel.ints(None, T).to(dev)
+                x = channel.rows(None, (T, hidden_size), dtype)
+                shard.forward(x, StepKV(pool, write, _seqs_of(table, slots, dev)))
+            elif op == LOGITS:
+                shard.logits(channel.rows(None, (h[1], hidden_size), DTYPES[h[2]]))
+            else:
+                raise RuntimeError(f"tensor-parallel follower {rank}: unknown operation {op}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="A follower rank of a tensor-parallel stage (started by the stage).")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--init", required=True, help="torch.distributed init method (tcp://HOST:PORT)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{args.rank}: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        follow(args.rank, args.world, args.init, args.device)
+    except Exception as exc:  # noqa: BLE001 — rank 0 gone (its broadcast fails) or a broken step: this rank ends
+        log.error("tensor-parallel follower %d stops: %s", args.rank, exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Mesh tier, tensor-parallel stages (issue 36): a node started with `--tp 2` is one stage of two
+processes over gloo on loopback, planned beside a plain node as a 2-stage pipeline. Greedy tokens
+equal transformers' for a dense and a mixture-of-experts family (alone and 4 at once), and a killed
+tensor-parallel member takes its stage down: the request in flight finishes, identical, on the re-plan."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.families import build, hf_greedy, hf_model
+from tests.localmesh import LocalMesh
+from tests.mesh.test_families import eventually, submit
+
+PROMPTS = [[5, 17, 2000, 9, 31, 77, 4, 1200, 8, 600, 45, 3], [7, 7, 300, 41, 9000, 12, 5], [100, 200, 300, 400, 500],
+           [49000, 3, 77, 12000, 6, 8, 1, 2, 3]]
+NEW = 8
+LONG = 64
+
+
+@pytest.fixture(scope="module")
+def models(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-models")
+    return {f: build(f, root / f, model_dir) for f in ("llama", "qwen3_moe")}
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def test_a_tensor_parallel_stage_in_a_pipeline(models, tmp_path):
+    with LocalMesh(2, models["llama"], tmp_path / "mesh", threads=1, stage_extra={0: ("--tp", "2")},
+                   controller_args=("--strategy", "uniform", "--settle-s", "0.5")) as mesh:
+        for family in ("qwen3_moe", "llama"):  # the dense one last: the kill below runs on it
+            st = mesh.restart_controller(models[family])
+            assert [(s.node_id, s.end_layer - s.start_layer) for s in st.stages] == [("stage0", 2), ("stage1", 1)]
+            model = hf_model(models[family])
+            want = [hf_greedy(model, p, NEW) for p in PROMPTS]
+            assert submit(mesh, PROMPTS[0], 0, new=NEW) == want[0], family
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                assert list(pool.map(lambda p: submit(mesh, p, 0, new=NEW), PROMPTS)) == want, family
+        # a member of the tensor-parallel stage killed in the middle of a generation: the stage exits, the
+        # mesh re-plans over the other node, and the request finishes as transformers' tokens
+        followers = children(mesh.procs["stage0"].pid)
+        assert len(followers) == 1, followers
+        with ThreadPoolExecutor(1) as pool:
+            streamed: list = []
+            long = pool.submit(submit, mesh, PROMPTS[1], 0, None, LONG, streamed)
+            eventually(lambda: len(streamed) >= 4, 120, "the long generation's first tokens")
+            os.kill(followers[0], signal.SIGKILL)
+            assert long.result() == hf_greedy(model, PROMPTS[1], LONG)
+        deadline = time.monotonic() + 30
+        while mesh.procs["stage0"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mesh.procs["stage0"].returncode == 75  # the stage left: a member was lost
+        assert [s.node_id for s in mesh.controller_status().stages] == ["stage1"]
