@@ -135,8 +135,9 @@ class LocalMesh:
         self.procs[name] = proc
         return proc, log
 
-    def start_stage(self, i: int, address: str | None = None, *extra: str) -> str:
-        """Start stage process `stage{i}` (on `address`, else a free port) and wait until it serves."""
+    def start_stage(self, i: int, address: str | None = None, *extra: str, prefix: tuple[str, ...] = ()) -> str:
+        """Start stage process `stage{i}` (on `address`, else a free port) and wait until it serves.
+        `prefix`: what its command line runs under (tests.netns: `ip netns exec NS`)."""
         addr = address or f"127.0.0.1:{free_port()}"
         found = ["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns else ["--no-mdns"]
         if self.tls:
@@ -145,7 +146,7 @@ class LocalMesh:
         proc, log = self._spawn(f"stage{i}", ["-m", "logicpipe.stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
                                               "--device", self.device, "--threads", str(self.threads),
                                               "--state-dir", str(self.workdir / f"state{i}"), *found,
-                                              *self.stage_args, *extra], self.stage_env.get(i))
+                                              *self.stage_args, *extra], self.stage_env.get(i), prefix)
         wait_serving(addr, proc, log, transport=self.transport)
         return addr
 

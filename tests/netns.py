@@ -2,6 +2,8 @@
 namespace by a veth pair, so that a controller can be cut off (`partition`) and joined again (`heal`)
 while the stages, listening on an address this namespace's loopback takes on (`stage_host`), stay reachable
 from every namespace that is not cut off. Everything made is removed on exit, also after a failure.
+With `rate` (tc's form, "100mbit") every veth pair is capped to that rate both ways by a token bucket
+(tbf) on each of its ends, as on a LAN of that speed (bench.rpc_bench runs nodes in the namespaces).
 
     with Namespaces(["a", "b"]) as ns:
         ns.prefix("a")       # the command prefix that runs a process in namespace a
@@ -24,16 +26,23 @@ def available() -> bool:
     return os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
 
 
-def ip(*args: str, ns: str | None = None) -> None:
-    cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+def ip(*args: str, ns: str | None = None, tool: str = "ip") -> None:
+    """Run `tool args` (ip, or tc) here or in namespace `ns`; raises with its error output."""
+    cmd = [*(["ip", "netns", "exec", ns] if ns else []), tool, *args]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
 
 
+# the token bucket of a capped link: burst and queueing bound as in tc-tbf(8)'s examples for a LAN
+TBF_BURST = "32kbit"
+TBF_LATENCY = "50ms"
+
+
 class Namespaces:
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], rate: str | None = None):
         self.names = list(names)
+        self.rate = rate  # tc rate of every link, both ways ("100mbit"); None: uncapped
         self.tag = f"{random.randrange(16**4):04x}"  # interface names of 15 characters at most
         self.net = random.randrange(200, 250)        # 10.<net>.0.0/16: the stages' 10.<net>.0.1, ns i's 10.<net>.<i+1>.2
         self._made: list[tuple[str, str]] = []
@@ -47,6 +56,7 @@ class Namespaces:
 
     @property
     def stage_host(self) -> str:
+        """This namespace's address that every namespace reaches (its loopback takes it on)."""
         return f"10.{self.net}.0.1"
 
     def address(self, name: str) -> str:
@@ -54,6 +64,11 @@ class Namespaces:
 
     def prefix(self, name: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns(name)]
+
+    def bytes_moved(self) -> int:
+        """Bytes sent both ways over every namespace's link so far (the counters of this namespace's ends)."""
+        stats = [Path(f"/sys/class/net/{self._link(n)}/statistics/{d}_bytes") for n in self.names for d in ("rx", "tx")]
+        return sum(int(p.read_text()) for p in stats)
 
     def partition(self, name: str) -> None:
         ip("link", "set", self._link(name), "down")
@@ -80,6 +95,11 @@ class Namespaces:
                 ip("link", "set", there, "up", ns=ns)
                 ip("link", "set", "lo", "up", ns=ns)
                 ip("route", "add", "default", "via", f"10.{self.net}.{i + 1}.1", ns=ns)
+                if self.rate:  # the qdiscs go with the links
+                    cap = ("qdisc", "add", "dev")
+                    tbf = ("root", "tbf", "rate", self.rate, "burst", TBF_BURST, "latency", TBF_LATENCY)
+                    ip(*cap, here, *tbf, tool="tc")
+                    ip(*cap, there, *tbf, tool="tc", ns=ns)
         except BaseException:
             self.__exit__()
             raise
