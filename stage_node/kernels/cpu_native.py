@@ -3,13 +3,14 @@ first use and loaded with ctypes (nothing downloaded, no build step at install).
 
 Build. `gcc` (else `cc`; `$LOGICPIPE_CC` names another, a path that does not exist turns the build
 off) with `-O3 -mavx2 -mfma -mf16c` on an x86 CPU with AVX2, `-O3` on aarch64 (NEON is baseline
-there; that path is compile-checked only, by zig cc -target aarch64-linux-gnu, never run), plain
-`-O3` elsewhere (portable C); `-fopenmp` (the threads are torch's own OpenMP runtime: the wheel's
-libgomp is already loaded under the same name; a compiler without OpenMP builds one thread) and
-`-ffp-contract=off`. The library is cached under <cache>/kernels/ by a hash of the source, the
-flags, the compiler and the CPU, written to a temporary name and renamed into place, so processes
-starting together never load a half-written file. No compiler, a failed build or a failed load:
-one log line, and `library()` is None (quant.py then keeps torch's kernels).
+there; that path's numbers are checked by scripts/check_neon.py, built by zig's clang and run under
+qemu-aarch64 emulation; its speed is never measured), plain `-O3` elsewhere (portable C);
+`-fopenmp` (the threads are torch's own OpenMP runtime: the wheel's libgomp is already loaded under
+the same name; a compiler without OpenMP builds one thread) and `-ffp-contract=off`. The library
+is cached under <cache>/kernels/ by a hash of the source, the flags, the compiler and the CPU,
+written to a temporary name and renamed into place, so processes starting together never load a
+half-written file. No compiler, a failed build or a failed load: one log line, and `library()` is
+None (quant.py then keeps torch's kernels).
 
 Calls take contiguous tensors' raw pointers; the output is float32, one call per product, the
 number of threads torch runs with on the calling thread.
