@@ -42,7 +42,7 @@ from logicpipe.stage_node.net.identity import default_state_dir, node_identity  
 from logicpipe.stage_node.kernels.invariant import SETTINGS as INVARIANT_SETTINGS  # noqa: E402
 from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
-from logicpipe.stage_node.profile import compute_id, cpu_kernels, host_profile, offered_formats  # noqa: E402
+from logicpipe.stage_node.profile import compute_id, cpu_kernels, host_profile, offered_formats, tensor_parallel  # noqa: E402
 from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
@@ -225,8 +225,8 @@ async def serve(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     log.info("offers weight formats %s (compute %s)", ", ".join(formats), compute)
-    profile = None if args.no_profile else await runner.call(host_profile, device, dtype=args.dtype,
-                                                             quantize=args.quantize)
+    profile = None if args.no_profile else tensor_parallel(
+        await runner.call(host_profile, device, dtype=args.dtype, quantize=args.quantize), args.tp)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,

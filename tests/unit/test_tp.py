@@ -15,6 +15,7 @@ from logicpipe.common.modeldir import ModelConfig, ModelError
 from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.model.tp import TensorParallel
+from logicpipe.stage_node.profile import HostProfile, tensor_parallel
 
 from .. import families
 from .paged import PagedCache
@@ -122,3 +123,15 @@ def test_a_rank_holds_its_share_of_every_matrix(checkpoints):
     assert torch.equal(p.experts.router, w.experts.router)
     assert part.lm_head.shape[0] == c.vocab_size // 2 and torch.equal(part.lm_head, whole.lm_head[c.vocab_size // 2:])
     assert part.config.num_heads == c.num_heads // 2 and part.new_pool(4, 4).k.shape[1] == c.num_kv_heads // 2
+
+
+def test_a_cuda_stage_of_n_ranks_is_profiled_as_n_devices():
+    """The planner sees a `--tp 2` CUDA node as two GPUs (memory, FLOP/s, bandwidths doubled); a CPU
+    node's ranks share one host's memory and cores, so its profile stays as measured."""
+    gpu = HostProfile("cuda", "H100", 80 * 2**30, 5e14, 3e12, ("bf16",), weight_bandwidth=2e12,
+                      format_flops=(("bf16", 5e14),))
+    two = tensor_parallel(gpu, 2)
+    assert (two.memory_bytes, two.flops, two.mem_bandwidth, two.weight_bandwidth, two.format_flops) == \
+        (160 * 2**30, 1e15, 6e12, 4e12, (("bf16", 1e15),))
+    cpu = HostProfile("cpu", "EPYC", 20 * 2**30, 1e11, 2e10, ("fp32",))
+    assert tensor_parallel(cpu, 2) == cpu and tensor_parallel(gpu, 1) == gpu
