@@ -9,9 +9,10 @@ making the KV pool, its copy-on-write block copies, a forward over the pool and 
 (`Shard.mirror`, `KVPool.mirror`). A follower is a loop over those messages; it keeps no scheduler
 and no sessions: the slots each row writes and reads come with the step.
 
-Messages are tensors, never pickles: an int64 header [op, ...] and the op's int64 tables, broadcast
-from rank 0 over gloo (the control group); the hidden states go over the data group (gloo on a CPU,
-NCCL on CUDA, the group the layers' all-reduces use).
+Messages are tensors, never pickles: an int64 header [op, ...] and the op's tables made from Python
+ints, broadcast from rank 0 over gloo (the control group); what already lives on the device (the
+slots a step writes and reads, the hidden states) goes over the data group (gloo on a CPU, NCCL on
+CUDA, the group the layers' all-reduces use), so rank 0 never waits for its device to send a step.
 
 Failure. A member that dies takes the stage down: rank 0 watches its followers and exits (status
 75) the moment one is gone, so the controller re-plans and the requests replay elsewhere, as for any
@@ -83,6 +84,14 @@ class Channel:
         t[: len(fields)] = torch.tensor(fields, dtype=torch.long)
         return self.ints(t if self.tp.rank == 0 else None, HEADER)
 
+    def device_ints(self, x: torch.Tensor | None, n: int) -> torch.Tensor:
+        """An int64 tensor of n elements from rank 0 to every rank, on each rank's device, over the data
+        group (no copy to the host on rank 0: a CUDA stage's step never waits for its device here)."""
+        t = x.contiguous() if x is not None else torch.empty(n, dtype=torch.long, device=self.device)
+        if n:
+            dist.broadcast(t, 0, group=self.tp.group)
+        return t
+
     def rows(self, x: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """A [T, hidden] tensor from rank 0 to every rank, on each rank's device."""
         t = x.to(self.device).contiguous() if x is not None else torch.empty(shape, dtype=dtype, device=self.device)
@@ -90,22 +99,21 @@ class Channel:
         return t
 
 
-def _seq_table(seqs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 [S, 4]: start_pos, num_tokens, span or -1, decode_from; the slots of the sequences read by
-    slot, concatenated)"""
+def _seq_table(seqs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(int64 [S, 4] on the host, from Python ints: start_pos, num_tokens, span or -1, decode_from; the
+    slot tables of the sequences read by slot, where they are)"""
     table = torch.tensor([[s.start_pos, s.num_tokens, -1 if s.span is None else s.span, s.decode_from] for s in seqs],
                          dtype=torch.long).reshape(-1, 4)
-    slots = [s.slots.cpu() for s in seqs if s.span is None]
-    return table, torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
+    return table, [s.slots[: s.stop] for s in seqs if s.span is None]
 
 
-def _seqs_of(table: torch.Tensor, slots: torch.Tensor, device) -> tuple[SeqSlice, ...]:
+def _seqs_of(table: torch.Tensor, slots: torch.Tensor) -> tuple[SeqSlice, ...]:
     out, at = [], 0
     for start, n, span, decode_from in table.tolist():
         if span >= 0:
             out.append(SeqSlice(start, n, span, None, decode_from))
         else:
-            out.append(SeqSlice(start, n, None, slots[at: at + start + n].to(device), decode_from))
+            out.append(SeqSlice(start, n, None, slots[at: at + start + n], decode_from))
             at += start + n
     return tuple(out)
 
@@ -187,10 +195,12 @@ class Leader:
 
     def forward(self, hidden: torch.Tensor, kv: StepKV) -> None:
         table, slots = _seq_table(kv.seqs)
-        self.channel.header(FORWARD, hidden.shape[0], table.shape[0], slots.numel(), DTYPES.index(hidden.dtype))
+        n_slots = sum(s.numel() for s in slots)
+        self.channel.header(FORWARD, hidden.shape[0], table.shape[0], n_slots, DTYPES.index(hidden.dtype))
         self.channel.ints(table.flatten(), table.numel())
-        self.channel.ints(slots, slots.numel())
-        self.channel.ints(kv.write_slots.cpu(), hidden.shape[0])
+        if n_slots:
+            self.channel.device_ints(torch.cat(slots).to(self.device), n_slots)
+        self.channel.device_ints(kv.write_slots.to(self.device), hidden.shape[0])
         self.channel.rows(hidden, tuple(hidden.shape), hidden.dtype)
 
     def logits(self, hidden: torch.Tensor) -> None:
@@ -237,10 +247,10 @@ def follow(rank: int, world: int, init: str, device: str) -> None:
             elif op == FORWARD:
                 T, S, n_slots, dtype = h[1], h[2], h[3], DTYPES[h[4]]
                 table = channel.ints(None, 4 * S).reshape(S, 4)
-                slots = channel.ints(None, n_slots)
-                write = channel.ints(None, T).to(dev)
+                slots = channel.device_ints(None, n_slots)
+                write = channel.device_ints(None, T)
                 x = channel.rows(None, (T, hidden_size), dtype)
-                shard.forward(x, StepKV(pool, write, _seqs_of(table, slots, dev)))
+                shard.forward(x, StepKV(pool, write, _seqs_of(table, slots)))
             elif op == LOGITS:
                 shard.logits(channel.rows(None, (h[1], hidden_size), DTYPES[h[2]]))
             else:
