@@ -133,7 +133,7 @@ class PeakSampler:
 # ----------------------------------------------------------------------------- scenarios
 
 def stage_args(args) -> tuple[str, ...]:
-    return ("--quantize", args.quantize) if args.quantize != "none" else ()
+    return (("--quantize", args.quantize) if args.quantize != "none" else ()) + tuple(args.stage_arg)
 
 
 def scenario_single(args, model_dir, work) -> dict:
@@ -480,6 +480,9 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=256, help="admission: --max-kv-mib of each stage")
     ap.add_argument("--controller-arg", action="append", default=[], help="extra controller flag (repeatable)")
     ap.add_argument("--quantize", default="none", help="every stage's --quantize (single, concurrency; default none)")
+    ap.add_argument("--stage-arg", action="append", default=[],
+                    help="extra logicpipe-stage flag of the single / concurrency / overhead meshes (repeatable; "
+                         "e.g. --stage-arg=--tp --stage-arg=2)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
 

@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from logicpipe.stage_node.engine.kv import KVPool, SeqSlice, StepKV
 from logicpipe.stage_node.model.shard import Shard
-from logicpipe.stage_node.model.tp import TensorParallel
+from logicpipe.common.modeldir import ModelConfig
+from logicpipe.stage_node.model.tp import TensorParallel, check_split
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,9 @@ class Leader:
     # ---- what rank 0 runs, mirrored first ---------------------------------------------------
     def load(self, model_dir: str, start: int, end: int, *, first: bool, last: bool, dtype: torch.dtype,
              quantize: str, invariant: bool) -> Shard:
+        # a model that does not split over the ranks is refused here, before any rank hears of it: the
+        # assignment fails and the stage stays up (a follower that failed the load would end the stage)
+        check_split(ModelConfig.from_dir(model_dir), self.world)
         text = torch.tensor(list(f"{model_dir}\0{quantize}".encode()), dtype=torch.long)
         self.channel.header(LOAD, start, end, int(first), int(last), DTYPES.index(dtype), text.numel(), int(invariant))
         self.channel.ints(text, text.numel())

@@ -135,3 +135,13 @@ def test_a_cuda_stage_of_n_ranks_is_profiled_as_n_devices():
         (160 * 2**30, 1e15, 6e12, 4e12, (("bf16", 1e15),))
     cpu = HostProfile("cpu", "EPYC", 20 * 2**30, 1e11, 2e10, ("fp32",))
     assert tensor_parallel(cpu, 2) == cpu and tensor_parallel(gpu, 1) == gpu
+
+
+def test_a_tp_stage_refuses_a_model_that_does_not_split_before_its_followers_hear_of_it(checkpoints, model_dir):
+    """The default model (9 heads over 3 KV heads) on a --tp 2 stage: rank 0 refuses the load by name
+    and sends nothing (a follower that failed it would take the whole stage down)."""
+    from logicpipe.stage_node.engine.tp_group import Leader
+
+    leader = Leader(2, "cpu", 1)  # not started: sending anything would fail on its missing channel
+    with pytest.raises(ModelError, match="3 key/value heads do not divide by 2"):
+        leader.load(str(model_dir), 0, 30, first=True, last=True, dtype=torch.float32, quantize="none", invariant=False)
