@@ -151,15 +151,6 @@ def scenario_single(args, model_dir, work) -> dict:
     return {"quantize": args.quantize, "tps": statistics.median(rates), "raw": rates}
 
 
-def _cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds (/proc)."""
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _stream_times(address: str, prompt: str, tokens: int) -> list[float]:
     """One greedy stream: the arrival time of each new token."""
     req = controller_pb2.SubmitRequest(prompt=prompt, max_tokens=tokens, ignore_eos=True)
@@ -175,11 +166,13 @@ def bare_step_ms(model_dir, args, prompt_ids: list[int]) -> float:
     KV, head, argmax), `args.threads` threads, the stages' format, after the prompt's prefill."""
     import torch
 
+    from logicpipe.common.modeldir import ModelConfig
     from logicpipe.stage_node.model.shard import Shard
     from tests.unit.paged import PagedCache
 
     torch.set_num_threads(args.threads)
-    shard = Shard.load(model_dir, 0, _num_layers(model_dir), first=True, last=True, device=args.device,
+    layers = ModelConfig.from_dir(Path(model_dir)).num_layers
+    shard = Shard.load(model_dir, 0, layers, first=True, last=True, device=args.device,
                        quantize=args.quantize)
     cache = PagedCache(shard, num_blocks=-(-(len(prompt_ids) + args.tokens + 16) // 16), block_size=16)
     ids = list(prompt_ids)
@@ -195,15 +188,10 @@ def bare_step_ms(model_dir, args, prompt_ids: list[int]) -> float:
     return 1000 * statistics.median(times)
 
 
-def _num_layers(model_dir) -> int:
-    from logicpipe.common.modeldir import ModelConfig
-
-    return ModelConfig.from_dir(Path(model_dir)).num_layers
-
-
 def scenario_overhead(args, model_dir, work) -> dict:
     from transformers import AutoTokenizer
 
+    from bench.llamacpp_rpc import proc_cpu_s
     from logicpipe.controller.jobs.text import encode_prompt
 
     walls, ctl_cpu, stage_cpu = [], [], []
@@ -213,9 +201,9 @@ def scenario_overhead(args, model_dir, work) -> dict:
         submit(addr, prompt=PROMPTS[0], tokens=8)  # warm-up
         ctl, stage = mesh.procs["controller"].pid, mesh.procs["stage0"].pid
         for r in range(args.rounds):
-            c0, s0 = _cpu_s(ctl), _cpu_s(stage)
+            c0, s0 = proc_cpu_s(ctl), proc_cpu_s(stage)
             times = _stream_times(addr, PROMPTS[0], args.tokens)
-            c1, s1 = _cpu_s(ctl), _cpu_s(stage)
+            c1, s1 = proc_cpu_s(ctl), proc_cpu_s(stage)
             walls.append(1000 * (times[-1] - times[8]) / (len(times) - 9))
             ctl_cpu.append(1000 * (c1 - c0) / len(times))
             stage_cpu.append(1000 * (s1 - s0) / len(times))

@@ -189,8 +189,9 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--device cuda but torch sees no CUDA device")
     leader = None
     if args.tp > 1:
-        if device == "cuda" and await runner.call(torch_cuda_count) < args.tp:
-            raise SystemExit(f"--tp {args.tp}: this node has {await runner.call(torch_cuda_count)} CUDA devices")
+        gpus = await runner.call(torch_cuda_count) if device == "cuda" else 0
+        if device == "cuda" and gpus < args.tp:
+            raise SystemExit(f"--tp {args.tp}: this node has {gpus} CUDA devices")
         if args.draft_model:
             raise SystemExit("--tp with --draft-model is not supported yet")
         leader = Leader(args.tp, device, args.threads)

@@ -85,18 +85,12 @@ class Channel:
         t[: len(fields)] = torch.tensor(fields, dtype=torch.long)
         return self.ints(t if self.tp.rank == 0 else None, HEADER)
 
-    def device_ints(self, x: torch.Tensor | None, n: int) -> torch.Tensor:
-        """An int64 tensor of n elements from rank 0 to every rank, on each rank's device, over the data
-        group (no copy to the host on rank 0: a CUDA stage's step never waits for its device here)."""
-        t = x.contiguous() if x is not None else torch.empty(n, dtype=torch.long, device=self.device)
-        if n:
-            dist.broadcast(t, 0, group=self.tp.group)
-        return t
-
-    def rows(self, x: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A [T, hidden] tensor from rank 0 to every rank, on each rank's device."""
+    def data(self, x: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor from rank 0 (x) to every rank, on each rank's device, over the data group: what lives
+        on the device already (hidden states, a step's slots) never waits for a copy to the host."""
         t = x.to(self.device).contiguous() if x is not None else torch.empty(shape, dtype=dtype, device=self.device)
-        dist.broadcast(t, 0, group=self.tp.group)
+        if t.numel():
+            dist.broadcast(t, 0, group=self.tp.group)
         return t
 
 
@@ -203,13 +197,13 @@ class Leader:
         self.channel.header(FORWARD, hidden.shape[0], table.shape[0], n_slots, DTYPES.index(hidden.dtype))
         self.channel.ints(table.flatten(), table.numel())
         if n_slots:
-            self.channel.device_ints(torch.cat(slots).to(self.device), n_slots)
-        self.channel.device_ints(kv.write_slots.to(self.device), hidden.shape[0])
-        self.channel.rows(hidden, tuple(hidden.shape), hidden.dtype)
+            self.channel.data(torch.cat(slots), (n_slots,), torch.long)
+        self.channel.data(kv.write_slots, (hidden.shape[0],), torch.long)
+        self.channel.data(hidden, tuple(hidden.shape), hidden.dtype)
 
     def logits(self, hidden: torch.Tensor) -> None:
         self.channel.header(LOGITS, hidden.shape[0], DTYPES.index(hidden.dtype))
-        self.channel.rows(hidden, tuple(hidden.shape), hidden.dtype)
+        self.channel.data(hidden, tuple(hidden.shape), hidden.dtype)
 
 
 def join(rank: int, world: int, init: str, device: str) -> tuple[TensorParallel, object]:
@@ -251,12 +245,12 @@ def follow(rank: int, world: int, init: str, device: str) -> None:
             elif op == FORWARD:
                 T, S, n_slots, dtype = h[1], h[2], h[3], DTYPES[h[4]]
                 table = channel.ints(None, 4 * S).reshape(S, 4)
-                slots = channel.device_ints(None, n_slots)
-                write = channel.device_ints(None, T)
-                x = channel.rows(None, (T, hidden_size), dtype)
+                slots = channel.data(None, (n_slots,), torch.long)
+                write = channel.data(None, (T,), torch.long)
+                x = channel.data(None, (T, hidden_size), dtype)
                 shard.forward(x, StepKV(pool, write, _seqs_of(table, slots)))
             elif op == LOGITS:
-                shard.logits(channel.rows(None, (h[1], hidden_size), DTYPES[h[2]]))
+                shard.logits(channel.data(None, (h[1], hidden_size), DTYPES[h[2]]))
             else:
                 raise RuntimeError(f"tensor-parallel follower {rank}: unknown operation {op}")
 

@@ -87,7 +87,7 @@ def experts_forward(h: torch.Tensor, experts: Experts, moe: MoE, glu, rows: Rows
     if h.is_cuda and h.shape[0] <= GATHER_MAX_ROWS and not isinstance(experts.gate_up, list):
         out = experts_gathered(h, experts, *held_here(weights, idx, experts), glu)
     else:
-        out = experts_grouped(h, experts, weights, idx - experts.first, glu, rows)
+        out = experts_grouped(h, experts, weights, idx - experts.first if experts.first else idx, glu, rows)
     return out if experts.shared_gate_up is None else out + shared_expert(h, experts, glu, rows)
 
 

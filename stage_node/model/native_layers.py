@@ -98,7 +98,7 @@ class NativeLayers:
         seqs = kv.seqs
         top = max(s.stop for s in seqs)
         rope = self.shard.rope
-        cos, sin = rope.lookup(0, top)  # grows the tables to the step's positions
+        rope.lookup(0, top)  # grows the tables to the step's positions; the call reads them whole
         cos, sin = rope.cos, rope.sin_signed
         if len(seqs) == 1:
             s = seqs[0]
@@ -111,7 +111,7 @@ class NativeLayers:
             table = torch.zeros(len(seqs), top, dtype=torch.long)
             for i, s in enumerate(seqs):
                 table[i, : s.stop] = torch.arange(s.span, s.span + s.stop) if s.span is not None else s.slots[: s.stop]
-        x = hidden.to(torch.float32).contiguous().clone()
+        x = hidden.clone(memory_format=torch.contiguous_format)  # float32 (Shard.forward); written in place
         pool = kv.pool.kv  # [layers, 2, kv_heads, slots, head_dim], contiguous
         self.dims.slots = pool.shape[3]
         ws = kv.write_slots.contiguous()

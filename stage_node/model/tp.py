@@ -119,8 +119,9 @@ def split_layer(w: LayerWeights, config: ModelConfig, tp: TensorParallel) -> Lay
         parts["experts"] = split_experts(w.experts, tp)
     else:
         inter = w.gate_up.shape[0] // 2
-        a, b = tp.span(inter)
-        parts.update(gate_up=_rows(w.gate_up, _gated_rows(inter, tp)), gate_up_bias=_rows(w.gate_up_bias, _gated_rows(inter, tp)),
+        rows = _gated_rows(inter, tp)
+        a, b = rows[0]
+        parts.update(gate_up=_rows(w.gate_up, rows), gate_up_bias=_rows(w.gate_up_bias, rows),
                      down=w.down[:, a:b].contiguous())
     return dataclasses.replace(w, **parts)
 

@@ -168,9 +168,10 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
         raise ValueError(f"this {device} cannot compute in {a.dtype} (it has {', '.join(float_formats(device))})")
     dtype = getattr(torch, a.dtype)
     tp = options.tp
+    invariant = resolve_invariant(options.batch_invariant, device)
     if tp is not None:  # every rank loads its part (stage_node.engine.tp_group); nothing is taken over
         shard = tp.load(model_dir, a.start, a.end, first=a.first, last=a.last, dtype=dtype, quantize=options.quantize,
-                        invariant=resolve_invariant(options.batch_invariant, device))
+                        invariant=invariant)
     else:
         shard = shard_for(a, model_dir, device, options, old)
     bs = options.block_size
@@ -179,7 +180,7 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
     pool = tp.new_pool(shard, num_blocks, bs) if tp is not None else shard.new_pool(num_blocks, bs)
-    shard.batch_invariant = resolve_invariant(options.batch_invariant, device)
+    shard.batch_invariant = invariant
     if tp is not None:  # no CUDA graphs or warm-up yet: the ranks must run every forward together
         return shard, pool
     if shard.device.type == "cuda" and options.cuda_graphs:
