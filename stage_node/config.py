@@ -30,6 +30,8 @@ class StageOptions:
     dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in
     model_root: str = ""                 # an assigned model directory must lie under this ("": anywhere)
     tp: object = None                    # --tp N > 1: the stage's engine.tp_group.Leader (rank 0 of N)
+    replay_rows: bool = True             # --replay-rows: log the rows it sends on (and inside a range a re-plan
+                                         # grew), so a replay after a re-plan computes only the layers it lacks
 
 
 @dataclass(frozen=True)

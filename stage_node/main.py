@@ -108,6 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "packed ones, whichever is faster here, timed at start; LOGICPIPE_CPU_KERNEL=native|torch "
                          "forces one; the LM head then in int8 too), nf4 or fp4 (bitsandbytes); embeddings and norms stay in the compute "
                          "dtype (default none)")
+    ap.add_argument("--replay-rows", default="on", choices=["on", "off"],
+                    help="keep the hidden rows this stage sends on (one row per KV position: about one layer's KV "
+                         "more per boundary), so that after a re-plan that moves layers a replay recomputes only "
+                         "the layers a stage lacks, not the whole pipeline (default on)")
     ap.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                     help="CUDA stages: replay steps of up to 32 rows as CUDA graphs, captured per size bucket "
                          "on first use (default %(default)s; off: every step eagerly)")
@@ -232,7 +236,8 @@ async def serve(args: argparse.Namespace) -> None:
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
-                           model_root=str(args.model_root or cache_root()), tp=leader)
+                           model_root=str(args.model_root or cache_root()), tp=leader,
+                           replay_rows=args.replay_rows == "on")
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir, fence_path=fence_file(state_dir, node_id))
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))

@@ -115,7 +115,7 @@ class StageRuntime:
                     reuse = old.shard if old is not None and old.shard_dir == model_dir and \
                         (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers) else None
                     shard, pool = await self.runner.call(loading.load_shard, a, model_dir, self.device, self.options,
-                                                         reuse)
+                                                         reuse, self._logs_for(a, old if reuse is not None else None))
                     kv = None
             except MeshError:
                 self.state = before
@@ -132,10 +132,19 @@ class StageRuntime:
                     self.state = before
                     raise
             async with self._step_lock:  # no step of the old engine is computing into the pool
-                self.engine = self._new_engine(a, shard, pool, kv, model_dir, stream_key)
                 if old is not None:
                     old.retired = True
                     old.end_sessions("the stage was re-assigned")
+                if kv is None and old is not None and old.kv.span is not None and self._keeps_rows(a) and \
+                        old.shard_dir == model_dir and old.pool.block_size == pool.block_size and \
+                        (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers):
+                    # the layers both ranges hold stay in the prefix cache (issue 34)
+                    kv, kept = old.kv.carried(pool.num_blocks, (a.start, a.end), a.last, self._logged(a, pool),
+                                              frozenset(pool.logs))
+                    await self.runner.call(pool.take_over, old.pool, kept)
+                    log.info("kept the KV of %d cached blocks over layers [%d, %d) for replays", len(kept),
+                             max(a.start, old.assignment.start), min(a.end, old.assignment.end))
+                self.engine = self._new_engine(a, shard, pool, kv, model_dir, stream_key)
             if old is not None:
                 await old.close_links()
             self.state = NodeState.READY
@@ -151,11 +160,36 @@ class StageRuntime:
                      pool.num_blocks, pool.block_size)
             return self.engine
 
+    MAX_LOGS = 3  # boundaries whose rows a pool keeps at most (its end, and inner ones a re-plan grew over)
+
+    def _keeps_rows(self, a: Assignment) -> bool:
+        return self.options.replay_rows and self.options.tp is None
+
+    def _logs_for(self, a: Assignment, old: Engine | None) -> frozenset[int]:
+        """Boundaries whose rows the pool for `a` keeps: its end (not on a last stage), and those
+        inside its range that the pool it replaces kept (a range grown over a lost neighbour's
+        layers keeps the rows of its former end: when the neighbour is back, the replay resumes
+        there instead of computing the grown range again); the highest MAX_LOGS."""
+        if not self._keeps_rows(a):
+            return frozenset()
+        want = set() if a.last else {a.end}
+        if old is not None and old.kv.span is not None:
+            want |= {b for b in old.pool.logs if a.start < b < a.end}
+        return frozenset(sorted(want)[-self.MAX_LOGS:])
+
+    def _logged(self, a: Assignment, pool: KVPool) -> frozenset[int]:
+        """The boundaries every row computed on `a` leaves in `pool` (its inner ones and its end)."""
+        return frozenset(b for b in pool.logs if a.start < b <= a.end)
+
     def _new_engine(self, a: Assignment, shard: Shard, pool: KVPool, kv: KVManager | None, shard_dir: str,
                     stream_key: str = "") -> Engine:
         """An engine for `a`; `kv` (kept from the previous engine, its sequences closed first) keeps
         the prefix cache."""
-        return Engine(a, shard, pool, kv or KVManager(pool.num_blocks, pool.block_size), node_id=self.node_id,
+        if kv is None:
+            kv = KVManager(pool.num_blocks, pool.block_size)
+            if self._keeps_rows(a):  # its blocks record the layers and rows they hold (issue 34)
+                kv.span, kv.last, kv.logged = (a.start, a.end), a.last, self._logged(a, pool)
+        return Engine(a, shard, pool, kv, node_id=self.node_id,
                       transport=self.transport, runner=self.runner, lock=self._step_lock, events=self.events,
                       stats=self.stats, budget=self.options.budget, orphaned=self._orphaned,
                       draft_model=lambda: self.draft_model, wake=self._wake.set, shard_dir=shard_dir,

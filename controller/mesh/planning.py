@@ -187,6 +187,34 @@ def plan_for(profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload,
         raise InvalidArgument(str(exc)) from exc
 
 
+def repair(plan: Plan, lost: set[str], profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload,
+           options) -> Plan | None:
+    """`plan` over its stages still usable, each lost stage's layers taken by the stage before it
+    (a lost first stage's by the one after): every survivor keeps the layers it holds, so the KV it
+    kept serves the replays and only the lost layers are computed again (issue 34). None when no
+    stage is lost or none survives, or the grown ranges do not fit their nodes."""
+    by_id = {p.node_id: p for p in profiles}
+    ranges: list[list] = []  # [node id, start, end]
+    orphan = None            # start of lost layers no survivor before them can take
+    for st in plan.stages:
+        if st.node_id in lost or st.node_id not in by_id:
+            if ranges:
+                ranges[-1][2] = st.end
+            elif orphan is None:
+                orphan = st.start
+            continue
+        ranges.append([st.node_id, st.start if orphan is None else orphan, st.end])
+        orphan = None
+    if not ranges or len(ranges) == len(plan.stages) or orphan is not None:
+        return None
+    try:
+        return make_plan([by_id[n] for n, _, _ in ranges], spec, workload, Objective.parse(options.objective),
+                         strategy="custom", boundaries=[(a, b - 1) for _, a, b in ranges])
+    except ValueError as exc:  # (InfeasibleError too) the grown ranges do not fit: plan afresh
+        log.info("no repair of the broken pipeline fits (%s): planning afresh", exc)
+        return None
+
+
 def replicas_flag(value: str) -> int:
     """--replicas: "auto" (0) or a count >= 1."""
     if value.strip().lower() == "auto":

@@ -211,6 +211,18 @@ class Replanner:
                     return []  # the free nodes make no pipeline: the kept ones serve on
                 raise
 
+        if broken and all(p.plan is not None for p in broken):
+            # each broken pipeline over its survivors, the lost layers taken by a neighbour: the
+            # survivors' kept KV serves the replays; a better plan follows once the mesh is quiet
+            usable = {p.node_id for p in self.profiles}
+            lost = {s.node_id for p in broken for s in p.plan.stages if s.node_id not in usable or any(
+                h.node_id == s.node_id and h.lost for h in p.stages)}
+            drained = {m.node_id for m in self.app.members.by_address.values() if not m.usable}
+            repaired = [planning.repair(p.plan, lost | drained, self.profiles, spec, workload, o) for p in broken]
+            if repaired and all(r is not None for r in repaired):
+                log.info("%s: repairing %d pipeline(s) over their survivors (%s)", why, len(repaired),
+                         "; ".join(" ".join(f"{s.node_id}[{s.start},{s.end})" for s in r.stages) for r in repaired))
+                return planning.evaluate(self._plans(kept) + repaired, self.profiles, spec, workload, o)
         if broken or not kept:
             return planning.evaluate(self._plans(kept) + extra(), self.profiles, spec, workload, o)
         full = planning.mesh_for(self.profiles, spec, workload, o)

@@ -13,6 +13,13 @@ nano-vllm's block manager, grown what a pipeline stage needs:
 - **prefix cache**: a full block is registered under hash(previous block's hash, its token ids);
   a new sequence whose prompt starts with registered blocks attaches them instead of computing
   them again. A block nobody holds stays cached until its memory is needed (LRU eviction).
+- **layers kept across plans** (issue 34): with `span` set (the stage's layers [start, end)), a
+  registered block also records which layers' KV it holds (`Block.layers`, absolute) and at which
+  layer boundaries it holds the hidden rows entering that layer (`Block.logs`: the stage's output
+  rows, and rows it computed inside its range). A re-plan that moves a stage's range keeps the
+  layers both ranges share (the runtime copies them into the new pool), so a replayed sequence
+  attaches blocks that hold only part of its layers: its rows there are computed again only from
+  the highest boundary whose rows the block holds (`resume_layer`), or not at all.
 - **placement**: a sequence's blocks are placed in one run of free blocks when possible, with
   room to grow (a soft reservation other sequences use only when memory is short), so that
   attention can read its keys as one strided view instead of gathering them.
@@ -51,6 +58,8 @@ class Block:
     ref_count: int = 0
     hash: int | None = None           # prefix-cache key, while registered
     tokens: tuple[int, ...] = ()      # its token ids, while registered (checked on a hit)
+    layers: tuple[int, int] = (0, 0)  # absolute layers whose KV it holds for all its positions (while registered)
+    logs: frozenset[int] = frozenset()  # layer boundaries whose input rows it holds for all its positions
 
 
 @dataclass
@@ -62,6 +71,9 @@ class BlockTable:
     tokens: list[int] = field(default_factory=list)   # token ids of positions [0, length)
     hashes: list[int] = field(default_factory=list)   # prefix hash of each full block, in order
     expect_blocks: int = 1                            # blocks it expects to need in all (its capacity)
+    resume: int = 0                                   # attached positions below this are computed again in
+                                                      # place (only the layers their blocks lack), not truncated
+    resume_tokens: tuple[int, ...] = ()               # ... their token ids
     room: range = range(0)                            # its soft reservation for growth (block ids)
 
 
@@ -72,6 +84,10 @@ class WritePlan:
 
     copies: tuple[tuple[int, int], ...]  # (source block, destination block)
     slots: tuple[int, ...]               # pool slot of each new position, in order
+    starts: tuple[int, ...] = ()         # attached blocks written again: the absolute layer each row is
+                                         # computed from (its block's resume_layer; non-increasing), one per
+                                         # row from the first; () when every row is computed from the first layer
+    upgraded: tuple[tuple[int, int], ...] = ()  # (block, its resume layer) of blocks the write covers whole
 
 
 def block_hash(previous: int | None, tokens) -> int:
@@ -93,6 +109,58 @@ class KVManager:
         self.by_hash: dict[int, int] = {}
         self.tables: dict[str, BlockTable] = {}
         self.prefix_hit_tokens = 0  # positions attached from the cache instead of computed, since start
+        self.span: tuple[int, int] | None = None  # the stage's layers: blocks record what they hold (None: all)
+        self.last = False                         # ... a last stage (its rows leave as tokens, not rows)
+        self.logged: frozenset[int] = frozenset()  # ... the boundaries whose rows every computed row leaves in the pool
+
+    # ---- layers a block holds (issue 34) ----------------------------------------------------
+    def carried(self, num_blocks: int, span: tuple[int, int], last: bool, logged: frozenset[int],
+                logs: frozenset[int]) -> tuple["KVManager", list[int]]:
+        """A manager for the next range of this stage (`span`, over a pool of `num_blocks`,
+        logging `logged` and holding the rows of `logs`) that keeps this one's cached blocks (no
+        sequence may be open) that hold layers both ranges share, least recently used first; and
+        the ids of those blocks (their layers and rows are copied by KVPool.take_over)."""
+        if self.tables:
+            raise ValueError(f"{len(self.tables)} sequences are still open")
+        new = KVManager(num_blocks, self.block_size)
+        new.span, new.last, new.logged = span, last, logged
+        kept = []
+        for b in self.cached:
+            blk = self.blocks[b]
+            lo, hi = max(blk.layers[0], span[0]), min(blk.layers[1], span[1])
+            if b >= num_blocks or blk.hash is None or lo >= hi:
+                continue
+            nb = new.blocks[b]
+            nb.hash, nb.tokens, nb.layers = blk.hash, blk.tokens, (lo, hi)
+            nb.logs = frozenset(x for x in blk.logs if x in logs and lo <= x <= hi)
+            new.by_hash[blk.hash] = b
+            new._set(b, BlockState.CACHED)
+            new.cached[b] = None
+            kept.append(b)
+        return new, kept
+
+    def holds_all(self, b: int) -> bool:
+        """Block b holds the KV of every layer of the stage."""
+        if self.span is None:
+            return True
+        lo, hi = self.blocks[b].layers
+        return lo <= self.span[0] and hi >= self.span[1]
+
+    def resume_layer(self, b: int) -> int:
+        """The absolute layer from which the rows of block b must be computed again on this stage:
+        its end when the block holds every layer (and, before a last stage, the output rows), else
+        the highest boundary whose input rows it holds with every layer below it, else the start."""
+        if self.span is None:
+            return 0
+        s, e = self.span
+        blk = self.blocks[b]
+        lo, hi = blk.layers
+        if lo > s or hi <= s:
+            return s
+        top = min(hi, e)
+        if top == e and self.last:
+            return e
+        return max((x for x in blk.logs if s < x <= top), default=s)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -139,16 +207,28 @@ class KVManager:
 
     def attach_prefix(self, seq: str, tokens) -> int:
         """Give an empty sequence the cached blocks its `tokens` start with; returns the positions
-        attached (a multiple of the block size)."""
+        whose blocks hold every layer of the stage (a multiple of the block size: where a replay
+        may start). Blocks past those that hold some layers (with `span`) are attached too: the
+        replay's rows there are computed again in place, from their `resume_layer`."""
         t = self.tables[seq]
         if t.blocks:
             raise ValueError(f"sequence {seq} is not empty")
         hits = self.match_prefix(tokens)
+        full = 0
+        while full < len(hits) and self.holds_all(hits[full]):
+            full += 1
+        if self.span is not None:  # partly held blocks: worth attaching while a row skips some layers
+            keep = full
+            while keep < len(hits) and self.resume_layer(hits[keep]) > self.span[0]:
+                keep += 1
+            hits = hits[:keep]
         for b in hits:
             self._hold(b)
             t.hashes.append(self.blocks[b].hash)
         t.blocks = list(hits)
-        t.length = len(hits) * self.block_size
+        t.length = full * self.block_size
+        t.resume = len(hits) * self.block_size if self.span is not None else 0
+        t.resume_tokens = tuple(tokens[: t.resume])
         t.tokens = list(tokens[: t.length])
         self.prefix_hit_tokens += t.length
         return t.length
@@ -189,13 +269,19 @@ class KVManager:
         del t.hashes[length // self.block_size:]
 
     # ---- a step's writes --------------------------------------------------------------------
-    def prepare_write(self, seq: str, start: int, n: int) -> WritePlan:
+    def prepare_write(self, seq: str, start: int, n: int, tokens=None) -> WritePlan:
         """Blocks for positions [start, start + n) of `seq` (start <= its length: a start below it
-        rolls the sequence back first). Copies shared blocks it will write (copy on write) and
-        takes new ones. All or nothing: raises OutOfBlocks before changing anything."""
+        rolls the sequence back first, except over attached blocks a replay writes again in place:
+        `tokens`, when given, must be theirs). Copies shared blocks it will write (copy on write)
+        and takes new ones. All or nothing: raises OutOfBlocks before changing anything."""
         t = self.tables[seq]
         if not 0 <= start <= t.length or n < 1:
             raise BadWrite(f"cannot write {n} positions at {start} of a sequence of {t.length}")
+        if t.resume and (start >= t.resume or (tokens is not None and
+                                               tuple(tokens[: t.resume - start]) != t.resume_tokens[start: start + n])):
+            self._end_resume(t)
+        if t.resume:
+            return self._prepare_resume(t, start, n)
         bs = self.block_size
         first, last = start // bs, (start + n - 1) // bs
         kept = min(len(t.blocks), self.blocks_for(start) if start < t.length else len(t.blocks))
@@ -221,6 +307,51 @@ class KVManager:
         slots = tuple(t.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
         return WritePlan(tuple(copies), slots)
 
+    def _prepare_resume(self, t: BlockTable, start: int, n: int) -> WritePlan:
+        """A replay's rows over attached blocks: written again in place (the same tokens give the
+        same KV, so a block shared with another sequence is not copied), each from its block's
+        resume layer (the lowest so far: a row never reads a layer an earlier row has yet to
+        write); rows past the attached blocks take new blocks and are computed whole."""
+        bs = self.block_size
+        stop = start + n
+        need = max(0, self.blocks_for(stop) - len(t.blocks))
+        if need > self.available:
+            raise OutOfBlocks(need - self.available,
+                              f"needs {need} KV blocks, {self.available} of {self.num_blocks} are free")
+        while len(t.blocks) < self.blocks_for(stop):
+            t.blocks.append(self._alloc(t))
+        s = self.span[0]
+        starts, low, upgraded = [], self.span[1], []
+        for i in range(start // bs, self.blocks_for(stop)):
+            b = t.blocks[i]
+            low = min(low, self.resume_layer(b) if (i + 1) * bs <= t.resume else s)
+            rows = min(stop, (i + 1) * bs) - max(start, i * bs)
+            starts.extend([low] * rows)
+            if i * bs >= start and (i + 1) * bs <= min(stop, t.resume):
+                upgraded.append((b, low))
+        slots = tuple(t.blocks[p // bs] * bs + p % bs for p in range(start, stop))
+        return WritePlan((), slots, tuple(starts) if any(x != s for x in starts) else (), tuple(upgraded))
+
+    def _end_resume(self, t: BlockTable) -> None:
+        """Attached blocks past the written length are let go (as a truncation would)."""
+        keep = self.blocks_for(t.length)
+        self._release(t.blocks[keep:])
+        del t.blocks[keep:]
+        del t.hashes[t.length // self.block_size:]
+        t.resume, t.resume_tokens = 0, ()
+
+    def upgrade(self, written: tuple[tuple[int, int], ...]) -> None:
+        """Blocks a replay wrote whole from the given layer (WritePlan.upgraded): they hold the
+        stage's layers from there now, and the rows of every boundary it logs above it."""
+        if self.span is None:
+            return
+        s, e = self.span
+        for b, start in written:
+            blk = self.blocks[b]
+            lo, hi = blk.layers
+            blk.layers = (min(lo, start), max(hi, e)) if lo <= start <= hi else (start, e)
+            blk.logs = blk.logs | frozenset(x for x in self.logged if x > start)
+
     def commit(self, seq: str, start: int, tokens) -> None:
         """The step wrote `tokens` at [start, start + len(tokens)): they are valid now, and every
         block that became full is registered in the prefix cache."""
@@ -228,6 +359,8 @@ class KVManager:
         t.length = start + len(tokens)
         del t.tokens[start:]
         t.tokens.extend(tokens)
+        if t.resume and t.length >= t.resume:
+            t.resume, t.resume_tokens = 0, ()
         bs = self.block_size
         while len(t.hashes) < t.length // bs:
             i = len(t.hashes)
@@ -238,6 +371,8 @@ class KVManager:
             if h not in self.by_hash and b.hash is None:
                 b.hash, b.tokens = h, chunk
                 self.by_hash[h] = b.id
+                if self.span is not None:
+                    b.layers, b.logs = self.span, self.logged
 
     def read_span(self, seq: str, upto: int) -> tuple[int, ...]:
         """The blocks holding positions [0, upto) of `seq`, in order."""
@@ -268,6 +403,7 @@ class KVManager:
         if blk.hash is not None and self.by_hash.get(blk.hash) == b:
             del self.by_hash[blk.hash]
         blk.hash, blk.tokens = None, ()
+        blk.layers, blk.logs = (0, 0), frozenset()
 
     def _alloc(self, t: BlockTable) -> int:
         """A block for table `t`: the one after its last (so its blocks stay consecutive) when that

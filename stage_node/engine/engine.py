@@ -253,6 +253,11 @@ class Engine:
         self.report([Failure(sid, sched.owner_of(sid), err, closed=self._close_quietly(sid))
                      for sid, err in result.failed.items()])
         done = sched.complete(step, set(result.failed))
+        for p in done:
+            if p.plan.starts:  # a replay resumed over layers kept across a re-plan (issue 34)
+                first = self.assignment.start
+                self.stats.replay_rows_resumed += sum(1 for x in p.plan.starts if x > first)
+                self.stats.replay_layers_skipped += sum(x - first for x in p.plan.starts)
         st = self.stats
         st.steps, st.rows, st.seq_rows = st.steps + 1, st.rows + step.rows, st.seq_rows + len(step.seqs)
         st.max_step_seqs = max(st.max_step_seqs, len(step.seqs))

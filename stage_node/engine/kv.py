@@ -9,6 +9,11 @@ consecutive is read as one strided view (as a contiguous cache would be), and an
 gathered by slot index. The pool is allocated once, for the stage's whole KV budget (on a GPU too:
 CUDA graphs hold its address); its last slot is a scratch slot that no block owns.
 
+Logged rows (issue 34): `logs` maps a layer boundary (absolute) to a [slots, hidden] tensor of the
+hidden rows entering that layer, per slot: the stage's output rows (its end) and rows inside its
+range (written by the torch forward). A replay after a re-plan that moved this stage's range resumes
+its rows from them instead of computing the layers it kept (stage_node.engine.blocks).
+
 Multi-head latent attention (DeepSeek) keeps one tensor, not two: `parts` 1, one "head" whose row is a
 token's latent and rotary key ([layers, 1, 1, slots, kv_lora_rank + rope_dim]); `k` is that row and
 `v` the latent part of it (a view: the values are read from the same bytes).
@@ -39,6 +44,15 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size  # positions per block (tokens)
         self.scratch_slot = num_blocks * block_size  # belongs to no block: written, never read
+        self.logs: dict[int, torch.Tensor] = {}  # layer boundary -> [slots, hidden]: the rows entering it
+        self.span = (0, num_layers)             # the absolute layers it holds (set by the loader)
+
+    def add_logs(self, boundaries, hidden_size: int) -> None:
+        """Room for the rows entering each of `boundaries` (absolute), one per slot."""
+        alloc = torch.zeros if self.kv.device.type == "cuda" else torch.empty
+        for b in boundaries:
+            self.logs[b] = alloc((self.num_blocks * self.block_size + 1, hidden_size), dtype=self.kv.dtype,
+                                 device=self.kv.device)
 
     @property
     def num_layers(self) -> int:
@@ -58,6 +72,23 @@ class KVPool:
         bs = self.block_size
         for src, dst in copies:
             self.kv[..., dst * bs:(dst + 1) * bs, :] = self.kv[..., src * bs:(src + 1) * bs, :]
+            for rows in self.logs.values():
+                rows[dst * bs:(dst + 1) * bs] = rows[src * bs:(src + 1) * bs]
+
+    def take_over(self, old: "KVPool", blocks: Sequence[int]) -> None:
+        """Copy `blocks` (ids below both pools' sizes, of the same block size) from the pool a
+        re-plan replaces: the layers both hold, and the rows of the boundaries both log."""
+        lo, hi = max(self.span[0], old.span[0]), min(self.span[1], old.span[1])
+        if not blocks or (lo >= hi and not (self.logs.keys() & old.logs.keys())):
+            return
+        bs = self.block_size
+        idx = (torch.tensor(list(blocks), dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
+        idx = idx.to(self.kv.device)
+        if lo < hi:
+            src = old.kv[lo - old.span[0]: hi - old.span[0]].index_select(3, idx.to(old.kv.device))
+            self.kv[lo - self.span[0]: hi - self.span[0]].index_copy_(3, idx, src.to(self.kv.device))
+        for b in self.logs.keys() & old.logs.keys():
+            self.logs[b].index_copy_(0, idx, old.logs[b].index_select(0, idx.to(old.kv.device)).to(self.kv.device))
 
 
 @dataclass(frozen=True)

@@ -183,22 +183,74 @@ def _input_rows(shard: Shard, step: Step, result: StepResult) -> dict[str, torch
 
 def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The forward of `seqs` packed together -> each one's output rows: a CUDA graph's replay
-    where the step fits one (see `stage_node.step_graphs`), else the eager forward."""
+    where the step fits one (see `stage_node.step_graphs`), else the eager forward. A replay's
+    rows over kept layers (WritePlan.starts) resume from the rows the pool logged (issue 34). The
+    output rows are logged where the pool keeps its end's."""
+    if any(p.plan.starts for p in seqs):
+        return _forward_resumed(shard, pool, seqs, rows)
     x = rows[seqs[0].seq.id] if len(seqs) == 1 else torch.cat([rows[p.seq.id] for p in seqs])
     out = None
     if shard.graphs is not None:
         out = shard.graphs.forward(x, [GraphRow(p.work.start_pos + j, p.plan.slots[j], p.read_blocks)
                                        for p in seqs for j in range(p.work.num_tokens)])
+    slots = None
     if out is None:
         slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long, device=shard.device)
         kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos, p.work.num_tokens, p.read_blocks, pool.block_size,
                                                  shard.device, decode_from(p)) for p in seqs))
         out = shard.forward(x, kv)
+    end = pool.logs.get(pool.span[1])
+    if end is not None:
+        if slots is None:
+            slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long, device=shard.device)
+        end.index_copy_(0, slots, out.to(end.dtype))
     res, row = {}, 0
     for p in seqs:
         res[p.seq.id] = out[row: row + p.work.num_tokens]
         row += p.work.num_tokens
     return res
+
+
+def _forward_resumed(shard: Shard, pool: KVPool, seqs: list[PlannedSeq],
+                     rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A step holding replayed rows over kept layers: each run of rows entering at the same layer
+    is computed from there (its input: the rows logged at that boundary, or the step's own at the
+    stage's first layer), highest entry first (so a row never reads a layer an earlier position
+    has yet to write); rows that enter at the end are the logged output rows (on a last stage,
+    where their output is not read, nothing)."""
+    s, e = pool.span
+    dev = shard.device
+    runs: dict[int, list[tuple[PlannedSeq, int, int]]] = {}  # entry layer -> (seq, first row, stop row)
+    for p in seqs:
+        starts = p.plan.starts or (s,) * p.work.num_tokens
+        a = 0
+        for j in range(1, len(starts) + 1):
+            if j == len(starts) or starts[j] != starts[a]:
+                runs.setdefault(starts[a], []).append((p, a, j))
+                a = j
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {p.seq.id: [] for p in seqs}
+    end = pool.logs.get(e)
+    for layer in sorted(runs, reverse=True):
+        run = runs[layer]
+        slots = torch.tensor([x for p, a, b in run for x in p.plan.slots[a:b]], dtype=torch.long, device=dev)
+        if layer == e:
+            out = end.index_select(0, slots) if end is not None else \
+                torch.zeros(slots.numel(), shard.config.hidden_size, dtype=shard.dtype, device=dev)
+        else:
+            if layer == s:
+                x = torch.cat([rows[p.seq.id][a:b] for p, a, b in run])
+            else:
+                x = pool.logs[layer].index_select(0, slots)
+            kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos + a, b - a, p.read_blocks, pool.block_size, dev,
+                                                     decode_from(p)) for p, a, b in run))
+            out = shard.forward(x, kv, first=layer - s)
+            if end is not None:
+                end.index_copy_(0, slots, out.to(end.dtype))
+        row = 0
+        for p, a, b in run:
+            pieces[p.seq.id].append((a, out[row: row + b - a]))
+            row += b - a
+    return {sid: torch.cat([t for _, t in sorted(parts, key=lambda x: x[0])]) for sid, parts in pieces.items()}
 
 
 def decode_from(p: PlannedSeq) -> int:

@@ -18,7 +18,7 @@ import math
 import random
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, ResourceExhausted
@@ -348,7 +348,7 @@ class Scheduler:
         `spare_others`: raise _NoRoom instead of preempting anyone."""
         while True:
             try:
-                plan = self.kv.prepare_write(s.id, w.start_pos, w.num_tokens)
+                plan = self.kv.prepare_write(s.id, w.start_pos, w.num_tokens, w.token_ids)
                 break
             except BadWrite as exc:
                 raise FailedPrecondition(f"session {s.id} on node {self.node_id}: {exc}") from exc
@@ -364,6 +364,9 @@ class Scheduler:
                 failures.append(Failure(victims[0].id, victims[0].spec.owner, ResourceExhausted(
                     f"node {self.node_id} preempted session {victims[0].id} to free KV blocks for older ones"),
                     closed=True))
+        if plan.starts and self.last and w.sample:  # rows whose logits are read are computed whatever they kept
+            k = w.num_candidates + 1
+            plan = replace(plan, starts=plan.starts[:-k] + (self.kv.span[0],) * k)
         u = None
         if self.last and w.sample and not s.spec.sampling.greedy:
             first = w.stop - w.num_candidates  # the position the sampled token takes
@@ -389,6 +392,7 @@ class Scheduler:
             if p.work.session_id in failed or self.seqs.get(p.work.session_id) is not p.seq:
                 continue  # failed, or closed while it computed
             self.kv.commit(p.seq.id, p.work.start_pos, p.work.token_ids)
+            self.kv.upgrade(p.plan.upgraded)
             p.seq.rollback = p.work.num_candidates
             p.seq.status = SeqStatus.RUNNING
             p.seq.last_active = now

@@ -17,6 +17,8 @@ class StageStats:
     sessions_expired: int = 0      # sessions freed because their owner was gone
     weights_pulled_bytes: int = 0  # tensor bytes pulled from the controller
     stale_steps: int = 0           # steps and feeds refused for carrying another plan generation
+    replay_rows_resumed: int = 0   # replayed rows computed from a layer kept over a re-plan, or not at all
+    replay_layers_skipped: int = 0  # ... the layers (summed over those rows) not computed again
     # last stage: sampled steps, the tokens they reported, candidates verified and accepted
     sampled_steps: int = 0
     sampled_tokens: int = 0

@@ -317,21 +317,35 @@ class Shard:
         return softcap(logits, self.arch.final_softcap).float()
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv: StepKV, first: int = 0) -> torch.Tensor:
         """hidden: [T, hidden], rows of kv.seqs[0], kv.seqs[1], ... packed in order -> [T, hidden].
 
         Writes each new row's keys/values into its slot of the pool (kv.write_slots) and attends,
-        per sequence, over its positions [0, start_pos + num_tokens).
+        per sequence, over its positions [0, start_pos + num_tokens). `first`: the local layer the
+        rows enter (their earlier layers' KV is in the pool already: a replay resumed over kept
+        layers, issue 34; the torch forward only, see `can_tap`). The rows entering each boundary
+        the pool logs inside the range are written to it (`KVPool.logs`).
         """
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         check_step(hidden, kv, self.num_layers)
+        if first and not self.can_tap:
+            raise ValueError(f"layers [{self.start}, {self.end}) run whole (native or fused layers): "
+                             f"they cannot start at layer {self.start + first}")
         if self.mirror is not None:  # a tensor-parallel stage's rank 0: the other ranks run it too
             self.mirror.forward(hidden, kv)
             with self.mirror.lost_on_error():
                 return self._forward(hidden, kv)
-        return self._forward(hidden, kv)
+        return self._forward(hidden, kv, first)
 
-    def _forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
+    @property
+    def can_tap(self) -> bool:
+        """Every row this shard computes runs the layer-by-layer torch forward (no native or fused
+        layers, no CUDA graphs, no tensor parallelism): it can log the rows entering a boundary
+        inside its range and start rows at any of its layers."""
+        return (self.tp is None and self.mirror is None and self.graphs is None and not self.fused_layers
+                and not (self.device.type == "cpu" and self.native is not None))
+
+    def _forward(self, hidden: torch.Tensor, kv: StepKV, first: int = 0) -> torch.Tensor:
         seqs = kv.seqs
         if self.device.type == "cpu" and self.native is not None:
             return self.native.forward(hidden, kv)
@@ -362,7 +376,12 @@ class Shard:
                           invariant=self.batch_invariant)
         spans = self._spans(kv) if reads is None else None
 
+        logs = kv.pool.logs
         for i, w in enumerate(self.layers):
+            if i < first:
+                continue
+            if i and self.start + i in logs:  # the rows entering layer i, for a later replay (issue 34)
+                logs[self.start + i].index_copy_(0, kv.write_slots, hidden)
             kind = self.kind(i)
             cos, sin = tables[kind]
 

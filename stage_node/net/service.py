@@ -160,7 +160,9 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         fence = self.runtime.fence
         fence.renew(self._caller(context))  # the holder's probe renews its lease
         reply.controller_epoch, reply.controller_id, reply.revoked = fence.epoch, fence.controller_id, len(fence.revoked)
-        reply.stale_steps = self.runtime.stats.stale_steps
+        st = self.runtime.stats
+        reply.stale_steps, reply.replay_rows_resumed, reply.replay_layers_skipped = \
+            st.stale_steps, st.replay_rows_resumed, st.replay_layers_skipped
         return reply
 
     async def Echo(self, request, context):

@@ -160,10 +160,11 @@ def shard_for(a: Assignment, model_dir: str, device: str, options: StageOptions,
 
 
 def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions,
-               old: Shard | None = None) -> tuple[Shard, KVPool]:
+               old: Shard | None = None, logs: frozenset[int] = frozenset()) -> tuple[Shard, KVPool]:
     """Runner thread: the shard's weights (those of `old`, the shard in force, kept where they
     overlap: `shard_for`) and an empty KV pool sized by --max-kv-mib (with CUDA graphs for small
-    steps on a GPU)."""
+    steps on a GPU). `logs`: the layer boundaries whose rows the pool keeps (its end, and inside
+    the range where every row runs the torch forward: `Shard.can_tap`), counted in its budget."""
     if DTYPE_FORMAT[a.dtype] not in float_formats(device):
         raise ValueError(f"this {device} cannot compute in {a.dtype} (it has {', '.join(float_formats(device))})")
     dtype = getattr(torch, a.dtype)
@@ -174,16 +175,24 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
                         invariant=invariant)
     else:
         shard = shard_for(a, model_dir, device, options, old)
+    shard.batch_invariant = invariant
+    graphs = shard.device.type == "cuda" and options.cuda_graphs
+    if tp is not None:
+        logs = frozenset()
+    elif graphs or not shard.can_tap:  # rows that skip the torch forward cannot leave their inner boundaries
+        logs = frozenset(b for b in logs if b == a.end)
     bs = options.block_size
-    block_bytes = bs * kv_bytes_per_token(shard.config, a.end - a.start, dtype)
+    block_bytes = bs * (kv_bytes_per_token(shard.config, a.end - a.start, dtype) +
+                        len(logs) * shard.config.hidden_size * dtype.itemsize)
     num_blocks = options.max_kv_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
     pool = tp.new_pool(shard, num_blocks, bs) if tp is not None else shard.new_pool(num_blocks, bs)
-    shard.batch_invariant = invariant
+    pool.span = (a.start, a.end)
+    pool.add_logs(sorted(logs), shard.config.hidden_size)
     if tp is not None:  # no CUDA graphs or warm-up yet: the ranks must run every forward together
         return shard, pool
-    if shard.device.type == "cuda" and options.cuda_graphs:
+    if graphs:
         shard.graphs = StepGraphs(shard, pool)  # warms at start-up: every kernel variant and graph bucket
     elif shard.device.type == "cuda":
         shard.warm_up(pool)  # no graphs: still compile every Triton kernel variant before the first step

@@ -51,9 +51,13 @@ def controller_status(address: str, timeout: float) -> controller_pb2.Controller
         return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(), timeout=timeout)
 
 
-def open_sessions(address: str) -> int:
+def stage_status(address: str) -> stage_pb2.StatusReply:
     with client_transport().sync_channel(address, "stage") as ch:
-        return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10).open_sessions
+        return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10)
+
+
+def open_sessions(address: str) -> int:
+    return stage_status(address).open_sessions
 
 
 def eventually(check, within: float, what: str):
@@ -95,6 +99,13 @@ def test_a_stopped_stage_is_planned_around_within_seconds_and_comes_back(model_d
                             and s.state == "ready" and s, 20, "a plan without the stopped stage")
             assert [s.node_id for s in st.stages] == ["stage0", "stage2"], st
             assert [r.result() for r in requests] == alone
+            # repaired, not planned afresh (issue 34): stage 0 took the lost layers on top of its own and
+            # the replays computed only those there (from the rows it had logged), none on stage 2
+            layers = [(s.start_layer, s.end_layer) for s in st.stages]
+            assert layers == [(0, 20), (20, 30)], layers
+            s0, s2 = (stage_status(mesh.stage_addresses[i]) for i in (0, 2))
+            assert s0.replay_rows_resumed > 0 and s0.replay_layers_skipped >= 10 * s0.replay_rows_resumed, s0
+            assert s2.replay_rows_resumed > 0 and s2.replay_layers_skipped >= 9 * s2.replay_rows_resumed, s2
         finally:
             mesh.signal("stage1", signal.SIGCONT)
         eventually(lambda: len(controller_status(addr, 2).stages) == 3, 30, "the node planned on again")
