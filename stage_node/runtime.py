@@ -141,6 +141,7 @@ class StageRuntime:
                     # the layers both ranges hold stay in the prefix cache (issue 34)
                     kv, kept = old.kv.carried(pool.num_blocks, (a.start, a.end), a.last, self._logged(a, pool),
                                               frozenset(pool.logs))
+                    kv.partial = shard.can_tap
                     await self.runner.call(pool.take_over, old.pool, kept)
                     log.info("kept the KV of %d cached blocks over layers [%d, %d) for replays", len(kept),
                              max(a.start, old.assignment.start), min(a.end, old.assignment.end))
@@ -189,6 +190,7 @@ class StageRuntime:
             kv = KVManager(pool.num_blocks, pool.block_size)
             if self._keeps_rows(a):  # its blocks record the layers and rows they hold (issue 34)
                 kv.span, kv.last, kv.logged = (a.start, a.end), a.last, self._logged(a, pool)
+                kv.partial = shard.can_tap
         return Engine(a, shard, pool, kv, node_id=self.node_id,
                       transport=self.transport, runner=self.runner, lock=self._step_lock, events=self.events,
                       stats=self.stats, budget=self.options.budget, orphaned=self._orphaned,

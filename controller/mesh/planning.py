@@ -188,29 +188,37 @@ def plan_for(profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload,
 
 
 def repair(plan: Plan, lost: set[str], profiles: list[DeviceProfile], spec: ModelSpec, workload: Workload,
-           options) -> Plan | None:
-    """`plan` over its stages still usable, each lost stage's layers taken by the stage before it
-    (a lost first stage's by the one after): every survivor keeps the layers it holds, so the KV it
-    kept serves the replays and only the lost layers are computed again (issue 34). None when no
-    stage is lost or none survives, or the grown ranges do not fit their nodes."""
+           options, idle: list[str] = ()) -> Plan | None:
+    """`plan` over its stages still usable: every survivor keeps the layers it holds, so the KV it
+    kept serves the replays and only the lost layers are computed again (issue 34). A lost stage's
+    range goes whole to an idle node (`idle`: usable nodes no pipeline serves on; the lost node
+    itself first when it is back), else to the stage before it (a lost first stage's to the one
+    after). None when no stage is lost, or none would hold layers, or the ranges do not fit."""
     by_id = {p.node_id: p for p in profiles}
+    spare = [n for n in idle if n in by_id]
     ranges: list[list] = []  # [node id, start, end]
     orphan = None            # start of lost layers no survivor before them can take
     for st in plan.stages:
         if st.node_id in lost or st.node_id not in by_id:
-            if ranges:
+            who = st.node_id if st.node_id in spare else (spare[0] if spare else None)
+            if who is not None:  # a replacement: it computes the lost range, the others skip
+                spare.remove(who)
+                ranges.append([who, st.start if orphan is None else orphan, st.end])
+                orphan = None
+            elif ranges:
                 ranges[-1][2] = st.end
             elif orphan is None:
                 orphan = st.start
             continue
         ranges.append([st.node_id, st.start if orphan is None else orphan, st.end])
         orphan = None
-    if not ranges or len(ranges) == len(plan.stages) or orphan is not None:
+    if not ranges or orphan is not None or [r[0] for r in ranges] == [s.node_id for s in plan.stages] and \
+            not lost & {r[0] for r in ranges}:
         return None
     try:
         return make_plan([by_id[n] for n, _, _ in ranges], spec, workload, Objective.parse(options.objective),
                          strategy="custom", boundaries=[(a, b - 1) for _, a, b in ranges])
-    except ValueError as exc:  # (InfeasibleError too) the grown ranges do not fit: plan afresh
+    except ValueError as exc:  # (InfeasibleError too) the ranges do not fit: plan afresh
         log.info("no repair of the broken pipeline fits (%s): planning afresh", exc)
         return None
 

@@ -218,7 +218,13 @@ class Replanner:
             lost = {s.node_id for p in broken for s in p.plan.stages if s.node_id not in usable or any(
                 h.node_id == s.node_id and h.lost for h in p.stages)}
             drained = {m.node_id for m in self.app.members.by_address.values() if not m.usable}
-            repaired = [planning.repair(p.plan, lost | drained, self.profiles, spec, workload, o) for p in broken]
+            held = {s.node_id for p in broken for s in p.plan.stages} - lost - drained
+            idle = [p.node_id for p in self.profiles if p.node_id not in in_use and p.node_id not in held]
+            repaired = []
+            for p in broken:
+                r = planning.repair(p.plan, lost | drained, self.profiles, spec, workload, o, idle)
+                repaired.append(r)
+                idle = [n for n in idle if r is None or n not in r.node_ids]
             if repaired and all(r is not None for r in repaired):
                 log.info("%s: repairing %d pipeline(s) over their survivors (%s)", why, len(repaired),
                          "; ".join(" ".join(f"{s.node_id}[{s.start},{s.end})" for s in r.stages) for r in repaired))

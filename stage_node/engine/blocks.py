@@ -87,7 +87,9 @@ class WritePlan:
     starts: tuple[int, ...] = ()         # attached blocks written again: the absolute layer each row is
                                          # computed from (its block's resume_layer; non-increasing), one per
                                          # row from the first; () when every row is computed from the first layer
-    upgraded: tuple[tuple[int, int], ...] = ()  # (block, its resume layer) of blocks the write covers whole
+    upgraded: tuple[tuple[int, int, int], ...] = ()  # (block, first layers to, resume layer) of blocks it covers whole
+    pres: tuple[int, ...] = ()           # rows of a range grown downward: they compute the stage's layers up to
+                                         # this one first (the stage's start: none), one per row; () when none
 
 
 def block_hash(previous: int | None, tokens) -> int:
@@ -112,6 +114,7 @@ class KVManager:
         self.span: tuple[int, int] | None = None  # the stage's layers: blocks record what they hold (None: all)
         self.last = False                         # ... a last stage (its rows leave as tokens, not rows)
         self.logged: frozenset[int] = frozenset()  # ... the boundaries whose rows every computed row leaves in the pool
+        self.partial = False  # ... its rows may run part of its layers (Shard.can_tap): a range grown downward resumes
 
     # ---- layers a block holds (issue 34) ----------------------------------------------------
     def carried(self, num_blocks: int, span: tuple[int, int], last: bool, logged: frozenset[int],
@@ -123,7 +126,7 @@ class KVManager:
         if self.tables:
             raise ValueError(f"{len(self.tables)} sequences are still open")
         new = KVManager(num_blocks, self.block_size)
-        new.span, new.last, new.logged = span, last, logged
+        new.span, new.last, new.logged, new.partial = span, last, logged, self.partial
         kept = []
         for b in self.cached:
             blk = self.blocks[b]
@@ -161,6 +164,23 @@ class KVManager:
         if top == e and self.last:
             return e
         return max((x for x in blk.logs if s < x <= top), default=s)
+
+    def below(self, b: int) -> tuple[int, int] | None:
+        """A block of a range grown downward (it holds layers [lo, ...) above the stage's start, and
+        `partial` allows it): (lo, r) where its rows compute layers [start, lo) from the stage's
+        input and then resume at r, the highest boundary whose rows it holds (its end, on a last
+        stage that holds the rest); None otherwise."""
+        if self.span is None or not self.partial:
+            return None
+        s, e = self.span
+        lo, hi = self.blocks[b].layers
+        if not s < lo < hi:
+            return None
+        top = min(hi, e)
+        if top == e and self.last:
+            return lo, e
+        r = max((x for x in self.blocks[b].logs if lo < x <= top), default=None)
+        return None if r is None else (lo, r)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -219,7 +239,8 @@ class KVManager:
             full += 1
         if self.span is not None:  # partly held blocks: worth attaching while a row skips some layers
             keep = full
-            while keep < len(hits) and self.resume_layer(hits[keep]) > self.span[0]:
+            while keep < len(hits) and (self.resume_layer(hits[keep]) > self.span[0] or
+                                        self.below(hits[keep]) is not None):
                 keep += 1
             hits = hits[:keep]
         for b in hits:
@@ -311,7 +332,9 @@ class KVManager:
         """A replay's rows over attached blocks: written again in place (the same tokens give the
         same KV, so a block shared with another sequence is not copied), each from its block's
         resume layer (the lowest so far: a row never reads a layer an earlier row has yet to
-        write); rows past the attached blocks take new blocks and are computed whole."""
+        write); rows past the attached blocks take new blocks and are computed whole. Leading
+        blocks of a range grown downward (`below`, all over the same layers) first compute the
+        layers under those they hold, then resume."""
         bs = self.block_size
         stop = start + n
         need = max(0, self.blocks_for(stop) - len(t.blocks))
@@ -321,16 +344,26 @@ class KVManager:
         while len(t.blocks) < self.blocks_for(stop):
             t.blocks.append(self._alloc(t))
         s = self.span[0]
-        starts, low, upgraded = [], self.span[1], []
+        starts, pres, low, upgraded = [], [], self.span[1], []
+        down, others = None, False  # the layers the leading downward blocks compute first; any other block seen
         for i in range(start // bs, self.blocks_for(stop)):
             b = t.blocks[i]
-            low = min(low, self.resume_layer(b) if (i + 1) * bs <= t.resume else s)
+            attached = (i + 1) * bs <= t.resume
+            d = self.below(b) if attached and not others else None
+            if d is not None and (down is None or d[0] == down) and d[1] <= low:
+                down, pre, low = d[0], d[0], d[1]
+            else:
+                others, pre = True, s
+                low = min(low, self.resume_layer(b) if attached else s)
             rows = min(stop, (i + 1) * bs) - max(start, i * bs)
             starts.extend([low] * rows)
+            pres.extend([pre] * rows)
             if i * bs >= start and (i + 1) * bs <= min(stop, t.resume):
-                upgraded.append((b, low))
+                upgraded.append((b, pre, low))
         slots = tuple(t.blocks[p // bs] * bs + p % bs for p in range(start, stop))
-        return WritePlan((), slots, tuple(starts) if any(x != s for x in starts) else (), tuple(upgraded))
+        resumed = any(x != s for x in starts) or any(x != s for x in pres)
+        return WritePlan((), slots, tuple(starts) if resumed else (), tuple(upgraded),
+                         tuple(pres) if down is not None else ())
 
     def _end_resume(self, t: BlockTable) -> None:
         """Attached blocks past the written length are let go (as a truncation would)."""
@@ -340,17 +373,21 @@ class KVManager:
         del t.hashes[t.length // self.block_size:]
         t.resume, t.resume_tokens = 0, ()
 
-    def upgrade(self, written: tuple[tuple[int, int], ...]) -> None:
-        """Blocks a replay wrote whole from the given layer (WritePlan.upgraded): they hold the
-        stage's layers from there now, and the rows of every boundary it logs above it."""
+    def upgrade(self, written: tuple[tuple[int, int, int], ...]) -> None:
+        """Blocks a replay wrote whole (WritePlan.upgraded: each computed the stage's layers up to
+        `pre`, then from `r`): they hold the stage's layers now, and the rows of the boundaries it
+        logs where it computed."""
         if self.span is None:
             return
         s, e = self.span
-        for b, start in written:
+        for b, pre, r in written:
             blk = self.blocks[b]
             lo, hi = blk.layers
-            blk.layers = (min(lo, start), max(hi, e)) if lo <= start <= hi else (start, e)
-            blk.logs = blk.logs | frozenset(x for x in self.logged if x > start)
+            if pre > s:  # [s, pre) computed, [pre, r) held, [r, e) computed
+                blk.layers = (s, max(hi, e))
+            else:
+                blk.layers = (min(lo, r), max(hi, e)) if lo <= r <= hi else (r, e)
+            blk.logs = blk.logs | frozenset(x for x in self.logged if x > r or s < x < pre)
 
     def commit(self, seq: str, start: int, tokens) -> None:
         """The step wrote `tokens` at [start, start + len(tokens)): they are valid now, and every

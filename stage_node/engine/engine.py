@@ -256,8 +256,10 @@ class Engine:
         for p in done:
             if p.plan.starts:  # a replay resumed over layers kept across a re-plan (issue 34)
                 first = self.assignment.start
-                self.stats.replay_rows_resumed += sum(1 for x in p.plan.starts if x > first)
-                self.stats.replay_layers_skipped += sum(x - first for x in p.plan.starts)
+                pres = p.plan.pres or (first,) * len(p.plan.starts)
+                skipped = [r - max(first, pre) for r, pre in zip(p.plan.starts, pres)]
+                self.stats.replay_rows_resumed += sum(1 for x in skipped if x > 0)
+                self.stats.replay_layers_skipped += sum(skipped)
         st = self.stats
         st.steps, st.rows, st.seq_rows = st.steps + 1, st.rows + step.rows, st.seq_rows + len(step.seqs)
         st.max_step_seqs = max(st.max_step_seqs, len(step.seqs))

@@ -213,8 +213,9 @@ def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str,
 
 def _forward_resumed(shard: Shard, pool: KVPool, seqs: list[PlannedSeq],
                      rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A step holding replayed rows over kept layers: each run of rows entering at the same layer
-    is computed from there (its input: the rows logged at that boundary, or the step's own at the
+    """A step holding replayed rows over kept layers: rows of a range grown downward first compute
+    the layers under those they hold (WritePlan.pres; every such row of a step stops at the same
+    layer); then each run of rows entering at the same layer is computed from there (its input: the rows logged at that boundary, or the step's own at the
     stage's first layer), highest entry first (so a row never reads a layer an earlier position
     has yet to write); rows that enter at the end are the logged output rows (on a last stage,
     where their output is not read, nothing)."""
@@ -230,6 +231,15 @@ def _forward_resumed(shard: Shard, pool: KVPool, seqs: list[PlannedSeq],
                 a = j
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {p.seq.id: [] for p in seqs}
     end = pool.logs.get(e)
+    # a range grown downward: its leading rows first compute the layers under those their blocks hold
+    # (from the step's own input); their output there is not needed (they resume from a logged row)
+    below = [(p, a, b, p.plan.pres[a]) for p in seqs if p.plan.pres
+             for a, b in [(0, sum(1 for x in p.plan.pres if x > s))] if b]
+    if below:
+        slots = torch.tensor([x for p, a, b, _ in below for x in p.plan.slots[a:b]], dtype=torch.long, device=dev)
+        kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos + a, b - a, p.read_blocks, pool.block_size, dev,
+                                                 decode_from(p)) for p, a, b, _ in below))
+        shard.forward(torch.cat([rows[p.seq.id][a:b] for p, a, b, _ in below]), kv, stop=below[0][3] - s)
     for layer in sorted(runs, reverse=True):
         run = runs[layer]
         slots = torch.tensor([x for p, a, b in run for x in p.plan.slots[a:b]], dtype=torch.long, device=dev)

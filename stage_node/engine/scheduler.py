@@ -365,8 +365,9 @@ class Scheduler:
                     f"node {self.node_id} preempted session {victims[0].id} to free KV blocks for older ones"),
                     closed=True))
         if plan.starts and self.last and w.sample:  # rows whose logits are read are computed whatever they kept
-            k = w.num_candidates + 1
-            plan = replace(plan, starts=plan.starts[:-k] + (self.kv.span[0],) * k)
+            k, s0 = w.num_candidates + 1, self.kv.span[0]
+            plan = replace(plan, starts=plan.starts[:-k] + (s0,) * k,
+                           pres=plan.pres[:-k] + (s0,) * k if plan.pres else ())
         u = None
         if self.last and w.sample and not s.spec.sampling.greedy:
             first = w.stop - w.num_candidates  # the position the sampled token takes

@@ -317,25 +317,26 @@ class Shard:
         return softcap(logits, self.arch.final_softcap).float()
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, kv: StepKV, first: int = 0) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv: StepKV, first: int = 0, stop: int | None = None) -> torch.Tensor:
         """hidden: [T, hidden], rows of kv.seqs[0], kv.seqs[1], ... packed in order -> [T, hidden].
 
         Writes each new row's keys/values into its slot of the pool (kv.write_slots) and attends,
         per sequence, over its positions [0, start_pos + num_tokens). `first`: the local layer the
         rows enter (their earlier layers' KV is in the pool already: a replay resumed over kept
-        layers, issue 34; the torch forward only, see `can_tap`). The rows entering each boundary
+        layers, issue 34; the torch forward only, see `can_tap`); `stop`: the local layer they
+        leave before (None: the last; the rows returned are then those entering it). The rows entering each boundary
         the pool logs inside the range are written to it (`KVPool.logs`).
         """
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         check_step(hidden, kv, self.num_layers)
-        if first and not self.can_tap:
+        if (first or stop is not None) and not self.can_tap:
             raise ValueError(f"layers [{self.start}, {self.end}) run whole (native or fused layers): "
                              f"they cannot start at layer {self.start + first}")
         if self.mirror is not None:  # a tensor-parallel stage's rank 0: the other ranks run it too
             self.mirror.forward(hidden, kv)
             with self.mirror.lost_on_error():
                 return self._forward(hidden, kv)
-        return self._forward(hidden, kv, first)
+        return self._forward(hidden, kv, first, stop)
 
     @property
     def can_tap(self) -> bool:
@@ -345,7 +346,7 @@ class Shard:
         return (self.tp is None and self.mirror is None and self.graphs is None and not self.fused_layers
                 and not (self.device.type == "cpu" and self.native is not None))
 
-    def _forward(self, hidden: torch.Tensor, kv: StepKV, first: int = 0) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, kv: StepKV, first: int = 0, stop: int | None = None) -> torch.Tensor:
         seqs = kv.seqs
         if self.device.type == "cpu" and self.native is not None:
             return self.native.forward(hidden, kv)
@@ -380,6 +381,8 @@ class Shard:
         for i, w in enumerate(self.layers):
             if i < first:
                 continue
+            if stop is not None and i >= stop:
+                break
             if i and self.start + i in logs:  # the rows entering layer i, for a later replay (issue 34)
                 logs[self.start + i].index_copy_(0, kv.write_slots, hidden)
             kind = self.kind(i)
