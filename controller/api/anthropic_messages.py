@@ -52,8 +52,8 @@ def asked(body: dict, model_id: str) -> Asked:
     for i, m in enumerate(turns):
         messages += turn(m, f"messages[{i}]")
     if obj(turns[-1], f"messages[{len(turns) - 1}]").get("role") == "assistant":
-        raise ApiError(400, f"messages[{len(turns) - 1}].role: a last assistant turn (prefill) is not supported by this "
-                       "server: end with a user turn", param=f"messages[{len(turns) - 1}].role")
+        raise ApiError(400, f"messages[{len(turns) - 1}].role: a last assistant turn (prefill) is not supported by "
+                       "this server: end with a user turn", param=f"messages[{len(turns) - 1}].role")
     chat = {"messages": messages, "max_tokens": body["max_tokens"]}
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
@@ -151,7 +151,8 @@ def tool(t, where: str) -> dict:
 
 def tool_choice(tc: dict) -> str | dict:
     known(tc, {"type", "name", "disable_parallel_tool_use"}, where="tool_choice")
-    kind, single = tc.get("type"), boolean(tc, "disable_parallel_tool_use", where="tool_choice.disable_parallel_tool_use")
+    kind = tc.get("type")
+    single = boolean(tc, "disable_parallel_tool_use", where="tool_choice.disable_parallel_tool_use")
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}
     if kind not in ("auto", "any", "none"):

@@ -24,10 +24,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from logicpipe.controller.api.dialect import Asked, call_arguments, check_model, items, iso_now, known, obj, text
+from logicpipe.common.modeldir import safetensors_files, safetensors_header
+from logicpipe.controller.api.dialect import Asked, call_arguments, check_model, iso_now, items, known, obj, text
 from logicpipe.controller.api.http_body import ApiError, boolean
 from logicpipe.controller.api.http_form import Form
-from logicpipe.common.modeldir import safetensors_files, safetensors_header
 from logicpipe.controller.jobs.door import Completion, Piece
 
 VERSION = "0.12.0"  # the Ollama release whose API this follows (GET /api/version): clients check it for features

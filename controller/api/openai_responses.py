@@ -93,8 +93,9 @@ def conversation(body: dict) -> list[dict]:
             messages.append({"role": role, "content": parts_text(item.get("content"), f"{w}.content")})
         elif kind == "function_call":
             known(item, {"type", "call_id", "name", "arguments", "id", "status"}, where=w)
-            call = {"id": text(item.get("call_id"), f"{w}.call_id"), "type": "function", "function": {
-                "name": text(item.get("name"), f"{w}.name"), "arguments": text(item.get("arguments"), f"{w}.arguments")}}
+            fn = {"name": text(item.get("name"), f"{w}.name"),
+                  "arguments": text(item.get("arguments"), f"{w}.arguments")}
+            call = {"id": text(item.get("call_id"), f"{w}.call_id"), "type": "function", "function": fn}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
                 messages[-1]["content"] = messages[-1]["content"] or None
@@ -179,8 +180,8 @@ class Reply:
         return out + [self._call(call, "completed") for call in calls], status
 
     def _message(self, said: str, status: str) -> dict:
-        content = [{"type": "output_text", "text": said, "annotations": [], "logprobs": []}] if status != "in_progress" \
-            else []
+        done = status != "in_progress"
+        content = [{"type": "output_text", "text": said, "annotations": [], "logprobs": []}] if done else []
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
