@@ -303,11 +303,15 @@ def test_each_client_gets_the_call_as_its_apis_call(model_dir):
                 parts = [p async for p in await llama.chat(model=model_dir.name, messages=user, stream=True,
                                                            tools=functions)]
                 assert [t.function.arguments for p in parts for t in p.message.tool_calls or ()] == [{"city": "Paris"}]
+                lp = await llama.chat(model=model_dir.name, messages=user, logprobs=True, top_logprobs=2,
+                                      options={"num_predict": 3})
+                assert len(lp.logprobs) == lp.eval_count == 3 and [len(x.top_logprobs) for x in lp.logprobs] == [2] * 3
+                assert "".join(x.token for x in lp.logprobs) == lp.message.content
             finally:
                 await claude.close()
                 await oa.close()
             assert [(j.api, j.client) for j in jobs] == [("messages", "key alice")] * 3 + \
-                [("responses", "key alice")] * 3 + [("ollama", "key alice")] * 2
+                [("responses", "key alice")] * 3 + [("ollama", "key alice")] * 3
             status, _, body = await client.post("/v1/messages", json={"model": model_dir.name, "max_tokens": 4,
                                                                       "messages": user})
             assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error"
