@@ -63,7 +63,7 @@ def asked(body: dict, model_id: str) -> Asked:
     if body.get("metadata") is not None:
         known(obj(body["metadata"], "metadata"), {"user_id"}, where="metadata")
         if body["metadata"].get("user_id") is not None:
-            chat["user"] = body["metadata"]["user_id"]
+            chat["user"] = text(body["metadata"]["user_id"], "metadata.user_id")
     if body.get("tools") is not None:
         chat["tools"] = [tool(t, f"tools[{i}]") for i, t in enumerate(items(body["tools"], "tools", empty=True))]
     if body.get("tool_choice") is not None:
@@ -83,7 +83,7 @@ def blocks_text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     out = []
-    for j, b in enumerate(items(content, where)):
+    for j, b in enumerate(items(content, where, empty=True)):
         w = f"{where}[{j}]"
         if obj(b, w).get("type") != "text":
             raise ApiError(400, f"{w}.type {json.dumps(b.get('type'))[:40]}: not supported here, text blocks only",

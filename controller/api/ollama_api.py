@@ -108,7 +108,8 @@ def message(m, where: str) -> dict:
     turn's tool_name as its call's id."""
     known(obj(m, where), {"role", "content", "tool_calls", "tool_name", "tool_call_id"},
           {"images": ([],), "thinking": ("",)}, where)
-    role, out = m.get("role"), {"role": m.get("role"), "content": m.get("content") or ""}
+    role = m.get("role")
+    out = {"role": role, "content": text(m.get("content") or "", f"{where}.content")}
     if m.get("tool_calls"):
         calls = []
         for j, call in enumerate(items(m["tool_calls"], f"{where}.tool_calls")):
