@@ -14,11 +14,14 @@ template, stop strings and outline requests.
     GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
     GET  /health                200 while a plan serves and the journal can be written, 503 otherwise (no key)
     GET  /metrics               Prometheus (controller.metrics; no key needed)
+    POST /v1/messages, /v1/responses, /api/chat, /api/generate, /api/show; GET /api/tags, /api/version
+                                Anthropic Messages, OpenAI Responses, Ollama: adapters over the chat path
+                                (controller.http_adapters; errors in each API's own shape)
 
-Keys. With `--http-token-file` (controller.http_auth) every /v1/* call needs `Authorization:
-Bearer TOKEN` of one of the file's keys (else 401), and the client the front door counts is the
-key (`key NAME`); without one, the caller's host. Off loopback a token file is required unless
-`--insecure`.
+Keys. With `--http-token-file` (controller.http_auth) every /v1/* and /api/* call needs
+`Authorization: Bearer TOKEN` (or Anthropic's `X-Api-Key: TOKEN`) of one of the file's keys (else
+401), and the client the front door counts is the key (`key NAME`); without one, the caller's
+host. Off loopback a token file is required unless `--insecure`.
 
 In order, before any work: the key (401); the body's size from its Content-Length (413); the
 client's place under `--max-requests-per-client` (429) — all three before the body is read, and a
@@ -56,6 +59,7 @@ from aiohttp.http import HttpVersion11
 
 from logicpipe.common.transport import is_loopback
 from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.api.http_adapters import ADAPTED, Adapters, error_body
 from logicpipe.controller.api.http_auth import ApiKeys
 from logicpipe.controller.api.http_body import (
     ApiError,
@@ -87,17 +91,18 @@ MAX_BODY_BYTES = 8 * 2**20  # a request body, bytes: room for the front door's p
 LINGER_S = 2.0              # a refused body still arriving is read and dropped this long, then the connection closes
 MAX_EVENT_ID_DIGITS = 12    # Last-Event-ID: a token count
 PARSE_INLINE_BYTES = 2**20  # a larger body is parsed and checked off the event loop (4M token ids: ~0.2 s)
-KEYED = "/v1/"              # the paths that need a key (when there are keys)
+KEYED = ("/v1/", "/api/")   # the paths that need a key (when there are keys)
 ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{id}"),
           ("POST", "/v1/chat/completions"),
-          ("POST", "/v1/completions"), ("GET", "/v1/requests/{id}/stream")]
+          ("POST", "/v1/completions"), ("GET", "/v1/requests/{id}/stream"), *ADAPTED]
 
 
 def answer(request: web.BaseRequest, err: ApiError) -> web.Response:
-    """The error's response; a body left unread means the connection closes after it (the client
-    may still be sending: it must not take what follows for its next request)."""
+    """The error's response, in the shape of the API its path belongs to; a body left unread means
+    the connection closes after it (the client may still be sending: it must not take what follows
+    for its next request)."""
     headers = {"WWW-Authenticate": 'Bearer realm="logicpipe"'} if err.status == 401 else None
-    response = web.json_response(err.body(), status=err.status, headers=headers)
+    response = web.json_response(error_body(request.path, err), status=err.status, headers=headers)
     if request.can_read_body:
         response.force_close()
     return response
@@ -118,13 +123,14 @@ class HttpApi:
         self.created = int(time.time())
         self.metrics = Metrics(app)
         self.token_text = TokenText(door.tokenizer)  # tokens' text and bytes, for logprobs
+        self.adapters = Adapters(self)  # Anthropic Messages, OpenAI Responses, Ollama
 
     def web_app(self) -> web.Application:
         w = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         handlers = {"/health": self.health, "/metrics": self.scrape, "/v1/models": self.models,
                     "/v1/models/{id}": self.model,
                     "/v1/chat/completions": self.chat, "/v1/completions": self.completions,
-                    "/v1/requests/{id}/stream": self.resume}
+                    "/v1/requests/{id}/stream": self.resume, **self.adapters.handlers()}
         w.add_routes([(web.post if method == "POST" else web.get)(path, handlers[path], expect_handler=self._expect)
                       for method, path in ROUTES])
         # last, every other path: answered here (an OpenAI body, the key checked first) rather than by aiohttp
@@ -135,12 +141,14 @@ class HttpApi:
         return web.AppRunner(self.web_app(), access_log=None, handler_cancellation=True, lingering_time=LINGER_S)
 
     # ---- before the body: the key, the size ------------------------------------------------------
-    def _admit(self, request: web.BaseRequest) -> str:
+    def admit(self, request: web.BaseRequest) -> str:
         """The key (for /v1/*) and the declared size; returns the client the front door counts
         (checked again by a handler that needs it: nothing is kept on the request)."""
         client = host_client(request.remote or "")
         if self.keys is not None and request.path.startswith(KEYED):
             given = request.headers.get("Authorization", "")
+            if not given and request.headers.get("X-Api-Key"):  # how Anthropic's clients may send it
+                given = "Bearer " + request.headers["X-Api-Key"]
             name = self.keys.check(given)
             if name is None:
                 log.debug("HTTP %s %s from %s: %s API key", request.method, request.path, client,
@@ -162,7 +170,7 @@ class HttpApi:
             return answer(request, ApiError(417, f"Expect: {shown(request.headers.get('Expect', ''))} is not "
                                                  "supported (only 100-continue)"))
         try:
-            self._admit(request)
+            self.admit(request)
         except ApiError as err:
             return answer(request, err)
         return None  # no 100 yet: `_body` sends it
@@ -170,7 +178,7 @@ class HttpApi:
     @web.middleware
     async def _errors(self, request, handler):
         try:
-            self._admit(request)
+            self.admit(request)
             return await handler(request)
         except ApiError as err:
             return answer(request, err)
@@ -223,14 +231,7 @@ class HttpApi:
     # ---- requests ----------------------------------------------------------------------------------
     async def _body(self, request, api: str) -> dict:
         """The body, read once the client has its place (the size was checked from its header)."""
-        if request.headers.get("Expect"):  # (past `_expect`: 100-continue) the client waits for this to send it
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a chunked body past the cap
-            raise ApiError(413, f"the body is over the {MAX_BODY_BYTES}-byte cap", code="body_too_large") from None
-        body = parse(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse, raw)
+        body = await self.read_body(request)
         check_fields(body, api)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -240,6 +241,17 @@ class HttpApi:
                            code="model_not_found", param="model")
         return body
 
+    async def read_body(self, request) -> dict:
+        """The body as a JSON object, its fields not checked yet (`_body`; an adapter's own checks)."""
+        if request.headers.get("Expect"):  # (past `_expect`: 100-continue) the client waits for this to send it
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past the cap
+            raise ApiError(413, f"the body is over the {MAX_BODY_BYTES}-byte cap", code="body_too_large") from None
+        return parse(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse, raw)
+
     async def chat(self, request):
         return await self._complete(request, "chat")
 
@@ -247,25 +259,14 @@ class HttpApi:
         return await self._complete(request, "completions")
 
     async def _complete(self, request, api: str):
-        client = self._admit(request)
+        client = self.admit(request)
         async with self.door.admit(client):  # before the body: a client's uploads count toward its cap
             body = await self._body(request, api)
             prompts = [chat_prompt(body)] if api == "chat" else completion_prompts(body)
             stream, usage = stream_options(body)
-            rid = request.headers.get("X-Request-Id", "")
-            if rid:
-                try:
-                    check_request_id("X-Request-Id", rid)
-                except InvalidArgument as exc:
-                    raise ApiError(400, str(exc), param="X-Request-Id") from None
-            parse_options = asyncio.to_thread if body.get("response_format") is not None else _inline
-            options = replace(await parse_options(request_options, body, api), request_id=rid, api=api)  # (a
-            # schema is compiled: off the event loop)
+            prompts, options, tooled = await self._options(request, body, api, api, prompts)
+            rid = options.request_id
             n = number(body, "n", int, 1, 1, MAX_CHOICES)
-            tooled = None  # (family, tools) when the answer may call a tool: parsed into tool_calls
-            if api == "chat":
-                tools = asyncio.to_thread if body.get("tools") else _inline  # their schemas are compiled: off the loop
-                prompts, options, tooled = await tools(self._tools, body, prompts[0], options)
             if len(prompts) * n > 1:
                 for name, given in (("X-Request-Id", rid), ("outline", options.outline is not None),
                                     ("echo", n > 1 and echoed(body, api))):
@@ -293,6 +294,36 @@ class HttpApi:
                         pass
                     return web.json_response(form.whole(), headers={"X-Request-Id": completions[0].id})
                 return await self._stream(request, completions, form, usage)
+
+    async def _options(self, request, body: dict, kind: str, api: str, prompts: list):
+        """`body`'s options for the front door (`kind`: "chat" or "completions"; `api`: the door it
+        came by, journaled) and, chat, its tools: (prompts, options, tooled: (family, tools) when
+        the answer may call a tool, parsed into tool_calls; else None)."""
+        rid = request.headers.get("X-Request-Id", "")
+        if rid:
+            try:
+                check_request_id("X-Request-Id", rid)
+            except InvalidArgument as exc:
+                raise ApiError(400, str(exc), param="X-Request-Id") from None
+        parse_options = asyncio.to_thread if body.get("response_format") is not None else _inline  # (a schema is
+        # compiled: off the event loop)
+        options = replace(await parse_options(request_options, body, kind), request_id=rid, api=api)
+        if kind != "chat":
+            return prompts, options, None
+        tools = asyncio.to_thread if body.get("tools") else _inline  # their schemas are compiled: off the loop
+        return await tools(self._tools, body, prompts[0], options)
+
+    @contextlib.asynccontextmanager
+    async def opened(self, request, client: str, body: dict, kind: str, api: str):
+        """One completion of `body`, the OpenAI body of `kind` ("chat", "completions") that an
+        adapter of another API built (controller.http_adapters), for `client`, whose place it holds
+        already: (the Completion, its Form)."""
+        prompts = [chat_prompt(body)] if kind == "chat" else completion_prompts(body)
+        prompts, options, tooled = await self._options(request, body, kind, api, prompts)
+        async with self.door.open(prompts[0], options, client, admitted=True) as completion:
+            form = Form(self.model_id, kind == "chat", [completion], self.token_text)
+            form.tools = tooled
+            yield completion, form
 
     def _tools(self, body: dict, prompt, options):
         """chat's tools: in the prompt (through the template, or a system message), and with
@@ -371,7 +402,7 @@ class HttpApi:
         if not (last.isascii() and last.isdigit() and len(last) <= MAX_EVENT_ID_DIGITS):
             raise ApiError(400, f"Last-Event-ID must be the id of the last event received (a number), not "
                                 f"{shown(last, 20)!r}", param="Last-Event-ID")
-        async with self.door.resume(rid, int(last), self._admit(request), have_name="Last-Event-ID") as completion:
+        async with self.door.resume(rid, int(last), self.admit(request), have_name="Last-Event-ID") as completion:
             form = Form(self.model_id, completion.api != "completions", [completion], self.token_text)
             return await self._stream(request, [completion], form)
 

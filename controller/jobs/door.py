@@ -108,6 +108,7 @@ class Completion:
     tokens: list[int] = field(default_factory=list)   # every token received
     text: str = ""                                    # the answer (cut at a stop string)
     finish_reason: str = ""                           # "stop" | "length" once finished
+    stop_string: str = ""                             # ... the stop string that ended it ("": none did)
     points: list = field(default_factory=list)        # outline requests: controller.outline.Point, in order
     warnings: list[str] = field(default_factory=list)  # ... the outline parser's repairs
     submitted: float = field(default_factory=time.monotonic)
@@ -297,7 +298,7 @@ class FrontDoor:
                 c.text += released
                 if stops.stopped:
                     handle.stop("stop")
-                    c.finish_reason = "stop"
+                    c.finish_reason, c.stop_string = "stop", stops.matched
                 elif u.finished:
                     c.finish_reason = "stop" if u.finish_reason == "stop" else "length"
                 if c.finish_reason and skip > len(c.tokens):

@@ -88,13 +88,14 @@ class StopScan:
         self.held = max((len(s) for s in stops), default=1) - 1  # characters a stop may have begun in
         self.pending = ""  # text seen and not released yet (at most `held` characters between pushes)
         self.stopped = False
+        self.matched = ""  # the stop string that ended the text, once one did
 
     def push(self, text: str, final: bool = False) -> str:
         """The text that may be released now (all that is left when `final` or a stop was found)."""
         if self.stopped:
             return ""
         pending = self.pending + text  # a stop that began in released text would have been found then
-        cut = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut, self.matched = min(((i, s) for s in self.stops if (i := pending.find(s)) >= 0), default=(-1, ""))
         if cut >= 0:
             self.pending, self.stopped = "", True
             return pending[:cut]

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
 
+from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.controller.api.http_api import HttpApi
 from logicpipe.controller.jobs.door import FrontDoor
 from logicpipe.controller.jobs.job import Job, TokenUpdate
@@ -46,6 +47,15 @@ class FakeRequest:
     prompt_lps: list | None = None  # made-up prompt logprobs: -1 - i / 10 for prompt token i + 1
     received: tuple = ()  # what a scheduler Request has of these (a resume's bound): none yet, not done
     done: bool = False
+    # what door.request_timings reads of a scheduler Request: no tokens, every moment 0
+    tokens: tuple = ()
+    times: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(submitted=0.0, opened=0.0, first_token=0.0,
+                                                                           finished=0.0))
+    decode_steps: int = 0
+    candidates: int = 0
+    accepted: int = 0
+    speculate: int = 0
+    prefill_chunk: int = 0
 
 
 def fake_logprob(token: int, i: int, top: int | None) -> TokenLogprob | None:
@@ -166,7 +176,8 @@ async def http_api(model_dir: Path, *, requests_per_client: int = 64, keys=None)
     tok = tokenizer(model_dir)
     fake = FakeScheduler(tok(ANSWER, add_special_tokens=False)["input_ids"], len(tok))
     app = SimpleNamespace(model_dir=model_dir, scheduler=fake, journal=fake.journal,
-                          state=SimpleNamespace(admitting=True, phase=Phase.READY, reason=""))
+                          state=SimpleNamespace(admitting=True, phase=Phase.READY, reason=""),
+                          config=ModelConfig.from_dir(model_dir), digest=model_digest(model_dir))  # (for /api/show)
     door = FrontDoor(fake, tok, model_dir=model_dir, requests_per_client=requests_per_client)
     runner = HttpApi(app, door, keys=keys).runner()
     await runner.setup()

@@ -1,5 +1,6 @@
 """Fuzzing the HTTP API (hypothesis, a fixed budget per target, fixed seed): bodies and headers for
-/v1/chat/completions, /v1/completions and /v1/requests/{id}/stream, sent to the API in-process
+/v1/chat/completions, /v1/completions and /v1/requests/{id}/stream, and bodies for the adapted APIs
+(/v1/messages, /v1/responses, /api/chat, /api/generate, /api/show), sent to the API in-process
 (tests/service/http_harness.py: the real adapter, front door and tokenizer over a fake scheduler)
 with API keys on. Whatever comes in, the answer is never a 500: it is an OpenAI error body
 ({"error": {"message", "type", "param", "code"}}) with a 4xx status, or a well-formed completion
@@ -189,8 +190,79 @@ def test_resume_stream(api, rid, after, headers):
     one(api, "GET /v1/requests/{id}/stream", "GET", path, headers, None)
 
 
+# ---- the adapted APIs (Anthropic Messages, OpenAI Responses, Ollama) ------------------------------------
+MODEL = "SmolLM2-135M-Instruct"
+TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "developer"]),
+                              "content": st.one_of(CLEAN, st.lists(st.one_of(ANYTHING, st.fixed_dictionaries(
+                                  {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "input_text",
+                                                            "output_text", "function_call"])},
+                                  optional={"text": CLEAN, "id": CLEAN, "name": CLEAN, "input": ANYTHING,
+                                            "tool_use_id": CLEAN, "content": ANYTHING, "is_error": ANYTHING,
+                                            "cache_control": ANYTHING})), max_size=3))},
+                             optional={"tool_calls": ANYTHING, "tool_name": ANYTHING, "images": ANYTHING})
+HI = [{"role": "user", "content": "hi"}]
+ADAPTED_BASE = {  # path -> a valid body (the fake answers at once)
+    "/v1/messages": st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 4),
+                                           "messages": st.just(HI), "stream": st.booleans()}),
+    "/v1/responses": st.fixed_dictionaries({"input": CLEAN, "max_output_tokens": st.integers(1, 4),
+                                            "stream": st.booleans()}),
+    "/api/chat": st.fixed_dictionaries({"model": st.just(MODEL), "messages": st.just(HI), "stream": st.booleans(),
+                                        "options": st.just({"num_predict": 3})}),
+    "/api/generate": st.fixed_dictionaries({"model": st.just(MODEL), "prompt": CLEAN, "stream": st.booleans(),
+                                            "raw": st.booleans(), "options": st.just({"num_predict": 3})}),
+    "/api/show": st.just({"model": MODEL}),
+}
+ADAPTED_NAMES = st.sampled_from(["messages", "input", "system", "instructions", "tools", "tool_choice",
+                                 "stop_sequences", "temperature", "top_k", "options", "format", "text", "metadata",
+                                 "thinking", "store", "max_tokens", "max_output_tokens", "model", "stream", "prompt",
+                                 "raw", "think", "logprobs", "top_logprobs", "keep_alive", "images", "foo"])
+ADAPTED_VALUES = st.one_of(ANYTHING, st.lists(TURN, min_size=1, max_size=3), st.sampled_from([
+    [{"name": "f", "input_schema": {"type": "object"}}], [{"type": "function", "name": "f", "parameters": {}}],
+    [{"type": "function", "function": {"name": "f"}}], {"type": "any"}, {"type": "tool", "name": "f"}, "required",
+    {"format": {"type": "json_object"}}, "json", {"type": "object"}, {"num_predict": -1}, {"temperature": 0.5},
+    {"type": "enabled", "budget_tokens": 1024}]))
+
+
+def adapted_check(path: str, status: int, content_type: str, text: str) -> None:
+    """The API's own error shape with a 4xx status, or its answer (JSON, server-sent events, NDJSON)."""
+    assert status != 500 and (status == 200 or status in ERROR_STATUSES), (path, status, text[:500])
+    if status != 200:
+        body = json.loads(text)
+        if path == "/v1/messages":
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        elif path.startswith("/api/"):
+            assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body
+        else:
+            assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        return
+    if content_type == "text/event-stream":
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1]["type"] in ("message_stop", "response.completed", "response.incomplete"), text
+    elif content_type == "application/x-ndjson":
+        lines = [json.loads(line) for line in text.splitlines()]
+        assert lines and lines[-1]["done"] is True, text
+    else:
+        assert isinstance(json.loads(text), dict)
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(ADAPTED_BASE)), data=st.data(), spoil=st.one_of(st.none(), st.tuples(
+    ADAPTED_NAMES, ADAPTED_VALUES)))
+def test_adapted_apis(api, path, data, spoil):
+    """Each adapted API's body, valid, then mostly with one field set to anything (or to a shape
+    another API uses): its own error shape or its answer, never a 500."""
+    body = {**data.draw(ADAPTED_BASE[path]), **({spoil[0]: spoil[1]} if spoil else {})}
+    runner, client = api
+    try:
+        status, content_type, text = runner.run(send(client, "POST", path, KEY, dumps(body)))
+    except (ValueError, aiohttp.InvalidURL):
+        assume(False)
+    TRIED["POST adapted APIs"] = TRIED.get("POST adapted APIs", 0) + 1
+    adapted_check(path, status, content_type, text)
+
+
 def test_zz_report_budget():
     """Runs last in this module: every target tried its budget (the count is the CI figure)."""
     for target, n in sorted(TRIED.items()):
         print(f"http fuzz: {target}: {n} inputs")
-    assert len(TRIED) == 4 and all(n >= BUDGET // 2 for n in TRIED.values()), TRIED
+    assert len(TRIED) == 5 and all(n >= BUDGET // 2 for n in TRIED.values()), TRIED
