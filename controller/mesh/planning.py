@@ -212,9 +212,10 @@ def repair(plan: Plan, lost: set[str], profiles: list[DeviceProfile], spec: Mode
             continue
         ranges.append([st.node_id, st.start if orphan is None else orphan, st.end])
         orphan = None
-    if not ranges or orphan is not None or [r[0] for r in ranges] == [s.node_id for s in plan.stages] and \
-            not lost & {r[0] for r in ranges}:
-        return None
+    survivors = {st.node_id for st in plan.stages} - lost
+    if not ranges or orphan is not None or not survivors & {r[0] for r in ranges} or \
+            [r[0] for r in ranges] == [st.node_id for st in plan.stages] and not lost & {r[0] for r in ranges}:
+        return None  # (nothing lost, or no survivor keeps layers: a plan afresh spreads the replays)
     try:
         return make_plan([by_id[n] for n, _, _ in ranges], spec, workload, Objective.parse(options.objective),
                          strategy="custom", boundaries=[(a, b - 1) for _, a, b in ranges])
@@ -283,6 +284,14 @@ def extends(new: MeshPlan, old: MeshPlan) -> bool:
     kept = set(map(pipeline_key, new.pipelines))
     return bool(old.pipelines) and all(pipeline_key(p) in kept for p in old.pipelines) \
         and len(new.pipelines) > len(old.pipelines)
+
+
+def keeps_layers(new: MeshPlan, old: MeshPlan) -> bool:
+    """Every node of `old` that `new` still uses keeps a range within the one it holds: its KV
+    stays (issue 34), so the move replays only the layers of the nodes `new` adds."""
+    held = {s.node_id: (s.start, s.end) for p in old.pipelines for s in p.stages}
+    return all(s.node_id not in held or held[s.node_id][0] <= s.start and s.end <= held[s.node_id][1]
+               for p in new.pipelines for s in p.stages)
 
 
 def better(new: MeshPlan, old: MeshPlan, options) -> bool:
