@@ -10,7 +10,8 @@ Layout (format version 1):
                   "workload": {"tokens_per_step": 1, "context_tokens": 2048, "batch": 1},
                   "reserve": {"fraction": 0.1, "fixed_bytes": 0}},
      "stages": [{"node_id": ..., "device_kind": ..., "weight_format": ..., "start": 0, "end": 16,
-                 "compute_s": ..., "transfer_s": ..., "memory_bytes": ...}, ...]}
+                 "compute_s": ..., "transfer_s": ..., "memory_bytes": ...,
+                 "devices": ["node-a"]}, ...]}   (a tensor-parallel stage: ["node-a:0", "node-a:1"])
 
 A plan may also carry the decode prediction of `make_mesh_plan`: "micro_batches", "rows" and
 "tokens_per_s" (read when present, 0 when absent; written only when set, so a version-1 plan
@@ -65,7 +66,7 @@ def plan_to_dict(plan: Plan) -> dict:
         },
         "stages": [{"node_id": s.node_id, "device_kind": s.device_kind, "weight_format": s.weight_format,
                     "start": s.start, "end": s.end, "compute_s": s.compute_s, "transfer_s": s.transfer_s,
-                    "memory_bytes": s.memory_bytes} for s in plan.stages],
+                    "memory_bytes": s.memory_bytes, "devices": list(s.device_ids)} for s in plan.stages],
     }
     if plan.micro_batches or plan.rows or plan.tokens_per_s:
         out.update(micro_batches=plan.micro_batches, rows=plan.rows, tokens_per_s=plan.tokens_per_s)
@@ -140,7 +141,15 @@ def _stage(obj: object, index: int, prefix: str = "") -> Stage:
     return Stage(node_id=NodeId(node), device_kind=_str(obj, "device_kind", where),
                  weight_format=_str(obj, "weight_format", where), start=start, end=end,
                  compute_s=_float(obj, "compute_s", where), transfer_s=_float(obj, "transfer_s", where),
-                 memory_bytes=_int(obj, "memory_bytes", where))
+                 memory_bytes=_int(obj, "memory_bytes", where), devices=_devices(obj, node, where))
+
+
+def _devices(obj: dict, node: str, where: str) -> int:
+    """How many devices the stage lists under `devices` (optional: one, the node)."""
+    devices = obj.get("devices", [node])
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):
+        raise PlanFormatError(f"plan JSON: {where}.devices must be a non-empty list of device names")
+    return len(devices)
 
 
 def _metadata(doc: dict, version: int, prefix: str = "") -> PlanMetadata:

@@ -200,6 +200,7 @@ def build_stages(profiles: Sequence[DeviceProfile], layer_counts: Sequence[int],
             compute_s=stage_compute_s(profile, model, workload, count, is_first=is_first, is_last=is_last),
             transfer_s=transfer,
             memory_bytes=stage_memory_bytes(profile, model, workload, count, is_first=is_first, is_last=is_last),
+            devices=profile.devices,
         ))
         start += count
     return tuple(stages)

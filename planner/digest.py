@@ -47,6 +47,8 @@ def profile_dict(profile: DeviceProfile) -> dict:
     }
     if profile.step_overhead_s:
         out["step_overhead_s"] = profile.step_overhead_s
+    if profile.devices > 1:
+        out["devices"] = profile.devices
     return out
 
 

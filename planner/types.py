@@ -112,6 +112,7 @@ class DeviceProfile:
     # s of host time every step costs the node beyond its roofline compute and transfer (scheduling,
     # packing the batch, kernel launches); 0: DEFAULT_STEP_OVERHEAD_S of `cost.py` (assumed, 1 ms)
     step_overhead_s: float = 0.0
+    devices: int = 1  # devices one stage of this node spans (a tensor-parallel stage, issue 36): it lists them
 
     def __post_init__(self) -> None:
         _require(isinstance(self.node_id, str) and self.node_id != "", f"node_id must be a non-empty string, got {self.node_id!r}")
@@ -136,6 +137,8 @@ class DeviceProfile:
             value = getattr(self, name)
             _require(_is_real(value) and math.isfinite(value) and value >= 0,
                      f"{where}: {name} must be a finite number >= 0, got {value!r}")
+        _require(isinstance(self.devices, int) and not isinstance(self.devices, bool) and self.devices >= 1,
+                 f"{where}: devices must be an integer >= 1, got {self.devices!r}")
 
     def link_to(self, other: str) -> Link:
         """The link from this node to `other`: LOOPBACK for itself, the measured one if present,

@@ -60,15 +60,18 @@ class HostProfile:
     weight_bandwidth: float = 0.0     # bytes/s of weights read by a one-token product, preferred format
     weight_bytes_per_param: float = 0.0  # bytes per parameter held in the preferred format
     format_flops: tuple[tuple[str, float], ...] = ()  # FLOP/s per offered format
+    devices: int = 1                  # devices a stage spans (--tp N: N GPUs, or N CPU processes)
 
 
 def tensor_parallel(profile: HostProfile, world: int) -> HostProfile:
     """The profile of a `--tp world` stage measured on one of its ranks: on CUDA, world GPUs like the
     measured one (memory, FLOP/s and bandwidths times world: the all-reduces not counted yet, issue 36);
     on a CPU the ranks share the host's memory and cores, so it stays as measured."""
-    if world <= 1 or profile.device_kind != "cuda":
+    if world <= 1:
         return profile
-    return replace(profile, memory_bytes=profile.memory_bytes * world, flops=profile.flops * world,
+    if profile.device_kind != "cuda":
+        return replace(profile, devices=world)
+    return replace(profile, devices=world, memory_bytes=profile.memory_bytes * world, flops=profile.flops * world,
                                mem_bandwidth=profile.mem_bandwidth * world,
                                weight_bandwidth=profile.weight_bandwidth * world,
                                format_flops=tuple((f, v * world) for f, v in profile.format_flops))

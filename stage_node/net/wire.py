@@ -172,7 +172,8 @@ def profile_to_proto(profile) -> stage_pb2.DeviceProfile:
         device_kind=profile.device_kind, device_name=profile.device_name, memory_bytes=profile.memory_bytes,
         flops=profile.flops, mem_bandwidth=profile.mem_bandwidth, weight_formats=list(profile.weight_formats),
         compute_format=profile.compute_format, weight_bandwidth=profile.weight_bandwidth,
-        weight_bytes_per_param=profile.weight_bytes_per_param, format_flops=dict(profile.format_flops))
+        weight_bytes_per_param=profile.weight_bytes_per_param, format_flops=dict(profile.format_flops),
+        devices=getattr(profile, "devices", 1))
 
 
 def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str) -> stage_pb2.StatusReply:

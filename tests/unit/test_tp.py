@@ -5,6 +5,8 @@ gpt-oss (sinks, biases, windows) — alone, as the second stage of a 2-stage spl
 splits' sizes refused by name where they do not divide."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import multiprocessing
 import socket
 
@@ -12,6 +14,10 @@ import pytest
 import torch
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
+from logicpipe.controller.mesh.planning import device_profile
+from logicpipe.planner import ModelSpec, Workload, make_plan, plan_from_json, plan_to_json
+from logicpipe.stage_node.net import wire
+from logicpipe.v1 import stage_pb2
 from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.model.tp import TensorParallel
@@ -133,8 +139,26 @@ def test_a_cuda_stage_of_n_ranks_is_profiled_as_n_devices():
     two = tensor_parallel(gpu, 2)
     assert (two.memory_bytes, two.flops, two.mem_bandwidth, two.weight_bandwidth, two.format_flops) == \
         (160 * 2**30, 1e15, 6e12, 4e12, (("bf16", 1e15),))
+    assert two.devices == 2
     cpu = HostProfile("cpu", "EPYC", 20 * 2**30, 1e11, 2e10, ("fp32",))
-    assert tensor_parallel(cpu, 2) == cpu and tensor_parallel(gpu, 1) == gpu
+    assert tensor_parallel(cpu, 2) == dataclasses.replace(cpu, devices=2) and tensor_parallel(gpu, 1) == gpu
+
+
+def test_a_tp_stage_lists_its_devices_in_the_plan():
+    """Issue 36: `lpctl plan --json` lists a stage's devices: the node, or node:gpu for each GPU
+    of a `--tp N` node (its profile says how many, through Status)."""
+    gpu = HostProfile("cuda", "H100", 80 * 2**30, 5e14, 3e12, ("bf16",), weight_bandwidth=2e12)
+    reply = stage_pb2.StatusReply(node_id="box", device="cuda:0")
+    reply.profile.CopyFrom(wire.profile_to_proto(tensor_parallel(gpu, 2)))
+    one = stage_pb2.StatusReply(node_id="pc", device="cuda:0")
+    one.profile.CopyFrom(wire.profile_to_proto(gpu))
+    spec = ModelSpec.llama(name="m", hidden_size=512, intermediate_size=1408, num_heads=8, num_kv_heads=4,
+                           vocab_size=8000, num_layers=8, weight_format="bf16")
+    profiles = [device_profile(r, {}) for r in (reply, one)]
+    plan = make_plan(profiles, spec, Workload(), strategy="uniform")
+    doc = json.loads(plan_to_json(plan))
+    assert [s["devices"] for s in doc["stages"]] == [["box:0", "box:1"], ["pc"]]
+    assert [s.devices for s in plan_from_json(plan_to_json(plan)).stages] == [2, 1]
 
 
 def test_a_tp_stage_refuses_a_model_that_does_not_split_before_its_followers_hear_of_it(checkpoints, model_dir):
