@@ -14,6 +14,9 @@ Compute (seconds per step). Every layer is memory- or compute-bound, whichever i
 
     (layer_read_bytes(T) is layer_weight_bytes for a dense model; for a mixture of experts, the
     dense part and the experts T rows are expected to route to: see `model.py`.)
+    A tensor-parallel node (`devices` > 1: its F, W, Ww are those of all its devices) adds its two
+    all-reduces a layer, at its measured latency La and bandwidth Ba:
+    layer_s += 2 * (La + sf * T * activation_bytes_per_token / Ba)
 
     stage compute_s = n_layers * layer_s  (+ embed_s on the first stage)  (+ head_s on the last)
     embed_s = sf * T * activation_bytes_per_token / W        (T embedding rows read)
@@ -86,7 +89,17 @@ def layer_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -
     flops = t * (model.layer_flops_per_token + c * model.attention_flops_per_context_token)
     read_s = (weight_scale(profile, model) * model.layer_read_bytes(t) / (profile.weight_bandwidth or profile.mem_bandwidth)
               + float_scale(profile, model) * workload.batch * c * model.kv_bytes_per_token_per_layer / profile.mem_bandwidth)
-    return max(flops / profile.flops, read_s)
+    return max(flops / profile.flops, read_s) + allreduce_time_s(profile, model, workload)
+
+
+def allreduce_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> float:
+    """Seconds a layer of a tensor-parallel stage spends in its two all-reduces (after attention and
+    after the MLP, each of the step's rows of hidden states), at the node's measured latency and
+    bandwidth (issue 36); 0 on one device or where not measured."""
+    if profile.devices <= 1 or not profile.allreduce_bandwidth:
+        return 0.0
+    rows = workload.tokens_per_step * model.activation_bytes_per_token * float_scale(profile, model)
+    return 2 * (profile.allreduce_latency_s + rows / profile.allreduce_bandwidth)
 
 
 def embed_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> float:

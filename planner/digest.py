@@ -49,6 +49,7 @@ def profile_dict(profile: DeviceProfile) -> dict:
         out["step_overhead_s"] = profile.step_overhead_s
     if profile.devices > 1:
         out["devices"] = profile.devices
+        out["allreduce"] = [profile.allreduce_latency_s, profile.allreduce_bandwidth]
     return out
 
 

@@ -113,6 +113,8 @@ class DeviceProfile:
     # packing the batch, kernel launches); 0: DEFAULT_STEP_OVERHEAD_S of `cost.py` (assumed, 1 ms)
     step_overhead_s: float = 0.0
     devices: int = 1  # devices one stage of this node spans (a tensor-parallel stage, issue 36): it lists them
+    allreduce_latency_s: float = 0.0  # ... their all-reduce, measured: seconds of a small one (added twice a layer)
+    allreduce_bandwidth: float = 0.0  # ... bytes/s of a large one (0: not measured)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.node_id, str) and self.node_id != "", f"node_id must be a non-empty string, got {self.node_id!r}")
@@ -133,7 +135,8 @@ class DeviceProfile:
         object.__setattr__(self, "weight_formats", formats)
         _require(all(math.isfinite(link.bandwidth) for _, link in links), f"{where}: link bandwidths must be finite")
         _require(isinstance(self.compute_format, str), f"{where}: compute_format must be a string")
-        for name in ("weight_bandwidth", "weight_bytes_per_param", "step_overhead_s"):
+        for name in ("weight_bandwidth", "weight_bytes_per_param", "step_overhead_s", "allreduce_latency_s",
+                     "allreduce_bandwidth"):
             value = getattr(self, name)
             _require(_is_real(value) and math.isfinite(value) and value >= 0,
                      f"{where}: {name} must be a finite number >= 0, got {value!r}")

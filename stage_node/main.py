@@ -230,8 +230,11 @@ async def serve(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     log.info("offers weight formats %s (compute %s)", ", ".join(formats), compute)
+    allreduce = await runner.call(leader.measure) if leader is not None else (0.0, 0.0)
+    if leader is not None:
+        log.info("all-reduce over the %d ranks: %.0f us, %.2f GB/s", args.tp, allreduce[0] * 1e6, allreduce[1] / 1e9)
     profile = None if args.no_profile else tensor_parallel(
-        await runner.call(host_profile, device, dtype=args.dtype, quantize=args.quantize), args.tp)
+        await runner.call(host_profile, device, dtype=args.dtype, quantize=args.quantize), args.tp, allreduce)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,

@@ -61,17 +61,21 @@ class HostProfile:
     weight_bytes_per_param: float = 0.0  # bytes per parameter held in the preferred format
     format_flops: tuple[tuple[str, float], ...] = ()  # FLOP/s per offered format
     devices: int = 1                  # devices a stage spans (--tp N: N GPUs, or N CPU processes)
+    allreduce_latency_s: float = 0.0  # ... its measured all-reduce: seconds of a small one,
+    allreduce_bandwidth: float = 0.0  # ... and bytes/s of a large one (0: one device)
 
 
-def tensor_parallel(profile: HostProfile, world: int) -> HostProfile:
+def tensor_parallel(profile: HostProfile, world: int, allreduce: tuple[float, float] = (0.0, 0.0)) -> HostProfile:
     """The profile of a `--tp world` stage measured on one of its ranks: on CUDA, world GPUs like the
-    measured one (memory, FLOP/s and bandwidths times world: the all-reduces not counted yet, issue 36);
-    on a CPU the ranks share the host's memory and cores, so it stays as measured."""
+    measured one (memory, FLOP/s and bandwidths times world); on a CPU the ranks share the host's
+    memory and cores, so those stay as measured. `allreduce`: the ranks' measured all-reduce
+    (latency s, bytes/s), which the planner adds to every layer of a step (issue 36)."""
     if world <= 1:
         return profile
+    lat, bw = allreduce
     if profile.device_kind != "cuda":
-        return replace(profile, devices=world)
-    return replace(profile, devices=world, memory_bytes=profile.memory_bytes * world, flops=profile.flops * world,
+        return replace(profile, devices=world, allreduce_latency_s=lat, allreduce_bandwidth=bw)
+    return replace(profile, devices=world, allreduce_latency_s=lat, allreduce_bandwidth=bw, memory_bytes=profile.memory_bytes * world, flops=profile.flops * world,
                                mem_bandwidth=profile.mem_bandwidth * world,
                                weight_bandwidth=profile.weight_bandwidth * world,
                                format_flops=tuple((f, v * world) for f, v in profile.format_flops))

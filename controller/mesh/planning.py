@@ -128,7 +128,8 @@ def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: 
         memory_bytes=memory_floor(p.memory_bytes), flops=round_sig(p.flops, 2),
         mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",),
         compute_format=p.compute_format, weight_bandwidth=round_sig(p.weight_bandwidth, 2),
-        weight_bytes_per_param=round_sig(p.weight_bytes_per_param, 3), devices=max(1, p.devices))
+        weight_bytes_per_param=round_sig(p.weight_bytes_per_param, 3), devices=max(1, p.devices),
+        allreduce_latency_s=round_sig(p.allreduce_latency_s, 2), allreduce_bandwidth=round_sig(p.allreduce_bandwidth, 2))
     if profile.device_kind in STEP_OVERHEAD_S:
         profile = dataclasses.replace(profile, step_overhead_s=STEP_OVERHEAD_S[profile.device_kind])
     fmt = device_weight_format(profile, spec) if spec is not None else None

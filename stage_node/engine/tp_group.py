@@ -44,12 +44,14 @@ from logicpipe.stage_node.model.tp import TensorParallel, check_split
 
 log = logging.getLogger(__name__)
 
-STOP, LOAD, POOL, COPY, FORWARD, LOGITS = range(6)
+STOP, LOAD, POOL, COPY, FORWARD, LOGITS, MEASURE = range(7)
 HEADER = 8  # int64s of a message's header
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waits for the next message as long as the stage lives
 EXIT_MEMBER_LOST = 75
 WATCH_S = 0.2  # rank 0 checks its followers this often
+MEASURE_SIZES = (256, 1 << 20)  # float32 elements of the small and the large timed all-reduce
+MEASURE_REPS = 10
 
 
 def _free_port() -> int:
@@ -205,6 +207,30 @@ class Leader:
         self.channel.header(LOGITS, hidden.shape[0], DTYPES.index(hidden.dtype))
         self.channel.data(hidden, tuple(hidden.shape), hidden.dtype)
 
+    def measure(self, reps: int = MEASURE_REPS) -> tuple[float, float]:
+        """Runner thread: the all-reduce over the ranks, timed (seconds of one small one: its
+        latency; bytes/s of a large one past that), for the planner's cost of a step (issue 36)."""
+        times = []
+        for n in MEASURE_SIZES:
+            self.channel.header(MEASURE, n, reps)
+            times.append(_all_reduces(self.tp, self.device, n, reps))
+        latency = times[0]
+        return latency, MEASURE_SIZES[1] * 4 / max(times[1] - latency, 1e-9)
+
+
+def _all_reduces(tp: TensorParallel, device: torch.device, n: int, reps: int) -> float:
+    """Seconds one all-reduce of n float32 takes over the data group (after one untimed)."""
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    dist.all_reduce(x, group=tp.group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(x, group=tp.group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
+
 
 def join(rank: int, world: int, init: str, device: str) -> tuple[TensorParallel, object]:
     """Join the stage's process groups: (this rank's TensorParallel over the data group, the control
@@ -251,6 +277,8 @@ def follow(rank: int, world: int, init: str, device: str) -> None:
                 shard.forward(x, StepKV(pool, write, _seqs_of(table, slots)))
             elif op == LOGITS:
                 shard.logits(channel.data(None, (h[1], hidden_size), DTYPES[h[2]]))
+            elif op == MEASURE:
+                _all_reduces(tp, dev, h[1], h[2])
             else:
                 raise RuntimeError(f"tensor-parallel follower {rank}: unknown operation {op}")
 

@@ -173,7 +173,8 @@ def profile_to_proto(profile) -> stage_pb2.DeviceProfile:
         flops=profile.flops, mem_bandwidth=profile.mem_bandwidth, weight_formats=list(profile.weight_formats),
         compute_format=profile.compute_format, weight_bandwidth=profile.weight_bandwidth,
         weight_bytes_per_param=profile.weight_bytes_per_param, format_flops=dict(profile.format_flops),
-        devices=getattr(profile, "devices", 1))
+        devices=profile.devices, allreduce_latency_s=profile.allreduce_latency_s,
+        allreduce_bandwidth=profile.allreduce_bandwidth)
 
 
 def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str) -> stage_pb2.StatusReply:

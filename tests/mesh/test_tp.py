@@ -13,6 +13,7 @@ import pytest
 
 from tests.families import build, hf_greedy, hf_model
 from tests.localmesh import LocalMesh
+from tests.mesh.test_faults import stage_status
 from tests.mesh.test_families import eventually, submit
 
 PROMPTS = [[5, 17, 2000, 9, 31, 77, 4, 1200, 8, 600, 45, 3], [7, 7, 300, 41, 9000, 12, 5], [100, 200, 300, 400, 500],
@@ -51,6 +52,9 @@ def test_a_tensor_parallel_stage_in_a_pipeline(models, tmp_path):
             assert submit(mesh, PROMPTS[0], 0, new=NEW) == want[0], family
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 assert list(pool.map(lambda p: submit(mesh, p, 0, new=NEW), PROMPTS)) == want, family
+        # its profile says it spans 2 devices and gives its measured all-reduce (the planner's cost of it)
+        prof = stage_status(mesh.stage_addresses[0]).profile
+        assert prof.devices == 2 and prof.allreduce_latency_s > 0 and prof.allreduce_bandwidth > 0, prof
         # a member of the tensor-parallel stage killed in the middle of a generation: the stage exits, the
         # mesh re-plans over the other node, and the request finishes as transformers' tokens
         followers = children(mesh.procs["stage0"].pid)

@@ -16,6 +16,7 @@ import torch
 from logicpipe.common.modeldir import ModelConfig, ModelError
 from logicpipe.controller.mesh.planning import device_profile
 from logicpipe.planner import ModelSpec, Workload, make_plan, plan_from_json, plan_to_json
+from logicpipe.planner.cost import layer_time_s
 from logicpipe.stage_node.net import wire
 from logicpipe.v1 import stage_pb2
 from logicpipe.stage_node.model import tp as tp_split
@@ -169,3 +170,22 @@ def test_a_tp_stage_refuses_a_model_that_does_not_split_before_its_followers_hea
     leader = Leader(2, "cpu", 1)  # not started: sending anything would fail on its missing channel
     with pytest.raises(ModelError, match="3 key/value heads do not divide by 2"):
         leader.load(str(model_dir), 0, 30, first=True, last=True, dtype=torch.float32, quantize="none", invariant=False)
+
+
+def test_the_planner_adds_a_tp_stage_s_measured_all_reduces_to_every_layer():
+    """Issue 36: a tensor-parallel node's two all-reduces a layer, at its measured latency and
+    bandwidth, are part of its step in the cost model (they were not counted)."""
+    spec = ModelSpec.llama(name="m", hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                           vocab_size=128256, num_layers=32, weight_format="bf16")
+    gpu = HostProfile("cuda", "H100", 80 * 2**30, 5e14, 3e12, ("bf16",), weight_bandwidth=2e12)
+    free, slow = (device_profile(_status(tensor_parallel(gpu, 2, ar)), {}) for ar in ((0.0, 0.0), (20e-6, 1e11)))
+    w = Workload(tokens_per_step=8)
+    extra = layer_time_s(slow, spec, w) - layer_time_s(free, spec, w)
+    assert extra == pytest.approx(2 * (20e-6 + 8 * 4096 * 2 / 1e11), rel=0.02)
+    assert (slow.devices, free.allreduce_bandwidth) == (2, 0.0)
+
+
+def _status(profile) -> stage_pb2.StatusReply:
+    reply = stage_pb2.StatusReply(node_id="box", device="cuda:0")
+    reply.profile.CopyFrom(wire.profile_to_proto(profile))
+    return reply
