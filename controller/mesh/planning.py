@@ -287,14 +287,6 @@ def extends(new: MeshPlan, old: MeshPlan) -> bool:
         and len(new.pipelines) > len(old.pipelines)
 
 
-def keeps_layers(new: MeshPlan, old: MeshPlan) -> bool:
-    """Every node of `old` that `new` still uses keeps a range within the one it holds: its KV
-    stays (issue 34), so the move replays only the layers of the nodes `new` adds."""
-    held = {s.node_id: (s.start, s.end) for p in old.pipelines for s in p.stages}
-    return all(s.node_id not in held or held[s.node_id][0] <= s.start and s.end <= held[s.node_id][1]
-               for p in new.pipelines for s in p.stages)
-
-
 def better(new: MeshPlan, old: MeshPlan, options) -> bool:
     """`new` is worth moving requests for: in `classic` mode its step costs less by --replan-gain
     (as before replicas); else its predicted tokens/s are higher by that much."""

@@ -240,13 +240,10 @@ class Replanner:
             return full  # only pipelines added: nothing in force moves
         grown = extra()
         if planning.better(full, current, o):
-            # (a plan in which every node keeps layers it holds moves requests cheaply: they replay only
-            # the layers of the nodes it adds, the rest resume from the KV kept; it is not held)
             sched = self.app.scheduler
             served = time.monotonic() - max(self._installed_at, self.app.members.last_fault(), sched.caught_up_at)
             replaying = sched.catching_up() if time.monotonic() - self._installed_at < MAX_HOLD_S else 0
-            if sched.running and (served < HOLD_S or replaying) and not self._now and \
-                    not planning.keeps_layers(full, current):
+            if sched.running and (served < HOLD_S or replaying) and not self._now:
                 # better, but the plan in force serves and was installed (or a node fell, or its moved
                 # requests caught up) just now, or requests it took over are still replaying: moving its
                 # running requests again waits until the mesh has been quiet for a while

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from logicpipe.controller.mesh.planning import keeps_layers, repair
+from logicpipe.controller.mesh.planning import repair
 from logicpipe.planner import DeviceProfile, Link, ModelSpec, Workload, make_plan
 
 GiB = 2**30
@@ -53,11 +53,3 @@ def test_nothing_to_repair_or_no_fit_is_none():
     tiny = [dev("n0", 0.01), dev("n1"), dev("n2")]  # n0 cannot hold the lost range on top of its own
     assert repair(PLAN, {"n1"}, [tiny[0], tiny[2]], MODEL, WORKLOAD, OPTIONS) is None
 
-
-def test_a_plan_keeps_layers_when_every_node_it_keeps_holds_a_subset():
-    grown = SimpleNamespace(pipelines=[fixed({"n2"})])            # n0 [0, 10), n1 [10, 30)
-    back = SimpleNamespace(pipelines=[PLAN])                      # n0 [0, 10), n1 [10, 20), n2 [20, 30)
-    assert keeps_layers(back, grown)                              # n1 shrinks, n2 is added
-    assert not keeps_layers(grown, back)                          # n1 grows over layers it lacks
-    shifted = SimpleNamespace(pipelines=[make_plan(NODES[:2], MODEL, WORKLOAD, strategy="uniform")])
-    assert not keeps_layers(shifted, back)                        # n0 [0, 15): 5 layers it lacks

@@ -30,7 +30,6 @@ def replanner(monkeypatch):
     monkeypatch.setattr(planning, "same_pipelines", lambda a, b: False)
     monkeypatch.setattr(planning, "extends", lambda a, b: False)
     monkeypatch.setattr(planning, "better", lambda a, b, o: a == FULL)
-    monkeypatch.setattr(planning, "keeps_layers", lambda a, b: False)
     monkeypatch.setattr(planning, "describe", str)
     r = Replanner.__new__(Replanner)
     r.app = SimpleNamespace(options=SimpleNamespace(replicas=0), spec=None, scheduler=Sched(),
@@ -68,12 +67,3 @@ def test_with_nothing_running_it_moves_at_once(replanner):
     r.app.scheduler = Sched(running=0, replaying=0)
     assert r.choose() == FULL
 
-
-def test_a_better_plan_that_keeps_every_node_s_layers_is_not_held(replanner, monkeypatch):
-    """Issue 34: a move in which every node keeps layers it holds replays only the added nodes'
-    layers (the rest resume from kept KV): it goes in at once, even mid-replay."""
-    r = replanner
-    r._installed_at = time.monotonic()
-    r.app.scheduler = Sched(replaying=3)
-    monkeypatch.setattr(planning, "keeps_layers", lambda a, b: True)
-    assert r.choose() == FULL and r.asked_later == []
