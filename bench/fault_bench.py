@@ -18,6 +18,8 @@ request id (Resume) when their stream breaks:
   storm                                   21 stage faults (SIGKILL, SIGSTOP 3 s, SIGTERM; killed
                                           stages started again at once) one every 4 s, every 4th
                                           0.3 s after the one before; 12 requests
+  replay                                  one fault's replays: 12 requests of --history tokens, the
+                                          middle stage SIGKILLed and started again 2 s later
 
   lost       requests that failed (or hung)
   resumed    seconds until every request had a token again: after the restarted controller's
@@ -58,7 +60,7 @@ FAULTS = {
 }
 WAIT_S = 90.0  # a request still running this long after the fault counts as hung
 MAX_TOKENS = 400
-DURABILITY = ("controller-restart-sigkill", "controller-restart-sigterm", "standby-takeover", "storm")
+DURABILITY = ("controller-restart-sigkill", "controller-restart-sigterm", "standby-takeover", "storm", "replay")
 PROMPTS = ("Tell me a long story about a dragon.", "Describe every planet of the solar system.",
            "Write a poem about the sea.", "List the kings of France.")
 
@@ -301,6 +303,67 @@ def run_takeover(model_dir: Path, work: Path) -> dict:
         mesh.stop()
 
 
+def run_replay(model_dir: Path, work: Path, history: int = 200) -> dict:
+    """The cost of one fault's replays (issue 34): 12 requests run until each has `history` tokens on
+    a 3-stage pipeline; the middle stage is SIGKILLed (and started again 2 s later). `resumed`: seconds
+    from the kill until every request had a new token (the re-plan over the survivors and the
+    replays); `back`: seconds from the install of the plan with the node back until every request had
+    a new token (that move's replays); `pause`: the longest gap between two tokens of a request."""
+    tokens = history + 150
+    with LocalMesh(3, model_dir, work, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+        reqs = [Resuming([mesh.controller_address], PROMPTS[i % 4], tokens) for i in range(12)]
+        deadline = time.monotonic() + 600
+        while min(len(r.tokens) for r in reqs) < history and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gen0 = _generation(mesh.controller_address)
+        t0 = time.monotonic()
+        mesh.signal("stage1", signal.SIGKILL)
+        mesh.procs["stage1"].wait(30)
+        resumed = _wait_resume(reqs, t0)
+        time.sleep(max(0.0, t0 + 2.0 - time.monotonic()))
+        mesh.start_stage(1, mesh.stage_addresses[1])
+        t1, gen = None, gen0
+        while time.monotonic() < deadline and any(r.ended is None for r in reqs):
+            st = _status(mesh.controller_address)
+            if st is not None and st.plan_generation != gen and len(st.stages) == 3:
+                t1 = time.monotonic()
+                break
+            gen = st.plan_generation if st is not None and st.plan_generation != gen0 else gen
+            time.sleep(0.05)
+        back = _wait_resume([r for r in reqs if r.ended is None or (t1 and r.ended > t1)], t1) if t1 else None
+        for r in reqs:
+            r.thread.join(WAIT_S + 300)
+        gaps = [max(b - a for a, b in zip(r.times, r.times[1:])) for r in reqs if len(r.times) > 1]
+        return {"fault": f"replay (12 requests of {history} tokens, middle stage killed and back)",
+                "lost": sum(1 for r in reqs if r.error), "of": len(reqs), "resumed_s": resumed, "back_s": back,
+                "pause_max_s": max(gaps) if gaps else None, "errors": sorted({r.error for r in reqs if r.error})}
+
+
+def _status(address: str):
+    try:
+        with grpc.insecure_channel(address) as ch:
+            return controller_pb2_grpc.ControllerStub(ch).Status(controller_pb2.ControllerStatusRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+
+
+def _generation(address: str) -> int:
+    st = _status(address)
+    return st.plan_generation if st is not None else 0
+
+
+def _wait_resume(reqs: list[Resuming], since: float) -> float | None:
+    """Seconds from `since` until every request still running had a token after it."""
+    deadline = since + WAIT_S
+    while time.monotonic() < deadline:
+        after = [r.first_after(since) for r in reqs if not r.error]
+        if all(a is not None or r.ended is not None for a, r in zip(after, reqs)):
+            got = [a for a in after if a is not None]
+            return (max(got) - since) if got else 0.0
+        time.sleep(0.05)
+    return None
+
+
 def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.0) -> dict:
     """`faults` stage faults, one every `spacing` s and every 4th 0.3 s after the one before, on a
     3-stage mesh serving 12 requests long enough to outlast the storm."""
@@ -362,6 +425,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--spacing", type=float, default=4.0, help="the storm's seconds between faults")
+    ap.add_argument("--history", type=int, default=200, help="replay: tokens each request has when the stage dies")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep each mesh's work dir (its logs) here instead of a temporary one")
     args = ap.parse_args()
@@ -381,6 +445,8 @@ def main() -> None:
                 rows.append(run_takeover(model_dir, work))
             elif name == "storm":
                 rows.append(run_storm(model_dir, work, spacing=args.spacing))
+            elif name == "replay":
+                rows.append(run_replay(model_dir, work, history=args.history))
             else:
                 raise SystemExit(f"--faults: no fault {name!r}")
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -393,6 +459,10 @@ def main() -> None:
             res = "-" if r["resumed_s"] is None else f"{r['resumed_s']:.1f} s"
             if r.get("resumed_max_s") is not None:
                 res = f"longest pause of a request: median {r['resumed_s']:.1f} s, max {r['resumed_max_s']:.1f} s"
+            if "back_s" in r:
+                res += ("; after the node is back: -" if r["back_s"] is None else
+                        f"; after the node is back: {r['back_s']:.1f} s") + \
+                    ("" if r["pause_max_s"] is None else f"; longest pause of a request {r['pause_max_s']:.1f} s")
             if r.get("fault_resume_max_s") is not None:
                 res += (f"; per fault, until every running request had a token: median "
                         f"{r['fault_resume_median_s']:.1f} s, max {r['fault_resume_max_s']:.1f} s")
