@@ -139,12 +139,16 @@ class StageRuntime:
                         old.shard_dir == model_dir and old.pool.block_size == pool.block_size and \
                         (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers):
                     # the layers both ranges hold stay in the prefix cache (issue 34)
-                    kv, kept = old.kv.carried(pool.num_blocks, (a.start, a.end), a.last, self._logged(a, pool),
-                                              frozenset(pool.logs))
-                    kv.partial = shard.can_tap
-                    await self.runner.call(pool.take_over, old.pool, kept)
-                    log.info("kept the KV of %d cached blocks over layers [%d, %d) for replays", len(kept),
-                             max(a.start, old.assignment.start), min(a.end, old.assignment.end))
+                    try:
+                        kv, kept = old.kv.carried(pool.num_blocks, (a.start, a.end), a.last, self._logged(a, pool),
+                                                  frozenset(pool.logs))
+                        kv.partial = shard.can_tap
+                        await self.runner.call(pool.take_over, old.pool, kept)
+                        log.info("kept the KV of %d cached blocks over layers [%d, %d) for replays", len(kept),
+                                 max(a.start, old.assignment.start), min(a.end, old.assignment.end))
+                    except Exception:  # noqa: BLE001 — a cache not kept only costs replays their speed
+                        log.exception("could not keep the KV of the previous range; starting with an empty pool")
+                        kv = None
                 self.engine = self._new_engine(a, shard, pool, kv, model_dir, stream_key)
             if old is not None:
                 await old.close_links()
