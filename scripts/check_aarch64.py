@@ -221,7 +221,8 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=1))
     else:
         t = out["target"]
-        print(f"aarch64 check: CPython {t['python']}, glibc {t['glibc']} ({t['platforms'][-1]}), torch {t['torch'] or '-'}")
+        print(f"aarch64 check: CPython {t['python']}, glibc {t['glibc']} ({t['platforms'][-1]}), "
+              f"torch {t['torch'] or '-'}")
         for p in out["packages"]:
             print(f"  {p['name']:<24} {p['version']:<18} {p['kind']:<8} {p['wheel']}"
                   + (f"  ({p['note']})" if p.get("note") else ""))
@@ -230,6 +231,8 @@ def main(argv=None) -> int:
         elif out["missing"]:
             print(f"FAIL: no aarch64 or pure-Python wheel for {', '.join(out['missing'])} "
                   f"(CPython {t['python']}, glibc {t['glibc']})")
+            print("\n".join(f"  pip: {line.removeprefix('ERROR: ')}" for line in out["error"].splitlines()
+                             if "Could not find a version" in line))
         elif out["error"]:
             print("FAIL: pip could not resolve:\n" + out["error"])
         else:

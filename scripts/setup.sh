@@ -20,8 +20,8 @@ arch=$(uname -m)
 
 system_torch=""  # "VERSION CUDA" of the system's CUDA torch, where it is used
 if [ "$SYSTEM_TORCH" = auto ] && [ "$arch" = aarch64 ]; then
-    system_torch=$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda) if torch.version.cuda else None' \
-                   2>/dev/null || true)
+    system_torch=$("$PYTHON" -c 'import torch
+if torch.version.cuda: print(torch.__version__, torch.version.cuda)' 2>/dev/null || true)
 fi
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)${system_torch:+ system torch $system_torch}"
 
@@ -39,7 +39,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     held=""
     if [ -n "$system_torch" ]; then
         # pip is held to it: a requirement it misses (pyproject's floor) fails here, not by a download
-        echo "setup: using the system's torch ${system_torch% *} (CUDA ${system_torch#* }: JetPack's); installing none" >&2
+        echo "setup: using the system's torch ${system_torch% *} (CUDA ${system_torch#* }: JetPack's);" \
+             "installing none" >&2
         floor=$(grep -oE '"torch[<>=!~ ][^"]*"' pyproject.toml | tr -d '"')
         if ! "$VENV/bin/python" -c 'import sys; from pip._vendor.packaging.requirements import Requirement
 sys.exit(not Requirement(sys.argv[1]).specifier.contains(sys.argv[2], prereleases=True))' "$floor" "${system_torch% *}"
@@ -52,9 +53,9 @@ sys.exit(not Requirement(sys.argv[1]).specifier.contains(sys.argv[2], prerelease
         echo "torch==${system_torch% *}" > "$held"
     elif ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
         if [ "$arch" = aarch64 ] && [ -z "$TORCH_INDEX_URL" ]; then
-            echo "setup: aarch64: $TORCH_SPEC from the index is its CUDA build for server Arm GPUs (some 3 GB with" \
-                 "its nvidia-* wheels; it runs on the CPU too); TORCH_INDEX_URL=PyTorch's CPU wheel index" \
-                 "takes the CPU-only build" >&2
+            echo "setup: aarch64: $TORCH_SPEC from the index is its CUDA build for server Arm GPUs" \
+                 "(2.7 GB of wheels with its nvidia-* ones; it runs on the CPU too);" \
+                 "TORCH_INDEX_URL=PyTorch's CPU wheel index takes the CPU-only build" >&2
         fi
         "$VENV/bin/python" -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
     fi

@@ -4,7 +4,8 @@ x86-64 wheels only and reads environment markers as the target would (wheels mad
 no index).
 
 The first test asks the package index (pip reads some 60 index pages and each chosen wheel's METADATA
-by range requests: about 20 s); it skips, saying so, only when the index cannot be reached.
+by range requests: about 20 s); it skips, saying so, only when the index cannot be reached. A new
+release of a dependency with no aarch64 wheel (an sdist only) fails it: that is what it is for.
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_nf4_is_refused_at_start_up_where_bitsandbytes_cannot_run_it_naming_the_
     """On a GPU bitsandbytes has no kernels for, or whose CUDA library did not load, check_format (the
     stage's start-up check) refuses nf4 / fp4 in one line naming the device's compute capability."""
     fake_orin(monkeypatch)
-    no_kernel = "Error named symbol not found at line 233 in file /src/csrc/ops.cu"  # reported for the aarch64 wheel on an Orin
+    no_kernel = "Error named symbol not found at line 233 in file /src/csrc/ops.cu"  # the aarch64 wheel's, on an Orin
     for fmt in ("nf4", "fp4"):
         with pytest.raises(QuantError) as refused:
             check_format(fmt, "cuda", trial=lambda fmt, device: no_kernel)
