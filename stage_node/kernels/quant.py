@@ -23,7 +23,8 @@ Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`
   and without a C compiler it is torch's. The profile (stage_node.profile) measures the chosen one.
   Activations in int16 blocks round each value by at most half a step (block max / 65534), torch's
   bf16 by 2^-9 of it (tests/unit/test_cpu_kernels.py bounds both).
-- **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA.
+- **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA;
+  a stage tries a small product at start-up and refuses the format, saying why, where it fails.
 - int4 and int8 on CUDA are refused with a message saying what to use instead (not built yet).
 
 Scales and zero points are rounded to bf16 (the kernels take them so) before the weights are
@@ -38,6 +39,7 @@ deterministic for a given batch but may differ between a request alone and one a
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -58,8 +60,13 @@ class QuantError(ValueError):
     """A format this node cannot run, or its library missing."""
 
 
-def check_format(fmt: str, device: str) -> None:
-    """Raise QuantError unless `fmt` can run on `device` here."""
+def check_format(fmt: str, device: str, *, trial=None) -> None:
+    """Raise QuantError unless `fmt` can run on `device` here. nf4 / fp4 need bitsandbytes importable,
+    on a CUDA device its CUDA library loaded, and a small product of the format right on the device
+    (`trial`, default `trial_4bit` once per process, format and device). Whether bitsandbytes runs on
+    a GPU is known only by trying: its aarch64 wheels hold kernels for sm_75, sm_80 and sm_90 only,
+    built against server Arm's CUDA, and a Jetson Orin is sm_87 on JetPack's CUDA. A stage refuses at
+    start-up, naming the GPU's compute capability, rather than failing at its first step."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
     if fmt in ("int4", "int8") and torch.device(device).type != "cpu":
@@ -67,10 +74,63 @@ def check_format(fmt: str, device: str) -> None:
                          "on CUDA use --quantize nf4")
     if fmt in ("nf4", "fp4"):
         try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as exc:
+            import bitsandbytes
+        except Exception as exc:  # not installed, or a build that fails as it loads
             raise QuantError(f"--quantize {fmt} needs bitsandbytes: pip install 'logicpipe[quant]' "
-                             f"(or bitsandbytes>=0.45) ({exc})") from exc
+                             f"(or bitsandbytes>=0.45) ({first_line(exc)})") from exc
+        reason = bnb_library_error(bitsandbytes, device) or (trial or _trial_once)(fmt, device)
+        if reason:
+            raise QuantError(f"bitsandbytes {getattr(bitsandbytes, '__version__', '?')} cannot run {fmt} on "
+                             f"{device_words(device)}: {reason}")
+
+
+def first_line(exc: BaseException | str, limit: int = 200) -> str:
+    """An error's first non-empty line, cut at `limit` characters (bitsandbytes' run to a page)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def device_words(device: str) -> str:
+    """'this cpu', or a GPU's name and compute capability: 'Orin (compute capability 8.7, sm_87)'."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return f"this {d.type}"
+    major, minor = torch.cuda.get_device_capability(d)
+    return f"{torch.cuda.get_device_name(d)} (compute capability {major}.{minor}, sm_{major}{minor})"
+
+
+def bnb_library_error(bnb, device: str) -> str:
+    """Why bitsandbytes' CUDA library did not load, for a CUDA device ('' when it did, or on the CPU):
+    where it fails, bitsandbytes keeps a stand-in that raises a page of advice at the first call."""
+    if torch.device(device).type != "cuda":
+        return ""
+    lib = getattr(getattr(bnb, "cextension", None), "lib", None)
+    if type(lib).__name__ == "ErrorHandlerMockBNBNativeLibrary":
+        return f"its CUDA library did not load ({first_line(getattr(lib, 'error_msg', '') or 'no reason given')})"
+    return ""
+
+
+def trial_4bit(fmt: str, device: str) -> str:
+    """'' when a 128 x 64 matrix in `fmt` multiplies 1 row and 3 rows (bitsandbytes' two paths) right
+    on `device`, else why not: the error's first line, or how far the product is off (a kernel that
+    never ran leaves zeros or garbage; 4-bit rounding is about 0.1 of the norm)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(128, 64, generator=g), torch.randn(3, 64, generator=g)
+    dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+    try:
+        m = Bnb4bit(w.to(device, dtype), fmt)
+        for rows in (1, 3):
+            ref = x[:rows] @ w.T
+            off = float((m(x[:rows].to(device, dtype)).float().cpu() - ref).norm() / ref.norm())
+            if not off < 0.5:  # nan too
+                return f"a {rows}-row product of a {fmt} matrix is off by {off:.2g} of its norm"
+    except Exception as exc:  # a CUDA error ("no kernel image is available ..."), or bitsandbytes' own
+        return first_line(exc)
+    return ""
+
+
+_trial_once = functools.cache(trial_4bit)
 
 
 class QuantMatrix:

@@ -92,6 +92,55 @@ def test_formats_a_node_cannot_run_say_what_to_do(monkeypatch):
     check_format("none", "cpu")
 
 
+def fake_orin(monkeypatch):
+    """torch.cuda as a Jetson Orin would answer it (compute capability 8.7)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 7))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Orin")
+
+
+def test_nf4_is_refused_at_start_up_where_bitsandbytes_cannot_run_it_naming_the_gpu(monkeypatch):
+    """On a GPU bitsandbytes has no kernels for, or whose CUDA library did not load, check_format (the
+    stage's start-up check) refuses nf4 / fp4 in one line naming the device's compute capability."""
+    fake_orin(monkeypatch)
+    no_kernel = "Error named symbol not found at line 233 in file /src/csrc/ops.cu"  # the aarch64 wheel's, on an Orin
+    for fmt in ("nf4", "fp4"):
+        with pytest.raises(QuantError) as refused:
+            check_format(fmt, "cuda", trial=lambda fmt, device: no_kernel)
+        text = str(refused.value)
+        assert "\n" not in text and f"cannot run {fmt} on Orin (compute capability 8.7, sm_87): {no_kernel}" in text
+    import bitsandbytes.cextension as ext
+
+    monkeypatch.setattr(ext, "lib", ext.ErrorHandlerMockBNBNativeLibrary(
+        "libcudart.so.12: cannot open shared object file: No such file or directory"))
+    with pytest.raises(QuantError, match=r"sm_87\): its CUDA library did not load \(libcudart.so.12: cannot open"):
+        check_format("nf4", "cuda", trial=lambda fmt, device: pytest.fail("tried a product without a library"))
+
+
+def test_the_4bit_trial_says_why_a_product_fails_or_comes_out_wrong(monkeypatch):
+    from logicpipe.stage_node.kernels import quant
+
+    assert quant.trial_4bit("nf4", "cpu") == "" and quant.trial_4bit("fp4", "cpu") == ""
+    check_format("nf4", "cpu", trial=quant.trial_4bit)
+
+    class NoKernel:
+        def __init__(self, w, fmt):
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device\n"
+                               "CUDA kernel errors might be asynchronously reported at some other API call")
+
+    class Zeros:  # a kernel that never ran: its output buffer as allocated
+        def __init__(self, w, fmt):
+            self.out = w.shape[0]
+
+        def __call__(self, x):
+            return torch.zeros(x.shape[0], self.out)
+    monkeypatch.setattr(quant, "Bnb4bit", NoKernel)
+    assert quant.trial_4bit("nf4", "cpu") == "CUDA error: no kernel image is available for execution on the device"
+    monkeypatch.setattr(quant, "Bnb4bit", Zeros)
+    assert quant.trial_4bit("fp4", "cpu") == "a 1-row product of a fp4 matrix is off by 1 of its norm"
+    with pytest.raises(QuantError, match="cannot run fp4 on this cpu: a 1-row product"):
+        check_format("fp4", "cpu", trial=quant.trial_4bit)
+
+
 @pytest.fixture(scope="module")
 def middle(model_dir):
     """Layers 5-24 of the default model (no embeddings, no head), in float32 and quantized."""
