@@ -201,8 +201,9 @@ def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str,
         out = shard.forward(x, kv)
     end = pool.logs.get(pool.span[1])
     if end is not None:
-        if slots is None:
-            slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long, device=shard.device)
+        if slots is None:  # a CUDA graph's step: its slots go up without waiting for the device
+            slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long)
+            slots = slots.pin_memory().to(shard.device, non_blocking=True) if shard.device.type == "cuda" else slots
         end.index_copy_(0, slots, out.to(end.dtype))
     res, row = {}, 0
     for p in seqs:

@@ -209,13 +209,13 @@ class Leader:
 
     def measure(self, reps: int = MEASURE_REPS) -> tuple[float, float]:
         """Runner thread: the all-reduce over the ranks, timed (seconds of one small one: its
-        latency; bytes/s of a large one past that), for the planner's cost of a step (issue 36)."""
+        latency; bytes/s of a large one, its latency included: a launch-bound small one can take
+        as long as the large one on NVLink), for the planner's cost of a step (issue 36)."""
         times = []
         for n in MEASURE_SIZES:
             self.channel.header(MEASURE, n, reps)
             times.append(_all_reduces(self.tp, self.device, n, reps))
-        latency = times[0]
-        return latency, MEASURE_SIZES[1] * 4 / max(times[1] - latency, 1e-9)
+        return times[0], MEASURE_SIZES[1] * 4 / max(times[1], 1e-9)
 
 
 def _all_reduces(tp: TensorParallel, device: torch.device, n: int, reps: int) -> float:
