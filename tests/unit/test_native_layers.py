@@ -29,6 +29,14 @@ PLAIN = ["llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"]
 PROMPT = [5, 17, 2000, 9, 31, 77, 4, 1200, 8, 600, 45, 3, 900, 12]  # longer than the window (8)
 
 
+@pytest.fixture(autouse=True)
+def native_kernels(monkeypatch):
+    """The native kernels, whatever the start-up timing would choose on a busy machine (it picked
+    torch's int4 kernel once, beside other work, and these shards then kept the torch forward)."""
+    monkeypatch.setattr(quant, "_chosen", {})
+    monkeypatch.setenv("LOGICPIPE_CPU_KERNEL", "native")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     made = {}
