@@ -135,7 +135,7 @@ class StageRuntime:
                 if old is not None:
                     old.retired = True
                     old.end_sessions("the stage was re-assigned")
-                if kv is None and old is not None and old.kv.span is not None and self._keeps_rows(a) and \
+                if kv is None and old is not None and old.kv.span is not None and self._keeps_rows() and \
                         old.shard_dir == model_dir and old.pool.block_size == pool.block_size and \
                         (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers):
                     # the layers both ranges hold stay in the prefix cache (issue 34)
@@ -167,7 +167,7 @@ class StageRuntime:
 
     MAX_LOGS = 3  # boundaries whose rows a pool keeps at most (its end, and inner ones a re-plan grew over)
 
-    def _keeps_rows(self, a: Assignment) -> bool:
+    def _keeps_rows(self) -> bool:
         return self.options.replay_rows and self.options.tp is None
 
     def _logs_for(self, a: Assignment, old: Engine | None) -> frozenset[int]:
@@ -175,7 +175,7 @@ class StageRuntime:
         inside its range that the pool it replaces kept (a range grown over a lost neighbour's
         layers keeps the rows of its former end: when the neighbour is back, the replay resumes
         there instead of computing the grown range again); the highest MAX_LOGS."""
-        if not self._keeps_rows(a):
+        if not self._keeps_rows():
             return frozenset()
         want = set() if a.last else {a.end}
         if old is not None and old.kv.span is not None:
@@ -192,7 +192,7 @@ class StageRuntime:
         the prefix cache."""
         if kv is None:
             kv = KVManager(pool.num_blocks, pool.block_size)
-            if self._keeps_rows(a):  # its blocks record the layers and rows they hold (issue 34)
+            if self._keeps_rows():  # its blocks record the layers and rows they hold (issue 34)
                 kv.span, kv.last, kv.logged = (a.start, a.end), a.last, self._logged(a, pool)
                 kv.partial = shard.can_tap
         return Engine(a, shard, pool, kv, node_id=self.node_id,

@@ -126,7 +126,7 @@ class KVManager:
         if self.tables:
             raise ValueError(f"{len(self.tables)} sequences are still open")
         new = KVManager(num_blocks, self.block_size)
-        new.span, new.last, new.logged, new.partial = span, last, logged, self.partial
+        new.span, new.last, new.logged = span, last, logged
         kept = []
         for b in self.cached:
             blk = self.blocks[b]
@@ -300,7 +300,8 @@ class KVManager:
             raise BadWrite(f"cannot write {n} positions at {start} of a sequence of {t.length}")
         if t.resume and (start >= t.resume or (tokens is not None and
                                                tuple(tokens[: t.resume - start]) != t.resume_tokens[start: start + n])):
-            self._end_resume(t)
+            self.truncate(seq, t.length)  # the attached blocks past the written length go (no longer rewritten)
+            t.resume, t.resume_tokens = 0, ()
         if t.resume:
             return self._prepare_resume(t, start, n)
         bs = self.block_size
@@ -364,14 +365,6 @@ class KVManager:
         resumed = any(x != s for x in starts) or any(x != s for x in pres)
         return WritePlan((), slots, tuple(starts) if resumed else (), tuple(upgraded),
                          tuple(pres) if down is not None else ())
-
-    def _end_resume(self, t: BlockTable) -> None:
-        """Attached blocks past the written length are let go (as a truncation would)."""
-        keep = self.blocks_for(t.length)
-        self._release(t.blocks[keep:])
-        del t.blocks[keep:]
-        del t.hashes[t.length // self.block_size:]
-        t.resume, t.resume_tokens = 0, ()
 
     def upgrade(self, written: tuple[tuple[int, int, int], ...]) -> None:
         """Blocks a replay wrote whole (WritePlan.upgraded: each computed the stage's layers up to

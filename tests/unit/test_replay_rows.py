@@ -125,19 +125,18 @@ def test_blocks_past_the_pool_are_not_kept():
     assert all(b < 1 for b in kept)
 
 
+def _pool(span, logs, fill) -> KVPool:
+    pool = KVPool(4, 2, 8, 4, BS)
+    pool.span = span
+    pool.add_logs(logs, 32)
+    for t in (pool.kv, *pool.logs.values()):
+        fill(t)
+    return pool
+
+
 def test_the_pool_copies_the_shared_layers_and_rows():
-    old = KVPool(4, 2, 8, 4, BS)
-    old.span = (10, 14)
-    old.add_logs([12, 14], 32)
-    old.kv.normal_()
-    for rows in old.logs.values():
-        rows.normal_()
-    new = KVPool(4, 2, 8, 4, BS)
-    new.span = (12, 16)
-    new.add_logs([14, 16], 32)
-    new.kv.zero_()
-    for rows in new.logs.values():
-        rows.zero_()
+    old = _pool((10, 14), [12, 14], torch.Tensor.normal_)
+    new = _pool((12, 16), [14, 16], torch.Tensor.zero_)
     new.take_over(old, [1, 3])
     for b in (1, 3):
         sl = slice(b * BS, (b + 1) * BS)
