@@ -41,9 +41,23 @@ def _controllers(args) -> list[str]:
     return list(args.controller) or [DEFAULT_CONTROLLER]  # HOST:PORT each (address_list_flag)
 
 
+_CHANNELS: list[grpc.Channel] = []  # every channel lpctl opened: closed before it exits (close_channels)
+
+
 def _stub_at(args, address: str):
     transport = Transport(Bundle.load(args.tls_dir)) if args.tls_dir else PLAINTEXT
-    return controller_pb2_grpc.ControllerStub(transport.sync_channel(address, "controller"))
+    channel = transport.sync_channel(address, "controller")
+    _CHANNELS.append(channel)
+    return controller_pb2_grpc.ControllerStub(channel)
+
+
+def close_channels(since: int = 0) -> None:
+    """Close the channels opened since the `since`-th (default: all). A channel left to the
+    interpreter's shutdown (one whose stream broke, say, before a resume) can hang the exit in
+    gRPC's finaliser: lpctl printed its answer and never returned. Closing cancels whatever call
+    is still open on it."""
+    while len(_CHANNELS) > since:
+        _CHANNELS.pop().close()
 
 
 def _stub(args):
@@ -141,11 +155,12 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
         req.sampling.seed = random.getrandbits(63)
     held: dict[int, int] = {}  # tokens received of each point (an outline's; a plain request's are all point 0)
     broke, resume, answered = 0.0, False, False
-    call = None
+    call, opened = None, len(_CHANNELS)
     try:
         while True:
             skip: dict[int, int] = {}
             try:
+                close_channels(opened)  # the broken stream's channel, if any (its calls are over)
                 stub = _stub(args)
                 if resume:
                     have = controller_pb2.ResumeRequest(request_id=req.request_id, have_tokens=sum(held.values()))
@@ -203,6 +218,8 @@ def stream_resuming(args, req: controller_pb2.SubmitRequest):
         if call is not None:
             call.cancel()
         raise
+    finally:
+        close_channels(opened)
 
 
 def _chain(first, rest):
@@ -710,7 +727,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        sys.exit(args.fn(args))
+        code = args.fn(args)
+        sys.stdout.flush()
+        close_channels()
+        sys.exit(code)
     except grpc.RpcError as exc:  # one line, the fix named where it is known (call_error)
         print(f"lpctl: {call_error(args, exc)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -719,6 +739,8 @@ def main(argv=None) -> None:
         sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        close_channels()
 
 
 if __name__ == "__main__":
