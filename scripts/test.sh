@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/browser.sh  # Debian's chromium + chromedriver for the dashboard's browser test (apt once, as root)
 exec .venv/bin/python -m pytest -q "$@"
