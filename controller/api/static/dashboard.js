@@ -50,6 +50,7 @@ function speed(n) {
   return n.flops ? `${(n.flops / 1e9).toFixed(0)} GFLOP/s · ${(n.mem_bandwidth / 1e9).toFixed(1)} GB/s` : "-";
 }
 
+function count(n, thing) { return `${n} ${thing}${n === 1 ? "" : thing.endsWith("h") ? "es" : "s"}`; }
 function rate(x) { return x ? x.toFixed(x < 10 ? 1 : 0) : "0"; }
 function layers(start, end) { return end - start === 1 ? `layer ${start}` : `layers ${start}–${end - 1}`; }
 function headers() { return apiKey ? { Authorization: `Bearer ${apiKey}` } : {}; }
@@ -140,7 +141,7 @@ function draw(s) {
   state.textContent = s.state;
   state.className = `badge ${s.state}`;
   state.title = s.reason || "";
-  $("#generation").textContent = s.generation ? `plan generation ${s.generation} · ${s.replans} plans so far` : "";
+  $("#generation").textContent = s.generation ? `plan generation ${s.generation} · ${count(s.replans, "plan")} so far` : "";
   drawSummary(s);
   drawPlan(s);
   drawNodes(s);
@@ -194,7 +195,7 @@ function drawPlan(s) {
       h("strong", {}, `pipeline ${p.index}`),
       h("span", { class: p.serving ? "good" : "bad" }, p.serving ? "serving" : "not serving"),
       h("span", { class: "muted" },
-        `${p.stages.length} stages · ${p.running} running · ${p.micro_batches} micro-batches` +
+        `${count(p.stages.length, "stage")} · ${p.running} running · ${count(p.micro_batches, "micro-batch")}` +
         (p.predicted_tokens_per_s ? ` · ${rate(p.predicted_tokens_per_s)} tokens/s predicted` : ""))),
     h("div", { class: "stage-row legend" }, h("span", {}, "node"), h("span", {}, `layers 0–${s.layers - 1}`),
       h("span", {}, "layers"), h("span", {}, "tokens/s"), h("span", {}, "busy"), h("span", {}, "KV blocks")),
@@ -250,7 +251,7 @@ function drawRequests(s) {
 function drawHistory(s) {
   $("#history").replaceChildren(...s.history.map((e) => h("li", { "data-generation": e.generation },
     h("div", { class: "when" }, new Date(e.at * 1000).toLocaleTimeString(), h("span", { class: "muted" },
-      ` · serving ${e.took_s.toFixed(1)} s after · ${e.replayed} request${e.replayed === 1 ? "" : "s"} moved`)),
+      ` · serving ${e.took_s.toFixed(1)} s after · ${count(e.replayed, "request")} moved`)),
     h("div", { class: "why" }, e.why),
     ...e.pipelines.map((p) => h("div", { class: "mini" }, track(s.layers, p, false),
       h("span", { class: "muted" }, p.map((x) => x.node).join(" → ")))))));
