@@ -37,6 +37,10 @@ STATIC = Path(__file__).parent / "static"
 FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}  # what /ui/ serves
 INTERVAL_S = 1.0  # between two events of /dashboard/events
 RECENT = 12       # finished requests a snapshot lists
+ACTIVE = 64       # requests not ended a snapshot lists at most (the oldest; `requests` counts them all)
+# the page may load only its own files and talk only to this server (nothing from a CDN, no framing)
+PAGE_HEADERS = {"Cache-Control": "no-cache", "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",
+                "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
 
 
 class Dashboard:
@@ -57,13 +61,13 @@ class Dashboard:
 
     # ---- routes ----------------------------------------------------------------------------------
     async def page(self, request):
-        return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+        return web.FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
 
     async def asset(self, request):
         name = request.match_info["file"]
         if name not in FILES:
             raise web.HTTPNotFound()
-        return web.FileResponse(STATIC / name, headers={"Content-Type": FILES[name], "Cache-Control": "no-cache"})
+        return web.FileResponse(STATIC / name, headers={**PAGE_HEADERS, "Content-Type": FILES[name]})
 
     async def one(self, request):
         return web.json_response(self.snapshot())
@@ -99,13 +103,14 @@ class Dashboard:
             "time": time.time(), "model": app.model_dir.name, "layers": app.num_layers,
             "state": snap.phase.value, "reason": snap.reason, "generation": snap.plan_generation,
             "replans": snap.replans, "role": snap.role,
-            "requests": {"running": snap.running, "queued": snap.queued, "completed": st.completed,
-                         "failed": st.failed, "cancelled": st.cancelled, "prompt_tokens": st.prompt_tokens,
+            "requests": {"running": snap.running, "queued": snap.queued, "open": len(app.scheduler.requests),
+                         "completed": st.completed, "failed": st.failed, "cancelled": st.cancelled,
+                         "prompt_tokens": st.prompt_tokens,
                          "generated_tokens": st.generated_tokens, "replays": st.replays,
                          "preemptions": st.preemptions, "tokens_per_s": round(rate, 2)},
             "nodes": self._nodes(),
             "pipelines": self._pipelines(snap),
-            "active": [self._active(r, now) for r in list(app.scheduler.requests.values()) if not r.ended],
+            "active": [self._active(r, now) for r in list(app.scheduler.requests.values())[:ACTIVE] if not r.ended],
             "recent": list(reversed(self.recent)),
             "history": [{**asdict(h), "pipelines": [[{"node": n, "start": s, "end": e} for n, s, e in p]
                                                     for p in h.pipelines]}

@@ -67,9 +67,11 @@ def arun(runner, coro):
     return runner.run(asyncio.wait_for(coro, CALL_TIMEOUT_S))
 
 
-async def get(api: Served, path: str, headers=None) -> tuple[int, str, str]:
+async def get(api: Served, path: str, headers=None, *, policy: bool = False):
+    """(status, content type, text), and with `policy` the Content-Security-Policy header."""
     async with api.session.get(api.base + path, headers=headers or {}) as r:
-        return r.status, r.content_type, await r.text()
+        got = r.status, r.content_type, await r.text()
+        return (*got, r.headers.get("Content-Security-Policy", "")) if policy else got
 
 
 async def first_events(api: Served, n: int) -> list[dict]:
@@ -87,8 +89,9 @@ async def first_events(api: Served, n: int) -> list[dict]:
 
 def test_the_page_needs_no_key_the_snapshots_do(runner, api):
     async def go():
-        status, kind, text = await get(api, "/")
+        status, kind, text, policy = await get(api, "/", policy=True)
         assert status == 200 and kind == "text/html" and "/ui/dashboard.js" in text
+        assert "default-src 'self'" in policy  # its own files only: nothing from elsewhere
         for name, want in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css")):
             status, kind, _ = await get(api, f"/ui/{name}")
             assert (status, kind) == (200, want), name
@@ -129,7 +132,7 @@ def test_a_snapshot_has_the_plan_the_nodes_and_the_history(runner, api):
         [entry] = snap["history"]
         assert entry["generation"] == snap["generation"] and entry["why"]
         assert entry["pipelines"] == [[{"node": s["node_id"], "start": s["start"], "end": s["end"]} for s in stages]]
-        assert snap["requests"]["completed"] >= 1 and snap["requests"]["queued"] == 0
+        assert snap["requests"]["completed"] >= 1 and snap["requests"]["queued"] == snap["requests"]["open"] == 0
         done = next(r for r in snap["recent"] if r["id"] == rid)
         assert done["outcome"] == "completed" and done["tokens"] == 4 and done["api"] == "grpc"
     arun(runner, go())

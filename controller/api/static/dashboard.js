@@ -244,6 +244,9 @@ function drawRequests(s) {
       h("td", { class: "num" }, r.tokens), h("td", { class: "num" }, rate(r.tokens_per_s)),
       h("td", { class: "num" }, `${r.total_s.toFixed(1)} s`))),
   ];
+  const listed = s.active.length;
+  const more = s.requests.open - listed;
+  if (more > 0) rows.splice(listed, 0, h("tr", {}, h("td", { colSpan: 7, class: "muted" }, `and ${more} more`)));
   const none = h("tr", {}, h("td", { colSpan: 7, class: "muted" }, "no requests yet"));
   $("#requests tbody").replaceChildren(...(rows.length ? rows : [none]));
 }
