@@ -96,7 +96,8 @@ async function connect() {
     const r = await fetch("/dashboard/events", { headers: headers(), signal: ctl.signal, cache: "no-store" });
     if (r.status === 401) {
       live("needs an API key", "bad");
-      askKey(apiKey ? "The key was refused: give a valid one." : "This controller needs an API key.");
+      $("#state").textContent = "no key";
+      askKey(apiKey ? "The key was refused: give a valid one." : "");
       return;  // until a key is given
     }
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
