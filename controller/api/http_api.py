@@ -14,12 +14,15 @@ template, stop strings and outline requests.
     GET  /v1/requests/{id}/stream   a stream again, after the tokens the client holds (Last-Event-ID)
     GET  /health                200 while a plan serves and the journal can be written, 503 otherwise (no key)
     GET  /metrics               Prometheus (controller.metrics; no key needed)
+    GET  /                      the dashboard's page, and GET /ui/{file} its script and style (no key)
+    GET  /dashboard/events      the dashboard's snapshots as server-sent events, one a second; GET
+                                /dashboard/snapshot one (controller.dashboard; the key as /v1/*)
     POST /v1/messages, /v1/responses, /api/chat, /api/generate, /api/show; GET /api/tags, /api/version
                                 Anthropic Messages, OpenAI Responses, Ollama: adapters over the chat path
                                 (controller.http_adapters; errors in each API's own shape)
 
-Keys. With `--http-token-file` (controller.http_auth) every /v1/* and /api/* call needs
-`Authorization: Bearer TOKEN` (or Anthropic's `X-Api-Key: TOKEN`) of one of the file's keys (else
+Keys. With `--http-token-file` (controller.http_auth) every /v1/*, /api/* and /dashboard/* call
+needs `Authorization: Bearer TOKEN` (or Anthropic's `X-Api-Key: TOKEN`) of one of the file's keys (else
 401), and the client the front door counts is the key (`key NAME`); without one, the caller's
 host. Off loopback a token file is required unless `--insecure`.
 
@@ -59,6 +62,7 @@ from aiohttp.http import HttpVersion11
 
 from logicpipe.common.transport import is_loopback
 from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.api.dashboard import Dashboard
 from logicpipe.controller.api.http_adapters import ADAPTED, Adapters, error_body
 from logicpipe.controller.api.http_auth import ApiKeys
 from logicpipe.controller.api.http_body import (
@@ -91,8 +95,9 @@ MAX_BODY_BYTES = 8 * 2**20  # a request body, bytes: room for the front door's p
 LINGER_S = 2.0              # a refused body still arriving is read and dropped this long, then the connection closes
 MAX_EVENT_ID_DIGITS = 12    # Last-Event-ID: a token count
 PARSE_INLINE_BYTES = 2**20  # a larger body is parsed and checked off the event loop (4M token ids: ~0.2 s)
-KEYED = ("/v1/", "/api/")   # the paths that need a key (when there are keys)
+KEYED = ("/v1/", "/api/", "/dashboard/")  # the paths that need a key (when there are keys)
 ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{id}"),
+          ("GET", "/"), ("GET", "/ui/{file}"), ("GET", "/dashboard/snapshot"), ("GET", "/dashboard/events"),
           ("POST", "/v1/chat/completions"),
           ("POST", "/v1/completions"), ("GET", "/v1/requests/{id}/stream"), *ADAPTED]
 
@@ -124,13 +129,16 @@ class HttpApi:
         self.metrics = Metrics(app)
         self.token_text = TokenText(door.tokenizer)  # tokens' text and bytes, for logprobs
         self.adapters = Adapters(self)  # Anthropic Messages, OpenAI Responses, Ollama
+        self.dashboard = Dashboard(app)  # the page at / and its snapshots
 
     def web_app(self) -> web.Application:
         w = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         handlers = {"/health": self.health, "/metrics": self.scrape, "/v1/models": self.models,
                     "/v1/models/{id}": self.model,
                     "/v1/chat/completions": self.chat, "/v1/completions": self.completions,
-                    "/v1/requests/{id}/stream": self.resume, **self.adapters.handlers()}
+                    "/v1/requests/{id}/stream": self.resume, **self.adapters.handlers(),
+                    **self.dashboard.routes()}
+        w.on_shutdown.append(self.dashboard.on_shutdown)  # its event streams end, or the stop would wait for them
         w.add_routes([(web.post if method == "POST" else web.get)(path, handlers[path], expect_handler=self._expect)
                       for method, path in ROUTES])
         # last, every other path: answered here (an OpenAI body, the key checked first) rather than by aiohttp

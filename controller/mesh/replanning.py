@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -38,6 +40,19 @@ MAX_HOLD_S = 60.0       # ... and waits for the requests still replaying on the 
                         # after its install
 RETRY_S = 1.0           # a re-plan that failed is tried again after this
 CLOSE_WAIT_S = 2.0      # a re-plan waits this long for the moved sessions to close on the old stages
+HISTORY = 32            # installed plans kept in `history` (the dashboard's re-plan list)
+
+
+@dataclass(frozen=True)
+class ReplanRecord:
+    """One installed plan, as the dashboard lists it."""
+
+    at: float           # when it began serving (time.time(), s)
+    generation: int     # its plan generation
+    why: str            # what asked for it
+    took_s: float       # from the first change to serving, s
+    replayed: int       # requests moved onto it
+    pipelines: tuple    # per pipeline, its stages: ((node id, first layer, end layer exclusive), ...)
 
 
 class Replanner:
@@ -53,6 +68,7 @@ class Replanner:
         self.profiles: list = []
         self.links: dict[str, dict[str, Link]] = {}  # links[a][b], measured once per pair of node ids
         self.last_replan, self.last_replan_s, self.replans = "", 0.0, 0
+        self.history: deque[ReplanRecord] = deque(maxlen=HISTORY)  # the plans installed, oldest first
         self.plan_changed = asyncio.Event()  # set (and replaced) each time a plan is installed or given up
         self._reasons: list[str] = []
         self._since = 0.0
@@ -387,6 +403,9 @@ class Replanner:
         self._installed_at = time.monotonic()
         self.replans += 1
         self.last_replan, self.last_replan_s = why, time.monotonic() - since
+        self.history.append(ReplanRecord(time.time(), self.app.pipelines.generation, why, self.last_replan_s,
+                                         len(sessions), tuple(tuple((h.node_id, h.start, h.end) for h in p.stages)
+                                                              for p in installed)))
         log.info("plan generation %d serves (%d pipelines: %s) %.1f s after: %s; %d requests replay",
                  self.app.pipelines.generation, len(installed), ", ".join(f"{len(p.stages)} stage{'s' if len(p.stages) != 1 else ''}" for p in installed),
                  self.last_replan_s, why, len(sessions))

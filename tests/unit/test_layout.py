@@ -137,6 +137,8 @@ def test_the_wheel_installs_logicpipe_only(tmp_path):
     for sub in ("common", "common/security", "planner", "stage_node", "controller", "v1"):
         assert f"logicpipe/{sub}/__init__.py" in names
     assert "logicpipe/stage_node/kernels/cpu_quant.c" in names  # the native CPU kernels' source, built at first use
+    for page in ("index.html", "dashboard.js", "dashboard.css"):  # the dashboard's files (controller.api.dashboard)
+        assert f"logicpipe/controller/api/static/{page}" in names, page
     scripts = dict(line.split(" = ") for line in entry_points.splitlines() if " = " in line)
     assert set(scripts) == {"logicpipe-controller", "logicpipe-stage", "lpctl"}
     for target in scripts.values():
