@@ -3,11 +3,12 @@
  1. exactness: a small random fp32 Llama and Qwen3-MoE through one `--tp 2` stage (GPUs 0 and 1,
     NCCL) give transformers' greedy tokens on CUDA;
  2. speed: the Llama-3-8B-shaped bf16 model (`--layers` of its 32 layers, full width), one stream and
-    `--concurrency` at once, as one stage on GPU 0 (CUDA graphs on, and off: the tensor-parallel
-    stage runs eager today) against one `--tp 2` stage over GPUs 0 and 1; each against its HBM limit
+    `--concurrency` at once, as one stage on GPU 0 (CUDA graphs on, and off) against one `--tp 2` stage
+    over GPUs 0 and 1 (graphs on, and off); each against its HBM limit
     (the weight bytes a token reads over the GPUs' bandwidth: twice one GPU's for TP 2).
 
-    python -m bench.gpu_tp --work /tmp/gpu --out $OUT --layers 16 --tokens 128 --rounds 3
+    python -m bench.gpu_tp --work /tmp/gpu --out $OUT --layers 32 --tokens 64 --rounds 2
+    python -m bench.gpu_tp --skip-exactness --shape 70b --layers 40 --variants tp4,pp4,tp2x2   # 4 GPUs
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
 
 from bench.engine_bench import submit
 from bench.gpu_engine import HBM_TBPS, LLAMA3_8B, SMALL, hbm_limit_tps, kv_mib, make_model, mesh_rates
@@ -48,32 +51,107 @@ def exactness(work: Path) -> dict:
     return out
 
 
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8)
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
+
+
+def _gpus(*ids: int) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+
+
+# name -> (GPUs it uses, stages, each stage's extra flags, each stage's environment)
+VARIANTS = {
+    "1gpu": (1, 1, {}, {}),
+    "1gpu-eager": (1, 1, {0: ("--cuda-graphs", "off")}, {}),
+    "tp2": (2, 1, {0: ("--tp", "2")}, {}),
+    "tp2-eager": (2, 1, {0: ("--tp", "2", "--cuda-graphs", "off")}, {}),
+    "tp4": (4, 1, {0: ("--tp", "4")}, {}),
+    "pp4": (4, 4, {}, {i: _gpus(i) for i in range(4)}),  # a 4-stage pipeline, stage i on GPU i
+    "tp2x2": (4, 2, {0: ("--tp", "2"), 1: ("--tp", "2")}, {0: _gpus(0, 1), 1: _gpus(2, 3)}),
+}
+
+
+def make_llama_fast(path: Path, shape: dict, device: str = "cuda") -> Path:
+    """A random bf16 Llama of `shape` written tensor by tensor (each drawn on the GPU, N(0, 0.02)), a
+    file of about 4 GB at a time: a 70B-wide model never exists whole in one GPU's memory or
+    through transformers' init (make_model's way). Kept when it is already there."""
+    if (path / "config.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    c = LlamaConfig(**shape)
+    h, inter, hd = c.hidden_size, c.intermediate_size, c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * hd
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def tensors():
+        yield "model.embed_tokens.weight", (c.vocab_size, h)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            yield from ((p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                        (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                        (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                        (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                        (p + "post_attention_layernorm.weight", (h,)))
+        yield "model.norm.weight", (h,)
+        yield "lm_head.weight", (c.vocab_size, h)
+
+    index, part, size, n = {}, {}, 0, 0
+
+    def flush():
+        nonlocal part, size, n
+        name = f"model-{n:05d}.safetensors"
+        save_file(part, str(path / name), metadata={"format": "pt"})
+        index.update({k: name for k in part})
+        part, size, n = {}, 0, n + 1
+
+    for name, dims in tensors():
+        t = (torch.ones(dims, dtype=torch.bfloat16) if len(dims) == 1 else
+             (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu())
+        part[name] = t
+        size += t.numel() * 2
+        if size > 4 << 30:
+            flush()
+    if part:
+        flush()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    c.torch_dtype = "bfloat16"
+    c.save_pretrained(path)
+    return path
+
+
 def speed(work: Path, args) -> dict:
-    shape = dict(LLAMA3_8B, num_hidden_layers=args.layers)
-    path = make_model(work / f"llama3-8b-shape-{args.layers}", shape, torch.bfloat16)
+    """Each of --variants on the --shape model: one stream and --concurrency at once, against the HBM
+    limit of the GPUs it uses (the weight bytes a token reads over their summed bandwidth)."""
+    shape = dict(SHAPES[args.shape], num_hidden_layers=args.layers)
+    path = make_llama_fast(work / f"llama3-{args.shape}-shape-{args.layers}", shape)
     name = torch.cuda.get_device_name()
     tbps = next((v for k, v in HBM_TBPS.items() if k in name), 3.35)
     limit = hbm_limit_tps(path, tbps)
     conc = [int(c) for c in args.concurrency.split(",")]
     kv = kv_mib(PROMPTS, args.tokens, shape)
-    out = {"gpu": name, "layers": args.layers, "hbm_limit_one_gpu_tps": limit}
-    variants = {"1 GPU, graphs on": (), "1 GPU, graphs off": ("--cuda-graphs", "off"), "tp 2": ("--tp", "2")}
-    for label, extra in variants.items():
+    out = {"gpu": name, "shape": args.shape, "layers": args.layers, "hbm_limit_one_gpu_tps": limit}
+    for label in args.variants.split(","):
+        width, stages, extra, env = VARIANTS[label]
+        if width > torch.cuda.device_count():
+            out[label] = f"needs {width} GPUs"
+            continue
         t0 = time.perf_counter()
-        with LocalMesh(1, path, work / f"mesh-{label.replace(' ', '-').replace(',', '')}", threads=4, device="cuda",
+        with LocalMesh(stages, path, work / f"mesh-{args.shape}-{label}", threads=4, device="cuda",
                        stage_args=("--max-kv-mib", str(kv), "--max-step-seqs", str(max(conc))),
-                       stage_extra={0: extra}, controller_args=("--dtype", "bfloat16")) as mesh:
+                       stage_extra=extra, stage_env=env,
+                       controller_args=("--dtype", "bfloat16", "--strategy", "uniform")) as mesh:
             up = time.perf_counter() - t0
             rates = mesh_rates(mesh.controller_address, PROMPTS, args.tokens, args.rounds, conc, mesh.stage_addresses)
-        width = 2 if "tp" in label else 1
-        out[label] = {"start_s": round(up, 1), "one_stream_tps": round(rates["one_stream_tps"], 1),
+        out[label] = {"gpus": width, "start_s": round(up, 1), "one_stream_tps": round(rates["one_stream_tps"], 1),
                       "of_hbm_limit": round(rates["one_stream_tps"] / (limit * width), 3),
                       "concurrent_tps": {c: r["concurrent_tps"] for c, r in rates["by_concurrency"].items()},
                       "one_stream_step_ms": rates["one_stream_step_ms_per_stage"]}
         print(label, json.dumps(out[label]), flush=True)
-    base = out["1 GPU, graphs on"]["one_stream_tps"]
-    out["tp2_over_one_gpu"] = round(out["tp 2"]["one_stream_tps"] / base, 3)
-    out["tp2_over_one_gpu_eager"] = round(out["tp 2"]["one_stream_tps"] / out["1 GPU, graphs off"]["one_stream_tps"], 3)
+    ran = {k: v for k, v in out.items() if isinstance(v, dict)}
+    for a, b in (("tp2", "1gpu"), ("tp2", "1gpu-eager"), ("tp2", "tp2-eager"), ("pp4", "tp4"), ("tp2x2", "tp4")):
+        if a in ran and b in ran:
+            out[f"{a}_over_{b}"] = round(ran[a]["one_stream_tps"] / ran[b]["one_stream_tps"], 3)
     return out
 
 
@@ -81,14 +159,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lp-gpu"))
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="Llama-3-8B's or -70B's width")
+    ap.add_argument("--layers", type=int, default=16, help="decoder layers (8B has 32, 70B 80)")
+    ap.add_argument("--variants", default="1gpu,1gpu-eager,tp2,tp2-eager",
+                    help=f"comma list of {', '.join(VARIANTS)} (pp4: stage i on GPU i; tp2x2: two --tp 2 stages)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="8")
     ap.add_argument("--skip-exactness", action="store_true")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
-        raise SystemExit(f"needs 2 CUDA devices, this machine has {torch.cuda.device_count()}")
+        raise SystemExit(f"needs 2 or more CUDA devices, this machine has {torch.cuda.device_count()}")
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -149,7 +149,7 @@ class StepGraphs:
         t0 = time.perf_counter()
         self.shard.warm_up(self.pool)
         for key in self.buckets():
-            if key not in self.graphs and self._new(*key) is None:
+            if key not in self.graphs and self.make(*key) is None:
                 break  # graphs are off for this stage (logged)
         took = time.perf_counter() - t0
         log.info("warm-up of layers [%d, %d): kernels compiled, %d graphs captured, %.1f s", self.shard.start,
@@ -177,7 +177,7 @@ class StepGraphs:
             return None
         g = self.graphs.get(key)
         if g is None:
-            g = self._new(*key)
+            g = self.make(*key)
             if g is None:
                 return None
         n = len(rows)
@@ -194,13 +194,18 @@ class StepGraphs:
         else:
             g.ints.copy_(host)
         g.x[:n].copy_(x)
+        if self.shard.mirror is not None:  # a tensor-parallel stage's rank 0: every rank replays with it
+            self.shard.mirror.graph_step(g)
+        out = self.replay(g)
+        return out[:n].clone()
+
+    def replay(self, g: _Graph) -> torch.Tensor:
+        """Run g's step over its static inputs (its graph, or on a CPU its body) -> [g.rows, hidden]."""
+        self.replays += 1
         if g.graph is not None:
             g.graph.replay()
-            out = g.out
-        else:
-            out = self._body(g)
-        self.replays += 1
-        return out[:n].clone()
+            return g.out
+        return self._body(g)
 
     def _fill(self, g: _Graph, ints, rows: list[GraphRow]) -> None:
         """g's integer inputs for `rows` into the host array `ints` (numpy): positions, write slots
@@ -224,8 +229,22 @@ class StepGraphs:
             blocks[i, len(arr):] = arr[0]
         blocks[n:] = 0
 
-    def _new(self, rows: int, context: int) -> _Graph | None:
+    def make(self, rows: int, context: int) -> _Graph | None:
+        """The (rows, context) bucket's static inputs and (capture on) its graph, or None when the
+        capture failed (graphs are then off for the stage). On rank 0 of a tensor-parallel stage
+        every rank makes its own at the same moment (their all-reduces are joint), and a failure
+        ends the stage: the ranks would be out of step (tp_group.Leader.lost_on_error)."""
+        mirror = self.shard.mirror
+        if mirror is None:
+            return self._new(rows, context)
+        mirror.capture(rows, context)
+        with mirror.lost_on_error():
+            g = self._new(rows, context, strict=True)
+        return g
+
+    def _new(self, rows: int, context: int, strict: bool = False) -> _Graph | None:
         s = self.shard
+        strict = strict or s.tp is not None  # a rank of a tensor-parallel stage: a failure is the stage's
         g = _Graph(rows, context, self.block_size, s.config.hidden_size, s.dtype, s.device)
         g.write.fill_(self.pool.scratch_slot)
         g.lengths.fill_(1)
@@ -242,6 +261,8 @@ class StepGraphs:
                     g.out = self._body(g)
                 g.graph = graph
             except Exception as exc:  # noqa: BLE001 — eager still works; say so once
+                if strict:
+                    raise
                 self.disabled = True
                 log.warning("capturing a CUDA graph of layers [%d, %d) failed (%s); this stage runs its steps "
                             "eagerly from now on", s.start, s.end, exc)

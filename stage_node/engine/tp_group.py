@@ -6,7 +6,10 @@ with the stage's --threads). To the controller the node stays one node and one s
 Only rank 0 talks to the mesh. Every operation of its runner that involves the other ranks is
 mirrored to them before it runs, in the same order on every rank: loading an assignment's layers,
 making the KV pool, its copy-on-write block copies, a forward over the pool and the LM head's logits
-(`Shard.mirror`, `KVPool.mirror`). A follower is a loop over those messages; it keeps no scheduler
+(`Shard.mirror`, `KVPool.mirror`), and on CUDA each step graph's capture and replay (`StepGraphs`:
+every rank captures the same bucket's graph at the same moment, its all-reduces inside; a step
+sends its bucket, then the graph's integer inputs and rows into every rank's static buffers over
+NCCL, and every rank replays). A follower is a loop over those messages; it keeps no scheduler
 and no sessions: the slots each row writes and reads come with the step.
 
 Messages are tensors, never pickles: an int64 header [op, ...] and the op's tables made from Python
@@ -38,13 +41,14 @@ import torch
 import torch.distributed as dist
 
 from logicpipe.stage_node.engine.kv import KVPool, SeqSlice, StepKV
+from logicpipe.stage_node.engine.step_graphs import StepGraphs
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.common.modeldir import ModelConfig
 from logicpipe.stage_node.model.tp import TensorParallel, check_split
 
 log = logging.getLogger(__name__)
 
-STOP, LOAD, POOL, COPY, FORWARD, LOGITS, MEASURE = range(7)
+STOP, LOAD, POOL, COPY, FORWARD, LOGITS, MEASURE, CAPTURE, GRAPH = range(9)
 HEADER = 8  # int64s of a message's header
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waits for the next message as long as the stage lives
@@ -182,11 +186,26 @@ class Leader:
         shard.mirror = self
         return shard
 
-    def new_pool(self, shard: Shard, num_blocks: int, block_size: int) -> KVPool:
-        self.channel.header(POOL, num_blocks, block_size)
+    def new_pool(self, shard: Shard, num_blocks: int, block_size: int, graphs: bool = False) -> KVPool:
+        """The KV pool on every rank; `graphs`: each rank also keeps the step graphs of its layers
+        (StepGraphs, captured on CUDA), which rank 0's StepGraphs then mirrors (`capture`, `graph_step`)."""
+        self.channel.header(POOL, num_blocks, block_size, int(graphs))
         pool = shard.new_pool(num_blocks, block_size)
         pool.mirror = self
         return pool
+
+    def capture(self, rows: int, context: int) -> None:
+        """Before rank 0 makes the (rows, context) bucket's graph: every rank makes its own at once
+        (the all-reduces of its warm-up run, and of the capture, are the ranks' together)."""
+        self.channel.header(CAPTURE, rows, context)
+
+    def graph_step(self, g) -> None:
+        """Before rank 0 replays the step graph `g` (its static inputs filled): every rank replays
+        its own over the same inputs, g's integers and rows sent into the others' static buffers on
+        the device (no host copy, no wait for rank 0's device)."""
+        self.channel.header(GRAPH, g.rows, g.context)
+        dist.broadcast(g.ints, 0, group=self.tp.group)
+        dist.broadcast(g.x, 0, group=self.tp.group)
 
     def copy(self, copies) -> None:
         pairs = torch.tensor(list(copies), dtype=torch.long).reshape(-1, 2)
@@ -266,6 +285,15 @@ def follow(rank: int, world: int, init: str, device: str) -> None:
                 hidden_size, pool = shard.config.hidden_size, None
             elif op == POOL:
                 pool = shard.new_pool(h[1], h[2])
+                shard.graphs = StepGraphs(shard, pool, capture=dev.type == "cuda", warm=False) if h[3] else None
+            elif op == CAPTURE:
+                if shard.graphs.make(h[1], h[2]) is None:
+                    raise RuntimeError(f"the step graph of {h[1]} rows, {h[2]} positions could not be made")
+            elif op == GRAPH:
+                g = shard.graphs.graphs[h[1], h[2]]
+                dist.broadcast(g.ints, 0, group=tp.group)
+                dist.broadcast(g.x, 0, group=tp.group)
+                shard.graphs.replay(g)
             elif op == COPY:
                 pool.copy_blocks([tuple(p) for p in channel.ints(None, 2 * h[1]).reshape(-1, 2).tolist()])
             elif op == FORWARD:

@@ -253,6 +253,8 @@ class Shard:
             sliding = rope_parameters(model_dir, "sliding")
             same = torch.equal(sliding[0], ropes["full"].inv_freq.cpu()) and sliding[1] == ropes["full"].scaling
             ropes["sliding"] = ropes["full"] if same else RopeTables(*sliding, dtype=dtype, device=device)
+        if tp is not None:  # every rank loads at the same point: the one-shot all-reduce's buffer is exchanged here
+            tp.enable_one_shot(config.hidden_size, dtype, device)
         shard = cls(config, start, end, first=first, last=last, layers=layers,
                     embed_tokens=embed if first else None, final_norm=norm, lm_head=head,
                     lm_head_tied=tied, ropes=ropes, device=device, dtype=dtype, tp=tp)

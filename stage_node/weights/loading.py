@@ -187,13 +187,11 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     num_blocks = options.max_kv_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
-    pool = tp.new_pool(shard, num_blocks, bs) if tp is not None else shard.new_pool(num_blocks, bs)
+    pool = tp.new_pool(shard, num_blocks, bs, graphs) if tp is not None else shard.new_pool(num_blocks, bs)
     pool.span = (a.start, a.end)
     pool.add_logs(sorted(logs), shard.config.hidden_size)
-    if tp is not None:  # no CUDA graphs or warm-up yet: the ranks must run every forward together
-        return shard, pool
-    if graphs:
-        shard.graphs = StepGraphs(shard, pool)  # warms at start-up: every kernel variant and graph bucket
+    if graphs:  # warms at start-up: every kernel variant and graph bucket (a tensor-parallel stage's on
+        shard.graphs = StepGraphs(shard, pool)  # every rank together: tp_group.Leader.capture)
     elif shard.device.type == "cuda":
         shard.warm_up(pool)  # no graphs: still compile every Triton kernel variant before the first step
     return shard, pool

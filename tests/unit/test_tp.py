@@ -23,6 +23,9 @@ from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.model.tp import TensorParallel
 from logicpipe.stage_node.profile import HostProfile, tensor_parallel
+from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+from logicpipe.stage_node.engine.step_graphs import MIN_CONTEXT, GraphRow, StepGraphs
+from logicpipe.stage_node.engine.tp_group import Leader
 
 from .. import families
 from .paged import PagedCache
@@ -162,11 +165,65 @@ def test_a_tp_stage_lists_its_devices_in_the_plan():
     assert [s.devices for s in plan_from_json(plan_to_json(plan)).stages] == [2, 1]
 
 
+def _graph_leader(path: str, results) -> None:
+    """Rank 0 of a 2-rank CPU stage (its follower started by Leader, as a stage starts it): the prompt
+    by the mirrored eager forward, then every decode row by the step graphs' body, mirrored step by
+    step (tp_group's CAPTURE and GRAPH: on a GPU each rank replays its captured graph)."""
+    torch.set_num_threads(1)
+    leader = Leader(2, "cpu", 1)
+    try:
+        leader.start()
+        shard = leader.load(path, 0, families.LAYERS, first=True, last=True, dtype=torch.float32, quantize="none",
+                            invariant=False)
+        bs, blocks = 4, list(range(8))
+        pool = leader.new_pool(shard, len(blocks) + 1, bs, graphs=True)
+        pool.kv.zero_()
+        graphs = StepGraphs(shard, pool, capture=False, warm=False)
+        ids, out = list(PROMPT), []
+        n = len(ids)
+        h = shard.forward(shard.embed(torch.tensor(ids)),
+                          StepKV(pool, torch.arange(n), (seq_slice(0, n, blocks, bs),)))
+        for _ in range(NEW):
+            tok = int(shard.logits(h[-1:]).argmax())
+            out.append(tok)
+            ids.append(tok)
+            pos = len(ids) - 1
+            h = graphs.forward(shard.embed(torch.tensor([tok])), [GraphRow(pos, pos, blocks)])
+        results.put((out, graphs.replays, sorted(graphs.graphs), [p.poll() for p in leader.procs]))
+    except BaseException as exc:  # noqa: BLE001 — reported to the test, which fails with it
+        results.put(repr(exc))
+        raise
+    finally:
+        leader.close()
+
+
+def test_a_tp_stage_s_step_graphs_are_replayed_by_every_rank_together(checkpoints):
+    """On a GPU a `--tp 2` stage replays its decode steps as CUDA graphs with the all-reduces inside
+    (issue 36: eager it was 0.15 of one GPU). Every rank makes each bucket's graph when rank 0 does and
+    replays it over the same inputs, sent into its static buffers: here the graphs' body on two CPU
+    processes over gloo gives transformers' greedy tokens, one replay per decode row, the follower alive."""
+    path = checkpoints["llama"]
+    expected = families.hf_greedy(families.hf_model(path), PROMPT, NEW)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_graph_leader, args=(str(path), results))
+    proc.start()
+    try:
+        got = results.get(timeout=300)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert not isinstance(got, str), got
+    tokens, replays, buckets, followers = got
+    assert tokens == expected
+    assert replays == NEW and buckets == [(1, MIN_CONTEXT)] and followers == [None]
+
+
 def test_a_tp_stage_refuses_a_model_that_does_not_split_before_its_followers_hear_of_it(checkpoints, model_dir):
     """The default model (9 heads over 3 KV heads) on a --tp 2 stage: rank 0 refuses the load by name
     and sends nothing (a follower that failed it would take the whole stage down)."""
-    from logicpipe.stage_node.engine.tp_group import Leader
-
     leader = Leader(2, "cpu", 1)  # not started: sending anything would fail on its missing channel
     with pytest.raises(ModelError, match="3 key/value heads do not divide by 2"):
         leader.load(str(model_dir), 0, 30, first=True, last=True, dtype=torch.float32, quantize="none", invariant=False)
