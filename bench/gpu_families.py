@@ -113,12 +113,15 @@ def big(args, results: dict, save) -> None:
     results.update(read_gb_per_token=round(read / 1e9, 3), hbm_tbps=tbps,
                    hbm_limit_tps=round(tbps * 1e12 / read, 1) if tbps else None)
     save()
-    for s in (int(x) for x in args.stages.split(",")):
-        with LocalMesh(s, path, args.work / f"{name}-mesh{s}", threads=4, device="cuda",
-                       stage_args=("--cuda-graphs", "on", "--max-kv-mib", "4096"),
+    runs = [(f"mesh{s}", s, {}) for s in (int(x) for x in args.stages.split(",") if x)]
+    if args.tp:  # one stage over --tp GPUs: a mixture's experts split whole over them (expert parallelism)
+        runs.append((f"tp{args.tp}", 1, {0: ("--tp", str(args.tp))}))
+    for label, s, extra in runs:
+        with LocalMesh(s, path, args.work / f"{name}-{label}", threads=4, device="cuda",
+                       stage_args=("--cuda-graphs", "on", "--max-kv-mib", "4096"), stage_extra=extra,
                        controller_args=("--dtype", "bfloat16", "--strategy", "uniform", "--speculate", "0")) as mesh:
-            r = results[f"mesh{s}"] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
-                                                 args.concurrency, mesh.stage_addresses)
+            r = results[label] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
+                                            args.concurrency, mesh.stage_addresses)
         if tbps:
             r["one_stream_of_hbm_limit"] = round(r["one_stream_tps"] / results["hbm_limit_tps"], 3)
         save()
@@ -133,6 +136,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--tp", type=int, default=0,
+                    help="also one stage over this many GPUs (--tp N; a mixture's experts split whole: EP)")
     ap.add_argument("--families", default="", help="tiny: these families only (comma list; default all)")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers of the big shape (default: all)")
     ap.add_argument("--hbm-tbps", type=float, default=0.0, help="memory bandwidth, TB/s (default by GPU name)")
