@@ -46,18 +46,15 @@ import time
 
 import torch
 
-from logicpipe.stage_node.kernels import cpu_native
+from logicpipe.stage_node.kernels import cpu_native, gpu_quant
+from logicpipe.stage_node.kernels.quant_grid import (GROUP_INT4, QuantError, QuantMatrix, check_int4_shape, int4_grid,
+                                                     int8_grid)
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("none", "int4", "int8", "nf4", "fp4")
 BLOCK_4BIT = 64       # bitsandbytes' block
-GROUP_INT4 = 32       # int4: weights per scale and zero point, along the input (Q4_1's block)
 HEAD_FORMAT = {"int4": "int8", "int8": "int8"}  # the LM head of a stage in these formats; others keep it float
-
-
-class QuantError(ValueError):
-    """A format this node cannot run, or its library missing."""
 
 
 def check_format(fmt: str, device: str, *, trial=None) -> None:
@@ -69,9 +66,14 @@ def check_format(fmt: str, device: str, *, trial=None) -> None:
     start-up, naming the GPU's compute capability, rather than failing at its first step."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
-    if fmt in ("int4", "int8") and torch.device(device).type != "cpu":
-        raise QuantError(f"--quantize {fmt} runs on the CPU only for now (torch's packed CPU kernels); "
-                         "on CUDA use --quantize nf4")
+    kind = torch.device(device).type
+    if fmt in ("int4", "int8") and kind != "cpu":
+        if kind != "cuda":
+            raise QuantError(f"--quantize {fmt} runs on the CPU and on CUDA only, not on {kind}")
+        reason = (trial or _trial_triton_once)(fmt, device)
+        if reason:
+            raise QuantError(f"--quantize {fmt} cannot run on {device_words(device)}: {reason} "
+                             "(--quantize nf4 takes bitsandbytes' kernels instead, or run the stage on the CPU)")
     if fmt in ("nf4", "fp4"):
         try:
             import bitsandbytes
@@ -131,32 +133,7 @@ def trial_4bit(fmt: str, device: str) -> str:
 
 
 _trial_once = functools.cache(trial_4bit)
-
-
-class QuantMatrix:
-    """A quantized [out, in] weight: `m(x)` is x @ W.T for x [rows, in]."""
-
-    format = ""
-
-    def __init__(self, out_features: int, in_features: int):
-        self.shape = (out_features, in_features)
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        raise NotImplementedError
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
-    """x (float32, >= 0) rounded to a bf16 value no smaller than it."""
-    y = x.to(torch.bfloat16)
-    low = y.float() < x
-    return torch.where(low, torch.nextafter(y, torch.tensor(float("inf"), dtype=torch.bfloat16)), y)
+_trial_triton_once = functools.cache(gpu_quant.trial)  # int4 / int8 on CUDA
 
 
 class Int8Packed(QuantMatrix):
@@ -167,11 +144,9 @@ class Int8Packed(QuantMatrix):
 
     def __init__(self, w: torch.Tensor, kernel: str | None = None):
         super().__init__(*w.shape)
-        w = w.float()
         self.kernel = kernel or cpu_kernel("int8")
-        scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
-        q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self._scales, self._q = scales, q.contiguous()
+        q, scales = int8_grid(w)
+        self._scales, self._q = scales, q
         if self.kernel == "native":
             self._q, self._scales = cpu_native.pack_int8(q, scales)
             self._native = cpu_native.library().lp_int8_mm
@@ -204,16 +179,10 @@ class Int4Packed(QuantMatrix):
 
     def __init__(self, w: torch.Tensor, group: int = GROUP_INT4, kernel: str | None = None):
         out, inp = w.shape
-        if inp % group or out % 16:  # the same rule for either kernel: a shape runs whichever is chosen
-            raise QuantError(f"int4 needs matrices whose input size is a multiple of {group} and output size a "
-                             f"multiple of 16 (the kernel's packing), got {out} x {inp}: use --quantize int8")
+        check_int4_shape(out, inp, group)  # the same rule for every kernel: a shape runs whichever is chosen
         super().__init__(out, inp)
         self.kernel = kernel or cpu_kernel("int4")
-        g = w.float().reshape(out, inp // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)                                      # [out, groups]
-        scale = _bf16_at_least(((hi - lo) / 15.0).clamp(min=1e-30))
-        zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
-        q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).round().clamp(0, 15)
+        q, scale, zero = int4_grid(w, group)
         self.group = group
         if self.kernel == "native":
             self._packed, self._scale_zero = cpu_native.pack_int4(q.reshape(out, inp), scale, zero, group)
@@ -328,8 +297,10 @@ class Bnb4bit(QuantMatrix):
 
 
 def quantize(w: torch.Tensor, fmt: str, kernel: str | None = None) -> QuantMatrix:
-    """w: [out, in] float, on its device -> the quantized matrix (int4 / int8: by `kernel`, else
-    this CPU's choice)."""
+    """w: [out, in] float, on its device -> the quantized matrix (int4 / int8: on CUDA by the Triton
+    kernels, on the CPU by `kernel`, else this CPU's choice)."""
+    if fmt in ("int4", "int8") and w.device.type == "cuda":
+        return gpu_quant.quantize(w, fmt)
     if fmt == "int4":
         return Int4Packed(w, kernel=kernel)
     if fmt == "int8":

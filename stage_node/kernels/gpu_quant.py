@@ -1,0 +1,283 @@
+"""int4 and int8 weights on CUDA without bitsandbytes: the CPU formats' grids (stage_node.kernels.quant_grid)
+repacked at load for coalesced reads, multiplied by Triton kernels that dequantize in registers.
+
+Layout on the GPU (packed once, as each matrix is quantized):
+  * int4, w [N, K]: `q4` [K/32, N, 16] uint8: for group g of output n, byte i holds q[n, 32g + i] in its
+    low nibble and q[n, 32g + 16 + i] in its high one. A program's bytes of one group are one run of
+    BN * 16 bytes (coalesced), and each nibble half is a 16-wide slice of K in order: one tensor-core
+    step each, no shuffle to interleave them. `sz` [K/32, N] int32: the group's bf16 scale bits in the
+    low half, its zero point's in the high half (one load a group; bf16 held as bits because Triton's
+    interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
+  * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
+
+The product. One kernel per format, program (block of rows, block of BN outputs, part of K): it reads
+its weight tile once for all its rows, dequantizes it in registers and multiplies on the tensor cores,
+float32 accumulation:
+  * int4: K a group at a time (a static loop of GROUPS groups a chunk), each group as two 16-wide
+    slices: w = (q - 8) * scale + zero in float32, rounded to the activations' dtype, then the dot;
+  * int8: K in chunks of BK, q converted to the activations' dtype exactly, the dot, and the output
+    channel's scale applied to the part's sum.
+Decode (up to invariant.DECODE_ROWS rows) runs 16-row tiles over narrow column blocks, the
+GEMV shape (many programs, each streaming its weight tile once); prompts run larger tiles (the same
+kernel: a tiled GEMM dequantizing tiles on the fly). `qmm_config` picks them.
+
+Batch invariance, by the float path's rule (stage_node.kernels.invariant): a row's sum over K is taken
+in an order that never depends on the number of rows: K in parts fixed per matrix
+(`invariant.k_parts`, added in order by `invariant.add_parts`), each part in 16-wide slices in
+ascending order (int4: one dot a slice; int8: BK fixed per format, not per tile); the tile itself
+follows the row count, which the tensor cores' ordered 16-wide steps make harmless (checked on the
+H100 for the float kernel, bench/gpu_invariance.py; for these by bench/gpu_quant.py). Outputs are
+written with no host sync and no allocation but the output's, so a CUDA graph captures them.
+Triton is imported only when a matrix is multiplied.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, dequantize_int4, int4_grid, int8_grid
+
+INT4_GROUPS = 4   # int4: groups of 32 a chunk of the K loop (128 of K), unrolled (fewer where K/32 is not a multiple)
+INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M", "sys_"])
+    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qg, s_sg, sys_, sym,
+                    BM: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr, IEEE: tl.constexpr):
+        # program (m block, n block, part of K): y[part] = x[m block, part] @ W[n block, part].T, W
+        # dequantized a group at a time; K in 16-wide slices in ascending order
+        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        i = tl.arange(0, 16)
+        rows_in, cols_in = rm < M, rn < N
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+        g_lo = part * (k_part // 32)
+        g_hi = tl.minimum(g_lo + k_part // 32, K // 32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for g0 in range(g_lo, g_hi, GROUPS):  # (GROUPS divides every part's groups: no group is masked)
+            for j in tl.static_range(GROUPS):
+                g = g0 + j  # (offsets below 2^31 bytes: a matrix of under 4G weights)
+                p = tl.load(q_ptr + g * s_qg + rn[:, None] * 16 + i[None, :], mask=cols_in[:, None],
+                            other=0).to(tl.int32)  # [BN, 16]: two weights a byte
+                sz = tl.load(sz_ptr + g * s_sg + rn, mask=cols_in, other=0)  # [BN] bf16 bits, scale | zero
+                scale = (sz << 16).to(tl.float32, bitcast=True)[:, None]
+                zero = (sz & -65536).to(tl.float32, bitcast=True)[:, None]
+                k = g * 32 + i
+                xa = tl.load(x_rows + k[None, :], mask=rows_in[:, None], other=0.0)        # [BM, 16]
+                xb = tl.load(x_rows + 16 + k[None, :], mask=rows_in[:, None], other=0.0)
+                wa = (((p & 15) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # [BN, 16]: k = 32g + i
+                wb = (((p >> 4) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # k = 32g + 16 + i
+                if IEEE:
+                    acc = tl.dot(xa, tl.trans(wa), acc, input_precision="ieee")
+                    acc = tl.dot(xb, tl.trans(wb), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xa, tl.trans(wa), acc)
+                    acc = tl.dot(xb, tl.trans(wb), acc)
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+
+    @triton.jit(do_not_specialize=["M", "sys_"])
+    def int8_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale
+        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        rk = tl.arange(0, BK)
+        rows_in, cols_in = rm < M, rn < N
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+        k0 = part * k_part
+        k1 = tl.minimum(k0 + k_part, K)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(k0, k1, BK):
+            kk = k + rk
+            a = tl.load(x_rows + kk[None, :], mask=rows_in[:, None] & (kk[None, :] < k1), other=0.0)  # [BM, BK]
+            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :] & (kk[:, None] < k1),
+                        other=0).to(a.dtype)  # [BK, BN]: exact (|q| <= 127)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+
+    return triton, int4_kernel, int8_kernel
+
+
+def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
+    w [n, k]. The parts are the float path's (invariant.k_parts: a function of the matrix); the tile
+    follows m. Decode tiles are narrow (32 outputs) so that an 8B layer's matrices give 1 to 7
+    programs an SM: an int4 tile is a quarter of a bf16 one's bytes. (Not yet tuned on a GPU: the
+    bench's `--part sweep` times the alternatives.)"""
+    if dtype == torch.float32:  # exact float32 (no TF32): one tile
+        return 16, 32, 4, 3, 1
+    parts = invariant.k_parts(n, k)
+    if m <= invariant.DECODE_ROWS:
+        return 16, 32, 4, 4, parts
+    if m <= 64:
+        return 64, 64, 4, 4, parts
+    if m <= 128:
+        return 64, 128, 4, 3, parts
+    return 128, 128, 8, 3, parts
+
+
+def _k_part(k: int, parts: int) -> int:
+    """K a part sums, a multiple of 256 (the float path's: parts start at the same places)."""
+    k_part = -(-k // parts)
+    return -(-k_part // 256) * 256
+
+
+class TritonMatrix(QuantMatrix):
+    """A quantized matrix multiplied by this module's kernels (CUDA; the CPU in Triton's interpreter)."""
+
+    def _launch(self, x: torch.Tensor, ws: torch.Tensor, grid: tuple[int, int, int], config: tuple,
+                k_part: int) -> None:
+        raise NotImplementedError
+
+    def mm_parts(self, x: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x [M, K] -> the product's parts over K, not yet added: [parts, M, N] float32 (several
+        parts) or [1, M, N] in x's dtype (see invariant.mm_parts); `config` overrides qmm_config."""
+        N, K = self.shape
+        M = x.shape[0]
+        if x.shape[1] != K:
+            raise ValueError(f"a {self.format} matrix of {N} x {K} multiplied by rows of {x.shape[1]}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        config = config or qmm_config(N, K, x.dtype, M)
+        bm, bn, _, _, parts = config
+        k_part = _k_part(K, parts)
+        parts = -(-K // k_part)
+        ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
+        if M:
+            triton = _kernels()[0]
+            self._launch(x, ws, (triton.cdiv(M, bm), triton.cdiv(N, bn), parts), config, k_part)
+        return ws
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = invariant.add_parts(self.mm_parts(x.reshape(-1, x.shape[-1])), x.dtype)
+        return out.view(*lead, self.shape[0])
+
+
+class TritonInt4(TritonMatrix):
+    """int4 on CUDA: the CPU's grid (groups of 32 along the input, bf16 scale and zero point), packed
+    as the module's docstring says."""
+
+    format = "int4"
+
+    def __init__(self, w: torch.Tensor):
+        q, scale, zero = int4_grid(w, GROUP_INT4)
+        super().__init__(*w.shape)
+        self.q4, self.sz = pack_int4(q, scale, zero)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q4.numel() + self.sz.numel() * self.sz.element_size()
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
+        sz = self.sz.t()  # [out, groups] int32
+        return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
+
+    def _launch(self, x, ws, grid, config, k_part) -> None:
+        _, kernel, _ = _kernels()
+        bm, bn, warps, stages, _ = config
+        N, K = self.shape
+        groups = next(g for g in (INT4_GROUPS, 2, 1) if K // 32 % g == 0)  # parts are multiples of 8 groups
+        kernel[grid](x, self.q4, self.sz, ws, x.shape[0], N, K, k_part, x.stride(0), self.q4.stride(0),
+                     self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn,
+                     GROUPS=groups, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+class TritonInt8(TritonMatrix):
+    """int8 on CUDA: the CPU's grid (one bf16 scale per output channel), the int8 matrix as it is."""
+
+    format = "int8"
+
+    def __init__(self, w: torch.Tensor):
+        q, scales = int8_grid(w)
+        super().__init__(*w.shape)
+        self.q8, self.scales = q, scales.float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.q8.numel() + self.scales.numel() * self.scales.element_size()
+
+    def grid(self) -> torch.Tensor:
+        """The scale of each output channel, float32 [out]: w = q * scale."""
+        return self.scales
+
+    def _launch(self, x, ws, grid, config, k_part) -> None:
+        _, _, kernel = _kernels()
+        bm, bn, warps, stages, _ = config
+        N, K = self.shape
+        kernel[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
+                     ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
+                     IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32, N, 16] uint8,
+    sz [K/32, N] int32), the GPU layout of the module's docstring."""
+    n, k = q.shape
+    halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, i]: k = 32 group + 16 half + i
+    q4 = (halves[:, :, 0] | (halves[:, :, 1] << 4)).transpose(0, 1).contiguous()
+    sz = (_bf16_bits(scale) & 0xFFFF) | (_bf16_bits(zero) << 16)
+    return q4, sz.t().contiguous()
+
+
+def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor's bits as int32 (sign-extended: only the low 16 bits mean anything)."""
+    return t.contiguous().view(torch.int16).to(torch.int32)
+
+
+def unpack_int4(q4: torch.Tensor) -> torch.Tensor:
+    """q4 [K/32, N, 16] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
+    g, n, _ = q4.shape
+    q = q4.long().transpose(0, 1)  # [n, group, 16]
+    return torch.stack([q & 15, q >> 4], 2).reshape(n, g * 32)
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
+    """w: [out, in] float on a CUDA device (or the CPU, for Triton's interpreter) -> the matrix in `fmt`."""
+    return TritonInt4(w) if fmt == "int4" else TritonInt8(w)
+
+
+def trial(fmt: str, device: str) -> str:
+    """'' when a 64 x 256 matrix in `fmt` multiplies 1 and 20 rows right on `device`, else why not:
+    triton missing, the error's first line (a GPU Triton cannot compile for), or how far the product
+    is off from the dequantized matrix's."""
+    if not invariant.triton_available():
+        return "it needs triton (it ships with torch's CUDA wheels: pip install triton)"
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 256, generator=g), torch.randn(20, 256, generator=g)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32  # (the interpreter: no bf16)
+    try:
+        m = quantize(w.to(device), fmt)
+        x = x.to(dtype)
+        ref = x.float() @ dequantized(m).cpu().to(dtype).float().T  # the kernel rounds weights to x's dtype
+        for rows in (1, 20):
+            off = float((m(x[:rows].to(device)).float().cpu() - ref[:rows]).norm() / ref[:rows].norm())
+            if not off < 1e-2:  # nan too
+                return f"a {rows}-row product of a {fmt} matrix is off by {off:.2g} of its norm"
+    except Exception as exc:  # a CUDA or Triton compile error
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return (lines[0] if lines else type(exc).__name__)[:200]
+    return ""
+
+
+def dequantized(m: QuantMatrix) -> torch.Tensor:
+    """The float32 [N, K] matrix a TritonInt4 / TritonInt8 multiplies by (its grid's values)."""
+    if isinstance(m, TritonInt4):
+        return dequantize_int4(unpack_int4(m.q4), *m.grid())
+    return m.q8.float() * m.scales[:, None]
