@@ -16,10 +16,12 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     against the eager step (same bits), the output against bf16's;
   * matrices: each matrix's one-row (and 8-row) product alone, 20 calls in one CUDA graph, GB/s of
     its bytes: bf16 by invariant.mm against int4 and int8;
-  * agreement: greedy decoding of a small random Llama (bench.gpu_engine's SMALL shape in bf16, or
+  * agreement: greedy decoding of a small random Llama (bench.gpu_engine's SMALL shape, `AGREE`, or
     `--model DIR`, e.g. the default model's safetensors directory) in int4 and int8 against bf16:
-    the share of greedy tokens equal teacher-forced on bf16's tokens, and the tokens equal before the
-    first difference decoding freely, over `--prompts` prompts x `--tokens` tokens;
+    the share of greedy tokens equal teacher-forced on bf16's tokens, the logits' relative error,
+    and the tokens equal before the first difference decoding freely, over `--prompts` prompts x
+    `--tokens` tokens; float32 beside them, for scale (a random model's top logits are close, and
+    its layers amplify rounding: a real model's figure needs `--model`);
   * sweep: the decode tile (BLOCK_N, warps, stages, parts of K) of each matrix at 1 and 8 rows, for
     tuning gpu_quant.qmm_config (not run by default).
 
@@ -53,6 +55,10 @@ from logicpipe.stage_node.kernels.quant import tensor_bytes
 from logicpipe.stage_node.model.shard import Shard
 
 FORMATS = ("bf16", "int4", "int8")
+# the agreement's random model: bench.gpu_engine's SMALL shape with weights of std 0.05, not its 0.2,
+# whose layers amplify any rounding (on the CPU here: float32 against bf16 logits 6% apart at 0.2,
+# 1% at 0.05; int4 0.79 / 0.31, int8 0.12 / 0.03)
+AGREE = dict(SMALL, initializer_range=0.05)
 MATRICES = ("qkv", "o", "gate_up", "down")
 PEAK_TBPS = (("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200", 4.8))  # first match by name
 PLACES = ((1, 0), (1, 100), (2, 7), (5, 250), (8, 64), (16, 3), (17, 50), (32, 1), (33, 100), (64, 0), (65, 10),
@@ -60,12 +66,13 @@ PLACES = ((1, 0), (1, 100), (2, 7), (5, 250), (8, 64), (16, 3), (17, 50), (32, 1
 
 
 def load(path: Path, fmt: str, layers: int, *, first: bool = False) -> Shard:
-    """Layers [0, layers) with the final norm and LM head, on CUDA in bf16 or quantized, with the
-    batch-invariant kernels on (a CUDA stage's default)."""
-    shard = Shard.load(path, 0, layers, first=first, last=True, device="cuda", dtype=torch.bfloat16,
-                       quantize="none" if fmt == "bf16" else fmt)
+    """Layers [0, layers) with the final norm and LM head, on CUDA in bf16 (fp32: float32) or
+    quantized (bf16 activations), with the batch-invariant kernels on (a CUDA stage's default)."""
+    shard = Shard.load(path, 0, layers, first=first, last=True, device="cuda",
+                       dtype=torch.float32 if fmt == "fp32" else torch.bfloat16,
+                       quantize=fmt if fmt in ("int4", "int8") else "none")
     shard.batch_invariant = True
-    if fmt != "bf16":
+    if fmt in ("int4", "int8"):
         kinds = {type(getattr(w, m)).__name__ for w in shard.layers for m in MATRICES}
         if kinds != {f"Triton{fmt.capitalize()}"}:
             raise RuntimeError(f"a {fmt} shard holds {kinds}, not gpu_quant's Triton matrices")
@@ -244,8 +251,9 @@ def greedy(shard: Shard, prompt: list[int], tokens: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def teacher_forced(shard: Shard, prompt: list[int], answer: list[int]) -> int:
-    """How many of `answer`'s tokens are the greedy token after the prompt and the answer before it."""
+def teacher_forced(shard: Shard, prompt: list[int], answer: list[int]) -> tuple[int, torch.Tensor]:
+    """(how many of `answer`'s tokens are the greedy token after the prompt and the answer before
+    them, the logits of those positions [len(answer), vocab] float32)."""
     ids = prompt + answer
     n = len(ids)
     bs = 16
@@ -254,30 +262,34 @@ def teacher_forced(shard: Shard, prompt: list[int], answer: list[int]) -> int:
     with torch.inference_mode():
         h = shard.forward(shard.embed(torch.tensor(ids, device="cuda")),
                           StepKV(pool, torch.arange(n, device="cuda"), (seq_slice(0, n, blocks, bs, "cuda", n),)))
-        picks = shard.logits(h[len(prompt) - 1: n - 1]).argmax(-1).tolist()
-    return sum(a == b for a, b in zip(picks, answer))
+        logits = shard.logits(h[len(prompt) - 1: n - 1])
+    return sum(a == b for a, b in zip(logits.argmax(-1).tolist(), answer)), logits
 
 
 def agreement(args, res: dict) -> None:
-    """Greedy tokens of int4 and int8 against bf16 on a small model."""
-    path = args.model or make_model(args.work / "small-bf16", SMALL, torch.bfloat16)
-    layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    """Greedy tokens of int4 and int8 against bf16 on a small model; float32 beside them shows how
+    much a small random model's greedy tokens move with rounding alone (its logits are close)."""
+    path = args.model or make_model(args.work / "small-bf16-agree", AGREE, torch.bfloat16)
+    config = json.loads((Path(path) / "config.json").read_text())
+    layers, vocab = config["num_hidden_layers"], config["vocab_size"]
     prompts = [[(31 * i + 7 * j + 3) % min(vocab, 500) for j in range(8 + 5 * i)] for i in range(args.prompts)]
     shard = load(path, "bf16", layers, first=True)
     ref = [greedy(shard, p, args.tokens) for p in prompts]
+    ref_logits = [teacher_forced(shard, p, a)[1] for p, a in zip(prompts, ref)]
     del shard
     out = res["agreement"] = {"model": str(path), "prompts": args.prompts, "tokens": args.tokens}
-    for fmt in ("int4", "int8"):
+    for fmt in ("fp32", "int4", "int8"):
         shard = load(path, fmt, layers, first=True)
-        forced = sum(teacher_forced(shard, p, a) for p, a in zip(prompts, ref))
-        same = []
-        for p, a in zip(prompts, ref):
+        forced, errs, same = 0, [], []
+        for p, a, want in zip(prompts, ref, ref_logits):
+            hits, logits = teacher_forced(shard, p, a)
+            forced += hits
+            errs.append(float((logits - want).norm() / want.norm()))
             got = greedy(shard, p, args.tokens)
             same.append(next((i for i, (x, y) in enumerate(zip(got, a)) if x != y), len(a)))
         out[fmt] = {"teacher_forced": round(forced / (len(prompts) * args.tokens), 3),
-                    "equal_before_first_difference": same,
-                    "all_equal": sum(s == args.tokens for s in same)}
+                    "logits_rel_err": round(sum(errs) / len(errs), 4),
+                    "equal_before_first_difference": same, "all_equal": sum(s == args.tokens for s in same)}
         print(fmt, out[fmt], flush=True)
         del shard
         torch.cuda.empty_cache()
