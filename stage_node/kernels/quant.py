@@ -25,15 +25,28 @@ Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`
   bf16 by 2^-9 of it (tests/unit/test_cpu_kernels.py bounds both).
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA;
   a stage tries a small product at start-up and refuses the format, saying why, where it fails.
-- int4 and int8 on CUDA are refused with a message saying what to use instead (not built yet).
+- **int4 and int8 on CUDA** (stage_node.kernels.gpu_quant; no bitsandbytes, so a Jetson Orin's sm_87
+  runs them): the same grids, repacked at load for coalesced reads (int4: [K/32, N, 16] bytes, each
+  byte two weights 16 apart in a group, so each nibble half is a 16-wide slice of K; scale and zero
+  point as bf16 bits in one int32 a group), multiplied by Triton kernels with bf16 activations that
+  dequantize in registers and multiply on the tensor cores, float32 accumulation: one kernel per
+  format, its tile by the row count (16-row tiles over narrow column blocks for decode, the GEMV
+  shape; larger tiles for prompts, a tiled GEMM dequantizing on the fly). They run in the fused layer
+  loop (stage_node.fused) and in CUDA graphs (no host sync, the output the only allocation). A stage
+  tries a small product at start-up (`gpu_quant.trial`) and refuses the format, saying why, where
+  it fails (no triton; a GPU Triton cannot compile for).
 
-Scales and zero points are rounded to bf16 (the kernels take them so) before the weights are
-quantized against them, so the grid the weights are rounded to is the one the kernel uses.
+The grids live in quant_grid: scales and zero points are rounded to bf16 (the kernels take them so)
+before the weights are quantized against them, so the grid the weights are rounded to is the one
+every kernel uses, on either device.
 
 Batch invariance. The int4 and int8 kernels (native and torch's) compute each row of a product on its
 own, in an order that does not depend on the number of rows (checked for 1 to 64 rows by
 tests/unit/test_quant.py): a request gives the same greedy tokens alone or among others, as the
-float path does (`stage_node.ops`). bitsandbytes' nf4/fp4 does not promise that: one row takes its
+float path does (`stage_node.ops`). The CUDA kernels follow the float CUDA path's rule
+(stage_node.kernels.invariant: parts of K fixed per matrix, 16-wide slices of K in order, whatever
+the tile; rows 1..n in Triton's interpreter by tests/unit/test_gpu_quant.py, any row at any place on
+the GPU by bench/gpu_quant.py). bitsandbytes' nf4/fp4 does not promise that: one row takes its
 matrix-vector kernel, several rows a dequantized product, so greedy tokens on such a stage are
 deterministic for a given batch but may differ between a request alone and one among others.
 """
@@ -58,7 +71,9 @@ HEAD_FORMAT = {"int4": "int8", "int8": "int8"}  # the LM head of a stage in thes
 
 
 def check_format(fmt: str, device: str, *, trial=None) -> None:
-    """Raise QuantError unless `fmt` can run on `device` here. nf4 / fp4 need bitsandbytes importable,
+    """Raise QuantError unless `fmt` can run on `device` here. int4 / int8 on CUDA need triton and a
+    small product right on the device (`trial`, default `gpu_quant.trial` once per process, format
+    and device). nf4 / fp4 need bitsandbytes importable,
     on a CUDA device its CUDA library loaded, and a small product of the format right on the device
     (`trial`, default `trial_4bit` once per process, format and device). Whether bitsandbytes runs on
     a GPU is known only by trying: its aarch64 wheels hold kernels for sm_75, sm_80 and sm_90 only,
