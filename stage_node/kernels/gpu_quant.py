@@ -2,19 +2,22 @@
 repacked at load for coalesced reads, multiplied by Triton kernels that dequantize in registers.
 
 Layout on the GPU (packed once, as each matrix is quantized):
-  * int4, w [N, K]: `q4` [K/32, N, 16] uint8: for group g of output n, byte i holds q[n, 32g + i] in its
-    low nibble and q[n, 32g + 16 + i] in its high one. A program's bytes of one group are one run of
-    BN * 16 bytes (coalesced), and each nibble half is a 16-wide slice of K in order: one tensor-core
-    step each, no shuffle to interleave them. `sz` [K/32, N] int32: the group's bf16 scale bits in the
-    low half, its zero point's in the high half (one load a group; bf16 held as bits because Triton's
+  * int4, w [N, K]: the K loop goes in chunks of G groups of 32 (G = chunk_groups(K): 4, or 2 or 1
+    where K / 32 is not a multiple of 4). `q4` [K/32G, N, 16G] uint8: chunk c of output n is one run of
+    16G bytes (coalesced), byte 16h + i holding q[n, 32(cG + h) + i] in its low nibble and
+    q[n, 32(cG + h) + 16 + i] in its high one: the low nibbles of a chunk are the first 16 weights of
+    each of its groups, the high nibbles the last 16, so each nibble half of a byte is a whole 16-wide
+    slice of K (a tensor-core step) and no shuffle interleaves them. `sz` [K/32, N] int32: a group's
+    bf16 scale bits in the low half, its zero point's in the high half (bf16 held as bits: Triton's
     interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
   * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
 
 The product. One kernel per format, program (block of rows, block of BN outputs, part of K): it reads
 its weight tile once for all its rows, dequantizes it in registers and multiplies on the tensor cores,
 float32 accumulation:
-  * int4: K a group at a time (a static loop of GROUPS groups a chunk), each group as two 16-wide
-    slices: w = (q - 8) * scale + zero in float32, rounded to the activations' dtype, then the dot;
+  * int4: a chunk at a time, w = (q - 8) * scale + zero in float32, rounded to the activations'
+    dtype; one dot over the chunk's low halves, then one over its high halves (few, large dots: each
+    costs a change of register layout on the way to the tensor cores);
   * int8: K in chunks of BK, q converted to the activations' dtype exactly, the dot, and the output
     channel's scale applied to the part's sum.
 Decode (up to invariant.DECODE_ROWS rows) runs 16-row tiles over narrow column blocks, the
@@ -24,7 +27,8 @@ kernel: a tiled GEMM dequantizing tiles on the fly). `qmm_config` picks them.
 Batch invariance, by the float path's rule (stage_node.kernels.invariant): a row's sum over K is taken
 in an order that never depends on the number of rows: K in parts fixed per matrix
 (`invariant.k_parts`, added in order by `invariant.add_parts`), each part in 16-wide slices in
-ascending order (int4: one dot a slice; int8: BK fixed per format, not per tile); the tile itself
+a fixed order (int4: a chunk's low halves, then its high halves, G fixed per matrix; int8: slices in
+ascending order, BK fixed per format, not per tile); the tile itself
 follows the row count, which the tensor cores' ordered 16-wide steps make harmless (checked on the
 H100 for the float kernel, bench/gpu_invariance.py; for these by bench/gpu_quant.py). Outputs are
 written with no host sync and no allocation but the output's, so a CUDA graph captures them.
@@ -39,7 +43,7 @@ import torch
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, dequantize_int4, int4_grid, int8_grid
 
-INT4_GROUPS = 4   # int4: groups of 32 a chunk of the K loop (128 of K), unrolled (fewer where K/32 is not a multiple)
+INT4_CHUNK = 4    # int4: groups of 32 a chunk of the K loop (128 of K; fewer where K / 32 is not a multiple of 4)
 INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
 
 
@@ -49,38 +53,39 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M", "sys_"])
-    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qg, s_sg, sys_, sym,
-                    BM: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr, IEEE: tl.constexpr):
+    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qc, s_qn, s_sg, sys_, sym,
+                    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
         # program (m block, n block, part of K): y[part] = x[m block, part] @ W[n block, part].T, W
-        # dequantized a group at a time; K in 16-wide slices in ascending order
+        # dequantized a chunk of G groups at a time: the chunk's low nibbles (the first 16 weights of
+        # each group) in one dot, then its high nibbles; the same order for every tile
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        i = tl.arange(0, 16)
+        j = tl.arange(0, 16 * G)          # a chunk's bytes: group j // 16, weight j % 16 of each half
+        kj = (j // 16) * 32 + j % 16      # the low nibble's place in the chunk's K (the high one's: + 16)
         rows_in, cols_in = rm < M, rn < N
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
-        g_lo = part * (k_part // 32)
-        g_hi = tl.minimum(g_lo + k_part // 32, K // 32)
+        c_lo = part * (k_part // (32 * G))
+        c_hi = tl.minimum(c_lo + k_part // (32 * G), K // (32 * G))
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for g0 in range(g_lo, g_hi, GROUPS):  # (GROUPS divides every part's groups: no group is masked)
-            for j in tl.static_range(GROUPS):
-                g = g0 + j  # (offsets below 2^31 bytes: a matrix of under 4G weights)
-                p = tl.load(q_ptr + g * s_qg + rn[:, None] * 16 + i[None, :], mask=cols_in[:, None],
-                            other=0).to(tl.int32)  # [BN, 16]: two weights a byte
-                sz = tl.load(sz_ptr + g * s_sg + rn, mask=cols_in, other=0)  # [BN] bf16 bits, scale | zero
-                scale = (sz << 16).to(tl.float32, bitcast=True)[:, None]
-                zero = (sz & -65536).to(tl.float32, bitcast=True)[:, None]
-                k = g * 32 + i
-                xa = tl.load(x_rows + k[None, :], mask=rows_in[:, None], other=0.0)        # [BM, 16]
-                xb = tl.load(x_rows + 16 + k[None, :], mask=rows_in[:, None], other=0.0)
-                wa = (((p & 15) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # [BN, 16]: k = 32g + i
-                wb = (((p >> 4) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # k = 32g + 16 + i
-                if IEEE:
-                    acc = tl.dot(xa, tl.trans(wa), acc, input_precision="ieee")
-                    acc = tl.dot(xb, tl.trans(wb), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xa, tl.trans(wa), acc)
-                    acc = tl.dot(xb, tl.trans(wb), acc)
+        for c in range(c_lo, c_hi):  # (offsets below 2^31 bytes: a matrix of under 4G weights)
+            p = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + j[None, :], mask=cols_in[:, None],
+                        other=0).to(tl.int32)  # [BN, 16 G]: two weights a byte, one contiguous run a row
+            sz = tl.load(sz_ptr + (c * G + j // 16)[None, :] * s_sg + rn[:, None], mask=cols_in[:, None],
+                         other=0)  # [BN, 16 G]: each byte's group's bf16 bits, scale | zero << 16
+            scale = (sz << 16).to(tl.float32, bitcast=True)
+            zero = (sz & -65536).to(tl.float32, bitcast=True)
+            k = c * (32 * G) + kj
+            xa = tl.load(x_rows + k[None, :], mask=rows_in[:, None], other=0.0)       # [BM, 16 G]
+            xb = tl.load(x_rows + 16 + k[None, :], mask=rows_in[:, None], other=0.0)
+            wa = (((p & 15) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # [BN, 16 G]: the low halves
+            wb = (((p >> 4) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # the high halves
+            if IEEE:
+                acc = tl.dot(xa, tl.trans(wa), acc, input_precision="ieee")
+                acc = tl.dot(xb, tl.trans(wb), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xa, tl.trans(wa), acc)
+                acc = tl.dot(xb, tl.trans(wb), acc)
         out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
 
@@ -193,10 +198,9 @@ class TritonInt4(TritonMatrix):
         _, kernel, _ = _kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        groups = next(g for g in (INT4_GROUPS, 2, 1) if K // 32 % g == 0)  # parts are multiples of 8 groups
         kernel[grid](x, self.q4, self.sz, ws, x.shape[0], N, K, k_part, x.stride(0), self.q4.stride(0),
-                     self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn,
-                     GROUPS=groups, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                     self.q4.stride(1), self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1),
+                     BM=bm, BN=bn, G=self.q4.shape[2] // 16, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
 
 
 class TritonInt8(TritonMatrix):
@@ -226,12 +230,20 @@ class TritonInt8(TritonMatrix):
                      IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
 
 
+def chunk_groups(k: int) -> int:
+    """int4: groups of 32 weights a chunk of the kernel's K loop for an input of `k` (a function of the
+    matrix: the chunk fixes the sum's order), as many as divide k / 32, up to INT4_CHUNK."""
+    return next(g for g in (INT4_CHUNK, 2, 1) if k // 32 % g == 0)
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32, N, 16] uint8,
-    sz [K/32, N] int32), the GPU layout of the module's docstring."""
+    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32G, N, 16G] uint8,
+    sz [K/32, N] int32), the GPU layout of the module's docstring (G = chunk_groups(K))."""
     n, k = q.shape
+    g = chunk_groups(k)
     halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, i]: k = 32 group + 16 half + i
-    q4 = (halves[:, :, 0] | (halves[:, :, 1] << 4)).transpose(0, 1).contiguous()
+    q4 = halves[:, :, 0] | (halves[:, :, 1] << 4)          # [n, group, 16]
+    q4 = q4.reshape(n, k // 32 // g, 16 * g).transpose(0, 1).contiguous()
     sz = (_bf16_bits(scale) & 0xFFFF) | (_bf16_bits(zero) << 16)
     return q4, sz.t().contiguous()
 
@@ -242,10 +254,10 @@ def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(q4: torch.Tensor) -> torch.Tensor:
-    """q4 [K/32, N, 16] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
-    g, n, _ = q4.shape
-    q = q4.long().transpose(0, 1)  # [n, group, 16]
-    return torch.stack([q & 15, q >> 4], 2).reshape(n, g * 32)
+    """q4 [K/32G, N, 16G] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
+    chunks, n, width = q4.shape
+    q = q4.long().transpose(0, 1).reshape(n, chunks * width // 16, 16)  # [n, group, 16]
+    return torch.stack([q & 15, q >> 4], 2).reshape(n, chunks * width * 2)
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:

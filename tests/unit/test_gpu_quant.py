@@ -62,6 +62,11 @@ def test_the_gpu_packing_holds_the_cpu_grid():
     assert [torch.equal(a, b) for a, b in zip(m.grid(), cpu.grid())] == [True, True]
     assert torch.equal(gpu_quant.dequantized(m), dequantize_int4(q, scale, zero))
     assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (3, 48)
+    for k, chunk in ((256, 4), (192, 2)):  # chunks of 4 groups (2 where K / 32 is not a multiple of 4)
+        wk = torch.randn(16, k, generator=g)
+        mk = gpu_quant.TritonInt4(wk)
+        assert mk.q4.shape == (k // 32 // chunk, 16, 16 * chunk)
+        assert torch.equal(gpu_quant.unpack_int4(mk.q4), int4_grid(wk)[0].long())
     m8, cpu8 = gpu_quant.TritonInt8(w), Int8Packed(w, kernel="torch")
     assert torch.equal(m8.q8, cpu8._q) and torch.equal(m8.grid(), cpu8.grid())
     assert m8.nbytes == 48 * 96 + 48 * 4
