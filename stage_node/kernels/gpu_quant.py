@@ -37,11 +37,14 @@ Triton is imported only when a matrix is multiplied.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, dequantize_int4, int4_grid, int8_grid
+
+log = logging.getLogger(__name__)
 
 INT4_CHUNK = 4    # int4: groups of 32 a chunk of the K loop (128 of K; fewer where K / 32 is not a multiple of 4)
 INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
@@ -136,6 +139,9 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int
     return 128, 128, 8, 3, parts
 
 
+_fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU
+
+
 def _k_part(k: int, parts: int) -> int:
     """K a part sums, a multiple of 256 (the float path's: parts start at the same places)."""
     k_part = -(-k // parts)
@@ -165,8 +171,28 @@ class TritonMatrix(QuantMatrix):
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
         if M:
             triton = _kernels()[0]
-            self._launch(x, ws, (triton.cdiv(M, bm), triton.cdiv(N, bn), parts), config, k_part)
+            self._launch_fitting(x, ws, (triton.cdiv(M, bm), triton.cdiv(N, bn), parts), config, k_part)
         return ws
+
+    def _launch_fitting(self, x, ws, grid, config, k_part) -> None:
+        """Launch with `config`, or with fewer pipeline stages where its tiles do not fit the GPU's
+        shared memory (Triton's OutOfResources; a Jetson Orin has 164 KB an SM, an H100 228 KB).
+        Stages change no sum: the bits are the same. Remembered per matrix shape and config."""
+        key = (self.format, self.shape, x.dtype, config)
+        fit = _fitting.get(key, config)
+        while True:
+            try:
+                self._launch(x, ws, grid, fit, k_part)
+            except Exception as exc:
+                if type(exc).__name__ != "OutOfResources" or fit[3] <= 1:
+                    raise
+                fit = (*fit[:3], fit[3] - 1, fit[4])
+                continue
+            if fit != config and key not in _fitting:
+                log.warning("%s product of a %d x %d matrix: %d pipeline stages do not fit this GPU's shared "
+                            "memory; %d do", self.format, *self.shape, config[3], fit[3])
+            _fitting[key] = fit
+            return
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -85,6 +85,34 @@ def test_a_cuda_stage_tries_int4_and_int8_and_says_why_it_cannot(monkeypatch):
         check_format("int4", "mps")
 
 
+def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
+    """Triton's OutOfResources (a Jetson's smaller shared memory): the launch retries with fewer
+    pipeline stages (the same sums) and remembers the fit; any other error is raised."""
+    class OutOfResources(RuntimeError):
+        pass
+
+    m = gpu_quant.TritonInt8(torch.randn(32, 64))
+    tried = []
+
+    def launch(x, ws, grid, config, k_part):
+        tried.append(config[3])
+        if config[3] > 2:
+            raise OutOfResources("out of resource: shared memory")
+    monkeypatch.setattr(m, "_launch", launch)
+    monkeypatch.setattr(gpu_quant, "_fitting", {})
+    x = torch.randn(3, 64).half()
+    cfg = (16, 32, 4, 4, 1)
+    m.mm_parts(x, cfg)
+    m.mm_parts(x, cfg)
+    assert tried == [4, 3, 2, 2]
+
+    def broken(x, ws, grid, config, k_part):
+        raise ValueError("not a resource")
+    monkeypatch.setattr(m, "_launch", broken)
+    with pytest.raises(ValueError, match="not a resource"):
+        m.mm_parts(x, (16, 64, 4, 4, 1))
+
+
 def interpreted_product(fmt, w, x):
     m = gpu_quant.quantize(w, fmt)
     ref = x.float() @ gpu_quant.dequantized(m).to(x.dtype).float().T  # the weights as the kernel rounds them
