@@ -7,7 +7,7 @@ Layout on the GPU (packed once, as each matrix is quantized):
     16G bytes (coalesced), byte 16h + i holding q[n, 32(cG + h) + i] in its low nibble and
     q[n, 32(cG + h) + 16 + i] in its high one: the low nibbles of a chunk are the first 16 weights of
     each of its groups, the high nibbles the last 16, so each nibble half of a byte is a whole 16-wide
-    slice of K (a tensor-core step) and no shuffle interleaves them. `sz` [K/32, N] int32: a group's
+    slice of K (a tensor-core step) and no shuffle interleaves them. `sz` [N, K/32] int32: a group's
     bf16 scale bits in the low half, its zero point's in the high half (bf16 held as bits: Triton's
     interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
   * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
@@ -56,7 +56,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M", "sys_"])
-    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qc, s_qn, s_sg, sys_, sym,
+    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qc, s_qn, s_sn, sys_, sym,
                     BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
         # program (m block, n block, part of K): y[part] = x[m block, part] @ W[n block, part].T, W
         # dequantized a chunk of G groups at a time: the chunk's low nibbles (the first 16 weights of
@@ -74,8 +74,9 @@ def _kernels():
         for c in range(c_lo, c_hi):  # (offsets below 2^31 bytes: a matrix of under 4G weights)
             p = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + j[None, :], mask=cols_in[:, None],
                         other=0).to(tl.int32)  # [BN, 16 G]: two weights a byte, one contiguous run a row
-            sz = tl.load(sz_ptr + (c * G + j // 16)[None, :] * s_sg + rn[:, None], mask=cols_in[:, None],
-                         other=0)  # [BN, 16 G]: each byte's group's bf16 bits, scale | zero << 16
+            sz = tl.load(sz_ptr + rn[:, None] * s_sn + (c * G + j // 16)[None, :], mask=cols_in[:, None],
+                         other=0)  # [BN, 16 G]: each byte's group's bf16 bits, scale | zero << 16 (along a row,
+            # as the bytes: the same register layout, no shuffle between them)
             scale = (sz << 16).to(tl.float32, bitcast=True)
             zero = (sz & -65536).to(tl.float32, bitcast=True)
             k = c * (32 * G) + kj
@@ -217,7 +218,7 @@ class TritonInt4(TritonMatrix):
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
-        sz = self.sz.t()  # [out, groups] int32
+        sz = self.sz  # [out, groups] int32
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
@@ -264,14 +265,14 @@ def chunk_groups(k: int) -> int:
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32G, N, 16G] uint8,
-    sz [K/32, N] int32), the GPU layout of the module's docstring (G = chunk_groups(K))."""
+    sz [N, K/32] int32), the GPU layout of the module's docstring (G = chunk_groups(K))."""
     n, k = q.shape
     g = chunk_groups(k)
     halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, i]: k = 32 group + 16 half + i
     q4 = halves[:, :, 0] | (halves[:, :, 1] << 4)          # [n, group, 16]
     q4 = q4.reshape(n, k // 32 // g, 16 * g).transpose(0, 1).contiguous()
     sz = (_bf16_bits(scale) & 0xFFFF) | (_bf16_bits(zero) << 16)
-    return q4, sz.t().contiguous()
+    return q4, sz.contiguous()
 
 
 def _bf16_bits(t: torch.Tensor) -> torch.Tensor:

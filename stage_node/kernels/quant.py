@@ -26,9 +26,9 @@ Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA;
   a stage tries a small product at start-up and refuses the format, saying why, where it fails.
 - **int4 and int8 on CUDA** (stage_node.kernels.gpu_quant; no bitsandbytes, so a Jetson Orin's sm_87
-  runs them): the same grids, repacked at load for coalesced reads (int4: [K/32, N, 16] bytes, each
-  byte two weights 16 apart in a group, so each nibble half is a 16-wide slice of K; scale and zero
-  point as bf16 bits in one int32 a group), multiplied by Triton kernels with bf16 activations that
+  runs them): the same grids, repacked at load for coalesced reads (int4: chunks of 4 groups along K,
+  [K/128, N, 64] bytes, each byte two weights 16 apart in a group, so each nibble half is a 16-wide
+  slice of K; scale and zero point as bf16 bits in one int32 a group), multiplied by Triton kernels with bf16 activations that
   dequantize in registers and multiply on the tensor cores, float32 accumulation: one kernel per
   format, its tile by the row count (16-row tiles over narrow column blocks for decode, the GEMV
   shape; larger tiles for prompts, a tiled GEMM dequantizing on the fly). They run in the fused layer

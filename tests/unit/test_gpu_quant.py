@@ -61,7 +61,7 @@ def test_the_gpu_packing_holds_the_cpu_grid():
     cpu = Int4Packed(w, kernel="torch")
     assert [torch.equal(a, b) for a, b in zip(m.grid(), cpu.grid())] == [True, True]
     assert torch.equal(gpu_quant.dequantized(m), dequantize_int4(q, scale, zero))
-    assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (3, 48)
+    assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (48, 3)
     for k, chunk in ((256, 4), (192, 2)):  # chunks of 4 groups (2 where K / 32 is not a multiple of 4)
         wk = torch.randn(16, k, generator=g)
         mk = gpu_quant.TritonInt4(wk)
