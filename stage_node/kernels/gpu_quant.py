@@ -47,7 +47,8 @@ from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, deq
 log = logging.getLogger(__name__)
 
 INT4_CHUNK = 4    # int4: groups of 32 a chunk of the K loop (128 of K; fewer where K / 32 is not a multiple of 4)
-INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
+INT8_BK = 64      # int8: K a chunk, the same for every tile (part of the sum's order; 128 took 168
+                  # registers a thread in the decode tile against 128 at 64)
 
 
 @functools.cache
@@ -66,6 +67,7 @@ def _kernels():
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         j = tl.arange(0, 16 * G)          # a chunk's bytes: group j // 16, weight j % 16 of each half
         kj = (j // 16) * 32 + j % 16      # the low nibble's place in the chunk's K (the high one's: + 16)
+        h = tl.arange(0, G)               # a chunk's groups
         rows_in, cols_in = rm < M, rn < N
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
         c_lo = part * (k_part // (32 * G))
@@ -74,10 +76,9 @@ def _kernels():
         for c in range(c_lo, c_hi):  # (offsets below 2^31 bytes: a matrix of under 4G weights)
             p = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + j[None, :], mask=cols_in[:, None],
                         other=0).to(tl.int32)  # [BN, 16 G]: two weights a byte, one contiguous run a row
-            sz = tl.load(sz_ptr + rn[:, None] * s_sn + (c * G + j // 16)[None, :], mask=cols_in[:, None],
-                         other=0)  # [BN, 16 G]: each byte's group's bf16 bits, scale | zero << 16 (along a row,
-            # as the bytes: the same register layout, no shuffle between them)
-            scale = (sz << 16).to(tl.float32, bitcast=True)
+            sz = tl.load(sz_ptr + rn[:, None] * s_sn + c * G + h[None, :], mask=cols_in[:, None], other=0)
+            sz = tl.reshape(tl.broadcast_to(sz[:, :, None], (BN, G, 16)), (BN, 16 * G))  # each byte's group's
+            scale = (sz << 16).to(tl.float32, bitcast=True)  # bf16 bits: scale | zero << 16
             zero = (sz & -65536).to(tl.float32, bitcast=True)
             k = c * (32 * G) + kj
             xa = tl.load(x_rows + k[None, :], mask=rows_in[:, None], other=0.0)       # [BM, 16 G]
@@ -126,18 +127,18 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
     w [n, k]. The parts are the float path's (invariant.k_parts: a function of the matrix); the tile
     follows m. Decode tiles are narrow (32 outputs) so that an 8B layer's matrices give 1 to 7
-    programs an SM: an int4 tile is a quarter of a bf16 one's bytes. (Not yet tuned on a GPU: the
-    bench's `--part sweep` times the alternatives.)"""
+    programs an SM (an int4 tile is a quarter of a bf16 one's bytes); prompt tiles are 64 columns
+    wide over 8 warps, the widest that neither kernel spills registers at (compiled for sm_90 and
+    sm_87 without a GPU, tests/unit/test_gpu_quant.py: 128 x 128 spilled 200 to 1,800 bytes a
+    thread). Not yet timed on a GPU: bench/gpu_quant.py's `--part sweep` times the alternatives."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
     parts = invariant.k_parts(n, k)
     if m <= invariant.DECODE_ROWS:
-        return 16, 32, 4, 4, parts
+        return 16, 32, 4, 3, parts
     if m <= 64:
-        return 64, 64, 4, 4, parts
-    if m <= 128:
-        return 64, 128, 4, 3, parts
-    return 128, 128, 8, 3, parts
+        return 64, 64, 8, 3, parts
+    return 128, 64, 8, 3, parts
 
 
 _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,57 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
     monkeypatch.setattr(m, "_launch", broken)
     with pytest.raises(ValueError, match="not a resource"):
         m.mm_parts(x, (16, 64, 4, 4, 1))
+
+
+INT4_ARGS = ("x_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "s_qc", "s_qn", "s_sn", "sys_", "sym")
+INT8_ARGS = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "sqn", "sys_", "sym")
+SHARED_LIMIT = {90: 227 * 1024, 87: 163 * 1024}  # bytes a program may take: H100, Jetson Orin
+
+
+def compiled(kernel, signature: dict, constexprs: dict, cap: int, warps: int, stages: int) -> tuple[int, int]:
+    """(shared memory bytes, spilled bytes a thread; -1 unknown) of `kernel` compiled for sm_`cap`
+    by Triton ahead of time (no GPU: its bundled ptxas, and cuobjdump for the spills)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    c = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                       target=GPUTarget("cuda", cap, 32), options=dict(num_warps=warps, num_stages=stages))
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return c.metadata.shared, -1
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return c.metadata.shared, int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def test_the_kernels_compile_for_an_h100_and_an_orin():
+    """Every tile qmm_config chooses, compiled by Triton for sm_90 (H100) without a GPU, and the
+    decode tile for sm_87 (Jetson Orin; the prompt tiles take at most a third of its shared memory):
+    it compiles, its shared memory fits the GPU's, and on sm_90 no register spills (128 x 128 prompt
+    tiles spilled; see qmm_config). The real compiler, which the interpreter tests cannot reach."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("compiled in the parent process")
+    try:
+        from triton.compiler import ASTSource  # noqa: F401
+        _, int4_kernel, int8_kernel = gpu_quant._kernels()
+    except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
+        pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
+    tiles = sorted({gpu_quant.qmm_config(4096, 4096, torch.bfloat16, m)[:4] for m in (1, 40, 200)})
+    for cap in (90, 87):
+        for bm, bn, warps, stages in tiles if cap == 90 else tiles[:1]:
+            for kernel, args, ptrs, const in (
+                    (int4_kernel, INT4_ARGS, ["*bf16", "*u8", "*i32", "*bf16"], {"G": gpu_quant.INT4_CHUNK}),
+                    (int8_kernel, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"], {"BK": gpu_quant.INT8_BK})):
+                signature = dict(zip(args, ptrs + ["i32"] * (len(args) - 4)))
+                shared, spilled = compiled(kernel, signature, {"BM": bm, "BN": bn, "IEEE": False, **const}, cap, warps,
+                                           stages)
+                what = f"{kernel.__name__} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
+                assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
+                assert cap != 90 or spilled <= 0, f"{what}: {spilled} bytes of registers spilled a thread"
 
 
 def interpreted_product(fmt, w, x):
