@@ -47,8 +47,7 @@ from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, deq
 log = logging.getLogger(__name__)
 
 INT4_CHUNK = 4    # int4: groups of 32 a chunk of the K loop (128 of K; fewer where K / 32 is not a multiple of 4)
-INT8_BK = 64      # int8: K a chunk, the same for every tile (part of the sum's order; 128 took 168
-                  # registers a thread in the decode tile against 128 at 64)
+INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
 
 
 @functools.cache
@@ -126,19 +125,22 @@ def _kernels():
 def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
     w [n, k]. The parts are the float path's (invariant.k_parts: a function of the matrix); the tile
-    follows m. Decode tiles are narrow (32 outputs) so that an 8B layer's matrices give 1 to 7
-    programs an SM (an int4 tile is a quarter of a bf16 one's bytes); prompt tiles are 64 columns
-    wide over 8 warps, the widest that neither kernel spills registers at (compiled for sm_90 and
-    sm_87 without a GPU, tests/unit/test_gpu_quant.py: 128 x 128 spilled 200 to 1,800 bytes a
-    thread). Not yet timed on a GPU: bench/gpu_quant.py's `--part sweep` times the alternatives."""
+    follows m, as the float path's does (invariant.mm_config). Decode tiles are narrow (32 outputs)
+    so that an 8B layer's matrices give 1 to 7 programs an SM (an int4 tile is a quarter of a bf16
+    one's bytes). Compiled for sm_90 without a GPU (tests/unit/test_gpu_quant.py), the decode tile
+    takes 58 (int4) / 48 (int8) registers a thread and 20 / 24 KB of shared memory (its loads
+    pipelined), the 128 x 128 prompt tile 127 / 167 registers and 148 / 160 KB, none spilled. Not
+    yet timed on a GPU: bench/gpu_quant.py's `--part sweep` times the alternatives."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
     parts = invariant.k_parts(n, k)
     if m <= invariant.DECODE_ROWS:
-        return 16, 32, 4, 3, parts
+        return 16, 32, 4, 4, parts
     if m <= 64:
-        return 64, 64, 8, 3, parts
-    return 128, 64, 8, 3, parts
+        return 64, 64, 4, 4, parts
+    if m <= 128:
+        return 64, 128, 4, 3, parts
+    return 128, 128, 8, 3, parts
 
 
 _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU
