@@ -40,10 +40,11 @@ class QuantMatrix:
 
 
 def bf16_at_least(x: torch.Tensor) -> torch.Tensor:
-    """x (float32, >= 0) rounded to a bf16 value no smaller than it."""
+    """x (float32, >= 0, finite) rounded to a bf16 value no smaller than it. (The next bf16 up of a
+    positive one is its bits + 1: integer ops, which every device has for bf16's bits.)"""
     y = x.to(torch.bfloat16)
-    low = y.float() < x
-    return torch.where(low, torch.nextafter(y, torch.tensor(float("inf"), dtype=torch.bfloat16, device=y.device)), y)
+    up = (y.view(torch.int16) + 1).view(torch.bfloat16)
+    return torch.where(y.float() < x, up, y)
 
 
 def int8_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
