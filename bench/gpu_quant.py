@@ -143,45 +143,50 @@ def decode(args, res: dict) -> None:
     ref = None
     for fmt in FORMATS:
         shard = load(path, fmt, args.layers)
-        bs, ctx = 16, args.context
-        blocks = list(range(max(300, 2 * (ctx // bs + 1))))  # (as bench.gpu_step: room past the graph's bucket)
-        pool = shard.new_pool(len(blocks), bs)
-        graphs = StepGraphs(shard, pool, warm=False)
-        x = torch.randn(1, shard.config.hidden_size, generator=torch.Generator(device="cuda").manual_seed(1),
-                        device="cuda").bfloat16()
-        rows = [GraphRow(ctx, ctx, blocks)]
-        with torch.inference_mode():
-            h = graphs.forward(x, rows)
-            if h is None or graphs.disabled or not graphs.graphs:
-                raise RuntimeError(f"{fmt}: the one-row step was not captured in a CUDA graph (the stage's warning "
-                                   "above says why)")
-            h = h.clone()
-            g = next(iter(graphs.graphs.values()))
-            replay = timed(g.graph.replay, 200)
-            host = timed(lambda: graphs.forward(x, rows), 100)
-            head = timed(lambda: shard.logits(h), 100)
-            kv = StepKV(pool, torch.tensor([ctx], device="cuda"), (seq_slice(ctx, 1, blocks, bs, "cuda", ctx),))
-            eager = shard.forward(x, kv)
-        layer_bytes = sum(tensor_bytes(v) for w in shard.layers for v in vars(w).values())
-        total = shard.weight_bytes  # layers, final norm, LM head (no embedding: a token only indexes it)
-        ms = replay + head
-        r = out[fmt] = {
-            "fused_layers": shard.fused_layers, "weight_gb": round(total / 1e9, 3),
+        r, h = one_row_step(shard, args.context, tbps)
+        if ref is None:
+            ref = h.float()
+        else:
+            r["rel_err_vs_bf16"] = round(float((h.float() - ref).norm() / ref.norm()), 4)
+        out[fmt] = r
+        print(fmt, r, flush=True)
+        del shard, h
+        torch.cuda.empty_cache()
+    for fmt in ("int4", "int8"):
+        out[f"{fmt}_speedup_vs_bf16"] = round(out["bf16"]["ms_per_token"] / out[fmt]["ms_per_token"], 2)
+
+
+def one_row_step(shard: Shard, ctx: int, tbps: float) -> tuple[dict, torch.Tensor]:
+    """(the figures of a one-row decode step at `ctx` positions: its layers as a CUDA-graph replay
+    plus the LM head eagerly, its output [1, hidden])."""
+    bs = 16
+    blocks = list(range(max(300, 2 * (ctx // bs + 1))))  # (as bench.gpu_step: room past the graph's bucket)
+    pool = shard.new_pool(len(blocks), bs)
+    graphs = StepGraphs(shard, pool, warm=False)
+    x = torch.randn(1, shard.config.hidden_size, generator=torch.Generator(device="cuda").manual_seed(1),
+                    device="cuda").bfloat16()
+    rows = [GraphRow(ctx, ctx, blocks)]
+    with torch.inference_mode():
+        h = graphs.forward(x, rows)
+        if h is None or graphs.disabled or not graphs.graphs:
+            raise RuntimeError("the one-row step was not captured in a CUDA graph (the stage's warning above says why)")
+        h = h.clone()
+        g = next(iter(graphs.graphs.values()))
+        replay = timed(g.graph.replay, 200)
+        host = timed(lambda: graphs.forward(x, rows), 100)
+        head = timed(lambda: shard.logits(h), 100)
+        kv = StepKV(pool, torch.tensor([ctx], device="cuda"), (seq_slice(ctx, 1, blocks, bs, "cuda", ctx),))
+        eager = shard.forward(x, kv)
+    layer_bytes = sum(tensor_bytes(v) for w in shard.layers for v in vars(w).values())
+    total = shard.weight_bytes  # layers, final norm, LM head (no embedding: a token only indexes it)
+    ms = replay + head
+    return {"fused_layers": shard.fused_layers, "weight_gb": round(total / 1e9, 3),
             "layer_gb": round(layer_bytes / 1e9, 3), "layers_graph_ms": round(replay, 4),
             "layers_graph_forward_ms": round(host, 4), "lm_head_ms": round(head, 4), "ms_per_token": round(ms, 4),
             "tokens_per_s": round(1000 / ms, 1), "hbm_limit_ms": round(total / tbps / 1e9, 4),
             "of_hbm_limit": round(total / tbps / 1e9 / ms, 3),
             "layers_of_hbm_limit": round(layer_bytes / tbps / 1e9 / replay, 3),
-            "graph_equals_eager": torch.equal(eager, h)}
-        if ref is None:
-            ref = h.float()
-        else:
-            r["rel_err_vs_bf16"] = round(float((h.float() - ref).norm() / ref.norm()), 4)
-        print(fmt, r, flush=True)
-        del shard, graphs, pool, g
-        torch.cuda.empty_cache()
-    for fmt in ("int4", "int8"):
-        out[f"{fmt}_speedup_vs_bf16"] = round(out["bf16"]["ms_per_token"] / out[fmt]["ms_per_token"], 2)
+            "graph_equals_eager": torch.equal(eager, h)}, h
 
 
 def matrices(args, res: dict) -> None:
@@ -195,7 +200,7 @@ def matrices(args, res: dict) -> None:
             mul = (lambda x, m=m: invariant.mm(x, m)) if fmt == "bf16" else m
             for rows in (1, 8):
                 x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
-                ms = graph_ms(lambda: mul(x))
+                ms = graph_ms(lambda x=x, mul=mul: mul(x))
                 nbytes = tensor_bytes(m)
                 out[f"{fmt}_{name}_{rows}"] = {"us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6)}
         print(fmt, {k: v for k, v in out.items() if k.startswith(fmt)}, flush=True)
@@ -221,7 +226,8 @@ def sweep(args, res: dict) -> None:
                             for parts in (1, 2, 4):
                                 cfg = (16, bn, warps, stages, parts)
                                 try:
-                                    times[cfg] = graph_ms(lambda: m.mm_parts(x, cfg), inner=10, rounds=20)
+                                    times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10,
+                                                          rounds=20)
                                 except Exception as exc:  # noqa: BLE001 — a tile that does not fit (shared memory)
                                     print("sweep", fmt, name, rows, cfg, "failed:", str(exc).splitlines()[0][:120])
                 best = min(times, key=times.get)
@@ -337,7 +343,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             PARTS[part](args, res)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — recorded with what the other parts measured, then re-raised
             res["error"] = f"part {part}: {type(exc).__name__}: {exc}"
             save()
             traceback.print_exc()

@@ -60,8 +60,14 @@ import time
 import torch
 
 from logicpipe.stage_node.kernels import cpu_native, gpu_quant
-from logicpipe.stage_node.kernels.quant_grid import (GROUP_INT4, QuantError, QuantMatrix, check_int4_shape, int4_grid,
-                                                     int8_grid)
+from logicpipe.stage_node.kernels.quant_grid import (
+    GROUP_INT4,
+    QuantError,
+    QuantMatrix,
+    check_int4_shape,
+    int4_grid,
+    int8_grid,
+)
 
 log = logging.getLogger(__name__)
 
