@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quantize", default="none", choices=list(QUANT_CHOICES),
                     help="hold this stage's layers quantized: int4 or int8 (CPU: the native kernels or torch's "
                          "packed ones, whichever is faster here, timed at start; LOGICPIPE_CPU_KERNEL=native|torch "
-                         "forces one; the LM head then in int8 too), nf4 or fp4 (bitsandbytes); embeddings and norms stay in the compute "
+                         "forces one; CUDA: Triton kernels, batch-invariant; the LM head then in int8 too), nf4 or fp4 (bitsandbytes); embeddings and norms stay in the compute "
                          "dtype (default none)")
     ap.add_argument("--replay-rows", default="on", choices=["on", "off"],
                     help="keep the hidden rows this stage sends on (one row per KV position: about one layer's KV "
@@ -120,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "depends on the other rows of its step, so a request gives the same tokens alone or among "
                          "others, and a replay recomputes them exactly (auto, the default: on where triton is "
                          "installed, as it is with torch's CUDA wheels; a CPU stage is batch-invariant always and "
-                         "ignores this; quantized layers keep their own kernels)")
+                         "ignores this; int4 / int8 layers are batch-invariant always, nf4 / fp4 never)")
     ap.add_argument("--draft-model", default="", metavar="DIR",
                     help="as the last stage, draft candidate tokens with this small model (same tokenizer; "
                          "default: prompt lookup, no model)")

@@ -273,7 +273,10 @@ def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int,
 def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T as its parts over K, not yet added: [parts, M, N] float32 (several
     parts), or [1, M, N] in x's dtype (one part: the product itself). `mm` adds them in order;
-    `stage_node.fused.add_norm` adds them in the same order and the residual and the next norm."""
+    `stage_node.fused.add_norm` adds them in the same order and the residual and the next norm. A
+    quantized w (stage_node.kernels.gpu_quant) gives its parts by its own kernels, by the same rule."""
+    if not isinstance(w, torch.Tensor):
+        return w.mm_parts(x)
     triton, kernel, _, _, _ = _kernels()
     M, K = x.shape
     N = w.shape[0]
@@ -294,12 +297,16 @@ def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = 
 def mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, each row independent of the others (see the
     module's docstring); `config` overrides mm_config (the bench's sweep)."""
-    triton, _, sum_parts, _, _ = _kernels()
-    ws = mm_parts(x, w, config)
+    return add_parts(mm_parts(x, w, config), x.dtype)
+
+
+def add_parts(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A product's parts over K [parts, M, N] (mm_parts) added in order -> [M, N] in `dtype`."""
     parts, M, N = ws.shape
     if parts == 1:
         return ws[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    triton, _, sum_parts, _, _ = _kernels()
+    y = torch.empty(M, N, dtype=dtype, device=ws.device)
     if M:
         sum_parts[(triton.cdiv(M * N, 1024),)](ws, y, M * N, PARTS=parts, BLOCK=1024, num_warps=4)
     return y

@@ -25,15 +25,28 @@ Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`
   bf16 by 2^-9 of it (tests/unit/test_cpu_kernels.py bounds both).
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA;
   a stage tries a small product at start-up and refuses the format, saying why, where it fails.
-- int4 and int8 on CUDA are refused with a message saying what to use instead (not built yet).
+- **int4 and int8 on CUDA** (stage_node.kernels.gpu_quant; no bitsandbytes, so a Jetson Orin's sm_87
+  runs them): the same grids, repacked at load for coalesced reads (int4: chunks of 4 groups along K,
+  [K/128, N, 64] bytes, each byte two weights 16 apart in a group, so each nibble half is a 16-wide
+  slice of K; scale and zero point as bf16 bits in one int32 a group), multiplied by Triton kernels with bf16 activations that
+  dequantize in registers and multiply on the tensor cores, float32 accumulation: one kernel per
+  format, its tile by the row count (16-row tiles over narrow column blocks for decode, the GEMV
+  shape; larger tiles for prompts, a tiled GEMM dequantizing on the fly). They run in the fused layer
+  loop (stage_node.fused) and in CUDA graphs (no host sync, the output the only allocation). A stage
+  tries a small product at start-up (`gpu_quant.trial`) and refuses the format, saying why, where
+  it fails (no triton; a GPU Triton cannot compile for).
 
-Scales and zero points are rounded to bf16 (the kernels take them so) before the weights are
-quantized against them, so the grid the weights are rounded to is the one the kernel uses.
+The grids live in quant_grid: scales and zero points are rounded to bf16 (the kernels take them so)
+before the weights are quantized against them, so the grid the weights are rounded to is the one
+every kernel uses, on either device.
 
 Batch invariance. The int4 and int8 kernels (native and torch's) compute each row of a product on its
 own, in an order that does not depend on the number of rows (checked for 1 to 64 rows by
 tests/unit/test_quant.py): a request gives the same greedy tokens alone or among others, as the
-float path does (`stage_node.ops`). bitsandbytes' nf4/fp4 does not promise that: one row takes its
+float path does (`stage_node.ops`). The CUDA kernels follow the float CUDA path's rule
+(stage_node.kernels.invariant: parts of K fixed per matrix, 16-wide slices of K in order, whatever
+the tile; rows 1..n in Triton's interpreter by tests/unit/test_gpu_quant.py, any row at any place on
+the GPU by bench/gpu_quant.py). bitsandbytes' nf4/fp4 does not promise that: one row takes its
 matrix-vector kernel, several rows a dequantized product, so greedy tokens on such a stage are
 deterministic for a given batch but may differ between a request alone and one among others.
 """
@@ -46,22 +59,27 @@ import time
 
 import torch
 
-from logicpipe.stage_node.kernels import cpu_native
+from logicpipe.stage_node.kernels import cpu_native, gpu_quant
+from logicpipe.stage_node.kernels.quant_grid import (
+    GROUP_INT4,
+    QuantError,
+    QuantMatrix,
+    check_int4_shape,
+    int4_grid,
+    int8_grid,
+)
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("none", "int4", "int8", "nf4", "fp4")
 BLOCK_4BIT = 64       # bitsandbytes' block
-GROUP_INT4 = 32       # int4: weights per scale and zero point, along the input (Q4_1's block)
 HEAD_FORMAT = {"int4": "int8", "int8": "int8"}  # the LM head of a stage in these formats; others keep it float
 
 
-class QuantError(ValueError):
-    """A format this node cannot run, or its library missing."""
-
-
 def check_format(fmt: str, device: str, *, trial=None) -> None:
-    """Raise QuantError unless `fmt` can run on `device` here. nf4 / fp4 need bitsandbytes importable,
+    """Raise QuantError unless `fmt` can run on `device` here. int4 / int8 on CUDA need triton and a
+    small product right on the device (`trial`, default `gpu_quant.trial` once per process, format
+    and device). nf4 / fp4 need bitsandbytes importable,
     on a CUDA device its CUDA library loaded, and a small product of the format right on the device
     (`trial`, default `trial_4bit` once per process, format and device). Whether bitsandbytes runs on
     a GPU is known only by trying: its aarch64 wheels hold kernels for sm_75, sm_80 and sm_90 only,
@@ -69,9 +87,14 @@ def check_format(fmt: str, device: str, *, trial=None) -> None:
     start-up, naming the GPU's compute capability, rather than failing at its first step."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}: use one of {', '.join(FORMATS)}")
-    if fmt in ("int4", "int8") and torch.device(device).type != "cpu":
-        raise QuantError(f"--quantize {fmt} runs on the CPU only for now (torch's packed CPU kernels); "
-                         "on CUDA use --quantize nf4")
+    kind = torch.device(device).type
+    if fmt in ("int4", "int8") and kind != "cpu":
+        if kind != "cuda":
+            raise QuantError(f"--quantize {fmt} runs on the CPU and on CUDA only, not on {kind}")
+        reason = (trial or _trial_triton_once)(fmt, device)
+        if reason:
+            raise QuantError(f"--quantize {fmt} cannot run on {device_words(device)}: {reason} "
+                             "(--quantize nf4 takes bitsandbytes' kernels instead, or run the stage on the CPU)")
     if fmt in ("nf4", "fp4"):
         try:
             import bitsandbytes
@@ -131,32 +154,7 @@ def trial_4bit(fmt: str, device: str) -> str:
 
 
 _trial_once = functools.cache(trial_4bit)
-
-
-class QuantMatrix:
-    """A quantized [out, in] weight: `m(x)` is x @ W.T for x [rows, in]."""
-
-    format = ""
-
-    def __init__(self, out_features: int, in_features: int):
-        self.shape = (out_features, in_features)
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        raise NotImplementedError
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
-    """x (float32, >= 0) rounded to a bf16 value no smaller than it."""
-    y = x.to(torch.bfloat16)
-    low = y.float() < x
-    return torch.where(low, torch.nextafter(y, torch.tensor(float("inf"), dtype=torch.bfloat16)), y)
+_trial_triton_once = functools.cache(gpu_quant.trial)  # int4 / int8 on CUDA
 
 
 class Int8Packed(QuantMatrix):
@@ -167,11 +165,9 @@ class Int8Packed(QuantMatrix):
 
     def __init__(self, w: torch.Tensor, kernel: str | None = None):
         super().__init__(*w.shape)
-        w = w.float()
         self.kernel = kernel or cpu_kernel("int8")
-        scales = _bf16_at_least((w.abs().amax(1) / 127.0).clamp(min=1e-30))  # [out] bf16
-        q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self._scales, self._q = scales, q.contiguous()
+        q, scales = int8_grid(w)
+        self._scales, self._q = scales, q
         if self.kernel == "native":
             self._q, self._scales = cpu_native.pack_int8(q, scales)
             self._native = cpu_native.library().lp_int8_mm
@@ -204,16 +200,10 @@ class Int4Packed(QuantMatrix):
 
     def __init__(self, w: torch.Tensor, group: int = GROUP_INT4, kernel: str | None = None):
         out, inp = w.shape
-        if inp % group or out % 16:  # the same rule for either kernel: a shape runs whichever is chosen
-            raise QuantError(f"int4 needs matrices whose input size is a multiple of {group} and output size a "
-                             f"multiple of 16 (the kernel's packing), got {out} x {inp}: use --quantize int8")
+        check_int4_shape(out, inp, group)  # the same rule for every kernel: a shape runs whichever is chosen
         super().__init__(out, inp)
         self.kernel = kernel or cpu_kernel("int4")
-        g = w.float().reshape(out, inp // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)                                      # [out, groups]
-        scale = _bf16_at_least(((hi - lo) / 15.0).clamp(min=1e-30))
-        zero = (lo + 8.0 * scale.float()).to(torch.bfloat16)
-        q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8.0).round().clamp(0, 15)
+        q, scale, zero = int4_grid(w, group)
         self.group = group
         if self.kernel == "native":
             self._packed, self._scale_zero = cpu_native.pack_int4(q.reshape(out, inp), scale, zero, group)
@@ -328,8 +318,10 @@ class Bnb4bit(QuantMatrix):
 
 
 def quantize(w: torch.Tensor, fmt: str, kernel: str | None = None) -> QuantMatrix:
-    """w: [out, in] float, on its device -> the quantized matrix (int4 / int8: by `kernel`, else
-    this CPU's choice)."""
+    """w: [out, in] float, on its device -> the quantized matrix (int4 / int8: on CUDA by the Triton
+    kernels, on the CPU by `kernel`, else this CPU's choice)."""
+    if fmt in ("int4", "int8") and w.device.type == "cuda":
+        return gpu_quant.quantize(w, fmt)
     if fmt == "int4":
         return Int4Packed(w, kernel=kernel)
     if fmt == "int8":

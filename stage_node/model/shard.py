@@ -43,6 +43,7 @@ from logicpipe.stage_node.model.ops import (
     rms_norm,
     softcap,
 )
+from logicpipe.stage_node.kernels.gpu_quant import TritonMatrix
 from logicpipe.stage_node.kernels.quant import HEAD_FORMAT, check_format, tensor_bytes
 from logicpipe.stage_node.kernels.quant import quantize as quantize_matrix
 from logicpipe.stage_node.model.rope import RopeTables, apply_rope, rope_parameters
@@ -116,15 +117,15 @@ class Shard:
     def fused_layers(self) -> bool:
         """Whether the layers run with stage_node.fused's kernels (norm + residual, RoPE + KV write,
         SwiGLU in one launch each): a CUDA stage with batch-invariant kernels, and layers of plain
-        Llama style in floats (no biases, per-head or extra norms, experts, Gemma norms, partial or
-        skipped RoPE; SwiGLU)."""
+        Llama style in floats or in int4 / int8 by the Triton kernels (stage_node.kernels.gpu_quant; no
+        biases, per-head or extra norms, experts, Gemma norms, partial or skipped RoPE; SwiGLU)."""
         if not (self.use_fused and self.batch_invariant and self.device.type == "cuda"):
             return False
         if self._plain is None:
             a = self.arch
             self._plain = (a.norm == "llama" and a.activation == "silu" and not a.sandwich and self.dtype in
                            (torch.float32, torch.bfloat16, torch.float16) and all(
-                               isinstance(m, torch.Tensor) and m.dtype == self.dtype
+                               isinstance(m, torch.Tensor) and m.dtype == self.dtype or isinstance(m, TritonMatrix)
                                for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)) and all(
                                w.qkv_bias is None and w.o_bias is None and w.gate_up_bias is None and
                                w.down_bias is None and w.q_norm is None and w.attn_out_norm is None and

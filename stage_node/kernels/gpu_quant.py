@@ -1,0 +1,325 @@
+"""int4 and int8 weights on CUDA without bitsandbytes: the CPU formats' grids (stage_node.kernels.quant_grid)
+repacked at load for coalesced reads, multiplied by Triton kernels that dequantize in registers.
+
+Layout on the GPU (packed once, as each matrix is quantized):
+  * int4, w [N, K]: the K loop goes in chunks of G groups of 32 (G = chunk_groups(K): 4, or 2 or 1
+    where K / 32 is not a multiple of 4). `q4` [K/32G, N, 16G] uint8: chunk c of output n is one run of
+    16G bytes (coalesced), byte 16h + i holding q[n, 32(cG + h) + i] in its low nibble and
+    q[n, 32(cG + h) + 16 + i] in its high one: the low nibbles of a chunk are the first 16 weights of
+    each of its groups, the high nibbles the last 16, so each nibble half of a byte is a whole 16-wide
+    slice of K (a tensor-core step) and no shuffle interleaves them. `sz` [N, K/32] int32: a group's
+    bf16 scale bits in the low half, its zero point's in the high half (bf16 held as bits: Triton's
+    interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
+  * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
+
+The product. One kernel per format, program (block of rows, block of BN outputs, part of K): it reads
+its weight tile once for all its rows, dequantizes it in registers and multiplies on the tensor cores,
+float32 accumulation:
+  * int4: a chunk at a time, w = (q - 8) * scale + zero in float32, rounded to the activations'
+    dtype; one dot over the chunk's low halves, then one over its high halves (few, large dots: each
+    costs a change of register layout on the way to the tensor cores);
+  * int8: K in chunks of BK, q converted to the activations' dtype exactly, the dot, and the output
+    channel's scale applied to the part's sum.
+Decode (up to invariant.DECODE_ROWS rows) runs 16-row tiles over narrow column blocks, the
+GEMV shape (many programs, each streaming its weight tile once); prompts run larger tiles (the same
+kernel: a tiled GEMM dequantizing tiles on the fly). `qmm_config` picks them.
+
+Batch invariance, by the float path's rule (stage_node.kernels.invariant): a row's sum over K is taken
+in an order that never depends on the number of rows: K in parts fixed per matrix
+(`invariant.k_parts`, added in order by `invariant.add_parts`), each part in 16-wide slices in
+a fixed order (int4: a chunk's low halves, then its high halves, G fixed per matrix; int8: slices in
+ascending order, BK fixed per format, not per tile); the tile itself
+follows the row count, which the tensor cores' ordered 16-wide steps make harmless (checked on the
+H100 for the float kernel, bench/gpu_invariance.py; for these by bench/gpu_quant.py). Outputs are
+written with no host sync and no allocation but the output's, so a CUDA graph captures them.
+Triton is imported only when a matrix is multiplied.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, dequantize_int4, int4_grid, int8_grid
+
+log = logging.getLogger(__name__)
+
+INT4_CHUNK = 4    # int4: groups of 32 a chunk of the K loop (128 of K; fewer where K / 32 is not a multiple of 4)
+INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M", "sys_"])
+    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qc, s_qn, s_sn, sys_, sym,
+                    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
+        # program (m block, n block, part of K): y[part] = x[m block, part] @ W[n block, part].T, W
+        # dequantized a chunk of G groups at a time: the chunk's low nibbles (the first 16 weights of
+        # each group) in one dot, then its high nibbles; the same order for every tile
+        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        j = tl.arange(0, 16 * G)          # a chunk's bytes: group j // 16, weight j % 16 of each half
+        kj = (j // 16) * 32 + j % 16      # the low nibble's place in the chunk's K (the high one's: + 16)
+        h = tl.arange(0, G)               # a chunk's groups
+        rows_in, cols_in = rm < M, rn < N
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+        c_lo = part * (k_part // (32 * G))
+        c_hi = tl.minimum(c_lo + k_part // (32 * G), K // (32 * G))
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for c in range(c_lo, c_hi):  # (offsets below 2^31 bytes: a matrix of under 4G weights)
+            p = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + j[None, :], mask=cols_in[:, None],
+                        other=0).to(tl.int32)  # [BN, 16 G]: two weights a byte, one contiguous run a row
+            sz = tl.load(sz_ptr + rn[:, None] * s_sn + c * G + h[None, :], mask=cols_in[:, None], other=0)
+            sz = tl.reshape(tl.broadcast_to(sz[:, :, None], (BN, G, 16)), (BN, 16 * G))  # each byte's group's
+            scale = (sz << 16).to(tl.float32, bitcast=True)  # bf16 bits: scale | zero << 16
+            zero = (sz & -65536).to(tl.float32, bitcast=True)
+            k = c * (32 * G) + kj
+            xa = tl.load(x_rows + k[None, :], mask=rows_in[:, None], other=0.0)       # [BM, 16 G]
+            xb = tl.load(x_rows + 16 + k[None, :], mask=rows_in[:, None], other=0.0)
+            wa = (((p & 15) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # [BN, 16 G]: the low halves
+            wb = (((p >> 4) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # the high halves
+            if IEEE:
+                acc = tl.dot(xa, tl.trans(wa), acc, input_precision="ieee")
+                acc = tl.dot(xb, tl.trans(wb), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xa, tl.trans(wa), acc)
+                acc = tl.dot(xb, tl.trans(wb), acc)
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+
+    @triton.jit(do_not_specialize=["M", "sys_"])
+    def int8_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale
+        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        rk = tl.arange(0, BK)
+        rows_in, cols_in = rm < M, rn < N
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+        k0 = part * k_part
+        k1 = tl.minimum(k0 + k_part, K)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(k0, k1, BK):
+            kk = k + rk
+            a = tl.load(x_rows + kk[None, :], mask=rows_in[:, None] & (kk[None, :] < k1), other=0.0)  # [BM, BK]
+            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :] & (kk[:, None] < k1),
+                        other=0).to(a.dtype)  # [BK, BN]: exact (|q| <= 127)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+
+    return triton, int4_kernel, int8_kernel
+
+
+def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
+    w [n, k]. The parts are the float path's (invariant.k_parts: a function of the matrix); the tile
+    follows m, as the float path's does (invariant.mm_config). Decode tiles are narrow (32 outputs)
+    so that an 8B layer's matrices give 1 to 7 programs an SM (an int4 tile is a quarter of a bf16
+    one's bytes). Compiled for sm_90 without a GPU (tests/unit/test_gpu_quant.py), the decode tile
+    takes 58 (int4) / 48 (int8) registers a thread and 20 / 24 KB of shared memory (its loads
+    pipelined), the 128 x 128 prompt tile 127 / 167 registers and 148 / 160 KB, none spilled. Not
+    yet timed on a GPU: bench/gpu_quant.py's `--part sweep` times the alternatives."""
+    if dtype == torch.float32:  # exact float32 (no TF32): one tile
+        return 16, 32, 4, 3, 1
+    parts = invariant.k_parts(n, k)
+    if m <= invariant.DECODE_ROWS:
+        return 16, 32, 4, 4, parts
+    if m <= 64:
+        return 64, 64, 4, 4, parts
+    if m <= 128:
+        return 64, 128, 4, 3, parts
+    return 128, 128, 8, 3, parts
+
+
+_fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU
+
+
+def _k_part(k: int, parts: int) -> int:
+    """K a part sums, a multiple of 256 (the float path's: parts start at the same places)."""
+    k_part = -(-k // parts)
+    return -(-k_part // 256) * 256
+
+
+class TritonMatrix(QuantMatrix):
+    """A quantized matrix multiplied by this module's kernels (CUDA; the CPU in Triton's interpreter)."""
+
+    def _launch(self, x: torch.Tensor, ws: torch.Tensor, grid: tuple[int, int, int], config: tuple,
+                k_part: int) -> None:
+        raise NotImplementedError
+
+    def mm_parts(self, x: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x [M, K] -> the product's parts over K, not yet added: [parts, M, N] float32 (several
+        parts) or [1, M, N] in x's dtype (see invariant.mm_parts); `config` overrides qmm_config."""
+        N, K = self.shape
+        M = x.shape[0]
+        if x.shape[1] != K:
+            raise ValueError(f"a {self.format} matrix of {N} x {K} multiplied by rows of {x.shape[1]}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        config = config or qmm_config(N, K, x.dtype, M)
+        bm, bn, _, _, parts = config
+        k_part = _k_part(K, parts)
+        parts = -(-K // k_part)
+        ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
+        if M:
+            triton = _kernels()[0]
+            self._launch_fitting(x, ws, (triton.cdiv(M, bm), triton.cdiv(N, bn), parts), config, k_part)
+        return ws
+
+    def _launch_fitting(self, x, ws, grid, config, k_part) -> None:
+        """Launch with `config`, or with fewer pipeline stages where its tiles do not fit the GPU's
+        shared memory (Triton's OutOfResources; a Jetson Orin has 164 KB an SM, an H100 228 KB).
+        Stages change no sum: the bits are the same. Remembered per matrix shape and config."""
+        key = (self.format, self.shape, x.dtype, config)
+        fit = _fitting.get(key, config)
+        while True:
+            try:
+                self._launch(x, ws, grid, fit, k_part)
+            except Exception as exc:  # re-raised unless it is Triton's OutOfResources
+                if type(exc).__name__ != "OutOfResources" or fit[3] <= 1:
+                    raise
+                fit = (*fit[:3], fit[3] - 1, fit[4])
+                continue
+            if fit != config and key not in _fitting:
+                log.warning("%s product of a %d x %d matrix: %d pipeline stages do not fit this GPU's shared "
+                            "memory; %d do", self.format, *self.shape, config[3], fit[3])
+            _fitting[key] = fit
+            return
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = invariant.add_parts(self.mm_parts(x.reshape(-1, x.shape[-1])), x.dtype)
+        return out.view(*lead, self.shape[0])
+
+
+class TritonInt4(TritonMatrix):
+    """int4 on CUDA: the CPU's grid (groups of 32 along the input, bf16 scale and zero point), packed
+    as the module's docstring says."""
+
+    format = "int4"
+
+    def __init__(self, w: torch.Tensor):
+        q, scale, zero = int4_grid(w, GROUP_INT4)
+        super().__init__(*w.shape)
+        self.q4, self.sz = pack_int4(q, scale, zero)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q4.numel() + self.sz.numel() * self.sz.element_size()
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
+        sz = self.sz  # [out, groups] int32
+        return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
+
+    def _launch(self, x, ws, grid, config, k_part) -> None:
+        _, kernel, _ = _kernels()
+        bm, bn, warps, stages, _ = config
+        N, K = self.shape
+        kernel[grid](x, self.q4, self.sz, ws, x.shape[0], N, K, k_part, x.stride(0), self.q4.stride(0),
+                     self.q4.stride(1), self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1),
+                     BM=bm, BN=bn, G=self.q4.shape[2] // 16, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+class TritonInt8(TritonMatrix):
+    """int8 on CUDA: the CPU's grid (one bf16 scale per output channel), the int8 matrix as it is."""
+
+    format = "int8"
+
+    def __init__(self, w: torch.Tensor):
+        q, scales = int8_grid(w)
+        super().__init__(*w.shape)
+        self.q8, self.scales = q, scales.float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.q8.numel() + self.scales.numel() * self.scales.element_size()
+
+    def grid(self) -> torch.Tensor:
+        """The scale of each output channel, float32 [out]: w = q * scale."""
+        return self.scales
+
+    def _launch(self, x, ws, grid, config, k_part) -> None:
+        _, _, kernel = _kernels()
+        bm, bn, warps, stages, _ = config
+        N, K = self.shape
+        kernel[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
+                     ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
+                     IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+def chunk_groups(k: int) -> int:
+    """int4: groups of 32 weights a chunk of the kernel's K loop for an input of `k` (a function of the
+    matrix: the chunk fixes the sum's order), as many as divide k / 32, up to INT4_CHUNK."""
+    return next(g for g in (INT4_CHUNK, 2, 1) if k // 32 % g == 0)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32G, N, 16G] uint8,
+    sz [N, K/32] int32), the GPU layout of the module's docstring (G = chunk_groups(K))."""
+    n, k = q.shape
+    g = chunk_groups(k)
+    halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, i]: k = 32 group + 16 half + i
+    q4 = halves[:, :, 0] | (halves[:, :, 1] << 4)          # [n, group, 16]
+    q4 = q4.reshape(n, k // 32 // g, 16 * g).transpose(0, 1).contiguous()
+    sz = (_bf16_bits(scale) & 0xFFFF) | (_bf16_bits(zero) << 16)
+    return q4, sz.contiguous()
+
+
+def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor's bits as int32 (sign-extended: only the low 16 bits mean anything)."""
+    return t.contiguous().view(torch.int16).to(torch.int32)
+
+
+def unpack_int4(q4: torch.Tensor) -> torch.Tensor:
+    """q4 [K/32G, N, 16G] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
+    chunks, n, width = q4.shape
+    q = q4.long().transpose(0, 1).reshape(n, chunks * width // 16, 16)  # [n, group, 16]
+    return torch.stack([q & 15, q >> 4], 2).reshape(n, chunks * width * 2)
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
+    """w: [out, in] float on a CUDA device (or the CPU, for Triton's interpreter) -> the matrix in `fmt`."""
+    return TritonInt4(w) if fmt == "int4" else TritonInt8(w)
+
+
+def trial(fmt: str, device: str) -> str:
+    """'' when a 64 x 256 matrix in `fmt` multiplies 1 and 20 rows right on `device`, else why not:
+    triton missing, the error's first line (a GPU Triton cannot compile for), or how far the product
+    is off from the dequantized matrix's."""
+    if not invariant.triton_available():
+        return "it needs triton (it ships with torch's CUDA wheels: pip install triton)"
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 256, generator=g), torch.randn(20, 256, generator=g)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32  # (the interpreter: no bf16)
+    try:
+        m = quantize(w.to(device), fmt)
+        x = x.to(dtype)
+        ref = x.float() @ dequantized(m).cpu().to(dtype).float().T  # the kernel rounds weights to x's dtype
+        for rows in (1, 20):
+            off = float((m(x[:rows].to(device)).float().cpu() - ref[:rows]).norm() / ref[:rows].norm())
+            if not off < 1e-2:  # nan too
+                return f"a {rows}-row product of a {fmt} matrix is off by {off:.2g} of its norm"
+    except Exception as exc:  # noqa: BLE001 — a CUDA or Triton compile error: the stage refuses, saying it
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return (lines[0] if lines else type(exc).__name__)[:200]
+    return ""
+
+
+def dequantized(m: QuantMatrix) -> torch.Tensor:
+    """The float32 [N, K] matrix a TritonInt4 / TritonInt8 multiplies by (its grid's values)."""
+    if isinstance(m, TritonInt4):
+        return dequantize_int4(unpack_int4(m.q4), *m.grid())
+    return m.q8.float() * m.scales[:, None]

@@ -1,0 +1,265 @@
+"""int4 / int8 on CUDA (stage_node.kernels.gpu_quant): the GPU packing against the CPU format's grid,
+the stage's check of the format, and the Triton kernels run on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1, in a child process, as tests/unit/test_fused.py does; float32 and float16: the
+interpreter has no bfloat16) on small shapes: products against a float32 product with the dequantized
+matrix, rows 1..n the same bits among 1 to 40 rows (decode and prompt tiles), parts of K added in
+order, and the fused layer loop with quantized matrices against the plain forward. On the GPU:
+bench/gpu_quant.py (speed, CUDA graphs, greedy agreement with bf16)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+from logicpipe.stage_node.kernels import gpu_quant, invariant
+from logicpipe.stage_node.kernels.quant import Int4Packed, Int8Packed, QuantError, check_format
+from logicpipe.stage_node.kernels.quant_grid import dequantize_int4, int4_grid
+from logicpipe.stage_node.model import shard as shard_module
+from logicpipe.stage_node.model.shard import Shard
+
+from .test_quant import fake_orin
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # chosen before triton is first imported: a child process
+
+
+def test_kernels_in_triton_interpreter():
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this is the child process")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k",
+                        "interpreted_"], cwd=root, capture_output=True, text=True,
+                       env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+@pytest.fixture
+def interpret():
+    if not INTERPRETED:
+        pytest.skip("run in Triton's interpreter by test_kernels_in_triton_interpreter")
+
+
+def test_the_gpu_packing_holds_the_cpu_grid():
+    """TritonInt4 holds the CPU format's integers, scales and zero points (packed its own way, at the
+    same 0.625 bytes a weight); TritonInt8 the CPU's int8 matrix and scales."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g) * 0.05
+    q, scale, zero = int4_grid(w)
+    m = gpu_quant.TritonInt4(w)
+    assert torch.equal(gpu_quant.unpack_int4(m.q4), q.long())
+    got_scale, got_zero = m.grid()
+    assert torch.equal(got_scale, scale.float()) and torch.equal(got_zero, zero.float())
+    cpu = Int4Packed(w, kernel="torch")
+    assert [torch.equal(a, b) for a, b in zip(m.grid(), cpu.grid())] == [True, True]
+    assert torch.equal(gpu_quant.dequantized(m), dequantize_int4(q, scale, zero))
+    assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (48, 3)
+    for k, chunk in ((256, 4), (192, 2)):  # chunks of 4 groups (2 where K / 32 is not a multiple of 4)
+        wk = torch.randn(16, k, generator=g)
+        mk = gpu_quant.TritonInt4(wk)
+        assert mk.q4.shape == (k // 32 // chunk, 16, 16 * chunk)
+        assert torch.equal(gpu_quant.unpack_int4(mk.q4), int4_grid(wk)[0].long())
+    m8, cpu8 = gpu_quant.TritonInt8(w), Int8Packed(w, kernel="torch")
+    assert torch.equal(m8.q8, cpu8._q) and torch.equal(m8.grid(), cpu8.grid())
+    assert m8.nbytes == 48 * 96 + 48 * 4
+    with pytest.raises(QuantError, match="multiple of 32"):
+        gpu_quant.TritonInt4(torch.randn(32, 48))
+
+
+def test_a_cuda_stage_tries_int4_and_int8_and_says_why_it_cannot(monkeypatch):
+    fake_orin(monkeypatch)
+    for fmt in ("int4", "int8"):
+        check_format(fmt, "cuda", trial=lambda fmt, device: "")  # no longer refused on CUDA
+        with pytest.raises(QuantError, match=r"cannot run on Orin \(compute capability 8.7, sm_87\): it needs triton "
+                                             r".*--quantize nf4"):
+            check_format(fmt, "cuda:0", trial=lambda fmt, device: "it needs triton (...)")
+    with pytest.raises(QuantError, match="on the CPU and on CUDA only"):
+        check_format("int4", "mps")
+
+
+def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
+    """Triton's OutOfResources (a Jetson's smaller shared memory): the launch retries with fewer
+    pipeline stages (the same sums) and remembers the fit; any other error is raised."""
+    class OutOfResources(RuntimeError):
+        pass
+
+    m = gpu_quant.TritonInt8(torch.randn(32, 64))
+    tried = []
+
+    def launch(x, ws, grid, config, k_part):
+        tried.append(config[3])
+        if config[3] > 2:
+            raise OutOfResources("out of resource: shared memory")
+    monkeypatch.setattr(m, "_launch", launch)
+    monkeypatch.setattr(gpu_quant, "_fitting", {})
+    x = torch.randn(3, 64).half()
+    cfg = (16, 32, 4, 4, 1)
+    m.mm_parts(x, cfg)
+    m.mm_parts(x, cfg)
+    assert tried == [4, 3, 2, 2]
+
+    def broken(x, ws, grid, config, k_part):
+        raise ValueError("not a resource")
+    monkeypatch.setattr(m, "_launch", broken)
+    with pytest.raises(ValueError, match="not a resource"):
+        m.mm_parts(x, (16, 64, 4, 4, 1))
+
+
+INT4_ARGS = ("x_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "s_qc", "s_qn", "s_sn", "sys_", "sym")
+INT8_ARGS = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "sqn", "sys_", "sym")
+SHARED_LIMIT = {90: 227 * 1024, 87: 163 * 1024}  # bytes of shared memory a program may take: H100, Jetson Orin
+
+
+def compiled(kernel, signature: dict, constexprs: dict, cap: int, warps: int, stages: int) -> tuple[int, int]:
+    """(shared memory bytes, spilled bytes a thread; -1 unknown) of `kernel` compiled for sm_`cap`
+    by Triton ahead of time (no GPU: its bundled ptxas, and cuobjdump for the spills)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # the hints Triton's launcher gives at run time: pointers and sizes divisible by 16 (not the
+    # unspecialized arguments); without them its loads are neither vectorized nor pipelined
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name not in ("M", "sys_")}
+    c = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", cap, 32), options={"num_warps": warps, "num_stages": stages})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return c.metadata.shared, -1
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return c.metadata.shared, int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def test_the_kernels_compile_for_an_h100_and_an_orin():
+    """The decode tile and the largest prompt tile of qmm_config, compiled by Triton for sm_90 (H100)
+    without a GPU, and the decode tile for sm_87 (Jetson Orin; a prompt tile too large for its shared
+    memory is launched with fewer stages): it compiles, its shared memory fits the GPU's, and on
+    sm_90 no register spills. The real compiler, which the interpreter tests cannot reach (six
+    compiles: 9 s with an empty Triton cache on this shared machine, under a second after)."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("compiled in the parent process")
+    try:
+        from triton.compiler import ASTSource  # noqa: F401
+        _, int4_kernel, int8_kernel = gpu_quant._kernels()
+    except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
+        pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
+    tiles = [gpu_quant.qmm_config(4096, 4096, torch.bfloat16, m)[:4] for m in (1, 200)]  # decode, largest prompt
+    for cap in (90, 87):
+        for bm, bn, warps, stages in tiles if cap == 90 else tiles[:1]:
+            for kernel, args, ptrs, const in (
+                    (int4_kernel, INT4_ARGS, ["*bf16", "*u8", "*i32", "*bf16"], {"G": gpu_quant.INT4_CHUNK}),
+                    (int8_kernel, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"], {"BK": gpu_quant.INT8_BK})):
+                signature = dict(zip(args, ptrs + ["i32"] * (len(args) - 4)))
+                shared, spilled = compiled(kernel, signature, {"BM": bm, "BN": bn, "IEEE": False, **const}, cap, warps,
+                                           stages)
+                what = f"{kernel.__name__} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
+                assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
+                assert cap != 90 or spilled <= 0, f"{what}: {spilled} bytes of registers spilled a thread"
+
+
+def interpreted_product(fmt, w, x):
+    m = gpu_quant.quantize(w, fmt)
+    ref = x.float() @ gpu_quant.dequantized(m).to(x.dtype).float().T  # the weights as the kernel rounds them
+    return m, m(x), ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_interpreted_product_is_the_dequantized_matrix_s(interpret, fmt, dtype):
+    """Against a float32 product with the dequantized matrix (its weights rounded to x's dtype, as the
+    kernel does), and within the format's rounding of the float matrix; rows 1..n of 40 the same bits
+    alone as among them (16-row decode tiles up to 32 rows, 64-row tiles past that). At the same place
+    in their tile: the interpreter's numpy products give a row other bits by its place in a tile, so a
+    row's bits at any place are checked on the GPU (bench/gpu_quant.py --part invariance)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(80, 160, generator=g) * 0.05  # 5 groups a row: the K loop unrolls one group a chunk
+    x = torch.randn(40, 160, generator=g).to(dtype)
+    m, y, ref = interpreted_product(fmt, w, x)
+    assert y.dtype == dtype and y.shape == (40, 80)
+    bound = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (y.float() - ref).abs().max() <= bound * ref.abs().max()
+    exact = x.float() @ w.T
+    assert (y.float() - exact).abs().max() <= (0.1 if fmt == "int4" else 0.02) * exact.abs().max()
+    for rows in (1, 17, 33):
+        assert torch.equal(m(x[:rows]), y[:rows]), f"{rows} rows"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_interpreted_parts_of_k_are_added_in_order(interpret, fmt):
+    """A matrix the float path sums in two parts of K (few outputs, K >= 2048): the quantized kernels
+    give the same two parts, added in order (invariant.add_parts), rows alike alone or together."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 2304, generator=g) * 0.05  # 2304 = 2048 + 256: parts of 1280 and 1024
+    x = torch.randn(3, 2304, generator=g).half()
+    assert invariant.k_parts(32, 2304) == 2
+    m, y, ref = interpreted_product(fmt, w, x)
+    parts = m.mm_parts(x)
+    assert parts.shape == (2, 3, 32) and parts.dtype == torch.float32
+    assert torch.equal(y, (parts[0] + parts[1]).half())
+    assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
+
+
+def one_llama_layer(path: Path) -> Path:
+    """A random Llama layer's model directory (hidden 64, MLP 96, 4 heads, 2 KV heads), written
+    directly: transformers' import alone takes longer than the kernels' tests."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64),
+              "self_attn.o_proj": (64, 64), "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64),
+              "mlp.down_proj": (64, 96)}
+    t = {f"model.layers.0.{k}.weight": torch.randn(*s, generator=g) * 0.1 for k, s in shapes.items()}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        t[f"model.layers.0.{norm}.weight"] = 1 + 0.1 * torch.randn(64, generator=g)
+    save_file(t, str(path / "model.safetensors"))
+    return path
+
+
+def test_interpreted_fused_layers_with_quantized_matrices_match_the_forward(interpret, tmp_path, monkeypatch):
+    """A layer whose matrices are in int4 by the Triton kernels: stage_node.fused's layer loop (its
+    products' parts by gpu_quant through invariant.mm / mm_parts) gives the plain forward's hidden
+    states (whose products are the same matrices' own calls) and the same keys and values. (The
+    default RoPE given here: reading it imports transformers, longer than the test.)"""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)
+    monkeypatch.setattr(shard_module, "rope_parameters", lambda model_dir, kind="full": (inv_freq, 1.0))
+    shard = Shard.load(one_llama_layer(tmp_path), 0, 1, first=False, last=False)
+    shard.layers = [dataclasses.replace(w, **{name: gpu_quant.quantize(getattr(w, name), "int4")
+                                              for name in ("qkv", "o", "gate_up", "down")}) for w in shard.layers]
+    shard._plain = None
+    bs = 4
+    pools = [shard.new_pool(4, bs) for _ in range(2)]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    seqs = (seq_slice(0, 5, [0, 1], bs),)
+    write = torch.arange(5)
+    want = shard.forward(x, StepKV(pools[0], write, seqs))
+    shard.batch_invariant = True
+    kv = StepKV(pools[1], write, seqs)
+    table, positions, tiles, _ = shard._invariant_reads(kv)
+    rope = shard.ropes["full"]
+
+    def attend(i, q):
+        return invariant.attention(q, kv.pool.k[i], kv.pool.v[i], table, positions, tiles, scale=shard._scale)
+
+    got = shard.layers_fused(x, positions, write, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)}, attend)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pools[1].kv[:, :, :, :5], pools[0].kv[:, :, :, :5], rtol=1e-4, atol=1e-4)
+    shard.device = torch.device("cuda")  # (only the check: nothing runs) a CUDA stage would take the fused loop
+    assert shard.fused_layers
