@@ -125,18 +125,14 @@ def _kernels():
 def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
     w [n, k]. The parts are the float path's (invariant.k_parts: a function of the matrix); the tile
-    follows m, as the float path's does (invariant.mm_config). Decode tiles are narrow (32 outputs)
-    so that an 8B layer's matrices give 1 to 7 programs an SM (an int4 tile is a quarter of a bf16
-    one's bytes). Compiled for sm_90 without a GPU (tests/unit/test_gpu_quant.py), the decode tile
-    takes 58 (int4) / 48 (int8) registers a thread and 20 / 24 KB of shared memory (its loads
-    pipelined), the 128 x 128 prompt tile 127 / 167 registers and 148 / 160 KB, none spilled. Not
-    yet timed on a GPU: bench/gpu_quant.py's `--part sweep` times the alternatives."""
+    follows m, but never under 64 rows: on the H100 a 16- or 32-row tile gave a row other bits than
+    the 64- and 128-row tiles (bench/gpu_quant_tiles.py; the float path's do agree), so decode runs
+    the 64 x 64 tile too (int4 511 tok/s one stream for 8 layers of the 8B shape against 805 with
+    16 x 32: bench/gpu_quant.py, docs/engine.md)."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
     parts = invariant.k_parts(n, k)
-    if m <= invariant.DECODE_ROWS:
-        return 16, 32, 4, 4, parts
-    if m <= 64:
+    if m <= 64:  # decode too: a tile of fewer than 64 rows gave other bits than the larger ones on the H100
         return 64, 64, 4, 4, parts
     if m <= 128:
         return 64, 128, 4, 3, parts
