@@ -2,7 +2,8 @@
 
 One forward serves every family (common.families): it reads the checkpoint's `Arch` where the
 families differ (biases, q/k norms, norm style, activation, embedding scale, soft-capping,
-sliding-window layers and their RoPE, a mixture of experts: stage_node.moe).
+sliding-window layers and their RoPE, a mixture of experts: stage_node.moe; the gated delta-net layers of
+Qwen3.5 / Qwen3-Next, whose per-sequence state comes with the step: stage_node.model.deltanet).
 
 The forward runs on packed rows: the new tokens of several sequences, one after the other, go
 through every projection and MLP together, and only attention is done per sequence, against that
@@ -26,7 +27,8 @@ from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
-from logicpipe.stage_node.model import native_layers
+from logicpipe.stage_node.engine.states import RecurrentStates
+from logicpipe.stage_node.model import deltanet, native_layers
 from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.tp import TensorParallel
 from logicpipe.stage_node.model.mla import mla_attention
@@ -94,6 +96,8 @@ class Shard:
         # a CPU shard of natively quantized plain layers runs them in one call (native_layers; benches
         # and tests turn it off to compare)
         self.use_native = True
+        # local layers of gated delta-net linear attention: their state is kept per sequence (engine.states)
+        self.linear_layers = tuple(i for i, w in enumerate(layers) if w.linear is not None)
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -232,6 +236,9 @@ class Shard:
         t = read_tensors(model_dir, names, index)
         if quantize != "none":
             check_format(quantize, device.type)
+            if config.arch.hybrid:
+                raise ValueError(f"--quantize {quantize}: quantized linear-attention layers ({config.family}) are "
+                                 "not supported yet; run this stage unquantized")
         whole = config
         if tp is not None:
             config = tp_split.local_config(config, tp.world)
@@ -279,8 +286,11 @@ class Shard:
         """A KV pool for this shard's layers: `num_blocks` blocks of `block_size` positions."""
         c = self.config
         mla = self.arch.mla
-        return KVPool(self.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
+        pool = KVPool(self.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
                       device=self.device, parts=c.kv_parts, value_dim=mla.kv_lora_rank if mla else None)
+        if self.linear_layers:  # their recurrent states, per sequence, beside the KV of the other layers
+            pool.states = RecurrentStates()
+        return pool
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
@@ -377,6 +387,7 @@ class Shard:
                           invariant=self.batch_invariant)
         spans = self._spans(kv) if reads is None else None
 
+        c = self.config
         logs = kv.pool.logs
         for i, w in enumerate(self.layers):
             if i < first:
@@ -385,6 +396,11 @@ class Shard:
                 break
             if i and self.start + i in logs:  # the rows entering layer i, for a later replay (issue 34)
                 logs[self.start + i].index_copy_(0, kv.write_slots, hidden)
+            if w.linear is not None:  # gated delta-net: the sequences' recurrent states, no KV
+                mixed = deltanet.mix(self.norm(hidden, w.input_norm), w.linear, self.arch.linear, seqs, kv.states, i,
+                                     rows, c.rms_norm_eps)
+                hidden = self._mlp(w, hidden + mixed, rows)
+                continue
             kind = self.kind(i)
             cos, sin = tables[kind]
 
@@ -414,8 +430,11 @@ class Shard:
         if self._ropes[i]:  # SmolLM3: some layers without RoPE
             qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
-        v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
-        attn = self._reduced(linear(attend(i, q, k, v), w.o, None, rows), w.o_bias)  # attend: [T, heads * head_dim]
+        v = qkv[:, self._q_size + self._kv_size: self._q_size + 2 * self._kv_size].view(T, c.num_kv_heads, c.head_dim)
+        attended = attend(i, q, k, v)  # [T, heads * head_dim]
+        if self.arch.attn_gate:  # Qwen3.5 / Qwen3-Next: each head's output gated by sigmoid(x W_gate)
+            attended = attended * torch.sigmoid(qkv[:, self._q_size + 2 * self._kv_size:])
+        attn = self._reduced(linear(attended, w.o, None, rows), w.o_bias)
         return self._mlp(w, x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm)), rows)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -176,7 +176,8 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     else:
         shard = shard_for(a, model_dir, device, options, old)
     shard.batch_invariant = invariant
-    graphs = shard.device.type == "cuda" and options.cuda_graphs
+    # linear-attention layers (their per-sequence state comes with each step) run eagerly: no CUDA graphs yet
+    graphs = shard.device.type == "cuda" and options.cuda_graphs and not shard.linear_layers
     if tp is not None:
         logs = frozenset()
     elif graphs or not shard.can_tap:  # rows that skip the torch forward cannot leave their inner boundaries
