@@ -138,7 +138,11 @@ class Scheduler:
         if parent is not None:
             table = kv.fork(spec.parent, spec.session_id, spec.parent_length, spec.capacity)
             if self.states is not None:  # it holds the positions up to the parent's last state within them
-                kv.truncate(spec.session_id, self.states.fork(spec.parent, spec.session_id, spec.parent_length))
+                held = self.states.fork(spec.parent, spec.session_id, spec.parent_length)
+                if held < spec.parent_length:
+                    log.info("session %s forks %d positions of %s, whose recurrent state is kept at %s: it holds %d",
+                             spec.session_id, spec.parent_length, spec.parent, self.states.positions(spec.parent), held)
+                kv.truncate(spec.session_id, held)
         else:
             table = kv.open(spec.session_id, spec.capacity)
             if self.states is not None:
