@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from logicpipe.common.modeldir import ModelConfig, ModelError
 from logicpipe.errors import FailedPrecondition
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.engine.blocks import KVManager
@@ -15,6 +16,7 @@ from logicpipe.stage_node.engine.scheduler import Scheduler
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
 from logicpipe.stage_node.engine.states import RecurrentStates
 from logicpipe.stage_node.model import deltanet
+from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.ops import DECODE_ROWS, PROMPT_ROWS
 from logicpipe.stage_node.model.shard import Shard
 from tests.families import build, hf_model
@@ -159,3 +161,12 @@ def test_a_warm_up_forward_without_states_runs(hybrid):
     out = shard.forward(torch.randn(5, shard.config.hidden_size), StepKV(pool, torch.arange(5),
                                                                          (seq_slice(0, 5, [0], 16),)))
     assert out.shape == (5, shard.config.hidden_size) and bool(torch.isfinite(out).all())
+
+
+def test_what_linear_layers_do_not_run_yet_is_refused_by_name(hybrid):
+    """Tensor-parallel stages and quantized layers refuse a hybrid model, saying why."""
+    path, _, _ = hybrid
+    with pytest.raises(ModelError, match="linear-attention layers"):
+        tp_split.check_split(ModelConfig.from_dir(path), 2)
+    with pytest.raises(ValueError, match="quantized linear-attention layers"):
+        Shard.load(path, 0, 1, first=True, last=False, quantize="int8")
