@@ -111,8 +111,8 @@ def hybrid_shape(config: ModelConfig) -> dict:
     """ModelSpec.decoder's attention overrides for a hybrid of gated delta-net and gated full attention
     ({} for other models): the average layer's mixer parameters (a linear layer's projections,
     convolution, decay and norm; a full layer's q with its gate, k, v, o and q/k norms; both with the
-    layer's two norms) and attention FLOPs per context token (the full layers' only). Every layer's KV
-    is counted, as the stage's pool allocates it; the linear layers' recurrent state is not."""
+    layer's two norms), attention FLOPs per context token and KV elements per token (the full layers'
+    only, as the stage's pool allocates it). The linear layers' recurrent state is not counted."""
     lin, a = config.arch.linear, config.arch
     if lin is None:
         return {}
@@ -124,7 +124,8 @@ def hybrid_shape(config: ModelConfig) -> dict:
               + lin.value_heads * lin.value_dim * h + 2 * h)
     layers = config.num_layers
     return dict(attention_params=(n_full * full + (layers - n_full) * linear) / layers,
-                attention_flops_per_context_token=4.0 * heads * d * n_full / layers)
+                attention_flops_per_context_token=4.0 * heads * d * n_full / layers,
+                kv_elements_per_token=2 * kv * d * n_full / layers)
 
 
 def _moe_shared_params(config: ModelConfig) -> int:

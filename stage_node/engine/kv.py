@@ -134,6 +134,7 @@ def seq_slice(start_pos: int, num_tokens: int, blocks: Sequence[int], block_size
 
 
 def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V (MLA: the latent row) one token costs on a stage with `num_layers_local` layers."""
+    """Bytes of K and V (MLA: the latent row) one token costs on a stage with `num_layers_local` layers
+    that keep KV (a linear-attention layer keeps none)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return config.kv_parts * num_layers_local * config.num_kv_heads * config.head_dim * itemsize

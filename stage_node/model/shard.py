@@ -96,8 +96,11 @@ class Shard:
         # a CPU shard of natively quantized plain layers runs them in one call (native_layers; benches
         # and tests turn it off to compare)
         self.use_native = True
-        # local layers of gated delta-net linear attention: their state is kept per sequence (engine.states)
+        # local layers of gated delta-net linear attention: their state is kept per sequence (engine.states),
+        # and no KV: the pool holds the other layers' only, local layer kv_layers[j] at its index j
         self.linear_layers = tuple(i for i, w in enumerate(layers) if w.linear is not None)
+        self.kv_layers = tuple(i for i, w in enumerate(layers) if w.linear is None)
+        self._kv = {i: j for j, i in enumerate(self.kv_layers)}  # local layer -> its index in the pool
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -283,10 +286,10 @@ class Shard:
         return total + sum(tensor_bytes(x) for x in held.values())
 
     def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
-        """A KV pool for this shard's layers: `num_blocks` blocks of `block_size` positions."""
+        """A KV pool for this shard's layers (those that keep KV): `num_blocks` blocks of `block_size` positions."""
         c = self.config
         mla = self.arch.mla
-        pool = KVPool(self.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
+        pool = KVPool(len(self.kv_layers), c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
                       device=self.device, parts=c.kv_parts, value_dim=mla.kv_lora_rank if mla else None)
         if self.linear_layers:  # their recurrent states, per sequence, beside the KV of the other layers
             pool.states = RecurrentStates()
@@ -338,7 +341,7 @@ class Shard:
         the pool logs inside the range are written to it (`KVPool.logs`).
         """
         hidden = hidden.to(device=self.device, dtype=self.dtype)
-        check_step(hidden, kv, self.num_layers)
+        check_step(hidden, kv, len(self.kv_layers))
         if (first or stop is not None) and not self.can_tap:
             raise ValueError(f"layers [{self.start}, {self.end}) run whole (native or fused layers): "
                              f"they cannot start at layer {self.start + first}")
@@ -369,7 +372,7 @@ class Shard:
             ropes = {kind: (rope.cos, rope.sin_signed) for kind, rope in self.ropes.items()}
 
             def attend_fused(i, q):
-                return invariant.attention(q, kv.pool.k[i], kv.pool.v[i], table, positions, tiles, scale=self._scale,
+                return invariant.attention(q, kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]], table, positions, tiles, scale=self._scale,
                                            cap=self.arch.attn_softcap, tiles_at=tiles_at,
                                            window=self.arch.sliding_window if self.kind(i) == "sliding" else None)
 
@@ -458,7 +461,7 @@ class Shard:
                    masks: list, spans: list) -> torch.Tensor:
         """Store the new rows' k/v in their pool slots, then per sequence attend over its
         positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
-        k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
+        k_pool, v_pool = kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]]  # [kv_heads, slots, head_dim]
         k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
         if v is not None:  # None: MLA's latent rows, whose values are a part of k's (pool.v is that view)
             v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
@@ -469,7 +472,7 @@ class Shard:
         outs, row = [], 0
         for s, mask, span in zip(kv.seqs, masks, spans):
             if span is not None:  # consecutive blocks: strided views of the pool, taken once a step
-                keys, values = span[0][i], span[1][i]
+                keys, values = span[0][self._kv[i]], span[1][self._kv[i]]
             else:
                 keys = k_pool.index_select(1, s.slots)[None]
                 # MLA: the values are the first elements of the gathered latent rows (index_select of the
@@ -507,7 +510,7 @@ class Shard:
     def _attention_invariant(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
                              reads: tuple, kind: str) -> torch.Tensor:
         """Store the new rows' k/v, then every row attends by the batch-invariant kernel. -> [T, heads * hd]"""
-        k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
+        k_pool, v_pool = kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]]  # [kv_heads, slots, head_dim]
         k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
         if v is None:  # MLA: the kernel reads whole latent rows as values (the caller keeps the latent part)
             v_pool = k_pool

@@ -170,3 +170,12 @@ def test_what_linear_layers_do_not_run_yet_is_refused_by_name(hybrid):
         tp_split.check_split(ModelConfig.from_dir(path), 2)
     with pytest.raises(ValueError, match="quantized linear-attention layers"):
         Shard.load(path, 0, 1, first=True, last=False, quantize="int8")
+
+
+def test_linear_layers_keep_no_kv(hybrid):
+    """A stage's KV pool holds its full-attention layers only: none for a stage of linear layers."""
+    path, _, shard = hybrid
+    assert shard.kv_layers == (2,) and shard.new_pool(2, 16).num_layers == 1
+    linear_only = Shard.load(path, 0, 2, first=True, last=False)
+    pool = linear_only.new_pool(2, 16)
+    assert pool.num_layers == 0 and pool.block_bytes == 0 and pool.states is not None
