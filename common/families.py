@@ -26,6 +26,12 @@ stage's one forward reads: where the families differ, nothing else.
                                       (partial_rotary_factor); dense first layers, then experts routed by sigmoid
                                       scores with a correction bias, in groups ("noaux_tc"), plus shared experts
     smollm3     smollm3               no RoPE on every 4th layer (no_rope_layers)
+    qwen3_5     qwen3_5_text          hybrid: gated delta-net linear-attention layers (a recurrent state per
+                                      sequence, stage_node.model.deltanet) and full-attention layers (per
+                                      layer_types) whose output is gated by sigmoid(x W_gate); (1 + w) RMSNorm
+                                      in float32, q/k norms, RoPE on the first partial_rotary_factor of a head
+    qwen3_next  qwen3_next            as qwen3_5 (the linear layers' projections fused by key head), with
+                                      experts (softmax top-k) plus a shared expert scaled by a sigmoid gate
 
 The mixture-of-experts description (`MoE`, `moe_of_config`) serves DeepSeek V2 / V3 too.
 
@@ -41,14 +47,16 @@ from pathlib import Path
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                "mixtral": "mixtral", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3",
                "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
-               "qwen2_moe": "qwen2_moe", "glm4_moe": "glm4_moe", "smollm3": "smollm3"}
+               "qwen2_moe": "qwen2_moe", "glm4_moe": "glm4_moe", "smollm3": "smollm3", "qwen3_5_text": "qwen3_5",
+               "qwen3_next": "qwen3_next"}
 """config.json's model_type -> the family that runs it."""
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "swiglu_oai": "swiglu_oai"}
 GEMMA = ("gemma2", "gemma3")
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3")
+HYBRID = ("qwen3_5", "qwen3_next")  # gated delta-net linear attention beside gated full attention
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3") + HYBRID
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
-PARTIAL_ROTARY = {"glm4_moe": 0.5}  # families whose RoPE may cover only part of a head -> their default share
+PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_5": 0.25, "qwen3_next": 0.25}  # families whose RoPE may cover only part of a head -> their default share
 TIED_BY_DEFAULT = GEMMA + ("smollm3",)  # families whose config.json may leave tie_word_embeddings out, meaning tied
 
 
@@ -108,6 +116,32 @@ class MLA:
 
 
 @dataclass(frozen=True)
+class LinearAttn:
+    """Gated delta-net linear attention (Qwen3.5, Qwen3-Next): per token, q/k/v from x through a causal
+    depthwise convolution of `conv_kernel` taps (SiLU), q and k L2-normed per head; per value head a
+    matrix state S [key_dim, value_dim] decays by exp(g) and takes the delta-rule update
+    S += k (beta (v - S^T k))^T; the output S^T q is normed per head and gated by SiLU(z). What a
+    sequence keeps per layer is that state and the convolution's last conv_kernel - 1 inputs, whatever
+    its length (stage_node.model.deltanet)."""
+
+    key_heads: int          # linear_num_key_heads (q and k heads)
+    value_heads: int        # linear_num_value_heads, a multiple of key_heads (each k head serves a group)
+    key_dim: int            # linear_key_head_dim (elements)
+    value_dim: int          # linear_value_head_dim (elements)
+    conv_kernel: int        # linear_conv_kernel_dim (taps)
+    fused: bool             # Qwen3-Next's checkpoint: in_proj_qkvz / in_proj_ba, rows grouped by key head
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v of every head (elements per token)."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_elements(self) -> int:
+        """Elements a sequence's state holds in one layer (the convolution window and the matrices)."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.value_heads * self.key_dim * self.value_dim
+
+
+@dataclass(frozen=True)
 class Arch:
     """Where a checkpoint's forward differs from Llama's (see the module docstring)."""
 
@@ -125,7 +159,7 @@ class Arch:
     attn_softcap: float | None = None       # scores -> cap * tanh(scores / cap), before the mask
     final_softcap: float | None = None      # logits -> cap * tanh(logits / cap)
     sliding_window: int | None = None       # a sliding layer attends to the last `window` positions
-    layer_types: tuple[str, ...] = ()       # per decoder layer: "full" | "sliding"
+    layer_types: tuple[str, ...] = ()       # per decoder layer: "full" | "sliding" | "linear" (LinearAttn)
     moe: MoE | None = None
     mla: MLA | None = None                  # multi-head latent attention in place of q/k/v heads
     rotary: float = 1.0                     # RoPE on the first rotary * head_dim dims of each head (rotate-half)
@@ -136,6 +170,19 @@ class Arch:
     swiglu_limit: float | None = None       # "swiglu_oai" activation: gate clamped above, up to [-limit, limit]
     swiglu_alpha: float = 1.702             # "swiglu_oai": gate * sigmoid(alpha * gate) * (up + 1)
     mxfp4_experts: bool = False             # gpt-oss: experts stored as MXFP4 blocks/scales (dequantized at load)
+    linear: LinearAttn | None = None        # the "linear" layers' gated delta-net (Qwen3.5, Qwen3-Next)
+    attn_gate: bool = False                 # full attention's output times sigmoid(x W_gate), W_gate's rows
+                                            # interleaved per head with q_proj's in the checkpoint
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder `layer` is a linear-attention layer (a recurrent state, no KV)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear"
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers keep a recurrent state per sequence instead of KV (the engine's forks, truncation,
+        prefix cache and replays treat it: docs/engine.md)."""
+        return self.linear is not None
 
     def sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
@@ -176,6 +223,7 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
     pre_attn = raw.get("query_pre_attn_scalar")
     moe = _moe_of(family, raw, where, num_layers)
     mla = _mla_of(raw, where) if family in DEEPSEEK else None
+    linear = _linear_of(family, raw, where)
     qkv_bias = {"qwen2": True, "qwen2_moe": bool(raw.get("qkv_bias", True))}.get(family, attention_bias)
     return Arch(
         family=family,
@@ -183,7 +231,7 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         o_bias=family not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=family in QK_NORM or (family == "glm4_moe" and bool(raw.get("use_qk_norm", False))),
-        norm="gemma" if family in GEMMA else "llama",
+        norm="gemma" if family in GEMMA + HYBRID else "llama",
         sandwich=family in GEMMA,
         activation=ACTIVATIONS[act],
         embed_scale=hidden_size ** 0.5 if family in GEMMA else 1.0,
@@ -192,16 +240,52 @@ def arch_of(raw: dict, path: Path, *, num_layers: int, hidden_size: int, head_di
         attn_softcap=_cap(raw.get("attn_logit_softcapping")) if family == "gemma2" else None,
         final_softcap=_cap(raw.get("final_logit_softcapping")) if family in GEMMA else None,
         sliding_window=window,
-        layer_types=_layer_types(family, raw, where, num_layers, window),
+        layer_types=_hybrid_layers(raw, where, num_layers) if linear else _layer_types(family, raw, where, num_layers,
+                                                                                       window),
         moe=moe,
         mla=mla,
         rotary=rotary,
         rope_layers=_rope_layers(family, raw, where, num_layers),
         checkpoint={"phi3": "phi3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen3_moe",
                     "glm4_moe": "qwen3_moe", "deepseek_v2": "qwen3_moe", "deepseek_v3": "qwen3_moe",
-                    "gpt_oss": "gpt_oss"}.get(family, "llama"),
+                    "gpt_oss": "gpt_oss", "qwen3_next": "qwen3_moe"}.get(family, "llama"),
         **(_gpt_oss(raw, where) if family == "gpt_oss" else {}),
+        linear=linear,
+        attn_gate=family in HYBRID,
     )
+
+
+def _linear_of(family: str, raw: dict, where: Path) -> LinearAttn | None:
+    """The gated delta-net of a hybrid family's config (None for the others)."""
+    if family not in HYBRID:
+        return None
+    try:
+        lin = LinearAttn(key_heads=int(raw["linear_num_key_heads"]), value_heads=int(raw["linear_num_value_heads"]),
+                         key_dim=int(raw["linear_key_head_dim"]), value_dim=int(raw["linear_value_head_dim"]),
+                         conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)), fused=family == "qwen3_next")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{where}: an incomplete linear-attention config: {e!r}") from e
+    if min(lin.key_heads, lin.value_heads, lin.key_dim, lin.value_dim) < 1 or lin.conv_kernel < 2 or (
+            lin.value_heads % lin.key_heads):
+        raise ModelError(f"{where}: linear_num_value_heads must be a multiple of linear_num_key_heads, the head "
+                         f"dims >= 1 and linear_conv_kernel_dim >= 2 (got {lin})")
+    if raw.get("attention_bias"):
+        raise ModelError(f"{where}: attention_bias is not supported for {family}")
+    return lin
+
+
+def _hybrid_layers(raw: dict, where: Path, num_layers: int) -> tuple[str, ...]:
+    """"linear" or "full" per layer: layer_types, or every full_attention_interval-th layer full."""
+    named = raw.get("layer_types")
+    if not named:
+        interval = int(raw.get("full_attention_interval") or 4)
+        return tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(num_layers))
+    kinds = {"linear_attention": "linear", "full_attention": "full"}
+    bad = sorted({t for t in named if t not in kinds})
+    if bad or len(named) != num_layers:
+        raise ModelError(f"{where}: layer_types must give one of {', '.join(kinds)} for each of the {num_layers} "
+                         f"layers (got {len(named)}{', ' + ', '.join(map(str, bad)) if bad else ''})")
+    return tuple(kinds[t] for t in named)
 
 
 def _gpt_oss(raw: dict, where: Path) -> dict:
@@ -288,7 +372,7 @@ def _layer_types(family: str, raw: dict, where: Path, num_layers: int, window: i
     return ("sliding",) * num_layers  # mistral, phi3, llama with a window: every layer
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next")
 _DEEPSEEK_DEFAULTS = {  # transformers' config defaults where config.json leaves a key out (or null)
     "glm4_moe": dict(first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
                      norm_topk_prob=True),
@@ -300,7 +384,7 @@ _DEEPSEEK_DEFAULTS = {  # transformers' config defaults where config.json leaves
 
 
 def _moe_of(family: str, raw: dict, where: Path, num_layers: int) -> MoE | None:
-    if family not in MOE_FAMILIES:
+    if family not in MOE_FAMILIES or (family == "qwen3_next" and not int(raw.get("num_experts") or 0)):
         return None
     return moe_of_config(raw, family, num_layers=num_layers, where=where)
 
@@ -329,7 +413,7 @@ def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, wher
         num_layers = int(raw["num_hidden_layers"]) if num_layers is None else num_layers
         experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw["num_local_experts"])
         top_k = int(raw["num_experts_per_tok"])
-        if family in ("qwen3_moe", "qwen2_moe"):
+        if family in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
             size = int(raw["moe_intermediate_size"])
             skip = set(raw.get("mlp_only_layers") or [])
             step = int(raw.get("decoder_sparse_step", 1))
@@ -341,7 +425,7 @@ def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, wher
         else:  # mixtral, gpt_oss: every layer routes
             size = int(raw["intermediate_size"])
             layers = (True,) * num_layers
-        shared = int(raw.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else (
+        shared = int(raw.get("shared_expert_intermediate_size") or 0) if family in ("qwen2_moe", "qwen3_next") else (
             size * int(get("n_shared_experts")) if deepseek else 0)
         scaling = float(get("routed_scaling_factor")) if deepseek else 1.0
         n_group = int(get("n_group")) if deepseek else 1
@@ -385,4 +469,5 @@ def moe_of_config(raw: dict, family: str, *, num_layers: int | None = None, wher
                weights_in_float=family == "mixtral" or deepseek, layers=layers,
                scoring=scoring, router_in_float=deepseek, correction_bias=bias, n_group=n_group,
                topk_group=topk_group, group_score=group_score, norm_eps=1e-20 if bias else 0.0,
-               routed_scaling_factor=scaling, shared_intermediate_size=shared, shared_gate=family == "qwen2_moe")
+               routed_scaling_factor=scaling, shared_intermediate_size=shared,
+               shared_gate=family in ("qwen2_moe", "qwen3_next"))

@@ -137,7 +137,8 @@ class StageRuntime:
                     old.end_sessions("the stage was re-assigned")
                 if kv is None and old is not None and old.kv.span is not None and self._keeps_rows() and \
                         old.shard_dir == model_dir and old.pool.block_size == pool.block_size and \
-                        (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers):
+                        (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers) \
+                        and not shard.arch.hybrid:  # (no prefix cache: nothing to keep; its pool's layers are not a range)
                     # the layers both ranges hold stay in the prefix cache (issue 34)
                     try:
                         kv, kept = old.kv.carried(pool.num_blocks, (a.start, a.end), a.last, self._logged(a, pool),

@@ -40,6 +40,10 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -52,6 +56,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               eos_token_id=None, pad_token_id=None)
 DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                     moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+              layer_types=["linear_attention", "linear_attention", "full_attention"])
 FAMILIES = {  # family -> (config class, model class, its own settings)
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=WINDOW)),
@@ -107,6 +113,13 @@ FAMILIES = {  # family -> (config class, model class, its own settings)
                                                           use_qk_norm=True, attention_bias=True)),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(no_rope_layers=[1, 0, 1], use_sliding_window=True,
                                                          sliding_window=WINDOW)),  # its NoPE layer slides
+    # hybrids: two gated delta-net layers (a stage boundary between them through 3 stages; 2 value heads per
+    # key head), then gated full attention with q/k norms and RoPE on a quarter of each head
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, dict(head_dim=16, **HYBRID)),
+    # ... with 4 experts top-2 and a gated shared expert (the middle layer dense)
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=True, mlp_only_layers=[1], **HYBRID)),
 }
 
 

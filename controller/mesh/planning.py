@@ -87,7 +87,7 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         expert_intermediate_size=moe.intermediate_size if moe else 0,
         moe_layers=sum(moe.layers) if moe else None, sinks=a.sinks,
         expert_bias=a.checkpoint == "gpt_oss", router_bias=a.checkpoint == "gpt_oss", moe_shared_params=_moe_shared_params(config),
-        **mla_shape(config))
+        **mla_shape(config), **hybrid_shape(config))
 
 
 def mla_shape(config: ModelConfig) -> dict:
@@ -105,6 +105,27 @@ def mla_shape(config: ModelConfig) -> dict:
         + heads * m.v_dim * h + bias + 2 * h
     return dict(attention_params=params, kv_elements_per_token=m.latent,
                 attention_flops_per_context_token=2.0 * heads * (m.latent + m.kv_lora_rank))
+
+
+def hybrid_shape(config: ModelConfig) -> dict:
+    """ModelSpec.decoder's attention overrides for a hybrid of gated delta-net and gated full attention
+    ({} for other models): the average layer's mixer parameters (a linear layer's projections,
+    convolution, decay and norm; a full layer's q with its gate, k, v, o and q/k norms; both with the
+    layer's two norms), attention FLOPs per context token and KV elements per token (the full layers'
+    only, as the stage's pool allocates it). The linear layers' recurrent state is not counted."""
+    lin, a = config.arch.linear, config.arch
+    if lin is None:
+        return {}
+    h, d, heads, kv = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+    n_full = sum(1 for i in range(config.num_layers) if not a.is_linear(i))
+    full = h * d * (3 * heads + 2 * kv) + 2 * d + 2 * h
+    rows = 2 * lin.key_heads * lin.key_dim + 2 * lin.value_heads * lin.value_dim + 2 * lin.value_heads
+    linear = (h * rows + lin.conv_dim * lin.conv_kernel + 2 * lin.value_heads + lin.value_dim
+              + lin.value_heads * lin.value_dim * h + 2 * h)
+    layers = config.num_layers
+    return dict(attention_params=(n_full * full + (layers - n_full) * linear) / layers,
+                attention_flops_per_context_token=4.0 * heads * d * n_full / layers,
+                kv_elements_per_token=2 * kv * d * n_full / layers)
 
 
 def _moe_shared_params(config: ModelConfig) -> int:

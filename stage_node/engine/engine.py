@@ -62,8 +62,13 @@ class Engine:
         self.shard_dir = shard_dir        # where the weights were loaded from (the model dir, or the pull cache)
         self.retired = False              # replaced by another engine: its steps are dropped
         self.step_cost = step_cost_for(shard.device.type, shard.weight_format)  # how many candidates pay
+        hybrid = shard.arch.hybrid
+        if hybrid:
+            log.info("prefix cache off: %s keeps a recurrent state per sequence in its linear-attention layers, "
+                     "which cached KV blocks do not carry", shard.config.family)
         self.scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=node_id, budget=budget,
-                                   micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned)
+                                   micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned,
+                                   states=pool.states, prefix_cache=not hybrid)
         if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
             self.scheduler.grammars = GrammarBook(shard_dir, shard.config.vocab_size)
         # issue 32: a one-stage CUDA pipeline overlaps its greedy steps (see `_step_ahead`)

@@ -46,6 +46,7 @@ class KVPool:
         self.scratch_slot = num_blocks * block_size  # belongs to no block: written, never read
         self.logs: dict[int, torch.Tensor] = {}  # layer boundary -> [slots, hidden]: the rows entering it
         self.span = (0, num_layers)             # the absolute layers it holds (set by the loader)
+        self.states = None  # a stage with linear-attention layers: their per-sequence states (engine.states)
 
     def add_logs(self, boundaries, hidden_size: int) -> None:
         """Room for the rows entering each of `boundaries` (absolute), one per slot."""
@@ -108,11 +109,13 @@ class SeqSlice:
 
 @dataclass(frozen=True)
 class StepKV:
-    """The KV side of one forward: the pool, the slot each new row writes, each sequence's reads."""
+    """The KV side of one forward: the pool, the slot each new row writes, each sequence's reads (and,
+    for linear-attention layers, each sequence's recurrent state: model.deltanet.SeqState)."""
 
     pool: KVPool
     write_slots: torch.Tensor  # [rows] int64, packed in the order of `seqs`
     seqs: tuple[SeqSlice, ...]
+    states: tuple | None = None  # per sequence a deltanet.SeqState (None: every state starts at zeros, none kept)
 
 
 def seq_slice(start_pos: int, num_tokens: int, blocks: Sequence[int], block_size: int,
@@ -131,6 +134,7 @@ def seq_slice(start_pos: int, num_tokens: int, blocks: Sequence[int], block_size
 
 
 def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V (MLA: the latent row) one token costs on a stage with `num_layers_local` layers."""
+    """Bytes of K and V (MLA: the latent row) one token costs on a stage with `num_layers_local` layers
+    that keep KV (a linear-attention layer keeps none)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return config.kv_parts * num_layers_local * config.num_kv_heads * config.head_dim * itemsize

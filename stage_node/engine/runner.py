@@ -187,6 +187,8 @@ def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str,
     rows over kept layers (WritePlan.starts) resume from the rows the pool logged (issue 34). The
     output rows are logged where the pool keeps its end's."""
     if any(p.plan.starts for p in seqs):
+        if pool.states is not None:  # (never planned: such a stage attaches no prefix, so resumes nothing)
+            raise ValueError("a replay cannot resume over kept layers on a stage with linear-attention layers")
         return _forward_resumed(shard, pool, seqs, rows)
     x = rows[seqs[0].seq.id] if len(seqs) == 1 else torch.cat([rows[p.seq.id] for p in seqs])
     out = None
@@ -196,9 +198,14 @@ def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str,
     slots = None
     if out is None:
         slots = torch.tensor([s for p in seqs for s in p.plan.slots], dtype=torch.long, device=shard.device)
+        states = pool.states  # linear-attention layers: each sequence's state at its first row (engine.states)
+        held = None if states is None else tuple(
+            states.step(p.seq.id, p.work.start_pos, p.work.stop, p.work.num_candidates) for p in seqs)
         kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos, p.work.num_tokens, p.read_blocks, pool.block_size,
-                                                 shard.device, decode_from(p)) for p in seqs))
+                                                 shard.device, decode_from(p)) for p in seqs), held)
         out = shard.forward(x, kv)
+        for p, st in zip(seqs, held or ()):  # the forward went through: the states it left are the sequences'
+            states.commit(p.seq.id, st, p.work.start_pos)
     end = pool.logs.get(pool.span[1])
     if end is not None:
         if slots is None:  # a CUDA graph's step: its slots go up without waiting for the device

@@ -25,6 +25,7 @@ from logicpipe.errors import FailedPrecondition, MeshError, NotFound, ResourceEx
 from logicpipe.stage_node.engine.blocks import BadWrite, KVManager, OutOfBlocks, WritePlan
 from logicpipe.stage_node.model.sampling import draw
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
+from logicpipe.stage_node.engine.states import RecurrentStates
 from logicpipe.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,11 @@ class Failure:
 
 class Scheduler:
     def __init__(self, kv: KVManager, *, first: bool, last: bool, node_id: str, budget: Budget = Budget(),
-                 micro_batches: int = 1, is_orphaned: Callable[[Sequence], bool] = lambda s: False):
+                 micro_batches: int = 1, is_orphaned: Callable[[Sequence], bool] = lambda s: False,
+                 states: RecurrentStates | None = None, prefix_cache: bool = True):
         self.kv = kv
+        self.states = states  # linear-attention layers here: their per-sequence states (engine.states)
+        self.prefix_cache = prefix_cache  # attach cached prompt blocks (off for a model with recurrent state)
         self.first, self.last = first, last
         self.node_id = node_id
         self.budget = budget
@@ -133,10 +137,18 @@ class Scheduler:
                                          f"positions, fewer than the {spec.parent_length} asked for")
         if parent is not None:
             table = kv.fork(spec.parent, spec.session_id, spec.parent_length, spec.capacity)
+            if self.states is not None:  # it holds the positions up to the parent's last state within them
+                held = self.states.fork(spec.parent, spec.session_id, spec.parent_length)
+                if held < spec.parent_length:
+                    log.info("session %s forks %d positions of %s, whose recurrent state is kept at %s: it holds %d",
+                             spec.session_id, spec.parent_length, spec.parent, self.states.positions(spec.parent), held)
+                kv.truncate(spec.session_id, held)
         else:
             table = kv.open(spec.session_id, spec.capacity)
-            if not (self.last and spec.prompt_logprobs is not None):  # (those need every prompt row's logits)
-                kv.attach_prefix(spec.session_id, spec.prompt)
+            if self.states is not None:
+                self.states.open(spec.session_id)
+            if self.prefix_cache and not (self.last and spec.prompt_logprobs is not None):  # (those need every
+                kv.attach_prefix(spec.session_id, spec.prompt)                                # prompt row's logits)
         try:
             watermark = sum(1 for s in self.seqs.values() if s.status is not SeqStatus.FINISHED)
             need = max(0, kv.blocks_for(len(spec.prompt)) - len(table.blocks))
@@ -149,6 +161,8 @@ class Scheduler:
             kv.reserve(spec.session_id, len(spec.prompt))
         except (MeshError, OutOfBlocks) as exc:
             kv.close(spec.session_id)
+            if self.states is not None:
+                self.states.drop(spec.session_id)
             if isinstance(exc, OutOfBlocks):
                 raise ResourceExhausted(f"node {self.node_id}: {exc}; retry when a request ends") from exc
             raise
@@ -162,6 +176,8 @@ class Scheduler:
     def close(self, session_id: str) -> Sequence:
         seq = self.seqs.pop(session_id)
         self.kv.close(session_id)
+        if self.states is not None:
+            self.states.drop(session_id)
         self._recently_closed[session_id] = seq.spec.owner
         while len(self._recently_closed) > RECENTLY_CLOSED:
             self._recently_closed.popitem(last=False)
@@ -346,6 +362,10 @@ class Scheduler:
         """Blocks for w's rows. If the pool is short, sequences younger than `s` (and not already
         planned into this step) are preempted, youngest first; if that is not enough, `s` is.
         `spare_others`: raise _NoRoom instead of preempting anyone."""
+        if self.states is not None and not self.states.holds(s.id, w.start_pos):
+            raise FailedPrecondition(f"session {s.id} on node {self.node_id}: its linear-attention layers hold no "
+                                     f"state at position {w.start_pos} (they hold {self.states.positions(s.id)}); "
+                                     "replay it from its prompt")
         while True:
             try:
                 plan = self.kv.prepare_write(s.id, w.start_pos, w.num_tokens, w.token_ids)

@@ -2,7 +2,8 @@
 
 One forward serves every family (common.families): it reads the checkpoint's `Arch` where the
 families differ (biases, q/k norms, norm style, activation, embedding scale, soft-capping,
-sliding-window layers and their RoPE, a mixture of experts: stage_node.moe).
+sliding-window layers and their RoPE, a mixture of experts: stage_node.moe; the gated delta-net layers of
+Qwen3.5 / Qwen3-Next, whose per-sequence state comes with the step: stage_node.model.deltanet).
 
 The forward runs on packed rows: the new tokens of several sequences, one after the other, go
 through every projection and MLP together, and only attention is done per sequence, against that
@@ -26,7 +27,8 @@ from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
-from logicpipe.stage_node.model import native_layers
+from logicpipe.stage_node.engine.states import RecurrentStates
+from logicpipe.stage_node.model import deltanet, native_layers
 from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.tp import TensorParallel
 from logicpipe.stage_node.model.mla import mla_attention
@@ -95,6 +97,11 @@ class Shard:
         # a CPU shard of natively quantized plain layers runs them in one call (native_layers; benches
         # and tests turn it off to compare)
         self.use_native = True
+        # local layers of gated delta-net linear attention: their state is kept per sequence (engine.states),
+        # and no KV: the pool holds the other layers' only, local layer kv_layers[j] at its index j
+        self.linear_layers = tuple(i for i, w in enumerate(layers) if w.linear is not None)
+        self.kv_layers = tuple(i for i, w in enumerate(layers) if w.linear is None)
+        self._kv = {i: j for j, i in enumerate(self.kv_layers)}  # local layer -> its index in the pool
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -233,6 +240,9 @@ class Shard:
         t = read_tensors(model_dir, names, index)
         if quantize != "none":
             check_format(quantize, device.type)
+            if config.arch.hybrid:
+                raise ValueError(f"--quantize {quantize}: quantized linear-attention layers ({config.family}) are "
+                                 "not supported yet; run this stage unquantized")
         whole = config
         if tp is not None:
             config = tp_split.local_config(config, tp.world)
@@ -279,11 +289,14 @@ class Shard:
         return total + sum(tensor_bytes(x) for x in held.values())
 
     def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
-        """A KV pool for this shard's layers: `num_blocks` blocks of `block_size` positions."""
+        """A KV pool for this shard's layers (those that keep KV): `num_blocks` blocks of `block_size` positions."""
         c = self.config
         mla = self.arch.mla
-        return KVPool(self.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
+        pool = KVPool(len(self.kv_layers), c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
                       device=self.device, parts=c.kv_parts, value_dim=mla.kv_lora_rank if mla else None)
+        if self.linear_layers:  # their recurrent states, per sequence, beside the KV of the other layers
+            pool.states = RecurrentStates()
+        return pool
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
@@ -331,7 +344,7 @@ class Shard:
         the pool logs inside the range are written to it (`KVPool.logs`).
         """
         hidden = hidden.to(device=self.device, dtype=self.dtype)
-        check_step(hidden, kv, self.num_layers)
+        check_step(hidden, kv, len(self.kv_layers))
         if (first or stop is not None) and not self.can_tap:
             raise ValueError(f"layers [{self.start}, {self.end}) run whole (native or fused layers): "
                              f"they cannot start at layer {self.start + first}")
@@ -362,7 +375,7 @@ class Shard:
             ropes = {kind: (rope.cos, rope.sin_signed) for kind, rope in self.ropes.items()}
 
             def attend_fused(i, q):
-                return invariant.attention(q, kv.pool.k[i], kv.pool.v[i], table, positions, tiles, scale=self._scale,
+                return invariant.attention(q, kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]], table, positions, tiles, scale=self._scale,
                                            cap=self.arch.attn_softcap, tiles_at=tiles_at,
                                            window=self.arch.sliding_window if self.kind(i) == "sliding" else None)
 
@@ -380,6 +393,7 @@ class Shard:
                           invariant=self.batch_invariant)
         spans = self._spans(kv) if reads is None else None
 
+        c = self.config
         logs = kv.pool.logs
         for i, w in enumerate(self.layers):
             if i < first:
@@ -388,6 +402,11 @@ class Shard:
                 break
             if i and self.start + i in logs:  # the rows entering layer i, for a later replay (issue 34)
                 logs[self.start + i].index_copy_(0, kv.write_slots, hidden)
+            if w.linear is not None:  # gated delta-net: the sequences' recurrent states, no KV
+                mixed = deltanet.mix(self.norm(hidden, w.input_norm), w.linear, self.arch.linear, seqs, kv.states, i,
+                                     rows, c.rms_norm_eps)
+                hidden = self._mlp(w, hidden + mixed, rows)
+                continue
             kind = self.kind(i)
             cos, sin = tables[kind]
 
@@ -417,8 +436,11 @@ class Shard:
         if self._ropes[i]:  # SmolLM3: some layers without RoPE
             qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]  # q: [T, heads, hd]; k: [T, kv_heads, hd]
-        v = qkv[:, self._q_size + self._kv_size:].view(T, c.num_kv_heads, c.head_dim)
-        attn = self._reduced(linear(attend(i, q, k, v), w.o, None, rows), w.o_bias)  # attend: [T, heads * head_dim]
+        v = qkv[:, self._q_size + self._kv_size: self._q_size + 2 * self._kv_size].view(T, c.num_kv_heads, c.head_dim)
+        attended = attend(i, q, k, v)  # [T, heads * head_dim]
+        if self.arch.attn_gate:  # Qwen3.5 / Qwen3-Next: each head's output gated by sigmoid(x W_gate)
+            attended = attended * torch.sigmoid(qkv[:, self._q_size + 2 * self._kv_size:])
+        attn = self._reduced(linear(attended, w.o, None, rows), w.o_bias)
         return self._mlp(w, x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm)), rows)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -442,7 +464,7 @@ class Shard:
                    masks: list, spans: list) -> torch.Tensor:
         """Store the new rows' k/v in their pool slots, then per sequence attend over its
         positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
-        k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
+        k_pool, v_pool = kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]]  # [kv_heads, slots, head_dim]
         k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
         if v is not None:  # None: MLA's latent rows, whose values are a part of k's (pool.v is that view)
             v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
@@ -453,7 +475,7 @@ class Shard:
         outs, row = [], 0
         for s, mask, span in zip(kv.seqs, masks, spans):
             if span is not None:  # consecutive blocks: strided views of the pool, taken once a step
-                keys, values = span[0][i], span[1][i]
+                keys, values = span[0][self._kv[i]], span[1][self._kv[i]]
             else:
                 keys = k_pool.index_select(1, s.slots)[None]
                 # MLA: the values are the first elements of the gathered latent rows (index_select of the
@@ -491,7 +513,7 @@ class Shard:
     def _attention_invariant(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
                              reads: tuple, kind: str) -> torch.Tensor:
         """Store the new rows' k/v, then every row attends by the batch-invariant kernel. -> [T, heads * hd]"""
-        k_pool, v_pool = kv.pool.k[i], kv.pool.v[i]  # [kv_heads, slots, head_dim]
+        k_pool, v_pool = kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]]  # [kv_heads, slots, head_dim]
         k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
         if v is None:  # MLA: the kernel reads whole latent rows as values (the caller keeps the latent part)
             v_pool = k_pool

@@ -123,6 +123,8 @@ def check_split(config: ModelConfig, world: int) -> None:
     problems = []
     if a.mla is not None:
         problems.append("multi-head latent attention (one latent KV head) is not split yet")
+    if a.hybrid:
+        problems.append("linear-attention layers (gated delta-net, a recurrent state per sequence) are not split yet")
     if c.num_kv_heads % world:
         problems.append(f"{c.num_kv_heads} key/value heads do not divide by {world}")
     if c.num_heads % world:

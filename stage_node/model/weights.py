@@ -6,7 +6,9 @@ Tensor names follow the family's checkpoint (common.families.Arch.checkpoint): L
 norms), Phi-3's (q/k/v and gate/up already fused), and the experts of Qwen3-MoE and Mixtral (and of
 Qwen2-MoE, GLM-4.5, DeepSeek: Qwen3-MoE's names plus a correction bias and shared experts); gpt-oss's
 experts are fused 3-D tensors ([experts, in, out], gate and up interleaved) or their MXFP4 blocks and
-scales, dequantized here; DeepSeek's attention is multi-head latent attention (MlaWeights).
+scales, dequantized here; DeepSeek's attention is multi-head latent attention (MlaWeights); the
+linear-attention layers of Qwen3.5 / Qwen3-Next are gated delta-nets (DeltaNetWeights), and their
+full-attention layers' q_proj holds each head's query and output gate side by side.
 """
 from __future__ import annotations
 
@@ -69,14 +71,32 @@ class MlaWeights:
 
 
 @dataclass(frozen=True)
+class DeltaNetWeights:
+    """A gated delta-net layer's token mixer (common.families.LinearAttn): one input projection whose rows
+    are [q (key heads) ; k ; v (value heads) ; z (value heads) ; b ; a], heads in order (Qwen3-Next's
+    rows, grouped by key head in its checkpoint, are reordered so at load)."""
+
+    in_proj: torch.Tensor  # [2 * key_heads * key_dim + 2 * value_heads * value_dim + 2 * value_heads, hidden]
+    conv: torch.Tensor  # [conv_dim, conv_kernel]: the depthwise convolution's taps (no bias)
+    a_log: torch.Tensor  # [value_heads]: the decay rate is -exp(a_log) * softplus(a + dt_bias)
+    dt_bias: torch.Tensor  # [value_heads]
+    norm: torch.Tensor  # [value_dim]: the output's RMSNorm weight (plain w, before the SiLU(z) gate)
+    out: torch.Tensor  # [hidden, value_heads * value_dim]
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in vars(self).values())
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer. q/k/v and gate/up are fused into one matrix each; every matrix is kept
     in the checkpoint's [out, in] layout (see `stage_node.ops.linear` for how it is multiplied)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim, hidden] (+ heads * head_dim rows of the
+                              # output gate, Arch.attn_gate); None in a linear-attention layer
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: torch.Tensor | None  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]: the norm before the MLP (Llama's post_attention_layernorm)
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden] (None: the layer routes to experts)
@@ -90,6 +110,7 @@ class LayerWeights:
     experts: Experts | None = None  # a mixture of experts in place of the MLP
     mla: MlaWeights | None = None  # multi-head latent attention (qkv: [q part + kv_lora + rope, hidden])
     sinks: torch.Tensor | None = None  # [heads]: each head's sink logit (gpt-oss)
+    linear: DeltaNetWeights | None = None  # a linear-attention layer's mixer, in place of qkv and o
 
     def numel(self) -> int:
         return sum(t.numel() for t in vars(self).values() if t is not None)
@@ -258,13 +279,51 @@ def _moe_extra_names(config: ModelConfig, p: str) -> list[str]:
     return names
 
 
+LINEAR = ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "out_proj.weight")  # under linear_attn.
+
+
+def _linear_names(lin, p: str) -> list[str]:
+    proj = ("in_proj_qkvz", "in_proj_ba") if lin.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    return [f"{p}linear_attn.{x}" for x in LINEAR] + [f"{p}linear_attn.{x}.weight" for x in proj]
+
+
+def _linear_layer(get, lin) -> DeltaNetWeights:
+    """A linear-attention layer's weights (`get`: its checkpoint tensors by name under the layer), the
+    input projections in DeltaNetWeights' row order."""
+    a = "linear_attn."
+    if lin.fused:  # rows grouped by key head: [q_h, k_h, v of its value heads, z of them]; [b of them, a of them]
+        r = lin.value_heads // lin.key_heads
+        kd, vd = lin.key_dim, r * lin.value_dim
+        qkvz = get(a + "in_proj_qkvz.weight")
+        qkvz = qkvz.view(lin.key_heads, 2 * kd + 2 * vd, qkvz.shape[-1])
+        ba = get(a + "in_proj_ba.weight")
+        ba = ba.view(lin.key_heads, 2 * r, ba.shape[-1])
+        parts = [qkvz[:, :kd], qkvz[:, kd: 2 * kd], qkvz[:, 2 * kd: 2 * kd + vd], qkvz[:, 2 * kd + vd:],
+                 ba[:, :r], ba[:, r:]]
+        in_proj = torch.cat([x.reshape(-1, x.shape[-1]) for x in parts])
+    else:
+        in_proj = torch.cat([get(a + f"in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")])
+    return DeltaNetWeights(in_proj=in_proj.contiguous(), conv=get(a + "conv1d.weight").flatten(0, 1).contiguous(),
+                           a_log=get(a + "A_log"), dt_bias=get(a + "dt_bias"), norm=get(a + "norm.weight"),
+                           out=get(a + "out_proj.weight").contiguous())
+
+
+def _gated_q(q: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_proj's rows of a gated attention ([heads * 2 * head_dim, hidden], each head's query then its
+    gate) -> (the queries' rows, the gates' rows), heads in order."""
+    w = q.view(heads, 2, -1, q.shape[-1])
+    return w[:, 0].reshape(-1, q.shape[-1]), w[:, 1].reshape(-1, q.shape[-1])
+
+
 def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
     a = config.arch
     p = f"model.layers.{layer}."
     names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     if a.sandwich:
         names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
-    if a.mla is not None:
+    if a.is_linear(layer):
+        names += _linear_names(a.linear, p)
+    elif a.mla is not None:
         names += _mla_names(a.mla, p, a.o_bias)
     elif a.checkpoint == "phi3":
         names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
@@ -274,7 +333,7 @@ def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
         names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
     if a.o_bias and a.mla is None:
         names.append(p + "self_attn.o_proj.bias")
-    if a.qk_norm:
+    if a.qk_norm and not a.is_linear(layer):
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     if a.sinks:
         names.append(p + "self_attn.sinks")
@@ -308,7 +367,15 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, 
         return cat(*names).contiguous()
 
     attn, mlp = "self_attn.", "mlp."
-    if a.mla is not None:
+    linear = None
+    if a.is_linear(layer):
+        linear = _linear_layer(get, a.linear)
+        attention = dict(qkv=None, qkv_bias=None, o=None, o_bias=None)
+    elif a.attn_gate:  # the gate's rows after v's: qkv = [q ; k ; v ; gate]
+        q, gate = _gated_q(get(attn + "q_proj.weight"), config.num_heads)
+        attention = dict(qkv=torch.cat([q, get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), gate]).contiguous(),
+                         qkv_bias=None, o=matrix(attn + "o_proj.weight"), o_bias=None)
+    elif a.mla is not None:
         attention = _mla_layer(get, config)
     else:
         attention = dict(
@@ -354,4 +421,5 @@ def build_layer(t: dict[str, torch.Tensor], layer: int, config: ModelConfig, *, 
         mlp_out_norm=get("post_feedforward_layernorm.weight") if sandwich else None,
         experts=experts,
         sinks=get(attn + "sinks"),
+        linear=linear,
     )

@@ -176,13 +176,15 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     else:
         shard = shard_for(a, model_dir, device, options, old)
     shard.batch_invariant = invariant
-    graphs = shard.device.type == "cuda" and options.cuda_graphs
+    # linear-attention layers (their per-sequence state comes with each step) run eagerly: no CUDA graphs yet
+    graphs = shard.device.type == "cuda" and options.cuda_graphs and not shard.linear_layers
     if tp is not None:
         logs = frozenset()
     elif graphs or not shard.can_tap:  # rows that skip the torch forward cannot leave their inner boundaries
         logs = frozenset(b for b in logs if b == a.end)
     bs = options.block_size
-    block_bytes = bs * (kv_bytes_per_token(shard.config, a.end - a.start, dtype) +
+    # (linear-attention layers keep no KV; a stage of only those sizes its blocks as one layer's)
+    block_bytes = bs * (kv_bytes_per_token(shard.config, max(1, len(shard.kv_layers)), dtype) +
                         len(logs) * shard.config.hidden_size * dtype.itemsize)
     num_blocks = options.max_kv_bytes // block_bytes
     if num_blocks < 1:

@@ -2,7 +2,9 @@
 random checkpoint in turn (tests/families.py). Greedy tokens through 3, 2 and 1 stages equal
 transformers' generate for a prompt longer than the sliding window, alone and among 8 concurrent
 requests, with candidate tokens on (drafted by a small model) and off, and (three of issue 33's families)
-after a replay; and each family serves `lpctl submit` and the OpenAI API, `n=3` too."""
+after a replay; and each family serves `lpctl submit` and the OpenAI API, `n=3` too. The hybrids of
+linear and full attention (Qwen3.5, Qwen3-Next: linear layers on both sides of the first stage boundary)
+also serve an outline request whose points fork the outline's and each other's state."""
 from __future__ import annotations
 
 import json
@@ -13,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from logicpipe.controller.cli.model_prep import find_default_gguf
+from logicpipe.controller.jobs.outline import OutlineRun, ancestors, parse_outline
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 from tests.families import FAMILIES, WINDOW, build, hf_greedy, hf_model
 from tests.gguf_files import write_gguf
@@ -24,7 +28,10 @@ NEW = 6
 LONG = 96  # tokens of the generation a killed stage interrupts (replayed on the new plan)
 # replayed after a fault: a family of each attention issue 33 added (MLA's latent KV, gpt-oss's sinks and
 # sliding layers, GLM's partial RoPE); a replay costs a stage's restart, the suite's time
-REPLAYED = ("deepseek_v2", "gpt_oss", "glm4_moe")
+REPLAYED = ("deepseek_v2", "gpt_oss", "glm4_moe", "qwen3_next")  # + a recurrent state recomputed from the prompt
+HYBRIDS = ("qwen3_5", "qwen3_next")
+QUESTION = "How does a bicycle work?"
+OUTLINE = "1. Wheels.\n2. Chain. [1]\n3. Brakes. [1, 2]"  # a root point, a one- and a two-predecessor point
 torch.manual_seed(11)
 PROMPTS = [torch.randint(0, 49152, (2 * WINDOW + i,)).tolist() for i in range(8)]  # past the sliding window
 
@@ -78,8 +85,30 @@ def lpctl(mesh, *args: str) -> str:
     return out.stdout
 
 
+def check_outline(mesh, path, model, tmp) -> None:
+    """An outline request with a given outline through the mesh: each point's text is that of
+    transformers' greedy tokens of the point's sequence, rebuilt here as the controller builds it
+    (the outline, its ancestors' segments, its own request)."""
+    (tmp / "outline.txt").write_text(OUTLINE)
+    doc = json.loads(lpctl(mesh, "submit", QUESTION, "--outline-text", str(tmp / "outline.txt"), "--max-points", "8",
+                           "--max-tokens", str(NEW), "--json"))
+    got = {p["id"]: p for p in doc["dag"]["points"]}
+    run = OutlineRun(None, AutoTokenizer.from_pretrained(path), QUESTION, outline_text=OUTLINE, max_points=8)
+    outline_ids = run.prefix_ids()[:-len(run.encode("1."))] + run.encode(OUTLINE)
+    points, _ = parse_outline(OUTLINE, 8)
+    assert [got[p.id]["shared"] for p in points] == ["outline", "point 1", "point 2"]
+    for p in points:
+        ids = list(outline_ids)
+        for a in ancestors(points, p):
+            ids += run.header_ids(points[a - 1]) + points[a - 1].tokens
+        want = hf_greedy(model, ids + run.header_ids(p), NEW)
+        stop = next((i for i, t in enumerate(want) if t in run.stop_ids), len(want))
+        p.tokens = want[:stop]
+        assert got[p.id]["text"] == run.tokenizer.decode(p.tokens, skip_special_tokens=True).strip(), p
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_family_through_3_2_and_1_stages(family, models, mesh):
+def test_a_family_through_3_2_and_1_stages(family, models, mesh, tmp_path):
     st = mesh.restart_controller(models[family])
     assert [s.end_layer - s.start_layer for s in st.stages] == [1, 1, 1]
     model = hf_model(models[family])
@@ -89,6 +118,9 @@ def test_a_family_through_3_2_and_1_stages(family, models, mesh):
     t: list = []
     assert submit(mesh, prompts[0], 4, t) == want[0] and submit(mesh, prompts[0], 0) == want[0]
     assert t[0].candidates > 0  # drafted, verified
+    if family in HYBRIDS:  # some rejected: the linear layers' states rolled back to an accepted position
+        assert t[0].accepted < t[0].candidates
+        check_outline(mesh, models[family], model, tmp_path)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         assert list(pool.map(lambda p: submit(mesh, p, 4), prompts)) == want
     # lpctl and the OpenAI API serve it (text through the chat template)

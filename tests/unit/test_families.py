@@ -80,11 +80,12 @@ def test_the_description_says_what_the_forward_runs(family):
     name, path, model, *_ = family
     arch = ModelConfig.from_dir(path).arch
     assert arch.family == name
-    assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "glm4_moe"))
+    assert arch.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "glm4_moe", "qwen3_5", "qwen3_next"))
     assert (arch.moe is not None) == (name in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "glm4_moe",
-                                               "deepseek_v2", "deepseek_v3"))
+                                               "deepseek_v2", "deepseek_v3", "qwen3_next"))
+    assert arch.hybrid == arch.attn_gate == (name in ("qwen3_5", "qwen3_next"))
     assert (arch.mla is not None) == name.startswith("deepseek")
-    assert (arch.norm == "gemma") == name.startswith("gemma")
+    assert (arch.norm == "gemma") == (name.startswith("gemma") or arch.hybrid)
     sliding = [t == "sliding" for t in arch.layer_types]
     hf_types = getattr(model.config, "layer_types", None)
     if hf_types:
@@ -109,6 +110,12 @@ def test_the_description_says_what_the_forward_runs(family):
         assert m.layers == (False, True, True) and (m.scoring, m.n_group, m.topk_group) == ("sigmoid", 4, 2)
         assert m.correction_bias and m.shared_intermediate_size == 32 and m.routed_scaling_factor == 2.5
         assert arch.rotary == 0.5 and arch.qkv_bias and not arch.o_bias
+    if arch.hybrid:
+        assert arch.layer_types == ("linear", "linear", "full") and arch.rotary == 0.25
+        assert (arch.linear.key_heads, arch.linear.value_heads, arch.linear.conv_kernel) == (2, 4, 4)
+    if name == "qwen3_next":
+        m = arch.moe
+        assert m.layers == (True, False, True) and m.shared_gate and m.shared_intermediate_size == 48 and m.norm_topk_prob
     if name == "smollm3":
         assert arch.rope_layers == (True, False, True) and [arch.ropes(i) for i in range(3)] == [True, False, True]
         assert arch.layer_types == ("full", "sliding", "full") and arch.sliding_window == WINDOW
@@ -121,6 +128,8 @@ def test_the_graph_step_body_equals_the_forward(family):
     from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
 
     name, path, *_ = family
+    if name in ("qwen3_5", "qwen3_next"):
+        pytest.skip("linear-attention layers run eagerly (no CUDA graphs yet)")
     shard = shards_of(path, [(0, 3)])[0]
     bs = 4
     pool_a, pool_b = shard.new_pool(40, bs), shard.new_pool(40, bs)
@@ -178,8 +187,11 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
     # the KV a token costs: what the planner counts is what a stage's pool allocates (MLA: one latent row)
     from logicpipe.stage_node.engine.kv import kv_bytes_per_token
 
+    # (MLA: one latent row; a hybrid: its full-attention layers only, the planner's layer their average share)
+    kv_layers = sum(1 for i in range(3) if not config.arch.is_linear(i))
     pool = shards_of(path, [(0, 3)])[0].new_pool(2, 16)
-    assert pool.block_bytes == 16 * kv_bytes_per_token(config, 3, torch.float32) == 16 * 3 * spec.kv_bytes_per_token_per_layer
+    assert pool.block_bytes == 16 * kv_bytes_per_token(config, kv_layers, torch.float32)
+    assert abs(pool.block_bytes - 16 * 3 * spec.kv_bytes_per_token_per_layer) <= 16 * 3, name
     if config.arch.mla is not None:
         assert spec.kv_bytes_per_token_per_layer == 4 * (config.arch.mla.kv_lora_rank + config.arch.mla.rope_dim)
     assert abs(held - 4 * params) <= 4 * spec.num_layers, name
