@@ -77,6 +77,7 @@ class Replanner:
         self._plan_lock = asyncio.Lock()  # one re-plan at a time (the loop's, a drain's, a leave's)
         self._tasks: set[asyncio.Task] = set()
         self._installed_at = 0.0      # when the plan in force was installed (monotonic)
+        self._repaired = False        # the plan chosen last was a repair (a stop-gap: the planner's own follows)
         self._now = False             # the re-plan in progress was asked for by an operator (drain, revoke, leave)
         self._recheck: asyncio.TimerHandle | None = None
         self._left_out = False        # the re-plan in progress left a node out (its install could not reach it)
@@ -244,7 +245,9 @@ class Replanner:
             if repaired and all(r is not None for r in repaired):
                 log.info("%s: repairing %d pipeline(s) over their survivors (%s)", why, len(repaired),
                          "; ".join(" ".join(f"{s.node_id}[{s.start},{s.end})" for s in r.stages) for r in repaired))
+                self._repaired = True
                 return planning.evaluate(self._plans(kept) + repaired, self.profiles, spec, workload, o)
+        repaired, self._repaired = self._repaired, False
         if broken or not kept:
             return planning.evaluate(self._plans(kept) + extra(), self.profiles, spec, workload, o)
         full = planning.mesh_for(self.profiles, spec, workload, o)
@@ -255,7 +258,10 @@ class Replanner:
         if planning.extends(full, current):
             return full  # only pipelines added: nothing in force moves
         grown = extra()
-        if planning.better(full, current, o):
+        # a repair in force is a stop-gap (survivors kept their ranges, a neighbour took the lost one):
+        # the planner's own plan replaces it, once the mesh is quiet, unless the repair is the better one
+        # (a node back from a fault is so taken in again even where it adds no predicted speed)
+        if planning.better(full, current, o) or (repaired and not planning.better(current, full, o)):
             sched = self.app.scheduler
             served = time.monotonic() - max(self._installed_at, self.app.members.last_fault(), sched.caught_up_at)
             replaying = sched.catching_up() if time.monotonic() - self._installed_at < MAX_HOLD_S else 0
@@ -269,9 +275,11 @@ class Replanner:
                          f"{replaying} moved requests are still replaying" if replaying else
                          "the plan in force is new, or a fault was recent")
                 self.later(wait, why)
+                self._repaired = repaired  # (still in force, and the later decision needs to know)
             else:
                 return full
         if grown:
+            self._repaired = repaired  # the pipelines in force stay as they are
             return planning.evaluate(self._plans(kept) + grown, self.profiles, spec, workload, o)
         log.info("%s: keeping the plan in force (%s; a new one would be %s)", why, planning.describe(current),
                  planning.describe(full))

@@ -194,10 +194,12 @@ class StepGraphs:
         else:
             g.ints.copy_(host)
         g.x[:n].copy_(x)
-        if self.shard.mirror is not None:  # a tensor-parallel stage's rank 0: every rank replays with it
-            self.shard.mirror.graph_step(g)
-        out = self.replay(g)
-        return out[:n].clone()
+        mirror = self.shard.mirror
+        if mirror is None:
+            return self.replay(g)[:n].clone()
+        with mirror.lost_on_error():  # a tensor-parallel stage's rank 0: every rank replays with it
+            mirror.graph_step(g)
+            return self.replay(g)[:n].clone()
 
     def replay(self, g: _Graph) -> torch.Tensor:
         """Run g's step over its static inputs (its graph, or on a CPU its body) -> [g.rows, hidden]."""
@@ -237,10 +239,9 @@ class StepGraphs:
         mirror = self.shard.mirror
         if mirror is None:
             return self._new(rows, context)
-        mirror.capture(rows, context)
         with mirror.lost_on_error():
-            g = self._new(rows, context, strict=True)
-        return g
+            mirror.capture(rows, context)
+            return self._new(rows, context, strict=True)
 
     def _new(self, rows: int, context: int, strict: bool = False) -> _Graph | None:
         s = self.shard

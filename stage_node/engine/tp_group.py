@@ -209,8 +209,9 @@ class Leader:
 
     def copy(self, copies) -> None:
         pairs = torch.tensor(list(copies), dtype=torch.long).reshape(-1, 2)
-        self.channel.header(COPY, pairs.shape[0])
-        self.channel.ints(pairs.flatten(), pairs.numel())
+        with self.lost_on_error():
+            self.channel.header(COPY, pairs.shape[0])
+            self.channel.ints(pairs.flatten(), pairs.numel())
 
     def forward(self, hidden: torch.Tensor, kv: StepKV) -> None:
         table, slots = _seq_table(kv.seqs)
@@ -285,6 +286,8 @@ def follow(rank: int, world: int, init: str, device: str) -> None:
                 hidden_size, pool = shard.config.hidden_size, None
             elif op == POOL:
                 pool = shard.new_pool(h[1], h[2])
+                if h[3]:  # a graph reads masked positions too: none may hold a NaN (a CUDA pool is zeroed already)
+                    pool.kv.zero_()
                 shard.graphs = StepGraphs(shard, pool, capture=dev.type == "cuda", warm=False) if h[3] else None
             elif op == CAPTURE:
                 if shard.graphs.make(h[1], h[2]) is None:

@@ -317,8 +317,8 @@ class Shard:
             raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         if self.mirror is not None:  # a tensor-parallel stage's rank 0: the other ranks gather with it
-            self.mirror.logits(hidden)
-            with self.mirror.lost_on_error():
+            with self.mirror.lost_on_error():  # (a send that fails: a member is gone)
+                self.mirror.logits(hidden)
                 return self._logits(hidden)
         return self._logits(hidden)
 
@@ -349,8 +349,8 @@ class Shard:
             raise ValueError(f"layers [{self.start}, {self.end}) run whole (native or fused layers): "
                              f"they cannot start at layer {self.start + first}")
         if self.mirror is not None:  # a tensor-parallel stage's rank 0: the other ranks run it too
-            self.mirror.forward(hidden, kv)
-            with self.mirror.lost_on_error():
+            with self.mirror.lost_on_error():  # (a send that fails: a member is gone)
+                self.mirror.forward(hidden, kv)
                 return self._forward(hidden, kv)
         return self._forward(hidden, kv, first, stop)
 

@@ -34,7 +34,7 @@ def replanner(monkeypatch):
     r = Replanner.__new__(Replanner)
     r.app = SimpleNamespace(options=SimpleNamespace(replicas=0), spec=None, scheduler=Sched(),
                             members=SimpleNamespace(last_fault=lambda: 0.0))
-    r.workload, r.profiles, r.plan, r._now, r._recheck = None, [], object(), False, None
+    r.workload, r.profiles, r.plan, r._now, r._recheck, r._repaired = None, [], object(), False, None, False
     r.asked_later: list[float] = []
     r.later = lambda delay, why: r.asked_later.append(delay)
     kept = SimpleNamespace(plan=SimpleNamespace(stages=()))
@@ -67,3 +67,22 @@ def test_with_nothing_running_it_moves_at_once(replanner):
     r.app.scheduler = Sched(running=0, replaying=0)
     assert r.choose() == FULL
 
+
+def test_a_repair_in_force_gives_way_to_the_planner_s_plan_even_when_it_is_no_faster(replanner, monkeypatch):
+    """A repair (survivors keep their ranges) is a stop-gap: at the next re-plan, say the lost node
+    back, the planner's plan replaces it though it predicts no more tokens/s (one request at a time),
+    after the same wait as a better plan; a plan in force that is not a repair stays."""
+    r = replanner
+    monkeypatch.setattr(planning, "better", lambda a, b, o: False)  # neither is better by --replan-gain
+    r._installed_at = time.monotonic() - 2 * replanning.HOLD_S
+    r.app.scheduler = Sched(running=0)
+    r._repaired = False
+    assert r.choose() is None
+    r._repaired = True
+    r.app.scheduler = Sched(replaying=2)  # it waits while moved requests replay, and still knows it then
+    assert r.choose() is None and r.asked_later == [1.0] and r._repaired
+    r.app.scheduler = Sched(running=0)
+    assert r.choose() == FULL and not r._repaired
+    monkeypatch.setattr(planning, "better", lambda a, b, o: a == CURRENT)  # the repair is the better one
+    r._repaired = True
+    assert r.choose() is None
