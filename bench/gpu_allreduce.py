@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -23,11 +22,7 @@ try:
 except ImportError:  # an older PyTorch: NCCL only
     symm_mem = None
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.localmesh import free_port
 
 
 def _timed_graph(fn, reps: int, replays: int) -> float:
@@ -96,7 +91,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -728,10 +728,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        code = args.fn(args)
-        sys.stdout.flush()
-        close_channels()
-        sys.exit(code)
+        sys.exit(args.fn(args))
     except grpc.RpcError as exc:  # one line, the fix named where it is known (call_error)
         print(f"lpctl: {call_error(args, exc)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

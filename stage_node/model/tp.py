@@ -57,6 +57,7 @@ class TensorParallel:
     world: int
     group: object = None
     one_shot: torch.Tensor | None = field(default=None, compare=False, repr=False)  # CUDA: the symmetric buffer of the one-shot all-reduce (enable_one_shot)
+    _one_shot_group: str = field(default="", compare=False, repr=False)  # its process group's name
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank); returned (x itself over NCCL or gloo).
@@ -69,14 +70,10 @@ class TensorParallel:
         if buf is not None and x.dtype == buf.dtype and x.numel() <= buf.numel():
             part = buf[: x.numel()]
             part.copy_(x.reshape(-1))
-            return torch.ops.symm_mem.one_shot_all_reduce(part, "sum", self._group_name).view(x.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce(part, "sum", self._one_shot_group).view(x.shape)
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         return x
-
-    @property
-    def _group_name(self) -> str:
-        return (self.group or dist.group.WORLD).group_name
 
     def enable_one_shot(self, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
         """CUDA ranks, every one at the same point (a shard's load): allocate and exchange the
@@ -88,12 +85,13 @@ class TensorParallel:
         if self.one_shot is not None and self.one_shot.dtype == dtype and self.one_shot.numel() >= n:
             return True
         self.one_shot, ok = None, True
+        self._one_shot_group = (self.group or dist.group.WORLD).group_name
         try:
             buf = symm_mem.empty(n, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, self._group_name)
+            symm_mem.rendezvous(buf, self._one_shot_group)
             probe = buf[:3 * hidden]
             probe.fill_(self.rank + 1)
-            got = torch.ops.symm_mem.one_shot_all_reduce(probe, "sum", self._group_name)
+            got = torch.ops.symm_mem.one_shot_all_reduce(probe, "sum", self._one_shot_group)
             ok = bool((got == self.world * (self.world + 1) // 2).all())
         except Exception as exc:  # noqa: BLE001 — NCCL's all-reduce still works; say why once
             log.warning("the one-shot all-reduce (symmetric memory) is not available here (%s): NCCL's is used", exc)
