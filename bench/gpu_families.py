@@ -5,6 +5,7 @@
     python -m bench.gpu_families --part moe   --out $OUT   # Qwen3-30B-A3B shape, random bf16
     python -m bench.gpu_families --part mla   --out $OUT   # DeepSeek-V2-Lite shape (MLA), random bf16
     python -m bench.gpu_families --part gqa   --out $OUT   # its size with grouped-query attention instead
+    python -m bench.gpu_families --part qwen35 --layers 16 --out $OUT  # Qwen3.5-27B shape (hybrid), random bf16
 
 `tiny`: each family's tiny random checkpoint (tests/families.py, float32), served by one 2-stage
 CUDA mesh (graphs on) whose controller restarts per family: 8 concurrent prompts longer than the
@@ -58,7 +59,16 @@ GQA_OF_ITS_SIZE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10
                        moe_intermediate_size=1408, shared_expert_intermediate_size=2816, mlp_only_layers=[0],
                        norm_topk_prob=False, max_position_embeddings=8192, tie_word_embeddings=False,
                        eos_token_id=None, bos_token_id=None)
-SHAPES = {"dense": ("qwen3", QWEN3_8B, "qwen3-8b"), "moe": ("qwen3_moe", QWEN3_30B_A3B, "qwen3-30b-a3b"),
+# Qwen3.5-27B (the published text config): 3 of every 4 layers gated delta-net linear attention (16 key
+# heads, 48 value heads of 128, a 4-tap convolution), every 4th full attention (24 heads over 4 KV heads of
+# 256, gated output, a quarter of each head rotated)
+QWEN35_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                  linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, full_attention_interval=4,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                  max_position_embeddings=8192, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+SHAPES = {"dense": ("qwen3", QWEN3_8B, "qwen3-8b"), "qwen35": ("qwen3_5", QWEN35_27B, "qwen3.5-27b"), "moe": ("qwen3_moe", QWEN3_30B_A3B, "qwen3-30b-a3b"),
           "mla": ("deepseek_v2", DEEPSEEK_V2_LITE, "deepseek-v2-lite"), "gqa": ("qwen2_moe", GQA_OF_ITS_SIZE, "gqa-moe")}
 
 
@@ -129,7 +139,7 @@ def big(args, results: dict, save) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["tiny", "dense", "moe", "mla", "gqa"], required=True)
+    ap.add_argument("--part", choices=["tiny", "dense", "moe", "mla", "gqa", "qwen35"], required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lp-gpu"))
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--tokens", type=int, default=128)

@@ -20,6 +20,7 @@ from logicpipe.common.process import (
     bind,
     cannot_listen,
     check_free,
+    exit_after,
     run_main,
     serve_until_signalled,
     with_port,
@@ -320,5 +321,12 @@ def main(argv=None) -> None:
     run_main(PROG, lambda: serve(args), args.log_level)
 
 
+
+def cli() -> None:
+    """The command (console script and `python -m`): main, then the process ends at once with its
+    status (common.process.exit_after: the interpreter's teardown costs seconds, nothing needs it)."""
+    exit_after(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

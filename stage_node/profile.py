@@ -233,7 +233,9 @@ def host_profile(device: str, *, dtype: str = "auto", quantize: str = "none", re
                  speeds["mem_bandwidth"] / 1e9, wbw / 1e9, formats[0], per_param)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(speeds))
+            part = path.with_name(f"{path.name}.{os.getpid()}.part")  # stages starting together read it whole
+            part.write_text(json.dumps(speeds))
+            os.replace(part, path)
         except OSError as exc:
             log.warning("could not cache the profile at %s: %s", path, exc)
     flops = {f: float(v) for f, v in speeds["format_flops"].items()}

@@ -138,6 +138,20 @@ class LocalMesh:
     def start_stage(self, i: int, address: str | None = None, *extra: str, prefix: tuple[str, ...] = ()) -> str:
         """Start stage process `stage{i}` (on `address`, else a free port) and wait until it serves.
         `prefix`: what its command line runs under (tests.netns: `ip netns exec NS`)."""
+        addr, proc, log = self._spawn_stage(i, address, *extra, prefix=prefix)
+        wait_serving(addr, proc, log, transport=self.transport)
+        return addr
+
+    def start_stages(self, extra: dict[int, tuple[str, ...]] | None = None) -> list[str]:
+        """Start stages 0..n_stages-1 all at once (their start-ups overlap) and wait until every
+        one serves; their addresses in order."""
+        started = [self._spawn_stage(i, None, *(extra or {}).get(i, ())) for i in range(self.n_stages)]
+        for addr, proc, log in started:
+            wait_serving(addr, proc, log, transport=self.transport)
+        return [addr for addr, _, _ in started]
+
+    def _spawn_stage(self, i: int, address: str | None, *extra: str,
+                     prefix: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen, Path]:
         addr = address or f"127.0.0.1:{free_port()}"
         found = ["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns else ["--no-mdns"]
         if self.tls:
@@ -147,8 +161,7 @@ class LocalMesh:
                                               "--device", self.device, "--threads", str(self.threads),
                                               "--state-dir", str(self.workdir / f"state{i}"), *found,
                                               *self.stage_args, *extra], self.stage_env.get(i), prefix)
-        wait_serving(addr, proc, log, transport=self.transport)
-        return addr
+        return addr, proc, log
 
     def start_controller(self, *extra: str, ready: bool = True, env: dict[str, str] | None = None,
                          name: str = "controller", address: str | None = None, prefix: tuple[str, ...] = ()) -> str:
@@ -207,7 +220,7 @@ class LocalMesh:
                 signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
-            self.stage_addresses = [self.start_stage(i, None, *self.stage_extra.get(i, ())) for i in range(self.n_stages)]
+            self.stage_addresses = self.start_stages(self.stage_extra)
             self.start_controller()
         except BaseException:
             self.stop()
@@ -242,8 +255,15 @@ class LocalMesh:
         self.procs[name].wait(STOP_GRACE_S)
 
     def stop(self) -> None:
-        """Stop every process: SIGCONT (a stopped one cannot die of SIGTERM), SIGTERM, then SIGKILL."""
-        live = [p for p in self.procs.values() if p.poll() is None]
+        """Stop every process: SIGCONT (a stopped one cannot die of SIGTERM), SIGTERM, then SIGKILL.
+        Controllers first: stages that stop under a live controller make it re-plan around them."""
+        stages = [p for n, p in self.procs.items() if n.startswith("stage")]
+        self._stop([p for p in self.procs.values() if p not in stages])
+        self._stop(stages)
+
+    @staticmethod
+    def _stop(procs: list[subprocess.Popen]) -> None:
+        live = [p for p in procs if p.poll() is None]
         for proc in live:
             for sig in (signal.SIGCONT, signal.SIGTERM):
                 with contextlib.suppress(ProcessLookupError):

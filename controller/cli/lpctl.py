@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -21,7 +20,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from logicpipe.common.modeldir import ModelError
-from logicpipe.common.process import CONTROLLER_PORT, EXIT_USAGE, address_list_flag
+from logicpipe.common.process import CONTROLLER_PORT, EXIT_USAGE, address_list_flag, exit_after
 from logicpipe.common.security import ca
 from logicpipe.common.security.bundle import CA_CERT, CA_KEY, Bundle, TlsError
 from logicpipe.common.transport import PLAINTEXT, Transport
@@ -743,20 +742,9 @@ def main(argv=None) -> None:
 
 def cli() -> None:
     """The `lpctl` command: main, then the process ends at once with main's status, its output
-    flushed. Left to the interpreter's shutdown, gRPC's finalisers hung now and then after a resumed
-    stream (CI: the answer printed, then no exit for 210 s); nothing of lpctl's needs them."""
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-    os._exit(code)
+    flushed (common.process.exit_after: left to the interpreter's shutdown, gRPC's finalisers hung
+    now and then after a resumed stream; nothing of lpctl's needs them)."""
+    exit_after(main)
 
 
 if __name__ == "__main__":
