@@ -5,7 +5,9 @@ stacked in one tensor per projection, Phi-3's fused projections kept fused, Llam
 as a rope_freqs table, GLM's multi-token-prediction layer as an extra block, gpt-oss's fused experts
 split into gate / up / down [experts, out, in] (its convert_hf_to_gguf.py GptOssModel; MXFP4 experts as
 GGML's MXFP4), DeepSeek's kv_b_proj split per head into k_b (transposed) and v_b, Qwen3-Next's and Qwen3.5's linear
-attention as `linear_attn_gguf` says; the tokenizer (and chat template) of
+attention as `linear_attn_gguf` says (llama.cpp's conversion/qwen.py, as vendored by llama-cpp-python
+0.3.36: Qwen3NextModel, _LinearAttentionVReorderBase, _Qwen35MRopeMixin, _QwenMtpMixin; the same tensor
+transformations as the single-file convert_hf_to_gguf.py before it); the tokenizer (and chat template) of
 the default model's GGUF. Written independently of the converter under test, from llama.cpp's
 naming, so a mistake on either side shows."""
 from __future__ import annotations
@@ -76,7 +78,7 @@ def reorder_v_heads(x: np.ndarray, dim: int, key_heads: int, per_key: int, head_
 
 def linear_attn_gguf(family: str, cfg: dict, layer: int, rest: str, x: np.ndarray, *,
                      ssm_in: bool = False) -> list[tuple[str, np.ndarray]]:
-    """The GGUF tensors llama.cpp's convert_hf_to_gguf.py writes for checkpoint tensor model.layers.`layer`.
+    """The GGUF tensors llama.cpp's converter (conversion/qwen.py) writes for checkpoint tensor model.layers.`layer`.
     `rest` of a linear-attention layer: for Qwen3.5 first _LinearAttentionVReorderBase.modify_tensors (the
     value heads tiled where there are more value heads than key heads: qkv's v rows, z, b, a, A_log,
     dt_bias, conv1d's v channels, out_proj's columns), then Qwen3NextModel.modify_tensors (A_log ->
@@ -206,7 +208,9 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     if deepseek:  # llama.cpp: MLA as multi-query attention over the latent
         kv_heads = 1
     w = GGUFWriter(str(out), arch or ARCH[family])
-    nextn = 1 if family == "glm4_moe" else 0  # llama.cpp counts GLM's MTP layer among the blocks
+    # llama.cpp counts GLM's MTP layer among the blocks; Qwen3.5's and Qwen3-Next's too (_QwenMtpMixin: the
+    # released checkpoints have one, converted unless --no-mtp)
+    nextn = 1 if family in ("glm4_moe", *HYBRID) else 0
     w.add_block_count(layers + nextn)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -288,17 +292,22 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
         w.add_nextn_predict_layers(nextn)
-    if family in HYBRID:  # Qwen3NextModel.set_gguf_parameters (llama.cpp's 4 when the config has no interval;
-        # partial_rotary_factor read at the top level, where transformers 5 no longer keeps it: 0.25)
+    if family in HYBRID:  # conversion/qwen.py's Qwen3NextModel.set_gguf_parameters
         w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
         w.add_ssm_state_size(cfg["linear_key_head_dim"])
         w.add_ssm_group_count(cfg["linear_num_key_heads"])
         w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
         w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        if "layer_types" in cfg:  # add_recurrent_layers (not in gguf 0.19's writer): the MTP block is not one
+            w.add_array(f"{w.arch}.attention.recurrent_layers",
+                        [t == "linear_attention" for t in cfg["layer_types"]] + [False] * nextn)
         w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
-        w.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 0.25)))
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
         if "mrope_section" in rope:  # TextModel.set_gguf_parameters: padded to 4
             w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0, 0, 0, 0])[:4])
+        elif family == "qwen3_5":  # _Qwen35MRopeMixin: llama.cpp's qwen35 loader needs the sections
+            w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_nextn_predict_layers(nextn)  # _QwenMtpMixin.set_gguf_parameters
     copy_tokenizer(w, tokenizer_gguf)
 
     def add(name: str, x: np.ndarray, qtype: str = qtype) -> None:
@@ -360,7 +369,8 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].swapaxes(1, 2))
             add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:])
             continue
-        post_norm = gemma or family in ("glm4_moe", *HYBRID)  # GLM's norm before the MLP is llama.cpp's post_attention_norm
+        # GLM's (and the hybrids') norm before the MLP is llama.cpp's post_attention_norm
+        post_norm = gemma or family in ("glm4_moe", *HYBRID)
         target = (GEMMA_POST_ATTENTION if post_norm and rest == "post_attention_layernorm.weight"
                   else DEEPSEEK[rest] if deepseek and rest in DEEPSEEK else LAYER[rest])
         if ARCH[family] in ("llama", "smollm3") and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):

@@ -7,12 +7,13 @@ converter changed it (Llama's and SmolLM3's q/k rows permuted for its RoPE layou
 stored as 1 + w, Llama 3.1's RoPE scaling turned into a table of per-frequency factors, gpt-oss's
 experts split into gate / up / down and transposed: put back into transformers' fused [experts, in,
 out] tensors with gate and up interleaved, DeepSeek's kv_b_proj split per head into k_b and v_b:
-joined back; Qwen3-Next's and Qwen3.5's linear attention: gguf_hybrid), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
-straight into one safetensors file whose header is laid out first: never the whole model in
-memory. config.json is written from the GGUF's metadata; the tokenizer and its chat template come
-from the GGUF too (transformers builds them from the metadata alone). The work happens in a
-temporary sibling directory renamed into place at the end, so an interrupted conversion leaves
-nothing half-written; a finished one is reused while the source file's size and mtime match.
+joined back; Qwen3-Next's and Qwen3.5's linear attention: gguf_hybrid), renamed to the checkpoint
+names the stages read, cast to bfloat16 (or float32) and written straight into one safetensors
+file whose header is laid out first: never the whole model in memory. config.json is written from
+the GGUF's metadata; the tokenizer and its chat template come from the GGUF too (transformers builds
+them from the metadata alone). The work happens in a temporary sibling directory renamed into place
+at the end, so an interrupted conversion leaves nothing half-written; a finished one is reused while
+the source file's size and mtime match.
 """
 from __future__ import annotations
 
@@ -243,8 +244,9 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     layers = int(get("block_count"))
-    nextn = int(get("nextn_predict_layers", 0) or 0) if family == "glm4_moe" else 0
-    layers -= nextn  # GLM: llama.cpp counts its multi-token-prediction layers among the blocks (not run here)
+    nextn = int(get("nextn_predict_layers", 0) or 0) if family in ("glm4_moe", *HYBRID) else 0
+    layers -= nextn  # GLM, Qwen3.5 / Qwen3-Next: llama.cpp counts the multi-token-prediction layers among the
+    # blocks (not run here)
     config = {
         "model_type": {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}.get(family, family),
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

@@ -73,12 +73,27 @@ def test_a_gguf_converts_back_to_its_checkpoint_and_serves_its_tokens(family, tm
             assert torch.equal(got[name], x), name
     config = ModelConfig.from_dir(out)
     assert config.arch == ModelConfig.from_dir(original).arch
+    if family in ("qwen3_5", "qwen3_next"):  # what the forward does not show: M-RoPE's sections (text: one position)
+        assert json.loads((out / "config.json").read_text())["rope_parameters"] == json.loads(
+            (original / "config.json").read_text())["rope_parameters"]
     logits, tokens = greedy(shards_of(out, [(0, 1), (1, 2), (2, config.num_layers)]), PROMPT, STEPS)
     model = hf_model(original)
     with torch.no_grad():
         want_logits = model(torch.tensor([PROMPT])).logits[0, -1]
     assert ((logits - want_logits).abs().max() / want_logits.abs().max()).item() <= RTOL
     assert tokens == hf_greedy(model, PROMPT, STEPS)
+
+
+def test_an_older_qwen3next_gguf_with_ssm_in_converts_back(tmp_path, tokenizer_gguf):
+    """Qwen3-Next as llama.cpp's converters wrote it before splitting in_proj_qkvz into attn_qkv and
+    attn_gate: the whole projection as ssm_in, in the checkpoint's own rows (llama.cpp still reads it)."""
+    original = build("qwen3_next", tmp_path / "hf", **FAMILIES["qwen3_next"])
+    gguf = write_gguf("qwen3_next", original, tmp_path / "old.gguf", tokenizer_gguf, ssm_in=True)
+    out = prepare_gguf(gguf, tmp_path / "p", dtype="float32", progress=quiet)
+    want, got = load_file(str(original / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in [n for n in want if "linear_attn.in_proj" in n]:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_llama3_rope_scaling_comes_back_from_its_rope_freqs_table(tmp_path, tokenizer_gguf):
