@@ -4,7 +4,10 @@ Llama's (and SmolLM3's) q/k rows permuted for its RoPE, Gemma's norms stored as 
 stacked in one tensor per projection, Phi-3's fused projections kept fused, Llama 3.1's RoPE scaling
 as a rope_freqs table, GLM's multi-token-prediction layer as an extra block, gpt-oss's fused experts
 split into gate / up / down [experts, out, in] (its convert_hf_to_gguf.py GptOssModel; MXFP4 experts as
-GGML's MXFP4), DeepSeek's kv_b_proj split per head into k_b (transposed) and v_b; the tokenizer (and chat template) of
+GGML's MXFP4), DeepSeek's kv_b_proj split per head into k_b (transposed) and v_b, Qwen3-Next's and Qwen3.5's linear
+attention as `linear_attn_gguf` says (llama.cpp's conversion/qwen.py, as vendored by llama-cpp-python
+0.3.36: Qwen3NextModel, _LinearAttentionVReorderBase, _Qwen35MRopeMixin, _QwenMtpMixin; the same tensor
+transformations as the single-file convert_hf_to_gguf.py before it); the tokenizer (and chat template) of
 the default model's GGUF. Written independently of the converter under test, from llama.cpp's
 naming, so a mistake on either side shows."""
 from __future__ import annotations
@@ -21,7 +24,9 @@ from safetensors.torch import load_file
 
 ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
         "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
-        "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe", "smollm3": "smollm3"}
+        "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe", "glm4_moe": "glm4moe", "smollm3": "smollm3",
+        "qwen3_next": "qwen3next", "qwen3_5": "qwen35"}  # gguf.MODEL_ARCH_NAMES' QWEN3NEXT and QWEN35 (gguf 0.19)
+HYBRID = {"qwen3_next": "QWEN3NEXT", "qwen3_5": "QWEN35"}  # family -> its gguf.MODEL_ARCH member
 LAYER = {  # checkpoint name after "model.layers.N." -> llama.cpp's after "blk.N."
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -60,6 +65,61 @@ EXPERT_KIND = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: q/k rows from rotate-half to interleaved pairs."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reorder_v_heads(x: np.ndarray, dim: int, key_heads: int, per_key: int, head_dim: int) -> np.ndarray:
+    """llama.cpp's _LinearAttentionVReorderBase._reorder_v_heads (convert_hf_to_gguf.py): along `dim`, the
+    value heads grouped by key head ([key_heads, per_key, head_dim]) swapped to tiled ([per_key, key_heads,
+    head_dim])."""
+    shape = list(x.shape)
+    x = x.reshape(*shape[:dim], key_heads, per_key, head_dim, *shape[dim + 1:])
+    return np.ascontiguousarray(np.swapaxes(x, dim, dim + 1)).reshape(shape)
+
+
+def linear_attn_gguf(family: str, cfg: dict, layer: int, rest: str, x: np.ndarray, *,
+                     ssm_in: bool = False) -> list[tuple[str, np.ndarray]]:
+    """The GGUF tensors llama.cpp's converter (conversion/qwen.py) writes for checkpoint tensor model.layers.`layer`.
+    `rest` of a linear-attention layer: for Qwen3.5 first _LinearAttentionVReorderBase.modify_tensors (the
+    value heads tiled where there are more value heads than key heads: qkv's v rows, z, b, a, A_log,
+    dt_bias, conv1d's v channels, out_proj's columns), then Qwen3NextModel.modify_tensors (A_log ->
+    -exp(A_log), dt_bias renamed dt_proj.bias, conv1d squeezed, in_proj_qkvz regrouped into attn_qkv
+    [q of every key head, k ..., v ...] and attn_gate [z]; `ssm_in`: as older converters, kept whole
+    as ssm_in), then its map_tensor_name (gguf's own TensorNameMap)."""
+    from gguf import MODEL_ARCH, MODEL_TENSOR, TENSOR_NAMES, get_tensor_name_map
+
+    kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd, vd = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    r, qk = vh // kh, 2 * kh * kd
+    if family == "qwen3_5" and kh != vh:
+        if ".in_proj_qkv." in rest:
+            x = np.concatenate([x[:qk], reorder_v_heads(x[qk:], 0, kh, r, vd)])
+        elif ".in_proj_z." in rest:
+            x = reorder_v_heads(x, 0, kh, r, vd)
+        elif ".in_proj_b." in rest or ".in_proj_a." in rest:
+            x = reorder_v_heads(x, 0, kh, r, 1)
+        elif rest.endswith((".A_log", ".dt_bias")):
+            x = reorder_v_heads(x[:, None], 0, kh, r, 1)[:, 0]
+        elif ".conv1d" in rest:
+            x = x.squeeze()
+            x = np.concatenate([x[:qk], reorder_v_heads(x[qk:], 0, kh, r, vd)])
+        elif ".out_proj." in rest:
+            x = reorder_v_heads(x, 1, kh, r, vd)
+    name = f"model.layers.{layer}.{rest}"
+    if name.endswith(".A_log"):
+        x = (-torch.exp(torch.from_numpy(np.ascontiguousarray(x)))).numpy()
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in name:
+        x = x.squeeze()
+    if name.endswith("in_proj_qkvz.weight") and not ssm_in:
+        hidden = cfg["hidden_size"]
+        t = x.T.reshape(hidden, kh, 2 * kd + 2 * r * vd)  # (n_embd, head_count, [q + k + v + z])
+        q, k, v, z = np.split(t, [kd, 2 * kd, 2 * kd + r * vd], axis=-1)
+        qkv = np.concatenate([y.reshape(hidden, -1) for y in (q, k, v)], axis=-1).T
+        return [(TENSOR_NAMES[MODEL_TENSOR.ATTN_QKV].format(bid=layer) + ".weight", qkv),
+                (TENSOR_NAMES[MODEL_TENSOR.ATTN_GATE].format(bid=layer) + ".weight", z.reshape(hidden, -1).T)]
+    names = get_tensor_name_map(MODEL_ARCH[HYBRID[family]], cfg["num_hidden_layers"])
+    return [(names.get_name(name, try_suffixes=(".weight", ".bias")), x)]
 
 
 def llama3_factors(cfg: dict) -> np.ndarray:
@@ -133,10 +193,10 @@ def small_tokenizer_gguf(tokenizer_gguf: Path, out: Path, vocab: int = SMALL_VOC
 
 
 def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *, qtype: str = "F32",
-               arch: str | None = None, experts_qtype: str | None = None) -> Path:
+               arch: str | None = None, experts_qtype: str | None = None, ssm_in: bool = False) -> Path:
     """The GGUF llama.cpp would write for the checkpoint in `model_dir` (2-D weights stored as
-    `qtype`: F32, F16 or Q8_0; norms and biases F32; gpt-oss's expert matrices as `experts_qtype`,
-    e.g. MXFP4, default `qtype`)."""
+    `qtype`: F32, F16 or Q8_0; norms, biases and conv1d F32; gpt-oss's expert matrices as `experts_qtype`,
+    e.g. MXFP4, default `qtype`; `ssm_in`: Qwen3-Next's in_proj_qkvz whole, as older converters wrote it)."""
     from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -148,7 +208,9 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     if deepseek:  # llama.cpp: MLA as multi-query attention over the latent
         kv_heads = 1
     w = GGUFWriter(str(out), arch or ARCH[family])
-    nextn = 1 if family == "glm4_moe" else 0  # llama.cpp counts GLM's MTP layer among the blocks
+    # llama.cpp counts GLM's MTP layer among the blocks; Qwen3.5's and Qwen3-Next's too (_QwenMtpMixin: the
+    # released checkpoints have one, converted unless --no-mtp)
+    nextn = 1 if family in ("glm4_moe", *HYBRID) else 0
     w.add_block_count(layers + nextn)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -214,11 +276,11 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(rope["factor"])
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        if family in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
+        if family in ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_next"):
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if family == "qwen3_moe":
             w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
-        if family == "qwen2_moe":
+        if family in ("qwen2_moe", "qwen3_next"):  # Qwen2MoeModel.set_gguf_parameters
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if family == "glm4_moe":  # llama.cpp's Glm4MoeModel.set_gguf_parameters
         from gguf import ExpertGatingFuncType
@@ -230,6 +292,22 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
         w.add_nextn_predict_layers(nextn)
+    if family in HYBRID:  # conversion/qwen.py's Qwen3NextModel.set_gguf_parameters
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        if "layer_types" in cfg:  # add_recurrent_layers (not in gguf 0.19's writer): the MTP block is not one
+            w.add_array(f"{w.arch}.attention.recurrent_layers",
+                        [t == "linear_attention" for t in cfg["layer_types"]] + [False] * nextn)
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+        if "mrope_section" in rope:  # TextModel.set_gguf_parameters: padded to 4
+            w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0, 0, 0, 0])[:4])
+        elif family == "qwen3_5":  # _Qwen35MRopeMixin: llama.cpp's qwen35 loader needs the sections
+            w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_nextn_predict_layers(nextn)  # _QwenMtpMixin.set_gguf_parameters
     copy_tokenizer(w, tokenizer_gguf)
 
     def add(name: str, x: np.ndarray, qtype: str = qtype) -> None:
@@ -251,10 +329,16 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
     for name, x in state.items():
         if gemma and name.endswith("norm.weight"):
             x = x + 1.0
+        if family in HYBRID and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            x = x + 1.0  # Qwen3NextModel.modify_tensors: the zero-centred RMSNorms
         if name in GLOBAL:
             add(GLOBAL[name], x)
             continue
         layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+        if family in HYBRID and rest.startswith("linear_attn."):
+            for gguf_name, y in linear_attn_gguf(family, cfg, int(layer), rest, x, ssm_in=ssm_in):
+                add(gguf_name, y, "F32" if ".ssm_conv1d." in gguf_name else qtype)  # llama.cpp: conv1d in F32
+            continue
         if family == "gpt_oss" and rest.startswith("mlp.experts."):  # split, [experts, out, in], as GptOssModel
             q = f"blk.{layer}.ffn_"
             kind = experts_qtype or qtype
@@ -285,7 +369,8 @@ def write_gguf(family: str, model_dir: Path, out: Path, tokenizer_gguf: Path, *,
             add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].swapaxes(1, 2))
             add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:])
             continue
-        post_norm = gemma or family == "glm4_moe"  # GLM's norm before the MLP is llama.cpp's post_attention_norm
+        # GLM's (and the hybrids') norm before the MLP is llama.cpp's post_attention_norm
+        post_norm = gemma or family in ("glm4_moe", *HYBRID)
         target = (GEMMA_POST_ATTENTION if post_norm and rest == "post_attention_layernorm.weight"
                   else DEEPSEEK[rest] if deepseek and rest in DEEPSEEK else LAYER[rest])
         if ARCH[family] in ("llama", "smollm3") and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):

@@ -7,12 +7,13 @@ converter changed it (Llama's and SmolLM3's q/k rows permuted for its RoPE layou
 stored as 1 + w, Llama 3.1's RoPE scaling turned into a table of per-frequency factors, gpt-oss's
 experts split into gate / up / down and transposed: put back into transformers' fused [experts, in,
 out] tensors with gate and up interleaved, DeepSeek's kv_b_proj split per head into k_b and v_b:
-joined back), renamed to the checkpoint names the stages read, cast to bfloat16 (or float32) and written
-straight into one safetensors file whose header is laid out first: never the whole model in
-memory. config.json is written from the GGUF's metadata; the tokenizer and its chat template come
-from the GGUF too (transformers builds them from the metadata alone). The work happens in a
-temporary sibling directory renamed into place at the end, so an interrupted conversion leaves
-nothing half-written; a finished one is reused while the source file's size and mtime match.
+joined back; Qwen3-Next's and Qwen3.5's linear attention: gguf_hybrid), renamed to the checkpoint
+names the stages read, cast to bfloat16 (or float32) and written straight into one safetensors
+file whose header is laid out first: never the whole model in memory. config.json is written from
+the GGUF's metadata; the tokenizer and its chat template come from the GGUF too (transformers builds
+them from the metadata alone). The work happens in a temporary sibling directory renamed into place
+at the end, so an interrupted conversion leaves nothing half-written; a finished one is reused while
+the source file's size and mtime match.
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ from pathlib import Path
 
 from logicpipe.common.modeldir import ModelError
 from logicpipe.common.paths import cache_root
+from logicpipe.controller.cli.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
+from logicpipe.controller.cli.gguf_hybrid import FAMILIES as HYBRID
+from logicpipe.controller.cli.gguf_hybrid import NAMES as _HYBRID
+from logicpipe.controller.cli.gguf_hybrid import hybrid_config, is_zero_centred, linear_tensors
 from logicpipe.controller.cli.gguf_rope import llama3_rope
 from logicpipe.controller.cli.gguf_tokenizer import write_tokenizer
 
@@ -40,7 +45,7 @@ MARKER = ".logicpipe-converted.json"
 DTYPES = {"bfloat16": ("BF16", 2), "float32": ("F32", 4)}
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
                  "gemma3": "gemma3", "phi3": "phi3", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3",
-                 "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe", "smollm3": "smollm3"}
+                 "qwen2moe": "qwen2_moe", "glm4moe": "glm4_moe", "smollm3": "smollm3", **HYBRID_ARCHITECTURES}
 """GGUF general.architecture -> the family it converts to ("llama" with experts: Mixtral; llama.cpp
 writes Mistral as "llama" too; "deepseek2" is DeepSeek V2, V3 and Kimi K2: V2 where its experts are
 chosen by softmax)."""
@@ -106,6 +111,8 @@ class Out:
     pair: object = None     # gpt-oss: the up tensor, interleaved with `source` (gate) along dim 1
     transpose: bool = False  # gpt-oss's expert matrices: GGUF's [experts, out, in] -> [experts, in, out]
     float32: bool = False   # kept in float32 whatever the dtype (the routers' correction bias, as HF keeps it)
+    undo: Callable | None = None  # the checkpoint's values from the float32 values of source and of `extra`
+    extra: tuple = ()             # (each in its GGUF shape): Qwen3-Next's / Qwen3.5's linear attention (gguf_hybrid)
 
 
 def default_out_dir(gguf_path: Path, dtype: str) -> Path:
@@ -237,17 +244,19 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     layers = int(get("block_count"))
-    nextn = int(get("nextn_predict_layers", 0) or 0) if family == "glm4_moe" else 0
-    layers -= nextn  # GLM: llama.cpp counts its multi-token-prediction layers among the blocks (not run here)
+    nextn = int(get("nextn_predict_layers", 0) or 0) if family in ("glm4_moe", *HYBRID) else 0
+    layers -= nextn  # GLM, Qwen3.5 / Qwen3-Next: llama.cpp counts the multi-token-prediction layers among the
+    # blocks (not run here)
     config = {
-        "model_type": {"gemma3": "gemma3_text"}.get(family, family),
+        "model_type": {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}.get(family, family),
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                            "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                            "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                           "smollm3": "SmolLM3ForCausalLM"}[family]],
+                           "smollm3": "SmolLM3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                           "qwen3_5": "Qwen3_5ForCausalLM"}[family]],
         "num_hidden_layers": layers, "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", 0) or 0),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -274,6 +283,8 @@ def hf_config(meta: dict, reader, src: Path) -> dict:
                               f"{src}: {ROPE_FREQS}")
         if scaling is not None:
             config["rope_parameters"] = {**scaling, "rope_theta": config.pop("rope_theta")}
+    if family in HYBRID:
+        return hybrid_config(config, get, family, names, src)
     window = get("attention.sliding_window")
     if family == "gpt_oss":
         return _gpt_oss_config(config, get, experts, window, names, src)
@@ -419,7 +430,7 @@ def plan_tensors(reader, config: dict) -> list[Out]:
     from gguf.quants import dequantize
 
     family = ARCHITECTURES.get(config["model_type"], config["model_type"])
-    family = {"gemma3_text": "gemma3"}.get(family, family)
+    family = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}.get(family, family)
     layer_names = dict(_LAYER)
     if family in ("gemma2", "gemma3"):
         layer_names.update(_GEMMA)
@@ -430,8 +441,10 @@ def plan_tensors(reader, config: dict) -> list[Out]:
     if family in ("deepseek_v2", "deepseek_v3"):
         layer_names.update(_DEEPSEEK)
     by_name = {t.name: t for t in reader.tensors}
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen3_next"):
         layer_names.update(_QWEN2_MOE)
+    if family in HYBRID:
+        layer_names.update(_HYBRID)
     if family == "glm4_moe":
         layer_names.update(_GLM4_MOE)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -452,7 +465,8 @@ def plan_tensors(reader, config: dict) -> list[Out]:
                                  "GGUF in F16, BF16, Q8_0, Q4_0/1, Q5_0/1 or a K quant") from None
             undone.add(qtype)
         shape = tuple(int(x) for x in reversed([int(s) for s in t.shape]))
-        gemma_norm = family in ("gemma2", "gemma3") and t.name.endswith("norm.weight")
+        gemma_norm = (family in ("gemma2", "gemma3") and t.name.endswith("norm.weight")
+                      or family in HYBRID and is_zero_centred(t.name))  # llama.cpp stored 1 + w
         if t.name in _GLOBAL:
             outs.append(Out(_GLOBAL[t.name], shape, t, minus_one=gemma_norm))
             continue
@@ -464,6 +478,10 @@ def plan_tensors(reader, config: dict) -> list[Out]:
         made = _gpt_oss_tensor(rest, p, shape, t, by_name) if family == "gpt_oss" else None
         if made is not None:
             outs += made
+            continue
+        pieces = linear_tensors(family, rest, int(layer), shape, t, by_name, config) if family in HYBRID else None
+        if pieces is not None:
+            outs += [Out(x.name, x.shape, x.source, undo=x.undo, extra=x.extra) for x in pieces]
             continue
         e = _EXPERTS.fullmatch(rest)
         if e is not None:  # [experts, out, in]: one tensor per expert
@@ -501,6 +519,10 @@ def tensor_values(o: Out):
     from gguf.quants import dequantize
 
     t = o.source
+    if o.undo is not None or o.extra:
+        w = _values(t)
+        return np.ascontiguousarray(o.undo(w, *[_values(x) for x in o.extra]) if o.undo is not None else w,
+                                    dtype=np.float32).reshape(o.shape)
     if o.pair is not None or o.transpose:  # gpt-oss's experts: [experts, out, in] (or [experts, out]) in the file
         w = _values(t)
         if o.pair is not None:  # gate and up interleaved along out: gate rows 0, 2, ..., up rows 1, 3, ...

@@ -22,17 +22,23 @@ from logicpipe.controller.cli.model_prep import find_default_gguf, resolve_model
 from tests.families import build as _build, hf_greedy, hf_model
 from tests.gguf_files import SMALL_VOCAB, dequantized, small_tokenizer_gguf, write_gguf
 
-from .test_families import PROMPT, STEPS, greedy, shards_of
+from .test_families import PROMPT, RTOL, STEPS, greedy, shards_of
 
 PROMPT = [t % SMALL_VOCAB for t in PROMPT]  # the tiny models here have the small tokenizer's vocabulary
 
 # what llama.cpp keeps of each family (it has no sliding window for Qwen2, scales Gemma 2's queries by head_dim,
 # and clamps gpt-oss's SwiGLU at its constant 7)
-# (GLM: llama.cpp writes no expert groups; SmolLM3: llama.cpp's NoPE layers are every 4th, fixed)
+# (GLM: llama.cpp writes no expert groups; SmolLM3: llama.cpp's NoPE layers are every 4th, fixed; Qwen3.5 and
+# Qwen3-Next: llama.cpp keeps a full_attention_interval, 4 unless the config says, not layer_types; Qwen3-Next
+# has experts in every layer, llama.cpp's runtime runs none without; Qwen3.5 with its M-RoPE sections)
+HYBRID_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+               "mrope_interleaved": True}
 FAMILIES = {"llama": {}, "qwen2": dict(use_sliding_window=False), "qwen3": {}, "qwen3_moe": {}, "mixtral": {},
             "gemma2": dict(query_pre_attn_scalar=16), "gemma3": {}, "phi3": {}, "deepseek_v2": {}, "deepseek_v3": {},
             "gpt_oss": dict(swiglu_limit=7.0), "qwen2_moe": {}, "glm4_moe": dict(n_group=1, topk_group=1),
-            "smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False)}
+            "smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False),
+            "qwen3_5": dict(full_attention_interval=3, rope_parameters=HYBRID_ROPE),
+            "qwen3_next": dict(full_attention_interval=3, mlp_only_layers=[])}
 LLAMA3 = dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
@@ -61,11 +67,33 @@ def test_a_gguf_converts_back_to_its_checkpoint_and_serves_its_tokens(family, tm
     want, got = load_file(str(original / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert sorted(got) == sorted(want)
     for name, x in want.items():
-        assert torch.equal(got[name], x), name
+        if name.endswith("A_log"):  # llama.cpp stores -exp(A_log): back to within exp's rounding
+            assert torch.allclose(got[name], x, rtol=0, atol=1e-6) and not torch.equal(got[name], -x.exp()), name
+        else:
+            assert torch.equal(got[name], x), name
     config = ModelConfig.from_dir(out)
     assert config.arch == ModelConfig.from_dir(original).arch
-    tokens = greedy(shards_of(out, [(0, 1), (1, 2), (2, config.num_layers)]), PROMPT, STEPS)[1]
-    assert tokens == hf_greedy(hf_model(original), PROMPT, STEPS)
+    if family in ("qwen3_5", "qwen3_next"):  # what the forward does not show: M-RoPE's sections (text: one position)
+        assert json.loads((out / "config.json").read_text())["rope_parameters"] == json.loads(
+            (original / "config.json").read_text())["rope_parameters"]
+    logits, tokens = greedy(shards_of(out, [(0, 1), (1, 2), (2, config.num_layers)]), PROMPT, STEPS)
+    model = hf_model(original)
+    with torch.no_grad():
+        want_logits = model(torch.tensor([PROMPT])).logits[0, -1]
+    assert ((logits - want_logits).abs().max() / want_logits.abs().max()).item() <= RTOL
+    assert tokens == hf_greedy(model, PROMPT, STEPS)
+
+
+def test_an_older_qwen3next_gguf_with_ssm_in_converts_back(tmp_path, tokenizer_gguf):
+    """Qwen3-Next as llama.cpp's converters wrote it before splitting in_proj_qkvz into attn_qkv and
+    attn_gate: the whole projection as ssm_in, in the checkpoint's own rows (llama.cpp still reads it)."""
+    original = build("qwen3_next", tmp_path / "hf", **FAMILIES["qwen3_next"])
+    gguf = write_gguf("qwen3_next", original, tmp_path / "old.gguf", tokenizer_gguf, ssm_in=True)
+    out = prepare_gguf(gguf, tmp_path / "p", dtype="float32", progress=quiet)
+    want, got = load_file(str(original / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in [n for n in want if "linear_attn.in_proj" in n]:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_llama3_rope_scaling_comes_back_from_its_rope_freqs_table(tmp_path, tokenizer_gguf):

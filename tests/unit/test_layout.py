@@ -30,6 +30,7 @@ LOCAL_IMPORTS = {
     "controller/cli/gguf_convert.py": {"gguf", "numpy", "torch", "transformers"},  # converting a GGUF once (the
     # `convert` extra); lpctl reaches this module and must not load torch to print a status
     "controller/cli/gguf_rope.py": {"numpy"},  # the same conversion: a llama3 table from a GGUF
+    "controller/cli/gguf_hybrid.py": {"numpy"},  # the same conversion: Qwen3-Next's / Qwen3.5's linear layers
     "controller/cli/gguf_tokenizer.py": {"gguf", "transformers"},  # the same conversion: the GGUF's tokenizer
     "stage_node/engine/draft_model.py": {"torch", "transformers"},  # --draft-model only: transformers costs seconds to load
     "stage_node/model/rope.py": {"transformers"},  # RoPE scaling variants only (the default RoPE needs none)
