@@ -189,20 +189,8 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
         log.info("sliding-window layers of [%d, %d) keep only their last %d positions of KV%s", a.start, a.end,
                  shard.window, f" (in a pool of their own, split for {options.kv_context}-position sequences)"
                  if shard.window_layers else "")
-    # (linear-attention layers keep no KV; a stage of only those sizes its blocks as one layer's)
-    block_bytes = bs * (kv_bytes_per_token(shard.config, max(1, len(shard.kv_layers)), dtype) +
-                        len(logs) * shard.config.hidden_size * dtype.itemsize)
-    budget, group_blocks = options.max_kv_bytes, 0
-    if shard.window_layers:  # full and window layers: the budget split between their pools (engine.window)
-        window_bytes = bs * kv_bytes_per_token(shard.config, len(shard.window_layers), dtype)
-        budget, rest = split_budget(budget, block_bytes // bs, window_bytes // bs,
-                                    held_blocks(shard.window, bs) * bs, options.kv_context)
-        group_blocks = rest // window_bytes
-        if group_blocks < 1:
-            raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of the window layers")
-    num_blocks = budget // block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
+    num_blocks, group_blocks = pool_blocks(shard.config, len(shard.kv_layers), len(shard.window_layers), shard.window,
+                                           dtype, options.max_kv_bytes, bs, options.kv_context, len(logs))
     pool = tp.new_pool(shard, num_blocks, bs, graphs) if tp is not None else shard.new_pool(num_blocks, bs,
                                                                                           group_blocks)
     pool.span = (a.start, a.end)
@@ -212,6 +200,28 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     elif shard.device.type == "cuda":
         shard.warm_up(pool)  # no graphs: still compile every Triton kernel variant before the first step
     return shard, pool
+
+
+def pool_blocks(config: ModelConfig, kv_layers: int, window_layers: int, window: int | None, dtype: torch.dtype,
+                budget: int, block_size: int, kv_context: int, logs: int = 0) -> tuple[int, int]:
+    """Blocks of a stage's KV pool for `kv_layers` layers (and `logs` boundaries of rows) and of its
+    window layers' pool (`window_layers` layers apart: 0 where none), within `budget` bytes: split so
+    both hold as many sequences of `kv_context` positions (engine.window.split_budget)."""
+    bs = block_size
+    # (linear-attention layers keep no KV; a stage of only those sizes its blocks as one layer's)
+    block_bytes = bs * (kv_bytes_per_token(config, max(1, kv_layers), dtype) + logs * config.hidden_size * dtype.itemsize)
+    group_blocks = 0
+    if window_layers:  # full and window layers: the budget split between their pools (engine.window)
+        window_bytes = bs * kv_bytes_per_token(config, window_layers, dtype)
+        budget, rest = split_budget(budget, block_bytes // bs, window_bytes // bs, held_blocks(window, bs) * bs,
+                                    kv_context)
+        group_blocks = rest // window_bytes
+        if group_blocks < 1:
+            raise ValueError(f"a KV budget of {budget + rest} bytes holds no block of the window layers")
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes}")
+    return num_blocks, group_blocks
 
 
 def load_draft_model(options: StageOptions, device: str, dtype: str, vocab_size: int) -> DraftModel:
