@@ -43,6 +43,12 @@ holds the shared matrix once):
                          + ceil(sf * (embedding_bytes [first] + lm_head_bytes [last]))
     and it must be <= Reserve.usable_bytes(profile.memory_bytes).
 
+    Where layers differ in what a sequence keeps (`ModelSpec.layer_kinds`, issue 37: sliding-window
+    layers min(C, window) tokens of KV, linear-attention layers a fixed state), C * kv is the average
+    layer's share (`mean_kv_bytes_per_layer`) in the per-layer terms above (the KV a step reads, the
+    DP's layers per device), and a stage's memory_bytes is its own range's (`range_memory_bytes`,
+    from prefix counts of each kind).
+
 Decode rounds (the step cost model of replicas and micro-batches, `make_mesh_plan`). A pipeline of
 S stages serves R concurrent sequences at context C in m micro-batches (1 <= m <= min(S, R)) of
 r = ceil(R / m) rows each. One step of one micro-batch on stage i takes
@@ -88,7 +94,7 @@ def layer_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -
     t, c = workload.tokens_per_step, workload.context_tokens
     flops = t * (model.layer_flops_per_token + c * model.attention_flops_per_context_token)
     read_s = (weight_scale(profile, model) * model.layer_read_bytes(t) / (profile.weight_bandwidth or profile.mem_bandwidth)
-              + float_scale(profile, model) * workload.batch * c * model.kv_bytes_per_token_per_layer / profile.mem_bandwidth)
+              + float_scale(profile, model) * workload.batch * model.mean_kv_bytes_per_layer(c) / profile.mem_bandwidth)
     return max(flops / profile.flops, read_s) + allreduce_time_s(profile, model, workload)
 
 
@@ -136,9 +142,18 @@ def stage_compute_s(profile: DeviceProfile, model: ModelSpec, workload: Workload
 
 
 def layer_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> int:
-    """Bytes one layer takes on `profile`: weights + KV for B sequences of C tokens."""
-    kv = workload.batch * workload.context_tokens * model.kv_bytes_per_token_per_layer
+    """Bytes the average layer takes on `profile`: weights + what B sequences of C tokens keep in it
+    (full layers C tokens of KV, sliding layers their window, linear layers a state: ModelSpec.kv_bytes_per_sequence)."""
+    kv = workload.batch * model.mean_kv_bytes_per_layer(workload.context_tokens)
     return math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(float_scale(profile, model) * kv)
+
+
+def range_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload, start: int, end: int) -> int:
+    """Bytes layers [start, end) take on `profile`: their weights and what B sequences of C tokens keep
+    in each of them by its kind (a stage of Gemma 3's full layers keeps more than one of its sliding ones)."""
+    kv = workload.batch * model.kv_bytes_per_sequence(workload.context_tokens, start, end)
+    return (end - start) * math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(
+        float_scale(profile, model) * kv)
 
 
 def edge_memory_bytes(profile: DeviceProfile, model: ModelSpec, *, is_first: bool, is_last: bool) -> int:
@@ -154,10 +169,12 @@ def edge_memory_bytes(profile: DeviceProfile, model: ModelSpec, *, is_first: boo
 
 
 def stage_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload, num_layers: int, *,
-                       is_first: bool, is_last: bool) -> int:
-    """Bytes a stage of `num_layers` layers holds on `profile` (without the reserve)."""
-    return num_layers * layer_memory_bytes(profile, model, workload) + edge_memory_bytes(
-        profile, model, is_first=is_first, is_last=is_last)
+                       is_first: bool, is_last: bool, start: int | None = None) -> int:
+    """Bytes a stage of `num_layers` layers holds on `profile` (without the reserve); with `start`, of
+    layers [start, start + num_layers) exactly (`range_memory_bytes`), else of as many average layers."""
+    layers = num_layers * layer_memory_bytes(profile, model, workload) if start is None or not model.layer_kinds else \
+        range_memory_bytes(profile, model, workload, start, start + num_layers)
+    return layers + edge_memory_bytes(profile, model, is_first=is_first, is_last=is_last)
 
 
 def max_layers(profile: DeviceProfile, model: ModelSpec, workload: Workload, reserve: Reserve, *,
@@ -212,7 +229,8 @@ def build_stages(profiles: Sequence[DeviceProfile], layer_counts: Sequence[int],
             end=start + count,
             compute_s=stage_compute_s(profile, model, workload, count, is_first=is_first, is_last=is_last),
             transfer_s=transfer,
-            memory_bytes=stage_memory_bytes(profile, model, workload, count, is_first=is_first, is_last=is_last),
+            memory_bytes=stage_memory_bytes(profile, model, workload, count, is_first=is_first, is_last=is_last,
+                                            start=start),
             devices=profile.devices,
         ))
         start += count

@@ -75,11 +75,16 @@ def digest_of_nodes(nodes: Iterable[tuple[str, str]]) -> str:
 
 def model_digest(model: ModelSpec) -> str:
     """sha256 (hex) of the ModelSpec's canonical JSON (its weights_digest included; a dense model's
-    empty mixture-of-experts fields left out, so its digest is what it was before they existed)."""
+    empty mixture-of-experts and layer-kind fields left out, so its digest is what it was before they existed)."""
     fields = asdict(model)
     if not model.num_experts:
         for name in ("num_experts", "experts_per_token", "expert_bytes"):
             fields.pop(name)
+    for name, empty in (("layer_kinds", ()), ("sliding_window", 0), ("state_bytes_per_layer", 0)):
+        if fields[name] == empty:  # (a model with every layer full: its digest as before issue 37)
+            fields.pop(name)
+        elif name == "layer_kinds":
+            fields[name] = list(fields[name])
     return _sha256(fields)
 
 

@@ -62,6 +62,40 @@ class ModelSpec:
     num_experts: int = 0                       # a mixture of experts: experts per layer (0: a dense model)
     experts_per_token: int = 0                 # ... the experts each token routes to
     expert_bytes: int = 0                      # ... bytes of one expert's matrices (averaged over the layers)
+    # what each layer keeps per sequence (issue 37): () every layer full attention; else per layer "full"
+    # (kv_bytes_per_token_per_layer x context), "sliding" (x min(context, sliding_window)) or "linear"
+    # (state_bytes_per_layer, whatever the context)
+    layer_kinds: tuple[str, ...] = ()
+    sliding_window: int = 0                    # positions a "sliding" layer attends to (tokens)
+    state_bytes_per_layer: int = 0             # bytes of one sequence's recurrent state in a "linear" layer
+
+    def kv_bytes_per_sequence(self, context: int, start: int = 0, end: int | None = None) -> int:
+        """Bytes one sequence of `context` tokens keeps in layers [start, end) (default all), in the
+        model's float format: full layers its context, sliding layers their window, linear layers a
+        fixed state. O(1) from prefix counts of each kind."""
+        end = self.num_layers if end is None else end
+        _check(0 <= start <= end <= self.num_layers, f"layers [{start}, {end}) are not a range of {self.num_layers}")
+        full, sliding, linear = (self._kind_counts[end][k] - self._kind_counts[start][k] for k in range(3))
+        window = min(context, self.sliding_window) if self.sliding_window else context
+        return (full * context + sliding * window) * self.kv_bytes_per_token_per_layer + linear * self.state_bytes_per_layer
+
+    def mean_kv_bytes_per_layer(self, context: int) -> float:
+        """The average layer's bytes for one sequence of `context` tokens (`kv_bytes_per_sequence` / layers)."""
+        return self.kv_bytes_per_sequence(context) / self.num_layers
+
+    @property
+    def _kind_counts(self) -> tuple[tuple[int, int, int], ...]:
+        """Layers of each kind (full, sliding, linear) before layer i, for i in 0..num_layers."""
+        cached = self.__dict__.get("_counts")
+        if cached is None:
+            kinds = self.layer_kinds or ("full",) * self.num_layers
+            counts, c = [(0, 0, 0)], [0, 0, 0]
+            for k in kinds:
+                c[("full", "sliding", "linear").index(k)] += 1
+                counts.append(tuple(c))
+            cached = tuple(counts)
+            object.__setattr__(self, "_counts", cached)
+        return cached
 
     def layer_read_bytes(self, rows: int) -> float:
         """Bytes of one layer's weights a step of `rows` rows reads: all of a dense layer; of a
@@ -95,6 +129,14 @@ class ModelSpec:
                f"{where}: experts_per_token must lie in [1, num_experts]")
         _check(self.num_experts * self.expert_bytes <= self.layer_weight_bytes,
                f"{where}: a layer's experts cannot outweigh the layer")
+        _check(not self.layer_kinds or (len(self.layer_kinds) == self.num_layers and
+                                        set(self.layer_kinds) <= {"full", "sliding", "linear"}),
+               f"{where}: layer_kinds must name each of the {self.num_layers} layers full, sliding or linear")
+        _check(isinstance(self.sliding_window, int) and self.sliding_window >= 0 and
+               (self.sliding_window > 0 or "sliding" not in self.layer_kinds),
+               f"{where}: sliding layers need a sliding_window >= 1")
+        _check(isinstance(self.state_bytes_per_layer, int) and self.state_bytes_per_layer >= 0,
+               f"{where}: state_bytes_per_layer must be an integer number of bytes >= 0")
 
     @classmethod
     def llama(cls, **kwargs) -> "ModelSpec":
@@ -132,6 +174,9 @@ class ModelSpec:
         expert_bias: bool = False,
         router_bias: bool = False,
         moe_shared_params: int = 0,
+        layer_kinds: tuple[str, ...] = (),
+        sliding_window: int = 0,
+        state_elements_per_layer: int = 0,
     ) -> "ModelSpec":
         """A decoder from its config.
 
@@ -156,6 +201,9 @@ class ModelSpec:
           (`kv_elements_per_token`, in place of 2*g*d) and attention FLOPs per context token
         - embedding_bytes = ceil(V*h*b) ;  lm_head_bytes = ceil((V*h + h) * b)  [matrix + final norm]
         - lm_head_flops_per_token = 2 * V * h
+        - per layer kind (`layer_kinds`): a "sliding" layer keeps min(context, `sliding_window`)
+          tokens of KV, a "linear" one a recurrent state of `state_elements_per_layer` float32
+          elements (state_bytes_per_layer = 4 x that), whatever the context
         """
         if bytes_per_param is None:
             _check(weight_format in FORMAT_BYTES, f"unknown weight format {weight_format!r}: pass bytes_per_param")
@@ -202,6 +250,9 @@ class ModelSpec:
             num_experts=num_experts,
             experts_per_token=experts_per_token if num_experts else 0,
             expert_bytes=math.floor(expert * bytes_per_param),
+            layer_kinds=tuple(layer_kinds),
+            sliding_window=sliding_window if "sliding" in layer_kinds else 0,
+            state_bytes_per_layer=4 * state_elements_per_layer,
         )
 
 

@@ -32,6 +32,11 @@ class StageOptions:
     tp: object = None                    # --tp N > 1: the stage's engine.tp_group.Leader (rank 0 of N)
     replay_rows: bool = True             # --replay-rows: log the rows it sends on (and inside a range a re-plan
                                          # grew), so a replay after a re-plan computes only the layers it lacks
+    window_kv: bool = True               # --window-kv: sliding-window layers keep only their window's KV
+                                         # (engine.window; where the stage runs the torch forward)
+    kv_context: int = 8192               # --kv-context: positions a sequence is expected to reach; a stage with
+                                         # full and window layers splits its KV budget so both pools hold as
+                                         # many sequences of this length (engine.window.split_budget)
 
 
 @dataclass(frozen=True)

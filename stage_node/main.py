@@ -96,6 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-kv-mib", type=int, default=2048,
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
+    ap.add_argument("--window-kv", choices=["on", "off"], default="on",
+                    help="sliding-window layers keep only the KV of their window, where the stage runs the torch "
+                         "forward (no CUDA graphs, batch-invariant or native kernels; default %(default)s)")
+    ap.add_argument("--kv-context", type=int, default=8192, metavar="POSITIONS",
+                    help="a stage with full and sliding-window layers splits --max-kv-mib between their pools so "
+                         "both hold as many sequences of this many positions (default %(default)s)")
     ap.add_argument("--max-step-tokens", type=int, default=512,
                     help="token rows in one step: decode rows plus prefill chunks (default %(default)s)")
     ap.add_argument("--max-step-seqs", type=int, default=None,
@@ -241,7 +247,8 @@ async def serve(args: argparse.Namespace) -> None:
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()), tp=leader,
-                           replay_rows=args.replay_rows == "on")
+                           replay_rows=args.replay_rows == "on", window_kv=args.window_kv == "on",
+                           kv_context=max(1, args.kv_context))
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir, fence_path=fence_file(state_dir, node_id))
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))

@@ -21,6 +21,7 @@ from logicpipe.errors import FailedPrecondition, MeshError, NotFound, Permission
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node.weights import loading
 from logicpipe.stage_node.engine.blocks import KVManager
+from logicpipe.stage_node.engine.window import managers
 from logicpipe.stage_node.config import Assignment, StageOptions
 from logicpipe.stage_node.engine.draft_model import DraftModel, DraftModelError
 from logicpipe.stage_node.engine.engine import Engine
@@ -138,7 +139,8 @@ class StageRuntime:
                 if kv is None and old is not None and old.kv.span is not None and self._keeps_rows() and \
                         old.shard_dir == model_dir and old.pool.block_size == pool.block_size and \
                         (old.assignment.model_digest, old.assignment.num_layers) == (a.model_digest, a.num_layers) \
-                        and not shard.arch.hybrid:  # (no prefix cache: nothing to keep; its pool's layers are not a range)
+                        and not shard.arch.hybrid and shard.window is None:  # (hybrid: no prefix cache, nothing to
+                    # keep, its pool's layers are not a range; windows: blocks given back, a second pool)
                     # the layers both ranges hold stay in the prefix cache (issue 34)
                     try:
                         kv, kept = old.kv.carried(pool.num_blocks, (a.start, a.end), a.last, self._logged(a, pool),
@@ -191,9 +193,9 @@ class StageRuntime:
                     stream_key: str = "") -> Engine:
         """An engine for `a`; `kv` (kept from the previous engine, its sequences closed first) keeps
         the prefix cache."""
-        if kv is None:
-            kv = KVManager(pool.num_blocks, pool.block_size)
-            if self._keeps_rows():  # its blocks record the layers and rows they hold (issue 34)
+        if kv is None:  # (sliding-window layers that hold only their window: engine.window's managers)
+            kv = managers(pool.num_blocks, pool.block_size, shard.window, pool.group.num_blocks if pool.group else 0)
+            if self._keeps_rows() and shard.window is None:  # its blocks record the layers and rows they hold (issue 34)
                 kv.span, kv.last, kv.logged = (a.start, a.end), a.last, self._logged(a, pool)
                 kv.partial = shard.can_tap
         return Engine(a, shard, pool, kv, node_id=self.node_id,
@@ -320,7 +322,8 @@ class StageRuntime:
                 tied_copy_count=shard.tied_copy_count, open_sessions=len(eng.scheduler.seqs),
                 orphaned_sessions=sum(1 for s in eng.scheduler.seqs.values() if self._orphaned(s)),
                 block_size=kv.block_size, kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.used,
-                kv_blocks_cached=len(kv.cached), kv_bytes=kv.used * eng.pool.block_bytes,
+                kv_blocks_cached=len(kv.cached), kv_bytes=kv.used * eng.pool.block_bytes + (
+                    kv.group.used * eng.pool.group.block_bytes if eng.pool.group is not None else 0),
                 prefix_hit_tokens=kv.prefix_hit_tokens, preempted=eng.scheduler.preempted,
                 micro_batches=eng.scheduler.micro_batches if a.first else 0)
         return StageSnapshot(node_id=self.node_id, state=self.state.value, device=str(self.device),

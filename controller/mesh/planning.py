@@ -87,7 +87,18 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         expert_intermediate_size=moe.intermediate_size if moe else 0,
         moe_layers=sum(moe.layers) if moe else None, sinks=a.sinks,
         expert_bias=a.checkpoint == "gpt_oss", router_bias=a.checkpoint == "gpt_oss", moe_shared_params=_moe_shared_params(config),
-        **mla_shape(config), **hybrid_shape(config))
+        **mla_shape(config), **hybrid_shape(config), **kinds_shape(config))
+
+
+def kinds_shape(config: ModelConfig) -> dict:
+    """ModelSpec.decoder's per-layer kinds where layers differ in what a sequence keeps ({} where
+    every layer is full attention): sliding-window layers their window, linear-attention layers
+    their recurrent state."""
+    a = config.arch
+    if not a.layer_types or set(a.layer_types) == {"full"}:
+        return {}
+    return dict(layer_kinds=a.layer_types, sliding_window=a.sliding_window or 0,
+                state_elements_per_layer=a.linear.state_elements() if a.linear is not None else 0)
 
 
 def mla_shape(config: ModelConfig) -> dict:
@@ -111,8 +122,8 @@ def hybrid_shape(config: ModelConfig) -> dict:
     """ModelSpec.decoder's attention overrides for a hybrid of gated delta-net and gated full attention
     ({} for other models): the average layer's mixer parameters (a linear layer's projections,
     convolution, decay and norm; a full layer's q with its gate, k, v, o and q/k norms; both with the
-    layer's two norms), attention FLOPs per context token and KV elements per token (the full layers'
-    only, as the stage's pool allocates it). The linear layers' recurrent state is not counted."""
+    layer's two norms), attention FLOPs per context token and KV elements per token of a full layer
+    (the linear layers' recurrent state is counted by their kind: `kinds_shape`)."""
     lin, a = config.arch.linear, config.arch
     if lin is None:
         return {}
@@ -125,7 +136,7 @@ def hybrid_shape(config: ModelConfig) -> dict:
     layers = config.num_layers
     return dict(attention_params=(n_full * full + (layers - n_full) * linear) / layers,
                 attention_flops_per_context_token=4.0 * heads * d * n_full / layers,
-                kv_elements_per_token=2 * kv * d * n_full / layers)
+                kv_elements_per_token=2 * kv * d)
 
 
 def _moe_shared_params(config: ModelConfig) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 DEFAULT_BLOCK_SIZE = 16  # KV positions per block (tokens)
+HOLE = -1  # a block table's entry for a block a sliding-window sequence gave back (engine.window)
 
 
 class OutOfBlocks(Exception):
@@ -90,6 +91,8 @@ class WritePlan:
     upgraded: tuple[tuple[int, int, int], ...] = ()  # (block, first layers to, resume layer) of blocks it covers whole
     pres: tuple[int, ...] = ()           # rows of a range grown downward: they compute the stage's layers up to
                                          # this one first (the stage's start: none), one per row; () when none
+    window: "WritePlan | None" = None    # a stage's sliding-window layers in a pool of their own: their
+                                         # copies and slots (engine.window.KVGroups); None: they use these
 
 
 def block_hash(previous: int | None, tokens) -> int:
@@ -304,14 +307,12 @@ class KVManager:
             t.resume, t.resume_tokens = 0, ()
         if t.resume:
             return self._prepare_resume(t, start, n)
-        bs = self.block_size
-        first, last = start // bs, (start + n - 1) // bs
-        kept = min(len(t.blocks), self.blocks_for(start) if start < t.length else len(t.blocks))
-        shared = [i for i in range(first, min(last + 1, kept)) if self.blocks[t.blocks[i]].ref_count > 1]
-        need = len(shared) + max(0, last + 1 - kept)
+        need = self.write_need(seq, start, n)
         if need > self.available:
             raise OutOfBlocks(need - self.available,
                               f"needs {need} KV blocks, {self.available} of {self.num_blocks} are free")
+        bs = self.block_size
+        first, last = start // bs, (start + n - 1) // bs
         if start < t.length:
             self.truncate(seq, start)
         copies = []
@@ -328,6 +329,37 @@ class KVManager:
             t.blocks.append(self._alloc(t))
         slots = tuple(t.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
         return WritePlan(tuple(copies), slots)
+
+    def write_need(self, seq: str, start: int, n: int) -> int:
+        """New blocks a write of positions [start, start + n) takes (copies on write included)."""
+        t = self.tables[seq]
+        if not 0 <= start <= t.length or n < 1:
+            raise BadWrite(f"cannot write {n} positions at {start} of a sequence of {t.length}")
+        bs = self.block_size
+        first, last = start // bs, (start + n - 1) // bs
+        kept = min(len(t.blocks), self.blocks_for(start) if start < t.length else len(t.blocks))
+        shared = [i for i in range(first, min(last + 1, kept)) if self.blocks[t.blocks[i]].ref_count > 1]
+        return len(shared) + max(0, last + 1 - kept)
+
+    # ---- what admission and the runner ask of every manager (engine.window answers for sliding windows)
+    window: int | None = None  # positions a sliding-window layer attends back (engine.window.WindowBlocks)
+
+    def fits(self, capacity: int) -> bool:
+        """Whether one sequence of `capacity` positions fits the pool at all."""
+        return self.blocks_for(capacity) <= self.num_blocks
+
+    def shortfall(self, seq: str, upto: int, spare: int) -> int:
+        """Blocks missing for `seq` to hold positions [0, upto) while `spare` more stay free (0: none)."""
+        need = max(0, self.blocks_for(upto) - len(self.tables[seq].blocks))
+        return max(0, need + spare - self.available)
+
+    def held(self, seq: str) -> int:
+        """The positions of `seq` a step may continue from (its length; less where a window gave blocks back)."""
+        return self.tables[seq].length
+
+    def read_window(self, seq: str, upto: int) -> tuple[int, ...] | None:
+        """The blocks of `seq`'s sliding-window layers (engine.window); None: they read `read_span`'s."""
+        return None
 
     def _prepare_resume(self, t: BlockTable, start: int, n: int) -> WritePlan:
         """A replay's rows over attached blocks: written again in place (the same tokens give the
@@ -397,6 +429,8 @@ class KVManager:
             chunk = tuple(t.tokens[i * bs:(i + 1) * bs])
             h = block_hash(t.hashes[-1] if t.hashes else None, chunk)
             t.hashes.append(h)
+            if t.blocks[i] == HOLE:
+                continue
             b = self.blocks[t.blocks[i]]
             if h not in self.by_hash and b.hash is None:
                 b.hash, b.tokens = h, chunk
@@ -410,6 +444,8 @@ class KVManager:
 
     # ---- blocks -----------------------------------------------------------------------------
     def _hold(self, b: int) -> None:
+        if b == HOLE:
+            return
         blk = self.blocks[b]
         if blk.ref_count == 0:
             if self.state[b] == BlockState.CACHED:
@@ -419,6 +455,8 @@ class KVManager:
 
     def _release(self, block_ids) -> None:
         for b in block_ids:
+            if b == HOLE:
+                continue
             blk = self.blocks[b]
             blk.ref_count -= 1
             if blk.ref_count == 0:
@@ -440,7 +478,7 @@ class KVManager:
         is free or its own growth room, else a new run placed for its expected size, else any
         free block, else a reserved one, else the least recently used cached one."""
         b = None
-        if t.blocks:
+        if t.blocks and t.blocks[-1] != HOLE:
             nxt = t.blocks[-1] + 1
             if nxt < self.num_blocks and (self.state[nxt] == BlockState.FREE or
                                           (self.state[nxt] == BlockState.RESERVED and nxt in t.room)):

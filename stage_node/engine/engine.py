@@ -195,9 +195,10 @@ class Engine:
                 plan = self.kv.prepare_write(s.id, nw.start_pos, 1)
             except OutOfBlocks:
                 continue  # the scheduler preempts for it, the plain way
-            if plan.copies:
+            if plan.copies or (plan.window is not None and plan.window.copies):
                 continue
-            step.seqs.append(PlannedSeq(s, nw, plan, self.kv.read_span(s.id, nw.stop)))
+            step.seqs.append(PlannedSeq(s, nw, plan, self.kv.read_span(s.id, nw.stop),
+                                        window_blocks=self.kv.read_window(s.id, nw.stop)))
             s.pending_pos, s.in_flight_since = nw.stop, now  # as the scheduler does for a row it schedules
         return step if step.seqs else None
 
@@ -216,7 +217,7 @@ class Engine:
             p = nxt.step.seqs[i] if i is not None else None
             if p is not None and not w.finished and not w.num_candidates and w.start_pos == p.work.start_pos:
                 keep[i] = PlannedSeq(p.seq, SeqWork(p.work.session_id, p.work.start_pos, w.token_ids), p.plan,
-                                     p.read_blocks)
+                                     p.read_blocks, window_blocks=p.window_blocks)
             else:
                 rest.append(w)
         for i, p in enumerate(nxt.step.seqs):

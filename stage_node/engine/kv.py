@@ -47,6 +47,8 @@ class KVPool:
         self.logs: dict[int, torch.Tensor] = {}  # layer boundary -> [slots, hidden]: the rows entering it
         self.span = (0, num_layers)             # the absolute layers it holds (set by the loader)
         self.states = None  # a stage with linear-attention layers: their per-sequence states (engine.states)
+        self.group: KVPool | None = None  # a stage with full and sliding-window layers: the window layers' pool
+                                          # (its own blocks: engine.window.KVGroups)
 
     def add_logs(self, boundaries, hidden_size: int) -> None:
         """Room for the rows entering each of `boundaries` (absolute), one per slot."""
@@ -63,6 +65,12 @@ class KVPool:
     def block_bytes(self) -> int:
         """Bytes of keys and values one block holds (all local layers)."""
         return self.parts * self.k[:, :, : self.block_size].numel() * self.k.element_size()
+
+    def copy_plans(self, plans) -> None:
+        """Copy on write for a step's blocks.WritePlans: this pool's copies, and its group's."""
+        self.copy_blocks([c for p in plans for c in p.copies])
+        if self.group is not None:
+            self.group.copy_blocks([c for p in plans if p.window is not None for c in p.window.copies])
 
     mirror = None  # a tensor-parallel stage's rank 0: engine.tp_group.Leader, the other ranks copy too
 
@@ -98,9 +106,10 @@ class SeqSlice:
 
     start_pos: int                 # position of the sequence's first new row
     num_tokens: int                # its rows in the packed hidden states
-    span: int | None               # first slot of positions [0, start_pos + num_tokens) when consecutive
-    slots: torch.Tensor | None     # else the slot of each of those positions: [start_pos + num_tokens] int64
+    span: int | None               # first slot of positions [lo, start_pos + num_tokens) when consecutive
+    slots: torch.Tensor | None     # else the slot of each of those positions: [start_pos + num_tokens - lo] int64
     decode_from: int = 0           # rows at positions >= this are decode rows (see stage_node.ops)
+    lo: int = 0                    # first position read (sliding-window layers: start_pos - window + 1)
 
     @property
     def stop(self) -> int:
@@ -116,21 +125,33 @@ class StepKV:
     write_slots: torch.Tensor  # [rows] int64, packed in the order of `seqs`
     seqs: tuple[SeqSlice, ...]
     states: tuple | None = None  # per sequence a deltanet.SeqState (None: every state starts at zeros, none kept)
+    window: "StepKV | None" = None  # the sliding-window layers' own pool and reads (KVPool.group); None: these
 
 
 def seq_slice(start_pos: int, num_tokens: int, blocks: Sequence[int], block_size: int,
-              device: torch.device | str = "cpu", decode_from: int = 0) -> SeqSlice:
-    """A SeqSlice reading positions [0, start_pos + num_tokens) from `blocks` (the sequence's
-    block table, at least that long); its rows at positions >= decode_from are decode rows."""
+              device: torch.device | str = "cpu", decode_from: int = 0, lo: int = 0) -> SeqSlice:
+    """A SeqSlice reading positions [lo, start_pos + num_tokens) from `blocks` (the sequence's
+    block table, at least that long; those positions' blocks held); its rows at positions >=
+    decode_from are decode rows."""
     stop = start_pos + num_tokens
     nb = -(-stop // block_size)
-    blocks = list(blocks[:nb])
-    if len(blocks) < nb:
-        raise ValueError(f"{len(blocks)} blocks cannot hold {stop} positions of {block_size}")
-    if blocks[-1] - blocks[0] == nb - 1 and all(b - a == 1 for a, b in zip(blocks, blocks[1:])):
-        return SeqSlice(start_pos, num_tokens, blocks[0] * block_size, None, decode_from)
+    first = lo // block_size
+    blocks = list(blocks[first:nb])
+    if len(blocks) < nb - first or min(blocks, default=0) < 0:
+        raise ValueError(f"blocks {blocks} cannot hold positions [{lo}, {stop}) of {block_size}")
+    skip = lo - first * block_size
+    if blocks[-1] - blocks[0] == len(blocks) - 1 and all(b - a == 1 for a, b in zip(blocks, blocks[1:])):
+        return SeqSlice(start_pos, num_tokens, blocks[0] * block_size + skip, None, decode_from, lo)
     idx = torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + torch.arange(block_size)
-    return SeqSlice(start_pos, num_tokens, None, idx.flatten()[:stop].to(device), decode_from)
+    return SeqSlice(start_pos, num_tokens, None, idx.flatten()[skip: stop - first * block_size].to(device),
+                    decode_from, lo)
+
+
+def window_reads(pool: KVPool, window: int, seqs, device: torch.device | str = "cpu") -> tuple[SeqSlice, ...]:
+    """What a stage's sliding-window layers read: per sequence (start_pos, num_tokens, its window
+    blocks, decode_from), positions [start_pos - window + 1, stop) (from 0 at most) of `pool`."""
+    return tuple(seq_slice(start, n, blocks, pool.block_size, device, decode_from, max(0, start - window + 1))
+                 for start, n, blocks, decode_from in seqs)
 
 
 def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype) -> int:
@@ -138,3 +159,22 @@ def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype) -> int
     that keep KV (a linear-attention layer keeps none)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return config.kv_parts * num_layers_local * config.num_kv_heads * config.head_dim * itemsize
+
+
+def step_kv(pool: KVPool, window: int | None, seqs, write_slots: torch.Tensor, device: torch.device | str = "cpu",
+            states: tuple | None = None, window_slots=None) -> StepKV:
+    """The KV side of a forward over `pool`: per sequence (start_pos, num_tokens, its blocks, its
+    window layers' blocks (engine.window; None: its blocks), decode_from), packed in order, and
+    the slots its rows write. `window`: the shard's sliding-window layers hold only their window
+    (Shard.window): they read the last `window` positions of each row, from the pool's group (with
+    `window_slots`, [rows]) where the stage has full layers too, else from `pool` itself."""
+    bs = pool.block_size
+    wseqs = [(start, n, blocks if wblocks is None else wblocks, df) for start, n, blocks, wblocks, df in seqs]
+    if window is not None and pool.group is None:  # every KV layer slides
+        return StepKV(pool, write_slots, window_reads(pool, window, wseqs, device), states)
+    main = tuple(seq_slice(start, n, blocks, bs, device, df) for start, n, blocks, _, df in seqs)
+    group = None
+    if window is not None:
+        slots = torch.tensor(window_slots, dtype=torch.long, device=device)
+        group = StepKV(pool.group, slots, window_reads(pool.group, window, wseqs, device))
+    return StepKV(pool, write_slots, main, states, group)

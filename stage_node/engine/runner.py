@@ -22,7 +22,7 @@ import torch
 
 from logicpipe import tensor_codec
 from logicpipe.errors import InvalidArgument, MeshError
-from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
+from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice, step_kv
 from logicpipe.stage_node.model.grammar import DeadEnd
 from logicpipe.stage_node.model.sampling import penalize, sample, token_logprobs, verify
 from logicpipe.stage_node.engine.scheduler import PlannedSeq, Step
@@ -70,7 +70,7 @@ def execute(shard: Shard, pool: KVPool, step: Step, wire_dtype: str = "") -> Ste
     """Compute one step (on the runner thread); hidden states for the next stage leave in
     `wire_dtype` ("": the shard's dtype)."""
     with torch.inference_mode():
-        pool.copy_blocks([c for p in step.seqs for c in p.plan.copies])
+        pool.copy_plans([p.plan for p in step.seqs])
         result = StepResult()
         rows = _input_rows(shard, step, result)  # sequence id -> its input rows
         seqs = [p for p in step.seqs if p.seq.id in rows]
@@ -119,7 +119,7 @@ def launch(shard: Shard, pool: KVPool, step: Step, source: tuple[torch.Tensor, l
     such sequence has one row). The tokens are `sample`'s greedy choice: the argmax of the same
     logits. Raises where the forward fails (the caller fails the step's sequences)."""
     with torch.inference_mode():
-        pool.copy_blocks([c for p in step.seqs for c in p.plan.copies])
+        pool.copy_plans([p.plan for p in step.seqs])
         cuda = shard.device.type == "cuda"
         if source is None:
             ids = torch.tensor([t for p in step.seqs for t in p.work.token_ids], dtype=torch.long)
@@ -187,8 +187,9 @@ def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str,
     rows over kept layers (WritePlan.starts) resume from the rows the pool logged (issue 34). The
     output rows are logged where the pool keeps its end's."""
     if any(p.plan.starts for p in seqs):
-        if pool.states is not None:  # (never planned: such a stage attaches no prefix, so resumes nothing)
-            raise ValueError("a replay cannot resume over kept layers on a stage with linear-attention layers")
+        if pool.states is not None or shard.window is not None:  # (never planned: such a stage attaches no prefix, so resumes nothing)
+            raise ValueError("a replay cannot resume over kept layers on a stage with linear-attention layers "
+                             "or sliding windows")
         return _forward_resumed(shard, pool, seqs, rows)
     x = rows[seqs[0].seq.id] if len(seqs) == 1 else torch.cat([rows[p.seq.id] for p in seqs])
     out = None
@@ -201,8 +202,9 @@ def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str,
         states = pool.states  # linear-attention layers: each sequence's state at its first row (engine.states)
         held = None if states is None else tuple(
             states.step(p.seq.id, p.work.start_pos, p.work.stop, p.work.num_candidates) for p in seqs)
-        kv = StepKV(pool, slots, tuple(seq_slice(p.work.start_pos, p.work.num_tokens, p.read_blocks, pool.block_size,
-                                                 shard.device, decode_from(p)) for p in seqs), held)
+        kv = step_kv(pool, shard.window, [(p.work.start_pos, p.work.num_tokens, p.read_blocks, p.window_blocks,
+                                            decode_from(p)) for p in seqs], slots, shard.device, held,
+                     [s for p in seqs for s in p.plan.window.slots] if pool.group is not None else None)
         out = shard.forward(x, kv)
         for p, st in zip(seqs, held or ()):  # the forward went through: the states it left are the sequences'
             states.commit(p.seq.id, st, p.work.start_pos)

@@ -67,6 +67,8 @@ class PlannedSeq:
     row: int = 0                    # and where they start in it
     draws: tuple[float, ...] | None = None  # last stage, sampled (not greedy): the random draw of each
                                             # position it samples (the token's, then one per candidate)
+    window_blocks: tuple[int, ...] | None = None  # the blocks its sliding-window layers read (engine.window;
+                                                  # None: read_blocks)
 
 
 @dataclass
@@ -117,7 +119,7 @@ class Scheduler:
         if spec.session_id in self.seqs:
             raise FailedPrecondition(f"session {spec.session_id} is already open on node {self.node_id}")
         kv = self.kv
-        if kv.blocks_for(spec.capacity) > kv.num_blocks:
+        if not kv.fits(spec.capacity):
             raise ResourceExhausted(
                 f"node {self.node_id}: a sequence of {spec.capacity} positions needs {kv.blocks_for(spec.capacity)} "
                 f"KV blocks and this node has {kv.num_blocks} in all; raise its --max-kv-mib or shorten the request")
@@ -137,11 +139,17 @@ class Scheduler:
                                          f"positions, fewer than the {spec.parent_length} asked for")
         if parent is not None:
             table = kv.fork(spec.parent, spec.session_id, spec.parent_length, spec.capacity)
+            held = kv.held(spec.session_id)  # (less where a sliding window gave back what it needs: engine.window)
+            if held < spec.parent_length:
+                log.info("session %s forks %d positions of %s, whose sliding window is given back there: it holds %d",
+                         spec.session_id, spec.parent_length, spec.parent, held)
             if self.states is not None:  # it holds the positions up to the parent's last state within them
-                held = self.states.fork(spec.parent, spec.session_id, spec.parent_length)
-                if held < spec.parent_length:
+                kept = self.states.fork(spec.parent, spec.session_id, spec.parent_length)
+                if kept < held:
                     log.info("session %s forks %d positions of %s, whose recurrent state is kept at %s: it holds %d",
-                             spec.session_id, spec.parent_length, spec.parent, self.states.positions(spec.parent), held)
+                             spec.session_id, spec.parent_length, spec.parent, self.states.positions(spec.parent), kept)
+                held = min(held, kept)
+            if held < spec.parent_length:
                 kv.truncate(spec.session_id, held)
         else:
             table = kv.open(spec.session_id, spec.capacity)
@@ -152,8 +160,8 @@ class Scheduler:
         try:
             watermark = sum(1 for s in self.seqs.values() if s.status is not SeqStatus.FINISHED)
             need = max(0, kv.blocks_for(len(spec.prompt)) - len(table.blocks))
-            if need + watermark > kv.available:
-                missing = need + watermark - kv.available
+            missing = kv.shortfall(spec.session_id, len(spec.prompt), watermark)  # (a window's bounded)
+            if missing:
                 raise ResourceExhausted(
                     f"node {self.node_id}: {need} KV blocks for the prompt of session {spec.session_id} plus "
                     f"{watermark} kept for the running sequences' growth, but {kv.available} are free: "
@@ -392,7 +400,7 @@ class Scheduler:
         if self.last and w.sample and not s.spec.sampling.greedy:
             first = w.stop - w.num_candidates  # the position the sampled token takes
             u = tuple(draw(s.seed, s.spec.index, first + i) for i in range(w.num_candidates + 1))
-        return PlannedSeq(s, w, plan, self.kv.read_span(s.id, w.stop), part, row, u)
+        return PlannedSeq(s, w, plan, self.kv.read_span(s.id, w.stop), part, row, u, self.kv.read_window(s.id, w.stop))
 
     def _preempt(self, s: Sequence) -> None:
         log.info("preempting session %s (%d positions) to free KV blocks", s.id, self.kv.tables[s.id].length)

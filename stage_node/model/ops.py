@@ -182,12 +182,13 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def causal_mask(start_pos: int, n: int, device, window: int | None = None) -> torch.Tensor | None:
-    """Bool mask [n, start_pos + n] for new rows at start_pos.. (with a sliding `window`: each sees
-    only the last `window` positions, its own included), or None where SDPA needs none."""
+def causal_mask(start_pos: int, n: int, device, window: int | None = None, lo: int = 0) -> torch.Tensor | None:
+    """Bool mask [n, start_pos + n - lo] for new rows at start_pos.. over keys at positions lo..
+    (with a sliding `window`: each sees only the last `window` positions, its own included), or
+    None where SDPA needs none."""
     stop = start_pos + n
     if window is not None and stop > window:
-        keys = torch.arange(stop, device=device)
+        keys = torch.arange(lo, stop, device=device)
         pos = torch.arange(start_pos, stop, device=device)[:, None]
         return (keys[None, :] <= pos) & (keys[None, :] > pos - window)
     if n == 1 or start_pos == 0:

@@ -101,7 +101,12 @@ class Shard:
         # and no KV: the pool holds the other layers' only, local layer kv_layers[j] at its index j
         self.linear_layers = tuple(i for i, w in enumerate(layers) if w.linear is not None)
         self.kv_layers = tuple(i for i, w in enumerate(layers) if w.linear is None)
-        self._kv = {i: j for j, i in enumerate(self.kv_layers)}  # local layer -> its index in the pool
+        self._kv = {i: j for j, i in enumerate(self.kv_layers)}  # local layer -> its index in the pool (or group)
+        # sliding-window layers that keep only their window's KV (`hold_windows`, engine.window): the window
+        # (positions; None: every layer keeps its whole context), and those layers when the pool's group
+        # holds them apart from full-attention layers (() when every KV layer of the stage slides)
+        self.window: int | None = None
+        self.window_layers: tuple[int, ...] = ()
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -288,12 +293,35 @@ class Shard:
         held = {id(x): x for x in (self.embed_tokens, self.final_norm, self.lm_head) if x is not None}
         return total + sum(tensor_bytes(x) for x in held.values())
 
-    def new_pool(self, num_blocks: int, block_size: int) -> KVPool:
-        """A KV pool for this shard's layers (those that keep KV): `num_blocks` blocks of `block_size` positions."""
+    def hold_windows(self) -> bool:
+        """Let this shard's sliding-window layers keep only their window's KV (engine.window), where
+        every row runs the layer-by-layer torch forward (no tensor parallelism, native or fused
+        layers, batch-invariant kernels or CUDA graphs: they read whole contexts). With full layers
+        too, the window layers move to a pool of their own (`window_layers`). -> whether it does."""
+        if self.window is not None:
+            return True
+        a = self.arch
+        sliding = tuple(i for i in self.kv_layers if self.kind(i) == "sliding")
+        if (not sliding or not a.sliding_window or a.mla or self.tp is not None or self.mirror is not None
+                or self.batch_invariant or self.graphs is not None or (self.device.type == "cpu" and self.native is not None)):
+            return False
+        self.window = a.sliding_window
+        if len(sliding) < len(self.kv_layers):
+            self.window_layers = sliding
+            self.kv_layers = tuple(i for i in self.kv_layers if i not in sliding)
+            self._kv = {i: j for j, i in enumerate(self.kv_layers)} | {i: j for j, i in enumerate(sliding)}
+        return True
+
+    def new_pool(self, num_blocks: int, block_size: int, group_blocks: int = 0) -> KVPool:
+        """A KV pool for this shard's layers (those that keep KV): `num_blocks` blocks of `block_size`
+        positions; with `window_layers`, theirs apart in `pool.group`, of `group_blocks` blocks."""
         c = self.config
         mla = self.arch.mla
         pool = KVPool(len(self.kv_layers), c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
                       device=self.device, parts=c.kv_parts, value_dim=mla.kv_lora_rank if mla else None)
+        if self.window_layers:
+            pool.group = KVPool(len(self.window_layers), c.num_kv_heads, c.head_dim, group_blocks, block_size,
+                                dtype=self.dtype, device=self.device, parts=c.kv_parts)
         if self.linear_layers:  # their recurrent states, per sequence, beside the KV of the other layers
             pool.states = RecurrentStates()
         return pool
@@ -387,11 +415,12 @@ class Shard:
             positions = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs]).to(self.device)
             tables = {kind: rope.gather(positions) for kind, rope in self.ropes.items()}  # [T, head_dim]
         window = self.arch.sliding_window
-        masks = {kind: [causal_mask(s.start_pos, s.num_tokens, self.device, window if kind == "sliding" else None)
-                        for s in seqs] for kind in self.ropes}
+        reading = {kind: kv.window if kind == "sliding" and kv.window is not None else kv for kind in self.ropes}
+        masks = {kind: [causal_mask(s.start_pos, s.num_tokens, self.device, window if kind == "sliding" else None, s.lo)
+                        for s in reading[kind].seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
-        spans = self._spans(kv) if reads is None else None
+        spans = {kind: self._spans(reading[kind]) for kind in self.ropes} if reads is None else None
 
         c = self.config
         logs = kv.pool.logs
@@ -413,7 +442,7 @@ class Shard:
             def attend(i, q, k, v, masks=masks[kind], kind=kind):
                 if reads is not None:
                     return self._attention_invariant(i, q, k, v, kv, reads, kind)
-                return self._attention(i, q, k, v, kv, masks, spans)
+                return self._attention(i, q, k, v, reading[kind], masks, spans[kind])
 
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
         return hidden
@@ -488,11 +517,11 @@ class Shard:
         return o[0].transpose(0, 1).reshape(q.shape[0], -1)
 
     def _spans(self, kv: StepKV) -> list:
-        """Per sequence of the step: its keys and values of every layer, [layers, 1, kv_heads, stop,
+        """Per sequence of the step: its keys and values of every layer, [layers, 1, kv_heads, stop - lo,
         head_dim] views of the pool (None for a sequence gathered by slot)."""
         k, v = kv.pool.k[:, None], kv.pool.v[:, None]
-        return [None if s.span is None else (k[:, :, :, s.span: s.span + s.stop], v[:, :, :, s.span: s.span + s.stop])
-                for s in kv.seqs]
+        return [None if s.span is None else (k[:, :, :, s.span: s.span + s.stop - s.lo],
+                                             v[:, :, :, s.span: s.span + s.stop - s.lo]) for s in kv.seqs]
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
         """What the batch-invariant attention reads, for every layer of a step: each sequence's slot

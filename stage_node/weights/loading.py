@@ -22,6 +22,7 @@ from logicpipe.stage_node.engine.kv import KVPool, kv_bytes_per_token
 from logicpipe.stage_node.profile import float_formats
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.engine.step_graphs import StepGraphs
+from logicpipe.stage_node.engine.window import held_blocks, split_budget
 from logicpipe.stage_node.weights.weight_cache import pull_assignment
 
 log = logging.getLogger(__name__)
@@ -183,13 +184,15 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     elif graphs or not shard.can_tap:  # rows that skip the torch forward cannot leave their inner boundaries
         logs = frozenset(b for b in logs if b == a.end)
     bs = options.block_size
-    # (linear-attention layers keep no KV; a stage of only those sizes its blocks as one layer's)
-    block_bytes = bs * (kv_bytes_per_token(shard.config, max(1, len(shard.kv_layers)), dtype) +
-                        len(logs) * shard.config.hidden_size * dtype.itemsize)
-    num_blocks = options.max_kv_bytes // block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"a KV budget of {options.max_kv_bytes} bytes holds no block of {block_bytes}")
-    pool = tp.new_pool(shard, num_blocks, bs, graphs) if tp is not None else shard.new_pool(num_blocks, bs)
+    if not graphs and tp is None and options.window_kv and shard.hold_windows():
+        logs = frozenset()  # (its sequences' blocks are not kept across re-plans: engine.window)
+        log.info("sliding-window layers of [%d, %d) keep only their last %d positions of KV%s", a.start, a.end,
+                 shard.window, f" (in a pool of their own, split for {options.kv_context}-position sequences)"
+                 if shard.window_layers else "")
+    num_blocks, group_blocks = pool_blocks(shard.config, len(shard.kv_layers), len(shard.window_layers), shard.window,
+                                           dtype, options.max_kv_bytes, bs, options.kv_context, len(logs))
+    pool = tp.new_pool(shard, num_blocks, bs, graphs) if tp is not None else shard.new_pool(num_blocks, bs,
+                                                                                          group_blocks)
     pool.span = (a.start, a.end)
     pool.add_logs(sorted(logs), shard.config.hidden_size)
     if graphs:  # warms at start-up: every kernel variant and graph bucket (a tensor-parallel stage's on
@@ -197,6 +200,28 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     elif shard.device.type == "cuda":
         shard.warm_up(pool)  # no graphs: still compile every Triton kernel variant before the first step
     return shard, pool
+
+
+def pool_blocks(config: ModelConfig, kv_layers: int, window_layers: int, window: int | None, dtype: torch.dtype,
+                budget: int, block_size: int, kv_context: int, logs: int = 0) -> tuple[int, int]:
+    """Blocks of a stage's KV pool for `kv_layers` layers (and `logs` boundaries of rows) and of its
+    window layers' pool (`window_layers` layers apart: 0 where none), within `budget` bytes: split so
+    both hold as many sequences of `kv_context` positions (engine.window.split_budget)."""
+    bs = block_size
+    # (linear-attention layers keep no KV; a stage of only those sizes its blocks as one layer's)
+    block_bytes = bs * (kv_bytes_per_token(config, max(1, kv_layers), dtype) + logs * config.hidden_size * dtype.itemsize)
+    group_blocks = 0
+    if window_layers:  # full and window layers: the budget split between their pools (engine.window)
+        window_bytes = bs * kv_bytes_per_token(config, window_layers, dtype)
+        budget, rest = split_budget(budget, block_bytes // bs, window_bytes // bs, held_blocks(window, bs) * bs,
+                                    kv_context)
+        group_blocks = rest // window_bytes
+        if group_blocks < 1:
+            raise ValueError(f"a KV budget of {budget + rest} bytes holds no block of the window layers")
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes}")
+    return num_blocks, group_blocks
 
 
 def load_draft_model(options: StageOptions, device: str, dtype: str, vocab_size: int) -> DraftModel:

@@ -1,24 +1,30 @@
-"""Test helper: run sequences through a Shard's forward over a real paged KV (KVManager + KVPool),
-as the runner does, without the rest of a stage."""
+"""Test helper: run sequences through a Shard's forward over a real paged KV (the stage's KV
+managers + KVPool), as the runner does, without the rest of a stage."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-from logicpipe.stage_node.engine.blocks import KVManager
-from logicpipe.stage_node.engine.kv import StepKV, seq_slice
+from logicpipe.stage_node.engine.kv import step_kv
+from logicpipe.stage_node.engine.window import ROLLBACK, managers
 from logicpipe.stage_node.model.shard import Shard
 
 
 class PagedCache:
     """One shard's KV for any number of sequences (opened on first use), and the recurrent states of
-    its linear-attention layers (engine.states), as the runner keeps them."""
+    its linear-attention layers (engine.states), as the runner keeps them. `window`: its
+    sliding-window layers keep only their window (Shard.hold_windows, engine.window), rolling back at
+    most `rollback` positions; `group_blocks`: the window layers' pool where the shard has full layers too."""
 
-    def __init__(self, shard: Shard, num_blocks: int = 64, block_size: int = 16):
+    def __init__(self, shard: Shard, num_blocks: int = 64, block_size: int = 16, *, window: bool = False,
+                 rollback: int = ROLLBACK, group_blocks: int = 64):
         self.shard = shard
-        self.kv = KVManager(num_blocks, block_size)
-        self.pool = shard.new_pool(num_blocks, block_size)
+        if window:  # (a shard without sliding layers keeps every position)
+            shard.hold_windows()
+        group = group_blocks if shard.window_layers else 0
+        self.kv = managers(num_blocks, block_size, shard.window, group, rollback)
+        self.pool = shard.new_pool(num_blocks, block_size, group)
 
     def forward(self, hidden: torch.Tensor, seqs: Sequence[tuple[str, int, Sequence[int]]],
                 decode_from: dict[str, int] | None = None, candidates: dict[str, int] | None = None) -> torch.Tensor:
@@ -36,12 +42,13 @@ class PagedCache:
             plans.append(self.kv.prepare_write(sid, start, len(toks)))
         held = None if states is None else tuple(states.step(sid, start, start + len(toks), candidates.get(sid, 0))
                                                  for sid, start, toks in seqs)
-        self.pool.copy_blocks([c for p in plans for c in p.copies])
+        self.pool.copy_plans(plans)
         slots = torch.tensor([s for p in plans for s in p.slots], dtype=torch.long)
-        bs = self.kv.block_size
-        kv = StepKV(self.pool, slots, tuple(seq_slice(start, len(toks), self.kv.read_span(sid, start + len(toks)), bs,
-                                                      decode_from=decode_from.get(sid, 0))
-                                            for sid, start, toks in seqs), held)
+        kv = step_kv(self.pool, self.shard.window,
+                     [(start, len(toks), self.kv.read_span(sid, start + len(toks)),
+                       self.kv.read_window(sid, start + len(toks)), decode_from.get(sid, 0)) for sid, start, toks in seqs],
+                     slots, states=held,
+                     window_slots=[s for p in plans for s in p.window.slots] if self.pool.group is not None else None)
         out = self.shard.forward(hidden, kv)
         for (sid, start, toks), st in zip(seqs, held or [None] * len(seqs)):
             self.kv.commit(sid, start, list(toks))

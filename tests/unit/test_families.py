@@ -187,11 +187,13 @@ def test_the_planner_counts_every_parameter_and_a_mixture_reads_its_active_share
     # the KV a token costs: what the planner counts is what a stage's pool allocates (MLA: one latent row)
     from logicpipe.stage_node.engine.kv import kv_bytes_per_token
 
-    # (MLA: one latent row; a hybrid: its full-attention layers only, the planner's layer their average share)
+    # (MLA: one latent row; a hybrid: its full-attention layers only, its linear layers a state each by their kind)
     kv_layers = sum(1 for i in range(3) if not config.arch.is_linear(i))
     pool = shards_of(path, [(0, 3)])[0].new_pool(2, 16)
     assert pool.block_bytes == 16 * kv_bytes_per_token(config, kv_layers, torch.float32)
-    assert abs(pool.block_bytes - 16 * 3 * spec.kv_bytes_per_token_per_layer) <= 16 * 3, name
+    assert abs(pool.block_bytes - 16 * kv_layers * spec.kv_bytes_per_token_per_layer) <= 16 * 3, name
+    if config.arch.linear is not None:  # (the state a sequence keeps whatever its length: float32)
+        assert spec.kv_bytes_per_sequence(0) == (3 - kv_layers) * 4 * config.arch.linear.state_elements()
     if config.arch.mla is not None:
         assert spec.kv_bytes_per_token_per_layer == 4 * (config.arch.mla.kv_lora_rank + config.arch.mla.rope_dim)
     assert abs(held - 4 * params) <= 4 * spec.num_layers, name

@@ -265,3 +265,39 @@ def test_quantized_bytes_count_against_memory_and_weights_read_at_their_rate():
     layers = {s.node_id: s.end - s.start for s in plan.stages}
     assert layers["big-int8"] > layers["small"] and sum(layers.values()) == 30
     assert {s.node_id: s.weight_format for s in plan.stages} == {"small": "fp32", "big-int8": "int8"}
+
+
+GEMMA3_KINDS = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(12))
+
+
+def test_layers_keep_by_their_kind_full_context_window_or_state():
+    """Issue 37: full layers keep C tokens of KV, sliding layers min(C, window), linear layers a fixed
+    state; a range counts its own layers (prefix counts), the planner's memory and KV reads the average."""
+    base = dict(name="g", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
+                vocab_size=1000, num_layers=12, weight_format="bf16")
+    full = ModelSpec.decoder(**base)
+    win = ModelSpec.decoder(**base, layer_kinds=GEMMA3_KINDS, sliding_window=1024)
+    kv = 2 * 2 * 64 * 2  # k and v, 2 heads of 64, bf16: bytes a token leaves in a layer
+    assert full.kv_bytes_per_token_per_layer == win.kv_bytes_per_token_per_layer == kv
+    assert full.kv_bytes_per_sequence(8192) == 12 * 8192 * kv
+    assert win.kv_bytes_per_sequence(8192) == (2 * 8192 + 10 * 1024) * kv
+    assert win.kv_bytes_per_sequence(512) == full.kv_bytes_per_sequence(512)  # within the window: alike
+    assert win.kv_bytes_per_sequence(8192, 0, 5) == 5 * 1024 * kv  # sliding layers only
+    assert win.kv_bytes_per_sequence(8192, 5, 6) == 8192 * kv      # the full one
+    assert win.mean_kv_bytes_per_layer(8192) == win.kv_bytes_per_sequence(8192) / 12
+    hybrid = ModelSpec.decoder(**base, layer_kinds=("linear", "linear", "linear", "full") * 3,
+                               state_elements_per_layer=1000)
+    assert hybrid.kv_bytes_per_sequence(100) == hybrid.kv_bytes_per_sequence(0) + 3 * 100 * kv == 9 * 4000 + 300 * kv
+    p = DeviceProfile("n", "cpu", 64 * GiB, 1e12, 1e11, {}, weight_formats=("bf16",))
+    wl = Workload(tokens_per_step=1, context_tokens=8192, batch=4)
+    assert max_layers(p, win, wl, Reserve(), is_first=False, is_last=False) >= \
+        max_layers(p, full, wl, Reserve(), is_first=False, is_last=False)
+    assert layer_time_s(p, win, wl) < layer_time_s(p, full, wl)  # fewer KV bytes read a step
+    sliding_stage = stage_memory_bytes(p, win, wl, 5, is_first=False, is_last=False, start=0)
+    full_stage = stage_memory_bytes(p, win, wl, 5, is_first=False, is_last=False, start=5)
+    assert full_stage - sliding_stage == 4 * (8192 - 1024) * kv  # one layer's context more, four windows less
+    stages = build_stages([p, p], [6, 6], win, wl)
+    assert [s.memory_bytes for s in stages] == [stage_memory_bytes(p, win, wl, 6, is_first=i == 0, is_last=i == 1,
+                                                                   start=6 * i) for i in range(2)]
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelSpec.decoder(**base, layer_kinds=GEMMA3_KINDS)
