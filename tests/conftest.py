@@ -1,7 +1,13 @@
 """Shared fixtures. The default model is converted once (about 30 s on 2 cores) and cached."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite's workers (scripts/test.sh) share the cores: a thread each
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -317,7 +317,7 @@ def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_pat
     # over TLS both controllers hold the mesh's "controller" certificate: each names it as its standby's
     pair = ("--peer-secret-file", str(secret), "--standby-name", "controller")
     try:
-        mesh.stage_addresses = [mesh.start_stage(i) for i in range(2)]
+        mesh.stage_addresses = mesh.start_stages()
         mesh.start_controller("--peer", b, *pair, address=a)
         mesh.start_controller("--peer", a, *pair, name="controller-b", address=b, ready=False)
         deadline = time.monotonic() + 30

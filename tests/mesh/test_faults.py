@@ -19,7 +19,7 @@ pytestmark = pytest.mark.mesh
 class Request(threading.Thread):
     """A request in a thread: its tokens, and how it ended."""
 
-    def __init__(self, address: str, prompt: str = "Tell me a very long story.", max_tokens: int = 150):
+    def __init__(self, address: str, prompt: str = "Tell me a very long story.", max_tokens: int = 64):
         super().__init__(daemon=True)
         self.address, self.prompt, self.max_tokens, self.error, self.tokens = address, prompt, max_tokens, None, []
         self.producing = threading.Event()

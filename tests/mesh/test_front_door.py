@@ -126,7 +126,8 @@ for chunked in (False, False, True):
 def test_a_20_mib_body_does_not_hold_up_another_clients_tokens(mesh, client):
     """Client A streams a long answer; after its first 40 tokens client B sends 20 MiB bodies (with
     and without a length), each refused with 413. A's tokens keep coming: no gap while B sends is
-    longer than A's usual gap (a step) by more than a step, or by more than the worst A saw before."""
+    longer than A's usual gap (a step) by more than a step, or by more than the worst A saw before
+    (but one: a single late token)."""
     arrivals: list[float] = []
     sender = subprocess.Popen([sys.executable, "-c", SENDER, mesh.http], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -150,6 +151,9 @@ def test_a_20_mib_body_does_not_hold_up_another_clients_tokens(mesh, client):
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     before, during = gaps[5:39], gaps[39:done_at]
     step = statistics.median(before)
-    assert max(during) - step <= max(step, max(before) - step), (
-        f"a gap of {max(during) * 1e3:.0f} ms while the bodies came in; usual {step * 1e3:.0f} ms, "
-        f"longest before {max(before) * 1e3:.0f} ms")
+    # the second longest: a body that held the loop up would do it once per body (three times), while
+    # one late token can be the machine's other work (the suite runs two test files at once)
+    second = sorted(during)[-2]
+    assert second - step <= max(step, max(before) - step), (
+        f"gaps of {', '.join(f'{g * 1e3:.0f}' for g in sorted(during)[-3:])} ms while the bodies came in; "
+        f"usual {step * 1e3:.0f} ms, longest before {max(before) * 1e3:.0f} ms")

@@ -25,7 +25,7 @@ PROMPTS = [f"Tell me about {topic}." for topic in
 class Generation(threading.Thread):
     """One Submit in a thread: its tokens as they come, and how it ended."""
 
-    def __init__(self, address: str, prompt: str = PROMPT, max_tokens: int = 120, **sampling):
+    def __init__(self, address: str, prompt: str = PROMPT, max_tokens: int = 48, **sampling):
         super().__init__(daemon=True)
         self.address, self.error, self.tokens = address, None, []
         self.request = controller_pb2.SubmitRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True,
@@ -55,7 +55,7 @@ class Generation(threading.Thread):
         return self.tokens
 
 
-def run(address: str, prompt: str = PROMPT, max_tokens: int = 120, **sampling) -> list[int]:
+def run(address: str, prompt: str = PROMPT, max_tokens: int = 48, **sampling) -> list[int]:
     return Generation(address, prompt, max_tokens, **sampling).result()
 
 
@@ -100,7 +100,7 @@ def test_a_killed_middle_stage_is_replanned_around_and_comes_back(model_dir, tmp
             before = mesh.controller_status()
             assert len(before.stages) == 3
             gen = Generation(mesh.controller_address, **sampling)
-            gen.wait_tokens(20)
+            gen.wait_tokens(12)
             t0 = time.monotonic()
             mesh.kill("stage1")
             n = len(gen.tokens)
