@@ -37,11 +37,11 @@ from logicpipe.controller.cli.model_prep import prepare_default_model  # noqa: E
 from logicpipe.controller.mesh.planning import model_spec  # noqa: E402
 from logicpipe.planner.model import kv_scale  # noqa: E402
 from logicpipe.planner.types import DeviceProfile  # noqa: E402
-from logicpipe.stage_node.engine.kv import kv_bytes_per_token, step_kv  # noqa: E402
-from logicpipe.stage_node.engine.window import managers  # noqa: E402
+from logicpipe.stage_node.engine.kv import kv_bytes_per_token  # noqa: E402
 from logicpipe.stage_node.model.shard import Shard  # noqa: E402
 from logicpipe.stage_node.weights.loading import pool_blocks  # noqa: E402
 from tests.families import FAMILIES, build  # noqa: E402
+from tests.unit.paged import PagedCache  # noqa: E402
 
 KV = ("auto", "int8", "fp8")
 BLOCK = 16
@@ -86,32 +86,9 @@ def bytes_part(pool_gib: dict[str, float]) -> dict:
     return out
 
 
-class Paged:
-    """A shard's KV for several sequences: the stage's manager and pool (as tests/unit/paged.py)."""
-
-    def __init__(self, shard: Shard, blocks: int):
-        self.shard = shard
-        shard.hold_windows()
-        group = blocks if shard.window_layers else 0
-        self.kv = managers(blocks, BLOCK, shard.window, group)
-        self.pool = shard.new_pool(blocks, BLOCK, group)
-
-    def forward(self, hidden, seqs, decode_from):
-        plans = []
-        for sid, start, toks in seqs:
-            if sid not in self.kv.tables:
-                self.kv.open(sid, start + len(toks))
-            plans.append(self.kv.prepare_write(sid, start, len(toks)))
-        self.pool.copy_plans(plans)
-        slots = torch.tensor([s for p in plans for s in p.slots], dtype=torch.long)
-        kv = step_kv(self.pool, self.shard.window,
-                     [(start, len(toks), self.kv.read_span(sid, start + len(toks)),
-                       self.kv.read_window(sid, start + len(toks)), decode_from[sid]) for sid, start, toks in seqs],
-                     slots, window_slots=[s for p in plans for s in p.window.slots] if self.pool.group is not None else None)
-        out = self.shard.forward(hidden, kv)
-        for sid, start, toks in seqs:
-            self.kv.commit(sid, start, list(toks))
-        return out
+def paged(shard: Shard, blocks: int) -> PagedCache:
+    """A shard's KV for several sequences (the stage's managers and pool, recurrent states, window pools)."""
+    return PagedCache(shard, blocks, BLOCK, window=True, group_blocks=blocks)
 
 
 def set_kv(shard: Shard, kv: str) -> Shard:
@@ -120,7 +97,7 @@ def set_kv(shard: Shard, kv: str) -> Shard:
 
 
 def greedy(shard: Shard, prompt: list[int], steps: int) -> list[int]:
-    c = Paged(shard, -(-(len(prompt) + steps) // BLOCK) + 2)
+    c = paged(shard, -(-(len(prompt) + steps) // BLOCK) + 2)
     ids, pos, out = prompt, 0, []
     for _ in range(steps):
         h = c.forward(shard.embed(torch.tensor(ids)), [("s", pos, ids)], {"s": len(prompt)})
@@ -132,7 +109,7 @@ def greedy(shard: Shard, prompt: list[int], steps: int) -> list[int]:
 
 def teacher_forced(shard: Shard, prompt: list[int], tokens: list[int]) -> list[int]:
     ids = prompt + tokens[:-1]
-    c = Paged(shard, -(-len(ids) // BLOCK) + 2)
+    c = paged(shard, -(-len(ids) // BLOCK) + 2)
     h = c.forward(shard.embed(torch.tensor(ids)), [("s", 0, ids)], {"s": len(prompt)})
     return shard.logits(h)[len(prompt) - 1:].argmax(-1).tolist()
 
@@ -152,15 +129,17 @@ def agreement(shard: Shard, prompts: list[list[int]], tokens: int) -> dict:
 
 
 def agreement_part(prompts: int, tokens: int, families: list[str], init: float) -> dict:
-    path = prepare_default_model()
-    tok = AutoTokenizer.from_pretrained(path)
-    shard = Shard.load(path, 0, ModelConfig.from_dir(path).num_layers, first=True, last=True)
-    out = {"default (SmolLM2-135M)": agreement(shard, [tok.encode(p) for p in PROMPTS[:prompts]], tokens)}
-    print("default", json.dumps(out["default (SmolLM2-135M)"]), flush=True)
+    out = {}
+    if "default" in families:
+        path = prepare_default_model()
+        tok = AutoTokenizer.from_pretrained(path)
+        shard = Shard.load(path, 0, ModelConfig.from_dir(path).num_layers, first=True, last=True)
+        out["default (SmolLM2-135M)"] = agreement(shard, [tok.encode(p) for p in PROMPTS[:prompts]], tokens)
+        print("default", json.dumps(out["default (SmolLM2-135M)"]), flush=True)
     gen = torch.Generator().manual_seed(5)
     ids = [torch.randint(0, 49152, (24,), generator=gen).tolist() for _ in range(prompts)]
     with tempfile.TemporaryDirectory() as d:
-        for name in families:
+        for name in (f for f in families if f != "default"):
             path = build(name, Path(d) / name, initializer_range=init)
             shard = Shard.load(path, 0, ModelConfig.from_dir(path).num_layers, first=True, last=True)
             out[name] = agreement(shard, ids, tokens)
@@ -176,7 +155,7 @@ def speed_part(contexts: list[int], seqs: int, steps: int, kinds: list[str]) -> 
         caches, pos = {}, {}
         for kv in kinds:  # each sequence's context prefilled once per KV kind (the pools persist)
             set_kv(shard, kv)
-            c = Paged(shard, seqs * (-(-(ctx + steps + 8) // BLOCK)))
+            c = paged(shard, seqs * (-(-(ctx + steps + 8) // BLOCK)))
             gen = torch.Generator().manual_seed(1)
             for s in range(seqs):
                 prompt = torch.randint(0, 49152, (ctx,), generator=gen).tolist()
@@ -217,7 +196,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(["default", *FAMILIES]), help="default: the default model")
     ap.add_argument("--init", type=float, default=0.3,
                     help="the tiny families' initializer range (tests/families.py's: 0.3; test_kv_quant's: 0.1)")
     ap.add_argument("--contexts", default="256,2048")

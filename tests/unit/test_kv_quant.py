@@ -1,6 +1,6 @@
 """8-bit KV (--kv-dtype int8 | fp8, engine.kv_quant): the round trip's error bounds; the CPU's direct
 int8 attention (cpu_quant.c) against dequantize-then-SDPA; greedy agreement with float KV on the
-default model and tiny families; a row's bits alone or among others; forks, rejected candidates and
+default model and tiny families (window pools, sinks, latent rows); a row's bits alone or among others; forks, rejected candidates and
 the prefix cache give the tokens of a sequence computed from scratch (with windows too); the
 pool's bytes and the planner's; the flag refused where a kernel cannot read it."""
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_default_model_agrees_with_float_kv(default_shard, reference, kv_dtype):
     assert same / total >= 0.95, (kv_dtype, same / total)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3", "gemma2", "deepseek_v3", "gpt_oss"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "deepseek_v3", "gpt_oss"])
 def family(request, tmp_path_factory):
     """Tiny random models with weights of std 0.1 (tests/families.py's 0.3 makes attention scores so large
     that 8-bit keys' rounding moves many near-ties; bench.kv_quant reports both)."""
@@ -151,8 +151,8 @@ def top1(shard: Shard, ids: list[int], n: int) -> torch.Tensor:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_tiny_families_agree_with_float_kv(family, kv_dtype):
     """The greedy choice at each of 2 x 24 positions (fed the same tokens), 8-bit KV against float KV:
-    direct int8 attention (llama; mistral's and gemma3's window pools) and dequantized (fp8; gemma2's
-    soft-capping, gpt-oss's sinks, deepseek's latent rows)."""
+    direct int8 attention (mistral's and gemma3's window pools; the default model's full layers above)
+    and dequantized (fp8; gpt-oss's sinks, deepseek's latent rows)."""
     name, path = family
     shard = Shard.load(path, 0, 3, first=True, last=True)
     seqs = [PROMPT + list(range(100, 123)), PROMPT[::-1] + list(range(300, 323))]
@@ -183,7 +183,7 @@ def test_forks_rejections_and_the_prefix_cache_are_exact(family, kv_dtype):
     prefix cache: every one gives its very tokens. Window pools included (mistral, gemma3)."""
     name, path = family
     shard = with_kv(Shard.load(path, 0, 3, first=True, last=True), kv_dtype)
-    n, steps = len(PROMPT), 10
+    n, steps = len(PROMPT), 8
 
     def cache():
         return PagedCache(shard, 40, BS, window=True, rollback=BS, group_blocks=40)
