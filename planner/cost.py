@@ -5,12 +5,14 @@ each holding C = context_tokens of KV. A device has F FLOP/s, W bytes/s of memor
 Ww bytes/s of weight reading in its own format (`weight_bandwidth`, W when not measured). It holds
 the layers' matrices at a weight scale sw and everything in floats (embeddings, head, KV,
 activations) at a float scale sf, both relative to the model's format (see `model.py`: 2 for an
-fp32 upcast of a 16-bit model, 0.25 for int8 matrices of an fp32 model, ...).
+fp32 upcast of a 16-bit model, 0.25 for int8 matrices of an fp32 model, ...). Its KV is held at a
+KV scale sk: sf, or for a node with 8-bit KV (`kv_format`, --kv-dtype) a byte an element plus a
+float32 scale a (token, KV head) vector (`model.kv_scale`: 0.27 of an fp32 model's at head dim 64).
 
 Compute (seconds per step). Every layer is memory- or compute-bound, whichever is slower:
 
     layer_s = max( T * (layer_flops_per_token + C * attention_flops_per_context_token) / F,
-                   sw * layer_read_bytes(T) / Ww  +  sf * B * C * kv_bytes_per_token_per_layer / W )
+                   sw * layer_read_bytes(T) / Ww  +  sk * B * C * kv_bytes_per_token_per_layer / W )
 
     (layer_read_bytes(T) is layer_weight_bytes for a dense model; for a mixture of experts, the
     dense part and the experts T rows are expected to route to: see `model.py`.)
@@ -39,7 +41,7 @@ Memory (bytes). A stage holds its layers' weights and the KV for the workload, p
 on the first stage and the final norm + LM head on the last (a single stage with tied embeddings
 holds the shared matrix once):
 
-    stage memory_bytes = n_layers * (ceil(sw * layer_weight_bytes) + ceil(sf * B * C * kv_bytes_per_token_per_layer))
+    stage memory_bytes = n_layers * (ceil(sw * layer_weight_bytes) + ceil(sk * B * C * kv_bytes_per_token_per_layer))
                          + ceil(sf * (embedding_bytes [first] + lm_head_bytes [last]))
     and it must be <= Reserve.usable_bytes(profile.memory_bytes).
 
@@ -76,7 +78,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from logicpipe.planner.model import FLOAT_FORMATS, ModelSpec, device_weight_format, float_scale, weight_scale, wire_scale
+from logicpipe.planner.model import (
+    FLOAT_FORMATS,
+    ModelSpec,
+    device_weight_format,
+    float_scale,
+    kv_scale,
+    weight_scale,
+    wire_scale,
+)
 from logicpipe.planner.plan import Stage
 from logicpipe.planner.types import DeviceProfile, InfeasibleError, Objective, Reserve, Workload
 from logicpipe.planner.units import format_bytes
@@ -94,7 +104,9 @@ def layer_time_s(profile: DeviceProfile, model: ModelSpec, workload: Workload) -
     t, c = workload.tokens_per_step, workload.context_tokens
     flops = t * (model.layer_flops_per_token + c * model.attention_flops_per_context_token)
     read_s = (weight_scale(profile, model) * model.layer_read_bytes(t) / (profile.weight_bandwidth or profile.mem_bandwidth)
-              + float_scale(profile, model) * workload.batch * model.mean_kv_bytes_per_layer(c) / profile.mem_bandwidth)
+              + _held_kv(profile, model, workload.batch * model.mean_kv_bytes_per_layer(c),
+                         lambda ks, fs: workload.batch * model.mean_kv_bytes_per_layer(c, kv_scale=ks, state_scale=fs))
+              / profile.mem_bandwidth)
     return max(flops / profile.flops, read_s) + allreduce_time_s(profile, model, workload)
 
 
@@ -144,16 +156,28 @@ def stage_compute_s(profile: DeviceProfile, model: ModelSpec, workload: Workload
 def layer_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> int:
     """Bytes the average layer takes on `profile`: weights + what B sequences of C tokens keep in it
     (full layers C tokens of KV, sliding layers their window, linear layers a state: ModelSpec.kv_bytes_per_sequence)."""
-    kv = workload.batch * model.mean_kv_bytes_per_layer(workload.context_tokens)
-    return math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(float_scale(profile, model) * kv)
+    c = workload.context_tokens
+    kv = _held_kv(profile, model, workload.batch * model.mean_kv_bytes_per_layer(c),
+                  lambda ks, fs: workload.batch * model.mean_kv_bytes_per_layer(c, kv_scale=ks, state_scale=fs))
+    return math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(kv)
 
 
 def range_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload, start: int, end: int) -> int:
     """Bytes layers [start, end) take on `profile`: their weights and what B sequences of C tokens keep
     in each of them by its kind (a stage of Gemma 3's full layers keeps more than one of its sliding ones)."""
-    kv = workload.batch * model.kv_bytes_per_sequence(workload.context_tokens, start, end)
-    return (end - start) * math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(
-        float_scale(profile, model) * kv)
+    c = workload.context_tokens
+    kv = _held_kv(profile, model, workload.batch * model.kv_bytes_per_sequence(c, start, end),
+                  lambda ks, fs: workload.batch * model.kv_bytes_per_sequence(c, start, end, kv_scale=ks, state_scale=fs))
+    return (end - start) * math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(kv)
+
+
+def _held_kv(profile: DeviceProfile, model: ModelSpec, in_model_format: float, scaled) -> float:
+    """Bytes of KV (and recurrent states) on `profile`: `in_model_format` x float_scale where its KV is in
+    its compute format (the expression as before 8-bit KV, to the bit), else `scaled(kv_scale, float_scale)`
+    (8-bit KV; the states stay in floats)."""
+    if profile.kv_format == "":
+        return float_scale(profile, model) * in_model_format
+    return scaled(kv_scale(profile, model), float_scale(profile, model))
 
 
 def edge_memory_bytes(profile: DeviceProfile, model: ModelSpec, *, is_first: bool, is_last: bool) -> int:

@@ -47,6 +47,8 @@ def profile_dict(profile: DeviceProfile) -> dict:
     }
     if profile.step_overhead_s:
         out["step_overhead_s"] = profile.step_overhead_s
+    if profile.kv_format:
+        out["kv_format"] = profile.kv_format
     if profile.devices > 1:
         out["devices"] = profile.devices
         out["allreduce"] = [profile.allreduce_latency_s, profile.allreduce_bandwidth]
@@ -77,6 +79,8 @@ def model_digest(model: ModelSpec) -> str:
     """sha256 (hex) of the ModelSpec's canonical JSON (its weights_digest included; a dense model's
     empty mixture-of-experts and layer-kind fields left out, so its digest is what it was before they existed)."""
     fields = asdict(model)
+    for name in ("kv_elements_per_token_per_layer", "kv_vectors_per_token_per_layer"):
+        fields.pop(name)  # (the shape the other fields record, counted for 8-bit KV: digests as before issue 39)
     if not model.num_experts:
         for name in ("num_experts", "experts_per_token", "expert_bytes"):
             fields.pop(name)

@@ -17,7 +17,9 @@ Each device runs it in one format of its own (`device_weight_format`):
   * any other device cannot take part. A quantized model format is run only as it is.
 Sizes in a ModelSpec are in the model's format; a device's bytes are scaled from them:
 `weight_scale` for the layers' matrices, `float_scale` for everything held or sent in floats
-(embeddings, head, KV, activations).
+(embeddings, head, activations, recurrent states), `kv_scale` for the KV cache: in the compute
+format, or 8-bit where the node was started with `--kv-dtype int8|fp8` (its profile's `kv_format`):
+a byte an element and a float32 scale per (token, KV head) vector.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ counted; a node measures its own, `DeviceProfile.weight_bytes_per_param`)."""
 
 FLOAT_FORMATS = ("fp32", "fp16", "bf16")
 QUANT_FORMATS = ("int4", "int8", "nf4", "fp4")
+KV_FORMATS = ("int8", "fp8")  # 8-bit KV (a node's --kv-dtype): a byte an element ...
+KV_SCALE_BYTES = 4            # ... and a float32 scale per (token, KV head) vector
 
 _LOSSLESS_UPCAST: dict[str, str] = {"fp16": "fp32", "bf16": "fp32"}
 
@@ -68,20 +72,36 @@ class ModelSpec:
     layer_kinds: tuple[str, ...] = ()
     sliding_window: int = 0                    # positions a "sliding" layer attends to (tokens)
     state_bytes_per_layer: int = 0             # bytes of one sequence's recurrent state in a "linear" layer
+    # what kv_bytes_per_token_per_layer counts (0: not known; a byte an element of it then, no scales): its elements
+    # (2 x kv heads x head dim; MLA: the latent row) and vectors (2 x kv heads; MLA: 1), for 8-bit KV's bytes
+    kv_elements_per_token_per_layer: int = 0
+    kv_vectors_per_token_per_layer: int = 0
 
-    def kv_bytes_per_sequence(self, context: int, start: int = 0, end: int | None = None) -> int:
+    def kv_bytes_per_sequence(self, context: int, start: int = 0, end: int | None = None, *,
+                              kv_scale: float = 1.0, state_scale: float = 1.0) -> float:
         """Bytes one sequence of `context` tokens keeps in layers [start, end) (default all), in the
-        model's float format: full layers its context, sliding layers their window, linear layers a
-        fixed state. O(1) from prefix counts of each kind."""
+        model's float format (or with the KV's and the states' bytes scaled by `kv_scale` and
+        `state_scale`: a device's, cost.kv_scale): full layers its context, sliding layers their
+        window, linear layers a fixed state. O(1) from prefix counts of each kind."""
         end = self.num_layers if end is None else end
         _check(0 <= start <= end <= self.num_layers, f"layers [{start}, {end}) are not a range of {self.num_layers}")
         full, sliding, linear = (self._kind_counts[end][k] - self._kind_counts[start][k] for k in range(3))
         window = min(context, self.sliding_window) if self.sliding_window else context
-        return (full * context + sliding * window) * self.kv_bytes_per_token_per_layer + linear * self.state_bytes_per_layer
+        kv = (full * context + sliding * window) * self.kv_bytes_per_token_per_layer
+        if kv_scale == 1.0 and state_scale == 1.0:
+            return kv + linear * self.state_bytes_per_layer
+        return kv * kv_scale + linear * self.state_bytes_per_layer * state_scale
 
-    def mean_kv_bytes_per_layer(self, context: int) -> float:
+    def kv8_bytes_per_token_per_layer(self) -> float:
+        """Bytes of K and V one token leaves in one layer's cache as 8-bit KV (int8 or fp8): a byte an
+        element and a float32 scale a (token, KV head) vector."""
+        elements = self.kv_elements_per_token_per_layer or self.kv_bytes_per_token_per_layer / max(
+            FORMAT_BYTES.get(self.weight_format, 2.0), 2.0)
+        return elements + KV_SCALE_BYTES * self.kv_vectors_per_token_per_layer
+
+    def mean_kv_bytes_per_layer(self, context: int, *, kv_scale: float = 1.0, state_scale: float = 1.0) -> float:
         """The average layer's bytes for one sequence of `context` tokens (`kv_bytes_per_sequence` / layers)."""
-        return self.kv_bytes_per_sequence(context) / self.num_layers
+        return self.kv_bytes_per_sequence(context, kv_scale=kv_scale, state_scale=state_scale) / self.num_layers
 
     @property
     def _kind_counts(self) -> tuple[tuple[int, int, int], ...]:
@@ -169,6 +189,7 @@ class ModelSpec:
         moe_layers: int | None = None,
         attention_params: int | None = None,
         kv_elements_per_token: int | None = None,
+        kv_vectors_per_token: int | None = None,
         attention_flops_per_context_token: float | None = None,
         sinks: bool = False,
         expert_bias: bool = False,
@@ -198,7 +219,8 @@ class ModelSpec:
         - kv_bytes_per_token_per_layer = 2 * g * d * e ;  activation_bytes_per_token = h * e
         - attention of another shape (multi-head latent attention) passes its own A
           (`attention_params`, norms included), KV elements a token caches per layer
-          (`kv_elements_per_token`, in place of 2*g*d) and attention FLOPs per context token
+          (`kv_elements_per_token`, in place of 2*g*d; its vectors `kv_vectors_per_token`, in place of
+          2*g, each with a scale in 8-bit KV) and attention FLOPs per context token
         - embedding_bytes = ceil(V*h*b) ;  lm_head_bytes = ceil((V*h + h) * b)  [matrix + final norm]
         - lm_head_flops_per_token = 2 * V * h
         - per layer kind (`layer_kinds`): a "sliding" layer keeps min(context, `sliding_window`)
@@ -253,6 +275,8 @@ class ModelSpec:
             layer_kinds=tuple(layer_kinds),
             sliding_window=sliding_window if "sliding" in layer_kinds else 0,
             state_bytes_per_layer=4 * state_elements_per_layer,
+            kv_elements_per_token_per_layer=2 * num_kv_heads * d if kv_elements_per_token is None else kv_elements_per_token,
+            kv_vectors_per_token_per_layer=2 * num_kv_heads if kv_vectors_per_token is None else kv_vectors_per_token,
         )
 
 
@@ -308,6 +332,14 @@ def float_scale(profile: DeviceProfile, model: ModelSpec) -> float:
     if fmt == model.weight_format:
         return 1.0
     return FORMAT_BYTES[fmt] / max(FORMAT_BYTES[model.weight_format], 2.0)
+
+
+def kv_scale(profile: DeviceProfile, model: ModelSpec) -> float:
+    """Bytes of the KV cache the device holds (and its attention reads) per byte in the model's format:
+    `float_scale` for KV in its compute format, else 8-bit KV's (`ModelSpec.kv8_bytes_per_token_per_layer`)."""
+    if profile.kv_format not in KV_FORMATS:
+        return float_scale(profile, model)
+    return model.kv8_bytes_per_token_per_layer() / max(1, model.kv_bytes_per_token_per_layer)
 
 
 def wire_scale(src: DeviceProfile, dst: DeviceProfile, model: ModelSpec) -> float:

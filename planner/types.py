@@ -115,6 +115,9 @@ class DeviceProfile:
     devices: int = 1  # devices one stage of this node spans (a tensor-parallel stage, issue 36): it lists them
     allreduce_latency_s: float = 0.0  # ... their all-reduce, measured: seconds of a small one (added twice a layer)
     allreduce_bandwidth: float = 0.0  # ... bytes/s of a large one (0: not measured)
+    # its KV cache's format: "" the compute format; "int8" / "fp8" (--kv-dtype): a byte an element and a
+    # float32 scale per (token, KV head) vector (model.kv_scale)
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.node_id, str) and self.node_id != "", f"node_id must be a non-empty string, got {self.node_id!r}")
@@ -135,6 +138,8 @@ class DeviceProfile:
         object.__setattr__(self, "weight_formats", formats)
         _require(all(math.isfinite(link.bandwidth) for _, link in links), f"{where}: link bandwidths must be finite")
         _require(isinstance(self.compute_format, str), f"{where}: compute_format must be a string")
+        _require(self.kv_format in ("", "int8", "fp8"), f"{where}: kv_format must be '', 'int8' or 'fp8', "
+                                                         f"got {self.kv_format!r}")
         for name in ("weight_bandwidth", "weight_bytes_per_param", "step_overhead_s", "allreduce_latency_s",
                      "allreduce_bandwidth"):
             value = getattr(self, name)

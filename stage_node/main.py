@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -47,6 +48,7 @@ from logicpipe.stage_node.profile import compute_id, cpu_kernels, host_profile, 
 from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
+from logicpipe.stage_node.engine.kv_quant import KV_DTYPES  # noqa: E402
 from logicpipe.stage_node.engine.runner import Runner  # noqa: E402
 from logicpipe.stage_node.engine.tp_group import Leader  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
@@ -102,6 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-context", type=int, default=8192, metavar="POSITIONS",
                     help="a stage with full and sliding-window layers splits --max-kv-mib between their pools so "
                          "both hold as many sequences of this many positions (default %(default)s)")
+    ap.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                    help="KV cache values: auto (default: the compute dtype), or 8-bit with a float32 scale per "
+                         "(token, KV head): int8 (CPU: attention reads it directly) or fp8 (float8 e4m3, meant for "
+                         "CUDA; works on a CPU too); not with --tp, nor --batch-invariant on (auto turns it off)")
     ap.add_argument("--max-step-tokens", type=int, default=512,
                     help="token rows in one step: decode rows plus prefill chunks (default %(default)s)")
     ap.add_argument("--max-step-seqs", type=int, default=None,
@@ -187,6 +193,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--draft-layers must be 0 (all) or more")
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
+    if args.kv_dtype != "auto" and args.tp > 1:
+        raise SystemExit(f"--kv-dtype {args.kv_dtype}: tensor-parallel stages (--tp) keep float KV only")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     try:  # its identity and its fence live there: a directory that cannot keep them says so now
         await asyncio.to_thread(statedir.prepare, state_dir)
@@ -214,6 +222,13 @@ async def serve(args: argparse.Namespace) -> None:
             await runner.call(cpu_kernels, device, (args.quantize,))
         except QuantError as exc:
             raise SystemExit(f"--quantize {args.quantize}: {exc}") from None
+    if args.kv_dtype != "auto" and device == "cuda":  # the batch-invariant Triton attention reads float KV only
+        if args.batch_invariant == "on":
+            raise SystemExit(f"--kv-dtype {args.kv_dtype} with --batch-invariant on: the batch-invariant CUDA kernels "
+                             "read float KV only; use --batch-invariant off (or auto, which then turns them off)")
+        if args.batch_invariant == "auto":
+            log.info("--kv-dtype %s: batch-invariant kernels off (they read float KV only)", args.kv_dtype)
+            args.batch_invariant = "off"
     try:
         invariant = await runner.call(resolve, args.batch_invariant, device)
     except InvariantError as exc:
@@ -242,13 +257,15 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("all-reduce over the %d ranks: %.0f us, %.2f GB/s", args.tp, allreduce[0] * 1e6, allreduce[1] / 1e9)
     profile = None if args.no_profile else tensor_parallel(
         await runner.call(host_profile, device, dtype=args.dtype, quantize=args.quantize), args.tp, allreduce)
+    if profile is not None and args.kv_dtype != "auto":  # the planner counts its KV at 8-bit's bytes
+        profile = dataclasses.replace(profile, kv_format=args.kv_dtype)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()), tp=leader,
                            replay_rows=args.replay_rows == "on", window_kv=args.window_kv == "on",
-                           kv_context=max(1, args.kv_context))
+                           kv_context=max(1, args.kv_context), kv_dtype=args.kv_dtype)
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir, fence_path=fence_file(state_dir, node_id))
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))

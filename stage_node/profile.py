@@ -63,6 +63,7 @@ class HostProfile:
     devices: int = 1                  # devices a stage spans (--tp N: N GPUs, or N CPU processes)
     allreduce_latency_s: float = 0.0  # ... its measured all-reduce: seconds of a small one,
     allreduce_bandwidth: float = 0.0  # ... and bytes/s of a large one (0: one device)
+    kv_format: str = ""               # its KV: "" the compute format, "int8" / "fp8" (--kv-dtype; engine.kv_quant)
 
 
 def tensor_parallel(profile: HostProfile, world: int, allreduce: tuple[float, float] = (0.0, 0.0)) -> HostProfile:

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from logicpipe.common.modeldir import ModelConfig, model_digest
 from logicpipe.controller.cli.model_prep import default_model_dir
 from logicpipe.errors import InvalidArgument, Unavailable
-from logicpipe.formats import DTYPE_BYTES, DTYPE_FORMAT, FORMAT_DTYPE
+from logicpipe.formats import DTYPE_BYTES, DTYPE_FORMAT, FORMAT_DTYPE, KV_FORMATS
 from logicpipe.planner import (
     DeviceProfile,
     InfeasibleError,
@@ -114,7 +114,7 @@ def mla_shape(config: ModelConfig) -> dict:
     bias = (m.q_lora_rank + m.latent + h) if config.arch.o_bias else 0
     params = q + h * m.latent + m.kv_lora_rank + m.kv_lora_rank * heads * (m.nope_dim + m.v_dim) \
         + heads * m.v_dim * h + bias + 2 * h
-    return dict(attention_params=params, kv_elements_per_token=m.latent,
+    return dict(attention_params=params, kv_elements_per_token=m.latent, kv_vectors_per_token=1,
                 attention_flops_per_context_token=2.0 * heads * (m.latent + m.kv_lora_rank))
 
 
@@ -136,7 +136,7 @@ def hybrid_shape(config: ModelConfig) -> dict:
     layers = config.num_layers
     return dict(attention_params=(n_full * full + (layers - n_full) * linear) / layers,
                 attention_flops_per_context_token=4.0 * heads * d * n_full / layers,
-                kv_elements_per_token=2 * kv * d)
+                kv_elements_per_token=2 * kv * d, kv_vectors_per_token=2 * kv)
 
 
 def _moe_shared_params(config: ModelConfig) -> int:
@@ -161,7 +161,8 @@ def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: 
         mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",),
         compute_format=p.compute_format, weight_bandwidth=round_sig(p.weight_bandwidth, 2),
         weight_bytes_per_param=round_sig(p.weight_bytes_per_param, 3), devices=max(1, p.devices),
-        allreduce_latency_s=round_sig(p.allreduce_latency_s, 2), allreduce_bandwidth=round_sig(p.allreduce_bandwidth, 2))
+        allreduce_latency_s=round_sig(p.allreduce_latency_s, 2), allreduce_bandwidth=round_sig(p.allreduce_bandwidth, 2),
+        kv_format=p.kv_format if p.kv_format in KV_FORMATS else "")
     if profile.device_kind in STEP_OVERHEAD_S:
         profile = dataclasses.replace(profile, step_overhead_s=STEP_OVERHEAD_S[profile.device_kind])
     fmt = device_weight_format(profile, spec) if spec is not None else None

@@ -10,3 +10,4 @@ FORMAT_DTYPE = {fmt: dtype for dtype, fmt in DTYPE_FORMAT.items()}       # a flo
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}                # bytes per element of a compute dtype
 QUANT_FORMATS = ("int4", "int8", "nf4", "fp4")     # quantized weight formats (--quantize), the layers' matrices only
 WEIGHT_FORMATS = (*DTYPE_FORMAT.values(), *QUANT_FORMATS)  # every weight format a stage may hold its layers in
+KV_FORMATS = ("int8", "fp8")  # 8-bit KV (a stage's --kv-dtype, its profile's kv_format); else the compute dtype

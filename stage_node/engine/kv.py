@@ -14,6 +14,10 @@ hidden rows entering that layer, per slot: the stage's output rows (its end) and
 range (written by the torch forward). A replay after a re-plan that moved this stage's range resumes
 its rows from them instead of computing the layers it kept (stage_node.engine.blocks).
 
+8-bit KV (`kv_dtype` int8 / fp8, engine.kv_quant): the values in one byte and `scales`
+[layers, parts, kv_heads, slots] float32 beside them, one per (token, head) vector; `store` quantizes
+what a step writes, and attention dequantizes what it reads (stage_node.model.shard).
+
 Multi-head latent attention (DeepSeek) keeps one tensor, not two: `parts` 1, one "head" whose row is a
 token's latent and rotary key ([layers, 1, 1, slots, kv_lora_rank + rope_dim]); `k` is that row and
 `v` the latent part of it (a view: the values are read from the same bytes).
@@ -25,21 +29,39 @@ from typing import Sequence
 
 import torch
 
+from logicpipe.stage_node.engine.kv_quant import (
+    SCALE_DTYPE,
+    index_copy_,
+    index_select,
+    quantize,
+    quantized,
+    storage_dtype,
+    vector_bytes,
+)
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", parts: int = 2,
-                 value_dim: int | None = None):
+                 value_dim: int | None = None, kv_dtype: str = "auto"):
         # one slot past the blocks: the scratch slot, where a CUDA graph's padding rows write
         shape = (num_layers, parts, num_kv_heads, num_blocks * block_size + 1, head_dim)
         # torch.empty on a CPU: its pages are only touched (and counted) as blocks are first written.
         # Zeros on a GPU: a CUDA graph's step reads whole blocks and masks the positions past a
         # row's own, and a NaN left there by a former allocation would survive the mask.
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
-        self.kv = alloc(shape, dtype=dtype, device=device)  # kv: [layers, 2 (k, v), kv_heads, slots, head_dim]
+        self.dtype = dtype  # the compute dtype (what attention reads; the logged rows')
+        self.kv_dtype = kv_dtype  # "auto" (values in `dtype`) or "int8" / "fp8" (engine.kv_quant)
+        # kv: [layers, 2 (k, v), kv_heads, slots, head_dim]
+        self.kv = alloc(shape, dtype=storage_dtype(kv_dtype, dtype), device=device)
         self.k = self.kv[:, 0]  # k: [layers, kv_heads, slots, head_dim] (a view)
         # v: [layers, kv_heads, slots, head_dim]; with one part, the first value_dim elements of k's rows
         self.v = self.kv[:, 1] if parts == 2 else self.k[..., : value_dim or head_dim]
+        # 8-bit KV: scales [layers, parts, kv_heads, slots] float32, a (token, head) vector's each (zeros:
+        # a never-written slot reads as zeros, as a CUDA graph's masked positions need); None: float KV
+        self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if quantized(kv_dtype) else None
+        self.ks = None if self.scales is None else self.scales[:, 0]  # [layers, kv_heads, slots]
+        self.vs = None if self.scales is None else self.scales[:, -1]  # (one part: the latent row's own)
         self.parts = parts
         self.num_blocks = num_blocks
         self.block_size = block_size  # positions per block (tokens)
@@ -54,7 +76,7 @@ class KVPool:
         """Room for the rows entering each of `boundaries` (absolute), one per slot."""
         alloc = torch.zeros if self.kv.device.type == "cuda" else torch.empty
         for b in boundaries:
-            self.logs[b] = alloc((self.num_blocks * self.block_size + 1, hidden_size), dtype=self.kv.dtype,
+            self.logs[b] = alloc((self.num_blocks * self.block_size + 1, hidden_size), dtype=self.dtype,
                                  device=self.kv.device)
 
     @property
@@ -62,9 +84,28 @@ class KVPool:
         return self.k.shape[0]
 
     @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of keys and values one block holds (all local layers)."""
-        return self.parts * self.k[:, :, : self.block_size].numel() * self.k.element_size()
+        """Bytes of keys and values one block holds (all local layers; 8-bit KV's scales included)."""
+        vectors = self.parts * self.num_layers * self.k.shape[1] * self.block_size
+        return vectors * vector_bytes(self.kv_dtype, self.dtype, self.kv.shape[-1])
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Write a step's new keys and values of local `layer` (k, v: [T, kv_heads, head_dim]; v None:
+        MLA, whose values are part of k's rows) at `slots` [T], quantized with 8-bit KV."""
+        for part, x in ((0, k), (1, v)):
+            if x is None:
+                continue
+            dst = self.kv[layer, part]  # [kv_heads, slots, head_dim]
+            if self.scales is None:
+                dst.index_copy_(1, slots, x.transpose(0, 1))
+            else:
+                q, s = quantize(x, self.kv_dtype)  # [T, kv_heads, hd], [T, kv_heads]
+                index_copy_(dst, 1, slots, q.transpose(0, 1))
+                self.scales[layer, part].index_copy_(1, slots, s.transpose(0, 1))
 
     def copy_plans(self, plans) -> None:
         """Copy on write for a step's blocks.WritePlans: this pool's copies, and its group's."""
@@ -81,6 +122,8 @@ class KVPool:
         bs = self.block_size
         for src, dst in copies:
             self.kv[..., dst * bs:(dst + 1) * bs, :] = self.kv[..., src * bs:(src + 1) * bs, :]
+            if self.scales is not None:
+                self.scales[..., dst * bs:(dst + 1) * bs] = self.scales[..., src * bs:(src + 1) * bs]
             for rows in self.logs.values():
                 rows[dst * bs:(dst + 1) * bs] = rows[src * bs:(src + 1) * bs]
 
@@ -88,14 +131,19 @@ class KVPool:
         """Copy `blocks` (ids below both pools' sizes, of the same block size) from the pool a
         re-plan replaces: the layers both hold, and the rows of the boundaries both log."""
         lo, hi = max(self.span[0], old.span[0]), min(self.span[1], old.span[1])
+        if old.kv_dtype != self.kv_dtype:  # (a stage's --kv-dtype is fixed: never, but never mix them)
+            lo = hi
         if not blocks or (lo >= hi and not (self.logs.keys() & old.logs.keys())):
             return
         bs = self.block_size
         idx = (torch.tensor(list(blocks), dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
         idx = idx.to(self.kv.device)
         if lo < hi:
-            src = old.kv[lo - old.span[0]: hi - old.span[0]].index_select(3, idx.to(old.kv.device))
-            self.kv[lo - self.span[0]: hi - self.span[0]].index_copy_(3, idx, src.to(self.kv.device))
+            src = index_select(old.kv[lo - old.span[0]: hi - old.span[0]], 3, idx.to(old.kv.device))
+            index_copy_(self.kv[lo - self.span[0]: hi - self.span[0]], 3, idx, src.to(self.kv.device))
+            if self.scales is not None:
+                src = old.scales[lo - old.span[0]: hi - old.span[0]].index_select(3, idx.to(old.kv.device))
+                self.scales[lo - self.span[0]: hi - self.span[0]].index_copy_(3, idx, src.to(self.kv.device))
         for b in self.logs.keys() & old.logs.keys():
             self.logs[b].index_copy_(0, idx, old.logs[b].index_select(0, idx.to(old.kv.device)).to(self.kv.device))
 
@@ -154,11 +202,12 @@ def window_reads(pool: KVPool, window: int, seqs, device: torch.device | str = "
                  for start, n, blocks, decode_from in seqs)
 
 
-def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(config, num_layers_local: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
     """Bytes of K and V (MLA: the latent row) one token costs on a stage with `num_layers_local` layers
-    that keep KV (a linear-attention layer keeps none)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return config.kv_parts * num_layers_local * config.num_kv_heads * config.head_dim * itemsize
+    that keep KV (a linear-attention layer keeps none), computing in `dtype` with `kv_dtype` KV
+    (8-bit: a byte an element and a float32 scale a head's vector)."""
+    vectors = config.kv_parts * num_layers_local * config.num_kv_heads
+    return vectors * vector_bytes(kv_dtype, dtype, config.head_dim)
 
 
 def step_kv(pool: KVPool, window: int | None, seqs, write_slots: torch.Tensor, device: torch.device | str = "cpu",

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from logicpipe.stage_node.engine.kv_quant import dequantize, index_select
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.model.ops import softcap
 
@@ -299,14 +300,20 @@ class StepGraphs:
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim] (MLA: [1, 1, slots, latent])
-            new = k[None] if v is None else torch.stack((k, v))
-            kv.index_copy_(2, g.write, new.transpose(1, 2))  # [parts, kv_heads, R, hd]
+            if self.pool.quantized:  # 8-bit KV (engine.kv_quant): quantized as written, dequantized as gathered
+                self.pool.store(i, g.write, k, v)
+            else:
+                new = k[None] if v is None else torch.stack((k, v))
+                kv.index_copy_(2, g.write, new.transpose(1, 2))  # [parts, kv_heads, R, hd]
             sinks = s.layers[i].sinks  # [heads] (gpt-oss) or None
             if s.batch_invariant:  # MLA: whole latent rows as values (the caller keeps their latent part)
                 return invariant.attention(q, kv[0], kv[-1], slots.view(R, C), g.positions, g.tiles, scale=s._scale,
                                            cap=cap, window=s.arch.sliding_window if s.kind(i) == "sliding" else None,
                                            sinks=sinks)
-            both = kv.index_select(2, slots).view(kv.shape[0], kvh, R, C, hd).transpose(1, 2)  # [parts, R, kv_heads, C, hd]
+            both = index_select(kv, 2, slots)
+            if self.pool.quantized:
+                both = dequantize(both, self.pool.scales[i].index_select(2, slots), s.dtype)
+            both = both.view(kv.shape[0], kvh, R, C, hd).transpose(1, 2)  # [parts, R, kv_heads, C, hd]
             keys = both[0]
             values = keys[..., : self.pool.v.shape[-1]] if v is None else both[1]
             mask = masks[s.kind(i)]

@@ -128,6 +128,9 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     lib.lp_layers.argtypes = [ctypes.POINTER(Dims), ctypes.POINTER(Layer), i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
                               ptr, ptr, ptr, cint]
     lib.lp_layers.restype = cint
+    lib.lp_attend_int8.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
+                                   ctypes.c_double, ptr, cint]
+    lib.lp_attend_int8.restype = cint
     log.info("native CPU kernels (%s) loaded from %s", ISA_NAMES.get(lib.lp_isa(), "?"), path)
     return lib
 
@@ -199,4 +202,20 @@ def call(fn, x: torch.Tensor, w: int, s: int, n: int) -> torch.Tensor:
     out = torch.empty(m, n)
     if m and fn(x.data_ptr(), k, m, k, w, s, n, out.data_ptr(), n, torch.get_num_threads()):
         raise MemoryError("native CPU kernel: no memory for the quantized activations")
+    return out
+
+
+def attend_int8(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                table: torch.Tensor, row_seq: torch.Tensor, pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Attention over one layer's int8 KV (cpu_quant.c's lp_attend_int8): q [T, heads, hd] float32; kq, vq
+    [kv_heads, slots, hd] int8 and ks, vs [kv_heads, slots] float32 (contiguous); table [seqs, L] int64,
+    each sequence's slot of each position; row_seq, pos [T] int64; window 0: none. -> [T, heads * hd]"""
+    lib = library()
+    q = q.float().contiguous()
+    T, heads, hd = q.shape
+    out = torch.empty(T, heads * hd)
+    if lib.lp_attend_int8(q.data_ptr(), T, heads, kq.shape[0], hd, kq.data_ptr(), vq.data_ptr(), ks.data_ptr(),
+                          vs.data_ptr(), kq.shape[1], table.data_ptr(), table.shape[1], row_seq.data_ptr(),
+                          pos.data_ptr(), window, scale, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("native int8 attention: no memory for its scratch")
     return out

@@ -546,3 +546,108 @@ int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t
     free(h); free(qkv); free(att); free(gu); free(tmp); free(p);
     return rc;
 }
+
+/* ---------------------------------------------------------------------------------------------------
+   Attention over 8-bit KV (--kv-dtype int8; stage_node.model.shard's torch forward on a CPU): each
+   (token, KV head) vector is int8 values with a float32 scale, x = q * scale (engine.kv_quant). Read
+   directly, a byte an element, never dequantized into a copy:
+       score_j = (q . k_j) * ks_j * scale,   out = sum_j softmax_j * vs_j * v_j
+   q [T, heads, hd] float32; kq, vq [kv_heads, slots, hd] int8 and ks, vs [kv_heads, slots] float32 (one
+   layer's pool); row r attends over the slots table[row_seq[r]][j] of positions j in [lo, pos[r]] (lo =
+   pos[r] - window + 1 with a window, else 0) -> out [T, heads * hd]. Every (row, head) is computed on
+   its own in a fixed order, so a row's result does not depend on the rows beside it; threads split the
+   (row, head) pairs, never a sum. */
+
+static inline float dot_i8(const float *a, const int8_t *b, int64_t n) {
+#if defined(LP_AVX2)
+    if (n % 8 == 0) {
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 bf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + i))));
+            s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), bf, s);
+        }
+        return hsum8(s);
+    }
+#elif defined(LP_NEON)
+    if (n % 8 == 0) {
+        float32x4_t s = vdupq_n_f32(0.0f);
+        for (int64_t i = 0; i < n; i += 8) {
+            int16x8_t w = vmovl_s8(vld1_s8(b + i));
+            s = vfmaq_f32(s, vld1q_f32(a + i), vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))));
+            s = vfmaq_f32(s, vld1q_f32(a + i + 4), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))));
+        }
+        return vaddvq_f32(s);
+    }
+#endif
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * (float)b[i];
+    return s;
+}
+
+static inline void axpy_i8(float *y, float a, const int8_t *x, int64_t n) {  /* y += a * x */
+#if defined(LP_AVX2)
+    if (n % 8 == 0) {
+        __m256 av = _mm256_set1_ps(a);
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 xf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + i))));
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, xf, _mm256_loadu_ps(y + i)));
+        }
+        return;
+    }
+#elif defined(LP_NEON)
+    if (n % 8 == 0) {
+        for (int64_t i = 0; i < n; i += 8) {
+            int16x8_t w = vmovl_s8(vld1_s8(x + i));
+            vst1q_f32(y + i, vfmaq_n_f32(vld1q_f32(y + i), vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), a));
+            vst1q_f32(y + i + 4, vfmaq_n_f32(vld1q_f32(y + i + 4), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))), a));
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) y[i] += a * (float)x[i];
+}
+
+int lp_attend_int8(const float *q, int64_t T, int64_t nh, int64_t kvh, int64_t hd, const int8_t *kq,
+                   const int8_t *vq, const float *ks, const float *vs, int64_t slots, const int64_t *table,
+                   int64_t table_len, const int64_t *row_seq, const int64_t *pos, int64_t window, double scale_d,
+                   float *out, int nt) {
+    const int64_t group = nh / kvh, pairs = T * nh;
+    const float scale = (float)scale_d;
+    int threads = nt > 1 ? nt : 1;
+    float *p = (float *)malloc((size_t)(threads * table_len) * sizeof(float));
+    if (!p) return -1;
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && pairs >= 2 * threads)
+#endif
+    for (int64_t i = 0; i < pairs; i++) {
+        int64_t r = i / nh, hh = i % nh, g = hh / group;
+        int64_t hi = pos[r], lo = window > 0 && hi - window + 1 > 0 ? hi - window + 1 : 0;
+#ifdef _OPENMP
+        float *pt = p + (int64_t)omp_get_thread_num() * table_len;
+#else
+        float *pt = p;
+#endif
+        const float *qr = q + (r * nh + hh) * hd;
+        const int8_t *kb = kq + g * slots * hd, *vb = vq + g * slots * hd;
+        const float *ksb = ks + g * slots, *vsb = vs + g * slots;
+        const int64_t *sl = table + row_seq[r] * table_len;
+        float *o = out + (r * nh + hh) * hd;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t j = lo; j <= hi; j++) {
+            float s = dot_i8(qr, kb + sl[j] * hd, hd) * ksb[sl[j]] * scale;
+            pt[j - lo] = s;
+            m = s > m ? s : m;
+        }
+        for (int64_t j = lo; j <= hi; j++) {
+            float e = expf(pt[j - lo] - m);
+            pt[j - lo] = e;
+            sum += e;
+        }
+        memset(o, 0, (size_t)hd * sizeof(float));
+        for (int64_t j = lo; j <= hi; j++) axpy_i8(o, pt[j - lo] * vsb[sl[j]], vb + sl[j] * hd, hd);
+        float inv = 1.0f / sum;
+        for (int64_t k = 0; k < hd; k++) o[k] *= inv;
+    }
+    free(p);
+    return 0;
+}

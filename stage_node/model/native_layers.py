@@ -44,6 +44,8 @@ def eligible(shard) -> str | None:
         return "tensor-parallel (its all-reduces run in torch)"
     if shard.device.type != "cpu" or shard.dtype != torch.float32:
         return "not a float32 CPU stage"
+    if shard.kv_dtype != "auto":
+        return f"{shard.kv_dtype} KV (--kv-dtype): the native layers keep float32 KV"
     if not shard.layers or cpu_native.library() is None:
         return "no layers" if not shard.layers else "native kernels unavailable"
     if not all(_native(m) for w in shard.layers for m in (w.qkv, w.o, w.gate_up, w.down)):

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from logicpipe.common.modeldir import ModelConfig, checkpoint_index
-from logicpipe.stage_node.kernels import fused
+from logicpipe.stage_node.kernels import cpu_native, fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
+from logicpipe.stage_node.engine.kv_quant import dequantize, index_select
 from logicpipe.stage_node.engine.states import RecurrentStates
 from logicpipe.stage_node.model import deltanet, native_layers
 from logicpipe.stage_node.model import tp as tp_split
@@ -107,6 +108,9 @@ class Shard:
         # holds them apart from full-attention layers (() when every KV layer of the stage slides)
         self.window: int | None = None
         self.window_layers: tuple[int, ...] = ()
+        # its KV pools' values: "auto" (the compute dtype) or 8-bit, "int8" / "fp8" with a scale per (token, head)
+        # (engine.kv_quant; set by the loader from --kv-dtype before the pool is made: `new_pool`)
+        self.kv_dtype = "auto"
         owned = sum(w.numel() for w in layers)
         owned += embed_tokens.numel() if first else 0
         owned += (final_norm.numel() + (0 if lm_head_tied else lm_head.numel())) if last else 0
@@ -318,10 +322,11 @@ class Shard:
         c = self.config
         mla = self.arch.mla
         pool = KVPool(len(self.kv_layers), c.num_kv_heads, c.head_dim, num_blocks, block_size, dtype=self.dtype,
-                      device=self.device, parts=c.kv_parts, value_dim=mla.kv_lora_rank if mla else None)
+                      device=self.device, parts=c.kv_parts, value_dim=mla.kv_lora_rank if mla else None,
+                      kv_dtype=self.kv_dtype)
         if self.window_layers:
             pool.group = KVPool(len(self.window_layers), c.num_kv_heads, c.head_dim, group_blocks, block_size,
-                                dtype=self.dtype, device=self.device, parts=c.kv_parts)
+                                dtype=self.dtype, device=self.device, parts=c.kv_parts, kv_dtype=self.kv_dtype)
         if self.linear_layers:  # their recurrent states, per sequence, beside the KV of the other layers
             pool.states = RecurrentStates()
         return pool
@@ -421,6 +426,8 @@ class Shard:
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
         spans = {kind: self._spans(reading[kind]) for kind in self.ropes} if reads is None else None
+        # int8 KV on a CPU: attention reads it directly (cpu_quant.c), every row of a layer in one call
+        direct = {kind: self._int8_reads(reading[kind]) for kind in self.ropes} if self._reads_int8(kv.pool) else None
 
         c = self.config
         logs = kv.pool.logs
@@ -442,6 +449,8 @@ class Shard:
             def attend(i, q, k, v, masks=masks[kind], kind=kind):
                 if reads is not None:
                     return self._attention_invariant(i, q, k, v, kv, reads, kind)
+                if direct is not None and v is not None and self.layers[i].sinks is None:
+                    return self._attention_int8(i, q, k, v, reading[kind], direct[kind], kind)
                 return self._attention(i, q, k, v, reading[kind], masks, spans[kind])
 
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
@@ -493,10 +502,9 @@ class Shard:
                    masks: list, spans: list) -> torch.Tensor:
         """Store the new rows' k/v in their pool slots, then per sequence attend over its
         positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
-        k_pool, v_pool = kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]]  # [kv_heads, slots, head_dim]
-        k_pool.index_copy_(1, kv.write_slots, k.transpose(0, 1))
-        if v is not None:  # None: MLA's latent rows, whose values are a part of k's (pool.v is that view)
-            v_pool.index_copy_(1, kv.write_slots, v.transpose(0, 1))
+        pool, j = kv.pool, self._kv[i]
+        k_pool, v_pool = pool.k[j], pool.v[j]  # [kv_heads, slots, head_dim]
+        pool.store(j, kv.write_slots, k, v)  # (v None: MLA's latent rows, whose values are a part of k's: pool.v)
         # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
         # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
@@ -504,12 +512,22 @@ class Shard:
         outs, row = [], 0
         for s, mask, span in zip(kv.seqs, masks, spans):
             if span is not None:  # consecutive blocks: strided views of the pool, taken once a step
-                keys, values = span[0][self._kv[i]], span[1][self._kv[i]]
+                keys, values = span[0][j], span[1][j]
+                if pool.quantized:  # 8-bit KV: dequantized as read (MLA: the values are part of the keys)
+                    keys = dequantize(keys, span[2][j], self.dtype)
+                    values = keys[..., : v_pool.shape[-1]] if v is None else dequantize(values, span[3][j], self.dtype)
             else:
-                keys = k_pool.index_select(1, s.slots)[None]
+                keys = index_select(k_pool, 1, s.slots)[None]
+                if pool.quantized:
+                    keys = dequantize(keys, pool.ks[j].index_select(1, s.slots)[None], self.dtype)
                 # MLA: the values are the first elements of the gathered latent rows (index_select of the
                 # pool's non-contiguous value view would copy the whole pool first)
-                values = keys[..., : v_pool.shape[-1]] if v is None else v_pool.index_select(1, s.slots)[None]
+                if v is None:
+                    values = keys[..., : v_pool.shape[-1]]
+                else:
+                    values = index_select(v_pool, 1, s.slots)[None]
+                    if pool.quantized:
+                        values = dequantize(values, pool.vs[j].index_select(1, s.slots)[None], self.dtype)
             outs.append(attention(qh if one else qh[:, :, row: row + s.num_tokens], keys, values, mask,
                                   scale=self._scale, cap=self.arch.attn_softcap, sinks=self.layers[i].sinks))
             row += s.num_tokens
@@ -518,10 +536,48 @@ class Shard:
 
     def _spans(self, kv: StepKV) -> list:
         """Per sequence of the step: its keys and values of every layer, [layers, 1, kv_heads, stop - lo,
-        head_dim] views of the pool (None for a sequence gathered by slot)."""
-        k, v = kv.pool.k[:, None], kv.pool.v[:, None]
-        return [None if s.span is None else (k[:, :, :, s.span: s.span + s.stop - s.lo],
-                                             v[:, :, :, s.span: s.span + s.stop - s.lo]) for s in kv.seqs]
+        head_dim] views of the pool, and with 8-bit KV their scales [layers, 1, kv_heads, stop - lo] (None
+        for a sequence gathered by slot)."""
+        pool = kv.pool
+        k, v = pool.k[:, None], pool.v[:, None]
+        ks, vs = (None, None) if pool.scales is None else (pool.ks[:, None], pool.vs[:, None])
+        out = []
+        for s in kv.seqs:
+            if s.span is None:
+                out.append(None)
+                continue
+            a, b = s.span, s.span + s.stop - s.lo
+            out.append((k[:, :, :, a:b], v[:, :, :, a:b]) + ((None, None) if ks is None else (ks[..., a:b], vs[..., a:b])))
+        return out
+
+    def _reads_int8(self, pool: KVPool) -> bool:
+        """Whether attention reads `pool`'s int8 KV directly by cpu_quant.c (a CPU stage with the native
+        kernels, no soft-capping; sinks and MLA are told per layer): else it dequantizes what it reads."""
+        return (pool.kv_dtype == "int8" and self.device.type == "cpu" and self.arch.attn_softcap is None
+                and self.arch.mla is None and cpu_native.library() is not None)
+
+    def _int8_reads(self, kv: StepKV) -> tuple:
+        """What lp_attend_int8 reads for every layer of a step: each sequence's slot of each position
+        [seqs, longest] int64 (from its first read position lo), each row's sequence and position [T] int64."""
+        seqs = kv.seqs
+        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long)
+        for n, s in enumerate(seqs):
+            table[n, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo) if s.span is not None else s.slots
+        pos = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs])
+        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
+        return table, row_seq, pos
+
+    def _attention_int8(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV, reads: tuple,
+                        kind: str) -> torch.Tensor:
+        """Store the new rows' k/v (int8), then every row attends over its positions by cpu_quant.c's
+        lp_attend_int8, reading the int8 values and their scales directly. -> [T, heads * head_dim]"""
+        pool, j = kv.pool, self._kv[i]
+        pool.store(j, kv.write_slots, k, v)
+        table, row_seq, pos = reads
+        window = self.arch.sliding_window if kind == "sliding" else 0
+        out = cpu_native.attend_int8(q, pool.kv[j, 0], pool.kv[j, 1], pool.scales[j, 0], pool.scales[j, 1], table,
+                                     row_seq, pos, window or 0, self._scale)
+        return out.to(q.dtype)
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
         """What the batch-invariant attention reads, for every layer of a step: each sequence's slot

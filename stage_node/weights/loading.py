@@ -19,6 +19,7 @@ from logicpipe.stage_node.config import Assignment, StageOptions
 from logicpipe.stage_node.engine.draft_model import DraftModel, DraftModelError
 from logicpipe.stage_node.kernels.invariant import resolve as resolve_invariant
 from logicpipe.stage_node.engine.kv import KVPool, kv_bytes_per_token
+from logicpipe.stage_node.engine.kv_quant import quantized
 from logicpipe.stage_node.profile import float_formats
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.engine.step_graphs import StepGraphs
@@ -177,6 +178,8 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     else:
         shard = shard_for(a, model_dir, device, options, old)
     shard.batch_invariant = invariant
+    check_kv_dtype(options.kv_dtype, invariant, tp is not None)
+    shard.kv_dtype, shard._native = options.kv_dtype, None  # (before anything asks for its native layers)
     # linear-attention layers (their per-sequence state comes with each step) run eagerly: no CUDA graphs yet
     graphs = shard.device.type == "cuda" and options.cuda_graphs and not shard.linear_layers
     if tp is not None:
@@ -190,7 +193,8 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
                  shard.window, f" (in a pool of their own, split for {options.kv_context}-position sequences)"
                  if shard.window_layers else "")
     num_blocks, group_blocks = pool_blocks(shard.config, len(shard.kv_layers), len(shard.window_layers), shard.window,
-                                           dtype, options.max_kv_bytes, bs, options.kv_context, len(logs))
+                                           dtype, options.max_kv_bytes, bs, options.kv_context, len(logs),
+                                           options.kv_dtype)
     pool = tp.new_pool(shard, num_blocks, bs, graphs) if tp is not None else shard.new_pool(num_blocks, bs,
                                                                                           group_blocks)
     pool.span = (a.start, a.end)
@@ -203,16 +207,18 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
 
 
 def pool_blocks(config: ModelConfig, kv_layers: int, window_layers: int, window: int | None, dtype: torch.dtype,
-                budget: int, block_size: int, kv_context: int, logs: int = 0) -> tuple[int, int]:
+                budget: int, block_size: int, kv_context: int, logs: int = 0, kv_dtype: str = "auto") -> tuple[int, int]:
     """Blocks of a stage's KV pool for `kv_layers` layers (and `logs` boundaries of rows) and of its
     window layers' pool (`window_layers` layers apart: 0 where none), within `budget` bytes: split so
-    both hold as many sequences of `kv_context` positions (engine.window.split_budget)."""
+    both hold as many sequences of `kv_context` positions (engine.window.split_budget). `kv_dtype`:
+    the values' format (8-bit: a byte an element and a scale a head's vector; the logged rows stay in `dtype`)."""
     bs = block_size
     # (linear-attention layers keep no KV; a stage of only those sizes its blocks as one layer's)
-    block_bytes = bs * (kv_bytes_per_token(config, max(1, kv_layers), dtype) + logs * config.hidden_size * dtype.itemsize)
+    block_bytes = bs * (kv_bytes_per_token(config, max(1, kv_layers), dtype, kv_dtype)
+                        + logs * config.hidden_size * dtype.itemsize)
     group_blocks = 0
     if window_layers:  # full and window layers: the budget split between their pools (engine.window)
-        window_bytes = bs * kv_bytes_per_token(config, window_layers, dtype)
+        window_bytes = bs * kv_bytes_per_token(config, window_layers, dtype, kv_dtype)
         budget, rest = split_budget(budget, block_bytes // bs, window_bytes // bs, held_blocks(window, bs) * bs,
                                     kv_context)
         group_blocks = rest // window_bytes
@@ -222,6 +228,20 @@ def pool_blocks(config: ModelConfig, kv_layers: int, window_layers: int, window:
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes}")
     return num_blocks, group_blocks
+
+
+def check_kv_dtype(kv_dtype: str, invariant: bool, tensor_parallel: bool) -> None:
+    """ValueError, naming --kv-dtype, where a stage's kernels cannot read 8-bit KV: the batch-invariant
+    and fused Triton kernels of a CUDA stage (its attention reads float KV by slot; `--batch-invariant
+    off` runs the torch forward, CUDA graphs included, which dequantizes) and tensor-parallel ranks
+    (their pools are mirrored without scales)."""
+    if not quantized(kv_dtype):
+        return
+    if invariant:
+        raise ValueError(f"--kv-dtype {kv_dtype}: the batch-invariant CUDA kernels read float KV only; start the "
+                         "stage with --batch-invariant off (its torch attention dequantizes 8-bit KV)")
+    if tensor_parallel:
+        raise ValueError(f"--kv-dtype {kv_dtype}: tensor-parallel stages (--tp) keep float KV only")
 
 
 def load_draft_model(options: StageOptions, device: str, dtype: str, vocab_size: int) -> DraftModel:
