@@ -92,7 +92,8 @@ def tiny(args, results: dict, save) -> None:
         want[f] = hf_generate(path, torch.float32, prompts, args.tokens, 0, attn=attn)[1]
     first = next(iter(models.values()))
     with LocalMesh(2, first, args.work / "tiny-mesh", threads=4, device="cuda",
-                   stage_args=("--cuda-graphs", "on"), controller_args=("--strategy", "uniform", "--settle-s", "0.5")) as mesh:
+                   stage_args=("--cuda-graphs", "on", *args.stage_args.split()),
+                   controller_args=("--strategy", "uniform", "--settle-s", "0.5")) as mesh:
         for f, path in models.items():
             mesh.restart_controller(path)
             row = {}
@@ -128,7 +129,8 @@ def big(args, results: dict, save) -> None:
         runs.append((f"tp{args.tp}", 1, {0: ("--tp", str(args.tp))}))
     for label, s, extra in runs:
         with LocalMesh(s, path, args.work / f"{name}-{label}", threads=4, device="cuda",
-                       stage_args=("--cuda-graphs", "on", "--max-kv-mib", "4096"), stage_extra=extra,
+                       stage_args=("--cuda-graphs", "on", "--max-kv-mib", "4096", *args.stage_args.split()),
+                       stage_extra=extra,
                        controller_args=("--dtype", "bfloat16", "--strategy", "uniform", "--speculate", "0")) as mesh:
             r = results[label] = mesh_rates(mesh.controller_address, prompts, args.tokens, args.rounds,
                                             args.concurrency, mesh.stage_addresses)
@@ -151,14 +153,17 @@ def main() -> None:
     ap.add_argument("--families", default="", help="tiny: these families only (comma list; default all)")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers of the big shape (default: all)")
     ap.add_argument("--hbm-tbps", type=float, default=0.0, help="memory bandwidth, TB/s (default by GPU name)")
+    ap.add_argument("--stage-args", default="", help="extra logicpipe-stage flags, space-separated (e.g. \"--kv-dtype fp8\")")
+    ap.add_argument("--tag", default="", help="a suffix of the output file's name (runs of one part with other flags)")
     args = ap.parse_args()
     gpu_engine.DEVICE = "cuda"
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "part": args.part}
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "part": args.part,
+                     "stage_args": args.stage_args}
 
     def save():
-        (args.out / f"gpu_families_{args.part}.json").write_text(json.dumps(results, indent=2))
+        (args.out / f"gpu_families_{args.part}{args.tag}.json").write_text(json.dumps(results, indent=2))
         print(json.dumps(results), flush=True)
 
     (tiny if args.part == "tiny" else big)(args, results, save)
