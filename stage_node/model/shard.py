@@ -425,9 +425,16 @@ class Shard:
                         for s in reading[kind].seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
-        spans = {kind: self._spans(reading[kind]) for kind in self.ropes} if reads is None else None
+        read_kvs = {id(r): r for r in reading.values()}  # (one StepKV for every kind unless windows are held)
+        spans = None
+        if reads is None:
+            by_kv = {key: self._spans(r) for key, r in read_kvs.items()}
+            spans = {kind: by_kv[id(r)] for kind, r in reading.items()}
         # int8 KV on a CPU: attention reads it directly (cpu_quant.c), every row of a layer in one call
-        direct = {kind: self._int8_reads(reading[kind]) for kind in self.ropes} if self._reads_int8(kv.pool) else None
+        direct = None
+        if self._reads_int8(kv.pool):
+            by_kv = {key: self._int8_reads(r) for key, r in read_kvs.items()}
+            direct = {kind: by_kv[id(r)] for kind, r in reading.items()}
 
         c = self.config
         logs = kv.pool.logs
