@@ -39,6 +39,9 @@ class StageOptions:
     kv_context: int = 8192               # --kv-context: positions a sequence is expected to reach; a stage with
                                          # full and window layers splits its KV budget so both pools hold as
                                          # many sequences of this length (engine.window.split_budget)
+    swap_bytes: int = 0                  # --swap-mib: where a preempted sequence's KV waits for its replay, bytes
+                                         # (engine.swap; 0: none, the replay computes it again)
+    swap_dir: str = ""                   # --swap-dir: ... in files there ("": host memory)
 
 
 @dataclass(frozen=True)

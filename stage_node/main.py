@@ -108,6 +108,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="KV cache values: auto (default: the compute dtype), or 8-bit with a float32 scale per "
                          "(token, KV head): int8 (CPU: attention reads it directly) or fp8 (float8 e4m3, meant for "
                          "CUDA; works on a CPU too); not with --tp, nor --batch-invariant on (auto turns it off)")
+    ap.add_argument("--swap-mib", type=int, default=None, metavar="MIB",
+                    help="swap space, MiB: a sequence preempted for KV blocks keeps its KV there and its replay "
+                         "copies it back instead of computing it again (0: none). Default: on a GPU half of "
+                         "--max-kv-mib in pinned host memory (at most a quarter of the host's memory); on a CPU 0, "
+                         "whose pool already is host memory, or --max-kv-mib with --swap-dir; not with --tp")
+    ap.add_argument("--swap-dir", default="", metavar="DIR",
+                    help="keep the swap space in files in DIR (a disk) instead of host memory (meant for CPU stages)")
     ap.add_argument("--max-step-tokens", type=int, default=512,
                     help="token rows in one step: decode rows plus prefill chunks (default %(default)s)")
     ap.add_argument("--max-step-seqs", type=int, default=None,
@@ -174,6 +181,27 @@ def fence_file(state_dir: Path, node_id: str) -> Path:
     return state_dir / f"fence-{node_id}.json"
 
 
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def swap_mib(args: argparse.Namespace, device: str, host_bytes: int) -> int:
+    """The swap space of a stage, MiB (engine.swap): --swap-mib, or by default half the KV pool in a
+    GPU stage's host memory (at most a quarter of the host's); on a CPU stage none, since its pool
+    already is host memory (more of it is better spent on --max-kv-mib), or the pool's size with
+    --swap-dir (a disk); none on a tensor-parallel stage."""
+    if args.swap_mib is not None:
+        return args.swap_mib
+    if args.tp > 1:
+        return 0
+    if device == "cuda":
+        return min(args.max_kv_mib // 2, host_bytes // 4 // 2**20) if host_bytes else args.max_kv_mib // 2
+    return args.max_kv_mib if args.swap_dir else 0
+
+
 def torch_cuda_count() -> int:
     return torch.cuda.device_count()
 
@@ -195,6 +223,10 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--tp must be at least 1")
     if args.kv_dtype != "auto" and args.tp > 1:
         raise SystemExit(f"--kv-dtype {args.kv_dtype}: tensor-parallel stages (--tp) keep float KV only")
+    if args.swap_mib is not None and args.swap_mib < 0:
+        raise SystemExit("--swap-mib must be 0 (none) or more")
+    if args.swap_mib and args.tp > 1:
+        raise SystemExit(f"--swap-mib {args.swap_mib}: tensor-parallel stages (--tp) do not swap KV yet")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     try:  # its identity and its fence live there: a directory that cannot keep them says so now
         await asyncio.to_thread(statedir.prepare, state_dir)
@@ -265,7 +297,8 @@ async def serve(args: argparse.Namespace) -> None:
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()), tp=leader,
                            replay_rows=args.replay_rows == "on", window_kv=args.window_kv == "on",
-                           kv_context=max(1, args.kv_context), kv_dtype=args.kv_dtype)
+                           kv_context=max(1, args.kv_context), kv_dtype=args.kv_dtype,
+                           swap_bytes=swap_mib(args, device, host_memory_bytes()) * 2**20, swap_dir=args.swap_dir)
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir, fence_path=fence_file(state_dir, node_id))
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))

@@ -21,6 +21,7 @@ from logicpipe.errors import FailedPrecondition, MeshError, NotFound, Permission
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node.weights import loading
 from logicpipe.stage_node.engine.blocks import KVManager
+from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.stage_node.engine.window import managers
 from logicpipe.stage_node.config import Assignment, StageOptions
 from logicpipe.stage_node.engine.draft_model import DraftModel, DraftModelError
@@ -198,6 +199,11 @@ class StageRuntime:
             if self._keeps_rows() and shard.window is None:  # its blocks record the layers and rows they hold (issue 34)
                 kv.span, kv.last, kv.logged = (a.start, a.end), a.last, self._logged(a, pool)
                 kv.partial = shard.can_tap
+        opts = self.options
+        if pool.swap is None and opts.swap_bytes and opts.tp is None:  # (a pool kept keeps its swap space)
+            pool.swap = SwapSpace(pool, opts.swap_bytes, opts.swap_dir, self.stats)
+            log.info("swap space: %d MiB in %s for the KV of preempted sequences", opts.swap_bytes // 2**20,
+                     pool.swap.where())
         return Engine(a, shard, pool, kv, node_id=self.node_id,
                       transport=self.transport, runner=self.runner, lock=self._step_lock, events=self.events,
                       stats=self.stats, budget=self.options.budget, orphaned=self._orphaned,
@@ -233,8 +239,9 @@ class StageRuntime:
         _, cached = self.require_ready().scheduler.admit(spec)
         return cached
 
-    def close_session(self, session_id: str, caller: Caller = Caller()) -> int:
-        """Close a session; only its opener may (`caller`: who calls). Returns the positions it held."""
+    def close_session(self, session_id: str, caller: Caller = Caller(), swap: bool = False) -> int:
+        """Close a session; only its opener may (`caller`: who calls). `swap`: its owner replays it (it
+        was preempted): its KV goes to the swap space, if any. Returns the positions it held."""
         if self.engine is None:
             raise FailedPrecondition(f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
                                      "it holds no sessions")
@@ -247,7 +254,7 @@ class StageRuntime:
                                    f"({seq.spec.owner or 'no owner'}, {seq.spec.opener.describe()}); {caller.describe()} "
                                    "cannot close it")
         held = self.engine.kv.tables[session_id].length
-        sched.close(session_id)
+        sched.close(session_id, swap=swap)
         self._wake.set()  # a micro-batch slot or blocks may have freed
         return held
 
@@ -325,7 +332,9 @@ class StageRuntime:
                 kv_blocks_cached=len(kv.cached), kv_bytes=kv.used * eng.pool.block_bytes + (
                     kv.group.used * eng.pool.group.block_bytes if eng.pool.group is not None else 0),
                 prefix_hit_tokens=kv.prefix_hit_tokens, preempted=eng.scheduler.preempted,
-                micro_batches=eng.scheduler.micro_batches if a.first else 0)
+                micro_batches=eng.scheduler.micro_batches if a.first else 0,
+                swap_bytes_total=eng.pool.swap.capacity if eng.pool.swap is not None else 0,
+                swap_bytes_used=eng.pool.swap.used if eng.pool.swap is not None else 0)
         return StageSnapshot(node_id=self.node_id, state=self.state.value, device=str(self.device),
                              uptime_s=time.monotonic() - self.started, stats=replace(self.stats),
                              session_ttl_s=self.options.session_ttl_s, block_size=self.options.block_size,

@@ -3,8 +3,9 @@ stage, the input fed to stage 0, the tokens the last stage reports, the sequence
 
 The controller keeps every request's prompt and tokens, so a request whose sequence a stage gives
 up (preempted to free KV blocks) is replayed: opened again with its prompt and the tokens it has
-so far; the prefix cache makes that cheap, and each sampled token's draw depends only on (seed,
-sequence, position), so the replay continues exactly where it was.
+so far; its stages' swap space (closed with `swap`, they keep its KV for the replay) or the prefix
+cache make that cheap, and each sampled token's draw depends only on (seed, sequence, position), so
+the replay continues exactly where it was.
 
 Every admitted request is also journaled (controller.journal): a controller that restarts, or a
 standby that takes over, restores them (`restore`) and they go on from their tokens. A request's
@@ -291,11 +292,12 @@ class Scheduler:
         """Requests running on `pipeline` now."""
         return sum(1 for p in self.opened.values() if p is pipeline)
 
-    def _close_soon(self, session_id: str) -> None:
-        """Close a session on the pipeline it is open on (in the background)."""
+    def _close_soon(self, session_id: str, *, swap: bool = False) -> None:
+        """Close a session on the pipeline it is open on (in the background); `swap`: it is replayed
+        later, its stages keep its KV in their swap space for that."""
         pipeline = self.opened.pop(session_id, None)
         if pipeline is not None:
-            pipeline.close_session_soon(session_id)
+            pipeline.close_session_soon(session_id, swap=swap)
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, job: Job) -> None:
@@ -533,7 +535,7 @@ class Scheduler:
         healthy again or on the next one) or, `preempted`, to free KV blocks (replay it when there
         is room, once another request has ended, else it would thrash)."""
         del self.active[req.session_id]
-        self._close_soon(req.session_id)
+        self._close_soon(req.session_id, swap=preempted)  # (a preempted one's KV waits for its replay there)
         req.session_id = ""
         if preempted:
             self.stats.preemptions += 1

@@ -390,14 +390,16 @@ class Pipeline(HoldsIdentity):
             raise exc
         return min(r.cached_tokens for r in results)
 
-    async def close_session(self, session_id: str, only: list[StageHandle] | None = None) -> None:
+    async def close_session(self, session_id: str, only: list[StageHandle] | None = None, *, swap: bool = False) -> None:
         """Close a session on every stage (or `only` these); a stage that cannot be reached now
         gets the close again once it answers (so nothing stays held after a stall)."""
-        await self.close_session_many([session_id], only or self.stages)
+        await self.close_session_many([session_id], only or self.stages, swap=swap)
 
-    async def close_session_many(self, sessions, stages: list[StageHandle]) -> None:
+    async def close_session_many(self, sessions, stages: list[StageHandle], *, swap: bool = False) -> None:
+        """`swap`: the sessions are replayed later (preempted): the stages keep their KV in their swap
+        space (--swap-mib) for the replay."""
         pairs = [(sid, h) for sid in sessions for h in stages]
-        results = await asyncio.gather(*(h.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=sid),
+        results = await asyncio.gather(*(h.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=sid, swap=swap),
                                                              timeout=RPC_TIMEOUT_S) for sid, h in pairs),
                                        return_exceptions=True)
         for (sid, h), r in zip(pairs, results):
@@ -406,9 +408,9 @@ class Pipeline(HoldsIdentity):
             if isinstance(r, BaseException) and not gone and h in self.stages and not h.lost:
                 self._pending_closes.setdefault(h.address, set()).add(sid)
 
-    def close_session_soon(self, session_id: str) -> None:
+    def close_session_soon(self, session_id: str, *, swap: bool = False) -> None:
         """Close a session on every stage in the background (the task is kept until done)."""
-        task = asyncio.get_running_loop().create_task(self.close_session(session_id))
+        task = asyncio.get_running_loop().create_task(self.close_session(session_id, swap=swap))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -68,7 +68,7 @@ class Engine:
                      "which cached KV blocks do not carry", shard.config.family)
         self.scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=node_id, budget=budget,
                                    micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned,
-                                   states=pool.states, prefix_cache=not hybrid)
+                                   states=pool.states, prefix_cache=not hybrid, swap=pool.swap)
         if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
             self.scheduler.grammars = GrammarBook(shard_dir, shard.config.vocab_size)
         # issue 32: a one-stage CUDA pipeline overlaps its greedy steps (see `_step_ahead`)

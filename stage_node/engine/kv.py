@@ -114,6 +114,7 @@ class KVPool:
             self.group.copy_blocks([c for p in plans if p.window is not None for c in p.window.copies])
 
     mirror = None  # a tensor-parallel stage's rank 0: engine.tp_group.Leader, the other ranks copy too
+    swap = None    # its swap space (engine.swap.SwapSpace; None: none), kept with the pool across assignments
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy on write: block src's positions into block dst, every layer, keys and values."""

@@ -68,16 +68,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.to(torch.float32) * scale[..., None]).to(dtype)
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """fp8 values as their bytes (torch's CPU index_copy_ / index_select have no float8 kernels)."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """dst.index_copy_(dim, index, src) for any KV storage dtype."""
-    _raw(dst).index_copy_(dim, index, _raw(src))
+    as_bytes(dst).index_copy_(dim, index, as_bytes(src))
 
 
 def index_select(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """t.index_select(dim, index) for any KV storage dtype."""
-    return _raw(t).index_select(dim, index).view(t.dtype)
+    return as_bytes(t).index_select(dim, index).view(t.dtype)

@@ -4,7 +4,8 @@ Two OpenMP thread teams (one per Python thread that ever runs torch) on the same
 other for good, so loading, profiling, the forward and sampling all go through `Runner.call`, and
 the event loop never touches a tensor: it keeps receiving and sending while a step computes.
 
-`execute` runs one planned step: copies (copy on write), embedding or the received hidden states,
+`execute` runs one planned step: the swap space's queued copies (engine.swap), copies (copy on
+write), embedding or the received hidden states,
 the forward over the paged KV, then sampling / candidate verification (last stage) or the hidden
 states for the next stage. A sequence whose input is not finite fails alone; a forward that fails
 for the batch is retried one sequence at a time, so one bad sequence never fails the others.
@@ -70,9 +71,13 @@ def execute(shard: Shard, pool: KVPool, step: Step, wire_dtype: str = "") -> Ste
     """Compute one step (on the runner thread); hidden states for the next stage leave in
     `wire_dtype` ("": the shard's dtype)."""
     with torch.inference_mode():
+        lost = pool.swap.flush() if pool.swap is not None else set()  # (sessions whose KV did not come back)
         pool.copy_plans([p.plan for p in step.seqs])
         result = StepResult()
         rows = _input_rows(shard, step, result)  # sequence id -> its input rows
+        for sid in lost & rows.keys():
+            del rows[sid]
+            result.failed[sid] = MeshError(f"session {sid}: the KV it swapped in was lost; replay it from its prompt")
         seqs = [p for p in step.seqs if p.seq.id in rows]
         if not seqs:
             return result
@@ -119,6 +124,9 @@ def launch(shard: Shard, pool: KVPool, step: Step, source: tuple[torch.Tensor, l
     such sequence has one row). The tokens are `sample`'s greedy choice: the argmax of the same
     logits. Raises where the forward fails (the caller fails the step's sequences)."""
     with torch.inference_mode():
+        lost = pool.swap.flush() if pool.swap is not None else set()  # (sessions whose KV did not come back)
+        if lost & {p.seq.id for p in step.seqs}:
+            raise ValueError(f"sessions {sorted(lost)}: the KV they swapped in was lost; replay them")
         pool.copy_plans([p.plan for p in step.seqs])
         cuda = shard.device.type == "cuda"
         if source is None:

@@ -6,7 +6,8 @@ that many sampled steps in flight, each of about active / micro_batches sequence
 chunks of waiting prompts fill the step's token budget. Later stages run the steps they receive,
 merging whatever is queued up to the same budget. Every stage plans a step's KV writes before the
 runner computes it; a sequence that cannot get blocks preempts the youngest sequences (their owner
-replays them later) and, if that is not enough, is preempted itself.
+replays them later) and, if that is not enough, is preempted itself. A preempted sequence's KV goes
+to the stage's swap space where it has one (engine.swap), and its replay's admission copies it back.
 
 Pure bookkeeping (no torch): the runner computes what `schedule` returns; `complete` commits it.
 """
@@ -26,6 +27,7 @@ from logicpipe.stage_node.engine.blocks import BadWrite, KVManager, OutOfBlocks,
 from logicpipe.stage_node.model.sampling import draw
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
 from logicpipe.stage_node.engine.states import RecurrentStates
+from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
@@ -95,8 +97,9 @@ class Failure:
 class Scheduler:
     def __init__(self, kv: KVManager, *, first: bool, last: bool, node_id: str, budget: Budget = Budget(),
                  micro_batches: int = 1, is_orphaned: Callable[[Sequence], bool] = lambda s: False,
-                 states: RecurrentStates | None = None, prefix_cache: bool = True):
+                 states: RecurrentStates | None = None, prefix_cache: bool = True, swap: SwapSpace | None = None):
         self.kv = kv
+        self.swap = swap  # where a preempted sequence's KV waits for its replay (None: it is computed again)
         self.states = states  # linear-attention layers here: their per-sequence states (engine.states)
         self.prefix_cache = prefix_cache  # attach cached prompt blocks (off for a model with recurrent state)
         self.first, self.last = first, last
@@ -166,6 +169,8 @@ class Scheduler:
                     f"node {self.node_id}: {need} KV blocks for the prompt of session {spec.session_id} plus "
                     f"{watermark} kept for the running sequences' growth, but {kv.available} are free: "
                     f"{missing} missing ({missing * kv.block_size} positions); retry when a request ends")
+            if self.swap is not None and parent is None and not (self.last and spec.prompt_logprobs is not None):
+                self.swap.swap_in(spec.session_id, spec.prompt, kv, self.states)  # a replay: its KV comes back
             kv.reserve(spec.session_id, len(spec.prompt))
         except (MeshError, OutOfBlocks) as exc:
             kv.close(spec.session_id)
@@ -181,8 +186,13 @@ class Scheduler:
         self.seqs[spec.session_id] = seq
         return seq, table.length
 
-    def close(self, session_id: str) -> Sequence:
+    def close(self, session_id: str, swap: bool = False) -> Sequence:
+        """`swap`: its owner replays it (it was preempted): its KV goes to the swap space, if there is one."""
         seq = self.seqs.pop(session_id)
+        if self.swap is not None:
+            self.swap.lost.discard(session_id)
+            if swap:
+                self.swap.swap_out(session_id, self.kv, self.states)
         self.kv.close(session_id)
         if self.states is not None:
             self.states.drop(session_id)
@@ -403,8 +413,9 @@ class Scheduler:
         return PlannedSeq(s, w, plan, self.kv.read_span(s.id, w.stop), part, row, u, self.kv.read_window(s.id, w.stop))
 
     def _preempt(self, s: Sequence) -> None:
-        log.info("preempting session %s (%d positions) to free KV blocks", s.id, self.kv.tables[s.id].length)
-        self.close(s.id)
+        log.info("preempting session %s (%d positions) to free KV blocks%s", s.id, self.kv.tables[s.id].length,
+                 "" if self.swap is not None else "; its replay computes them again (no --swap-mib)")
+        self.close(s.id, swap=True)
         self.preempted += 1
 
     def owner_of(self, session_id: str) -> str:

@@ -19,6 +19,17 @@ class StageStats:
     stale_steps: int = 0           # steps and feeds refused for carrying another plan generation
     replay_rows_resumed: int = 0   # replayed rows computed from a layer kept over a re-plan, or not at all
     replay_layers_skipped: int = 0  # ... the layers (summed over those rows) not computed again
+    # swapping (engine.swap): sequences whose KV went to the swap space, its blocks and bytes; those
+    # whose replay took it back, its blocks, bytes and positions (not computed again); and the
+    # sequences the swap space had no room for (their replay computes them again)
+    swapped_out_seqs: int = 0
+    swapped_out_blocks: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_seqs: int = 0
+    swapped_in_blocks: int = 0
+    swapped_in_bytes: int = 0
+    swapped_in_tokens: int = 0
+    swap_full: int = 0
     # last stage: sampled steps, the tokens they reported, candidates verified and accepted
     sampled_steps: int = 0
     sampled_tokens: int = 0
@@ -54,6 +65,8 @@ class EngineView:
     prefix_hit_tokens: int
     preempted: int
     micro_batches: int             # stage 0: micro-batches in flight at most (0 elsewhere)
+    swap_bytes_total: int = 0      # its swap space (engine.swap; 0: none)
+    swap_bytes_used: int = 0       # ... held by swapped-out sequences now
 
 
 @dataclass(frozen=True)

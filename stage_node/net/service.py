@@ -93,7 +93,8 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
     async def CloseSession(self, request, context):
         caller = self._caller(context)
         self.runtime.fence.check(caller, "CloseSession")
-        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id, caller))
+        return stage_pb2.CloseSessionReply(tokens_held=self.runtime.close_session(request.session_id, caller,
+                                                                                  swap=request.swap))
 
     async def Stream(self, request_iterator, context):
         self.runtime.require_ready()

@@ -186,7 +186,10 @@ def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str)
         session_ttl_s=snap.session_ttl_s, block_size=snap.block_size, compute_id=compute_id, compute_s=st.compute_s,
         stopping=snap.stopping, weights_pulled_bytes=st.weights_pulled_bytes, sampled_steps=st.sampled_steps,
         sampled_tokens=st.sampled_tokens, candidates_verified=st.candidates_verified,
-        candidates_accepted=st.candidates_accepted, drafter=snap.drafter)
+        candidates_accepted=st.candidates_accepted, drafter=snap.drafter, swapped_out_seqs=st.swapped_out_seqs,
+        swapped_out_blocks=st.swapped_out_blocks, swapped_out_bytes=st.swapped_out_bytes,
+        swapped_in_seqs=st.swapped_in_seqs, swapped_in_blocks=st.swapped_in_blocks,
+        swapped_in_bytes=st.swapped_in_bytes, swapped_in_tokens=st.swapped_in_tokens, swap_full=st.swap_full)
     e = snap.engine
     if e is not None:
         reply.model_dir, reply.model_digest, reply.plan_id = e.model_dir, e.model_digest, e.plan_id
@@ -199,4 +202,5 @@ def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str)
         reply.kv_blocks_used, reply.kv_blocks_cached, reply.kv_bytes = e.kv_blocks_used, e.kv_blocks_cached, e.kv_bytes
         reply.prefix_hit_tokens, reply.preempted = e.prefix_hit_tokens, e.preempted
         reply.micro_batches = e.micro_batches
+        reply.swap_bytes_total, reply.swap_bytes_used = e.swap_bytes_total, e.swap_bytes_used
     return reply

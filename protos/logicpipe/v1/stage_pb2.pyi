@@ -139,10 +139,12 @@ class OpenSessionReply(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "swap")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    swap: bool
+    def __init__(self, session_id: _Optional[str] = ..., swap: bool = ...) -> None: ...
 
 class CloseSessionReply(_message.Message):
     __slots__ = ("tokens_held",)
@@ -292,7 +294,7 @@ class DeviceProfile(_message.Message):
     def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ..., devices: _Optional[int] = ..., allreduce_latency_s: _Optional[float] = ..., allreduce_bandwidth: _Optional[float] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id", "revoked", "stale_steps", "replay_rows_resumed", "replay_layers_skipped")
+    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id", "revoked", "stale_steps", "replay_rows_resumed", "replay_layers_skipped", "swap_bytes_total", "swap_bytes_used", "swapped_out_seqs", "swapped_out_blocks", "swapped_out_bytes", "swapped_in_seqs", "swapped_in_blocks", "swapped_in_bytes", "swapped_in_tokens", "swap_full")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +346,16 @@ class StatusReply(_message.Message):
     STALE_STEPS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ROWS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_LAYERS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_OUT_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FULL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     device: str
@@ -395,7 +407,17 @@ class StatusReply(_message.Message):
     stale_steps: int
     replay_rows_resumed: int
     replay_layers_skipped: int
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[int] = ..., stale_steps: _Optional[int] = ..., replay_rows_resumed: _Optional[int] = ..., replay_layers_skipped: _Optional[int] = ...) -> None: ...
+    swap_bytes_total: int
+    swap_bytes_used: int
+    swapped_out_seqs: int
+    swapped_out_blocks: int
+    swapped_out_bytes: int
+    swapped_in_seqs: int
+    swapped_in_blocks: int
+    swapped_in_bytes: int
+    swapped_in_tokens: int
+    swap_full: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[int] = ..., stale_steps: _Optional[int] = ..., replay_rows_resumed: _Optional[int] = ..., replay_layers_skipped: _Optional[int] = ..., swap_bytes_total: _Optional[int] = ..., swap_bytes_used: _Optional[int] = ..., swapped_out_seqs: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_seqs: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swapped_in_tokens: _Optional[int] = ..., swap_full: _Optional[int] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
