@@ -202,7 +202,7 @@ class StageRuntime:
         opts = self.options
         if pool.swap is None and opts.swap_bytes and opts.tp is None:  # (a pool kept keeps its swap space)
             pool.swap = SwapSpace(pool, opts.swap_bytes, opts.swap_dir, self.stats)
-            log.info("swap space: %d MiB in %s for the KV of preempted sequences", opts.swap_bytes // 2**20,
+            log.info("swap space: %.1f MiB in %s for the KV of preempted sequences", opts.swap_bytes / 2**20,
                      pool.swap.where())
         return Engine(a, shard, pool, kv, node_id=self.node_id,
                       transport=self.transport, runner=self.runner, lock=self._step_lock, events=self.events,

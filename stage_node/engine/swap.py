@@ -157,9 +157,8 @@ class SwapSpace:
         self._expire()
         if self.used + nbytes > self.capacity:
             self.stats.swap_full += 1
-            log.info("session %s: the swap space has no room for its %d positions (%.1f MiB; %.1f of %.1f MiB "
-                     "held): its replay computes them again", sid, length, nbytes / MIB, self.used / MIB,
-                     self.capacity / MIB)
+            log.info("session %s: the swap space has no room for its %d positions (%d bytes; %d of %d held): its "
+                     "replay computes them again", sid, length, nbytes, self.used, self.capacity)
             return False
         e = Entry(tuple(t0.tokens[:length]), tuple(blocks), tuple(meta), snaps, nbytes, time.monotonic())
         self.entries[next(self._ids)] = e
@@ -341,13 +340,15 @@ class SwapSpace:
                 bs, dev = pool.block_size, pool.kv.device
                 src = [j for j, _ in pairs]
                 whole = src == list(range(d["kv"].shape[3] // bs))
-                src_idx = _slots(src, bs, "cpu")
+                src_idx = _slots(src, bs, dev)
                 dst_idx = _slots([b for _, b in pairs], bs, dev)
                 for name, host in d.items():
                     target, dim = ((pool.kv, 3) if name == "kv" else (pool.scales, 3) if name == "scales"
                                    else (pool.logs[int(name[3:])], 0))
-                    part = host if whole else index_select(host, dim, src_idx.to(host.device))
-                    index_copy_(target, dim, dst_idx, _to_device(part, dev))
+                    # (the blocks it takes are picked on the device: the host side is never read by the
+                    # CPU, so a CUDA copy out may still be on its way, ordered before this one)
+                    part = _to_device(host, dev)
+                    index_copy_(target, dim, dst_idx, part if whole else index_select(part, dim, src_idx))
             held = states.seqs.get(sid) if states is not None else None
             if held is not None and snaps:
                 for p in list(held):

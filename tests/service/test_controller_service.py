@@ -44,8 +44,9 @@ class Mesh:
 
 
 @contextlib.asynccontextmanager
-async def mesh_of_two(model_dir, tag: str, **last_options):
-    async with stage_node(f"{tag}-first") as first, stage_node(f"{tag}-last", **last_options) as last:
+async def mesh_of_two(model_dir, tag: str, first_options: dict | None = None, **last_options):
+    async with stage_node(f"{tag}-first", **(first_options or {})) as first, \
+            stage_node(f"{tag}-last", **last_options) as last:
         async with controller(model_dir, [first.address, last.address]) as ctl:
             yield Mesh(first, last, ctl)
 
@@ -216,13 +217,16 @@ def test_a_request_larger_than_a_stage_pool_is_resource_exhausted_at_once(runner
 def test_a_preempted_request_is_replayed_to_the_same_tokens(runner, model_dir):
     """Two requests whose sequences cannot both grow in the last stage's pool: it preempts the
     younger, whose owner (the controller) replays it once there is room; both give exactly what
-    they give alone, and the stream of the preempted one never notices."""
+    they give alone, and the stream of the preempted one never notices. The stages have swap space
+    (--swap-mib): the preempted sequence's KV waits there (the last stage's as it preempts, the first
+    stage's as the controller closes it) and comes back for the replay instead of being computed."""
     block_bytes = 16 * 15 * 3 * 64 * 2 * 4  # 16 positions of the 15 layers a stage holds, fp32 K and V
     prompts = ["Tell me about the history of bread, from the first farmers to modern bakeries.",
                "Tell me about the history of maps, from clay tablets to satellites."]
 
     async def main():
-        async with mesh_of_two(model_dir, "tight", max_kv_bytes=14 * block_bytes) as m:
+        swap = dict(swap_bytes=8 * 2**20)
+        async with mesh_of_two(model_dir, "tight", swap, max_kv_bytes=14 * block_bytes, **swap) as m:
             alone = [[t for r in await submit(m.ctl, prompt=p, max_tokens=90, ignore_eos=True) for t in r.token_ids]
                      for p in prompts]
             before = (await m.last.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).preempted
@@ -231,6 +235,10 @@ def test_a_preempted_request_is_replayed_to_the_same_tokens(runner, model_dir):
             assert all([len(r.token_ids) for r in replies] == [1] * 90 for replies in together)
             st = await m.last.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
             assert st.preempted > before and m.ctl.app.scheduler.stats.preemptions >= 1
+            s0 = await m.first.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
+            for s in (s0, st):  # swapped out and back in, not computed again
+                assert s.swapped_out_seqs >= 1 and s.swapped_in_seqs >= 1 and s.swapped_in_tokens > 0, s
+                assert not s.swap_full
             await eventually_no_sessions(m.first, m.last)
     arun(runner, main(), timeout=300)
 

@@ -19,6 +19,7 @@ from .conftest import (
     TINY_HIDDEN,
     Events,
     assign,
+    assign_pipeline,
     expect_status,
     hf_greedy,
     new_session_id,
@@ -108,6 +109,52 @@ def test_a_replay_continues_exactly_where_the_sequence_was(tiny_model, hf):
                 assert [t.index for t in rest] == list(range(4, 10)) and rest[-1].finish_reason == "length"
                 for node in (first, last):
                     await node.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=sid), timeout=RPC_TIMEOUT_S)
+    run(main())
+
+
+@pytest.mark.parametrize("swap_bytes,held", [(1 << 20, 43), (1, 32)], ids=["swapped", "swap-full"])
+def test_a_session_closed_for_its_replay_comes_back_from_the_swap_space(swap_bytes, held, tiny_model, hf):
+    """Closed with `swap` (as the controller closes a preempted request), a session's KV waits in each
+    stage's swap space; its replay (the prompt and the tokens generated so far) holds all of it at
+    once, computes only its last input row and goes on with exactly the tokens of a session never
+    swapped. A swap space too small for it falls back to the prefix cache (its two whole blocks)."""
+    expect = hf_greedy(hf, LONG_PROMPT, 10)
+
+    async def main():
+        async with stage_node("first", swap_bytes=swap_bytes) as first, \
+                stage_node("last", swap_bytes=swap_bytes) as last:
+            await assign_pipeline(first, last, tiny_model.path)
+            sid = new_session_id("swapped")
+            head, _ = await generate(first, last, LONG_PROMPT, 4, sid=sid, close=False)
+            assert head == expect[:4]
+            for node in (first, last):  # its 40 prompt positions and 3 of its tokens (the 4th was never fed)
+                reply = await node.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=sid, swap=True),
+                                                     timeout=RPC_TIMEOUT_S)
+                assert reply.tokens_held == 43
+            rows = [(await status(node)).tokens for node in (first, last)]
+            replay, sid = list(LONG_PROMPT) + head, new_session_id("replay")
+            async with Events(last) as events:
+                cached = [(await node.stub.OpenSession(open_request(
+                    sid, len(replay) + 6, max_new_tokens=10, generated=4, prompt_token_ids=replay),
+                    timeout=RPC_TIMEOUT_S)).cached_tokens for node in (first, last)]
+                assert cached == [held, held]
+                call = first.stub.Stream(timeout=RPC_TIMEOUT_S)
+                try:
+                    await call.write(prompt_step(sid, replay[held:], held))
+                    rest = [t.token_id for t in await events.tokens(sid)]
+                finally:
+                    call.cancel()
+            assert rest == expect[4:]
+            for node, before in zip((first, last), rows):
+                st = await status(node)
+                assert st.tokens - before == len(replay) - held + 5  # its input rows from `held`, then 5 decode rows
+                assert st.swap_bytes_total == swap_bytes and st.swap_bytes_used == 0
+                if held == 43:
+                    assert (st.swapped_out_seqs, st.swapped_in_seqs, st.swapped_in_tokens, st.swap_full) == (1, 1, 11, 0)
+                    # out: its 3 blocks; in: the third alone (the prefix cache holds the 2 whole ones)
+                    assert (st.swapped_out_blocks, st.swapped_in_blocks) == (3, 1) and st.swapped_in_bytes > 0
+                else:
+                    assert (st.swapped_out_seqs, st.swapped_in_seqs, st.swap_full) == (0, 0, 1)
     run(main())
 
 
