@@ -77,10 +77,10 @@ class FakePipeline:
     async def send_feed(self, batch) -> None:
         pass
 
-    def close_session_soon(self, session_id: str) -> None:
+    def close_session_soon(self, session_id: str, *, swap: bool = False) -> None:
         self.closed.append(session_id)
 
-    async def close_session(self, session_id: str) -> None:
+    async def close_session(self, session_id: str, *, swap: bool = False) -> None:
         self.closed.append(session_id)
 
 

@@ -5,6 +5,8 @@ files), past what the prefix cache attached; the fall back when it is full; the 
 the sequence it preempts."""
 from __future__ import annotations
 
+from argparse import Namespace
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from logicpipe.stage_node.engine.states import RecurrentStates
 from logicpipe.stage_node.engine.stats import StageStats
 from logicpipe.stage_node.engine.swap import SwapSpace, host_block_bytes
 from logicpipe.stage_node.engine.window import KVGroups, WindowBlocks
+from logicpipe.stage_node.main import swap_mib as swap_mib_for
 
 BS = 4
 
@@ -190,3 +193,35 @@ def test_the_scheduler_swaps_the_sequence_it_preempts_and_its_replay_takes_it_ba
     seq, cached = sched.admit(spec("young2", held["young"] + [5], 2))
     assert cached == len(held["young"]) == 12 and swap.stats.swapped_in_seqs == 1
     assert swap.stats.swapped_in_tokens == 12 and seq.pending_pos == 12
+
+
+def test_the_default_swap_space_by_device():
+    """A GPU stage: half its pool, at most a quarter of the host's memory; a CPU stage: none (its pool
+    is host memory), or its pool's size on a disk; a tensor-parallel stage: none; a flag wins."""
+    def mib(device, swap_mib=None, swap_dir="", tp=1, host=64 << 30):
+        return swap_mib_for(Namespace(swap_mib=swap_mib, swap_dir=swap_dir, tp=tp, max_kv_mib=8192), device, host)
+
+    assert mib("cuda") == 4096 and mib("cuda", host=8 << 30) == 2048 and mib("cuda", tp=2) == 0
+    assert mib("cpu") == 0 and mib("cpu", swap_dir="/var/tmp/lp") == 8192
+    assert mib("cpu", swap_mib=100) == 100 and mib("cuda", swap_mib=0) == 0
+
+
+def test_a_swap_in_whose_copy_fails_leaves_its_session_lost_until_it_closes(tmp_path):
+    """A file gone from --swap-dir: the replay's blocks cannot be filled, so its session is reported
+    lost (the runner fails its rows and the owner replays it from its prompt), never the node."""
+    pool = pool_of()
+    kv = KVManager(pool.num_blocks, BS)
+    swap = SwapSpace(pool, 1 << 20, str(tmp_path))
+    sched = Scheduler(kv, first=True, last=True, node_id="n", swap=swap)
+    kv.open("a", 16)
+    written(kv, "a", list(range(1, 11)))
+    swap.swap_out("a", kv)
+    kv.close("a")
+    swap.flush()
+    for f in tmp_path.iterdir():
+        f.unlink()
+    seq, cached = sched.admit(SeqSpec(session_id="b", capacity=16, sampling=SamplingParams(), max_new_tokens=4,
+                                      stop_ids=frozenset(), prompt=tuple(range(1, 12))))
+    assert cached == 10 and swap.flush() == {"b"}
+    sched.close("b")
+    assert not swap.lost
