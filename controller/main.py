@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "nodes, planned by its bottleneck stage as before replicas")
     ap.add_argument("--disaggregate", default="auto", choices=list(DISAGG_MODES),
                     help="with several pipelines, prefill a prompt on one and decode it on another (its KV handed "
-                         "over stage to stage): auto (default) when one pipeline's measured prefill rate is twice "
+                         "over stage to stage): auto (default) when one pipeline's measured prefill rate is 4x "
                          "every other's and the handoff brings the first token sooner; on: the fastest prefiller "
                          "prefills every prompt for the others; off: never")
     ap.add_argument("--context", type=int, default=2048,

@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("auto", "off", "on")
-PREFILL_GAIN = 2.0   # auto: a pipeline prefills for the others only when this many times faster at it than each
+PREFILL_GAIN = 4.0   # auto: a pipeline prefills for the others only when this many times faster at it than each
+                     # (a GPU box against boards or CPU boxes is 20-100x; replicas of one kind measure within
+                     # 2x of each other under load, where a prompt's wait in the stage's queue counts too)
 HANDOFF_GAIN = 1.2   # auto: a prompt is handed over only when its predicted first token comes this many times sooner
 MIN_PROMPT = 2       # tokens: a handoff moves the KV of all but the last (computed on the decode pipeline)
 
@@ -25,7 +27,7 @@ MIN_PROMPT = 2       # tokens: a handoff moves the KV of all but the last (compu
 class PipelineRates:
     """A pipeline's measured speeds (0: not measured yet)."""
 
-    prefill_tokens_per_s: float = 0.0   # prompt tokens computed per second, one prompt at a time
+    prefill_tokens_per_s: float = 0.0   # prompt tokens computed per second (0 until measured enough)
     decode_tokens_per_s: float = 0.0    # new tokens per second of one request
     transfer_s_per_token: float = 0.0   # seconds a handed-over prompt's KV takes per token to leave it
 

@@ -31,6 +31,7 @@ from logicpipe.v1 import stage_pb2
 PREFILLED = "prefilled"  # the finish reason of a prefill_only sequence whose KV is held (stage_node.engine.last_stage)
 SEND_TIMEOUT_S = 600.0  # one source stage's SendKv (it answers once its destination took every chunk)
 EWMA = 0.3              # weight of the newest measurement in a pipeline's rates
+MIN_SAMPLES = 4         # prefill measurements of a pipeline before its rate counts
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,11 @@ class Measured:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     transfer_s_per_token: float = 0.0
+    prefills: int = 0  # prefill measurements so far
 
     def rates(self) -> PipelineRates:
-        return PipelineRates(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.transfer_s_per_token)
+        prefill = self.prefill_tokens_per_s if self.prefills >= MIN_SAMPLES else 0.0
+        return PipelineRates(prefill, self.decode_tokens_per_s, self.transfer_s_per_token)
 
 
 def _ewma(old: float, new: float) -> float:
@@ -122,6 +125,7 @@ class HandoffPolicy:
         if tokens >= 16 and seconds > 0:  # (a few tokens measure the step's overhead, not the rate)
             m = self.measured(p)
             m.prefill_tokens_per_s = _ewma(m.prefill_tokens_per_s, tokens / seconds)
+            m.prefills += 1
 
     def observe_decode(self, p: Pipeline, tokens: int, seconds: float) -> None:
         if tokens >= 2 and seconds > 0:
