@@ -16,6 +16,7 @@ from logicpipe.common.security.revocations import Revocations
 from logicpipe.common.transport import Transport
 from logicpipe.controller.mesh import planning
 from logicpipe.controller.mesh.commands import OperatorCommands
+from logicpipe.controller.jobs.handoff import HandoffPolicy
 from logicpipe.controller.jobs.journal import Journal
 from logicpipe.controller.mesh.membership import Members
 from logicpipe.controller.mesh.pipeline import Pipeline
@@ -51,6 +52,7 @@ class ControllerOptions:
                                       # the nodes, planned by the bottleneck DP as before replicas)
     standby_name: str = ""            # over TLS: the certificate name of the one standby Replicate serves
     peer_secret: bytes = b""          # in plaintext: the secret a standby sends to Replicate (--peer-secret-file)
+    disaggregate: str = "auto"        # prefill on one pipeline, decode on another: auto (by measured rates) | off | on
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ class ControllerApp:
                             self.config.vocab_size, options.speculate, options.wait_for_nodes_s),
             prefill_chunk=self.prefill_chunk_for,
             on_trouble=lambda why: self.replanner.request_replan(f"a stage fault: {why}"),
-            journal=self.journal, on_fenced=self.on_fenced, on_traffic=self._on_traffic)
+            journal=self.journal, on_fenced=self.on_fenced, on_traffic=self._on_traffic,
+            handoffs=HandoffPolicy(options.disaggregate))
         self.pipelines.identity.standby_name = options.standby_name
         self.members = Members(self._probe, self.replanner.request_replan)
         self._browser: Browser | None = None

@@ -41,6 +41,7 @@ from logicpipe.controller.jobs.door import DEFAULT_REQUESTS_PER_CLIENT, FrontDoo
 from logicpipe.controller.jobs.scheduler import DEFAULT_SPECULATE, MAX_SPECULATE
 from logicpipe.controller.api.service import ControllerServicer, JoinServicer
 from logicpipe.formats import FLOAT_DTYPES
+from logicpipe.planner.disagg import MODES as DISAGG_MODES
 from logicpipe.controller.jobs.standby import STAGE_LEASE_S, Standby, read_peer_secret
 from logicpipe.policy import CONTROLLER_POLICY
 from logicpipe.v1 import controller_pb2_grpc
@@ -103,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="pipelines (replicas over disjoint nodes) at most: auto (default) lets the planner choose how "
                          "many by predicted tokens/s at the traffic it sees; N caps them; 1 is one pipeline over the "
                          "nodes, planned by its bottleneck stage as before replicas")
+    ap.add_argument("--disaggregate", default="auto", choices=list(DISAGG_MODES),
+                    help="with several pipelines, prefill a prompt on one and decode it on another (its KV handed "
+                         "over stage to stage): auto (default) when one pipeline's measured prefill rate is 4x "
+                         "every other's and the handoff brings the first token sooner; on: the fastest prefiller "
+                         "prefills every prompt for the others; off: never")
     ap.add_argument("--context", type=int, default=2048,
                     help="tokens of context per sequence the plan reserves KV for (default %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=list(FLOAT_DTYPES),
@@ -238,6 +244,7 @@ async def serve(args: argparse.Namespace) -> None:
         micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
         speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas,
+        disaggregate=args.disaggregate,
         standby_name=args.standby_name, peer_secret=peer_secret)
     journal = Journal(state_dir)
     try:

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 from logicpipe.common.transport import Transport
-from logicpipe.errors import FailedPrecondition, MeshError, NotFound, PermissionDenied
+from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, PermissionDenied, Unavailable
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node.weights import loading
+from logicpipe.stage_node.engine import handoff
 from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.stage_node.engine.window import managers
@@ -236,8 +237,76 @@ class StageRuntime:
     # ---- sessions --------------------------------------------------------------------------
     def open_session(self, spec: SeqSpec) -> int:
         """Admit a sequence; returns the leading positions it already holds (prefix cache, parent)."""
-        _, cached = self.require_ready().scheduler.admit(spec)
+        eng = self.require_ready()
+        if spec.import_length:
+            self._check_movable(eng, "take")
+        _, cached = eng.scheduler.admit(spec)
         return cached
+
+    # ---- disaggregated prefill (engine.handoff) ----------------------------------------------
+    def _check_movable(self, eng: Engine, what: str) -> None:
+        why = handoff.movable(eng.pool, states=eng.pool.states is not None, tensor_parallel=self.options.tp is not None)
+        if why:
+            raise FailedPrecondition(f"node {self.node_id} cannot {what} a sequence's KV from another pipeline: {why}")
+
+    def export_kv(self, session_id: str, length: int, layers: tuple[int, int]):
+        """The KV of positions [0, length) of `layers` (absolute, this stage's) of a session here,
+        chunk by chunk: an async iterator of (layer, start position, RawTensor), each read on the
+        runner thread between steps (the steps of other sequences go on meanwhile). The request
+        is checked now (a MeshError), before the iterator is."""
+        eng = self.require_ready()
+        self._check_movable(eng, "send")
+        a = eng.assignment
+        if not a.start <= layers[0] < layers[1] <= a.end:
+            raise InvalidArgument(f"layers [{layers[0]}, {layers[1]}) are not within node {self.node_id}'s "
+                                  f"[{a.start}, {a.end})")
+        seq = eng.scheduler.seqs.get(session_id)
+        if seq is None:
+            raise NotFound(f"session {session_id[:MAX_ID_CHARS]} is not open on node {self.node_id}")
+        held = eng.kv.tables[session_id].length
+        if not 1 <= length <= held:
+            raise FailedPrecondition(f"session {session_id[:MAX_ID_CHARS]} holds {held} positions on node "
+                                     f"{self.node_id}; {length} cannot be sent")
+        return self._kv_chunks(eng, seq, length, layers)
+
+    async def _kv_chunks(self, eng: Engine, seq: Sequence, length: int, layers: tuple[int, int]):
+        a, session_id = eng.assignment, seq.id
+        step = handoff.chunk_positions(eng.pool)
+        for layer in range(*layers):
+            for start in range(0, length, step):
+                if eng.retired or eng.scheduler.seqs.get(session_id) is not seq:
+                    raise Unavailable(f"session {session_id[:MAX_ID_CHARS]} closed on node {self.node_id} while "
+                                      "its KV was sent")
+                n = min(step, length - start)
+                where = handoff.slots(eng.kv.tables[session_id].blocks, eng.kv.block_size, start, n)
+                yield layer, start, await self.runner.call(handoff.read_rows, eng.pool, layer - a.start, where)
+
+    async def import_kv(self, rows: handoff.KvRows) -> bool:
+        """Write one chunk of a session's imported KV; True once every layer here holds all its
+        positions (committed: its first step may come)."""
+        eng = self.require_ready()
+        seq = eng.scheduler.seqs.get(rows.session_id)
+        if seq is None:
+            raise NotFound(f"session {rows.session_id[:MAX_ID_CHARS]} is not open on node {self.node_id}")
+        imp = seq.kv_import
+        if imp is None:
+            raise FailedPrecondition(f"session {rows.session_id[:MAX_ID_CHARS]} on node {self.node_id} takes no "
+                                     "imported KV (not opened with kv_import_length, or all of it came)")
+        a = eng.assignment
+        imp.check(rows, (a.start, a.end), self.node_id)
+        where = handoff.slots(eng.kv.tables[seq.id].blocks, eng.kv.block_size, rows.start_pos, rows.positions)
+        async with self._step_lock:  # not into a pool a re-assignment is handing over
+            if eng.retired or eng.scheduler.seqs.get(seq.id) is not seq:
+                raise Unavailable(f"session {seq.id[:MAX_ID_CHARS]} closed on node {self.node_id} while its KV came")
+            await self.runner.call(handoff.write_rows, eng.pool, rows.layer - a.start, where, rows.kv)
+        imp.took(rows)
+        if not imp.complete((a.start, a.end)) or seq.kv_import is not imp:
+            return False
+        seq.kv_import = None
+        eng.kv.commit(seq.id, 0, seq.spec.prompt[: imp.length])
+        seq.pending_pos = seq.rollback = imp.length
+        seq.last_active = time.monotonic()
+        return True
 
     def close_session(self, session_id: str, caller: Caller = Caller(), swap: bool = False) -> int:
         """Close a session; only its opener may (`caller`: who calls). `swap`: its owner replays it (it

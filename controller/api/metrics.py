@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from logicpipe.controller.app import ControllerApp
+from logicpipe.controller.jobs.door import handoff_timings
 from logicpipe.controller.jobs.job import Request
 
 STAGE_PROBE_TIMEOUT_S = 2.0
@@ -34,6 +35,10 @@ class Metrics:
         self.itl = Histogram("logicpipe_inter_token_latency_seconds",
                              "Time between two consecutive tokens of a request as handed to its client",
                              buckets=self.BUCKETS_ITL, registry=self.registry)
+        self.handoff = Histogram("logicpipe_disaggregated_ttft_seconds",
+                                 "A disaggregated request's time to first token by phase: prefill on the prefill "
+                                 "pipeline, KV transfer, first decode step", ["phase"], buckets=self.BUCKETS_TTFT,
+                                 registry=self.registry)
         self._stages: list = []  # (node id, stage StatusReply) of the last probe
         app.scheduler.observers.append(self._observe)
         app.scheduler.gap_observers.append(self.itl.observe)
@@ -42,6 +47,9 @@ class Metrics:
     def _observe(self, req: Request) -> None:
         if req.times.first_token:
             self.ttft.observe(req.times.first_token - req.times.submitted)
+        split = handoff_timings(req)
+        for phase in ("prefill", "transfer", "first_step") if split else ():
+            self.handoff.labels(phase).observe(split[f"{phase}_s"])
 
     async def scrape(self) -> tuple[bytes, str]:
         """The exposition text and its content type, after probing the plan's stages (their KV

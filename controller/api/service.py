@@ -97,7 +97,8 @@ def timings_proto(t: Timings, c: Completion) -> controller_pb2.Timings:
     return controller_pb2.Timings(
         queue_s=t.queue_s, first_token_s=t.first_token_s, total_s=t.total_s, decode_tokens_per_s=t.decode_tokens_per_s,
         prompt_tokens=c.prompt_tokens, new_tokens=len(c.tokens), decode_steps=t.decode_steps, candidates=t.candidates,
-        accepted=t.accepted, speculate=t.speculate, prefill_chunk=t.prefill_chunk)
+        accepted=t.accepted, speculate=t.speculate, prefill_chunk=t.prefill_chunk, disaggregated=t.disaggregated,
+        prefill_s=t.prefill_s, transfer_s=t.transfer_s, first_step_s=t.first_step_s)
 
 
 def outline_reply(c: Completion) -> controller_pb2.SubmitReply:

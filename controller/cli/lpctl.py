@@ -376,7 +376,9 @@ def cmd_submit(args) -> int:
             t = timings_json(timings)
             spec = (f", {t['tokens_per_step']:.2f} tokens/step, {t['acceptance_rate']:.0%} of "
                     f"{t['candidates']} candidates accepted" if t["candidates"] else "")
-            print(f"[{timings.new_tokens} tokens, first after {timings.first_token_s * 1000:.0f} ms, "
+            split = (f" (prefill {t['prefill_s'] * 1000:.0f} + transfer {t['transfer_s'] * 1000:.0f} + first step "
+                     f"{t['first_step_s'] * 1000:.0f} ms)" if timings.disaggregated else "")
+            print(f"[{timings.new_tokens} tokens, first after {timings.first_token_s * 1000:.0f} ms{split}, "
                   f"{timings.decode_tokens_per_s:.1f} tokens/s{spec}, {reason}]", file=sys.stderr)
     return 0
 
@@ -389,7 +391,9 @@ def timings_json(t) -> dict:
             "new_tokens": t.new_tokens, "prefill_chunk": t.prefill_chunk, "speculate": t.speculate,
             "decode_steps": t.decode_steps, "tokens_per_step": t.new_tokens / t.decode_steps if t.decode_steps else 0.0,
             "candidates": t.candidates, "accepted": t.accepted,
-            "acceptance_rate": t.accepted / t.candidates if t.candidates else 0.0}
+            "acceptance_rate": t.accepted / t.candidates if t.candidates else 0.0,
+            **({"disaggregated": True, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s,
+                "first_step_s": t.first_step_s} if t.disaggregated else {})}
 
 
 def _submit_outline(args, req) -> int:

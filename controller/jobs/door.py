@@ -85,6 +85,11 @@ class Timings:
     accepted: int
     speculate: int
     prefill_chunk: int
+    # disaggregated prefill (controller.jobs.handoff): first_token_s after queue_s is these three
+    disaggregated: bool = False
+    prefill_s: float = 0.0      # the prefill pipeline's sequence opened to its KV held
+    transfer_s: float = 0.0     # its KV moved to the decode pipeline's stages
+    first_step_s: float = 0.0   # the decode pipeline's first step (the first new token)
 
 
 def request_timings(req: Request) -> Timings:
@@ -95,7 +100,16 @@ def request_timings(req: Request) -> Timings:
                    total_s=t.finished - t.submitted,
                    decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
                    decode_steps=req.decode_steps, candidates=req.candidates, accepted=req.accepted,
-                   speculate=req.speculate, prefill_chunk=req.prefill_chunk)
+                   speculate=req.speculate, prefill_chunk=req.prefill_chunk, **handoff_timings(req))
+
+
+def handoff_timings(req: Request) -> dict:
+    """A disaggregated request's TTFT as prefill / transfer / first decode step (none otherwise)."""
+    h = req.handoff
+    if h is None or not h.first_step:
+        return {}
+    return {"disaggregated": True, "prefill_s": h.prefilled - h.opened, "transfer_s": h.transferred - h.prefilled,
+            "first_step_s": h.first_step - h.transferred}
 
 
 @dataclass

@@ -15,6 +15,7 @@ from logicpipe.errors import MeshError
 from logicpipe.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
+    from logicpipe.controller.jobs.handoff import Handoff
     from logicpipe.controller.mesh.pipeline import Pipeline
 
 
@@ -152,6 +153,9 @@ class Request:
     reader_failed: bool = False  # a reader was given a MeshError (no token in time, ...): failed, not cancelled
     finish_reason: str = ""
     times: Timeline = field(default_factory=Timeline)
+    prefill_tokens: int = 0   # prompt tokens its latest opening computed (the rest the prefix cache held)
+    handoff: Handoff | None = None  # disaggregated prefill: its prompt prefilled on another pipeline
+    no_handoff: bool = False  # a handoff of it failed: it is prefilled where it decodes
 
     _changed: asyncio.Event | None = None
 

@@ -28,6 +28,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from logicpipe.controller.jobs.handoff import PREFILLED, Handoff, HandoffPolicy, move_kv
 from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, Request, RequestState, TokenUpdate
 from logicpipe.controller.jobs.journal import Journal
 from logicpipe.controller.mesh.pipeline import Pipeline
@@ -170,7 +171,7 @@ class Scheduler:
                  prefill_chunk: Callable[[int, Pipeline], int] = lambda prompt_tokens, pipeline: 0,
                  on_trouble: Callable[[str], None] = lambda why: None, journal: Journal | None = None,
                  on_fenced: Callable[[str], None] = lambda why: None,
-                 on_traffic: Callable[[str], None] = lambda why: None):
+                 on_traffic: Callable[[str], None] = lambda why: None, handoffs: HandoffPolicy | None = None):
         self.pipelines = pipelines      # the replicas in force; each request runs on one
         self.journal = journal if journal is not None else Journal(None, "")  # every admitted request, durably
         self.state = state              # admission runs while it is READY (its owner is the app)
@@ -182,6 +183,10 @@ class Scheduler:
         self._traffic_bucket = 1
         self.active: dict[str, Request] = {}   # session id -> the request it serves
         self.opened: dict[str, Pipeline] = {}  # session id -> the pipeline it is open on (kept-open parents too)
+        # disaggregated prefill (controller.jobs.handoff): which prompts are prefilled on another pipeline,
+        # and the requests whose prefill-pipeline sequence (its id here) has not handed its KV over yet
+        self.handoffs = handoffs if handoffs is not None else HandoffPolicy("off")
+        self.prefilling: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # request id -> every request not ended yet
         self.suspended = False      # the controller is stopping: requests stay journaled for the next one
         self._sweeper: asyncio.Task | None = None
@@ -210,6 +215,9 @@ class Scheduler:
 
     # ---- events from the stages (called by the Pipeline) -----------------------------------
     def on_event(self, ev: stage_pb2.Event) -> None:
+        if ev.session_id in self.prefilling:
+            self._on_prefill_event(ev)
+            return
         req = self.active.get(ev.session_id)
         if req is None:
             return  # a session we gave up (preempted, failed, cancelled): its late events mean nothing
@@ -226,6 +234,8 @@ class Scheduler:
             if req.prompt_logprobs is not None and req.prompt_lps is None:  # (the first event of a session asked)
                 req.prompt_lps = [TokenLogprob.from_proto(lp) for lp in t.prompt_logprobs]
             req.failures = 0  # it moves again
+            if t.index == 0:  # its first token: how fast it prefilled
+                self._first_token(req)
             if req.catching_up:
                 req.catching_up, self.caught_up_at = False, time.monotonic()
             req.done = t.finished
@@ -273,11 +283,15 @@ class Scheduler:
         for p in (self.pipelines.all if pipelines is None else pipelines):
             p.detaches += 1  # an open in flight there now belongs to the plan that is going away
         running = sorted(((sid, r) for sid, r in self.active.items()
-                          if moving is None or id(self.opened.get(sid)) in moving),
+                          if moving is None or id(self.opened.get(sid)) in moving
+                          or id(self._prefill_pipeline(r)) in moving),  # its prompt is prefilled there
                          key=lambda kv: kv[1].priority, reverse=True)
-        for sid, _ in running:
+        for sid, req in running:
+            self._drop_prefill(req)
             del self.active[sid]
-            self.opened.pop(sid, None)
+            p = self.opened.pop(sid, None)
+            if p is not None and moving is not None and id(p) not in moving:
+                p.close_session_soon(sid)  # (its pipeline stays: nobody else closes it there)
         for sid in [sid for sid, p in self.opened.items() if moving is None or id(p) in moving]:
             del self.opened[sid]  # finished parents kept open for forks: gone with their pipeline
         for _, req in running:
@@ -513,6 +527,8 @@ class Scheduler:
         self._hold_replays = False
         if req in self.waiting:
             self.waiting.remove(req)
+        self._drop_prefill(req)
+        self._observe_decode(req)
         if req.session_id and self.active.get(req.session_id) is req:
             del self.active[req.session_id]
             if not (req.keep_open and req.state is RequestState.FINISHED):
@@ -537,6 +553,10 @@ class Scheduler:
         del self.active[req.session_id]
         self._close_soon(req.session_id, swap=preempted)  # (a preempted one's KV waits for its replay there)
         req.session_id = ""
+        if req.handoff is not None:  # a fault before its first token: replayed without a handoff
+            self._drop_prefill(req)
+            req.handoff, req.no_handoff = None, True
+            self.handoffs.fallbacks += 1
         if preempted:
             self.stats.preemptions += 1
             self._hold_replays = True
@@ -654,17 +674,24 @@ class Scheduler:
         only when every pipeline that can hold it refused."""
         tried: set[int] = set()
         parent = self._parent_pipeline(req)
+        serving = self.pipelines.serving()
+        prefillers = self.handoffs.prefill_only(serving)  # they prefill for the others and decode nobody's
         while True:
             inputs = req.inputs
-            pipeline = parent or self.pipelines.route(inputs, req.capacity, self.load, frozenset(tried))
+            pipeline = parent or self.pipelines.route(inputs, req.capacity, self.load, frozenset(tried) | prefillers)
             if pipeline is None:
                 raise Unavailable("no pipeline serves now")
+            prefill = None
+            if parent is None and not req.received and not req.no_handoff and req.prompt_logprobs is None:
+                prefill = self.handoffs.prefill_for(len(inputs), pipeline, serving)
             try:
-                await self._open(req, pipeline)
+                if prefill is None or not await self._open_handoff(req, pipeline, prefill):
+                    await self._open(req, pipeline)
                 return
             except ResourceExhausted:
                 tried.add(id(pipeline))
-                if parent is not None or not self.pipelines.route(inputs, req.capacity, self.load, frozenset(tried)):
+                if parent is not None or not self.pipelines.route(inputs, req.capacity, self.load,
+                                                                  frozenset(tried) | prefillers):
                     raise
 
     async def _open(self, req: Request, pipeline: Pipeline) -> None:
@@ -673,6 +700,57 @@ class Scheduler:
         session = uuid.uuid4().hex
         inputs = req.inputs
         generation, detaches = pipeline.generation, pipeline.detaches
+        open_request = self._open_request(req, session, inputs, pipeline)
+        try:
+            cached = await pipeline.open_session(open_request)
+        except NotFound:
+            if not open_request.parent_session_id:
+                raise
+            # the parent is gone (a re-plan replays sequences, not finished parents): no fork; the
+            # prefix cache still attaches what it holds of the shared tokens
+            log.info("request %s: parent session gone; opening without it", req.id)
+            req.parent = None
+            open_request.ClearField("parent_session_id")
+            open_request.parent_length = 0
+            cached = await pipeline.open_session(open_request)
+        if req not in self.waiting or pipeline.generation != generation or pipeline.detaches != detaches:
+            # its client left while it opened, or a new plan is coming: it opens again on that one
+            pipeline.close_session_soon(session)
+            return
+        self._running(req, session, pipeline)
+        start = min(cached, len(inputs) - 1)  # at least the last input is computed: it samples the next token
+        req.prefill_tokens = len(inputs) - start
+        await self._feed(req, pipeline, session, inputs, start, len(inputs), detaches)
+
+    def _running(self, req: Request, session: str, pipeline: Pipeline) -> None:
+        """`req` opened as `session` on `pipeline`: out of the queue, running."""
+        self.waiting.remove(req)  # not popleft: a preempted request may have gone in front meanwhile
+        self.opened[session] = req.pipeline = pipeline
+        self.pipelines.remember(req.inputs, pipeline)
+        req.session_id, req.state = session, RequestState.RUNNING
+        req.times.opened_now = time.monotonic()
+        req.times.opened = req.times.opened or req.times.opened_now
+        self.active[session] = req
+
+    async def _feed(self, req: Request, pipeline: Pipeline, session: str, inputs: list[int], start: int, stop: int,
+                    detaches: int, *, prefill_only: bool = False) -> None:
+        """Feed inputs[start:stop] of `session` to `pipeline`'s stage 0 (the last piece samples,
+        unless `prefill_only`); a pipeline that takes no input puts `req` back in the queue."""
+        try:
+            for a in range(start, stop, FEED_CHUNK):
+                chunk = inputs[a: min(stop, a + FEED_CHUNK)]
+                await pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
+                    session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk,
+                    prefill_only=prefill_only or a + FEED_CHUNK < stop)]))  # more of the input follows
+        except Unavailable as err:
+            if self.active.get(req.session_id) is req:
+                self._requeue(req, err)
+            if pipeline.detaches == detaches:
+                raise
+            # else detached meanwhile by a re-plan: it waits for the new plan
+
+    def _open_request(self, req: Request, session: str, inputs: list[int], pipeline: Pipeline) -> stage_pb2.OpenSessionRequest:
+        """What the stages of `pipeline` are told of `req`'s sequence `session` (its input `inputs`)."""
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
@@ -693,42 +771,124 @@ class Scheduler:
         req.prefill_chunk = open_request.prefill_chunk = chunk
         if req.parent is not None and not req.received:
             open_request.parent_session_id, open_request.parent_length = req.parent
+        return open_request
+
+    # ---- disaggregated prefill (controller.jobs.handoff) --------------------------------------
+    async def _open_handoff(self, req: Request, decode: Pipeline, prefill: Pipeline) -> bool:
+        """Open `req` on `decode` to take the KV of all its input but the last token, and on
+        `prefill` to compute that KV; feed the prefill pipeline. False (nothing open) when the
+        prefill pipeline cannot take it now: it opens the plain way on `decode`."""
+        inputs = req.inputs
+        h = Handoff(prefill, uuid.uuid4().hex, len(inputs) - 1)
+        session = uuid.uuid4().hex
+        marks = [(p, p.generation, p.detaches) for p in (decode, prefill)]
+        open_d = self._open_request(req, session, inputs, decode)
+        open_d.kv_import_length, open_d.kv_import_key = h.length, h.key
+        open_p = stage_pb2.OpenSessionRequest(
+            session_id=h.session, capacity=h.length, prompt_token_ids=inputs[: h.length], prefill_only=True,
+            max_new_tokens=1, priority=req.priority, prefill_chunk=req.job.prefill_chunk or self._chunk(h.length, prefill))
+        got_d, got_p = await asyncio.gather(decode.open_session(open_d), prefill.open_session(open_p),
+                                            return_exceptions=True)
+        if isinstance(got_d, BaseException) or isinstance(got_p, BaseException):
+            if not isinstance(got_d, BaseException):
+                decode.close_session_soon(session)
+            if not isinstance(got_p, BaseException):
+                prefill.close_session_soon(h.session)
+            if isinstance(got_d, BaseException):
+                raise got_d  # as a plain opening's would be
+            log.info("request %s: the prefill pipeline cannot take it (%s); prefilling where it decodes", req.id, got_p)
+            return False
+        if req not in self.waiting or any(p.generation != g or p.detaches != d for p, g, d in marks):
+            decode.close_session_soon(session)  # its client left, or a new plan is coming: it opens again
+            prefill.close_session_soon(h.session)
+            return True
+        self._running(req, session, decode)
+        self.opened[h.session] = prefill
+        self.prefilling[h.session], req.handoff = req, h
+        start = min(got_p, h.length - 1)
+        h.computed, h.opened = h.length - start, time.monotonic()
+        self.handoffs.handoffs += 1
+        await self._feed(req, prefill, h.session, inputs, start, h.length, marks[1][2], prefill_only=True)
+        return True
+
+    def _chunk(self, prompt_tokens: int, pipeline: Pipeline) -> int:
         try:
-            cached = await pipeline.open_session(open_request)
-        except NotFound:
-            if not open_request.parent_session_id:
-                raise
-            # the parent is gone (a re-plan replays sequences, not finished parents): no fork; the
-            # prefix cache still attaches what it holds of the shared tokens
-            log.info("request %s: parent session gone; opening without it", req.id)
-            req.parent = None
-            open_request.ClearField("parent_session_id")
-            open_request.parent_length = 0
-            cached = await pipeline.open_session(open_request)
-        if req not in self.waiting or pipeline.generation != generation or pipeline.detaches != detaches:
-            # its client left while it opened, or a new plan is coming: it opens again on that one
-            pipeline.close_session_soon(session)
+            return self.prefill_chunk(prompt_tokens, pipeline)
+        except Exception:  # noqa: BLE001 — without a chunk the stages' budget cuts the prompt
+            log.exception("choosing a prefill chunk failed; using the stages' budget")
+            return 0
+
+    def _on_prefill_event(self, ev: stage_pb2.Event) -> None:
+        """An event of a prefill pipeline's sequence: its KV is held (hand it over), or it failed."""
+        req = self.prefilling[ev.session_id]
+        h = req.handoff
+        if ev.HasField("token"):
+            if ev.token.finish_reason == PREFILLED and not h.prefilled:
+                h.prefilled = time.monotonic()
+                self.handoffs.observe_prefill(h.prefill, h.computed, h.prefilled - h.opened)
+                h.task = asyncio.get_running_loop().create_task(self._hand_over(req, h), name=f"handoff-{req.id}")
             return
-        self.waiting.remove(req)  # not popleft: a preempted request may have gone in front meanwhile
-        self.opened[session] = req.pipeline = pipeline
-        self.pipelines.remember(inputs, pipeline)
-        req.session_id, req.state = session, RequestState.RUNNING
-        req.times.opened_now = time.monotonic()
-        req.times.opened = req.times.opened or req.times.opened_now
-        self.active[session] = req
-        start = min(cached, len(inputs) - 1)  # at least the last input is computed: it samples the next token
+        self._handoff_failed(req, from_code(ev.error.code, ev.error.message))
+
+    async def _hand_over(self, req: Request, h: Handoff) -> None:
+        """Move the KV to the decode pipeline's stages, then feed it the last input token."""
+        session, decode = req.session_id, req.pipeline
         try:
-            for a in range(start, len(inputs), FEED_CHUNK):
-                chunk = inputs[a: a + FEED_CHUNK]
-                await pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
-                    session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk,
-                    prefill_only=a + FEED_CHUNK < len(inputs))]))  # more of the input follows
-        except Unavailable as err:
-            if self.active.get(session) is req:
-                self._requeue(req, err)
-            if pipeline.detaches == detaches:
-                raise
-            # else detached meanwhile by a re-plan: it waits for the new plan
+            h.bytes = await move_kv(h, decode, session)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — any failure falls back to a replay
+            err = exc if isinstance(exc, MeshError) else Unavailable(f"handing its KV over failed: {exc}")
+            if self.prefilling.get(h.session) is req:
+                self._handoff_failed(req, err)
+            return
+        if self.prefilling.get(h.session) is not req or self.active.get(session) is not req:
+            return  # it ended, or was moved, meanwhile
+        h.transferred = time.monotonic()
+        self.handoffs.observe_transfer(h.prefill, h.length, h.transferred - h.prefilled)
+        self._drop_prefill(req)
+        inputs = req.inputs
+        await self._feed(req, decode, session, inputs, h.length, len(inputs), decode.detaches)
+
+    def _handoff_failed(self, req: Request, err: MeshError) -> None:
+        """Its prefill or its KV's move failed: back in the queue, replayed without a handoff."""
+        if req.session_id and self.active.get(req.session_id) is req and not req.done:
+            log.info("request %s: disaggregated prefill failed (%s); replaying it", req.id, err)
+            self._requeue(req, Unavailable(f"its disaggregated prefill failed: {err}"))
+        else:
+            self._drop_prefill(req)
+
+    def _prefill_pipeline(self, req: Request) -> Pipeline | None:
+        """The pipeline prefilling `req` for a handoff now (None: none)."""
+        h = req.handoff
+        return h.prefill if h is not None and self.prefilling.get(h.session) is req else None
+
+    def _drop_prefill(self, req: Request) -> bool:
+        """Its handoff's prefill sequence closed and forgotten (its move cancelled); whether it had one."""
+        h = req.handoff
+        if h is None or self.prefilling.get(h.session) is not req:
+            return False
+        del self.prefilling[h.session]
+        self._close_soon(h.session)
+        if h.task is not None and not h.task.done() and h.task is not asyncio.current_task():
+            h.task.cancel()
+        if not h.transferred:
+            req.handoff = None  # (its timings are a plain request's)
+        return True
+
+    def _first_token(self, req: Request) -> None:
+        """`req`'s first token came: the prefill rate of its pipeline, or its handoff's first step."""
+        now = time.monotonic()
+        h = req.handoff
+        if h is not None and h.transferred:
+            h.first_step = now
+        elif req.pipeline is not None and req.prefill_tokens:
+            self.handoffs.observe_prefill(req.pipeline, req.prefill_tokens, now - req.times.opened_now)
+
+    def _observe_decode(self, req: Request) -> None:
+        t = req.times
+        if req.pipeline is not None and len(req.tokens) > 1 and t.finished > t.first_token > 0:
+            self.handoffs.observe_decode(req.pipeline, len(req.tokens) - 1, t.finished - t.first_token)
 
     def _ensure_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():

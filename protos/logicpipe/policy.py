@@ -21,6 +21,8 @@ STAGE_POLICY: dict[str, frozenset[str]] = {
     "Events": frozenset({CONTROLLER}), "MeasureLink": frozenset({CONTROLLER}), "Revoked": frozenset({CONTROLLER}),
     "Stream": frozenset({CONTROLLER, STAGE}),  # the controller's prompts (stage 0) and the previous stage's steps
     "Echo": frozenset({CONTROLLER, STAGE}), "Status": frozenset({CONTROLLER, STAGE, CLIENT}),
+    "SendKv": frozenset({CONTROLLER}),  # disaggregated prefill: the controller asks the prefill pipeline's stage ...
+    "ImportKv": frozenset({STAGE}),     # ... which sends the KV to the decode pipeline's stage
 }
 """Who may call each StageNode method."""
 

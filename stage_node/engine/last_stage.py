@@ -16,7 +16,9 @@ from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.engine.drafter import STEP_COST, Drafter, StepCost, allocate
 from logicpipe.stage_node.net.events import TokenEvent
 from logicpipe.stage_node.engine.scheduler import PlannedSeq, Scheduler
-from logicpipe.stage_node.engine.sequence import Sequence, SeqWork
+from logicpipe.stage_node.engine.sequence import SeqStatus, Sequence, SeqWork
+
+PREFILLED = "prefilled"  # the finish reason of a prefill_only sequence whose prompt's KV is held
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ def take_tokens(scheduler: Scheduler, kv: KVManager, done: list[PlannedSeq], tok
     for p in done:
         if p.seq.id in prompt_logprobs:
             p.seq.prompt_lps = {**(p.seq.prompt_lps or {}), **prompt_logprobs[p.seq.id]}
+        if p.seq.spec.prefill_only:  # disaggregated prefill: its KV is all the owner wants
+            if p.work.stop >= len(p.seq.spec.prompt):
+                p.seq.status = SeqStatus.FINISHED
+                out.events[p.seq.spec.owner].append(TokenEvent(p.seq.id, (), 0, PREFILLED))
+            continue
         if not p.work.sample or p.seq.id not in tokens:
             continue
         index = p.seq.generated

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, ResourceExhausted
+from logicpipe.stage_node.engine.handoff import KvImport
 from logicpipe.stage_node.engine.blocks import BadWrite, KVManager, OutOfBlocks, WritePlan
 from logicpipe.stage_node.model.sampling import draw
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
@@ -158,8 +159,9 @@ class Scheduler:
             table = kv.open(spec.session_id, spec.capacity)
             if self.states is not None:
                 self.states.open(spec.session_id)
-            if self.prefix_cache and not (self.last and spec.prompt_logprobs is not None):  # (those need every
-                kv.attach_prefix(spec.session_id, spec.prompt)                                # prompt row's logits)
+            if self.prefix_cache and not spec.import_length and not (  # (an import's blocks are its own; the
+                    self.last and spec.prompt_logprobs is not None):  # prompt_logprobs need every prompt row's logits)
+                kv.attach_prefix(spec.session_id, spec.prompt)
         try:
             watermark = sum(1 for s in self.seqs.values() if s.status is not SeqStatus.FINISHED)
             need = max(0, kv.blocks_for(len(spec.prompt)) - len(table.blocks))
@@ -181,6 +183,8 @@ class Scheduler:
             raise
         seed = spec.sampling.seed if spec.sampling.seed is not None else random.getrandbits(63)
         seq = Sequence(spec, next(self._order), seed, generated=spec.generated, grammar=constraint)
+        if spec.import_length:  # its KV comes by ImportKv (engine.handoff) before its first step
+            seq.kv_import = KvImport(spec.import_length, spec.import_key)
         seq.pending_pos = table.length
         seq.rollback = table.length  # the first step may start anywhere up to what is attached
         self.seqs[spec.session_id] = seq

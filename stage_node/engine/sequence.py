@@ -12,6 +12,7 @@ from logicpipe.stage_node.engine.drafter import Drafter
 from logicpipe.stage_node.net.fence import Caller
 
 if TYPE_CHECKING:
+    from logicpipe.stage_node.engine.handoff import KvImport
     from logicpipe.stage_node.model.grammar import Constraint
 
 
@@ -63,6 +64,10 @@ class SeqSpec:
     top_logprobs: int | None = None        # last stage: report each token's logprob and this many top ones (None: no)
     prompt_logprobs: int | None = None     # last stage: ... each prompt token's too, with the first token (None: no)
     grammar: str = ""                      # last stage: structured output ("json_object" or a JSON schema; "": none)
+    prefill_only: bool = False             # disaggregated prefill: computed into KV, nothing sampled; the last
+                                           # stage reports "prefilled" once every prompt position is held
+    import_length: int = 0                 # disaggregated prefill: KV of positions [0, this) comes by ImportKv
+    import_key: str = ""                   # ... with this key (engine.handoff)
 
 
 @dataclass
@@ -86,6 +91,7 @@ class Sequence:
     counts: Counter | None = None          # last stage, penalized: how often it generated each token (made on first use)
     prompt_lps: dict[int, object] | None = None  # last stage, prompt_logprobs: position -> TokenLogprob, until reported
     grammar: "Constraint | None" = None    # last stage, structured output: its matcher (stage_node.grammar)
+    kv_import: "KvImport | None" = None    # its KV still coming by ImportKv (engine.handoff); None: none, or all here
 
     def generated_counts(self) -> Counter:
         """Last stage: how often the sequence generated each token so far (what OpenAI's penalties

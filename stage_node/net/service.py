@@ -12,9 +12,9 @@ import grpc
 from logicpipe import __version__
 from logicpipe.common.transport import Transport, caller_address
 from logicpipe.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
-from logicpipe.limits import check_id
+from logicpipe.limits import check_address, check_id
 from logicpipe.policy import STAGE, STREAM_KEY_HEADER
-from logicpipe.stage_node.net import wire
+from logicpipe.stage_node.net import kv_link, wire
 from logicpipe.stage_node.net.fence import MAX_REVOKED, Caller
 from logicpipe.stage_node.net.linkprobe import measure_link
 from logicpipe.stage_node.profile import HostProfile
@@ -137,6 +137,29 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
                                        "(they send its stream key) and prompts only from the controller that holds "
                                        "it") from None
             raise
+
+    async def SendKv(self, request, context):
+        """Disaggregated prefill: send a prefilled session's KV of some layers to a stage of another
+        pipeline (engine.handoff); only the controller that holds this stage may ask."""
+        check_id("session_id", request.session_id)
+        check_id("target_session_id", request.target_session_id)
+        check_id("controller_id", request.controller_id, empty_ok=True)
+        check_address("target_address", request.target_address)
+        self.runtime.fence.check(self._caller(context), "SendKv")
+        chunks = self.runtime.export_kv(request.session_id, request.length, (request.start_layer, request.end_layer))
+        sent, seconds, _ = await kv_link.send_kv(self.transport, request.target_address, request.target_session_id,
+                                                 request.import_key, chunks)
+        return kv_link.send_reply(sent, seconds)
+
+    async def ImportKv(self, request_iterator, context):
+        """Disaggregated prefill: KV chunks of a session opened here with kv_import_length, from a
+        stage of the prefill pipeline (each chunk carries the session's kv_import_key)."""
+        self.runtime.require_ready()
+        chunks, complete = 0, False
+        async for msg in request_iterator:
+            complete = await self.runtime.import_kv(wire.kv_chunk_from_proto(msg))
+            chunks += 1
+        return stage_pb2.ImportKvReply(chunks=chunks, complete=complete)
 
     async def Events(self, request, context):
         owner = check_id("owner", request.owner, empty_ok=True)

@@ -12,6 +12,7 @@ from logicpipe.sampling import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, SamplingPara
 from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.net.events import Event, TokenEvent
 from logicpipe.stage_node.net.fence import Caller
+from logicpipe.stage_node.engine.handoff import KvRows
 from logicpipe.stage_node.engine.scheduler import StepMsg
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
 from logicpipe.stage_node.engine.stats import StageSnapshot
@@ -21,6 +22,7 @@ from logicpipe.v1 import stage_pb2
 MAX_STOP_IDS = 1024         # stop token ids of one session
 MAX_STEP_ROWS = 16384       # token rows in one step or feed message
 MAX_CANDIDATES = 64         # candidate tokens per sequence per step
+MAX_KEY_CHARS = 128         # a session's kv_import_key
 
 
 def sampling_from_proto(p: stage_pb2.SamplingParams) -> SamplingParams:
@@ -83,6 +85,18 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
         if req.parent_length > len(prompt):
             raise InvalidArgument(f"parent_length {req.parent_length} is past the {len(prompt)} prompt tokens "
                                   "(a fork's prompt is its whole input from position 0)")
+    if req.kv_import_length or req.kv_import_key:
+        if not 1 <= req.kv_import_length < len(prompt):
+            raise InvalidArgument(f"kv_import_length {req.kv_import_length} must be 1 to {max(0, len(prompt) - 1)} "
+                                  f"(below the {len(prompt)} prompt tokens: the last one is computed here)")
+        if not 16 <= len(req.kv_import_key) <= MAX_KEY_CHARS:
+            raise InvalidArgument(f"kv_import_key must be 16 to {MAX_KEY_CHARS} characters, not {len(req.kv_import_key)}")
+        check_id("kv_import_key", req.kv_import_key)
+        if req.parent_session_id or req.prefill_only:
+            raise InvalidArgument("kv_import_length cannot go with parent_session_id or prefill_only")
+    if req.prefill_only and (req.parent_session_id or req.HasField("prompt_logprobs") or not prompt):
+        raise InvalidArgument("prefill_only needs prompt_token_ids, and goes with neither parent_session_id nor "
+                              "prompt_logprobs")
     return SeqSpec(session_id=req.session_id, capacity=req.capacity, sampling=sampling_from_proto(req.sampling),
                    max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
                    owner=req.owner, opener=opener, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
@@ -90,7 +104,8 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                    speculate=req.speculate, prefill_chunk=req.prefill_chunk,
                    top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
                    prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
-                   grammar=req.grammar)
+                   grammar=req.grammar, prefill_only=req.prefill_only, import_length=req.kv_import_length,
+                   import_key=req.kv_import_key)
 
 
 def works_from_proto(batch: stage_pb2.StepBatch, *, vocab_size: int) -> list[SeqWork]:
@@ -204,3 +219,23 @@ def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str)
         reply.micro_batches = e.micro_batches
         reply.swap_bytes_total, reply.swap_bytes_used = e.swap_bytes_total, e.swap_bytes_used
     return reply
+
+
+def kv_chunk(session_id: str, import_key: str, layer: int, start_pos: int, kv: RawTensor) -> stage_pb2.KvChunk:
+    return stage_pb2.KvChunk(session_id=session_id, import_key=import_key, layer=layer, start_pos=start_pos,
+                             kv=tensor_codec.raw_to_proto(kv))
+
+
+def kv_chunk_from_proto(msg: stage_pb2.KvChunk) -> KvRows:
+    """An ImportKv chunk, checked for shape (not against any state): [parts, heads, positions, dim]."""
+    check_id("session_id", msg.session_id)
+    if len(msg.import_key) > MAX_KEY_CHARS:
+        raise InvalidArgument(f"import_key is {len(msg.import_key)} characters, over the {MAX_KEY_CHARS} cap")
+    try:
+        kv = tensor_codec.check(msg.kv, rank=4, dtypes=FLOAT_DTYPES)
+    except tensor_codec.TensorError as exc:
+        raise InvalidArgument(f"kv: {exc}") from exc
+    if not 1 <= kv.shape[0] <= 2 or kv.shape[2] < 1:
+        raise InvalidArgument(f"kv of shape {list(kv.shape)}: expected [parts (1 or 2), kv_heads, positions >= 1, "
+                              "head_dim]")
+    return KvRows(msg.session_id, msg.import_key, msg.layer, msg.start_pos, kv)

@@ -146,7 +146,7 @@ class PipelineInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., running: _Optional[int] = ..., predicted_tokens_per_s: _Optional[float] = ..., serving: bool = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "first_token_s", "total_s", "decode_tokens_per_s", "prompt_tokens", "new_tokens", "decode_steps", "candidates", "accepted", "speculate", "prefill_chunk")
+    __slots__ = ("queue_s", "first_token_s", "total_s", "decode_tokens_per_s", "prompt_tokens", "new_tokens", "decode_steps", "candidates", "accepted", "speculate", "prefill_chunk", "disaggregated", "prefill_s", "transfer_s", "first_step_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,10 @@ class Timings(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     first_token_s: float
     total_s: float
@@ -169,7 +173,11 @@ class Timings(_message.Message):
     accepted: int
     speculate: int
     prefill_chunk: int
-    def __init__(self, queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., candidates: _Optional[int] = ..., accepted: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
+    disaggregated: bool
+    prefill_s: float
+    transfer_s: float
+    first_step_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., decode_steps: _Optional[int] = ..., candidates: _Optional[int] = ..., accepted: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., disaggregated: bool = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_step_s: _Optional[float] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "timings", "stages", "point", "points", "warnings", "logprobs", "prompt_logprobs")

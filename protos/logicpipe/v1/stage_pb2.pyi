@@ -93,7 +93,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk", "controller_epoch", "top_logprobs", "prompt_logprobs", "grammar")
+    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk", "controller_epoch", "top_logprobs", "prompt_logprobs", "grammar", "prefill_only", "kv_import_length", "kv_import_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,9 @@ class OpenSessionRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    KV_IMPORT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KV_IMPORT_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capacity: int
     sampling: SamplingParams
@@ -130,7 +133,10 @@ class OpenSessionRequest(_message.Message):
     top_logprobs: int
     prompt_logprobs: int
     grammar: str
-    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    prefill_only: bool
+    kv_import_length: int
+    kv_import_key: str
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., prefill_only: bool = ..., kv_import_length: _Optional[int] = ..., kv_import_key: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("cached_tokens",)
@@ -470,3 +476,55 @@ class MeasureLinkReply(_message.Message):
     latency_s: float
     bandwidth: float
     def __init__(self, latency_s: _Optional[float] = ..., bandwidth: _Optional[float] = ...) -> None: ...
+
+class SendKvRequest(_message.Message):
+    __slots__ = ("session_id", "length", "start_layer", "end_layer", "target_address", "target_session_id", "import_key", "controller_epoch", "controller_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_KEY_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    length: int
+    start_layer: int
+    end_layer: int
+    target_address: str
+    target_session_id: str
+    import_key: str
+    controller_epoch: int
+    controller_id: str
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., target_address: _Optional[str] = ..., target_session_id: _Optional[str] = ..., import_key: _Optional[str] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
+
+class SendKvReply(_message.Message):
+    __slots__ = ("bytes", "seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("session_id", "import_key", "layer", "start_pos", "kv")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    import_key: str
+    layer: int
+    start_pos: int
+    kv: _tensor_pb2.Tensor
+    def __init__(self, session_id: _Optional[str] = ..., import_key: _Optional[str] = ..., layer: _Optional[int] = ..., start_pos: _Optional[int] = ..., kv: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ImportKvReply(_message.Message):
+    __slots__ = ("chunks", "complete")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    complete: bool
+    def __init__(self, chunks: _Optional[int] = ..., complete: bool = ...) -> None: ...

@@ -80,6 +80,16 @@ class StageNodeStub(object):
                 request_serializer=logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.SerializeToString,
                 response_deserializer=logicpipe_dot_v1_dot_stage__pb2.RevokedReply.FromString,
                 _registered_method=True)
+        self.SendKv = channel.unary_unary(
+                '/logicpipe.v1.StageNode/SendKv',
+                request_serializer=logicpipe_dot_v1_dot_stage__pb2.SendKvRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_stage__pb2.SendKvReply.FromString,
+                _registered_method=True)
+        self.ImportKv = channel.stream_unary(
+                '/logicpipe.v1.StageNode/ImportKv',
+                request_serializer=logicpipe_dot_v1_dot_stage__pb2.KvChunk.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_stage__pb2.ImportKvReply.FromString,
+                _registered_method=True)
 
 
 class StageNodeServicer(object):
@@ -154,6 +164,22 @@ class StageNodeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendKv(self, request, context):
+        """Disaggregated prefill (controller.jobs.handoff): the controller asks the stage that holds a
+        prefilled session to send the KV of some of its layers to a stage of another pipeline, which
+        takes it with ImportKv (stage to stage: the controller is not on the path of the bytes).
+        SendKv answers once the destination has taken every chunk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKv(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +227,16 @@ def add_StageNodeServicer_to_server(servicer, server):
                     servicer.Revoked,
                     request_deserializer=logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.FromString,
                     response_serializer=logicpipe_dot_v1_dot_stage__pb2.RevokedReply.SerializeToString,
+            ),
+            'SendKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendKv,
+                    request_deserializer=logicpipe_dot_v1_dot_stage__pb2.SendKvRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_stage__pb2.SendKvReply.SerializeToString,
+            ),
+            'ImportKv': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportKv,
+                    request_deserializer=logicpipe_dot_v1_dot_stage__pb2.KvChunk.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_stage__pb2.ImportKvReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -447,6 +483,60 @@ class StageNode(object):
             '/logicpipe.v1.StageNode/Revoked',
             logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.SerializeToString,
             logicpipe_dot_v1_dot_stage__pb2.RevokedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.StageNode/SendKv',
+            logicpipe_dot_v1_dot_stage__pb2.SendKvRequest.SerializeToString,
+            logicpipe_dot_v1_dot_stage__pb2.SendKvReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/logicpipe.v1.StageNode/ImportKv',
+            logicpipe_dot_v1_dot_stage__pb2.KvChunk.SerializeToString,
+            logicpipe_dot_v1_dot_stage__pb2.ImportKvReply.FromString,
             options,
             channel_credentials,
             insecure,
