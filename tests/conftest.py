@@ -16,3 +16,6 @@ def model_dir():
     from logicpipe.controller.cli.model_prep import prepare_default_model
 
     return prepare_default_model()
+
+# the meshes' processes forked from a process with their imports done (tests.zygote): seconds a start
+os.environ.setdefault("LOGICPIPE_TEST_ZYGOTE", "1")
