@@ -1,4 +1,5 @@
-"""Mesh tier, the stage engine with real processes: many requests on a small KV pool (queued, none
+"""Mesh tier, the stage engine with real processes (a small random model of the default model's
+tokenizer: what is tested is the engine): many requests on a small KV pool (queued, none
 lost, each identical to itself alone), a full pipeline, micro-batches, and a controller killed
 mid-request whose sessions the stages free within their TTL."""
 from __future__ import annotations
@@ -51,10 +52,10 @@ def run_concurrently(address: str, work: list[tuple[str, int]], **kw) -> list[li
         return list(pool.map(lambda pm: submit(address, pm[0], pm[1], **kw), work))
 
 
-def test_16_requests_on_a_kv_pool_for_about_4_all_complete_identical_to_alone(model_dir, tmp_path):
+def test_16_requests_on_a_kv_pool_for_about_4_all_complete_identical_to_alone(chat_model, tmp_path):
     work = prompts(16)
-    # 8 MiB per stage: 22 blocks of 16 positions of the 15 layers each stage holds, about 4 requests
-    with LocalMesh(2, model_dir, tmp_path, threads=1, stage_args=("--max-kv-mib", "8")) as mesh:
+    # 1 MiB per stage: 21 blocks of 16 positions of the 3 layers each stage holds, about 4 requests
+    with LocalMesh(2, chat_model, tmp_path, threads=1, stage_args=("--max-kv-mib", "1")) as mesh:
         addr = mesh.controller_address
         alone = [submit(addr, p, n) for p, n in work]
         queued_seen = 0
@@ -82,9 +83,10 @@ def test_16_requests_on_a_kv_pool_for_about_4_all_complete_identical_to_alone(mo
         assert controller_status(addr).completed_requests == 32
 
 
-def test_8_concurrent_requests_fill_every_stage_of_3(model_dir, tmp_path):
+def test_8_concurrent_requests_fill_every_stage_of_3(chat_model, tmp_path):
     work = [(p, 24) for p, _ in prompts(8)]
-    with LocalMesh(3, model_dir, tmp_path, threads=1) as mesh:
+    # (uniform: the planner would give a model this small fewer stages)
+    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
         before = [stage_status(s) for s in mesh.stage_addresses]
         out = run_concurrently(mesh.controller_address, work, ignore_eos=True)
         after = [stage_status(s) for s in mesh.stage_addresses]
@@ -98,11 +100,11 @@ def test_8_concurrent_requests_fill_every_stage_of_3(model_dir, tmp_path):
         assert controller_status(mesh.controller_address).micro_batches == 1  # three stages, one machine's cores
 
 
-def test_micro_batches_split_the_active_sequences(model_dir, tmp_path):
+def test_micro_batches_split_the_active_sequences(chat_model, tmp_path):
     """With three micro-batches in flight, stage 0 steps about a third of the sequences at a time,
     and every request still gives exactly what it gives alone."""
     work = [(p, 20) for p, _ in prompts(9)]
-    with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--micro-batches", "3")) as mesh:
+    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=("--micro-batches", "3", "--strategy", "uniform")) as mesh:
         addr = mesh.controller_address
         assert controller_status(addr).micro_batches == 3
         alone = [submit(addr, p, n, ignore_eos=True) for p, n in work]
@@ -115,9 +117,9 @@ def test_micro_batches_split_the_active_sequences(model_dir, tmp_path):
         assert 1.5 <= per_step <= 4.0, f"stage 0 stepped {per_step:.1f} sequences at a time with 9 in 3 micro-batches"
 
 
-def test_a_killed_controller_leaves_no_session_after_the_ttl(model_dir, tmp_path):
+def test_a_killed_controller_leaves_no_session_after_the_ttl(chat_model, tmp_path):
     ttl = 2.0
-    with LocalMesh(2, model_dir, tmp_path, threads=1, stage_args=("--session-ttl-s", str(ttl))) as mesh:
+    with LocalMesh(2, chat_model, tmp_path, threads=1, stage_args=("--session-ttl-s", str(ttl))) as mesh:
         got = threading.Event()
 
         def long_request():
