@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 PRELOAD = ("logicpipe.stage_node.main", "logicpipe.controller.main")  # the stage's first: it sets GOMP_SPINCOUNT
@@ -54,6 +55,8 @@ def _child(request: dict, ready_w: int) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         random.seed()  # not the zygote's sequence, shared by every child
+        # (runpy's note that the module was imported before it ran as __main__: the zygote's preload)
+        warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package")
         sys.argv = [request["module"], *request["args"]]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0

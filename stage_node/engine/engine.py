@@ -49,7 +49,7 @@ class Engine:
                  transport: Transport, runner: Runner, lock: asyncio.Lock, events: EventHub, stats: StageStats,
                  budget: Budget, orphaned: Callable[[Sequence], bool],
                  draft_model: Callable[[], DraftModel | None], wake: Callable[[], None] = lambda: None,
-                 shard_dir: str = "", stream_key: str = ""):
+                 shard_dir: str = "", stream_key: str = "", min_step_s: float = 0.0):
         self.assignment = a
         self.stream_key = stream_key      # the plan's: our Stream calls carry it, and calls to us must (see fence)
         self.shard, self.pool, self.kv = shard, pool, kv
@@ -61,6 +61,7 @@ class Engine:
         self.wake = wake                  # the node's step loop looks again (sequences were closed)
         self.shard_dir = shard_dir        # where the weights were loaded from (the model dir, or the pull cache)
         self.retired = False              # replaced by another engine: its steps are dropped
+        self.min_step_s = min_step_s      # --min-step-ms: a step takes at least this long (a slower device emulated)
         self.step_cost = step_cost_for(shard.device.type, shard.weight_format)  # how many candidates pay
         hybrid = shard.arch.hybrid
         if hybrid:
@@ -248,6 +249,8 @@ class Engine:
                 log.exception("step failed")
                 result = StepResult(failed={p.seq.id: MeshError(f"node {self.node_id}: step failed: {exc}")
                                             for p in step.seqs})
+        if self.min_step_s:  # --min-step-ms: wait out the rest, as a slower device would compute it
+            await asyncio.sleep(self.min_step_s - (time.perf_counter() - t0))
         self.stats.compute_s += time.perf_counter() - t0
         return None if self.retired else result
 

@@ -1,7 +1,9 @@
 """Mesh tier, membership: nodes found by mDNS, a node joining mid-generation (one without the
 model pulls its layers), a middle stage killed mid-generation and restarted, a node drained and a
 node stopped under load, a restarted controller re-adopting running nodes. Every request must
-end with exactly the tokens of a run without the change."""
+end with exactly the tokens of a run without the change. The model is a small random one of the
+default model's tokenizer (chat_model), its stages paced as a slower device (PACE), where what
+is tested is membership, not the model."""
 from __future__ import annotations
 
 import signal
@@ -17,6 +19,8 @@ from tests.localmesh import LocalMesh, client_transport, free_port, mesh_bundle,
 
 pytestmark = pytest.mark.mesh
 
+PACE = ("--min-step-ms", "25")  # a step of the small model takes as long as one of a slow device: faults land mid-request
+UNIFORM = ("--strategy", "uniform")  # every node a stage (the planner would give a model this small fewer)
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 PROMPTS = [f"Tell me about {topic}." for topic in
            ("bread", "maps", "bridges", "owls", "tides", "clocks", "glass", "salt")]
@@ -72,16 +76,17 @@ def lpctl(mesh: LocalMesh, *args: str) -> str:
 
 
 def test_nodes_found_by_mdns_and_a_node_without_the_model_joins_mid_generation(model_dir, tmp_path):
+    # the default model: for the small one a 4th stage is not worth a re-plan (the planner keeps the plan)
     with LocalMesh(3, model_dir, tmp_path, threads=1, mdns=True) as mesh:
         st = mesh.wait_plan(stages=3)
         assert {n.source for n in st.nodes} == {"mdns"}, st
-        alone = run(mesh.controller_address, max_tokens=300)
+        alone = run(mesh.controller_address, max_tokens=160)
         # a 4th node with no model directory joins while a long greedy generation runs
-        gen = Generation(mesh.controller_address, max_tokens=300)
+        gen = Generation(mesh.controller_address, max_tokens=160)
         gen.wait_tokens(5)
         mesh.start_stage(3, None, "--model-dir", str(tmp_path / "no-model-here"))
         st = mesh.wait_plan(stages=4, generation_above=st.plan_generation, timeout=120)
-        assert gen.is_alive() and len(gen.tokens) < 300, "the join came after the generation had finished"
+        assert gen.is_alive() and len(gen.tokens) < 160, "the join came after the generation had finished"
         assert gen.result() == alone  # moved to the new plan by replaying its tokens: the same output
         assert "stage3 joined" in st.last_replan and 0 < st.last_replan_s < 60
         joined = next(s for s in st.stages if s.node_id == "stage3")
@@ -91,8 +96,8 @@ def test_nodes_found_by_mdns_and_a_node_without_the_model_joins_mid_generation(m
         assert [s.node_id for s in after.first_stages] == [s.node_id for s in st.stages]  # the new plan serves
 
 
-def test_a_killed_middle_stage_is_replanned_around_and_comes_back(model_dir, tmp_path):
-    with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+def test_a_killed_middle_stage_is_replanned_around_and_comes_back(chat_model, tmp_path):
+    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=UNIFORM, stage_args=PACE) as mesh:
         greedy = run(mesh.controller_address)
         sampled = run(mesh.controller_address, temperature=0.8, top_p=0.95, seed=11)
         assert greedy != sampled
@@ -125,8 +130,8 @@ def test_a_killed_middle_stage_is_replanned_around_and_comes_back(model_dir, tmp
         assert "keeping layers" in (tmp_path / "stage0.log").read_text()
 
 
-def test_drain_and_sigterm_under_eight_concurrent_requests_lose_nothing(model_dir, tmp_path):
-    with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+def test_drain_and_sigterm_under_eight_concurrent_requests_lose_nothing(chat_model, tmp_path):
+    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=UNIFORM, stage_args=PACE) as mesh:
         address = mesh.controller_address
         alone = [g.result() for g in [Generation(address, p, 40) for p in PROMPTS]]
         # drain the middle stage while eight requests run

@@ -56,6 +56,7 @@ class FakeRequest:
     accepted: int = 0
     speculate: int = 0
     prefill_chunk: int = 0
+    handoff: object = None  # not prefilled on another pipeline
 
 
 def fake_logprob(token: int, i: int, top: int | None) -> TokenLogprob | None:
