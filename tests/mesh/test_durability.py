@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -164,6 +165,14 @@ class HttpStream(threading.Thread):
         return self.text
 
 
+def together(calls: dict) -> dict:
+    """Each call's result, the calls run at once (a request's tokens are the same among others as
+    alone: the engine's batch invariance, tests/mesh/test_engine.py)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {k: pool.submit(f) for k, f in calls.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
 def http_text(address: str, prompt: str, max_tokens: int) -> str:
     host, port = address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -242,9 +251,10 @@ def test_a_controller_killed_mid_generation_comes_back_and_every_client_gets_the
 
 def controller_killed_then_damaged_then_full(mesh: LocalMesh, http_address: str) -> None:
     addr = mesh.controller_address
-    ref = {"greedy": submit(addr, PROMPTS[0], N), "sampled": submit(addr, PROMPTS[1], N, 0.9, seed=7),
-           "lpctl": submit(addr, PROMPTS[2], N), "http": http_text(http_address, PROMPTS[3], N)}
-    ref["outline"], _ = outline_points(lpctl_outline(mesh, OUTLINE_PROMPT))
+    outline_ref = lpctl_outline(mesh, OUTLINE_PROMPT)
+    ref = together({"greedy": lambda: submit(addr, PROMPTS[0], N), "sampled": lambda: submit(addr, PROMPTS[1], N, 0.9, seed=7),
+                    "lpctl": lambda: submit(addr, PROMPTS[2], N), "http": lambda: http_text(http_address, PROMPTS[3], N)})
+    ref["outline"], _ = outline_points(outline_ref)
     # the lpctl processes first: they take seconds to start on a loaded machine, and one that first
     # calls after the kill has nothing to resume (it fails, rightly: nothing listens)
     lp = lpctl_submit(mesh, addr, PROMPTS[2], N)
@@ -325,8 +335,8 @@ def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_pat
             assert time.monotonic() < deadline, mesh.logs()
             time.sleep(0.2)
         epoch = mesh.controller_status(address=a).epoch
-        ref = {"greedy": submit(a, PROMPTS[0], N), "sampled": submit(a, PROMPTS[1], N, 0.9, seed=11),
-               "lpctl": submit(a, PROMPTS[2], N)}
+        ref = together({"greedy": lambda: submit(a, PROMPTS[0], N), "sampled": lambda: submit(a, PROMPTS[1], N, 0.9, seed=11),
+                        "lpctl": lambda: submit(a, PROMPTS[2], N)})
         greedy, sampled = GrpcClient([a, b], PROMPTS[0], N), GrpcClient([a, b], PROMPTS[1], N, 0.9, seed=11)
         lp = lpctl_submit(mesh, f"{a},{b}", PROMPTS[2], N)
         wait_producing([greedy, sampled], mesh)
@@ -397,7 +407,7 @@ def test_a_storm_of_stage_faults_loses_no_request_and_changes_no_output(model_di
     rng = random.Random(22)
     with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
         addr = mesh.controller_address
-        ref = {p: submit(addr, p, 40) for p in PROMPTS}
+        ref = together({p: (lambda p=p: submit(addr, p, 40)) for p in PROMPTS})
         results: list[tuple[str, list[int] | Exception]] = []
         storming = threading.Event()
         storming.set()
