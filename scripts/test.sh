@@ -6,7 +6,8 @@ bash scripts/setup.sh
 # Debian's chromium + chromedriver for the dashboard's browser test (apt once, as root); where they cannot
 # be installed the rest of the suite still runs and that test fails saying why
 bash scripts/browser.sh || echo "test: chromium could not be installed (above): tests/mesh/test_dashboard.py will fail" >&2
-# Two workers (pytest-xdist), each test file on one of them so a file's shared mesh is started once:
-# the mesh tests wait on their processes as much as they compute, so two files at a time keep 2 cores
-# busy. LOGICPIPE_TEST_WORKERS sets how many (0: no workers, all in this process).
-exec .venv/bin/python -m pytest -q -n "${LOGICPIPE_TEST_WORKERS:-2}" --dist loadfile "$@"
+# Three workers (pytest-xdist), each test file on one of them so a file's shared mesh is started once:
+# the mesh tests wait on their processes (paced stages, leases, re-plans) more than they compute, so
+# three files at a time keep 2 cores busy. LOGICPIPE_TEST_WORKERS sets how many (0: no workers, all in
+# this process).
+exec .venv/bin/python -m pytest -q -n "${LOGICPIPE_TEST_WORKERS:-3}" --dist loadfile "$@"
