@@ -307,7 +307,7 @@ class Shard:
         a = self.arch
         sliding = tuple(i for i in self.kv_layers if self.kind(i) == "sliding")
         if (not sliding or not a.sliding_window or a.mla or self.tp is not None or self.mirror is not None
-                or self.batch_invariant or self.graphs is not None or (self.device.type == "cpu" and self.native is not None)):
+                or self.batch_invariant or self.graphs is not None):
             return False
         self.window = a.sliding_window
         if len(sliding) < len(self.kv_layers):
