@@ -30,9 +30,9 @@ def model(request, tmp_path_factory):
     return request.param, path, hf_greedy(hf_model(path), PROMPT, STEPS)
 
 
-def caches(path, bounds=((0, 3),)) -> tuple[list[Shard], list[PagedCache]]:
+def caches(path, bounds=((0, 3),), graphs: bool = False) -> tuple[list[Shard], list[PagedCache]]:
     shards = [Shard.load(path, s, e, first=i == 0, last=i == len(bounds) - 1) for i, (s, e) in enumerate(bounds)]
-    return shards, [PagedCache(s, 32, BS, window=True, rollback=ROLL, group_blocks=24) for s in shards]
+    return shards, [PagedCache(s, 32, BS, window=True, rollback=ROLL, group_blocks=24, graphs=graphs) for s in shards]
 
 
 def step(shards, cs, sid: str, pos: int, ids: list[int], prompt: int) -> torch.Tensor:
@@ -78,6 +78,18 @@ def test_greedy_tokens_equal_transformers_past_the_window(model, bounds):
         assert w.used <= w.bound
         if isinstance(c.kv, KVGroups):  # the full layers keep everything
             assert c.kv.main.used == c.kv.blocks_for(t.length)
+
+
+def test_step_graphs_read_the_window_held(model):
+    """The CUDA-graph step body (engine.step_graphs, eagerly on the CPU) over windows held: every step
+    (the prompt's 26 rows too) in a graph bucket, block tables starting with holes (Mistral) or the window
+    layers' own tables and write slots (Gemma 3), rejected candidates among them: transformers' tokens."""
+    name, path, ref = model
+    shards, cs = caches(path, graphs=True)
+    assert decode(shards, cs, "s", 0, PROMPT, STEPS, len(PROMPT), wrong=ROLL - 1) == ref, name
+    assert cs[0].graphs.replays == STEPS  # every step ran the graph body
+    w = window_manager(cs[0])
+    assert HOLE in w.tables["s"].blocks and w.used <= w.bound
 
 
 def test_rejected_candidates_roll_back_within_the_window(model):
