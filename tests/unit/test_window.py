@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from logicpipe.controller.mesh.planning import device_profile
 from logicpipe.errors import ResourceExhausted
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.engine.blocks import HOLE, BadWrite, KVManager
@@ -14,6 +15,9 @@ from logicpipe.stage_node.engine.scheduler import Scheduler
 from logicpipe.stage_node.engine.sequence import SeqSpec
 from logicpipe.stage_node.engine.window import KVGroups, WindowBlocks, held_blocks, managers, split_budget
 from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.net import wire
+from logicpipe.stage_node.profile import HostProfile
+from logicpipe.v1 import stage_pb2
 from tests.families import WINDOW, build, hf_greedy, hf_model
 
 from .paged import PagedCache
@@ -168,6 +172,15 @@ def test_admission_counts_a_window_as_bounded():
         sliding.admit(spec(f"s{i}", 400))
     with pytest.raises(ResourceExhausted):
         sliding.admit(spec("more", 400))
+
+
+def test_a_stage_whose_windows_keep_every_position_says_so_in_its_profile():
+    """--window-kv off and --tp stages keep every position of their sliding layers: their profile's
+    full_sliding_kv reaches the controller's planner profile (which then counts full layers' bytes)."""
+    for full in (False, True):
+        host = HostProfile("cpu", "x", 1 << 30, 1e12, 1e11, ("fp32",), full_sliding_kv=full)
+        reply = stage_pb2.StatusReply(node_id="n", profile=wire.profile_to_proto(host))
+        assert device_profile(reply, {}).full_sliding_kv is full
 
 
 def test_the_budget_split_holds_as_many_sequences_in_both_pools():
