@@ -371,7 +371,9 @@ int lp_int8_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *
 
    The KV pool is [layers, 2 (k, v), kv_heads, slots, head_dim] float32; row r of the step writes its keys
    and values at slot write_slots[r] of every layer, then attends over the slots table[row_seq[r]][j] of
-   positions j in [lo, pos[r]] (lo = pos[r] - window + 1 with a window). cos and sin_signed are the RoPE
+   positions j in [lo, pos[r]] (lo = pos[r] - window + 1 with a window). lp_layers_pools takes a pool
+   per layer (lp_pool: its tensor, slot tables and write slots): sliding-window layers that hold only
+   their window keep it in a pool of their own, whose tables are real from the window's first position. cos and sin_signed are the RoPE
    tables [positions, head_dim] (stage_node.model.rope: x * cos + roll(x, half) * sin_signed). */
 
 typedef struct { const void *w, *s; int64_t n, fmt; } lp_mat;  /* fmt 4: int4, 8: int8 */

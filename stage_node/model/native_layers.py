@@ -12,8 +12,10 @@ of any size, a request alone or among 64 and a replay all give a row the same nu
 What runs here (`eligible`): float32 activations and KV on the CPU, every layer's four matrices
 int4 or int8 by the native kernel, RMSNorm of Llama's kind, SiLU or tanh-GELU gating, rotate-half
 RoPE over whole heads (layers without RoPE too), one RoPE table for every layer kind, optional
-biases, per-head q/k norms and sliding windows. Anything else (experts, latent attention, sinks,
-soft-capping, Gemma's norms, partial RoPE) keeps the torch forward. LOGICPIPE_CPU_LAYERS=torch
+biases, per-head q/k norms and sliding windows (held as only their window too: a pool per layer,
+`lp_layers_pools`, the window layers' own where the stage has full layers beside them). Anything
+else (experts, latent attention, sinks, soft-capping, Gemma's norms, partial RoPE) keeps the torch
+forward. LOGICPIPE_CPU_LAYERS=torch
 turns this path off (to compare).
 """
 from __future__ import annotations

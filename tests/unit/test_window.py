@@ -1,7 +1,8 @@
 """Sliding-window layers that hold only their window (engine.window): a Mistral-style model (every
 layer slides) and a Gemma-3-style one (sliding and full layers: two pools) give transformers' greedy
-tokens well past the window, with blocks given back as they go, through forks, rejected candidates
-and the prefix cache; admission counts a window's blocks as bounded."""
+tokens well past the window, with blocks given back as they go, through forks, rejected candidates,
+the prefix cache and the CUDA-graph step body; admission counts a window's blocks as bounded; a stage
+whose windows keep every position says so to the planner."""
 from __future__ import annotations
 
 import pytest
