@@ -9,9 +9,10 @@ the stage holds at the end.
 
     python -m bench.gpu_window [--tokens 300] [--window 40] [--families mistral,qwen2,gemma2,gemma3,gpt_oss]
 
-It prints one line per family and mode, e.g.
+It prints one line per family and mode (off graphs, on graphs, on eager):
 
-    mistral  window-kv on  graphs: tokens equal 4/4, graph replays 201 of 204 steps, KV blocks held 24 (window layers 24), whole contexts 60
+    FAMILY window-kv MODE: tokens equal N/4, graph replays R of S steps, KV held K KiB in B blocks
+    (window layers W, bound 4 x WindowBlocks.bound), whole contexts C [window, invariant, fused]
 
 and last `PASS` when, for every family, every mode's tokens equal transformers' (4/4), the graph modes
 replayed their decode steps from graphs, and with windows held the window layers hold at most their bound
@@ -85,6 +86,8 @@ def run(path: Path, prompts: list[list[int]], tokens: int, window_kv: bool, grap
     return dict(tokens=[out[sid] for sid in ids], steps=steps,
                 replays=shard.graphs.replays if shard.graphs is not None else 0,
                 blocks_held=getattr(kv, "main", kv).used + (kv.group.used if isinstance(kv, KVGroups) else 0),
+                kv_kib_held=(getattr(kv, "main", kv).used * pool.block_bytes
+                             + (kv.group.used * pool.group.block_bytes if isinstance(kv, KVGroups) else 0)) / 1024,
                 window_blocks_held=win.used if win is not None else None,
                 window_bound=win.bound * len(ids) if win is not None else None,
                 whole_context_blocks=sum(-(-n // pool.block_size) for n in lengths),
@@ -118,7 +121,7 @@ def main() -> None:
             r["tokens_equal"] = equal
             results[family][mode] = r
             print(f"{family:8s} window-kv {mode:10s}: tokens equal {equal}/4, graph replays {r['replays']} of "
-                  f"{r['steps']} steps, KV blocks held {r['blocks_held']} (window layers "
+                  f"{r['steps']} steps, KV held {r['kv_kib_held']:.0f} KiB in {r['blocks_held']} blocks (window layers "
                   f"{r['window_blocks_held']}, bound {r['window_bound']}), whole contexts {r['whole_context_blocks']}"
                   f" [window {r['window']} on {r['window_layers']} layers, invariant {r['batch_invariant']}, "
                   f"fused {r['fused']}]", flush=True)
