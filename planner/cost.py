@@ -46,7 +46,8 @@ holds the shared matrix once):
     and it must be <= Reserve.usable_bytes(profile.memory_bytes).
 
     Where layers differ in what a sequence keeps (`ModelSpec.layer_kinds`, issue 37: sliding-window
-    layers min(C, window) tokens of KV, linear-attention layers a fixed state), C * kv is the average
+    layers min(C, window) tokens of KV, or C on a node whose windows keep every position, its profile's
+    `full_sliding_kv`; linear-attention layers a fixed state), C * kv is the average
     layer's share (`mean_kv_bytes_per_layer`) in the per-layer terms above (the KV a step reads, the
     DP's layers per device), and a stage's memory_bytes is its own range's (`range_memory_bytes`,
     from prefix counts of each kind).
@@ -155,19 +156,23 @@ def stage_compute_s(profile: DeviceProfile, model: ModelSpec, workload: Workload
 
 def layer_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> int:
     """Bytes the average layer takes on `profile`: weights + what B sequences of C tokens keep in it
-    (full layers C tokens of KV, sliding layers their window, linear layers a state: ModelSpec.kv_bytes_per_sequence)."""
-    c = workload.context_tokens
-    kv = _held_kv(profile, model, workload.batch * model.mean_kv_bytes_per_layer(c),
-                  lambda ks, fs: workload.batch * model.mean_kv_bytes_per_layer(c, kv_scale=ks, state_scale=fs))
+    (full layers C tokens of KV, sliding layers their window, or C where the node's windows keep every
+    position: `full_sliding_kv`; linear layers a state: ModelSpec.kv_bytes_per_sequence)."""
+    c, whole = workload.context_tokens, profile.full_sliding_kv
+    kv = _held_kv(profile, model, workload.batch * model.mean_kv_bytes_per_layer(c, whole=whole),
+                  lambda ks, fs: workload.batch * model.mean_kv_bytes_per_layer(c, kv_scale=ks, state_scale=fs,
+                                                                                whole=whole))
     return math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(kv)
 
 
 def range_memory_bytes(profile: DeviceProfile, model: ModelSpec, workload: Workload, start: int, end: int) -> int:
     """Bytes layers [start, end) take on `profile`: their weights and what B sequences of C tokens keep
-    in each of them by its kind (a stage of Gemma 3's full layers keeps more than one of its sliding ones)."""
-    c = workload.context_tokens
-    kv = _held_kv(profile, model, workload.batch * model.kv_bytes_per_sequence(c, start, end),
-                  lambda ks, fs: workload.batch * model.kv_bytes_per_sequence(c, start, end, kv_scale=ks, state_scale=fs))
+    in each of them by its kind (a stage of Gemma 3's full layers keeps more than one of its sliding ones;
+    a node whose windows keep every position, `full_sliding_kv`, as much in both)."""
+    c, whole = workload.context_tokens, profile.full_sliding_kv
+    kv = _held_kv(profile, model, workload.batch * model.kv_bytes_per_sequence(c, start, end, whole=whole),
+                  lambda ks, fs: workload.batch * model.kv_bytes_per_sequence(c, start, end, kv_scale=ks, state_scale=fs,
+                                                                              whole=whole))
     return (end - start) * math.ceil(weight_scale(profile, model) * model.layer_weight_bytes) + math.ceil(kv)
 
 

@@ -49,6 +49,8 @@ def profile_dict(profile: DeviceProfile) -> dict:
         out["step_overhead_s"] = profile.step_overhead_s
     if profile.kv_format:
         out["kv_format"] = profile.kv_format
+    if profile.full_sliding_kv:
+        out["full_sliding_kv"] = True
     if profile.devices > 1:
         out["devices"] = profile.devices
         out["allreduce"] = [profile.allreduce_latency_s, profile.allreduce_bandwidth]

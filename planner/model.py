@@ -78,15 +78,16 @@ class ModelSpec:
     kv_vectors_per_token_per_layer: int = 0
 
     def kv_bytes_per_sequence(self, context: int, start: int = 0, end: int | None = None, *,
-                              kv_scale: float = 1.0, state_scale: float = 1.0) -> float:
+                              kv_scale: float = 1.0, state_scale: float = 1.0, whole: bool = False) -> float:
         """Bytes one sequence of `context` tokens keeps in layers [start, end) (default all), in the
         model's float format (or with the KV's and the states' bytes scaled by `kv_scale` and
         `state_scale`: a device's, cost.kv_scale): full layers its context, sliding layers their
-        window, linear layers a fixed state. O(1) from prefix counts of each kind."""
+        window (`whole`: their context too, on a stage whose windows keep every position:
+        DeviceProfile.full_sliding_kv), linear layers a fixed state. O(1) from prefix counts of each kind."""
         end = self.num_layers if end is None else end
         _check(0 <= start <= end <= self.num_layers, f"layers [{start}, {end}) are not a range of {self.num_layers}")
         full, sliding, linear = (self._kind_counts[end][k] - self._kind_counts[start][k] for k in range(3))
-        window = min(context, self.sliding_window) if self.sliding_window else context
+        window = min(context, self.sliding_window) if self.sliding_window and not whole else context
         kv = (full * context + sliding * window) * self.kv_bytes_per_token_per_layer
         if kv_scale == 1.0 and state_scale == 1.0:
             return kv + linear * self.state_bytes_per_layer
@@ -99,9 +100,11 @@ class ModelSpec:
             FORMAT_BYTES.get(self.weight_format, 2.0), 2.0)
         return elements + KV_SCALE_BYTES * self.kv_vectors_per_token_per_layer
 
-    def mean_kv_bytes_per_layer(self, context: int, *, kv_scale: float = 1.0, state_scale: float = 1.0) -> float:
+    def mean_kv_bytes_per_layer(self, context: int, *, kv_scale: float = 1.0, state_scale: float = 1.0,
+                                whole: bool = False) -> float:
         """The average layer's bytes for one sequence of `context` tokens (`kv_bytes_per_sequence` / layers)."""
-        return self.kv_bytes_per_sequence(context, kv_scale=kv_scale, state_scale=state_scale) / self.num_layers
+        return self.kv_bytes_per_sequence(context, kv_scale=kv_scale, state_scale=state_scale,
+                                          whole=whole) / self.num_layers
 
     @property
     def _kind_counts(self) -> tuple[tuple[int, int, int], ...]:

@@ -118,6 +118,9 @@ class DeviceProfile:
     # its KV cache's format: "" the compute format; "int8" / "fp8" (--kv-dtype): a byte an element and a
     # float32 scale per (token, KV head) vector (model.kv_scale)
     kv_format: str = ""
+    # its sliding-window layers keep every position's KV, as full layers do (a stage started with
+    # --window-kv off, or a tensor-parallel one): the planner counts them so (False: they hold only their window)
+    full_sliding_kv: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.node_id, str) and self.node_id != "", f"node_id must be a non-empty string, got {self.node_id!r}")
@@ -145,6 +148,7 @@ class DeviceProfile:
             value = getattr(self, name)
             _require(_is_real(value) and math.isfinite(value) and value >= 0,
                      f"{where}: {name} must be a finite number >= 0, got {value!r}")
+        _require(isinstance(self.full_sliding_kv, bool), f"{where}: full_sliding_kv must be a bool")
         _require(isinstance(self.devices, int) and not isinstance(self.devices, bool) and self.devices >= 1,
                  f"{where}: devices must be an integer >= 1, got {self.devices!r}")
 

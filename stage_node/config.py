@@ -33,7 +33,7 @@ class StageOptions:
     replay_rows: bool = True             # --replay-rows: log the rows it sends on (and inside a range a re-plan
                                          # grew), so a replay after a re-plan computes only the layers it lacks
     window_kv: bool = True               # --window-kv: sliding-window layers keep only their window's KV
-                                         # (engine.window; where the stage runs the torch forward)
+                                         # (engine.window; every stage but a --tp one)
     kv_dtype: str = "auto"               # --kv-dtype: KV values in the compute dtype ("auto") or 8-bit, "int8" /
                                          # "fp8" with a float32 scale per (token, KV head) (engine.kv_quant)
     kv_context: int = 8192               # --kv-context: positions a sequence is expected to reach; a stage with

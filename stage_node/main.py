@@ -99,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
     ap.add_argument("--window-kv", choices=["on", "off"], default="on",
-                    help="sliding-window layers keep only the KV of their window, where the stage runs the torch "
-                         "forward (no CUDA graphs, batch-invariant or native kernels; default %(default)s)")
+                    help="sliding-window layers keep only the KV of their window (every path but --tp, whose "
+                         "ranks keep every position; off, or with --tp, the profile tells the planner to count "
+                         "them as full layers; default %(default)s)")
     ap.add_argument("--kv-context", type=int, default=8192, metavar="POSITIONS",
                     help="a stage with full and sliding-window layers splits --max-kv-mib between their pools so "
                          "both hold as many sequences of this many positions (default %(default)s)")
@@ -294,6 +295,10 @@ async def serve(args: argparse.Namespace) -> None:
         await runner.call(host_profile, device, dtype=args.dtype, quantize=args.quantize), args.tp, allreduce)
     if profile is not None and args.kv_dtype != "auto":  # the planner counts its KV at 8-bit's bytes
         profile = dataclasses.replace(profile, kv_format=args.kv_dtype)
+    if profile is not None and (args.window_kv == "off" or leader is not None):
+        # its sliding-window layers keep every position (a tensor-parallel stage's ranks hold no windows
+        # yet: Shard.hold_windows): the planner counts them as full layers, never a window's bytes
+        profile = dataclasses.replace(profile, full_sliding_kv=True)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            min_step_s=max(0.0, args.min_step_ms) / 1000,

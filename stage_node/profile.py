@@ -64,6 +64,8 @@ class HostProfile:
     allreduce_latency_s: float = 0.0  # ... its measured all-reduce: seconds of a small one,
     allreduce_bandwidth: float = 0.0  # ... and bytes/s of a large one (0: one device)
     kv_format: str = ""               # its KV: "" the compute format, "int8" / "fp8" (--kv-dtype; engine.kv_quant)
+    full_sliding_kv: bool = False     # its sliding-window layers keep every position (--window-kv off; --tp):
+                                      # the planner counts them as full layers (engine.window)
 
 
 def tensor_parallel(profile: HostProfile, world: int, allreduce: tuple[float, float] = (0.0, 0.0)) -> HostProfile:

@@ -162,7 +162,7 @@ def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: 
         compute_format=p.compute_format, weight_bandwidth=round_sig(p.weight_bandwidth, 2),
         weight_bytes_per_param=round_sig(p.weight_bytes_per_param, 3), devices=max(1, p.devices),
         allreduce_latency_s=round_sig(p.allreduce_latency_s, 2), allreduce_bandwidth=round_sig(p.allreduce_bandwidth, 2),
-        kv_format=p.kv_format if p.kv_format in KV_FORMATS else "")
+        kv_format=p.kv_format if p.kv_format in KV_FORMATS else "", full_sliding_kv=p.full_sliding_kv)
     if profile.device_kind in STEP_OVERHEAD_S:
         profile = dataclasses.replace(profile, step_overhead_s=STEP_OVERHEAD_S[profile.device_kind])
     fmt = device_weight_format(profile, spec) if spec is not None else None

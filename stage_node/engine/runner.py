@@ -202,7 +202,10 @@ def _forward(shard: Shard, pool: KVPool, seqs: list[PlannedSeq], rows: dict[str,
     x = rows[seqs[0].seq.id] if len(seqs) == 1 else torch.cat([rows[p.seq.id] for p in seqs])
     out = None
     if shard.graphs is not None:
-        out = shard.graphs.forward(x, [GraphRow(p.work.start_pos + j, p.plan.slots[j], p.read_blocks)
+        window = pool.group is not None  # (the window layers' own pool: engine.window)
+        out = shard.graphs.forward(x, [GraphRow(p.work.start_pos + j, p.plan.slots[j], p.read_blocks,
+                                                p.plan.window.slots[j] if window else -1,
+                                                p.window_blocks if window else None)
                                        for p in seqs for j in range(p.work.num_tokens)])
     slots = None
     if out is None:

@@ -23,6 +23,13 @@ forward in how it attends:
   * with batch-invariant kernels (stage_node.invariant) every row attends by the same kernel as
     in the eager forward, reading its keys from the pool by slot (no gather, no padded context):
     a row gets the same bits in any bucket, and in a graph or not.
+Sliding windows held (engine.window, Shard.hold_windows): a window sequence's block table starts
+with the blocks it gave back (`HOLE`); a graph reads a held block in their place (masked, as every
+position before the window is). Where the stage has full layers too, the window layers' own pool
+(`KVPool.group`) has its own block table and write slot per row (`GraphRow.window_blocks`,
+`window_slot`), static inputs of the graph beside the full layers'. A bucket's context is still the
+rows' positions (masked below the window), so a step past the largest bucket runs eagerly.
+
 The KV pool is static (allocated once for the stage's budget, zeroed: masked positions are read, and
 a NaN there would pass the mask), and the RoPE tables are grown to the
 largest bucket before the first capture and held, so the captured addresses stay valid.
@@ -47,6 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from logicpipe.stage_node.engine.blocks import HOLE
 from logicpipe.stage_node.engine.kv_quant import dequantize, index_select
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.model.ops import softcap
@@ -61,22 +69,29 @@ MAX_CONTEXT = 8192
 
 @dataclass(frozen=True)
 class GraphRow:
-    """One row of a step: its position, the pool slot it writes, its sequence's block table."""
+    """One row of a step: its position, the pool slot it writes, its sequence's block table (and where
+    the stage's sliding-window layers hold only their window in a pool of their own: the slot it writes
+    there and its sequence's block table there)."""
 
     position: int
     write_slot: int
     blocks: list[int] | tuple[int, ...]
+    window_slot: int = -1
+    window_blocks: list[int] | tuple[int, ...] | None = None
 
 
 class _Graph:
     """Static inputs and outputs of one (rows, context) bucket, and its captured graph."""
 
-    def __init__(self, rows: int, context: int, block_size: int, hidden: int, dtype, device):
+    def __init__(self, rows: int, context: int, block_size: int, hidden: int, dtype, device, window: bool = False):
         self.rows, self.context = rows, context
         self.nblocks = context // block_size
         self.x = torch.zeros(rows, hidden, dtype=dtype, device=device)  # x: [rows, hidden]
-        # ints: positions [rows], write slots [rows], lengths [rows], block tables [rows, nblocks]
-        self.ints = torch.zeros(rows * (3 + self.nblocks), dtype=torch.long, device=device)
+        # ints: positions [rows], write slots [rows], lengths [rows], block tables [rows, nblocks]; with
+        # `window` (the window layers' own pool) their write slots [rows] and block tables [rows, nblocks] too
+        self.window = window
+        self.ints = torch.zeros(rows * (3 + self.nblocks) * (1 + window) - 2 * rows * window, dtype=torch.long,
+                                device=device)
         cuda = torch.device(device).type == "cuda"
         # their host side: pinned, copied without a sync; the event says when the copy has read it
         self.host = [torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=True) for _ in range(2)] if cuda else None
@@ -102,7 +117,16 @@ class _Graph:
 
     @property
     def blocks(self) -> torch.Tensor:
-        return self.ints[3 * self.rows:].view(self.rows, self.nblocks)
+        return self.ints[3 * self.rows: (3 + self.nblocks) * self.rows].view(self.rows, self.nblocks)
+
+    @property
+    def window_write(self) -> torch.Tensor:
+        at = (3 + self.nblocks) * self.rows
+        return self.ints[at: at + self.rows]
+
+    @property
+    def window_blocks(self) -> torch.Tensor:
+        return self.ints[(4 + self.nblocks) * self.rows:].view(self.rows, self.nblocks)
 
 
 class StepGraphs:
@@ -213,8 +237,9 @@ class StepGraphs:
     def _fill(self, g: _Graph, ints, rows: list[GraphRow]) -> None:
         """g's integer inputs for `rows` into the host array `ints` (numpy): positions, write slots
         and lengths of every row (padding rows: position 0, the scratch slot, length 1), then each
-        row's block table padded with its first block (padding rows: block 0). Rows of one
-        sequence share their table's conversion."""
+        row's block table padded with its first block (padding rows: block 0); with a window pool,
+        its write slots and block tables the same way. Rows of one sequence share their table's
+        conversion."""
         n, R, nb = len(rows), g.rows, g.nblocks
         ints[:n] = [r.position for r in rows]
         ints[n:R] = 0
@@ -222,15 +247,12 @@ class StepGraphs:
         ints[R + n:2 * R] = self.pool.scratch_slot
         ints[2 * R:2 * R + n] = [r.position + 1 for r in rows]
         ints[2 * R + n:3 * R] = 1
-        blocks = ints[3 * R:].reshape(R, nb)
-        last, arr = None, None
-        for i, r in enumerate(rows):
-            if r.blocks is not last:
-                last = r.blocks
-                arr = np.asarray(r.blocks[:nb], dtype=np.int64)
-            blocks[i, :len(arr)] = arr
-            blocks[i, len(arr):] = arr[0]
-        blocks[n:] = 0
+        _tables(ints[3 * R:(3 + nb) * R].reshape(R, nb), [r.blocks for r in rows])
+        if g.window:
+            at = (3 + nb) * R
+            ints[at:at + n] = [r.window_slot for r in rows]
+            ints[at + n:at + R] = self.pool.group.scratch_slot
+            _tables(ints[at + R:].reshape(R, nb), [r.window_blocks for r in rows])
 
     def make(self, rows: int, context: int) -> _Graph | None:
         """The (rows, context) bucket's static inputs and (capture on) its graph, or None when the
@@ -247,9 +269,11 @@ class StepGraphs:
     def _new(self, rows: int, context: int, strict: bool = False) -> _Graph | None:
         s = self.shard
         strict = strict or s.tp is not None  # a rank of a tensor-parallel stage: a failure is the stage's
-        g = _Graph(rows, context, self.block_size, s.config.hidden_size, s.dtype, s.device)
+        g = _Graph(rows, context, self.block_size, s.config.hidden_size, s.dtype, s.device, self.pool.group is not None)
         g.write.fill_(self.pool.scratch_slot)
         g.lengths.fill_(1)
+        if g.window:
+            g.window_write.fill_(self.pool.group.scratch_slot)
         if self.capture:
             t0 = time.perf_counter()
             try:
@@ -278,19 +302,28 @@ class StepGraphs:
         """The layers over g's static inputs -> [rows, hidden] (what the graph records)."""
         s, c = self.shard, self.shard.config
         R, C, bs = g.rows, g.context, self.block_size
+        slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(R, C)  # [R, C]: each row's slot of each position
+        # per local layer: its pool, its layer there, the slots its rows write and read (the window layers'
+        # own where the stage holds windows beside full layers)
+        own = {"main": (self.pool, g.write, slots)}
+        if g.window:
+            own["window"] = (self.pool.group, g.window_write,
+                             (g.window_blocks[:, :, None] * bs + self._arange[:bs]).view(R, C))
+        group = set(s.window_layers)
+        where = [own["window" if i in group else "main"] + (s._kv.get(i, i),) for i in range(len(s.layers))]
+        window_kv = (g.window_write, self.pool.group.kv) if g.window else None
         if s.fused_layers:  # RoPE tables indexed and keys written by the fused kernels, read by slot
-            slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(R, C)
 
             def attend_fused(i: int, q: torch.Tensor) -> torch.Tensor:
-                return invariant.attention(q, self.pool.k[i], self.pool.v[i], slots, g.positions, g.tiles,
+                pool, _, read, j = where[i]
+                return invariant.attention(q, pool.k[j], pool.v[j], read, g.positions, g.tiles,
                                            scale=s._scale, cap=s.arch.attn_softcap,
                                            window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
 
-            return s.layers_fused(g.x, g.positions, g.write, self.pool.kv, self.tables, attend_fused)
+            return s.layers_fused(g.x, g.positions, g.write, self.pool.kv, self.tables, attend_fused, window_kv)
         kvh, hd = c.num_kv_heads, c.head_dim
-        group = c.num_heads // kvh
+        group_size = c.num_heads // kvh
         tables = {kind: (cos[g.positions], sin[g.positions]) for kind, (cos, sin) in self.tables.items()}  # [R, hd]
-        slots = (g.blocks[:, :, None] * bs + self._arange[:bs]).view(-1)  # [R * C]
         keys_at = self._arange[:C][None, :]  # [1, C]
         full = keys_at < g.lengths[:, None]  # [R, C]: a row sees the positions up to its own
         masks = {"full": full[:, None, None, :]}  # [R, 1, 1, C]
@@ -299,28 +332,30 @@ class StepGraphs:
         cap = s.arch.attn_softcap
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv = self.pool.kv[i]  # [2, kv_heads, slots, head_dim] (MLA: [1, 1, slots, latent])
-            if self.pool.quantized:  # 8-bit KV (engine.kv_quant): quantized as written, dequantized as gathered
-                self.pool.store(i, g.write, k, v)
+            pool, write, read, j = where[i]
+            kv = pool.kv[j]  # [2, kv_heads, slots, head_dim] (MLA: [1, 1, slots, latent])
+            if pool.quantized:  # 8-bit KV (engine.kv_quant): quantized as written, dequantized as gathered
+                pool.store(j, write, k, v)
             else:
                 new = k[None] if v is None else torch.stack((k, v))
-                kv.index_copy_(2, g.write, new.transpose(1, 2))  # [parts, kv_heads, R, hd]
+                kv.index_copy_(2, write, new.transpose(1, 2))  # [parts, kv_heads, R, hd]
             sinks = s.layers[i].sinks  # [heads] (gpt-oss) or None
             if s.batch_invariant:  # MLA: whole latent rows as values (the caller keeps their latent part)
-                return invariant.attention(q, kv[0], kv[-1], slots.view(R, C), g.positions, g.tiles, scale=s._scale,
+                return invariant.attention(q, kv[0], kv[-1], read, g.positions, g.tiles, scale=s._scale,
                                            cap=cap, window=s.arch.sliding_window if s.kind(i) == "sliding" else None,
                                            sinks=sinks)
-            both = index_select(kv, 2, slots)
-            if self.pool.quantized:
-                both = dequantize(both, self.pool.scales[i].index_select(2, slots), s.dtype)
+            flat = read.reshape(-1)  # [R * C]
+            both = index_select(kv, 2, flat)
+            if pool.quantized:
+                both = dequantize(both, pool.scales[j].index_select(2, flat), s.dtype)
             both = both.view(kv.shape[0], kvh, R, C, hd).transpose(1, 2)  # [parts, R, kv_heads, C, hd]
             keys = both[0]
-            values = keys[..., : self.pool.v.shape[-1]] if v is None else both[1]
+            values = keys[..., : pool.v.shape[-1]] if v is None else both[1]
             mask = masks[s.kind(i)]
-            q = q.view(R, kvh, group, hd)
+            q = q.view(R, kvh, group_size, hd)
             if sinks is not None:  # ops.attention's form with sinks: [R, kv_heads, group, C + 1]
                 scores = (q @ keys.transpose(-1, -2) * s._scale).masked_fill(~mask, float("-inf"))
-                both = torch.cat([scores, sinks.to(scores.dtype).view(1, kvh, group, 1).expand(R, -1, -1, -1)], -1)
+                both = torch.cat([scores, sinks.to(scores.dtype).view(1, kvh, group_size, 1).expand(R, -1, -1, -1)], -1)
                 both = both - both.max(dim=-1, keepdim=True).values
                 o = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(values.dtype) @ values
             elif cap is None:
@@ -335,3 +370,20 @@ class StepGraphs:
             cos, sin = tables[s.kind(i)]
             h = s._layer(i, w, h, cos, sin, s.decode_rows, attend)
         return h
+
+def _tables(blocks, tables) -> None:
+    """Each row's block table into `blocks` [R, nblocks] (numpy; rows past `tables`: block 0), cut or
+    padded to nblocks with a block it holds; the blocks a sliding window gave back (HOLE, a prefix of
+    its table) read as that block too: their positions are masked."""
+    n, nb = len(tables), blocks.shape[1]
+    last, arr = None, None
+    for i, t in enumerate(tables):
+        if t is not last:
+            last = t
+            arr = np.asarray(t[:nb], dtype=np.int64)
+            if arr[0] == HOLE:
+                held = arr[arr != HOLE]
+                arr = np.where(arr == HOLE, held[0] if held.size else t[-1], arr)
+        blocks[i, :len(arr)] = arr
+        blocks[i, len(arr):] = arr[0]
+    blocks[n:] = 0

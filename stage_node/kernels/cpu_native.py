@@ -128,6 +128,9 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     lib.lp_layers.argtypes = [ctypes.POINTER(Dims), ctypes.POINTER(Layer), i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
                               ptr, ptr, ptr, cint]
     lib.lp_layers.restype = cint
+    lib.lp_layers_pools.argtypes = [ctypes.POINTER(Dims), ctypes.POINTER(Layer), i64, ptr, i64, ptr, ptr,
+                                    ctypes.POINTER(Pool), i64, ptr, ptr, ptr, cint]
+    lib.lp_layers_pools.restype = cint
     lib.lp_attend_int8.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
                                    ctypes.c_double, ptr, cint]
     lib.lp_attend_int8.restype = cint
@@ -159,8 +162,15 @@ class Layer(ctypes.Structure):
                 ("qk_norm", ctypes.c_void_p), ("rope", ctypes.c_int64), ("window", ctypes.c_int64)]
 
 
+class Pool(ctypes.Structure):
+    """cpu_quant.c's lp_pool: a KV pool a step reads and writes (kv [layers, 2, kv_heads, slots, head_dim];
+    table [seqs, table_len] each sequence's slot of each position; write_slots [T])."""
+    _fields_ = [("kv", ctypes.c_void_p), ("slots", ctypes.c_int64), ("table", ctypes.c_void_p),
+                ("table_len", ctypes.c_int64), ("write_slots", ctypes.c_void_p)]
+
+
 class Dims(ctypes.Structure):
-    """cpu_quant.c's lp_dims: the model's sizes (slots: the KV pool's slots per layer and head)."""
+    """cpu_quant.c's lp_dims: the model's sizes (slots: lp_layers' KV pool's slots per layer and head)."""
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("slots", ctypes.c_int64),
                 ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("act", ctypes.c_int64)]

@@ -371,7 +371,9 @@ int lp_int8_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *
 
    The KV pool is [layers, 2 (k, v), kv_heads, slots, head_dim] float32; row r of the step writes its keys
    and values at slot write_slots[r] of every layer, then attends over the slots table[row_seq[r]][j] of
-   positions j in [lo, pos[r]] (lo = pos[r] - window + 1 with a window). cos and sin_signed are the RoPE
+   positions j in [lo, pos[r]] (lo = pos[r] - window + 1 with a window). lp_layers_pools takes a pool
+   per layer (lp_pool: its tensor, slot tables and write slots): sliding-window layers that hold only
+   their window keep it in a pool of their own, whose tables are real from the window's first position. cos and sin_signed are the RoPE
    tables [positions, head_dim] (stage_node.model.rope: x * cos + roll(x, half) * sin_signed). */
 
 typedef struct { const void *w, *s; int64_t n, fmt; } lp_mat;  /* fmt 4: int4, 8: int8 */
@@ -384,8 +386,21 @@ typedef struct {
     int64_t rope, window;                                       /* rope 0: a layer without; window 0: none */
 } lp_layer;
 
+/* A KV pool a step reads and writes (lp_layers_pools): kv [layers, 2, kv_heads, slots, head_dim]; table
+   [seqs, table_len]: each sequence's slot of each position (only the positions a row reads need be
+   real: a sliding-window pool's given-back positions before the window are never read); write_slots
+   [T]: the slot each row writes. A stage whose sliding-window layers hold only their window keeps them
+   in a second pool beside the full layers' (stage_node.engine.window). */
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter, slots;   /* slots: the pool's third axis */
+    float *kv;
+    int64_t slots;
+    const int64_t *table;
+    int64_t table_len;
+    const int64_t *write_slots;
+} lp_pool;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, slots;   /* slots: lp_layers' pool's third axis */
     double eps, scale;
     int64_t act;                                                /* 0: SiLU, 1: GELU (tanh) */
 } lp_dims;
@@ -477,11 +492,11 @@ static inline float act_fn(float g, int64_t act) {
     return g / (1.0f + expf(-g));
 }
 
-/* Layers [0, nl) of `L` over x [T, hidden] in place (the residual stream). 0, or -1: no memory, -2: a
-   head larger than 512. */
-int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
-              const int64_t *row_seq, const int64_t *table, int64_t table_len, const int64_t *write_slots,
-              float *kv, const float *cos, const float *sin_signed, int nt) {
+/* Layers [0, nl) of `L` over x [T, hidden] in place (the residual stream), layer l's KV the layer
+   where[2 l + 1] of pools[where[2 l]] (npools of them). 0, or -1: no memory, -2: a head larger than 512. */
+int lp_layers_pools(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
+                    const int64_t *row_seq, const lp_pool *pools, int64_t npools, const int64_t *where,
+                    const float *cos, const float *sin_signed, int nt) {
     const int64_t H = d->hidden, nh = d->heads, kvh = d->kv_heads, hd = d->head_dim, I = d->inter;
     const int64_t qn = nh * hd, kvn = kvh * hd, QKV = qn + 2 * kvn, group = nh / kvh;
     const float eps = (float)d->eps, scale = (float)d->scale;
@@ -492,12 +507,16 @@ int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t
     float *att = (float *)malloc((size_t)(T * qn) * sizeof(float));
     float *gu = (float *)malloc((size_t)(T * 2 * I) * sizeof(float));
     float *tmp = (float *)malloc((size_t)(T * H) * sizeof(float));
-    float *p = (float *)malloc((size_t)(threads * table_len) * sizeof(float));
+    int64_t longest = 1;
+    for (int64_t g = 0; g < npools; g++) longest = pools[g].table_len > longest ? pools[g].table_len : longest;
+    float *p = (float *)malloc((size_t)(threads * longest) * sizeof(float));
     int rc = (h && qkv && att && gu && tmp && p) ? 0 : -1;
-    const int64_t part = kvh * d->slots * hd;  /* floats of one (layer, k or v) */
     for (int64_t l = 0; l < nl && !rc; l++) {
         const lp_layer *w = L + l;
-        float *kl = kv + 2 * l * part, *vl = kl + part;
+        const lp_pool *P = pools + where[2 * l];
+        const int64_t slots = P->slots, part = kvh * slots * hd;  /* floats of one (layer, k or v) */
+        const int64_t *table = P->table, table_len = P->table_len, *write_slots = P->write_slots;
+        float *kl = P->kv + 2 * where[2 * l + 1] * part, *vl = kl + part;
         for (int64_t r = 0; r < T; r++) rms_norm_row(x + r * H, w->input_norm, h + r * H, H, eps);
         if ((rc = mat_mm(&w->qkv, h, H, T, H, qkv, QKV, nt))) break;
         add_bias(qkv, QKV, T, QKV, w->qkv_bias);
@@ -510,8 +529,8 @@ int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t
             if (w->rope)
                 for (int64_t i = 0; i < nh + kvh; i++) rope_head(q + i * hd, cos + pos[r] * hd, sin_signed + pos[r] * hd, hd);
             for (int64_t g = 0; g < kvh; g++) {
-                memcpy(kl + (g * d->slots + write_slots[r]) * hd, k + g * hd, (size_t)hd * sizeof(float));
-                memcpy(vl + (g * d->slots + write_slots[r]) * hd, v + g * hd, (size_t)hd * sizeof(float));
+                memcpy(kl + (g * slots + write_slots[r]) * hd, k + g * hd, (size_t)hd * sizeof(float));
+                memcpy(vl + (g * slots + write_slots[r]) * hd, v + g * hd, (size_t)hd * sizeof(float));
             }
         }
         int64_t pairs = T * nh;
@@ -522,11 +541,11 @@ int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t
             int64_t r = i / nh, hh = i % nh, g = hh / group;
             int64_t hi = pos[r], lo = w->window > 0 && hi - w->window + 1 > 0 ? hi - w->window + 1 : 0;
 #ifdef _OPENMP
-            float *pt = p + (int64_t)omp_get_thread_num() * table_len;
+            float *pt = p + (int64_t)omp_get_thread_num() * longest;
 #else
             float *pt = p;
 #endif
-            attend_head(qkv + r * QKV + hh * hd, kl + g * d->slots * hd, vl + g * d->slots * hd,
+            attend_head(qkv + r * QKV + hh * hd, kl + g * slots * hd, vl + g * slots * hd,
                         table + row_seq[r] * table_len, lo, hi, hd, scale, pt, att + r * qn + hh * hd);
         }
         if ((rc = mat_mm(&w->o, att, qn, T, qn, tmp, H, nt))) break;
@@ -544,6 +563,19 @@ int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t
         for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     }
     free(h); free(qkv); free(att); free(gu); free(tmp); free(p);
+    return rc;
+}
+
+/* lp_layers_pools over one pool kv (d->slots slots), layer l its layer l. */
+int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
+              const int64_t *row_seq, const int64_t *table, int64_t table_len, const int64_t *write_slots,
+              float *kv, const float *cos, const float *sin_signed, int nt) {
+    lp_pool one = {kv, d->slots, table, table_len, write_slots};
+    int64_t *where = (int64_t *)malloc((size_t)(2 * (nl > 0 ? nl : 1)) * sizeof(int64_t));
+    if (!where) return -1;
+    for (int64_t l = 0; l < nl; l++) { where[2 * l] = 0; where[2 * l + 1] = l; }
+    int rc = lp_layers_pools(d, L, nl, x, T, pos, row_seq, &one, 1, where, cos, sin_signed, nt);
+    free(where);
     return rc;
 }
 

@@ -12,8 +12,10 @@ of any size, a request alone or among 64 and a replay all give a row the same nu
 What runs here (`eligible`): float32 activations and KV on the CPU, every layer's four matrices
 int4 or int8 by the native kernel, RMSNorm of Llama's kind, SiLU or tanh-GELU gating, rotate-half
 RoPE over whole heads (layers without RoPE too), one RoPE table for every layer kind, optional
-biases, per-head q/k norms and sliding windows. Anything else (experts, latent attention, sinks,
-soft-capping, Gemma's norms, partial RoPE) keeps the torch forward. LOGICPIPE_CPU_LAYERS=torch
+biases, per-head q/k norms and sliding windows (held as only their window too: a pool per layer,
+`lp_layers_pools`, the window layers' own where the stage has full layers beside them). Anything
+else (experts, latent attention, sinks, soft-capping, Gemma's norms, partial RoPE) keeps the torch
+forward. LOGICPIPE_CPU_LAYERS=torch
 turns this path off (to compare).
 """
 from __future__ import annotations
@@ -93,10 +95,12 @@ class NativeLayers:
         self.inter = shard.layers[0].gate_up.shape[0] // 2
         self.dims = cpu_native.Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.inter, 0,
                                     c.rms_norm_eps, shard._scale, ACTIVATIONS[a.activation])
-        self.fn = cpu_native.library().lp_layers
+        self.fn = cpu_native.library().lp_layers_pools
 
     def forward(self, hidden: torch.Tensor, kv: StepKV) -> torch.Tensor:
-        """hidden [T, hidden] float32 -> [T, hidden]: every layer, as Shard.forward."""
+        """hidden [T, hidden] float32 -> [T, hidden]: every layer, as Shard.forward. Where the shard's
+        sliding-window layers hold only their window (Shard.hold_windows) their rows read from the
+        window's first position on (`SeqSlice.lo`), from the pool's group when it has one (`kv.window`)."""
         seqs = kv.seqs
         top = max(s.stop for s in seqs)
         rope = self.shard.rope
@@ -106,20 +110,43 @@ class NativeLayers:
             s = seqs[0]
             pos = torch.arange(s.start_pos, s.stop)
             row_seq = torch.zeros(s.num_tokens, dtype=torch.long)
-            table = torch.arange(s.span, s.span + s.stop) if s.span is not None else s.slots[: s.stop].contiguous()
         else:
             pos = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs])
             row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
-            table = torch.zeros(len(seqs), top, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                table[i, : s.stop] = torch.arange(s.span, s.span + s.stop) if s.span is not None else s.slots[: s.stop]
         x = hidden.clone(memory_format=torch.contiguous_format)  # float32 (Shard.forward); written in place
-        pool = kv.pool.kv  # [layers, 2, kv_heads, slots, head_dim], contiguous
-        self.dims.slots = pool.shape[3]
-        ws = kv.write_slots.contiguous()
+        reads = [kv] if kv.window is None else [kv, kv.window]
+        keep = [(_slot_table(r.seqs, top), r.write_slots.contiguous()) for r in reads]
+        pools = (cpu_native.Pool * len(reads))(*[
+            cpu_native.Pool(r.pool.kv.data_ptr(), r.pool.kv.shape[3], t.data_ptr(), t.shape[-1], ws.data_ptr())
+            for r, (t, ws) in zip(reads, keep)])
         rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.shard.layers), x.data_ptr(), x.shape[0],
-                     pos.data_ptr(), row_seq.data_ptr(), table.data_ptr(), top, ws.data_ptr(), pool.data_ptr(),
+                     pos.data_ptr(), row_seq.data_ptr(), pools, len(reads), self._where().data_ptr(),
                      cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError(f"native CPU layers failed ({rc}): no memory for a step of {x.shape[0]} rows")
         return x
+
+    def _where(self) -> torch.Tensor:
+        """Per layer (its pool: 0 the StepKV's, 1 its window's; its layer in that pool) [layers * 2] int64:
+        the window layers' own pool once the shard holds windows with full layers beside them."""
+        sh = self.shard
+        if self._where_for != sh.window_layers:
+            group = set(sh.window_layers)
+            self._where_of = torch.tensor([[int(i in group), sh._kv[i]] for i in range(len(sh.layers))],
+                                          dtype=torch.long).flatten()
+            self._where_for = sh.window_layers
+        return self._where_of
+
+    _where_for: tuple | None = None
+
+
+def _slot_table(seqs, top: int) -> torch.Tensor:
+    """Each sequence's slot of each position it reads [seqs, top] int64 (one sequence: [stop]); the
+    positions before a sequence's first read `lo` (a window's given-back ones) are never read: zeros."""
+    if len(seqs) == 1 and seqs[0].lo == 0:
+        s = seqs[0]
+        return torch.arange(s.span, s.span + s.stop) if s.span is not None else s.slots[: s.stop].contiguous()
+    table = torch.zeros(len(seqs), top, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        table[i, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo) if s.span is not None else s.slots
+    return table

@@ -170,19 +170,23 @@ class Shard:
     mirror = None
 
     def layers_fused(self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, kv: torch.Tensor,
-                     tables: dict, attend) -> torch.Tensor:
+                     tables: dict, attend, window: tuple | None = None) -> torch.Tensor:
         """Every layer over x [T, hidden] by stage_node.fused's kernels: positions, write_slots [T]
         int64 (device); kv: the pool's [layers, 2, kv_heads, slots, head_dim]; tables: layer kind ->
         (cos, sin_signed) [positions, head_dim]; attend(i, q) -> [T, heads * hd] attends over the
-        pool (new keys already written). The same arithmetic in the eager forward and a CUDA graph."""
+        pool (new keys already written); window: (write_slots, kv) of the window layers' own pool
+        (`window_layers`; None: every layer's KV is in `kv`). The same arithmetic in the eager forward
+        and a CUDA graph."""
         c = self.config
         eps = c.rms_norm_eps
         n = len(self.layers)
+        group = set(self.window_layers) if window is not None else ()
         x, h = fused.add_norm(None, x, self.layers[0].input_norm, eps)
         for i, w in enumerate(self.layers):
             cos, sin = tables[self.kind(i)]
+            ws, pool, j = (*window, self._kv[i]) if i in group else (write_slots, kv, self._kv.get(i, i))
             qkv = invariant.mm(h, w.qkv)  # [T, q + 2 kv]
-            q = fused.rope_kv(qkv, cos, sin, positions, write_slots, kv[i, 0], kv[i, 1], c.num_heads,
+            q = fused.rope_kv(qkv, cos, sin, positions, ws, pool[j, 0], pool[j, 1], c.num_heads,
                               c.num_kv_heads, c.head_dim)
             x, h = fused.add_norm(invariant.mm_parts(attend(i, q), w.o), x, w.post_norm, eps)
             mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
@@ -202,11 +206,13 @@ class Shard:
             return 0.0
         t0 = time.perf_counter()
         bs = pool.block_size
-        top = min(129, pool.num_blocks * bs)
+        top = min(129, pool.num_blocks * bs, pool.group.num_blocks * bs if pool.group is not None else 129)
         for m in sorted({1, min(invariant.DECODE_ROWS + 1, top), min(65, top), top}):
             nb = -(-m // bs)
-            slots = torch.full((m,), pool.scratch_slot, dtype=torch.long, device=self.device)
-            kv = StepKV(pool, slots, (seq_slice(0, m, list(range(nb)), bs, self.device, 0),))
+            reads = [StepKV(p, torch.full((m,), p.scratch_slot, dtype=torch.long, device=self.device),
+                            (seq_slice(0, m, list(range(nb)), bs, self.device, 0),))
+                     for p in ((pool,) if pool.group is None else (pool, pool.group))]  # (the window layers' own)
+            kv = dataclasses.replace(reads[0], window=reads[1] if len(reads) > 1 else None)
             gen = torch.Generator(device=self.device).manual_seed(0)
             x = torch.randn(m, self.config.hidden_size, generator=gen, device=self.device).to(self.dtype)
             out = self.forward(x, kv)
@@ -298,17 +304,19 @@ class Shard:
         return total + sum(tensor_bytes(x) for x in held.values())
 
     def hold_windows(self) -> bool:
-        """Let this shard's sliding-window layers keep only their window's KV (engine.window), where
-        every row runs the layer-by-layer torch forward (no tensor parallelism, native or fused
-        layers, batch-invariant kernels or CUDA graphs: they read whole contexts). With full layers
-        too, the window layers move to a pool of their own (`window_layers`). -> whether it does."""
+        """Let this shard's sliding-window layers keep only their window's KV (engine.window): the
+        torch forward, the native CPU layers, the batch-invariant and fused CUDA kernels and the step
+        graphs all read a window from its first position (`SeqSlice.lo`). With full layers too, the
+        window layers move to a pool of their own (`window_layers`). Call it before its pool and
+        graphs are made. -> whether it does (a shard without sliding layers, or of latent attention: no)."""
         if self.window is not None:
             return True
         a = self.arch
         sliding = tuple(i for i in self.kv_layers if self.kind(i) == "sliding")
-        if (not sliding or not a.sliding_window or a.mla or self.tp is not None or self.mirror is not None
-                or self.batch_invariant or self.graphs is not None or (self.device.type == "cpu" and self.native is not None)):
+        if not sliding or not a.sliding_window or a.mla or self.tp is not None or self.mirror is not None:
             return False
+        if self.graphs is not None:
+            raise RuntimeError("hold_windows: the shard's step graphs were made over a pool without windows")
         self.window = a.sliding_window
         if len(sliding) < len(self.kv_layers):
             self.window_layers = sliding
@@ -399,20 +407,30 @@ class Shard:
         seqs = kv.seqs
         if self.device.type == "cpu" and self.native is not None:
             return self.native.forward(hidden, kv)
-        reads = self._invariant_reads(kv) if self.batch_invariant else None
+        # what each attention kind reads: the sliding-window layers their window (`hold_windows`: from the
+        # pool's group where the stage has full layers too), the others every position
+        reading = {kind: kv.window if kind == "sliding" and kv.window is not None else kv for kind in self.ropes}
+        read_kvs = {id(r): r for r in reading.values()}  # (one StepKV for every kind unless windows are held)
+        reads = None
+        if self.batch_invariant:
+            by_kv = {key: self._invariant_reads(r) for key, r in read_kvs.items()}
+            reads = {kind: by_kv[id(r)] for kind, r in reading.items()}
         if self.fused_layers:
-            table, positions, tiles, tiles_at = reads
+            positions = reads["full"][1]
             top = max(s.stop for s in seqs)
             for rope in self.ropes.values():
                 rope.lookup(0, top)  # grows its tables to the step's positions
             ropes = {kind: (rope.cos, rope.sin_signed) for kind, rope in self.ropes.items()}
 
             def attend_fused(i, q):
-                return invariant.attention(q, kv.pool.k[self._kv[i]], kv.pool.v[self._kv[i]], table, positions, tiles, scale=self._scale,
-                                           cap=self.arch.attn_softcap, tiles_at=tiles_at,
-                                           window=self.arch.sliding_window if self.kind(i) == "sliding" else None)
+                kind = self.kind(i)
+                pool, (table, _, tiles, tiles_at) = reading[kind].pool, reads[kind]
+                return invariant.attention(q, pool.k[self._kv[i]], pool.v[self._kv[i]], table, positions, tiles,
+                                           scale=self._scale, cap=self.arch.attn_softcap, tiles_at=tiles_at,
+                                           window=self.arch.sliding_window if kind == "sliding" else None)
 
-            return self.layers_fused(hidden, positions, kv.write_slots, kv.pool.kv, ropes, attend_fused)
+            window = None if kv.window is None else (kv.window.write_slots, kv.window.pool.kv)
+            return self.layers_fused(hidden, positions, kv.write_slots, kv.pool.kv, ropes, attend_fused, window)
         if len(seqs) == 1:
             s = seqs[0]
             tables = {kind: rope.lookup(s.start_pos, s.stop) for kind, rope in self.ropes.items()}  # [T, head_dim]
@@ -420,12 +438,10 @@ class Shard:
             positions = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs]).to(self.device)
             tables = {kind: rope.gather(positions) for kind, rope in self.ropes.items()}  # [T, head_dim]
         window = self.arch.sliding_window
-        reading = {kind: kv.window if kind == "sliding" and kv.window is not None else kv for kind in self.ropes}
         masks = {kind: [causal_mask(s.start_pos, s.num_tokens, self.device, window if kind == "sliding" else None, s.lo)
                         for s in reading[kind].seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
-        read_kvs = {id(r): r for r in reading.values()}  # (one StepKV for every kind unless windows are held)
         spans = None
         if reads is None:
             by_kv = {key: self._spans(r) for key, r in read_kvs.items()}
@@ -455,7 +471,7 @@ class Shard:
 
             def attend(i, q, k, v, masks=masks[kind], kind=kind):
                 if reads is not None:
-                    return self._attention_invariant(i, q, k, v, kv, reads, kind)
+                    return self._attention_invariant(i, q, k, v, reading[kind], reads[kind], kind)
                 if direct is not None and v is not None and self.layers[i].sinks is None:
                     return self._attention_int8(i, q, k, v, reading[kind], direct[kind], kind)
                 return self._attention(i, q, k, v, reading[kind], masks, spans[kind])
@@ -588,15 +604,15 @@ class Shard:
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
         """What the batch-invariant attention reads, for every layer of a step: each sequence's slot
-        of each of its positions [seqs, longest] int64, each row's position [T] int64, the tiles and
+        of each of its positions from its first read one (`lo`) [seqs, longest] int64, each row's position [T] int64, the tiles and
         their first rows (stage_node.invariant.attention)."""
         seqs = kv.seqs
         table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):
+        for i, s in enumerate(seqs):  # (a window's positions before lo, given back, are never read: zeros)
             if s.span is not None:
-                table[i, : s.stop] = torch.arange(s.span, s.span + s.stop, device=self.device)
+                table[i, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo, device=self.device)
             else:
-                table[i, : s.stop] = s.slots
+                table[i, s.lo: s.stop] = s.slots
         positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.stop)], dtype=torch.long)
         tiles = invariant.seq_tiles([s.num_tokens for s in seqs], self.config.num_heads // self.config.num_kv_heads)
         return (table, positions.to(self.device, non_blocking=True), invariant.tiles_tensor(tiles, self.device),

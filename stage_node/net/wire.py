@@ -189,7 +189,8 @@ def profile_to_proto(profile) -> stage_pb2.DeviceProfile:
         compute_format=profile.compute_format, weight_bandwidth=profile.weight_bandwidth,
         weight_bytes_per_param=profile.weight_bytes_per_param, format_flops=dict(profile.format_flops),
         devices=profile.devices, allreduce_latency_s=profile.allreduce_latency_s,
-        allreduce_bandwidth=profile.allreduce_bandwidth, kv_format=profile.kv_format)
+        allreduce_bandwidth=profile.allreduce_bandwidth, kv_format=profile.kv_format,
+        full_sliding_kv=profile.full_sliding_kv)
 
 
 def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str) -> stage_pb2.StatusReply:

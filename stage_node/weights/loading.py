@@ -187,7 +187,7 @@ def load_shard(a: Assignment, model_dir: str, device: str, options: StageOptions
     elif graphs or not shard.can_tap:  # rows that skip the torch forward cannot leave their inner boundaries
         logs = frozenset(b for b in logs if b == a.end)
     bs = options.block_size
-    if not graphs and tp is None and options.window_kv and shard.hold_windows():
+    if tp is None and options.window_kv and shard.hold_windows():
         logs = frozenset()  # (its sequences' blocks are not kept across re-plans: engine.window)
         log.info("sliding-window layers of [%d, %d) keep only their last %d positions of KV%s", a.start, a.end,
                  shard.window, f" (in a pool of their own, split for {options.kv_context}-position sequences)"

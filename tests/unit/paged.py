@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from logicpipe.stage_node.engine.kv import step_kv
+from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
 from logicpipe.stage_node.engine.window import ROLLBACK, managers
 from logicpipe.stage_node.model.shard import Shard
 
@@ -15,16 +16,23 @@ class PagedCache:
     """One shard's KV for any number of sequences (opened on first use), and the recurrent states of
     its linear-attention layers (engine.states), as the runner keeps them. `window`: its
     sliding-window layers keep only their window (Shard.hold_windows, engine.window), rolling back at
-    most `rollback` positions; `group_blocks`: the window layers' pool where the shard has full layers too."""
+    most `rollback` positions; `group_blocks`: the window layers' pool where the shard has full layers too;
+    `graphs`: steps that fit a bucket run the CUDA-graph step body (engine.step_graphs; eagerly on a CPU), as
+    the runner does on a GPU."""
 
     def __init__(self, shard: Shard, num_blocks: int = 64, block_size: int = 16, *, window: bool = False,
-                 rollback: int = ROLLBACK, group_blocks: int = 64):
+                 rollback: int = ROLLBACK, group_blocks: int = 64, graphs: bool = False):
         self.shard = shard
         if window:  # (a shard without sliding layers keeps every position)
             shard.hold_windows()
         group = group_blocks if shard.window_layers else 0
         self.kv = managers(num_blocks, block_size, shard.window, group, rollback)
         self.pool = shard.new_pool(num_blocks, block_size, group)
+        if graphs:  # (a graph reads masked positions: none may hold a NaN)
+            for p in (self.pool, self.pool.group):
+                if p is not None:
+                    p.kv.zero_()
+        self.graphs = StepGraphs(shard, self.pool, capture=False) if graphs else None
 
     def forward(self, hidden: torch.Tensor, seqs: Sequence[tuple[str, int, Sequence[int]]],
                 decode_from: dict[str, int] | None = None, candidates: dict[str, int] | None = None) -> torch.Tensor:
@@ -43,18 +51,29 @@ class PagedCache:
         held = None if states is None else tuple(states.step(sid, start, start + len(toks), candidates.get(sid, 0))
                                                  for sid, start, toks in seqs)
         self.pool.copy_plans(plans)
+        out = None
+        if self.graphs is not None and states is None:
+            group = self.pool.group is not None
+            out = self.graphs.forward(hidden, [
+                GraphRow(start + j, p.slots[j], self.kv.read_span(sid, start + len(toks)),
+                         p.window.slots[j] if group else -1, self.kv.read_window(sid, start + len(toks)))
+                for (sid, start, toks), p in zip(seqs, plans) for j in range(len(toks))])
+        if out is None:
+            out = self._forward(hidden, seqs, plans, decode_from, held)
+        for (sid, start, toks), st in zip(seqs, held or [None] * len(seqs)):
+            self.kv.commit(sid, start, list(toks))
+            if st is not None:
+                states.commit(sid, st, start)
+        return out
+
+    def _forward(self, hidden, seqs, plans, decode_from, held) -> torch.Tensor:
         slots = torch.tensor([s for p in plans for s in p.slots], dtype=torch.long)
         kv = step_kv(self.pool, self.shard.window,
                      [(start, len(toks), self.kv.read_span(sid, start + len(toks)),
                        self.kv.read_window(sid, start + len(toks)), decode_from.get(sid, 0)) for sid, start, toks in seqs],
                      slots, states=held,
                      window_slots=[s for p in plans for s in p.window.slots] if self.pool.group is not None else None)
-        out = self.shard.forward(hidden, kv)
-        for (sid, start, toks), st in zip(seqs, held or [None] * len(seqs)):
-            self.kv.commit(sid, start, list(toks))
-            if st is not None:
-                states.commit(sid, st, start)
-        return out
+        return self.shard.forward(hidden, kv)
 
     def length(self, sid: str = "s") -> int:
         return self.kv.tables[sid].length

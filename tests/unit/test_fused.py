@@ -211,6 +211,40 @@ def test_gpt_oss_with_the_invariant_attention_matches_the_forward(interpret, tmp
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_windows_held_with_the_invariant_attention(interpret, tmp_path, family):
+    """Sliding-window layers that hold only their window (engine.window) read by the batch-invariant
+    attention, eagerly and in the step-graph body: decode rows after a prompt past two windows give the
+    torch forward's logits over the same windows, block tables starting with holes (Mistral) or the
+    window layers' own pool (Gemma 3). (The fused layer loop reads through the same tables.)"""
+    from tests.families import WINDOW, build
+    from tests.unit.paged import PagedCache
+
+    path = build(family, tmp_path / "m")
+    prompt = [(7 * i + 3) % 500 for i in range(2 * WINDOW + 2)]
+
+    def run(invariant: bool, graphs: bool) -> torch.Tensor:
+        """The prompt by the torch forward (the interpreter's attention over 18 rows takes seconds), then
+        3 decode rows by the kernels under test -> their logits."""
+        shard = Shard.load(path, 0, 3, first=True, last=True)
+        cache = PagedCache(shard, 24, 4, window=True, rollback=4, group_blocks=16, graphs=graphs)
+        body, cache.graphs = cache.graphs, None
+        ids, pos, logits = prompt, 0, []
+        for _ in range(4):
+            h = cache.forward(shard.embed(torch.tensor(ids)), [("s", pos, ids)], decode_from={"s": len(prompt)})
+            pos += len(ids)
+            logits.append(shard.logits(h[-1:]))
+            ids = [int(logits[-1].argmax())]
+            shard.batch_invariant, cache.graphs = invariant, body
+        assert shard.window == WINDOW and -1 in (cache.kv.group if shard.window_layers else cache.kv).tables["s"].blocks
+        assert body is None or body.replays == 3
+        return torch.cat(logits[1:])
+
+    want = run(False, False)
+    for graphs in (False, True):
+        torch.testing.assert_close(run(True, graphs), want, rtol=1e-4, atol=1e-4)
+
+
 def test_every_bucket_is_warmed(tmp_path):
     """StepGraphs.buckets (what the start-up captures) holds the bucket of every step that has one."""
     from logicpipe.stage_node.engine.step_graphs import StepGraphs

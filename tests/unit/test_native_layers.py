@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from logicpipe.stage_node.engine.blocks import HOLE
 from logicpipe.stage_node.kernels import cpu_native, quant
 from logicpipe.stage_node.model import native_layers
 from logicpipe.stage_node.model.shard import Shard
@@ -100,6 +101,32 @@ def test_a_row_has_the_same_bits_however_its_steps_are_cut(family, checkpoints):
     assert torch.equal(mine, ref)
     replay = run(shard, True, [[("a", 0, p + gen)]])[0]
     assert torch.equal(replay, ref)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_windows_held_give_the_same_bits_and_give_blocks_back(family, checkpoints):
+    """Sliding-window layers that hold only their window (engine.window) in the native call: Mistral (every
+    layer slides: one pool whose tables start with holes) and Qwen2 past max_window_layers (a full layer
+    and two sliding ones: two pools). Two sequences of prompts past three windows, then decode rows beside
+    each other: the same bits as with every position held, and the window layers' blocks given back."""
+    steps = [[("a", 0, PROMPT + PROMPT[:12])], [("a", 26, [7]), ("b", 0, PROMPT[::-1] * 2)]]
+    steps += [[("a", 27 + k, [100 + k]), ("b", 28 + k, [300 + k])] for k in range(8)]
+    outs, caches = {}, {}
+    for held in (False, True):
+        shard = Shard.load(checkpoints(family), 0, families.LAYERS, first=True, last=True, quantize="int8")
+        assert shard.native is not None
+        cache = caches[held] = PagedCache(shard, num_blocks=40, block_size=4, window=held, rollback=4, group_blocks=24)
+        assert (shard.window == families.WINDOW) == held
+        outs[held] = [cache.forward(shard.embed(torch.tensor([t for _, _, ts in seqs for t in ts])), seqs)
+                      for seqs in steps]
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+    kv = caches[True].kv
+    w = kv.group if caches[True].shard.window_layers else kv
+    assert (w is kv) == (family == "mistral")
+    for sid in "ab":
+        t = w.tables[sid]
+        assert t.blocks[0] == HOLE and sum(b != HOLE for b in t.blocks) <= w.bound
+    assert w.used <= 2 * w.bound < caches[False].kv.used
 
 
 def test_other_shards_keep_the_torch_forward(checkpoints, monkeypatch):

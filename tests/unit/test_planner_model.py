@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from logicpipe.planner.cost import (
     return_transfer_s,
     stage_memory_bytes,
 )
+from logicpipe.planner.digest import profile_dict
 from logicpipe.planner.units import format_bytes, format_ms
 
 GiB = 2**30
@@ -301,3 +303,12 @@ def test_layers_keep_by_their_kind_full_context_window_or_state():
                                                                    start=6 * i) for i in range(2)]
     with pytest.raises(ValueError, match="sliding_window"):
         ModelSpec.decoder(**base, layer_kinds=GEMMA3_KINDS)
+    # a node whose windows keep every position (--window-kv off, --tp: its profile's full_sliding_kv) is
+    # counted as holding them: the full model's bytes, never a window's
+    whole = dataclasses.replace(p, full_sliding_kv=True)
+    assert stage_memory_bytes(whole, win, wl, 5, is_first=False, is_last=False, start=0) == \
+        stage_memory_bytes(p, full, wl, 5, is_first=False, is_last=False, start=0) > sliding_stage
+    assert max_layers(whole, win, wl, Reserve(), is_first=False, is_last=False) == \
+        max_layers(p, full, wl, Reserve(), is_first=False, is_last=False)
+    assert profile_dict(whole)["full_sliding_kv"] is True
+    assert "full_sliding_kv" not in profile_dict(p)  # (digests of profiles without it unchanged)

@@ -1,12 +1,14 @@
 """Sliding-window layers that hold only their window (engine.window): a Mistral-style model (every
 layer slides) and a Gemma-3-style one (sliding and full layers: two pools) give transformers' greedy
-tokens well past the window, with blocks given back as they go, through forks, rejected candidates
-and the prefix cache; admission counts a window's blocks as bounded."""
+tokens well past the window, with blocks given back as they go, through forks, rejected candidates,
+the prefix cache and the CUDA-graph step body; admission counts a window's blocks as bounded; a stage
+whose windows keep every position says so to the planner."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from logicpipe.controller.mesh.planning import device_profile
 from logicpipe.errors import ResourceExhausted
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.engine.blocks import HOLE, BadWrite, KVManager
@@ -14,6 +16,9 @@ from logicpipe.stage_node.engine.scheduler import Scheduler
 from logicpipe.stage_node.engine.sequence import SeqSpec
 from logicpipe.stage_node.engine.window import KVGroups, WindowBlocks, held_blocks, managers, split_budget
 from logicpipe.stage_node.model.shard import Shard
+from logicpipe.stage_node.net import wire
+from logicpipe.stage_node.profile import HostProfile
+from logicpipe.v1 import stage_pb2
 from tests.families import WINDOW, build, hf_greedy, hf_model
 
 from .paged import PagedCache
@@ -30,9 +35,9 @@ def model(request, tmp_path_factory):
     return request.param, path, hf_greedy(hf_model(path), PROMPT, STEPS)
 
 
-def caches(path, bounds=((0, 3),)) -> tuple[list[Shard], list[PagedCache]]:
+def caches(path, bounds=((0, 3),), graphs: bool = False) -> tuple[list[Shard], list[PagedCache]]:
     shards = [Shard.load(path, s, e, first=i == 0, last=i == len(bounds) - 1) for i, (s, e) in enumerate(bounds)]
-    return shards, [PagedCache(s, 32, BS, window=True, rollback=ROLL, group_blocks=24) for s in shards]
+    return shards, [PagedCache(s, 32, BS, window=True, rollback=ROLL, group_blocks=24, graphs=graphs) for s in shards]
 
 
 def step(shards, cs, sid: str, pos: int, ids: list[int], prompt: int) -> torch.Tensor:
@@ -78,6 +83,18 @@ def test_greedy_tokens_equal_transformers_past_the_window(model, bounds):
         assert w.used <= w.bound
         if isinstance(c.kv, KVGroups):  # the full layers keep everything
             assert c.kv.main.used == c.kv.blocks_for(t.length)
+
+
+def test_step_graphs_read_the_window_held(model):
+    """The CUDA-graph step body (engine.step_graphs, eagerly on the CPU) over windows held: every step
+    (the prompt's 26 rows too) in a graph bucket, block tables starting with holes (Mistral) or the window
+    layers' own tables and write slots (Gemma 3), rejected candidates among them: transformers' tokens."""
+    name, path, ref = model
+    shards, cs = caches(path, graphs=True)
+    assert decode(shards, cs, "s", 0, PROMPT, STEPS, len(PROMPT), wrong=ROLL - 1) == ref, name
+    assert cs[0].graphs.replays == STEPS  # every step ran the graph body
+    w = window_manager(cs[0])
+    assert HOLE in w.tables["s"].blocks and w.used <= w.bound
 
 
 def test_rejected_candidates_roll_back_within_the_window(model):
@@ -156,6 +173,15 @@ def test_admission_counts_a_window_as_bounded():
         sliding.admit(spec(f"s{i}", 400))
     with pytest.raises(ResourceExhausted):
         sliding.admit(spec("more", 400))
+
+
+def test_a_stage_whose_windows_keep_every_position_says_so_in_its_profile():
+    """--window-kv off and --tp stages keep every position of their sliding layers: their profile's
+    full_sliding_kv reaches the controller's planner profile (which then counts full layers' bytes)."""
+    for full in (False, True):
+        host = HostProfile("cpu", "x", 1 << 30, 1e12, 1e11, ("fp32",), full_sliding_kv=full)
+        reply = stage_pb2.StatusReply(node_id="n", profile=wire.profile_to_proto(host))
+        assert device_profile(reply, {}).full_sliding_kv is full
 
 
 def test_the_budget_split_holds_as_many_sequences_in_both_pools():

@@ -261,7 +261,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceProfile(_message.Message):
-    __slots__ = ("device_kind", "device_name", "memory_bytes", "flops", "mem_bandwidth", "weight_formats", "compute_format", "weight_bandwidth", "weight_bytes_per_param", "format_flops", "devices", "allreduce_latency_s", "allreduce_bandwidth", "kv_format")
+    __slots__ = ("device_kind", "device_name", "memory_bytes", "flops", "mem_bandwidth", "weight_formats", "compute_format", "weight_bandwidth", "weight_bytes_per_param", "format_flops", "devices", "allreduce_latency_s", "allreduce_bandwidth", "kv_format", "full_sliding_kv")
     class FormatFlopsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class DeviceProfile(_message.Message):
     ALLREDUCE_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    FULL_SLIDING_KV_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     device_name: str
     memory_bytes: int
@@ -297,7 +298,8 @@ class DeviceProfile(_message.Message):
     allreduce_latency_s: float
     allreduce_bandwidth: float
     kv_format: str
-    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ..., devices: _Optional[int] = ..., allreduce_latency_s: _Optional[float] = ..., allreduce_bandwidth: _Optional[float] = ..., kv_format: _Optional[str] = ...) -> None: ...
+    full_sliding_kv: bool
+    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ..., devices: _Optional[int] = ..., allreduce_latency_s: _Optional[float] = ..., allreduce_bandwidth: _Optional[float] = ..., kv_format: _Optional[str] = ..., full_sliding_kv: bool = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id", "revoked", "stale_steps", "replay_rows_resumed", "replay_layers_skipped", "swap_bytes_total", "swap_bytes_used", "swapped_out_seqs", "swapped_out_blocks", "swapped_out_bytes", "swapped_in_seqs", "swapped_in_blocks", "swapped_in_bytes", "swapped_in_tokens", "swap_full")
