@@ -76,7 +76,7 @@ def test_a_stopped_stage_is_planned_around_within_seconds_and_comes_back(model_d
     node is planned on again and nothing stays held on any stage."""
     with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
         addr = mesh.controller_address
-        alone = [Request(addr, p).result() for p in PROMPTS]
+        alone = [r.result() for r in [Request(addr, p) for p in PROMPTS]]  # at once: the same tokens as one by one
         # stopped for less than the stall grace: nothing re-planned, nothing replayed, same output
         requests = [Request(addr, p) for p in PROMPTS]
         for r in requests:
