@@ -41,8 +41,8 @@ class StageOptions:
                                          # many sequences of this length (engine.window.split_budget)
     swap_bytes: int = 0                  # --swap-mib: where a preempted sequence's KV waits for its replay, bytes
                                          # (engine.swap; 0: none, the replay computes it again)
-    min_step_s: float = 0.0              # --min-step-ms: a step takes at least this long (0: as long as it takes)
     swap_dir: str = ""                   # --swap-dir: ... in files there ("": host memory)
+    min_step_s: float = 0.0              # --min-step-ms: a step takes at least this long (0: as long as it takes)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ class Engine:
         if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
             self.scheduler.grammars = GrammarBook(shard_dir, shard.config.vocab_size)
         # issue 32: a one-stage CUDA pipeline overlaps its greedy steps (see `_step_ahead`)
-        self.overlap = a.first and a.last and shard.device.type in self.OVERLAP_DEVICES
+        # (not under --min-step-ms: its pacing is of the plain step, `_run`)
+        self.overlap = a.first and a.last and shard.device.type in self.OVERLAP_DEVICES and not min_step_s
         self.ahead: Launched | None = None  # the launched step whose tokens are not read back yet
         self.next_link = self.first_link = None
         link = dict(metadata=((STREAM_KEY_HEADER, stream_key),) if stream_key else (), on_rejected=self._rejected)
