@@ -72,9 +72,12 @@ def test_in_plaintext_another_party_cannot_hijack_eavesdrop_close_or_feed(runner
             # a feed into the victim's session on stage 0, a step into stage 1: neither holder nor plan
             for stage in (m.first, m.last):
                 feed = stage.stub.Stream(timeout=RPC_TIMEOUT_S)
-                await feed.write(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=sid, start_pos=0,
-                                                                             num_tokens=1, token_ids=[1])]))
-                await expect_status(feed.read(), PD, "stages of its plan")
+
+                async def intrude(feed=feed):  # the refusal may end the call while the write is still on its way
+                    await feed.write(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=sid, start_pos=0,
+                                                                                 num_tokens=1, token_ids=[1])]))
+                    await feed.read()
+                await expect_status(intrude(), PD, "stages of its plan")
             got = list((await first).token_ids) + await tokens_of(call)
             assert got == want
             assert m.ctl.app.state.phase.value == "ready" and m.ctl.app.pipelines.generation == generation
