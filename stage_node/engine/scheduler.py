@@ -312,12 +312,16 @@ class Scheduler:
                 rows += len(s.pending)
                 positions += attended(s.pending_pos, len(s.pending), window)
                 held += s.pending_pos + len(s.pending)
+        # the bar holds while some sequence decodes (here or further down the pipeline: its next step waits
+        # for this one); a prompt alone flows in whole chunks, its first token no later than it need be
+        decoding = self.clock is not None and bool(self.clock.bar_s) and bool(prompts) and any(
+            s.next_pos > len(s.spec.prompt) for s in self.seqs.values())
         for s in prompts:
             room = b.max_tokens - rows
             if room <= 0 or len(chosen) >= b.max_seqs:
                 break
             n = min(room, len(s.pending), s.spec.prefill_chunk or len(s.pending))  # a long prompt flows in chunks
-            if self.clock is not None:  # the step-time bar: a chunk shrinks as the context it attends over grows
+            if decoding:  # the step-time bar: a chunk shrinks as the context it attends over grows
                 n = self.clock.chunk(rows, positions, held, s.pending_pos, n)
             if n < len(s.pending) and s.pending_candidates:  # the last chunk keeps the row before them
                 n = min(n, len(s.pending) - s.pending_candidates - 1)

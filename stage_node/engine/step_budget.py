@@ -4,7 +4,8 @@ A step's time grows with its token rows (the matrix products), with the key posi
 attend over (each row at position p reads p + 1 keys of every layer), and with the positions its
 sequences hold (each sequence's keys are gathered from the paged pool once a step). At long context
 the last two dominate: a 512-row prefill chunk is cheap at position 1,000 and many times the bar at
-32,000. So stage 0 sizes each prompt chunk to what is left of the bar after the step's decode rows,
+32,000. So while some sequence decodes, stage 0 sizes each prompt chunk to what is left of the bar
+after the step's decode rows (a prompt alone flows in whole chunks: nobody waits on its steps),
 from this stage's cost model
 
     seconds = fixed_s + rows * row_s + attended * position_s + held * held_s
@@ -30,6 +31,7 @@ FLOPS = {"cpu": 5e10, "cuda": 2e14}        # the prior FLOP rate before any step
 BYTES = {"cpu": 5e9, "cuda": 1e12}         # ... and the rate keys are gathered at, bytes/s
 FIT_STEPS = 64           # the measured steps the fit keeps (the newest)
 PRIOR_WEIGHT = 2.0       # the prior counts as this many steps in the fit
+REFIT_EVERY = 8          # once FIT_STEPS are measured, the model is fitted again every this many steps
 MIN_OBSERVED_S = 0.002   # steps shorter than this say more about noise than about rows and positions
 
 
@@ -86,7 +88,8 @@ class StepClock:
             return
         self.steps.append((float(rows), float(positions), float(held), seconds))
         self.observed += 1
-        self.coef = self._fit()
+        if self.observed <= FIT_STEPS or self.observed % REFIT_EVERY == 0:  # a fit costs ~0.2 ms of Python
+            self.coef = self._fit()
 
     def _fit(self) -> tuple[float, float, float, float]:
         """Least squares over the kept steps, each feature scaled by its prior's share, the prior

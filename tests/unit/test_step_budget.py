@@ -89,3 +89,17 @@ def test_the_model_follows_the_steps_it_measures():
         a, h = attended(start, r), start + r
         assert abs(clock.seconds(r, a, h) - took(r, a, h)) < 0.15 * took(r, a, h)
     assert "steps measured" in clock.describe()
+
+
+def test_a_prompt_with_nothing_decoding_beside_it_flows_in_whole_chunks():
+    """Nobody waits on its steps: the bar does not shrink them (its first token comes no later)."""
+    sched = Scheduler(KVManager(2000, 16), first=True, last=True, node_id="n", budget=Budget(max_tokens=512))
+    sched.clock = StepClock(SHAPE, "cpu", bar_s=0.1)
+    sched.admit(spec("p", tuple(range(PROMPT)), 1))
+    sched.feed(SeqWork("p", 0, tuple(range(PROMPT))))
+    chunks = []
+    while sched.seqs["p"].pending:
+        step, _ = sched.schedule()
+        sched.complete(step, set())
+        chunks.append(step.rows)
+    assert sum(chunks) == PROMPT and set(chunks[:-1]) == {512}
