@@ -162,13 +162,19 @@ def models(families: list[str], init: float, device: str, dtype: torch.dtype, pr
 
 def agreement_part(prompts: int, tokens: int, families: list[str], init: float, device: str = "cpu",
                    dtype: torch.dtype = torch.float32, kinds: tuple = ("int8", "fp8"), floor: float = 0.95) -> dict:
-    out = {}
+    out, broken = {}, []
     for name, shard, ids in models(families, init, device, dtype, prompts):
-        out[name] = agreement(shard, ids, tokens, list(kinds), floor, name)
+        try:
+            out[name] = agreement(shard, ids, tokens, list(kinds), floor, name)
+        except Exception as exc:  # noqa: BLE001 — one family's failure is reported, the others still run
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+            broken += [f"{name} {kv} ({type(exc).__name__})" for kv in kinds]
+            continue
         print(name, json.dumps(out[name]), flush=True)
-    failed = [f"{name} {kv}" for name, r in out.items() for kv in kinds if r[kv]["teacher_forced"] < floor]
-    print(f"agreement >= {floor}: {'PASS' if not failed else 'FAIL'} ({len(out) * len(kinds) - len(failed)} of "
-          f"{len(out) * len(kinds)}){'; below: ' + ', '.join(failed) if failed else ''}", flush=True)
+    failed = [f"{name} {kv}" for name, r in out.items() for kv in kinds if r[kv]["teacher_forced"] < floor] + broken
+    total = len(out) * len(kinds) + len(broken)
+    print(f"agreement >= {floor}: {'PASS' if not failed else 'FAIL'} ({total - len(failed)} of {total})"
+          f"{'; below: ' + ', '.join(failed) if failed else ''}", flush=True)
     return out
 
 

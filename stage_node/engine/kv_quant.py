@@ -17,7 +17,7 @@ dividing the head dim, scaled to be orthonormal: `rotate`), and attention uses q
 un-rotates its output (`unrotate`): q . k = (q R) . (k R) and sum_j p_j v_j = (sum_j p_j v_j R) R^T,
 so float attention would give the same result; what changes is the rounding. A real model's keys
 and values have a few channels much larger than the rest (the default model: a channel's RMS up to
-4.4x the mean, max|x| / RMS of a vector 3.5 to 5.5), and one scale per vector spends the 8 bits on
+4.7x the mean, max|x| / RMS of a vector 3.5 to 5.5), and one scale per vector spends the 8 bits on
 them; rotated, every element is a mix of all channels and the vector's max|x| / RMS falls to a
 Gaussian's (about 2.5): int8's relative error 0.006 to 0.013 -> 0.0053 to 0.0059 on the default
 model's keys and values (`bench.kv_quant --parts error`). On a CPU by butterflies, elementwise adds

@@ -1,6 +1,8 @@
-"""8-bit KV (--kv-dtype int8 | fp8, engine.kv_quant): the round trip's error bounds; the CPU's direct
-int8 attention (cpu_quant.c) against dequantize-then-SDPA; greedy agreement with float KV on the
-default model and tiny families (window pools, sinks, latent rows); a row's bits alone or among others; forks, rejected candidates and
+"""8-bit KV (--kv-dtype int8 | fp8, engine.kv_quant): the round trip's error bounds; int8's rotation
+(orthogonal, row by row, finer rounding of large channels; the CUDA graphs' body reads it); the CPU's
+direct int8 attention (cpu_quant.c) against dequantize-then-SDPA; greedy agreement with float KV on the
+default model and tiny families (window pools, sinks, latent rows, q/k norms, soft-capping, experts);
+a row's bits alone or among others; forks, rejected candidates and
 the prefix cache give the tokens of a sequence computed from scratch (with windows too); the
 pool's bytes and the planner's; the flag refused where a kernel cannot read it."""
 from __future__ import annotations
@@ -79,7 +81,7 @@ def test_the_rotation_is_orthogonal_and_row_by_row():
 
 def test_the_rotation_spreads_a_real_models_large_channels():
     """Keys whose few channels are several times the rest (as a real model's are: the default model's up to
-    4.4x the mean RMS) round much finer rotated, one scale a vector; Gaussian vectors about as fine."""
+    4.7x the mean RMS) round much finer rotated, one scale a vector; Gaussian vectors about as fine."""
     def err(x):
         back = dequantize(*quantize(x, "int8"), torch.float32)
         return ((back - x).norm() / x.norm()).item()
@@ -188,10 +190,10 @@ def test_tiny_families_agree_with_float_kv(family, kv_dtype):
     assert agree >= (MLA_FLOOR if name.startswith("deepseek") else FLOOR)[kv_dtype], (name, kv_dtype, agree)
 
 
-# the families the fixture above leaves out whose attention differs (q/k norms and head dim 32, soft-capping,
-# experts), and qwen3_moe: below 0.95 with any 8-bit KV we have (docs/engine.md#8-bit-kv: 512 positions, int8
-# 0.94 to 0.97; bf16 KV itself 0.984), measured 0.917 here
-MORE_FAMILIES = {"qwen3": 0.95, "gemma2": 0.95, "mixtral": 0.95, "qwen3_moe": 0.9}
+# families the fixture above leaves out whose attention differs (q/k norms and head dim 32, soft-capping), and
+# qwen3_moe (experts): below 0.95 with any 8-bit KV measured (docs/engine.md#8-bit-kv: 512 positions, int8 0.934;
+# bf16 KV itself 0.984), 0.917 here
+MORE_FAMILIES = {"qwen3": 0.95, "gemma2": 0.95, "qwen3_moe": 0.9}
 
 
 @pytest.mark.parametrize("name", list(MORE_FAMILIES))
@@ -209,6 +211,8 @@ def test_the_graph_body_reads_rotated_int8_kv(family):
     """The CUDA graphs' step body (eagerly here: engine.step_graphs) over int8 KV rotates its queries and
     un-rotates its output as the eager forward does: the same logits, decode step by decode step."""
     name, path = family
+    if name not in ("mistral", "gpt_oss"):  # (window pools and sinks; MLA's rows are not rotated)
+        pytest.skip("two families suffice")
     shard = with_kv(Shard.load(path, 0, 3, first=True, last=True), "int8")
     eager, graphs = (PagedCache(shard, 40, BS, window=True, group_blocks=40, graphs=g) for g in (False, True))
     n, ids = len(PROMPT), PROMPT
