@@ -27,7 +27,7 @@ from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import cpu_native, fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
-from logicpipe.stage_node.engine.kv_quant import dequantize, index_select
+from logicpipe.stage_node.engine.kv_quant import dequantize, index_select, rotate, unrotate
 from logicpipe.stage_node.engine.states import RecurrentStates
 from logicpipe.stage_node.model import deltanet, native_layers
 from logicpipe.stage_node.model import tp as tp_split
@@ -528,6 +528,8 @@ class Shard:
         pool, j = kv.pool, self._kv[i]
         k_pool, v_pool = pool.k[j], pool.v[j]  # [kv_heads, slots, head_dim]
         pool.store(j, kv.write_slots, k, v)  # (v None: MLA's latent rows, whose values are a part of k's: pool.v)
+        if pool.rotated:  # 8-bit keys and values stored rotated: so are the queries, and the output is un-rotated
+            q = rotate(q).to(q.dtype)
         # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
         # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
@@ -555,7 +557,7 @@ class Shard:
                                   scale=self._scale, cap=self.arch.attn_softcap, sinks=self.layers[i].sinks))
             row += s.num_tokens
         o = outs[0] if one else torch.cat(outs, 2)  # [1, heads, T, hd]
-        return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+        return (unrotate(o[0]) if pool.rotated else o[0]).transpose(0, 1).reshape(q.shape[0], -1)
 
     def _spans(self, kv: StepKV) -> list:
         """Per sequence of the step: its keys and values of every layer, [layers, 1, kv_heads, stop - lo,
@@ -598,8 +600,10 @@ class Shard:
         pool.store(j, kv.write_slots, k, v)
         table, row_seq, pos = reads
         window = self.arch.sliding_window if kind == "sliding" else 0
-        out = cpu_native.attend_int8(q, pool.kv[j, 0], pool.kv[j, 1], pool.scales[j, 0], pool.scales[j, 1], table,
-                                     row_seq, pos, window or 0, self._scale)
+        out = cpu_native.attend_int8(rotate(q) if pool.rotated else q, pool.kv[j, 0], pool.kv[j, 1], pool.scales[j, 0],
+                                     pool.scales[j, 1], table, row_seq, pos, window or 0, self._scale)
+        if pool.rotated:  # (the pool's keys and values are rotated: kv_quant.rotate)
+            out = unrotate(out.view(q.shape)).reshape(q.shape[0], -1)
         return out.to(q.dtype)
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
