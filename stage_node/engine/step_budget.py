@@ -45,13 +45,15 @@ class StepShape:
     position_flops: float  # FLOPs one row costs per key position it attends over, all its layers
     held_bytes: float = 0.0  # KV bytes one held position costs a sequence's gather, all its layers
     window: int = 0        # the positions a row attends over at most (0: all before it)
+    in_place_rows: int = 0  # a sequence with at most this many rows in a step reads its keys in place: no gather
 
 
 def shape_of(*, params: int, attention_layers: int, num_heads: int, kv_bytes: int, head_dim: int,
-             window: int = 0) -> StepShape:
+             window: int = 0, in_place_rows: int = 0) -> StepShape:
     """A shard's StepShape: 2 FLOPs per parameter per row; q.k and p.v, 2 FLOPs each per head
     element per key position per attention layer; a position's keys and values read once."""
-    return StepShape(2.0 * params, 4.0 * attention_layers * num_heads * head_dim, float(kv_bytes), window)
+    return StepShape(2.0 * params, 4.0 * attention_layers * num_heads * head_dim, float(kv_bytes), window,
+                     in_place_rows)
 
 
 def attended(start_pos: int, n: int, window: int = 0) -> int:
@@ -75,6 +77,11 @@ class StepClock:
         self.coef = self.prior        # (fixed_s, row_s, position_s, held_s)
         self.steps: deque[tuple[float, float, float, float]] = deque(maxlen=FIT_STEPS)  # (rows, attended, held, s)
         self.observed = 0             # steps measured
+
+    def held(self, start_pos: int, n: int) -> int:
+        """The held positions a sequence of n rows at start_pos.. costs a step: those it gathers
+        (none where its rows read the pool in place, `in_place_rows`)."""
+        return 0 if n <= self.shape.in_place_rows else start_pos + n
 
     def seconds(self, rows: int, positions: int, held: int = 0) -> float:
         """The modelled time of a step of `rows` rows attending `positions` key positions in all,
@@ -140,7 +147,7 @@ class StepClock:
         w = self.shape.window
 
         def total(n: int) -> float:
-            return self.seconds(rows + n, positions + attended(start_pos, n, w), held + start_pos + n)
+            return self.seconds(rows + n, positions + attended(start_pos, n, w), held + self.held(start_pos, n))
 
         aim = self.bar_s * AIM
         n = _largest(lambda n: total(n) <= aim, most)

@@ -610,6 +610,17 @@ class Shard:
                 and (pool.kv_dtype == "int8" or (pool.scales is None and pool.kv.dtype == torch.float32
                                                  and self.dtype == torch.float32)))
 
+    def in_place_rows(self, pool: KVPool) -> int:
+        """A sequence with at most this many rows in a step reads its keys where they lie in `pool`
+        (no gather: lp_attend, or a CUDA stage's paged kernels); 0: every sequence's are gathered."""
+        if self.device.type == "cuda" and self.batch_invariant:
+            return 1 << 30
+        if self.device.type == "cpu" and self.native is not None:  # lp_layers: every row
+            return 1 << 30
+        if self.device.type == "cpu" and self._reads_native(pool):
+            return 1 << 30 if pool.kv_dtype == "int8" else NATIVE_ROWS
+        return 0
+
     def _native_reads(self, kv: StepKV) -> tuple | None:
         """What lp_attend reads for every layer of a step, for the sequences it computes (int8 KV: all;
         float32: those of at most NATIVE_ROWS rows), None if none: their slot of each position [seqs,

@@ -39,7 +39,7 @@ def run_beside_decode(clock: StepClock | None) -> list[tuple[int, int, int, int,
         sched.complete(step, set())
         chunk = sum(p.work.num_tokens for p in step.seqs if p.seq.id == "p")
         has_decode = any(p.seq.id == "d" for p in step.seqs)
-        out.append((step.rows, step.positions(), step.held, chunk, has_decode))
+        out.append((step.rows, step.positions(), step.held(clock or StepClock(SHAPE)), chunk, has_decode))
         if has_decode:  # the last stage's token comes back: the next step decodes it
             sched.feed(SeqWork("d", pos, (7,)))
             pos += 1
@@ -54,7 +54,7 @@ def test_chunks_shrink_with_the_context_so_that_every_step_stays_under_the_bar()
         # counted, not timed: the model's cost of what the step holds
         assert clock.seconds(rows, positions, held) <= 0.1 or chunk == MIN_CHUNK
     chunks = [s[3] for s in steps]
-    assert chunks[0] == clock.chunk(1, 4, 4, 0, 511) > 200  # what the bar leaves at first,
+    assert chunks[0] == clock.chunk(1, 4, 4, 0, 511) > 150  # what the bar leaves at first,
     assert chunks[-2] < chunks[0] / 4                          # far fewer rows at 12k
     assert chunks == sorted(chunks, reverse=True) or chunks[-1] < chunks[-2]  # (the last chunk is the rest)
     assert all(s[4] for s in steps)  # the decoding sequence is in every step: never starved by the prompt
