@@ -2,7 +2,8 @@
 
 A step's time grows with its token rows (the matrix products), with the key positions its rows
 attend over (each row at position p reads p + 1 keys of every layer), and with the positions its
-sequences hold (each sequence's keys are gathered from the paged pool once a step). At long context
+sequences hold (each sequence's keys are gathered from the paged pool once a step, unless its rows read
+the pool in place: `StepShape.in_place_rows`). At long context
 the last two dominate: a 512-row prefill chunk is cheap at position 1,000 and many times the bar at
 32,000. So while some sequence decodes, stage 0 sizes each prompt chunk to what is left of AIM (0.8)
 x the bar after the step's decode rows (a prompt alone flows in whole chunks: nobody waits on its

@@ -103,3 +103,15 @@ def test_a_prompt_with_nothing_decoding_beside_it_flows_in_whole_chunks():
         sched.complete(step, set())
         chunks.append(step.rows)
     assert sum(chunks) == PROMPT and set(chunks[:-1]) == {512}
+
+
+def test_rows_that_read_the_pool_in_place_cost_no_gather():
+    """A decode row that reads its keys in place (lp_attend, CUDA's paged kernels) holds no gathered
+    positions; a chunk of more rows than in_place_rows still gathers its sequence's."""
+    shape = shape_of(params=3 * 3_540_000, attention_layers=3, num_heads=9, head_dim=64,
+                     kv_bytes=3 * 2 * 3 * 64 * 4, in_place_rows=8)
+    clock, gathering = StepClock(shape, "cpu", bar_s=0.1), StepClock(SHAPE, "cpu", bar_s=0.1)
+    assert clock.held(30_000, 1) == 0 and clock.held(30_000, 8) == 0 and clock.held(30_000, 9) == 30_009
+    assert gathering.held(30_000, 1) == 30_001
+    # beside a decode row at 30k: the in-place model leaves the chunk more of the bar
+    assert clock.chunk(1, 30_001, 0, 10_000, 511) > gathering.chunk(1, 30_001, 30_001, 10_000, 511)
