@@ -66,8 +66,8 @@ __all__ = ["Shard"]
 
 # A CPU stage's float32 KV: a sequence with at most this many rows in a step (a decode row, a short chunk)
 # attends by cpu_quant.c's lp_attend, reading the pool in place; more rows (a prompt chunk) by torch's
-# SDPA over its gathered keys, whose products amortise the gather (one thread, 14,000 positions on 16-slot
-# blocks: 1 row 6.3 ms against 25.6; 16 rows 35.6 ms against 21.6)
+# SDPA over its gathered keys, whose products amortise the gather (one layer, one thread, 14,000 positions on
+# 16-slot blocks, CPU ms, bench/cpu_long_step.py: 1 row 2.7 against 14.6; 8 rows 10.6 / 9.8; 16 rows 20.4 / 12.6)
 NATIVE_ROWS = 8
 
 
