@@ -28,7 +28,7 @@ attention's rows (one part: the values are a slice of the keys' row) are not rot
 Where it happens: keys and values are quantized as a step writes them to the pool (`quantize`, the
 row's own vector only, so a row's stored bits never depend on what shares its step) and dequantized
 as attention reads them (`dequantize`, in the compute dtype, or directly by cpu_quant.c's
-`lp_attend_int8` on a CPU: stage_node.model.shard). The scale layout is the pool's without its last
+`lp_attend` on a CPU: stage_node.model.shard). The scale layout is the pool's without its last
 axis: [layers, parts (k, v), kv_heads, slots] float32 (`KVPool.scales`).
 """
 from __future__ import annotations

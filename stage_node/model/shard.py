@@ -64,6 +64,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Shard"]
 
+# A CPU stage's float32 KV: a sequence with at most this many rows in a step (a decode row, a short chunk)
+# attends by cpu_quant.c's lp_attend, reading the pool in place; more rows (a prompt chunk) by torch's
+# SDPA over its gathered keys, whose products amortise the gather (one layer, one thread, 14,000 positions on
+# 16-slot blocks, CPU ms, bench/cpu_long_step.py: 1 row 2.7 against 14.6; 8 rows 10.6 / 9.8; 16 rows 20.4 / 12.6)
+NATIVE_ROWS = 8
+
 
 class Shard:
     """Weights and forward of the contiguous decoder-layer range [start, end)."""
@@ -446,10 +452,11 @@ class Shard:
         if reads is None:
             by_kv = {key: self._spans(r) for key, r in read_kvs.items()}
             spans = {kind: by_kv[id(r)] for kind, r in reading.items()}
-        # int8 KV on a CPU: attention reads it directly (cpu_quant.c), every row of a layer in one call
+        # a CPU stage's float32 or int8 KV: attention reads the pool in place (cpu_quant.c's lp_attend), every
+        # row of a layer in one call
         direct = None
-        if self._reads_int8(kv.pool):
-            by_kv = {key: self._int8_reads(r) for key, r in read_kvs.items()}
+        if self._reads_native(kv.pool):
+            by_kv = {key: self._native_reads(r) for key, r in read_kvs.items()}
             direct = {kind: by_kv[id(r)] for kind, r in reading.items()}
 
         c = self.config
@@ -472,9 +479,8 @@ class Shard:
             def attend(i, q, k, v, masks=masks[kind], kind=kind):
                 if reads is not None:
                     return self._attention_invariant(i, q, k, v, reading[kind], reads[kind], kind)
-                if direct is not None and v is not None and self.layers[i].sinks is None:
-                    return self._attention_int8(i, q, k, v, reading[kind], direct[kind], kind)
-                return self._attention(i, q, k, v, reading[kind], masks, spans[kind])
+                native = direct[kind] if direct is not None and v is not None and self.layers[i].sinks is None else None
+                return self._attention(i, q, k, v, reading[kind], masks, spans[kind], native, kind)
 
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
         return hidden
@@ -522,20 +528,36 @@ class Shard:
         return y if bias is None else y + bias
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
-                   masks: list, spans: list) -> torch.Tensor:
+                   masks: list, spans: list, native: tuple | None = None, kind: str = "full") -> torch.Tensor:
         """Store the new rows' k/v in their pool slots, then per sequence attend over its
-        positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
+        positions [0, stop) (`spans`: the step's `_spans`). `native` (the step's `_native_reads`): the
+        sequences whose rows cpu_quant.c's lp_attend computes, reading the pool in place; the others
+        by torch's SDPA over their gathered keys. -> [T, heads * head_dim]"""
         pool, j = kv.pool, self._kv[i]
         k_pool, v_pool = pool.k[j], pool.v[j]  # [kv_heads, slots, head_dim]
         pool.store(j, kv.write_slots, k, v)  # (v None: MLA's latent rows, whose values are a part of k's: pool.v)
         if pool.rotated:  # 8-bit keys and values stored rotated: so are the queries, and the output is un-rotated
             q = rotate(q).to(q.dtype)
+        out = None
+        if native is not None:
+            table, row_seq, pos, rows, mine = native
+            window = (self.arch.sliding_window if kind == "sliding" else 0) or 0
+            scales = {} if pool.scales is None else {"ks": pool.scales[j, 0], "vs": pool.scales[j, 1]}
+            got = cpu_native.attend(q if rows is None else q[rows], pool.kv[j, 0], pool.kv[j, 1], table, row_seq, pos,
+                                    window, self._scale, **scales).to(q.dtype)
+            if rows is None:  # every row
+                return _unrotated(got, q.shape) if pool.rotated else got
+            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            out[rows] = got
         # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
         # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
         one = len(kv.seqs) == 1
         outs, row = [], 0
-        for s, mask, span in zip(kv.seqs, masks, spans):
+        for n, (s, mask, span) in enumerate(zip(kv.seqs, masks, spans)):
+            if out is not None and n in mine:
+                row += s.num_tokens
+                continue
             if span is not None:  # consecutive blocks: strided views of the pool, taken once a step
                 keys, values = span[0][j], span[1][j]
                 if pool.quantized:  # 8-bit KV: dequantized as read (MLA: the values are part of the keys)
@@ -555,7 +577,11 @@ class Shard:
                         values = dequantize(values, pool.vs[j].index_select(1, s.slots)[None], self.dtype)
             outs.append(attention(qh if one else qh[:, :, row: row + s.num_tokens], keys, values, mask,
                                   scale=self._scale, cap=self.arch.attn_softcap, sinks=self.layers[i].sinks))
+            if out is not None:
+                out[row: row + s.num_tokens] = outs.pop()[0].transpose(0, 1).reshape(s.num_tokens, -1)
             row += s.num_tokens
+        if out is not None:
+            return _unrotated(out, q.shape) if pool.rotated else out
         o = outs[0] if one else torch.cat(outs, 2)  # [1, heads, T, hd]
         return (unrotate(o[0]) if pool.rotated else o[0]).transpose(0, 1).reshape(q.shape[0], -1)
 
@@ -575,36 +601,51 @@ class Shard:
             out.append((k[:, :, :, a:b], v[:, :, :, a:b]) + ((None, None) if ks is None else (ks[..., a:b], vs[..., a:b])))
         return out
 
-    def _reads_int8(self, pool: KVPool) -> bool:
-        """Whether attention reads `pool`'s int8 KV directly by cpu_quant.c (a CPU stage with the native
-        kernels, no soft-capping; sinks and MLA are told per layer): else it dequantizes what it reads."""
-        return (pool.kv_dtype == "int8" and self.device.type == "cpu" and self.arch.attn_softcap is None
-                and self.arch.mla is None and cpu_native.library() is not None)
+    def _reads_native(self, pool: KVPool) -> bool:
+        """Whether attention reads `pool` in place by cpu_quant.c's lp_attend: a CPU stage with the native
+        kernels, float32 or int8 KV, no soft-capping, no MLA, at most ATT_PAIRS (64) query heads a KV head
+        (sinks are told per layer). Else torch's path: each sequence's keys gathered (or a view where its
+        slots are consecutive), then SDPA (bf16 / fp16 compute, fp8 KV, Gemma 2's cap, MLA, gpt-oss' sinks)."""
+        c = self.config
+        return (self.device.type == "cpu" and self.arch.attn_softcap is None and self.arch.mla is None
+                and c.num_heads // c.num_kv_heads <= 64 and cpu_native.library() is not None
+                and (pool.kv_dtype == "int8" or (pool.scales is None and pool.kv.dtype == torch.float32
+                                                 and self.dtype == torch.float32)))
 
-    def _int8_reads(self, kv: StepKV) -> tuple:
-        """What lp_attend_int8 reads for every layer of a step: each sequence's slot of each position
-        [seqs, longest] int64 (from its first read position lo), each row's sequence and position [T] int64."""
-        seqs = kv.seqs
-        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long)
-        for n, s in enumerate(seqs):
-            table[n, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo) if s.span is not None else s.slots
-        pos = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs])
-        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
-        return table, row_seq, pos
+    def in_place_rows(self, pool: KVPool) -> int:
+        """A sequence with at most this many rows in a step reads its keys where they lie in `pool`
+        (no gather: lp_attend, or a CUDA stage's paged kernels); 0: every sequence's are gathered."""
+        if self.device.type == "cuda" and self.batch_invariant:
+            return 1 << 30
+        if self.device.type == "cpu" and self.native is not None:  # lp_layers: every row
+            return 1 << 30
+        if self.device.type == "cpu" and self._reads_native(pool):
+            return 1 << 30 if pool.kv_dtype == "int8" else NATIVE_ROWS
+        return 0
 
-    def _attention_int8(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV, reads: tuple,
-                        kind: str) -> torch.Tensor:
-        """Store the new rows' k/v (int8), then every row attends over its positions by cpu_quant.c's
-        lp_attend_int8, reading the int8 values and their scales directly. -> [T, heads * head_dim]"""
-        pool, j = kv.pool, self._kv[i]
-        pool.store(j, kv.write_slots, k, v)
-        table, row_seq, pos = reads
-        window = self.arch.sliding_window if kind == "sliding" else 0
-        out = cpu_native.attend_int8(rotate(q) if pool.rotated else q, pool.kv[j, 0], pool.kv[j, 1], pool.scales[j, 0],
-                                     pool.scales[j, 1], table, row_seq, pos, window or 0, self._scale)
-        if pool.rotated:  # (the pool's keys and values are rotated: kv_quant.rotate)
-            out = unrotate(out.view(q.shape)).reshape(q.shape[0], -1)
-        return out.to(q.dtype)
+    def _native_reads(self, kv: StepKV) -> tuple | None:
+        """What lp_attend reads for every layer of a step, for the sequences it computes (int8 KV: all;
+        float32: those of at most NATIVE_ROWS rows), None if none: their slot of each position [seqs,
+        longest] int64 (from each one's first read position lo), each of their rows' sequence (in that
+        table) and position [rows] int64, those rows in the step [rows] int64 (None: every row), and the
+        sequences' indices in the step."""
+        seqs, every = kv.seqs, kv.pool.kv_dtype == "int8"
+        mine = [n for n, s in enumerate(seqs) if every or s.num_tokens <= NATIVE_ROWS]
+        if not mine:
+            return None
+        table = torch.zeros(len(mine), max(seqs[n].stop for n in mine), dtype=torch.long)
+        for t, n in enumerate(mine):
+            s = seqs[n]
+            table[t, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo) if s.span is not None else s.slots
+        pos = torch.cat([torch.arange(seqs[n].start_pos, seqs[n].stop) for n in mine])
+        row_seq = torch.repeat_interleave(torch.arange(len(mine)), torch.tensor([seqs[n].num_tokens for n in mine]))
+        rows = None
+        if len(mine) < len(seqs):
+            first = [0]
+            for s in seqs:
+                first.append(first[-1] + s.num_tokens)
+            rows = torch.cat([torch.arange(first[n], first[n + 1]) for n in mine])
+        return table, row_seq, pos, rows, set(mine)
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
         """What the batch-invariant attention reads, for every layer of a step: each sequence's slot
@@ -674,3 +715,9 @@ def check_step(hidden: torch.Tensor, kv: StepKV, num_layers: int) -> None:
     if total != hidden.shape[0] or kv.write_slots.numel() != total:
         raise ValueError(f"sequences hold {total} tokens but hidden states have {hidden.shape[0]} rows "
                          f"and {kv.write_slots.numel()} write slots")
+
+
+def _unrotated(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Attention's output [T, heads * head_dim] of queries rotated with the pool's 8-bit keys and values
+    (kv_quant.rotate), rotated back."""
+    return unrotate(out.view(shape)).reshape(shape[0], -1).to(out.dtype)

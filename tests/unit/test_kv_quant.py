@@ -95,7 +95,7 @@ def test_the_rotation_spreads_a_real_models_large_channels():
 @native
 @pytest.mark.parametrize("window", [0, 5])
 def test_direct_int8_attention_equals_dequantized_sdpa(window):
-    """lp_attend_int8 reads int8 values and scales in place: the same as dequantizing and SDPA, for rows
+    """lp_attend reads int8 values and scales in place: the same as dequantizing and SDPA, for rows
     of two sequences (a prompt chunk and a decode row) over gathered slots, with and without a window."""
     kvh, heads, hd, slots = 2, 6, 64, 40
     kq, ks = quantize(torch.randn(kvh, slots, hd), "int8")
@@ -105,7 +105,7 @@ def test_direct_int8_attention_equals_dequantized_sdpa(window):
     pos = torch.tensor([14, 15, 16, 17, 9])
     row_seq = torch.tensor([0, 0, 0, 0, 1])
     q = torch.randn(5, heads, hd)
-    out = cpu_native.attend_int8(q, kq, vq, ks.contiguous(), vs.contiguous(), table, row_seq, pos, window, 0.125)
+    out = cpu_native.attend(q, kq, vq, table, row_seq, pos, window, 0.125, ks.contiguous(), vs.contiguous())
     keys, values = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
     for r in range(5):
         lo = max(0, int(pos[r]) - window + 1) if window else 0
@@ -113,8 +113,8 @@ def test_direct_int8_attention_equals_dequantized_sdpa(window):
         ref = F.scaled_dot_product_attention(q[r][None, :, None], keys[:, idx][None], values[:, idx][None],
                                              scale=0.125, enable_gqa=True)[0, :, 0].reshape(-1)
         assert torch.allclose(out[r], ref, atol=1e-5, rtol=1e-5), r
-    alone = cpu_native.attend_int8(q[4:], kq, vq, ks.contiguous(), vs.contiguous(), table, row_seq[4:], pos[4:],
-                                   window, 0.125)
+    alone = cpu_native.attend(q[4:], kq, vq, table, row_seq[4:], pos[4:], window, 0.125, ks.contiguous(),
+                              vs.contiguous())
     assert torch.equal(alone[0], out[4])  # a row's bits do not depend on the rows beside it
 
 
