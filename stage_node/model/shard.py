@@ -64,11 +64,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Shard"]
 
-# A CPU stage's float32 KV: a sequence with at most this many rows in a step (a decode row, a short chunk)
-# attends by cpu_quant.c's lp_attend, reading the pool in place; more rows (a prompt chunk) by torch's
-# SDPA over its gathered keys, whose products amortise the gather (one layer, one thread, 14,000 positions on
-# 16-slot blocks, CPU ms, bench/cpu_long_step.py: 1 row 2.7 against 14.6; 8 rows 10.6 / 9.8; 16 rows 20.4 / 12.6)
-NATIVE_ROWS = 8
 
 
 class Shard:
@@ -620,17 +615,18 @@ class Shard:
         if self.device.type == "cpu" and self.native is not None:  # lp_layers: every row
             return 1 << 30
         if self.device.type == "cpu" and self._reads_native(pool):
-            return 1 << 30 if pool.kv_dtype == "int8" else NATIVE_ROWS
+            return 1 << 30
         return 0
 
     def _native_reads(self, kv: StepKV) -> tuple | None:
-        """What lp_attend reads for every layer of a step, for the sequences it computes (int8 KV: all;
-        float32: those of at most NATIVE_ROWS rows), None if none: their slot of each position [seqs,
+        """What lp_attend reads for every layer of a step (every row of every sequence: a row's bits must not
+        depend on how many rows its sequence has in the step, or a replay's chunk would give other bits than
+        the decode steps it recomputes), None if none: their slot of each position [seqs,
         longest] int64 (from each one's first read position lo), each of their rows' sequence (in that
         table) and position [rows] int64, those rows in the step [rows] int64 (None: every row), and the
         sequences' indices in the step."""
-        seqs, every = kv.seqs, kv.pool.kv_dtype == "int8"
-        mine = [n for n, s in enumerate(seqs) if every or s.num_tokens <= NATIVE_ROWS]
+        seqs = kv.seqs
+        mine = list(range(len(seqs)))  # every row: a row's bits never depend on how many rows its sequence has
         if not mine:
             return None
         table = torch.zeros(len(mine), max(seqs[n].stop for n in mine), dtype=torch.long)
