@@ -262,7 +262,8 @@ class Engine:
         st = self.stats
         st.compute_s += seconds
         st.max_step_s = max(st.max_step_s, seconds)
-        self.clock.observe(step.rows, step.positions(self.clock.shape.window), step.held(self.clock), seconds)
+        if self.clock.bar_s:  # (no bar: nothing sizes chunks by the model, which is not fitted then)
+            self.clock.observe(step.rows, step.positions(self.clock.shape.window), step.held(self.clock), seconds)
         if step.decodes:  # a decode row waited for this step: the bar's figure
             st.decode_steps += 1
             st.max_decode_step_s = max(st.max_decode_step_s, seconds)

@@ -367,7 +367,7 @@ class Scheduler:
         failures: list[Failure] = []
         seen: set[str] = set()
         rows = nseqs = positions = held = 0
-        clock = self.clock
+        clock = self.clock if self.clock is not None and self.clock.bar_s else None  # (no bar: rows alone)
         while self.inbox:
             msg = self.inbox[0]
             more = sum(attended(w.start_pos, w.num_tokens, clock.shape.window) for w in msg.seqs) if clock else 0

@@ -443,16 +443,16 @@ class Shard:
                         for s in reading[kind].seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
-        spans = None
-        if reads is None:
-            by_kv = {key: self._spans(r) for key, r in read_kvs.items()}
-            spans = {kind: by_kv[id(r)] for kind, r in reading.items()}
         # a CPU stage's float32 or int8 KV: attention reads the pool in place (cpu_quant.c's lp_attend), every
-        # row of a layer in one call
+        # row of a layer in one call (a layer with sinks: torch's path)
         direct = None
-        if self._reads_native(kv.pool):
+        if reads is None and self._reads_native(kv.pool):
             by_kv = {key: self._native_reads(r) for key, r in read_kvs.items()}
             direct = {kind: by_kv[id(r)] for kind, r in reading.items()}
+        spans = None  # torch's path: views of the pool where a sequence's slots are consecutive, once a step
+        if reads is None and (direct is None or any(w.sinks is not None for w in self.layers)):
+            by_kv = {key: self._spans(r) for key, r in read_kvs.items()}
+            spans = {kind: by_kv[id(r)] for kind, r in reading.items()}
 
         c = self.config
         logs = kv.pool.logs
@@ -475,7 +475,8 @@ class Shard:
                 if reads is not None:
                     return self._attention_invariant(i, q, k, v, reading[kind], reads[kind], kind)
                 native = direct[kind] if direct is not None and v is not None and self.layers[i].sinks is None else None
-                return self._attention(i, q, k, v, reading[kind], masks, spans[kind], native, kind)
+                return self._attention(i, q, k, v, reading[kind], masks, None if spans is None else spans[kind],
+                                       native, kind)
 
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
         return hidden
@@ -525,34 +526,26 @@ class Shard:
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
                    masks: list, spans: list, native: tuple | None = None, kind: str = "full") -> torch.Tensor:
         """Store the new rows' k/v in their pool slots, then per sequence attend over its
-        positions [0, stop) (`spans`: the step's `_spans`). `native` (the step's `_native_reads`): the
-        sequences whose rows cpu_quant.c's lp_attend computes, reading the pool in place; the others
-        by torch's SDPA over their gathered keys. -> [T, heads * head_dim]"""
+        positions [0, stop) (`spans`: the step's `_spans`). `native` (the step's `_native_reads`): every row by
+        cpu_quant.c's lp_attend instead, reading the pool in place. -> [T, heads * head_dim]"""
         pool, j = kv.pool, self._kv[i]
         k_pool, v_pool = pool.k[j], pool.v[j]  # [kv_heads, slots, head_dim]
         pool.store(j, kv.write_slots, k, v)  # (v None: MLA's latent rows, whose values are a part of k's: pool.v)
         if pool.rotated:  # 8-bit keys and values stored rotated: so are the queries, and the output is un-rotated
             q = rotate(q).to(q.dtype)
-        out = None
         if native is not None:
-            table, row_seq, pos, rows, mine = native
+            table, row_seq, pos = native
             window = (self.arch.sliding_window if kind == "sliding" else 0) or 0
             scales = {} if pool.scales is None else {"ks": pool.scales[j, 0], "vs": pool.scales[j, 1]}
-            got = cpu_native.attend(q if rows is None else q[rows], pool.kv[j, 0], pool.kv[j, 1], table, row_seq, pos,
-                                    window, self._scale, **scales).to(q.dtype)
-            if rows is None:  # every row
-                return _unrotated(got, q.shape) if pool.rotated else got
-            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-            out[rows] = got
+            out = cpu_native.attend(q, pool.kv[j, 0], pool.kv[j, 1], table, row_seq, pos, window, self._scale,
+                                    **scales).to(q.dtype)
+            return unrotate(out.view(q.shape)).reshape(q.shape[0], -1) if pool.rotated else out
         # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
         # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
         one = len(kv.seqs) == 1
         outs, row = [], 0
-        for n, (s, mask, span) in enumerate(zip(kv.seqs, masks, spans)):
-            if out is not None and n in mine:
-                row += s.num_tokens
-                continue
+        for s, mask, span in zip(kv.seqs, masks, spans):
             if span is not None:  # consecutive blocks: strided views of the pool, taken once a step
                 keys, values = span[0][j], span[1][j]
                 if pool.quantized:  # 8-bit KV: dequantized as read (MLA: the values are part of the keys)
@@ -572,11 +565,7 @@ class Shard:
                         values = dequantize(values, pool.vs[j].index_select(1, s.slots)[None], self.dtype)
             outs.append(attention(qh if one else qh[:, :, row: row + s.num_tokens], keys, values, mask,
                                   scale=self._scale, cap=self.arch.attn_softcap, sinks=self.layers[i].sinks))
-            if out is not None:
-                out[row: row + s.num_tokens] = outs.pop()[0].transpose(0, 1).reshape(s.num_tokens, -1)
             row += s.num_tokens
-        if out is not None:
-            return _unrotated(out, q.shape) if pool.rotated else out
         o = outs[0] if one else torch.cat(outs, 2)  # [1, heads, T, hd]
         return (unrotate(o[0]) if pool.rotated else o[0]).transpose(0, 1).reshape(q.shape[0], -1)
 
@@ -618,42 +607,33 @@ class Shard:
             return 1 << 30
         return 0
 
-    def _native_reads(self, kv: StepKV) -> tuple | None:
-        """What lp_attend reads for every layer of a step (every row of every sequence: a row's bits must not
+    def _slot_table(self, seqs) -> torch.Tensor:
+        """Each sequence's slot of each of its positions from its first read one (`lo`) [seqs, longest]
+        int64 on the stage's device (a window's positions before lo, given back, are never read: zeros)."""
+        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            if s.span is not None:
+                table[i, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo, device=self.device)
+            else:
+                table[i, s.lo: s.stop] = s.slots
+        return table
+
+    def _native_reads(self, kv: StepKV) -> tuple:
+        """What lp_attend reads for every layer of a step, every row of every sequence (a row's bits must not
         depend on how many rows its sequence has in the step, or a replay's chunk would give other bits than
-        the decode steps it recomputes), None if none: their slot of each position [seqs,
-        longest] int64 (from each one's first read position lo), each of their rows' sequence (in that
-        table) and position [rows] int64, those rows in the step [rows] int64 (None: every row), and the
-        sequences' indices in the step."""
+        the decode steps it recomputes): the slot table (`_slot_table`), each row's sequence and position
+        [T] int64."""
         seqs = kv.seqs
-        mine = list(range(len(seqs)))  # every row: a row's bits never depend on how many rows its sequence has
-        if not mine:
-            return None
-        table = torch.zeros(len(mine), max(seqs[n].stop for n in mine), dtype=torch.long)
-        for t, n in enumerate(mine):
-            s = seqs[n]
-            table[t, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo) if s.span is not None else s.slots
-        pos = torch.cat([torch.arange(seqs[n].start_pos, seqs[n].stop) for n in mine])
-        row_seq = torch.repeat_interleave(torch.arange(len(mine)), torch.tensor([seqs[n].num_tokens for n in mine]))
-        rows = None
-        if len(mine) < len(seqs):
-            first = [0]
-            for s in seqs:
-                first.append(first[-1] + s.num_tokens)
-            rows = torch.cat([torch.arange(first[n], first[n + 1]) for n in mine])
-        return table, row_seq, pos, rows, set(mine)
+        pos = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs])
+        row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
+        return self._slot_table(seqs), row_seq, pos
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
         """What the batch-invariant attention reads, for every layer of a step: each sequence's slot
         of each of its positions from its first read one (`lo`) [seqs, longest] int64, each row's position [T] int64, the tiles and
         their first rows (stage_node.invariant.attention)."""
         seqs = kv.seqs
-        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):  # (a window's positions before lo, given back, are never read: zeros)
-            if s.span is not None:
-                table[i, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo, device=self.device)
-            else:
-                table[i, s.lo: s.stop] = s.slots
+        table = self._slot_table(seqs)
         positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.stop)], dtype=torch.long)
         tiles = invariant.seq_tiles([s.num_tokens for s in seqs], self.config.num_heads // self.config.num_kv_heads)
         return (table, positions.to(self.device, non_blocking=True), invariant.tiles_tensor(tiles, self.device),
@@ -711,9 +691,3 @@ def check_step(hidden: torch.Tensor, kv: StepKV, num_layers: int) -> None:
     if total != hidden.shape[0] or kv.write_slots.numel() != total:
         raise ValueError(f"sequences hold {total} tokens but hidden states have {hidden.shape[0]} rows "
                          f"and {kv.write_slots.numel()} write slots")
-
-
-def _unrotated(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Attention's output [T, heads * head_dim] of queries rotated with the pool's 8-bit keys and values
-    (kv_quant.rotate), rotated back."""
-    return unrotate(out.view(shape)).reshape(shape[0], -1).to(out.dtype)
