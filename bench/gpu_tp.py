@@ -9,6 +9,11 @@
 
     python -m bench.gpu_tp --work /tmp/gpu --out $OUT --layers 32 --tokens 64 --rounds 2
     python -m bench.gpu_tp --skip-exactness --shape 70b --layers 40 --variants tp4,pp4,tp2x2   # 4 GPUs
+    python -m bench.gpu_tp --skip-exactness --variants 1gpu,tp2 --trace /tmp/trace --profile 30   # where the time goes
+
+The controller runs with `--speculate 0` unless told (a greedy stream then takes the overlapped step,
+as in bench.gpu_engine). `--trace DIR`: bench.step_trace's timings of each variant's stage and
+followers under DIR/<variant>; `--profile N`: torch.profiler over 16 one-row steps from the Nth.
 """
 from __future__ import annotations
 
