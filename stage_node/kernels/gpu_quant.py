@@ -26,7 +26,7 @@ kernel: a tiled GEMM dequantizing tiles on the fly). `qmm_config` picks them.
 
 Batch invariance, by the float path's rule (stage_node.kernels.invariant): a row's sum over K is taken
 in an order that never depends on the number of rows: K in parts fixed per matrix
-(`invariant.k_parts`, added in order by `invariant.add_parts`), each part in 16-wide slices in
+(`invariant.quant_parts`, added in order by `invariant.add_parts`), each part in 16-wide slices in
 a fixed order (int4: a chunk's low halves, then its high halves, G fixed per matrix; int8: slices in
 ascending order, BK fixed per format, not per tile); the tile itself
 follows the row count, which the tensor cores' ordered 16-wide steps make harmless (checked on the
@@ -124,14 +124,14 @@ def _kernels():
 
 def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
-    w [n, k]. The parts are the float path's (invariant.k_parts: a function of the matrix); the tile
+    w [n, k]. The parts are a function of the matrix (invariant.quant_parts); the tile
     follows m, but never under 64 rows: on the H100 a 16- or 32-row tile gave a row other bits than
     the 64- and 128-row tiles (bench/gpu_quant_tiles.py; the float path's do agree), so decode runs
     the 64 x 64 tile too (int4 511 tok/s one stream for 8 layers of the 8B shape against 805 with
     16 x 32: bench/gpu_quant.py, docs/engine.md)."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
-    parts = invariant.k_parts(n, k)
+    parts = invariant.quant_parts(n, k)
     if m <= 64:  # decode too: a tile of fewer than 64 rows gave other bits than the larger ones on the H100
         return 64, 64, 4, 4, parts
     if m <= 128:

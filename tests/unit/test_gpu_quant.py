@@ -200,12 +200,12 @@ def test_interpreted_product_is_the_dequantized_matrix_s(interpret, fmt, dtype):
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_interpreted_parts_of_k_are_added_in_order(interpret, fmt):
-    """A matrix the float path sums in two parts of K (few outputs, K >= 2048): the quantized kernels
+    """A matrix with few outputs and K >= 2048 (invariant.quant_parts): the quantized kernels
     give the same two parts, added in order (invariant.add_parts), rows alike alone or together."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(32, 2304, generator=g) * 0.05  # 2304 = 2048 + 256: parts of 1280 and 1024
     x = torch.randn(3, 2304, generator=g).half()
-    assert invariant.k_parts(32, 2304) == 2
+    assert invariant.quant_parts(32, 2304) == 2
     m, y, ref = interpreted_product(fmt, w, x)
     parts = m.mm_parts(x)
     assert parts.shape == (2, 3, 32) and parts.dtype == torch.float32
