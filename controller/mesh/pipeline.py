@@ -381,6 +381,10 @@ class Pipeline(HoldsIdentity):
         if errors:  # closed everywhere: a stage whose answer timed out may still have admitted it
             await self.close_session_many([request.session_id], [h for h in stages if h in self.stages])
             h, exc = errors[0]
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # a stage too busy (or stalled) to admit it in time: not the request's fault; it waits
+                # and opens again (a stalled stage is planned around meanwhile)
+                raise Unavailable(f"stage {h.address} did not answer OpenSession within {OPEN_TIMEOUT_S:.0f} s") from exc
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise _mesh_error(exc, h.address) from exc
             if isinstance(exc, asyncio.CancelledError) or self.generation != generation:
