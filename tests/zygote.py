@@ -16,6 +16,7 @@ the imports have started one, the zygote says so and LocalMesh starts processes 
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import random
@@ -33,6 +34,10 @@ from pathlib import Path
 
 PRELOAD = ("logicpipe.stage_node.main", "logicpipe.controller.main")  # the stage's first: it sets GOMP_SPINCOUNT
                                                                     # before torch loads
+# ... and what their first model load imports lazily (transformers' config machinery and the tests' Llama
+# configuration, the tokenizer's): about a second of CPU a process, paid once here instead
+WARM = ("transformers.models.llama.configuration_llama", "transformers.tokenization_utils_tokenizers",
+        "transformers.models.auto.tokenization_auto")
 
 
 def _child(request: dict, ready_w: int) -> None:
@@ -89,6 +94,9 @@ def _reap(status_dir: Path) -> None:
 
 def serve(status_dir: Path) -> None:
     for module in PRELOAD:
+        __import__(module)
+    importlib.import_module("logicpipe.stage_node.model.rope").warm_imports()  # (after PRELOAD: torch)
+    for module in WARM:
         __import__(module)
     if threading.active_count() > 1:
         print(json.dumps({"error": f"{threading.active_count()} threads after the imports: forking is not safe"}),
