@@ -16,7 +16,6 @@ the imports have started one, the zygote says so and LocalMesh starts processes 
 from __future__ import annotations
 
 import atexit
-import importlib
 import json
 import os
 import random
@@ -36,7 +35,8 @@ PRELOAD = ("logicpipe.stage_node.main", "logicpipe.controller.main")  # the stag
                                                                     # before torch loads
 # ... and what their first model load imports lazily (transformers' config machinery and the tests' Llama
 # configuration, the tokenizer's): about a second of CPU a process, paid once here instead
-WARM = ("transformers.models.llama.configuration_llama", "transformers.tokenization_utils_tokenizers",
+WARM = ("transformers.models.auto.configuration_auto", "transformers.modeling_rope_utils", "transformers.activations",
+        "transformers.models.llama.configuration_llama", "transformers.tokenization_utils_tokenizers",
         "transformers.models.auto.tokenization_auto")
 
 
@@ -95,7 +95,6 @@ def _reap(status_dir: Path) -> None:
 def serve(status_dir: Path) -> None:
     for module in PRELOAD:
         __import__(module)
-    importlib.import_module("logicpipe.stage_node.model.rope").warm_imports()  # (after PRELOAD: torch)
     for module in WARM:
         __import__(module)
     if threading.active_count() > 1:
