@@ -261,16 +261,26 @@ def _resume_s(requests: list[Resuming], since: float) -> float | None:
     return max(after) - since if after and all(a is not None for a in after) else None
 
 
-def _fault_resume_s(requests: list[Resuming], fault: float) -> float | None:
-    """Seconds from a storm's fault until every request still running at it had a new token (a
-    request that ended after it without one counts at its end); None when none was running."""
+def _fault_waits(requests: list[Resuming], fault: float) -> list[float]:
+    """Per request still running at a storm's fault, seconds until its next token (one that ended
+    after it without one counts at its end)."""
     waits = []
     for r in requests:
         if not r.times or r.times[0] > fault or (r.ended is not None and r.ended <= fault):
             continue
         nxt = r.first_after(fault)
         waits.append((nxt if nxt is not None else (r.ended or fault)) - fault)
+    return waits
+
+
+def _fault_resume_s(requests: list[Resuming], fault: float) -> float | None:
+    """Seconds from a storm's fault until every request still running at it had a new token; None
+    when none was running."""
+    waits = _fault_waits(requests, fault)
     return max(waits) if waits else None
+
+
+PAUSED_S = 2.0  # a request whose next token came this long after a fault was paused by it
 
 
 def run_restart(sig: int, model_dir: Path, work: Path) -> dict:
@@ -433,6 +443,9 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
                 "fault_resume_median_s": statistics.median(per_fault) if per_fault else None,
                 "fault_resume_max_s": max(per_fault) if per_fault else None,
                 "fault_resume_s": [None if s is None else round(s, 1) for s in each], "faults": fault_log,
+                # per fault: "paused/running": requests it paused (no token for PAUSED_S) of those running
+                "fault_paused": [f"{sum(w > PAUSED_S for w in ws)}/{len(ws)}"
+                                 for ws in (_fault_waits(reqs, t) for t in fault_times)],
                 "fault_resume_stage_up_median_s": statistics.median(served) if served else None,
                 "fault_resume_stage_up_max_s": max(served) if served else None,
                 "no_stage_up_s": round(watch.none_up_s(fault_times[0], time.monotonic()), 1) if fault_times else 0.0,
