@@ -32,6 +32,10 @@ row says the plan the mesh started with (`plan`: per pipeline, its stages).
              start (restarts), after the kill (takeover); for the storm, the median and the
              largest gap between two tokens of a request
 
+The storm's JSON row also has, per fault, `fault_resume_s` (seconds until every request running at
+it had a new token) and `fault_paused` ("paused/running": the running requests that had no token
+for 2 s after it), and the load average while it ran.
+
     python -m bench.fault_bench                 # every row
     python -m bench.fault_bench --faults stage-sigstop --ttl 3
     python -m bench.fault_bench --faults controller-restart-sigkill,standby-takeover,storm
