@@ -35,7 +35,7 @@ os.environ.setdefault("LOGICPIPE_TEST_ZYGOTE", "1")
 # The files that take longest, longest first. pytest-xdist hands a worker whole files (--dist loadfile)
 # in collection order (scripts/test.sh turns off its own reordering, by number of tests), and the suite
 # ends when its last file does: a long file started last kept the other workers idle for minutes.
-# Measured wall seconds of each under the suite's load (2 cores, 3 workers); the rest keep their order.
+# Ordered by each file's wall time measured under the suite's load (2 cores, 3 workers); the rest keep their order.
 LONGEST_FIRST = (
     "tests/mesh/test_families.py", "tests/mesh/test_speculate.py", "tests/mesh/test_membership.py",
     "tests/mesh/test_generate.py", "tests/service/test_controller_service.py", "tests/mesh/test_durability.py",

@@ -93,9 +93,7 @@ def _reap(status_dir: Path) -> None:
 
 
 def serve(status_dir: Path) -> None:
-    for module in PRELOAD:
-        __import__(module)
-    for module in WARM:
+    for module in (*PRELOAD, *WARM):
         __import__(module)
     if threading.active_count() > 1:
         print(json.dumps({"error": f"{threading.active_count()} threads after the imports: forking is not safe"}),
