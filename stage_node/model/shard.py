@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import cpu_native, fused
 from logicpipe.stage_node.kernels import invariant
-from logicpipe.stage_node.kernels import prefetch
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
 from logicpipe.stage_node.engine.kv_quant import dequantize, index_select, rotate, unrotate
 from logicpipe.stage_node.engine.states import RecurrentStates
@@ -190,23 +189,19 @@ class Shard:
             qkv = invariant.mm(h, w.qkv)  # [T, q + 2 kv]
             q = fused.rope_kv(qkv, cos, sin, positions, ws, pool[j, 0], pool[j, 1], c.num_heads,
                               c.num_kv_heads, c.head_dim)
-            x, h = fused.add_norm(self._row_parallel(attend(i, q), w.o, w.gate_up), x, w.post_norm, eps)
+            x, h = fused.add_norm(self._row_parallel(attend(i, q), w.o), x, w.post_norm, eps)
             mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
-            x, h = fused.add_norm(self._row_parallel(mlp, w.down, self.layers[i + 1].qkv if i + 1 < n else None), x,
-                                  self.layers[i + 1].input_norm if i + 1 < n else None, eps)
+            x, h = fused.add_norm(self._row_parallel(mlp, w.down), x, self.layers[i + 1].input_norm if i + 1 < n else None,
+                                  eps)
         return x
 
-    def _row_parallel(self, x: torch.Tensor, w, ahead=None) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w) -> torch.Tensor:
         """The fused layers' o or down product for fused.add_norm: its parts over K [parts, T, N]; on a
         rank of a tensor-parallel stage the product (its parts added in order) summed over the ranks,
-        [1, T, N] (TensorParallel.all_reduce: a fixed order, whatever the step), the first bytes of
-        `ahead` (the next product's matrix) asked into L2 while the ranks meet (kernels.prefetch)."""
+        [1, T, N] (TensorParallel.all_reduce: a fixed order, whatever the step)."""
         if self.tp is None:
             return invariant.mm_parts(x, w)
-        y = invariant.mm(x, w)
-        if ahead is not None:
-            prefetch.prefetch_l2(ahead)
-        return self.tp.all_reduce(y)[None]
+        return self.tp.all_reduce(invariant.mm(x, w))[None]
 
     @torch.inference_mode()
     def warm_up(self, pool: KVPool) -> float:
