@@ -7,7 +7,9 @@ vocabulary); a width that does not is never one. Width w is the node seen as `at
 
     devices = w; on separate devices (CUDA) memory, FLOP/s and bandwidths times w; on a CPU, whose
     ranks share the host's memory and cores, the figures as measured; the all-reduce its ranks
-    measured at start, which the cost model adds twice a layer (`cost.allreduce_time_s`).
+    measured at start (over all N, taken for every w), which the cost model adds twice a layer
+    (`cost.allreduce_time_s`); at w > 1 its sliding-window layers count as full (`full_sliding_kv`:
+    a tensor-parallel stage's ranks keep every position).
 
 `best_over_widths` runs a search (the DP, the replica search, a fixed strategy) once for every
 combination of the flexible nodes' widths and keeps the best result: the one that costs least
@@ -56,9 +58,12 @@ def at_width(profile: DeviceProfile, width: int) -> DeviceProfile:
         return profile
     if not 1 <= width <= profile.max_devices:
         raise ValueError(f"node {profile.node_id} offers 1 to {profile.max_devices} devices, not {width}")
+    # (a stage of several ranks keeps every position of its sliding-window layers: they count as full)
+    whole = profile.full_sliding_kv or width > 1
     if profile.device_kind in SHARED_HOST_KINDS:
-        return dataclasses.replace(profile, devices=width, max_devices=0)
-    return dataclasses.replace(profile, devices=width, max_devices=0, memory_bytes=profile.memory_bytes * width,
+        return dataclasses.replace(profile, devices=width, max_devices=0, full_sliding_kv=whole)
+    return dataclasses.replace(profile, devices=width, max_devices=0, full_sliding_kv=whole,
+                               memory_bytes=profile.memory_bytes * width,
                                flops=profile.flops * width, mem_bandwidth=profile.mem_bandwidth * width,
                                weight_bandwidth=profile.weight_bandwidth * width)
 
