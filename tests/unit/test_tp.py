@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
-from logicpipe.controller.mesh.planning import device_profile
+from logicpipe.controller.mesh.planning import device_profile, model_spec
+from logicpipe.errors import InvalidArgument
 from logicpipe.planner import ModelSpec, Workload, make_plan, plan_from_json, plan_to_json
 from logicpipe.planner.cost import layer_time_s
 from logicpipe.stage_node.net import wire
@@ -22,9 +23,10 @@ from logicpipe.v1 import stage_pb2
 from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.model.tp import TensorParallel
-from logicpipe.stage_node.profile import HostProfile, tensor_parallel
+from logicpipe.stage_node.profile import HostProfile, offering, tensor_parallel
 from logicpipe.stage_node.engine.kv import StepKV, seq_slice
 from logicpipe.stage_node.engine.step_graphs import MIN_CONTEXT, GraphRow, StepGraphs
+from logicpipe.stage_node.engine import tp_group
 from logicpipe.stage_node.engine.tp_group import Leader
 
 from .. import families
@@ -246,3 +248,83 @@ def _status(profile) -> stage_pb2.StatusReply:
     reply = stage_pb2.StatusReply(node_id="box", device="cuda:0")
     reply.profile.CopyFrom(wire.profile_to_proto(profile))
     return reply
+
+
+def _tokens(leader: Leader, path: str, n: int) -> list[int]:
+    """n greedy tokens of PROMPT through a whole-model stage of `leader`'s ranks (the mirrored eager forward)."""
+    shard = leader.load(path, 0, families.LAYERS, first=True, last=True, dtype=torch.float32, quantize="none",
+                        invariant=False)
+    bs, blocks = 4, list(range(8))
+    pool = leader.new_pool(shard, len(blocks) + 1, bs)
+    ids, out = list(PROMPT), []
+    rows = ids
+    for _ in range(n):
+        start = len(ids) - len(rows)
+        h = shard.forward(shard.embed(torch.tensor(rows)), StepKV(pool, torch.arange(start, len(ids)),
+                                                                   (seq_slice(start, len(rows), blocks, bs),)))
+        tok = int(shard.greedy(h[-1:])[0])
+        out.append(tok)
+        ids.append(tok)
+        rows = [tok]
+    return out
+
+
+def test_a_tp_max_stage_re_forms_its_group_at_the_width_each_assignment_asks(checkpoints):
+    """Issue 36, the planner's width: a --tp-max node's follower group is formed at an assignment's width
+    (kept while it stays), stopped at width 1 (its follower exits, status 0) and formed again (a new process
+    group in the same process), and gives transformers' tokens each time. (This process is rank 0, as the
+    stage process is; its group is destroyed at the end.)"""
+    path = str(checkpoints["llama"])
+    expected = families.hf_greedy(families.hf_model(path), PROMPT, 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    leader = None
+    try:
+        leader = tp_group.reform(None, 2, "cpu", 1)
+        assert _tokens(leader, path, 3) == expected
+        followers = leader.procs
+        assert tp_group.reform(leader, 2, "cpu", 1) is leader
+        leader = tp_group.reform(leader, 1, "cpu", 1)
+        assert leader is None and [p.poll() for p in followers] == [0]
+        leader = tp_group.reform(leader, 2, "cpu", 1)
+        assert _tokens(leader, path, 3) == expected
+        leader.stop()
+        leader = None
+    finally:
+        torch.set_num_threads(threads)
+        if leader is not None:
+            leader.close()
+            torch.distributed.destroy_process_group()
+
+
+def test_an_assignment_s_width_is_honoured_or_refused_by_name():
+    fixed = Leader(2, "cpu", 1)  # (not started: width_for only reads its width)
+    assert tp_group.width_for(0, fixed, 0, "n") == 2 and tp_group.width_for(2, fixed, 0, "n") == 2
+    assert tp_group.width_for(0, None, 0, "n") == 1 and tp_group.width_for(1, None, 0, "n") == 1
+    with pytest.raises(InvalidArgument, match="tp_width 1: node n has a fixed tensor-parallel width of 2"):
+        tp_group.width_for(1, fixed, 0, "n")
+    with pytest.raises(InvalidArgument, match="tp_width 2: node n has a fixed tensor-parallel width of 1"):
+        tp_group.width_for(2, None, 0, "n")
+    assert [tp_group.width_for(w, None, 4, "n") for w in (0, 1, 3, 4)] == [1, 1, 3, 4]
+    with pytest.raises(InvalidArgument, match=r"tp_width 5: node n offers 1 to 4 devices \(--tp-max 4\)"):
+        tp_group.width_for(5, None, 4, "n")
+
+
+def test_a_tp_max_node_offers_one_device_s_figures_and_the_planner_sees_the_widths(checkpoints):
+    """The profile of a --tp-max 4 GPU node: one GPU's figures, max_devices 4 and the all-reduce, through
+    Status to the controller's planner profile; the controller's model spec carries the sizes a width must
+    divide (the stage's own check), so the planner offers only the widths the stage would take."""
+    gpu = HostProfile("cuda", "H100", 80 * 2**30, 5e14, 3e12, ("bf16",), weight_bandwidth=2e12)
+    prof = device_profile(_status(offering(gpu, 4, (20e-6, 1e11))), {})
+    assert (prof.devices, prof.max_devices, prof.memory_bytes, prof.allreduce_latency_s) == (1, 4, 80 * 2**30, 20e-6)
+    assert offering(gpu, 1) == gpu
+    for family, widths in (("llama", (1, 2)), ("qwen3_moe", (1, 2))):  # 4 heads over 2 KV heads; 6 experts
+        spec = model_spec(ModelConfig.from_dir(checkpoints[family]), family, "")
+        assert spec.tp_widths(4) == widths, family
+        for w in range(1, 5):
+            config = ModelConfig.from_dir(checkpoints[family])
+            if w in widths:
+                tp_split.check_split(config, w)
+            else:
+                with pytest.raises(ModelError):
+                    tp_split.check_split(config, w)
