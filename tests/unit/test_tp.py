@@ -167,6 +167,25 @@ def test_a_tp_stage_lists_its_devices_in_the_plan():
     assert [s.devices for s in plan_from_json(plan_to_json(plan)).stages] == [2, 1]
 
 
+def _tokens(leader: Leader, path: str, n: int) -> list[int]:
+    """n greedy tokens of PROMPT through a whole-model stage of `leader`'s ranks (the mirrored eager forward)."""
+    shard = leader.load(path, 0, families.LAYERS, first=True, last=True, dtype=torch.float32, quantize="none",
+                        invariant=False)
+    bs, blocks = 4, list(range(8))
+    pool = leader.new_pool(shard, len(blocks) + 1, bs)
+    ids, out = list(PROMPT), []
+    rows = ids
+    for _ in range(n):
+        start = len(ids) - len(rows)
+        h = shard.forward(shard.embed(torch.tensor(rows)), StepKV(pool, torch.arange(start, len(ids)),
+                                                                   (seq_slice(start, len(rows), blocks, bs),)))
+        tok = int(shard.greedy(h[-1:])[0])
+        out.append(tok)
+        ids.append(tok)
+        rows = [tok]
+    return out
+
+
 def _graph_leader(path: str, results) -> None:
     """Rank 0 of a 2-rank CPU stage (its follower started by Leader, as a stage starts it): the prompt
     by the mirrored eager forward, then every decode row by the step graphs' body, mirrored step by
@@ -191,19 +210,31 @@ def _graph_leader(path: str, results) -> None:
             ids.append(tok)
             pos = len(ids) - 1
             h = graphs.forward(shard.embed(torch.tensor([tok])), [GraphRow(pos, pos, blocks)])
-        results.put((out, graphs.replays, sorted(graphs.graphs), [p.poll() for p in leader.procs]))
+        alive = [p.poll() for p in leader.procs]
+        # a --tp-max node's re-plans (tp_group.reform): the width in force kept, width 1 stops the group (its
+        # follower exits, status 0), width 2 forms it again (a new process group in this process)
+        followers = leader.procs
+        assert tp_group.reform(leader, 2, "cpu", 1) is leader
+        leader = tp_group.reform(leader, 1, "cpu", 1)
+        gone = [p.poll() for p in followers]
+        leader = tp_group.reform(leader, 2, "cpu", 1)
+        results.put((out, graphs.replays, sorted(graphs.graphs), alive, gone, _tokens(leader, path, 3)))
+        leader.stop()
     except BaseException as exc:  # noqa: BLE001 — reported to the test, which fails with it
         results.put(repr(exc))
         raise
     finally:
-        leader.close()
+        if leader is not None:
+            leader.close()
 
 
 def test_a_tp_stage_s_step_graphs_are_replayed_by_every_rank_together(checkpoints):
     """On a GPU a `--tp 2` stage replays its decode steps as CUDA graphs with the all-reduces inside
     (issue 36: eager it was 0.15 of one GPU). Every rank makes each bucket's graph when rank 0 does and
     replays it over the same inputs, sent into its static buffers: here the graphs' body on two CPU
-    processes over gloo gives transformers' greedy tokens, one replay per decode row, the follower alive."""
+    processes over gloo gives transformers' greedy tokens, one replay per decode row, the follower alive.
+    Then the group as a --tp-max node's width changes re-form it: stopped at width 1, formed again at 2
+    (transformers' tokens again)."""
     path = checkpoints["llama"]
     expected = families.hf_greedy(families.hf_model(path), PROMPT, NEW)
     ctx = multiprocessing.get_context("spawn")
@@ -218,9 +249,10 @@ def test_a_tp_stage_s_step_graphs_are_replayed_by_every_rank_together(checkpoint
             proc.kill()
             proc.join()
     assert not isinstance(got, str), got
-    tokens, replays, buckets, followers = got
+    tokens, replays, buckets, followers, gone, again = got
     assert tokens == expected
     assert replays == NEW and buckets == [(1, MIN_CONTEXT)] and followers == [None]
+    assert gone == [0] and again == expected[:3]
 
 
 def test_a_tp_stage_refuses_a_model_that_does_not_split_before_its_followers_hear_of_it(checkpoints, model_dir):
@@ -248,53 +280,6 @@ def _status(profile) -> stage_pb2.StatusReply:
     reply = stage_pb2.StatusReply(node_id="box", device="cuda:0")
     reply.profile.CopyFrom(wire.profile_to_proto(profile))
     return reply
-
-
-def _tokens(leader: Leader, path: str, n: int) -> list[int]:
-    """n greedy tokens of PROMPT through a whole-model stage of `leader`'s ranks (the mirrored eager forward)."""
-    shard = leader.load(path, 0, families.LAYERS, first=True, last=True, dtype=torch.float32, quantize="none",
-                        invariant=False)
-    bs, blocks = 4, list(range(8))
-    pool = leader.new_pool(shard, len(blocks) + 1, bs)
-    ids, out = list(PROMPT), []
-    rows = ids
-    for _ in range(n):
-        start = len(ids) - len(rows)
-        h = shard.forward(shard.embed(torch.tensor(rows)), StepKV(pool, torch.arange(start, len(ids)),
-                                                                   (seq_slice(start, len(rows), blocks, bs),)))
-        tok = int(shard.greedy(h[-1:])[0])
-        out.append(tok)
-        ids.append(tok)
-        rows = [tok]
-    return out
-
-
-def test_a_tp_max_stage_re_forms_its_group_at_the_width_each_assignment_asks(checkpoints):
-    """Issue 36, the planner's width: a --tp-max node's follower group is formed at an assignment's width
-    (kept while it stays), stopped at width 1 (its follower exits, status 0) and formed again (a new process
-    group in the same process), and gives transformers' tokens each time. (This process is rank 0, as the
-    stage process is; its group is destroyed at the end.)"""
-    path = str(checkpoints["llama"])
-    expected = families.hf_greedy(families.hf_model(path), PROMPT, 3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    leader = None
-    try:
-        leader = tp_group.reform(None, 2, "cpu", 1)
-        assert _tokens(leader, path, 3) == expected
-        followers = leader.procs
-        assert tp_group.reform(leader, 2, "cpu", 1) is leader
-        leader = tp_group.reform(leader, 1, "cpu", 1)
-        assert leader is None and [p.poll() for p in followers] == [0]
-        leader = tp_group.reform(leader, 2, "cpu", 1)
-        assert _tokens(leader, path, 3) == expected
-        leader.stop()
-        leader = None
-    finally:
-        torch.set_num_threads(threads)
-        if leader is not None:
-            leader.close()
-            torch.distributed.destroy_process_group()
 
 
 def test_an_assignment_s_width_is_honoured_or_refused_by_name():
