@@ -71,12 +71,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this process when its parent (rank 0) dies (Linux prctl PR_SET_PDEATHSIG)."""
+def _die_with_parent(parent: int) -> None:
+    """In a follower, first thing: SIGKILL this process when its parent (rank 0) dies (Linux prctl
+    PR_SET_PDEATHSIG), and exit now if it is gone already. (Set here, not in a preexec_fn: a fork of the
+    stage process, whose gRPC threads hold locks, must exec before it runs any Python.)"""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:
         pass
+    if parent and os.getppid() != parent:
+        sys.exit(1)
 
 
 class Channel:
@@ -144,8 +148,9 @@ class Leader:
         init = f"tcp://127.0.0.1:{_free_port()}"
         for r in range(1, self.world):
             cmd = [sys.executable, "-m", "logicpipe.stage_node.engine.tp_group", "--rank", str(r), "--world",
-                   str(self.world), "--init", init, "--device", self._device_kind, "--threads", str(self._threads)]
-            self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+                   str(self.world), "--init", init, "--device", self._device_kind, "--threads", str(self._threads),
+                   "--parent", str(os.getpid())]
+            self.procs.append(subprocess.Popen(cmd))
         self.tp, control = join(0, self.world, init, self._device_kind)
         self.channel = Channel(self.tp, control, self.device)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
@@ -388,7 +393,9 @@ def main(argv=None) -> None:
     ap.add_argument("--init", required=True, help="torch.distributed init method (tcp://HOST:PORT)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--parent", type=int, default=0, help="rank 0's pid: this rank dies with it")
     args = ap.parse_args(argv)
+    _die_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{args.rank}: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
