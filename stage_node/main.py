@@ -238,10 +238,11 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--draft-layers must be 0 (all) or more")
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
-    if args.tp_max < 0 or (args.tp_max and args.tp > 1):
-        raise SystemExit(f"--tp-max {args.tp_max}: give a number of devices >= 1, and not with --tp {args.tp} "
-                         "(--tp fixes the width, --tp-max lets the plan choose it)" if args.tp_max >= 0 else
-                         f"--tp-max {args.tp_max}: give a number of devices >= 1")
+    if args.tp_max < 0:
+        raise SystemExit(f"--tp-max {args.tp_max}: give the most devices the plan may use, 1 or more")
+    if args.tp_max and args.tp > 1:
+        raise SystemExit(f"--tp-max {args.tp_max} with --tp {args.tp}: give one of them (--tp fixes the width, "
+                         "--tp-max lets the plan choose it)")
     ranks = args.tp_max or args.tp  # the most ranks the stage may run
     if args.kv_dtype != "auto" and ranks > 1:
         raise SystemExit(f"--kv-dtype {args.kv_dtype}: tensor-parallel stages (--tp, --tp-max) keep float KV only")
