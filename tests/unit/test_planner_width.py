@@ -15,6 +15,7 @@ from logicpipe.planner import (
     Objective,
     Workload,
     evaluate_mesh,
+    format_mesh_plan_table,
     make_mesh_plan,
     make_plan,
     mesh_plan_from_json,
@@ -137,4 +138,5 @@ def test_the_plan_records_the_profiles_as_given_and_is_costed_again_at_its_width
     assert again.tokens_per_s == pytest.approx(mesh.tokens_per_s)
     read = mesh_plan_from_json(mesh_plan_to_json(mesh))
     assert widths(read) == [[("box", 2)]]
+    assert "cuda bf16 x2" in format_mesh_plan_table(mesh)  # lpctl plan's table shows the width
     assert profile_digest(h100(2)) != profile_digest(h100(4)) != profile_digest(dataclasses.replace(h100(4), max_devices=0))
