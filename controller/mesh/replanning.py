@@ -373,7 +373,7 @@ class Replanner:
             plan = mesh.pipelines[i]
             p.plan = plan
             await p.install(str(self.app.model_dir), self.app.digest, self.app.num_layers,
-                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
+                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id, s.devices)
                              for s, (dtype, fmt, wire) in zip(plan.stages, planning.stage_formats(plan, self.profiles))],
                             self.app.options.dtype, self.app.options.micro_batches, controller_address=self.app.options.address,
                             generation=self.app.pipelines.next_generation(),
