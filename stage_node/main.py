@@ -45,7 +45,6 @@ from logicpipe.stage_node.kernels.invariant import SETTINGS as INVARIANT_SETTING
 from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import compute_id, cpu_kernels, host_profile, offered_formats, tensor_parallel  # noqa: E402
-from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.engine.kv_quant import KV_DTYPES  # noqa: E402
@@ -324,7 +323,6 @@ async def serve(args: argparse.Namespace) -> None:
     bound = bind(transport, server, args.listen, "--listen", PROG)
     runtime.start()
     await server.start()
-    warming = asyncio.ensure_future(runner.call(warm_imports))  # a head start for the first load (queued before it)
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
     members = StageMembership(runtime, f"{host}:{bound}", transport, controller=args.controller,
                               mdns=not args.no_mdns, mesh=args.mesh,
@@ -334,7 +332,6 @@ async def serve(args: argparse.Namespace) -> None:
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0, ready=members.start,
                                     on_stop=members.leave, alive=runtime.alive)
     finally:
-        warming.cancel()
         await members.close()
         await runtime.stop()
         if leader is not None:
