@@ -481,12 +481,14 @@ class Replanner:
             self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
             return
         self._pending.pop(p, None)
+        moved = self.app.scheduler.rebalance(p)  # its share of the running requests (none lost: they replay there)
         self.plan = self._evaluate_in_force()
         self.plan_json = planning.to_json(self.plan)
         if self.app.state.waiting:  # (every pipeline in force broke meanwhile: this one serves now)
             self.app.state.set(Phase.READY)
-        log.info("pipeline %d (%s) joined the plan %.1f s after its install began (%s)", p.index,
-                 " ".join(f"{h.node_id}[{h.start},{h.end})" for h in p.stages), time.monotonic() - t0, why)
+        log.info("pipeline %d (%s) joined the plan %.1f s after its install began (%s); %d running requests "
+                 "move onto it", p.index, " ".join(f"{h.node_id}[{h.start},{h.end})" for h in p.stages),
+                 time.monotonic() - t0, why, len(moved))
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
 
