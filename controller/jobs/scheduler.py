@@ -312,6 +312,8 @@ class Scheduler:
         that is finished, still catching up from an earlier move, or a fork's parent or child, or
         prefilled elsewhere, stays. Returns the sessions moved (closed on their old pipelines)."""
         serving = self.pipelines.serving()
+        prefillers = self.handoffs.prefill_only(serving)  # (they decode nobody's requests)
+        serving = [p for p in serving if id(p) not in prefillers]
         if target not in serving or len(serving) < 2:
             return []
         running = [Movable(sid, id(p), len(r.inputs)) for sid, r in self.active.items()
