@@ -46,7 +46,6 @@ from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # no
 from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
 from logicpipe.stage_node.profile import (  # noqa: E402
     compute_id, cpu_kernels, host_profile, offered_formats, offering, tensor_parallel)
-from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.engine.kv_quant import KV_DTYPES  # noqa: E402
@@ -343,7 +342,6 @@ async def serve(args: argparse.Namespace) -> None:
     bound = bind(transport, server, args.listen, "--listen", PROG)
     runtime.start()
     await server.start()
-    warming = asyncio.ensure_future(runner.call(warm_imports))  # a head start for the first load (queued before it)
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
     members = StageMembership(runtime, f"{host}:{bound}", transport, controller=args.controller,
                               mdns=not args.no_mdns, mesh=args.mesh,
@@ -353,7 +351,6 @@ async def serve(args: argparse.Namespace) -> None:
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0, ready=members.start,
                                     on_stop=members.leave, alive=runtime.alive)
     finally:
-        warming.cancel()
         await members.close()
         await runtime.stop()
         if leader is not None:
