@@ -1,8 +1,15 @@
 """8-bit KV (issue 39 item 2): `--kv-dtype int8 | fp8` holds a stage's keys and values in one byte
-an element, each (token, KV head) vector with its own float32 scale beside it.
+an element, each (token, KV head) vector with 4 bytes of scale beside it.
 
-- int8: symmetric, scale = max|x| / 127 over the head's vector, q = round(x / scale) in [-127, 127];
-  x ~ q * scale (error at most scale / 2 an element).
+- int8: 254 steps over the vector's own range [min, max], centred on its mid: mid = bf16((max + min) / 2),
+  scale = max(max - mid, mid - min) / 127 rounded up to a bf16, q = round((x - mid) / scale) in
+  [-127, 127]; x ~ mid + q * scale (error at most scale / 2 an element). Scale and mid are two bfloat16
+  in one 32-bit word (`pack`: mid high, scale low; the pool's scales are int32), so a vector costs the
+  same 4 bytes as a float32 scale did. Against the symmetric grid before (scale = max|x| / 127, no mid):
+  Gaussian vectors of 16 / 64 / 128 round with relative RMS error 0.0042 / 0.0054 / 0.0060 instead of
+  0.0047 / 0.0060 / 0.0065 (max - min is about 0.9 of 2 max|x|), a vector off zero much finer; the tiny MoE families' greedy agreement with
+  float KV rose from 0.934 / 0.949 to above 0.95 (docs/engine.md#8-bit-kv). The bf16 rounding of mid
+  and scale costs nothing systematic: the values are rounded against the stored mid and scale.
 - fp8: torch.float8_e4m3fn (CUDA's 8-bit float; its storage and conversions work on a CPU too),
   scale = max|x| / 448 (e4m3's largest finite value), q = fp8(x / scale); relative error at most
   2^-4 an element (3 mantissa bits), at least the scale's 2^-9 near zero. Its error is 4 to 5 times
@@ -96,11 +103,11 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
     all-zero vector: 0, 0, values 0); fp8: scales float32, x ~ q * scale."""
     x = x.float()
     if kv_dtype == "int8":  # 254 steps over [min, max] of the vector, centred on mid
-        hi, lo = x.amax(-1), x.amin(-1)  # [...]
+        lo, hi = torch.aminmax(x, dim=-1)  # [...]
         mid = _bf16_near((hi + lo) * 0.5)
         scale = _bf16_up(torch.maximum(hi - mid, mid - lo) / QMAX["int8"])  # rounded up: |x - mid| <= 127 scale
-        div = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
-        q = torch.round((x - mid[..., None]) / div).clamp_(-127, 127).to(torch.int8)
+        # (scale 0: every element is mid, x - mid is 0 whatever it is divided by)
+        q = torch.round((x - mid[..., None]) / scale.clamp_min(1e-30)[..., None]).clamp_(-127, 127).to(torch.int8)
         return q, pack(scale, mid)
     scale = x.abs().amax(-1) / QMAX[kv_dtype]  # [...]
     div = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
