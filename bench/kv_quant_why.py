@@ -7,7 +7,10 @@ choice after each of float KV's greedy tokens is compared with float KV's:
   int8 rotated (kv_quant.rotate, what `--kv-dtype int8` stores); int8 keys with fp8 values;
 - per flip: float KV's top-1 / top-2 logit margin there and its rank among all positions' margins
   (near-ties flip first), the median |logit change|, and how many experts' choices changed (MoE);
-- `--layers`: fp8 in one layer at a time (which layers' rounding matters).
+- int8 rotated keys only / values only, a min/max grid with a float32 zero point ("int8 asym"), a 9-bit
+  probe (one bit more: how much the rounding's size counts), fp8 rotated (`--variants` picks some);
+- `--layers`: int8 in one layer at a time and everywhere but one layer, fp8 in one layer at a time
+  (which layers' rounding matters). "int8 rotated" is what the stage stores (kv_quant.quantize: with a mid).
 
     python -m bench.kv_quant_why [--families default,llama,...] [--prompts 16] [--tokens 32] [--init 0.1]
 """
