@@ -220,14 +220,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
            vs: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over one layer's paged KV, read in place (cpu_quant.c's lp_attend): q [T, heads, hd]
     float32; k, v [kv_heads, slots, hd] float32, or int8 with their scales ks, vs [kv_heads, slots]
-    float32 (all contiguous); table [seqs, L] int64, each sequence's slot of each position; row_seq, pos
+    int32 (each the vector's scale and mid as two bfloat16: engine.kv_quant.pack; all contiguous); table [seqs, L] int64, each sequence's slot of each position; row_seq, pos
     [T] int64 (row r sees its sequence's positions <= pos[r], and > pos[r] - window; window 0: none).
     -> [T, heads * hd] float32"""
     lib = library()
     q = q.float().contiguous()
     T, heads, hd = q.shape
-    if (ks is None) != (k.dtype == torch.float32) or (ks is None) != (vs is None):
-        raise ValueError(f"native attention reads float32 KV, or int8 with both scales; got {k.dtype}")
+    if (ks is None) != (k.dtype == torch.float32) or (ks is None) != (vs is None) or not (
+            ks is None or ks.dtype == vs.dtype == torch.int32):
+        raise ValueError(f"native attention reads float32 KV, or int8 with both (scale, mid) words; got {k.dtype}")
     out = torch.empty(T, heads * hd)
     rc = lib.lp_attend(q.data_ptr(), T, heads, k.shape[0], hd, k.data_ptr(), v.data_ptr(),
                        None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(), k.shape[1],

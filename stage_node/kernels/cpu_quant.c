@@ -470,9 +470,10 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y +=
 /* ---------------------------------------------------------------------------------------------------
    Attention over a paged KV pool, read in place (lp_attend: stage_node.model.shard's torch forward on a
    CPU; and lp_layers_pools' attention). Float32 KV, or 8-bit (--kv-dtype int8: each (token, KV head)
-   vector int8 values with a float32 scale, x = q * scale, engine.kv_quant; read a byte an element,
-   never dequantized into a copy):
-       score_j = (q . k_j) [* ks_j] * scale,   out = sum_j softmax_j [* vs_j] * v_j
+   vector int8 values with a scale and a mid, two bfloat16 in one 32-bit word (mid high, scale low),
+   x = mid + q * scale, engine.kv_quant; read a byte an element, never dequantized into a copy):
+       score_j = ((q . k_j) [* ks_j + km_j * sum(q)]) * scale,
+       out = sum_j p_j [* vs_j] * v_j [+ sum_j p_j * vm_j]   (p = softmax)
    k, v [kv_heads, slots, hd] (one layer's pool; ks, vs [kv_heads, slots] with int8); row r of q (rows
    ldq floats apart, heads hd apart) attends over the slots table[row_seq[r]][j] of the positions j in
    [lo, pos[r]] (lo = pos[r] - window + 1 with a window, else 0): causal within a prompt chunk, whose
@@ -568,9 +569,12 @@ INLINE void dot4(const int I8, const float *q, const void *k, const int64_t *at,
         o[c] = I8 ? dot_i8(q, (const int8_t *)k + at[c] * hd, hd) : dot(q, (const float *)k + at[c] * hd, hd);
 }
 
+INLINE float bf16_hi(uint32_t w) { union { uint32_t u; float f; } c = {w & 0xFFFF0000u}; return c.f; }  /* mid */
+INLINE float bf16_lo(uint32_t w) { union { uint32_t u; float f; } c = {w << 16}; return c.f; }  /* scale */
+
 typedef struct {
-    const void *k, *v;     /* one layer's [kv_heads, slots, hd]: float32, or int8 with ks, vs */
-    const float *ks, *vs;  /* int8: [kv_heads, slots] scales; NULL with float32 */
+    const void *k, *v;        /* one layer's [kv_heads, slots, hd]: float32, or int8 with ks, vs */
+    const uint32_t *ks, *vs;  /* int8: [kv_heads, slots] (scale, mid) words; NULL with float32 */
     int64_t slots;
     const int64_t *table;  /* [seqs, table_len]: each sequence's slot of each position */
     int64_t table_len;
@@ -584,11 +588,11 @@ INLINE int64_t first_seen(int64_t pos, int64_t window) {
 INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t ldq, int64_t r0, int64_t r1,
                         int64_t g, int64_t group, int64_t hd, const int64_t *row_seq, const int64_t *pos,
                         int64_t window, float scale, float *out, int64_t ldo) {
-    float m[ATT_PAIRS], l[ATT_PAIRS], s[ATT_BLOCK];
+    float m[ATT_PAIRS], l[ATT_PAIRS], off[ATT_PAIRS], s[ATT_BLOCK];  /* off: sum_j p_j vm_j (int8) */
     const int64_t *sl = kv->table + row_seq[r0] * kv->table_len;
     const int64_t esz = I8 ? 1 : (int64_t)sizeof(float);
     const char *kb = (const char *)kv->k + g * kv->slots * hd * esz, *vb = (const char *)kv->v + g * kv->slots * hd * esz;
-    const float *ksb = I8 ? kv->ks + g * kv->slots : NULL, *vsb = I8 ? kv->vs + g * kv->slots : NULL;
+    const uint32_t *ksb = I8 ? kv->ks + g * kv->slots : NULL, *vsb = I8 ? kv->vs + g * kv->slots : NULL;
     int64_t lo_t = INT64_MAX, hi_t = -1;
     for (int64_t r = r0; r < r1; r++) {
         int64_t lo = first_seen(pos[r], window);
@@ -597,6 +601,7 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
         for (int64_t c = 0; c < group; c++) {
             m[(r - r0) * group + c] = -INFINITY;
             l[(r - r0) * group + c] = 0.0f;
+            off[(r - r0) * group + c] = 0.0f;
             memset(out + r * ldo + (g * group + c) * hd, 0, (size_t)hd * sizeof(float));
         }
     }
@@ -608,7 +613,9 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
             for (int64_t c = 0; c < group; c++) {
                 int64_t i = (r - r0) * group + c, hh = g * group + c, j = a;
                 const float *qr = q + r * ldq + hh * hd;
-                float *o = out + r * ldo + hh * hd, top = -INFINITY;
+                float *o = out + r * ldo + hh * hd, top = -INFINITY, qsum = 0.0f;
+                if (I8)
+                    for (int64_t d = 0; d < hd; d++) qsum += qr[d];
                 for (; j + 4 <= e + 1; j += 4) dot4(I8, qr, kb, sl + j, hd, s + (j - a));
                 for (; j <= e; j++) {  /* the last few: one key in all four chains */
                     float one[4];
@@ -616,21 +623,25 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
                     s[j - a] = one[0];
                 }
                 for (j = a; j <= e; j++) {
-                    float x = I8 ? s[j - a] * ksb[sl[j]] * scale : s[j - a] * scale;
+                    float x = I8 ? (s[j - a] * bf16_lo(ksb[sl[j]]) + bf16_hi(ksb[sl[j]]) * qsum) * scale
+                                 : s[j - a] * scale;
                     s[j - a] = x;
                     top = x > top ? x : top;
                 }
                 if (top > m[i]) {  /* the running max grows: what is summed so far is rescaled */
                     float alpha = expf(m[i] - top);
                     l[i] *= alpha;
+                    off[i] *= alpha;
                     for (int64_t d = 0; d < hd; d++) o[d] *= alpha;
                     m[i] = top;
                 }
                 for (j = a; j <= e; j++) {
                     float p = expf(s[j - a] - m[i]);
                     l[i] += p;
-                    if (I8) axpy_i8(o, p * vsb[sl[j]], (const int8_t *)vb + sl[j] * hd, hd);
-                    else axpy(o, p, (const float *)vb + sl[j] * hd, hd);
+                    if (I8) {
+                        axpy_i8(o, p * bf16_lo(vsb[sl[j]]), (const int8_t *)vb + sl[j] * hd, hd);
+                        off[i] += p * bf16_hi(vsb[sl[j]]);
+                    } else axpy(o, p, (const float *)vb + sl[j] * hd, hd);
                 }
             }
         }
@@ -638,7 +649,10 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
     for (int64_t r = r0; r < r1; r++)
         for (int64_t c = 0; c < group; c++) {
             float inv = 1.0f / l[(r - r0) * group + c], *o = out + r * ldo + (g * group + c) * hd;
-            for (int64_t d = 0; d < hd; d++) o[d] *= inv;
+            if (I8)
+                for (int64_t d = 0; d < hd; d++) o[d] = (o[d] + off[(r - r0) * group + c]) * inv;
+            else
+                for (int64_t d = 0; d < hd; d++) o[d] *= inv;
         }
 }
 
@@ -670,10 +684,10 @@ static int attend_rows(const int I8, const lp_kv *kv, const float *q, int64_t ld
 }
 
 /* One layer's attention (see above): q [T, heads, hd] float32; k, v [kv_heads, slots, hd] float32, or int8
-   with ks, vs [kv_heads, slots] (ks NULL: float32) -> out [T, heads * hd]. 0, -1: no memory, -2: more
+   with ks, vs [kv_heads, slots] (scale, mid) words (ks NULL: float32) -> out [T, heads * hd]. 0, -1: no memory, -2: more
    query heads a KV head than ATT_PAIRS. */
 int lp_attend(const float *q, int64_t T, int64_t nh, int64_t kvh, int64_t hd, const void *k, const void *v,
-              const float *ks, const float *vs, int64_t slots, const int64_t *table, int64_t table_len,
+              const uint32_t *ks, const uint32_t *vs, int64_t slots, const int64_t *table, int64_t table_len,
               const int64_t *row_seq, const int64_t *pos, int64_t window, double scale, float *out, int nt) {
     lp_kv kv = {k, v, ks, vs, slots, table, table_len};
     return attend_rows(ks != NULL, &kv, q, nh * hd, T, nh, kvh, hd, row_seq, pos, window, (float)scale, out,

@@ -31,7 +31,7 @@ def pool_of(blocks: int = 16, kv_dtype: str = "auto", logs: bool = False) -> KVP
     g = torch.Generator().manual_seed(0)
     as_bytes(pool.kv).copy_(torch.randint(0, 120, as_bytes(pool.kv).shape, generator=g, dtype=torch.uint8))
     if pool.scales is not None:
-        pool.scales.copy_(torch.rand(pool.scales.shape, generator=g))
+        pool.scales.view(torch.float32).copy_(torch.rand(pool.scales.shape, generator=g))  # (int8: int32 words)
     if logs:
         pool.add_logs([2], 6)
         pool.logs[2].copy_(torch.rand(pool.logs[2].shape, generator=g))
