@@ -38,6 +38,7 @@ from logicpipe.stage_node.model.ops import (
     DECODE_ROWS,
     INVARIANT_ROWS,
     Rows,
+    rowwise,
     glu,
     attention,
     causal_mask,
@@ -541,7 +542,7 @@ class Shard:
         v = qkv[:, self._q_size + self._kv_size: self._q_size + 2 * self._kv_size].view(T, c.num_kv_heads, c.head_dim)
         attended = attend(i, q, k, v)  # [T, heads * head_dim]
         if self.arch.attn_gate:  # Qwen3.5 / Qwen3-Next: each head's output gated by sigmoid(x W_gate)
-            attended = attended * torch.sigmoid(qkv[:, self._q_size + 2 * self._kv_size:])
+            attended = attended * rowwise(torch.sigmoid, qkv[:, self._q_size + 2 * self._kv_size:])
         attn = self._reduced(linear(attended, w.o, None, rows), w.o_bias)
         return self._mlp(w, x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm)), rows)
 
