@@ -310,7 +310,10 @@ async def serve(args: argparse.Namespace) -> None:
     allreduce = await runner.call(leader.measure) if leader is not None else (0.0, 0.0)
     if leader is not None:
         log.info("all-reduce over the %d ranks: %.0f us, %.2f GB/s", ranks, allreduce[0] * 1e6, allreduce[1] / 1e9)
-    if args.tp_max and leader is not None:  # each assignment forms the group at the plan's width (tp_group.reform)
+    if args.tp_max and leader is not None and device != "cuda":
+        # each assignment forms the group at the plan's width (tp_group.reform). A CUDA node keeps its
+        # group of N: forming a group again in a process whose NCCL group was destroyed hung on 2 H200s
+        # (2026-11-28), so it is formed once, at start; a plan may narrow it, never widen it again
         await runner.call(leader.stop)
         leader = None
     measured = None if args.no_profile else await runner.call(host_profile, device, dtype=args.dtype,

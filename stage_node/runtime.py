@@ -184,6 +184,10 @@ class StageRuntime:
         follower group is formed again at `width` (stopped at 1: tp_group.reform)."""
         if width > 1:
             await self.runner.call(tp_group.check_model_split, model_dir, width)
+            if self.device == "cuda" and tp_group.DESTROYED[0]:
+                raise FailedPrecondition(f"tp_width {width}: node {self.node_id} cannot form a CUDA tensor-parallel "
+                                         f"group again after ending one (it hung on 2 H200s); restart the node to "
+                                         f"give it {width} GPUs again")
         log.info("tensor-parallel width %d -> %d: re-forming the stage's group", self._width(), width)
         old = self.engine
         async with self._step_lock:

@@ -50,7 +50,7 @@ from logicpipe.stage_node.engine.kv import KVPool, SeqSlice, StepKV
 from logicpipe.stage_node.engine.step_graphs import StepGraphs
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.common.modeldir import ModelConfig
-from logicpipe.stage_node.model.tp import TensorParallel, check_split
+from logicpipe.stage_node.model.tp import ONE_SHOT_ROWS, TensorParallel, check_split
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ EXIT_MEMBER_LOST = 75
 WATCH_S = 0.2  # rank 0 checks its followers this often
 MEASURE_SIZES = (256, 1 << 20)  # float32 elements of the small and the large timed all-reduce
 MEASURE_REPS = 10
+DESTROYED = [False]  # this process has ended a group (Leader.stop): CUDA does not form one again here
 STOP_WAIT_S = 10.0  # a stopped follower gets this long to exit before it is killed
 
 
@@ -201,6 +202,7 @@ class Leader:
                 p.kill()
                 p.wait()
         dist.destroy_process_group()
+        DESTROYED[0] = True
         log.info("tensor-parallel group of %d ranks stopped", self.world)
 
     # ---- what rank 0 runs, mirrored first ---------------------------------------------------
@@ -309,7 +311,12 @@ def reform(leader: Leader | None, width: int, device: str, threads: int) -> Lead
 
 
 def _all_reduces(tp: TensorParallel, device: torch.device, n: int, reps: int) -> float:
-    """Seconds one all-reduce of n float32 takes over the data group (after one untimed)."""
+    """Seconds one all-reduce of n float32 takes over the data group (after one untimed). CUDA: as a
+    step's graph runs it (`_in_graph`) where every rank can, else eagerly (NCCL, each launch timed too)."""
+    if device.type == "cuda":
+        seconds = _in_graph(tp, device, n, reps)
+        if seconds is not None:
+            return seconds
     x = torch.ones(n, dtype=torch.float32, device=device)
     dist.all_reduce(x, group=tp.group)
     if device.type == "cuda":
@@ -319,6 +326,37 @@ def _all_reduces(tp: TensorParallel, device: torch.device, n: int, reps: int) ->
         dist.all_reduce(x, group=tp.group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def _in_graph(tp: TensorParallel, device: torch.device, n: int, reps: int) -> float | None:
+    """CUDA: seconds one all-reduce of n float32 takes replayed in a CUDA graph, the one-shot kernel
+    where it fits (`TensorParallel.all_reduce`), as a step's graph runs it: no launch cost, which an
+    eager NCCL call adds (on 2 H200s that made the planner keep one GPU where --tp 2 was 1.32x); None
+    where any rank cannot capture it (every rank agrees first, so none replays alone)."""
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    graph, ok = torch.cuda.CUDAGraph(), 1
+    try:
+        tp.enable_one_shot(MEASURE_SIZES[-1] // ONE_SHOT_ROWS, torch.float32, device)
+        tp.all_reduce(x)
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                tp.all_reduce(x)
+    except Exception as exc:  # noqa: BLE001 — timed eagerly then
+        log.info("the all-reduce could not be timed in a CUDA graph (%s): timed eagerly", exc)
+        ok = 0
+    agree = torch.tensor([ok], device=device)
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=tp.group)
+    if not agree.item():
+        return None
+    graph.replay()
+    torch.cuda.synchronize(device)
+    dist.all_reduce(agree, group=tp.group)  # (the ranks start the timed replay together)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize(device)
     return (time.perf_counter() - t0) / reps
 
 
