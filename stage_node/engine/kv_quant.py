@@ -46,6 +46,7 @@ import math
 import torch
 
 from logicpipe.formats import KV_FORMATS
+from logicpipe.stage_node.kernels import cpu_native
 
 KV_DTYPES = ("auto", *KV_FORMATS)  # --kv-dtype
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -101,6 +102,13 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
     """x [..., d] (floats) -> (values [..., d] in the storage dtype, scales [...]), each vector on its own.
     int8: scales int32, the vector's (scale, mid) as two bfloat16 (`pack`), x ~ mid + q * scale (an
     all-zero vector: 0, 0, values 0); fp8: scales float32, x ~ q * scale."""
+    if kv_dtype == "int8" and x.device.type == "cpu" and x.shape[-1] and (native := cpu_native.kv_int8(x)):
+        return native  # the same bits as torch_quantize, in one call
+    return torch_quantize(x, kv_dtype)
+
+
+def torch_quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` by torch's operations (CUDA; a CPU without the native library)."""
     x = x.float()
     if kv_dtype == "int8":  # 254 steps over [min, max] of the vector, centred on mid
         lo, hi = torch.aminmax(x, dim=-1)  # [...]
@@ -166,7 +174,8 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     CUDA's 8-bit KV forward runs --batch-invariant off anyway)."""
     if x.is_cuda:
         return x.float() @ rotation(x.shape[-1], x.device)
-    return _butterflies(x)
+    native = cpu_native.rotate(x, _signs_on(x), inverse=False) if x.device.type == "cpu" else None
+    return _butterflies(x) if native is None else native
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
@@ -174,7 +183,8 @@ def unrotate(y: torch.Tensor) -> torch.Tensor:
     the model's basis."""
     if y.is_cuda:
         return (y.float() @ rotation(y.shape[-1], y.device).T).to(y.dtype)
-    return (_hadamard(y.float()) * _signs_on(y)).to(y.dtype)
+    native = cpu_native.rotate(y, _signs_on(y), inverse=True) if y.device.type == "cpu" else None
+    return (_hadamard(y.float()) * _signs_on(y) if native is None else native).to(y.dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -134,6 +134,10 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     lib.lp_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
                               ctypes.c_double, ptr, cint]
     lib.lp_attend.restype = cint
+    lib.lp_rotate.argtypes = [ptr, i64, i64, ptr, cint, cint]
+    lib.lp_rotate.restype = cint
+    lib.lp_kv_int8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, cint]
+    lib.lp_kv_int8.restype = cint
     log.info("native CPU kernels (%s) loaded from %s", ISA_NAMES.get(lib.lp_isa(), "?"), path)
     return lib
 
@@ -239,3 +243,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
     if rc:
         raise MemoryError("native attention: no memory for its tiles")
     return out
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor | None:
+    """engine.kv_quant's rotation of x [..., d] (float32 signs [d]) by cpu_quant.c's lp_rotate, the same
+    bits as its butterflies in torch: -> a new float32 tensor (x R, or x R^T with `inverse`); None where
+    the library is unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    y = torch.empty(x.shape, dtype=torch.float32)
+    y.copy_(x)
+    d = x.shape[-1]
+    lib.lp_rotate(y.data_ptr(), y.numel() // d if d else 0, d, signs.data_ptr(), int(inverse), torch.get_num_threads())
+    return y
+
+
+def kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """engine.kv_quant.quantize(x, "int8") by cpu_quant.c's lp_kv_int8 (the same bits): x [..., d] ->
+    (q [..., d] int8, packed (scale, mid) words [...] int32); None where the library is unavailable or d
+    is above its row buffer."""
+    lib = library()
+    if lib is None:
+        return None
+    x = x.float().contiguous()
+    d = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.int8)
+    packed = torch.empty(x.shape[:-1], dtype=torch.int32)
+    if lib.lp_kv_int8(x.data_ptr(), x.numel() // d if d else 0, d, None, q.data_ptr(), packed.data_ptr(),
+                      torch.get_num_threads()):
+        return None
+    return q, packed

@@ -19,6 +19,7 @@ from logicpipe.planner.model import KV_SCALE_BYTES, kv_scale
 from logicpipe.planner.cost import layer_memory_bytes, range_memory_bytes
 from logicpipe.planner.types import DeviceProfile, Workload
 from logicpipe.stage_node.engine.kv import KVPool, kv_bytes_per_token
+from logicpipe.stage_node.engine import kv_quant
 from logicpipe.stage_node.engine.kv_quant import SCALE_BYTES, dequantize, quantize, rotate, rotation, unrotate
 from logicpipe.stage_node.kernels import cpu_native
 from logicpipe.stage_node.model import native_layers
@@ -85,6 +86,28 @@ def test_the_rotation_is_orthogonal_and_row_by_row():
         assert torch.allclose(rotate(x) @ rotate(q), x @ q, atol=1e-4)
         assert torch.equal(rotate(x[4:5]), rotate(x)[4:5]) and torch.equal(unrotate(x[2:3]), unrotate(x)[2:3])
 
+
+
+def test_the_native_rotation_and_int8_rounding_are_torchs_bits():
+    """On a CPU the rotation and int8's quantization run in cpu_quant.c (lp_rotate, lp_kv_int8): the same
+    bits as kv_quant's torch operations, for head dims of every Hadamard block, vectors of one value,
+    zeros, huge and tiny values, and ties of the rounding (x - mid exactly k + 0.5 steps)."""
+    assert cpu_native.library() is not None, "the native library must build here (gcc is in the image)"
+    g = torch.Generator().manual_seed(3)
+    for d in (16, 40, 64, 96, 128, 256):
+        x = torch.randn(37, 3, d, generator=g) * torch.logspace(-6, 6, 37)[:, None, None]
+        x[0] = 0.0
+        x[1] = 1.5  # one value: scale 0
+        x[2, :, ::2], x[2, :, 1::2] = 2.0, -2.0
+        x[3] = torch.arange(d) * 0.5 - 7.25  # halves: ties
+        signs = kv_quant._signs_on(x)
+        assert torch.equal(cpu_native.rotate(x, signs, False), kv_quant._butterflies(x)), d
+        assert torch.equal(cpu_native.rotate(x, signs, True), kv_quant._hadamard(x) * signs), d
+        for v in (x, kv_quant._butterflies(x)):
+            q, packed = cpu_native.kv_int8(v)
+            tq, tpacked = kv_quant.torch_quantize(v, "int8")
+            assert torch.equal(q, tq) and torch.equal(packed, tpacked), d
+        assert torch.equal(quantize(x, "int8")[0], kv_quant.torch_quantize(x, "int8")[0])  # what the pool calls
 
 def test_the_rotation_spreads_a_real_models_large_channels():
     """Keys whose few channels are several times the rest (as a real model's are: the default model's up to
