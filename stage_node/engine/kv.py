@@ -37,9 +37,11 @@ from logicpipe.stage_node.engine.kv_quant import (
     quantize,
     quantized,
     rotate,
+    signs_on,
     storage_dtype,
     vector_bytes,
 )
+from logicpipe.stage_node.kernels import cpu_native
 
 
 class KVPool:
@@ -108,6 +110,9 @@ class KVPool:
             dst = self.kv[layer, part]  # [kv_heads, slots, head_dim]
             if self.scales is None:
                 dst.index_copy_(1, slots, x.transpose(0, 1))
+            elif self.kv_dtype == "int8" and x.device.type == "cpu" and x.shape[0] and cpu_native.kv_store_int8(
+                    x, slots, signs_on(x) if self.rotated else None, dst, self.scales[layer, part]):
+                continue  # the same bits, quantized straight into the pool (cpu_quant.c)
             else:
                 q, s = quantize(rotate(x) if self.rotated else x, self.kv_dtype)  # [T, kv_heads, hd], [T, kv_heads]
                 index_copy_(dst, 1, slots, q.transpose(0, 1))

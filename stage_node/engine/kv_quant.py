@@ -137,7 +137,7 @@ def _signs_tensor(d: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(_signs(d), dtype=torch.float32, device=device)
 
 
-def _signs_on(x: torch.Tensor) -> torch.Tensor:
+def signs_on(x: torch.Tensor) -> torch.Tensor:
     """The signs on x's device, made once (a CUDA graph's warm-up run makes them before its capture)."""
     return _signs_tensor(x.shape[-1], x.device)
 
@@ -158,7 +158,7 @@ def _hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def _butterflies(x: torch.Tensor) -> torch.Tensor:
-    return _hadamard(x.float() * _signs_on(x))
+    return _hadamard(x.float() * signs_on(x))
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,7 +174,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     CUDA's 8-bit KV forward runs --batch-invariant off anyway)."""
     if x.is_cuda:
         return x.float() @ rotation(x.shape[-1], x.device)
-    native = cpu_native.rotate(x, _signs_on(x), inverse=False) if x.device.type == "cpu" else None
+    native = cpu_native.rotate(x, signs_on(x), inverse=False) if x.device.type == "cpu" else None
     return _butterflies(x) if native is None else native
 
 
@@ -183,8 +183,8 @@ def unrotate(y: torch.Tensor) -> torch.Tensor:
     the model's basis."""
     if y.is_cuda:
         return (y.float() @ rotation(y.shape[-1], y.device).T).to(y.dtype)
-    native = cpu_native.rotate(y, _signs_on(y), inverse=True) if y.device.type == "cpu" else None
-    return (_hadamard(y.float()) * _signs_on(y) if native is None else native).to(y.dtype)
+    native = cpu_native.rotate(y, signs_on(y), inverse=True) if y.device.type == "cpu" else None
+    return (_hadamard(y.float()) * signs_on(y) if native is None else native).to(y.dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -138,6 +138,8 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     lib.lp_rotate.restype = cint
     lib.lp_kv_int8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, cint]
     lib.lp_kv_int8.restype = cint
+    lib.lp_kv_store_int8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, cint]
+    lib.lp_kv_store_int8.restype = cint
     log.info("native CPU kernels (%s) loaded from %s", ISA_NAMES.get(lib.lp_isa(), "?"), path)
     return lib
 
@@ -274,3 +276,20 @@ def kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
                       torch.get_num_threads()):
         return None
     return q, packed
+
+
+def kv_store_int8(x: torch.Tensor, slots: torch.Tensor, signs: torch.Tensor | None, dst: torch.Tensor,
+                  scales: torch.Tensor) -> bool:
+    """A step's new keys or values x [T, kv_heads, d] quantized to int8 (rotated first with `signs`) straight
+    into one layer's part of a pool, dst [kv_heads, slots, d] int8 and scales [kv_heads, slots] int32 (both
+    contiguous) at `slots` [T] int64: what kv_quant.quantize and two index copies write, the same bits.
+    False (nothing written) where the library is unavailable or d is above its row buffer."""
+    lib = library()
+    if lib is None or not (dst.is_contiguous() and scales.is_contiguous()):
+        return False
+    x = x.float().contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    T, kvh, d = x.shape
+    return not lib.lp_kv_store_int8(x.data_ptr(), T, kvh, d, slots.data_ptr(),
+                                    None if signs is None else signs.data_ptr(), dst.data_ptr(), scales.data_ptr(),
+                                    dst.shape[1], torch.get_num_threads())

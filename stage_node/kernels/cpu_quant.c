@@ -825,38 +825,56 @@ static inline float bf16_near(float f) {  /* torch's float -> bfloat16 (round to
 
 static inline float bf16_up(float f) { return bits_f32((uint32_t)((int32_t)f32_bits(f) + 0xFFFF) & 0xFFFF0000u); }
 
+/* One vector v [d] -> q [d] int8 and its packed (scale, mid) word; signs non-NULL: of v R (buf: d floats). */
+static void kv_int8_row(const float *v, int64_t d, const float *signs, int8_t *q, int32_t *packed, float *buf) {
+    if (signs) {
+        const int64_t b = d & -d;
+        for (int64_t j = 0; j < d; j++) buf[j] = v[j] * signs[j];
+        fwht_row(buf, d, b, rotation_scale(b));
+        v = buf;
+    }
+    float lo = v[0], hi = v[0];
+    for (int64_t j = 1; j < d; j++) {
+        lo = v[j] < lo ? v[j] : lo;
+        hi = v[j] > hi ? v[j] : hi;
+    }
+    const float mid = bf16_near((hi + lo) * 0.5f);
+    const float a = hi - mid, c = mid - lo;
+    const float scale = bf16_up((a > c ? a : c) / 127.0f);
+    const float div = scale > 1e-30f ? scale : 1e-30f;
+    for (int64_t j = 0; j < d; j++) {
+        float t = nearbyintf((v[j] - mid) / div);
+        t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
+        q[j] = (int8_t)t;
+    }
+    *packed = (int32_t)((f32_bits(mid) & 0xFFFF0000u) | ((f32_bits(scale) >> 16) & 0xFFFFu));
+}
+
 /* x [rows, d] float32 -> q [rows, d] int8 and packed [rows] (scale, mid) words; signs non-NULL: of x R
    (x itself is left as it is). 0, or -1: d above KVQ_MAX_D. */
 int lp_kv_int8(const float *x, int64_t rows, int64_t d, const float *signs, int8_t *q, int32_t *packed, int nt) {
     if (d > KVQ_MAX_D) return -1;
-    const int64_t b = d & -d;
-    const float s = rotation_scale(b);
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows * d >= 32768)
     for (int64_t r = 0; r < rows; r++) {
         float buf[KVQ_MAX_D];
-        const float *v = x + r * d;
-        if (signs) {
-            for (int64_t j = 0; j < d; j++) buf[j] = v[j] * signs[j];
-            fwht_row(buf, d, b, s);
-            v = buf;
-        }
-        float lo = v[0], hi = v[0];
-        for (int64_t j = 1; j < d; j++) {
-            lo = v[j] < lo ? v[j] : lo;
-            hi = v[j] > hi ? v[j] : hi;
-        }
-        const float mid = bf16_near((hi + lo) * 0.5f);
-        const float a = hi - mid, c = mid - lo;
-        const float scale = bf16_up((a > c ? a : c) / 127.0f);
-        const float div = scale > 1e-30f ? scale : 1e-30f;
-        int8_t *qr = q + r * d;
-        for (int64_t j = 0; j < d; j++) {
-            float t = nearbyintf((v[j] - mid) / div);
-            t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
-            qr[j] = (int8_t)t;
-        }
-        packed[r] = (int32_t)((f32_bits(mid) & 0xFFFF0000u) | ((f32_bits(scale) >> 16) & 0xFFFFu));
+        kv_int8_row(x + r * d, d, signs, q + r * d, packed + r, buf);
+    }
+    return 0;
+}
+
+/* A step's new keys or values x [T, kvh, d] float32 quantized (rotated with signs non-NULL) straight into
+   one layer's part of an int8 pool: dst [kvh, n_slots, d] int8 and scales [kvh, n_slots] at slots [T] (what
+   lp_kv_int8 and two index copies do, without the copies). 0, or -1: d above KVQ_MAX_D. */
+int lp_kv_store_int8(const float *x, int64_t T, int64_t kvh, int64_t d, const int64_t *slots, const float *signs,
+                     int8_t *dst, int32_t *scales, int64_t n_slots, int nt) {
+    if (d > KVQ_MAX_D) return -1;
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (T * kvh * d >= 32768)
+    for (int64_t r = 0; r < T * kvh; r++) {
+        float buf[KVQ_MAX_D];
+        const int64_t t = r / kvh, h = r % kvh, at = h * n_slots + slots[t];
+        kv_int8_row(x + r * d, d, signs, dst + at * d, scales + at, buf);
     }
     return 0;
 }

@@ -100,14 +100,23 @@ def test_the_native_rotation_and_int8_rounding_are_torchs_bits():
         x[1] = 1.5  # one value: scale 0
         x[2, :, ::2], x[2, :, 1::2] = 2.0, -2.0
         x[3] = torch.arange(d) * 0.5 - 7.25  # halves: ties
-        signs = kv_quant._signs_on(x)
+        signs = kv_quant.signs_on(x)
         assert torch.equal(cpu_native.rotate(x, signs, False), kv_quant._butterflies(x)), d
         assert torch.equal(cpu_native.rotate(x, signs, True), kv_quant._hadamard(x) * signs), d
         for v in (x, kv_quant._butterflies(x)):
             q, packed = cpu_native.kv_int8(v)
             tq, tpacked = kv_quant.torch_quantize(v, "int8")
             assert torch.equal(q, tq) and torch.equal(packed, tpacked), d
-        assert torch.equal(quantize(x, "int8")[0], kv_quant.torch_quantize(x, "int8")[0])  # what the pool calls
+        assert torch.equal(quantize(x, "int8")[0], kv_quant.torch_quantize(x, "int8")[0])
+    pool = KVPool(2, 3, 64, 4, 16, kv_dtype="int8")  # a step's rows quantized straight into the pool's slots
+    pool.kv.zero_()
+    x, slots = torch.randn(5, 3, 64, generator=g), torch.tensor([9, 0, 33, 17, 63])
+    pool.store(1, slots, x, x * 3)
+    for part, v in ((0, x), (1, x * 3)):
+        q, packed = kv_quant.torch_quantize(kv_quant._butterflies(v), "int8")
+        assert torch.equal(pool.kv[1, part][:, slots], q.transpose(0, 1)), part
+        assert torch.equal(pool.scales[1, part][:, slots], packed.transpose(0, 1)), part
+    assert not pool.kv[0].any() and not pool.kv[1, :, :, 1:9].any()  # nothing else written
 
 def test_the_rotation_spreads_a_real_models_large_channels():
     """Keys whose few channels are several times the rest (as a real model's are: the default model's up to
