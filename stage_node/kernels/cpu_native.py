@@ -223,15 +223,19 @@ def call(fn, x: torch.Tensor, w: int, s: int, n: int) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, row_seq: torch.Tensor,
            pos: torch.Tensor, window: int, scale: float, ks: torch.Tensor | None = None,
-           vs: torch.Tensor | None = None) -> torch.Tensor:
+           vs: torch.Tensor | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over one layer's paged KV, read in place (cpu_quant.c's lp_attend): q [T, heads, hd]
     float32; k, v [kv_heads, slots, hd] float32, or int8 with their scales ks, vs [kv_heads, slots]
     int32 (each the vector's scale and mid as two bfloat16: engine.kv_quant.pack; all contiguous); table [seqs, L] int64, each sequence's slot of each position; row_seq, pos
     [T] int64 (row r sees its sequence's positions <= pos[r], and > pos[r] - window; window 0: none).
+    signs [hd] float32: KV stored rotated (engine.kv_quant.rotate): q is rotated first (a copy) and the output
+    un-rotated, by lp_rotate, the same bits as kv_quant's rotate and unrotate around the call.
     -> [T, heads * hd] float32"""
     lib = library()
     q = q.float().contiguous()
     T, heads, hd = q.shape
+    if signs is not None:
+        q = rotate(q, signs, inverse=False)
     if (ks is None) != (k.dtype == torch.float32) or (ks is None) != (vs is None) or not (
             ks is None or ks.dtype == vs.dtype == torch.int32):
         raise ValueError(f"native attention reads float32 KV, or int8 with both (scale, mid) words; got {k.dtype}")
@@ -244,6 +248,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
         raise ValueError(f"native attention: {heads // k.shape[0]} query heads a KV head, more than it tiles")
     if rc:
         raise MemoryError("native attention: no memory for its tiles")
+    if signs is not None:
+        lib.lp_rotate(out.data_ptr(), T * heads, hd, signs.data_ptr(), 1, torch.get_num_threads())
     return out
 
 

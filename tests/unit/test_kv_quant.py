@@ -155,6 +155,11 @@ def test_direct_int8_attention_equals_dequantized_sdpa(window):
     alone = cpu_native.attend(q[4:], kq, vq, table, row_seq[4:], pos[4:], window, 0.125, ks.contiguous(),
                               vs.contiguous())
     assert torch.equal(alone[0], out[4])  # a row's bits do not depend on the rows beside it
+    signs = kv_quant.signs_on(q)  # rotated KV: the queries rotated and the output un-rotated inside, the same bits
+    inside = cpu_native.attend(q, kq, vq, table, row_seq, pos, window, 0.125, ks.contiguous(), vs.contiguous(),
+                               signs=signs)
+    around = cpu_native.attend(rotate(q), kq, vq, table, row_seq, pos, window, 0.125, ks.contiguous(), vs.contiguous())
+    assert torch.equal(inside, unrotate(around.view(q.shape)).reshape(5, -1))
 
 
 def greedy(shard: Shard, prompt: list[int], steps: int, cache: PagedCache | None = None) -> list[int]:
