@@ -12,6 +12,8 @@ from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState, Phase
 from logicpipe.v1 import stage_pb2
 
+from .fake_pipeline import FakePipeline, until
+
 
 def test_the_busiest_give_their_cheapest_replays_up_to_the_even_share():
     running = [Movable(f"a{i}", "A", 100 + i) for i in range(9)] + [Movable("b0", "B", 5), Movable("b1", "B", 6)]
@@ -25,39 +27,6 @@ def test_the_busiest_give_their_cheapest_replays_up_to_the_even_share():
     assert moves_onto("N", [], ["A", "N"]) == []
 
 
-class FakePipeline:
-    """Opens sessions, takes feeds, closes sessions: records them."""
-
-    def __init__(self, index: int):
-        self.stages, self.down, self.generation = [object()], [], 1
-        self.retired, self.detaches, self.index, self.tokens_per_s, self.plan = False, 0, index, 0.0, None
-        self.opened, self.closed = [], []
-
-    def largest_request(self) -> int:
-        return 0
-
-    async def open_session(self, request) -> int:
-        self.opened.append(request)
-        return 0
-
-    async def send_feed(self, batch) -> None:
-        pass
-
-    def close_session_soon(self, session_id: str, *, swap: bool = False) -> None:
-        self.closed.append(session_id)
-
-    async def close_session(self, session_id: str, *, swap: bool = False) -> None:
-        self.closed.append(session_id)
-
-
-async def until(check, what: str, tries: int = 300):
-    for _ in range(tries):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(what)
-
-
 def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_their_tokens():
     async def main():
         a, b = FakePipeline(0), FakePipeline(1)
@@ -65,7 +34,7 @@ def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_t
         pipelines.all = [a]
         sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
         reqs = [sched.submit(Job((1, 2, 3 + i), 20, request_id=f"r{i}")).request for i in range(6)]
-        await until(lambda: all(r.session_id for r in reqs), "all six opened on the one pipeline")
+        await until(lambda: all(r.session_id for r in reqs), "all six opened on the one pipeline", tries=300)
         for i, r in enumerate(reqs):  # r0 has the most tokens (the dearest replay), r5 the fewest
             ids = [10 + i] * (6 - i)
             sched.on_event(stage_pb2.Event(session_id=r.session_id, token=stage_pb2.TokenEvent(token_ids=ids, index=0)))
@@ -75,7 +44,7 @@ def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_t
         moved = sched.rebalance(b)
         assert sorted(moved) == sorted(old[f"r{i}"] for i in (3, 4, 5)), "the three cheapest replays move"
         assert sorted(a.closed) == sorted(moved)
-        await until(lambda: len(b.opened) == 3, "the moved ones opened on the pipeline that joined")
+        await until(lambda: len(b.opened) == 3, "the moved ones opened on the pipeline that joined", tries=300)
         replayed = {tuple(o.prompt_token_ids): o.generated for o in b.opened}
         assert replayed == {(1, 2, 3 + i, *[10 + i] * (6 - i)): 6 - i for i in (3, 4, 5)}, replayed
         assert [r.replays for r in reqs] == [0, 0, 0, 1, 1, 1] and all(reqs[i].catching_up for i in (3, 4, 5))
