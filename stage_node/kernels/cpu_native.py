@@ -136,7 +136,7 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     lib.lp_attend.restype = cint
     lib.lp_rotate.argtypes = [ptr, i64, i64, ptr, cint, cint]
     lib.lp_rotate.restype = cint
-    lib.lp_kv_int8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, cint]
+    lib.lp_kv_int8.argtypes = [ptr, i64, i64, ptr, ptr, cint]
     lib.lp_kv_int8.restype = cint
     lib.lp_kv_store_int8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, cint]
     lib.lp_kv_store_int8.restype = cint
@@ -269,8 +269,7 @@ def rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor 
 
 def kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """engine.kv_quant.quantize(x, "int8") by cpu_quant.c's lp_kv_int8 (the same bits): x [..., d] ->
-    (q [..., d] int8, packed (scale, mid) words [...] int32); None where the library is unavailable or d
-    is above its row buffer."""
+    (q [..., d] int8, packed (scale, mid) words [...] int32); None where the library is unavailable."""
     lib = library()
     if lib is None:
         return None
@@ -278,9 +277,7 @@ def kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     d = x.shape[-1]
     q = torch.empty(x.shape, dtype=torch.int8)
     packed = torch.empty(x.shape[:-1], dtype=torch.int32)
-    if lib.lp_kv_int8(x.data_ptr(), x.numel() // d if d else 0, d, None, q.data_ptr(), packed.data_ptr(),
-                      torch.get_num_threads()):
-        return None
+    lib.lp_kv_int8(x.data_ptr(), x.numel() // d if d else 0, d, q.data_ptr(), packed.data_ptr(), torch.get_num_threads())
     return q, packed
 
 

@@ -53,12 +53,10 @@ int lp_isa(void) {  /* 2: AVX2, 1: NEON, 0: portable C */
 #endif
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
 /* One row x [K] -> xq [Kb * 32] int16, xd [Kb] (block scale), xs [Kb] (xd * sum of the block's xq). */
 static void quantize_row(const float *x, int64_t K, int16_t *xq, float *xd, float *xs) {
@@ -813,9 +811,6 @@ int lp_rotate(float *x, int64_t rows, int64_t d, const float *signs, int inverse
     return 0;
 }
 
-static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
 static inline float bf16_near(float f) {  /* torch's float -> bfloat16 (round to nearest even; NaN stays NaN) */
     if (f != f) return f;
     uint32_t u = f32_bits(f);
@@ -850,16 +845,12 @@ static void kv_int8_row(const float *v, int64_t d, const float *signs, int8_t *q
     *packed = (int32_t)((f32_bits(mid) & 0xFFFF0000u) | ((f32_bits(scale) >> 16) & 0xFFFFu));
 }
 
-/* x [rows, d] float32 -> q [rows, d] int8 and packed [rows] (scale, mid) words; signs non-NULL: of x R
-   (x itself is left as it is). 0, or -1: d above KVQ_MAX_D. */
-int lp_kv_int8(const float *x, int64_t rows, int64_t d, const float *signs, int8_t *q, int32_t *packed, int nt) {
-    if (d > KVQ_MAX_D) return -1;
+/* x [rows, d] float32 -> q [rows, d] int8 and packed [rows] (scale, mid) words. */
+int lp_kv_int8(const float *x, int64_t rows, int64_t d, int8_t *q, int32_t *packed, int nt) {
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows * d >= 32768)
-    for (int64_t r = 0; r < rows; r++) {
-        float buf[KVQ_MAX_D];
-        kv_int8_row(x + r * d, d, signs, q + r * d, packed + r, buf);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        kv_int8_row(x + r * d, d, NULL, q + r * d, packed + r, NULL);
     return 0;
 }
 
