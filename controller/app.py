@@ -53,6 +53,7 @@ class ControllerOptions:
     standby_name: str = ""            # over TLS: the certificate name of the one standby Replicate serves
     peer_secret: bytes = b""          # in plaintext: the secret a standby sends to Replicate (--peer-secret-file)
     disaggregate: str = "auto"        # prefill on one pipeline, decode on another: auto (by measured rates) | off | on
+    kv_mirror: bool = True            # replicas copy each other's KV blocks as they fill (mesh.mirrors)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class ControllerApp:
         self.commands = OperatorCommands(self)  # drain, revoke, leave, register, plan previews
         # membership alone decides whether a node is alive; the pipelines report hints (_on_stage_lost)
         self.pipelines = PipelineSet(transport, self._on_event, self._on_stage_lost, why_down=self.why_down)
+        self.pipelines.kv_mirror = options.kv_mirror
         self.pipelines.revoked = list(self.revocations)  # every Assign carries them
         self.chunks = planning.PrefillChunks(options.prefill_chunk)
         self.scheduler = Scheduler(

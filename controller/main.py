@@ -110,6 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "over stage to stage): auto (default) when one pipeline's measured prefill rate is 4x "
                          "every other's and the handoff brings the first token sooner; on: the fastest prefiller "
                          "prefills every prompt for the others; off: never")
+    ap.add_argument("--kv-mirror", default="on", choices=["on", "off"],
+                    help="with several pipelines of the same kind (replicas), each pipeline's stages copy the full "
+                         "KV blocks of their running sequences to the next pipeline's stages as they fill, so a "
+                         "request that a fault moves there computes only its last few tokens again, not its whole "
+                         "history (default on; float KV only)")
     ap.add_argument("--context", type=int, default=None, metavar="TOKENS",
                     help="tokens of context per sequence the plan reserves KV for, up to the model's limit "
                          "(max_position_embeddings: 8192 for the default model; 131072 for a Llama-3.1 with its "
@@ -251,7 +256,7 @@ async def serve(args: argparse.Namespace) -> None:
         micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
         speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas,
-        disaggregate=args.disaggregate,
+        disaggregate=args.disaggregate, kv_mirror=args.kv_mirror == "on",
         standby_name=args.standby_name, peer_secret=peer_secret)
     journal = Journal(state_dir)
     try:

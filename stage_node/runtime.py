@@ -29,6 +29,7 @@ from logicpipe.stage_node.engine.draft_model import DraftModel, DraftModelError
 from logicpipe.stage_node.engine.engine import Engine
 from logicpipe.stage_node.net.events import EventHub
 from logicpipe.stage_node.net.fence import Caller, Fence
+from logicpipe.stage_node.net.mirror import KvMirror
 from logicpipe.stage_node.engine.kv import KVPool
 from logicpipe.stage_node.engine.runner import Runner
 from logicpipe.stage_node.engine.scheduler import StepMsg
@@ -71,10 +72,12 @@ class StageRuntime:
         self._tasks: set[asyncio.Task] = set()
         self._assign_lock = asyncio.Lock()
         self._step_lock = asyncio.Lock()  # held while a step computes (a re-assignment waits for it)
+        self.mirror = KvMirror(self)  # KV blocks copied to other pipelines' stages, and taken from theirs
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        for coro, name in ((self._loop(), "stage-loop"), (self._janitor(), "stage-janitor")):
+        for coro, name in ((self._loop(), "stage-loop"), (self._janitor(), "stage-janitor"),
+                           (self.mirror.run(), "kv-mirror")):
             task = asyncio.create_task(coro, name=name)
             self._tasks.add(task)
 

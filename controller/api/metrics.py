@@ -80,6 +80,11 @@ class Metrics:
         yield CounterMetricFamily("logicpipe_replans", "Plans installed", value=snap.replans)
         yield CounterMetricFamily("logicpipe_replays", "Requests moved to another pipeline and replayed",
                                   value=st.replays)
+        replayed = CounterMetricFamily("logicpipe_replay_tokens", "Input positions of replays: computed again, or "
+                                       "held by the stages already (prefix caches, KV mirrors)", labels=["how"])
+        replayed.add_metric(["computed"], st.replay_tokens - st.replay_cached_tokens)
+        replayed.add_metric(["cached"], st.replay_cached_tokens)
+        yield replayed
         yield CounterMetricFamily("logicpipe_preemptions", "Requests preempted for KV blocks", value=st.preemptions)
         rate = st.candidates_accepted / st.candidates if st.candidates else 0.0
         yield GaugeMetricFamily("logicpipe_candidate_acceptance_ratio", "Candidate tokens accepted / verified",

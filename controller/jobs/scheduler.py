@@ -79,6 +79,8 @@ class RequestStats:
     prompt_tokens: int = 0     # tokens of every prompt admitted
     generated_tokens: int = 0  # tokens handed to clients
     replays: int = 0           # requests moved to another pipeline and replayed there
+    replay_tokens: int = 0     # input positions of replays (prompt and tokens so far)
+    replay_cached_tokens: int = 0  # ... of them held by the stages already (prefix caches, KV mirrors)
     preemptions: int = 0       # sequences given up by a stage for KV blocks, replayed later
     decode_steps: int = 0      # pipeline trips that reported tokens
     decode_tokens: int = 0     # ... the tokens they reported
@@ -289,18 +291,21 @@ class Scheduler:
                           if moving is None or id(self.opened.get(sid)) in moving
                           or id(self._prefill_pipeline(r)) in moving),  # its prompt is prefilled there
                          key=lambda kv: kv[1].priority, reverse=True)
+        was: dict[str, Pipeline | None] = {}
         for sid, req in running:
             self._drop_prefill(req)
             del self.active[sid]
-            p = self.opened.pop(sid, None)
+            p = was[sid] = self.opened.pop(sid, None)
             if p is not None and moving is not None and id(p) not in moving:
                 p.close_session_soon(sid)  # (its pipeline stays: nobody else closes it there)
         for sid in [sid for sid, p in self.opened.items() if moving is None or id(p) in moving]:
             del self.opened[sid]  # finished parents kept open for forks: gone with their pipeline
-        for _, req in running:
+        for sid, req in running:
             req.session_id = ""
             if req.done:  # finished; its client reads what is queued
                 continue
+            # replayed where its KV blocks were copied (mesh.mirrors), if that pipeline still serves then
+            req.target = self.pipelines.mirror_of(was[sid])
             self._back_in_queue(req, Unavailable("its pipeline was replaced"), moved=True)
         self._hold_replays = False
         return [session for session, _ in running]
@@ -580,9 +585,12 @@ class Scheduler:
         """A stage ended the request's sequence: a fault (replay it, on this pipeline once it is
         healthy again or on the next one) or, `preempted`, to free KV blocks (replay it when there
         is room, once another request has ended, else it would thrash)."""
+        was = self.opened.get(req.session_id)
         del self.active[req.session_id]
         self._close_soon(req.session_id, swap=preempted)  # (a preempted one's KV waits for its replay there)
         req.session_id = ""
+        if not preempted:  # replayed where its KV blocks were copied (mesh.mirrors), if that one serves
+            req.target = self.pipelines.mirror_of(was)
         if req.handoff is not None:  # a fault before its first token: replayed without a handoff
             self._drop_prefill(req)
             req.handoff, req.no_handoff = None, True
@@ -755,6 +763,9 @@ class Scheduler:
         self._running(req, session, pipeline)
         start = min(cached, len(inputs) - 1)  # at least the last input is computed: it samples the next token
         req.prefill_tokens = len(inputs) - start
+        if req.received:  # a replay (tokens so far among its inputs)
+            self.stats.replay_tokens += len(inputs)
+            self.stats.replay_cached_tokens += start
         await self._feed(req, pipeline, session, inputs, start, len(inputs), detaches)
 
     def _running(self, req: Request, session: str, pipeline: Pipeline) -> None:

@@ -124,6 +124,7 @@ class ControllerIdentity:
     # stages we assign know them), so the model's files go to no one else
     stream_keys: deque = field(default_factory=lambda: deque(maxlen=64))
     standby_name: str = ""  # over TLS: our standby's certificate, the one the stages let take over from us
+    mirror_key: str = field(default_factory=lambda: secrets.token_hex(16))  # our stages' KV mirrors (mesh.mirrors)
 
     def assigned(self, key: str) -> bool:
         """Whether `key` is the stream key of a plan this controller assigned lately."""

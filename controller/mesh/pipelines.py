@@ -4,11 +4,14 @@
 prefix in their cache when it is not much busier."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import OrderedDict
 from typing import Callable
 
 from logicpipe.common.transport import Transport
+from logicpipe.controller.mesh import mirrors as kv_mirrors
 from logicpipe.controller.mesh.pipeline import (
     RPC_TIMEOUT_S,
     ControllerIdentity,
@@ -18,6 +21,8 @@ from logicpipe.controller.mesh.pipeline import (
     probe_node,
 )
 from logicpipe.v1 import stage_pb2
+
+log = logging.getLogger(__name__)
 
 AFFINITY_BLOCK = 16        # prefix lengths are taken in whole KV blocks of the stages (their default block size)
 AFFINITY_LENGTHS = (1024, 256, 64, 16)  # prefix lengths (tokens) remembered per request, longest matched first
@@ -47,6 +52,9 @@ class PipelineSet(HoldsIdentity):
         self._generation = 0
         self._affinity: OrderedDict[int, Pipeline] = OrderedDict()
         self.routed_by_prefix = 0  # requests sent to the pipeline that held their prefix
+        self.kv_mirror = True      # each pipeline's stages copy their KV blocks to another's (mesh.mirrors)
+        self.mirrors: dict[int, Pipeline] = {}  # id(pipeline) -> the pipeline that holds its KV mirror
+        self._mirror_task: asyncio.Task | None = None
 
     async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it (with our key: membership's probe every
@@ -72,6 +80,31 @@ class PipelineSet(HoldsIdentity):
         alive = set(map(id, self.all))
         for key in [k for k, p in self._affinity.items() if id(p) not in alive]:
             del self._affinity[key]
+        self._pair_mirrors()
+
+    # ---- KV mirrors (mesh.mirrors) ------------------------------------------------------------
+    def _pair_mirrors(self) -> None:
+        """Pair the pipelines in force for KV mirrors and tell their stages (in the background)."""
+        installed = [p for p in self.all if p.stages and not p.retired]
+        self.mirrors = kv_mirrors.pair(installed) if self.kv_mirror else {}
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._mirror_task is not None and not self._mirror_task.done():
+            self._mirror_task.cancel()
+        if installed:
+            self._mirror_task = loop.create_task(self._tell_mirrors(installed, dict(self.mirrors)), name="kv-mirrors")
+
+    async def _tell_mirrors(self, installed: list[Pipeline], mirrors: dict[int, Pipeline]) -> None:
+        copying = await kv_mirrors.tell(installed, mirrors, self.identity.mirror_key)
+        if mirrors:
+            log.info("KV mirrors: %s (%d stages copy)", ", ".join(
+                f"{p.index}->{mirrors[id(p)].index}" for p in installed if id(p) in mirrors), copying)
+
+    def mirror_of(self, pipeline: Pipeline | None) -> Pipeline | None:
+        """The pipeline whose stages hold `pipeline`'s KV mirror (None: none)."""
+        return None if pipeline is None else self.mirrors.get(id(pipeline))
 
     @property
     def stages(self) -> list[StageHandle]:
@@ -143,5 +176,7 @@ class PipelineSet(HoldsIdentity):
             self._affinity.popitem(last=False)
 
     async def close(self) -> None:
+        if self._mirror_task is not None:
+            self._mirror_task.cancel()
         for p in self.all:
             await p.close()

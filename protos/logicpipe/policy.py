@@ -23,6 +23,8 @@ STAGE_POLICY: dict[str, frozenset[str]] = {
     "Echo": frozenset({CONTROLLER, STAGE}), "Status": frozenset({CONTROLLER, STAGE, CLIENT}),
     "SendKv": frozenset({CONTROLLER}),  # disaggregated prefill: the controller asks the prefill pipeline's stage ...
     "ImportKv": frozenset({STAGE}),     # ... which sends the KV to the decode pipeline's stage
+    "SetMirror": frozenset({CONTROLLER}),  # KV mirrors: the controller names a stage's mirror targets ...
+    "PutBlocks": frozenset({STAGE}),       # ... to which it copies its sequences' full KV blocks
 }
 """Who may call each StageNode method."""
 

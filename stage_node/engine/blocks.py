@@ -454,6 +454,39 @@ class KVManager:
                 if self.span is not None:
                     b.layers, b.logs = self.span, self.logged
 
+    def adopt(self, blocks) -> list[int | None]:
+        """KV mirrors (stage_node.engine.mirror): register full blocks another stage computed, each
+        (hash, previous hash or None, tokens), in the prefix cache as blocks nobody holds, on free
+        blocks or in place of the least recently cached ones (never a block a sequence holds or has
+        reserved). Returns each one's block id, for the caller to write its KV into before any step
+        reads it; None where the cache holds that hash already, or no block can be had."""
+        out: list[int | None] = []
+        for h, previous, tokens in blocks:
+            tokens = tuple(tokens)
+            if len(tokens) != self.block_size or block_hash(previous, tokens) != h:
+                raise ValueError("a mirrored block's hash is not that of its tokens and the block before it")
+            if h in self.by_hash:
+                out.append(None)
+                continue
+            b = self._find(BlockState.FREE)
+            if b is None and self.cached and next(iter(self.cached)) not in out:  # (never one adopted just now)
+                b = next(iter(self.cached))
+                del self.cached[b]
+                self._unregister(b)
+                self._set(b, BlockState.FREE)
+            if b is None:
+                out.append(None)
+                continue
+            blk = self.blocks[b]
+            blk.hash, blk.tokens, blk.ref_count = h, tokens, 0
+            if self.span is not None:
+                blk.layers, blk.logs = self.span, frozenset()
+            self.by_hash[h] = b
+            self._set(b, BlockState.CACHED)
+            self.cached[b] = None
+            out.append(b)
+        return out
+
     def read_span(self, seq: str, upto: int) -> tuple[int, ...]:
         """The blocks holding positions [0, upto) of `seq`, in order."""
         return tuple(self.tables[seq].blocks[: self.blocks_for(upto)])

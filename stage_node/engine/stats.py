@@ -39,6 +39,10 @@ class StageStats:
     sampled_tokens: int = 0
     candidates_verified: int = 0
     candidates_accepted: int = 0
+    # KV mirrors (net.mirror): full blocks sent to other pipelines' stages, taken from theirs, failed calls
+    mirrored_out_blocks: int = 0
+    mirrored_in_blocks: int = 0
+    mirror_errors: int = 0
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,19 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
             chunks += 1
         return stage_pb2.ImportKvReply(chunks=chunks, complete=complete)
 
+    async def SetMirror(self, request, context):
+        """KV mirrors (net.mirror): the stages this one copies its full KV blocks to, and the key its
+        own PutBlocks take; only the controller that holds this stage may say."""
+        check_id("controller_id", request.controller_id, empty_ok=True)
+        targets = [check_address("targets", t) for t in request.targets]
+        self.runtime.fence.check(self._caller(context), "SetMirror")
+        return stage_pb2.SetMirrorReply(targets=self.runtime.mirror.set(targets, request.key, request.generation))
+
+    async def PutBlocks(self, request, context):
+        """KV mirrors: full KV blocks of another pipeline's stage, for this one's prefix cache (they
+        carry the mirror key the controller gave both)."""
+        return await self.runtime.mirror.put(request)
+
     async def Events(self, request, context):
         owner = check_id("owner", request.owner, empty_ok=True)
         self.runtime.fence.check(self._caller(context), "Events subscriptions")
@@ -187,6 +200,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         st = self.runtime.stats
         reply.stale_steps, reply.replay_rows_resumed, reply.replay_layers_skipped = \
             st.stale_steps, st.replay_rows_resumed, st.replay_layers_skipped
+        reply.mirror_targets = len(self.runtime.mirror.targets)
         return reply
 
     async def Echo(self, request, context):

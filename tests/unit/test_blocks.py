@@ -175,3 +175,26 @@ def test_a_big_pool_makes_its_blocks_on_first_use():
     assert m.blocks[3_999_999].ref_count == 0 and m.blocks[3_999_999].hash is None
     with pytest.raises(IndexError):
         m.blocks[4_000_000]
+
+
+def test_mirrored_blocks_join_the_prefix_cache_without_taking_a_held_block(kv):
+    """KV mirrors (stage_node.net.mirror): another stage's full blocks, each with its hash chain,
+    become cached blocks a replay attaches; a block a sequence holds is never taken for them."""
+    src = KVManager(16, BS)
+    src.open("s")
+    write(src, "s", 0, list(range(3 * BS + 1)))
+    t = src.tables["s"]
+    chain = [(t.hashes[i], t.hashes[i - 1] if i else None, t.tokens[i * BS:(i + 1) * BS]) for i in range(3)]
+    with pytest.raises(ValueError):  # a hash that is not its tokens' and its predecessor's
+        kv.adopt([(chain[1][0], None, chain[1][2])])
+    kv.open("held")
+    write(kv, "held", 0, [9] * (14 * BS))  # 14 of 16 blocks held: room for two
+    ids = kv.adopt(chain)
+    assert ids[2] is None and len({i for i in ids[:2]}) == 2, ids
+    assert set(ids[:2]).isdisjoint(kv.tables["held"].blocks)
+    assert kv.adopt(chain[:1]) == [None]  # held already
+    kv.close("held")  # its 14 blocks become cached (registered): the mirror's oldest go first from now
+    kv.open("r")
+    assert kv.attach_prefix("r", src.tables["s"].tokens + [5]) == 2 * BS  # the two adopted blocks
+    kv.close("r")
+    src.close("s")

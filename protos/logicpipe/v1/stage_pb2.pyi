@@ -306,7 +306,7 @@ class DeviceProfile(_message.Message):
     def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ..., devices: _Optional[int] = ..., allreduce_latency_s: _Optional[float] = ..., allreduce_bandwidth: _Optional[float] = ..., kv_format: _Optional[str] = ..., full_sliding_kv: bool = ..., max_devices: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id", "revoked", "stale_steps", "replay_rows_resumed", "replay_layers_skipped", "swap_bytes_total", "swap_bytes_used", "swapped_out_seqs", "swapped_out_blocks", "swapped_out_bytes", "swapped_in_seqs", "swapped_in_blocks", "swapped_in_bytes", "swapped_in_tokens", "swap_full", "max_step_s", "decode_steps", "max_decode_step_s", "decode_steps_over_bar", "step_bar_s")
+    __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id", "revoked", "stale_steps", "replay_rows_resumed", "replay_layers_skipped", "swap_bytes_total", "swap_bytes_used", "swapped_out_seqs", "swapped_out_blocks", "swapped_out_bytes", "swapped_in_seqs", "swapped_in_blocks", "swapped_in_bytes", "swapped_in_tokens", "swap_full", "max_step_s", "decode_steps", "max_decode_step_s", "decode_steps_over_bar", "step_bar_s", "mirror_targets", "mirrored_out_blocks", "mirrored_in_blocks", "mirror_errors")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,10 @@ class StatusReply(_message.Message):
     MAX_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_OVER_BAR_FIELD_NUMBER: _ClassVar[int]
     STEP_BAR_S_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    MIRRORED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MIRRORED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_ERRORS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     device: str
@@ -439,7 +443,11 @@ class StatusReply(_message.Message):
     max_decode_step_s: float
     decode_steps_over_bar: int
     step_bar_s: float
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[int] = ..., stale_steps: _Optional[int] = ..., replay_rows_resumed: _Optional[int] = ..., replay_layers_skipped: _Optional[int] = ..., swap_bytes_total: _Optional[int] = ..., swap_bytes_used: _Optional[int] = ..., swapped_out_seqs: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_seqs: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swapped_in_tokens: _Optional[int] = ..., swap_full: _Optional[int] = ..., max_step_s: _Optional[float] = ..., decode_steps: _Optional[int] = ..., max_decode_step_s: _Optional[float] = ..., decode_steps_over_bar: _Optional[int] = ..., step_bar_s: _Optional[float] = ...) -> None: ...
+    mirror_targets: int
+    mirrored_out_blocks: int
+    mirrored_in_blocks: int
+    mirror_errors: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., device: _Optional[str] = ..., model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., parameter_count: _Optional[int] = ..., tied_copy_count: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., plan_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., version: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., seq_rows: _Optional[int] = ..., max_step_seqs: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., orphaned_sessions: _Optional[int] = ..., preempted: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_id: _Optional[str] = ..., compute_s: _Optional[float] = ..., stopping: bool = ..., weights_pulled_bytes: _Optional[int] = ..., sampled_steps: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., candidates_verified: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., drafter: _Optional[str] = ..., dtype: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[int] = ..., stale_steps: _Optional[int] = ..., replay_rows_resumed: _Optional[int] = ..., replay_layers_skipped: _Optional[int] = ..., swap_bytes_total: _Optional[int] = ..., swap_bytes_used: _Optional[int] = ..., swapped_out_seqs: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_out_bytes: _Optional[int] = ..., swapped_in_seqs: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., swapped_in_bytes: _Optional[int] = ..., swapped_in_tokens: _Optional[int] = ..., swap_full: _Optional[int] = ..., max_step_s: _Optional[float] = ..., decode_steps: _Optional[int] = ..., max_decode_step_s: _Optional[float] = ..., decode_steps_over_bar: _Optional[int] = ..., step_bar_s: _Optional[float] = ..., mirror_targets: _Optional[int] = ..., mirrored_out_blocks: _Optional[int] = ..., mirrored_in_blocks: _Optional[int] = ..., mirror_errors: _Optional[int] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
@@ -544,3 +552,63 @@ class ImportKvReply(_message.Message):
     chunks: int
     complete: bool
     def __init__(self, chunks: _Optional[int] = ..., complete: bool = ...) -> None: ...
+
+class SetMirrorRequest(_message.Message):
+    __slots__ = ("targets", "key", "generation", "controller_epoch", "controller_id")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    key: str
+    generation: int
+    controller_epoch: int
+    controller_id: str
+    def __init__(self, targets: _Optional[_Iterable[str]] = ..., key: _Optional[str] = ..., generation: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
+
+class SetMirrorReply(_message.Message):
+    __slots__ = ("targets",)
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    targets: int
+    def __init__(self, targets: _Optional[int] = ...) -> None: ...
+
+class MirrorBlock(_message.Message):
+    __slots__ = ("hash", "previous", "first", "tokens")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    hash: int
+    previous: int
+    first: bool
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hash: _Optional[int] = ..., previous: _Optional[int] = ..., first: bool = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutBlocksRequest(_message.Message):
+    __slots__ = ("key", "model_digest", "start_layer", "end_layer", "block_size", "blocks", "kv")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    model_digest: str
+    start_layer: int
+    end_layer: int
+    block_size: int
+    blocks: _containers.RepeatedCompositeFieldContainer[MirrorBlock]
+    kv: _tensor_pb2.Tensor
+    def __init__(self, key: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., block_size: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[MirrorBlock, _Mapping]]] = ..., kv: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class PutBlocksReply(_message.Message):
+    __slots__ = ("taken", "held", "incarnation")
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    taken: int
+    held: int
+    incarnation: str
+    def __init__(self, taken: _Optional[int] = ..., held: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...

@@ -90,6 +90,16 @@ class StageNodeStub(object):
                 request_serializer=logicpipe_dot_v1_dot_stage__pb2.KvChunk.SerializeToString,
                 response_deserializer=logicpipe_dot_v1_dot_stage__pb2.ImportKvReply.FromString,
                 _registered_method=True)
+        self.SetMirror = channel.unary_unary(
+                '/logicpipe.v1.StageNode/SetMirror',
+                request_serializer=logicpipe_dot_v1_dot_stage__pb2.SetMirrorRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_stage__pb2.SetMirrorReply.FromString,
+                _registered_method=True)
+        self.PutBlocks = channel.unary_unary(
+                '/logicpipe.v1.StageNode/PutBlocks',
+                request_serializer=logicpipe_dot_v1_dot_stage__pb2.PutBlocksRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_stage__pb2.PutBlocksReply.FromString,
+                _registered_method=True)
 
 
 class StageNodeServicer(object):
@@ -180,6 +190,22 @@ class StageNodeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetMirror(self, request, context):
+        """KV mirrors (issue 34, controller.mesh.mirrors): the controller that holds this stage names the
+        stages of other pipelines (same layers, same numerics) to which it copies the full KV blocks of
+        its running sequences as they fill (PutBlocks, stage to stage); they keep them in their prefix
+        caches, so a request moved there after a fault attaches them instead of computing its history.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -237,6 +263,16 @@ def add_StageNodeServicer_to_server(servicer, server):
                     servicer.ImportKv,
                     request_deserializer=logicpipe_dot_v1_dot_stage__pb2.KvChunk.FromString,
                     response_serializer=logicpipe_dot_v1_dot_stage__pb2.ImportKvReply.SerializeToString,
+            ),
+            'SetMirror': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetMirror,
+                    request_deserializer=logicpipe_dot_v1_dot_stage__pb2.SetMirrorRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_stage__pb2.SetMirrorReply.SerializeToString,
+            ),
+            'PutBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBlocks,
+                    request_deserializer=logicpipe_dot_v1_dot_stage__pb2.PutBlocksRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_stage__pb2.PutBlocksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -537,6 +573,60 @@ class StageNode(object):
             '/logicpipe.v1.StageNode/ImportKv',
             logicpipe_dot_v1_dot_stage__pb2.KvChunk.SerializeToString,
             logicpipe_dot_v1_dot_stage__pb2.ImportKvReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetMirror(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.StageNode/SetMirror',
+            logicpipe_dot_v1_dot_stage__pb2.SetMirrorRequest.SerializeToString,
+            logicpipe_dot_v1_dot_stage__pb2.SetMirrorReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.StageNode/PutBlocks',
+            logicpipe_dot_v1_dot_stage__pb2.PutBlocksRequest.SerializeToString,
+            logicpipe_dot_v1_dot_stage__pb2.PutBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,75 @@
+"""KV mirrors, the controller's half (issue 34; the stages' half is stage_node.net.mirror).
+
+With several pipelines (replicas), each pipeline's stages copy the full KV blocks of their running
+sequences to the matching stages of the next pipeline of the same kind (a ring over the pipelines
+whose stages hold the same layers on the same kind of device with the same dtypes, weight format,
+KV format and block size: their KV has the same bits). A request that a fault moves off its
+pipeline is routed to the pipeline that holds its mirror (`mirror_of`), where its replay attaches
+its history's blocks from the prefix cache and computes only the positions past the last block
+copied. Pairs are made again, and every stage told (SetMirror), each time the set of pipelines
+changes; a stage that is down meanwhile only fails its copies (counted on it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from logicpipe.controller.mesh.pipeline import RPC_TIMEOUT_S, Pipeline
+from logicpipe.v1 import stage_pb2
+
+log = logging.getLogger(__name__)
+
+
+def numerics(p: Pipeline) -> tuple | None:
+    """What makes two pipelines' KV the same bits, stage by stage (None: not known yet)."""
+    out = []
+    for h in p.stages:
+        st = getattr(h, "status", None)  # (None: not probed yet)
+        if st is None or not st.model_digest:
+            return None
+        prof = st.profile
+        out.append((h.start, h.end, st.model_digest, st.device.split(":")[0], prof.device_name, prof.kv_format,
+                    st.dtype, st.weight_format, st.block_size, max(prof.devices, 1)))
+    return tuple(out) or None
+
+
+def pair(pipelines: list[Pipeline]) -> dict[int, Pipeline]:
+    """id(pipeline) -> the pipeline its stages copy their KV blocks to: the next of the same numerics."""
+    groups: dict[tuple, list[Pipeline]] = {}
+    for p in pipelines:
+        key = numerics(p)
+        if key is not None:
+            groups.setdefault(key, []).append(p)
+    out = {}
+    for ps in groups.values():
+        if len(ps) > 1:
+            for i, p in enumerate(ps):
+                out[id(p)] = ps[(i + 1) % len(ps)]
+    return out
+
+
+async def tell(pipelines: list[Pipeline], mirrors: dict[int, Pipeline], key: str) -> int:
+    """SetMirror on every stage of `pipelines`: its targets (the same stage of its mirror pipeline, or
+    none) and the key. Returns the stages that copy now; a refusal is logged, not raised."""
+    calls, stages = [], []
+    for p in pipelines:
+        target = mirrors.get(id(p))
+        for s, h in enumerate(p.stages):
+            targets = [target.stages[s].address] if target is not None and s < len(target.stages) else []
+            stages.append((h, targets))
+            calls.append(h.stub.SetMirror(stage_pb2.SetMirrorRequest(
+                targets=targets, key=key, generation=p.generation, controller_epoch=p.epoch,
+                controller_id=p.owner), timeout=RPC_TIMEOUT_S))
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    copying = 0
+    for (h, targets), r in zip(stages, results):
+        if isinstance(r, grpc.aio.AioRpcError):
+            log.info("stage %s (%s) mirrors no KV: %s %s", h.node_id or h.address, h.address, r.code().name,
+                     (r.details() or "")[:200])
+        elif isinstance(r, BaseException):
+            log.info("stage %s mirrors no KV: %s", h.address, r)
+        elif targets:
+            copying += 1
+    return copying

@@ -1,0 +1,237 @@
+"""KV mirrors (issue 34): a stage copies the full KV blocks of its running sequences, as they fill,
+to the stages of other pipelines that hold the same layers with the same numerics (the controller
+names them: SetMirror, controller.mesh.mirrors), which keep them in their prefix caches. When a
+fault moves a request onto such a pipeline, its replay attaches its history's blocks there
+(KVManager.attach_prefix) and computes only the positions past the last block copied, instead of
+its whole prompt and every token so far: a storm's fault then costs a short replay, not one as long
+as the request.
+
+Sender: every MIRROR_S, for each target, the blocks of the open sequences (in order, a sequence's
+first block first: the receiver's cache finds a prefix block by block) whose hash that target has
+not taken yet, read from the pool between steps (the step lock held: no step writes meanwhile) and
+sent in one PutBlocks of at most MESSAGE_BYTES. A target that answers with another incarnation (it
+restarted, or its pool was replaced) gets everything again. A failed call is counted and skipped:
+a mirror is an optimisation, and a request whose mirror is short replays more.
+
+Receiver: PutBlocks carries the controller's mirror key (SetMirror gave every stage it holds the
+same); the blocks must be of this stage's layers, model and block size; each is registered as a
+cached block nobody holds (KVManager.adopt: on a free block, else in place of the least recently
+cached one, never a block a sequence holds) and its KV written before any step can read it.
+
+Exactness: a block copied from another stage holds the bits this stage would have computed only
+where both run the same kernels on the same kind of device in the same dtypes; the controller pairs
+only such stages (same device name, dtype, weight format, KV format and layers). Float KV only
+(`handoff.movable`: not 8-bit KV, sliding-window pools, recurrent states or tensor-parallel stages).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from logicpipe import tensor_codec
+from logicpipe.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from logicpipe.stage_node.engine import handoff
+from logicpipe.stage_node.engine.blocks import HOLE
+from logicpipe.tensor_codec import RawTensor
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MIRROR_S = 0.5              # a sender looks for new full blocks this often
+MAX_TARGETS = 4             # stages one stage copies to at most
+MESSAGE_BYTES = 8 * 2**20   # KV bytes of one PutBlocks at most (at least one block)
+MAX_BLOCKS = 1024           # blocks of one PutBlocks at most (a receiver refuses more)
+SENT_CAP = 1 << 16          # hashes remembered per target as taken (the oldest forgotten first)
+PUT_TIMEOUT_S = 10.0
+RETRY_S = 2.0               # a target whose PutBlocks failed is left alone this long
+MAX_KEY_CHARS = 128
+
+
+@dataclass
+class Target:
+    address: str
+    sent: OrderedDict = field(default_factory=OrderedDict)  # hashes it took (or held), oldest first
+    incarnation: str = ""
+    retry_at: float = 0.0
+
+
+def block_slots(block_ids, block_size: int) -> torch.Tensor:
+    return torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in block_ids])
+
+
+def read_blocks(pool, block_ids, block_size: int) -> RawTensor:
+    """Runner thread: the KV of whole blocks, [layers x parts, kv_heads, blocks x block_size, head_dim]."""
+    x = pool.kv.index_select(3, block_slots(block_ids, block_size).to(pool.kv.device))
+    return tensor_codec.from_tensor(x.flatten(0, 1).cpu().contiguous())
+
+
+def write_blocks(pool, block_ids, block_size: int, kv: RawTensor, rows) -> None:
+    """Runner thread: write the blocks `rows` (indices into `kv`'s blocks) of `kv` into `block_ids`."""
+    x = tensor_codec.to_tensor(kv).unflatten(0, tuple(pool.kv.shape[:2]))
+    if len(rows) != x.shape[3] // block_size:
+        x = x.index_select(3, block_slots(rows, block_size))
+    pool.kv.index_copy_(3, block_slots(block_ids, block_size).to(pool.kv.device), x.to(pool.kv.device, pool.kv.dtype))
+
+
+class KvMirror:
+    """One stage node's mirror: its targets (sender) and the key it takes blocks with (receiver)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime  # stage_node.runtime.StageRuntime: its engine, step lock, runner, transport, stats
+        self.targets: list[Target] = []
+        self.key = ""
+        self.process = uuid.uuid4().hex[:12]
+        self._refused = ""  # why this stage's KV cannot be mirrored (logged once)
+
+    # ---- the controller's word (SetMirror) -------------------------------------------------------
+    def set(self, targets: list[str], key: str, generation: int) -> int:
+        eng = self.runtime.require_ready()
+        if len(targets) > MAX_TARGETS:
+            raise InvalidArgument(f"targets: {len(targets)} mirror targets, over the cap of {MAX_TARGETS}")
+        if len(key) > MAX_KEY_CHARS or (targets and not key):
+            raise InvalidArgument(f"key: a mirror key of 1 to {MAX_KEY_CHARS} characters is needed")
+        if generation != eng.assignment.generation:
+            raise FailedPrecondition(f"generation {generation}: node {self.runtime.node_id} serves plan generation "
+                                     f"{eng.assignment.generation} (a stale SetMirror)")
+        if targets:
+            why = self._why_not(eng)
+            if why:
+                raise FailedPrecondition(f"node {self.runtime.node_id} cannot mirror its KV: {why}")
+        old = {t.address: t for t in self.targets}
+        self.targets = [old.get(a) or Target(a) for a in dict.fromkeys(targets)]
+        self.key = key
+        return len(self.targets)
+
+    def _why_not(self, eng) -> str:
+        return handoff.movable(eng.pool, states=eng.pool.states is not None,
+                               tensor_parallel=self.runtime.options.tp is not None)
+
+    def incarnation(self, eng) -> str:
+        return f"{self.process}-{id(eng.kv):x}"
+
+    # ---- sender ----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(MIRROR_S)
+            try:
+                await self.round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 — a mirror only saves replays their time; the node serves on
+                log.exception("a KV mirror round failed")
+
+    async def round(self) -> None:
+        rt = self.runtime
+        eng = rt.engine
+        if eng is None or eng.retired or not self.targets or self._why_not(eng):
+            return
+        now = time.monotonic()
+        for t in list(self.targets):
+            if t.retry_at > now:
+                continue
+            todo = self._unsent(eng, t)
+            if not todo:
+                continue
+            bs = eng.kv.block_size
+            async with rt._step_lock:
+                if eng.retired or rt.engine is not eng:
+                    return
+                todo = [x for x in todo if self._still(eng, x)]  # (a step may have rolled one back meanwhile)
+                if not todo:
+                    continue
+                kv = await rt.runner.call(read_blocks, eng.pool, [x[1] for x in todo], bs)
+            a = eng.assignment
+            req = stage_pb2.PutBlocksRequest(
+                key=self.key, model_digest=a.model_digest, start_layer=a.start, end_layer=a.end, block_size=bs,
+                blocks=[stage_pb2.MirrorBlock(hash=h, previous=p or 0, first=p is None, tokens=tok)
+                        for _, _, _, h, p, tok in todo], kv=tensor_codec.raw_to_proto(kv))
+            try:
+                async with rt.transport.channel(t.address, "stage") as channel:
+                    reply = await stage_pb2_grpc.StageNodeStub(channel).PutBlocks(req, timeout=PUT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                rt.stats.mirror_errors += 1
+                t.retry_at = time.monotonic() + RETRY_S
+                log.debug("mirror %s took no KV blocks: %s %s", t.address, exc.code().name, exc.details())
+                continue
+            if reply.incarnation != t.incarnation:  # a new pool there: what it took before is gone
+                t.sent.clear()
+                t.incarnation = reply.incarnation
+            for x in todo:
+                t.sent[x[3]] = None
+            while len(t.sent) > SENT_CAP:
+                t.sent.popitem(last=False)
+            rt.stats.mirrored_out_blocks += reply.taken
+
+    def _unsent(self, eng, t: Target) -> list[tuple]:
+        """(sequence, block id, index, hash, previous hash or None, tokens) of the full blocks of the
+        open sequences that `t` has not taken, each sequence's in order, at most MESSAGE_BYTES."""
+        kv, bs = eng.kv, eng.kv.block_size
+        cap = min(MAX_BLOCKS, max(1, MESSAGE_BYTES // max(1, eng.pool.block_bytes)))
+        out, seen = [], set()
+        for sid, table in list(kv.tables.items()):
+            for i in range(min(table.length // bs, len(table.hashes), len(table.blocks))):
+                h, b = table.hashes[i], table.blocks[i]
+                if h in t.sent or h in seen:
+                    continue
+                if b == HOLE:
+                    break
+                seen.add(h)
+                out.append((sid, b, i, h, table.hashes[i - 1] if i else None, tuple(table.tokens[i * bs:(i + 1) * bs])))
+                if len(out) >= cap:
+                    return out
+        return out
+
+    @staticmethod
+    def _still(eng, x) -> bool:
+        sid, b, i, h = x[:4]
+        table = eng.kv.tables.get(sid)
+        return (table is not None and i < len(table.blocks) and table.blocks[i] == b and i < len(table.hashes)
+                and table.hashes[i] == h and (i + 1) * eng.kv.block_size <= table.length)
+
+    # ---- receiver (PutBlocks) --------------------------------------------------------------------
+    async def put(self, req: stage_pb2.PutBlocksRequest) -> stage_pb2.PutBlocksReply:
+        rt = self.runtime
+        if not self.key or not hmac.compare_digest(req.key.encode()[:MAX_KEY_CHARS + 1], self.key.encode()):
+            raise PermissionDenied(f"node {rt.node_id} takes KV blocks only with its controller's mirror key")
+        eng = rt.require_ready()
+        why = self._why_not(eng)
+        if why:
+            raise FailedPrecondition(f"node {rt.node_id} takes no mirrored KV: {why}")
+        a, bs = eng.assignment, eng.kv.block_size
+        if (req.start_layer, req.end_layer, req.model_digest, req.block_size) != (a.start, a.end, a.model_digest, bs):
+            raise FailedPrecondition(
+                f"node {rt.node_id} holds layers [{a.start}, {a.end}) of model {a.model_digest[:12]} in blocks of {bs}; "
+                f"these blocks are of layers [{req.start_layer}, {req.end_layer}) of {req.model_digest[:12]} in "
+                f"blocks of {req.block_size}")
+        n = len(req.blocks)
+        if not 1 <= n <= MAX_BLOCKS:
+            raise InvalidArgument(f"blocks: {n} blocks, give 1 to {MAX_BLOCKS}")
+        try:
+            kv = tensor_codec.check(req.kv, rank=4, dtypes=("float32", "float16", "bfloat16"))
+        except tensor_codec.TensorError as exc:
+            raise InvalidArgument(f"kv: {exc}") from exc
+        pool = eng.pool
+        want = [(a.end - a.start) * pool.parts, pool.kv.shape[2], n * bs, pool.kv.shape[-1]]
+        if list(kv.shape) != want:
+            raise InvalidArgument(f"kv of shape {list(kv.shape)}: this stage takes {want} for {n} blocks")
+        entries = [(m.hash, None if m.first else m.previous, m.tokens) for m in req.blocks]
+        async with rt._step_lock:  # no step computes meanwhile: an adopted block is written before any reads it
+            if eng.retired or rt.engine is not eng:
+                raise Unavailable(f"node {rt.node_id} was re-assigned while KV blocks came")
+            try:
+                ids = eng.kv.adopt(entries)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from exc
+            rows = [j for j, b in enumerate(ids) if b is not None]
+            if rows:
+                await rt.runner.call(write_blocks, pool, [ids[j] for j in rows], bs, kv, rows)
+        rt.stats.mirrored_in_blocks += len(rows)
+        return stage_pb2.PutBlocksReply(taken=len(rows), held=n - len(rows), incarnation=self.incarnation(eng))

@@ -1,0 +1,109 @@
+"""Service tier, KV mirrors (issue 34): two pipelines of the same split copy each other's full KV
+blocks as they fill (SetMirror, PutBlocks); a request moved off its pipeline mid-generation (as a
+re-plan after a fault moves it) is replayed on the pipeline that holds its mirror, attaches its
+history's blocks there instead of computing them, and gives transformers' greedy tokens. A
+PutBlocks without the controller's mirror key, a SetMirror from a caller that does not hold the
+stage and one for another plan generation are refused. Four in-process stages, pipelines
+A [0, 2) -> [2, 4) and B the same."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+
+from logicpipe.common.modeldir import model_digest
+from logicpipe.common.transport import PLAINTEXT
+from logicpipe.controller.jobs.job import Job
+from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
+from logicpipe.controller.mesh.pipeline import StageAssignment
+from logicpipe.controller.mesh.pipelines import PipelineSet
+from logicpipe.controller.mesh.state import MeshState, Phase
+from logicpipe.sampling import SamplingParams
+from logicpipe.stage_node.net import mirror as mirror_module
+from logicpipe.tensor_codec import encode
+from logicpipe.v1 import stage_pb2
+from tests.service.conftest import (
+    RPC_TIMEOUT_S,
+    TINY_CONTEXT,
+    TINY_LAYERS,
+    TINY_VOCAB,
+    expect_status,
+    hf_greedy,
+    stage_node,
+)
+import torch
+
+NEW = 40
+MOVE_AT = 20  # tokens received when the request is moved
+
+
+async def until(check, within: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen within {within:.0f} s"
+        await asyncio.sleep(0.02)
+
+
+def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transformers(tiny_model, hf, monkeypatch):
+    monkeypatch.setattr(mirror_module, "MIRROR_S", 0.05)
+    prompt = [random.Random(34).randrange(TINY_VOCAB) for _ in range(37)]
+    want = hf_greedy(hf, prompt, NEW)
+
+    async def main():
+        async with stage_node("a0", min_step_s=0.01) as a0, stage_node("a1", min_step_s=0.01) as a1, \
+                stage_node("b0", min_step_s=0.01) as b0, stage_node("b1", min_step_s=0.01) as b1:
+            sched = None
+            pipelines = PipelineSet(PLAINTEXT, lambda ev: sched.on_event(ev), lambda address, why: None)
+            pa, pb = pipelines.new(), pipelines.new()
+            digest, path = model_digest(tiny_model.path), str(tiny_model.path)
+            for p, (s0, s1) in ((pa, (a0, a1)), (pb, (b0, b1))):
+                await p.install(path, digest, TINY_LAYERS, [StageAssignment(s0.address, 0, 2),
+                                                            StageAssignment(s1.address, 2, TINY_LAYERS)], micro_batches=1)
+            pipelines.replace([pa, pb])
+            await pipelines._mirror_task
+            assert pipelines.mirror_of(pa) is pb and pipelines.mirror_of(pb) is pa
+            assert [t.address for t in a1.runtime.mirror.targets] == [b1.address]  # stage by stage
+            state = MeshState()
+            state.set(Phase.READY)
+            sched = Scheduler(pipelines, state, SchedulerConfig(TINY_CONTEXT, frozenset(), TINY_VOCAB, speculate=0))
+            try:
+                tokens = []
+                async with sched.submit(Job(tuple(prompt), NEW, SamplingParams(), ignore_eos=True)) as handle:
+                    async for u in handle:
+                        tokens.append(u.token_id)
+                        if len(tokens) == MOVE_AT:
+                            assert sched.opened[handle.request.session_id] is pa
+                            # B's stages hold the request's first 3 blocks (positions [0, 48)) ...
+                            await until(lambda: min(b0.runtime.stats.mirrored_in_blocks,
+                                                    b1.runtime.stats.mirrored_in_blocks) >= 3, what="B taking A's blocks")
+                            pa.retired = True  # ... when a re-plan moves it off A
+                            sessions = sched.detach([pa])
+                            await pa.close_session_many(sessions, pa.stages)
+                assert tokens == want, "greedy tokens differ from transformers'"
+                st = sched.stats
+                assert st.replays == 1 and st.replay_cached_tokens >= 48, (st.replays, st.replay_cached_tokens)
+                assert a0.runtime.stats.mirrored_out_blocks >= 3 and a0.runtime.stats.mirror_errors == 0
+
+                # refusals: the wrong key, a caller that does not hold the stage, a stale generation
+                bad = stage_pb2.PutBlocksRequest(key="x" * 32, model_digest=digest, start_layer=0, end_layer=2,
+                                                 block_size=16, blocks=[stage_pb2.MirrorBlock(hash=1, first=True,
+                                                                                              tokens=[0] * 16)],
+                                                 kv=encode(torch.zeros(4, 2, 16, 16)))
+                await expect_status(b0.stub.PutBlocks(bad, timeout=RPC_TIMEOUT_S), grpc.StatusCode.PERMISSION_DENIED,
+                                    "mirror key")
+                bad.key = pipelines.identity.mirror_key
+                await expect_status(b0.stub.PutBlocks(bad, timeout=RPC_TIMEOUT_S), grpc.StatusCode.INVALID_ARGUMENT,
+                                    "hash")
+                await expect_status(b0.stub.SetMirror(stage_pb2.SetMirrorRequest(
+                    targets=[a0.address], key="k" * 32, generation=pb.generation), timeout=RPC_TIMEOUT_S),
+                    grpc.StatusCode.PERMISSION_DENIED)
+                await expect_status(pb.stages[0].stub.SetMirror(stage_pb2.SetMirrorRequest(
+                    targets=[a0.address], key="k" * 32, generation=pb.generation + 1), timeout=RPC_TIMEOUT_S),
+                    grpc.StatusCode.FAILED_PRECONDITION, "stale")
+            finally:
+                await sched.shutdown()
+                await pipelines.close()
+
+    asyncio.run(asyncio.wait_for(main(), 180))
