@@ -9,7 +9,7 @@ as the request.
 Sender: every MIRROR_S, for each target, the blocks of the open sequences (in order, a sequence's
 first block first: the receiver's cache finds a prefix block by block) whose hash that target has
 not taken yet, read from the pool between steps (the step lock held: no step writes meanwhile) and
-sent in one PutBlocks of at most MESSAGE_BYTES. A target that answers with another incarnation (it
+sent in PutBlocks of at most MESSAGE_BYTES each, ROUND_BYTES a round. A target that answers with another incarnation (it
 restarted, or its pool was replaced) gets everything again. A failed call is counted and skipped:
 a mirror is an optimisation, and a request whose mirror is short replays more.
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 MIRROR_S = 0.5              # a sender looks for new full blocks this often
 MAX_TARGETS = 4             # stages one stage copies to at most
 MESSAGE_BYTES = 8 * 2**20   # KV bytes of one PutBlocks at most (at least one block)
+ROUND_BYTES = 64 * 2**20    # KV bytes sent to one target per round at most (a new target catches up in rounds)
 MAX_BLOCKS = 1024           # blocks of one PutBlocks at most (a receiver refuses more)
 SENT_CAP = 1 << 16          # hashes remembered per target as taken (the oldest forgotten first)
 PUT_TIMEOUT_S = 10.0
@@ -133,42 +134,50 @@ class KvMirror:
         eng = rt.engine
         if eng is None or eng.retired or not self.targets or self._why_not(eng):
             return
-        now = time.monotonic()
         for t in list(self.targets):
-            if t.retry_at > now:
-                continue
-            todo = self._unsent(eng, t)
+            sent = 0
+            while sent < ROUND_BYTES and t.retry_at <= time.monotonic() and rt.engine is eng and not eng.retired:
+                n = await self._send(eng, t)
+                if not n:
+                    break
+                sent += n
+
+    async def _send(self, eng, t: Target) -> int:
+        """One PutBlocks of the blocks `t` lacks; the KV bytes sent (0: none to send, or it failed)."""
+        rt = self.runtime
+        todo = self._unsent(eng, t)
+        if not todo:
+            return 0
+        bs = eng.kv.block_size
+        async with rt._step_lock:
+            if eng.retired or rt.engine is not eng:
+                return 0
+            todo = [x for x in todo if self._still(eng, x)]  # (a step may have rolled one back meanwhile)
             if not todo:
-                continue
-            bs = eng.kv.block_size
-            async with rt._step_lock:
-                if eng.retired or rt.engine is not eng:
-                    return
-                todo = [x for x in todo if self._still(eng, x)]  # (a step may have rolled one back meanwhile)
-                if not todo:
-                    continue
-                kv = await rt.runner.call(read_blocks, eng.pool, [x[1] for x in todo], bs)
-            a = eng.assignment
-            req = stage_pb2.PutBlocksRequest(
-                key=self.key, model_digest=a.model_digest, start_layer=a.start, end_layer=a.end, block_size=bs,
-                blocks=[stage_pb2.MirrorBlock(hash=h, previous=p or 0, first=p is None, tokens=tok)
-                        for _, _, _, h, p, tok in todo], kv=tensor_codec.raw_to_proto(kv))
-            try:
-                async with rt.transport.channel(t.address, "stage") as channel:
-                    reply = await stage_pb2_grpc.StageNodeStub(channel).PutBlocks(req, timeout=PUT_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                rt.stats.mirror_errors += 1
-                t.retry_at = time.monotonic() + RETRY_S
-                log.debug("mirror %s took no KV blocks: %s %s", t.address, exc.code().name, exc.details())
-                continue
-            if reply.incarnation != t.incarnation:  # a new pool there: what it took before is gone
-                t.sent.clear()
-                t.incarnation = reply.incarnation
-            for x in todo:
-                t.sent[x[3]] = None
-            while len(t.sent) > SENT_CAP:
-                t.sent.popitem(last=False)
-            rt.stats.mirrored_out_blocks += reply.taken
+                return 0
+            kv = await rt.runner.call(read_blocks, eng.pool, [x[1] for x in todo], bs)
+        a = eng.assignment
+        req = stage_pb2.PutBlocksRequest(
+            key=self.key, model_digest=a.model_digest, start_layer=a.start, end_layer=a.end, block_size=bs,
+            blocks=[stage_pb2.MirrorBlock(hash=h, previous=p or 0, first=p is None, tokens=tok)
+                    for _, _, _, h, p, tok in todo], kv=tensor_codec.raw_to_proto(kv))
+        try:
+            async with rt.transport.channel(t.address, "stage") as channel:
+                reply = await stage_pb2_grpc.StageNodeStub(channel).PutBlocks(req, timeout=PUT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            rt.stats.mirror_errors += 1
+            t.retry_at = time.monotonic() + RETRY_S
+            log.debug("mirror %s took no KV blocks: %s %s", t.address, exc.code().name, exc.details())
+            return 0
+        if reply.incarnation != t.incarnation:  # a new pool there: what it took before is gone
+            t.sent.clear()
+            t.incarnation = reply.incarnation
+        for x in todo:
+            t.sent[x[3]] = None
+        while len(t.sent) > SENT_CAP:
+            t.sent.popitem(last=False)
+        rt.stats.mirrored_out_blocks += reply.taken
+        return len(kv.data)
 
     def _unsent(self, eng, t: Target) -> list[tuple]:
         """(sequence, block id, index, hash, previous hash or None, tokens) of the full blocks of the
