@@ -310,12 +310,14 @@ class Scheduler:
         self._hold_replays = False
         return [session for session, _ in running]
 
-    def rebalance(self, target: Pipeline) -> list[str]:
+    def rebalance(self, target: Pipeline, sources: list[Pipeline] | None = None) -> list[str]:
         """`target` just joined while other pipelines serve: move its share of the running requests
         onto it (controller.jobs.rebalance: the cheapest replays of the most loaded pipelines), each
         replayed there from its prompt and tokens as after a fault (the same tokens). A request
         that is finished, still catching up from an earlier move, or a fork's parent or child, or
-        prefilled elsewhere, stays. Returns the sessions moved (closed on their old pipelines)."""
+        prefilled elsewhere, stays; `sources` given, only requests of those pipelines move (KV mirrors:
+        the pipelines that copy their KV blocks to `target`). Returns the sessions moved (closed on
+        their old pipelines)."""
         serving = self.pipelines.serving()
         prefillers = self.handoffs.prefill_only(serving)  # (they decode nobody's requests)
         serving = [p for p in serving if id(p) not in prefillers]
@@ -325,7 +327,8 @@ class Scheduler:
                    if (p := self.opened.get(sid)) is not None and p in serving]
         movable = {sid for sid, r in self.active.items()
                    if not (r.done or r.catching_up or r.keep_open or r.parent or r.handoff is not None
-                           or sid in self.prefilling)}
+                           or sid in self.prefilling)
+                   and (sources is None or id(self.opened.get(sid)) in {id(q) for q in sources})}
         picked = moves_onto(id(target), running, [id(p) for p in serving], movable)
         for sid in picked:
             req = self.active.pop(sid)

@@ -7,7 +7,9 @@ KV format and block size: their KV has the same bits). A request that a fault mo
 pipeline is routed to the pipeline that holds its mirror (`mirror_of`), where its replay attaches
 its history's blocks from the prefix cache and computes only the positions past the last block
 copied. Pairs are made again, and every stage told (SetMirror), each time the set of pipelines
-changes; a stage that is down meanwhile only fails its copies (counted on it).
+changes; a stage that is down meanwhile only fails its copies (counted on it). A pipeline that
+joins takes its share of the running requests (controller.jobs.rebalance) only from the pipelines
+that copy to it, SETTLE_S after it joined, so that their replays there attach their histories.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from logicpipe.controller.mesh.pipeline import RPC_TIMEOUT_S, Pipeline
 from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 1.5  # a pipeline that joins takes running requests from those that copy to it this long after (their
+                # blocks copied meanwhile: stage_node.net.mirror sends up to 64 MiB a target each 0.5 s)
 
 
 def numerics(p: Pipeline) -> tuple | None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from logicpipe.controller.mesh import planning
+from logicpipe.controller.mesh import mirrors, planning
 from logicpipe.controller.mesh.membership import NOT_PROBED
 from logicpipe.controller.mesh.pipeline import Pipeline, StageAssignment
 from logicpipe.controller.mesh.state import Phase
@@ -481,16 +481,22 @@ class Replanner:
             self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
             return
         self._pending.pop(p, None)
-        moved = self.app.scheduler.rebalance(p)  # its share of the running requests (none lost: they replay there)
         self.plan = self._evaluate_in_force()
         self.plan_json = planning.to_json(self.plan)
         if self.app.state.waiting:  # (every pipeline in force broke meanwhile: this one serves now)
             self.app.state.set(Phase.READY)
-        log.info("pipeline %d (%s) joined the plan %.1f s after its install began (%s); %d running requests "
-                 "move onto it", p.index, " ".join(f"{h.node_id}[{h.start},{h.end})" for h in p.stages),
-                 time.monotonic() - t0, why, len(moved))
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
+        joined = time.monotonic() - t0
+        # its share of the running requests (none lost: they replay there). With KV mirrors, those of the
+        # pipelines that copy to it, once their blocks are there: a replay then attaches its history
+        sources = [q for q in self.app.pipelines.serving() if self.app.pipelines.mirror_of(q) is p]
+        if sources:
+            await asyncio.sleep(mirrors.SETTLE_S)
+        moved = self.app.scheduler.rebalance(p, sources or None)
+        log.info("pipeline %d (%s) joined the plan %.1f s after its install began (%s); %d running requests "
+                 "move onto it", p.index, " ".join(f"{h.node_id}[{h.start},{h.end})" for h in p.stages),
+                 joined, why, len(moved))
 
     def _measure_held(self, ids: dict[str, str]) -> None:
         """A newcomer measures links only for the controller that holds it, so its links were not

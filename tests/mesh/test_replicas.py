@@ -134,9 +134,11 @@ def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(cha
         assert "stage2 joined" in st.last_replan
         # the replica that joined took its share of the requests still running then (issue 34: the
         # cheapest replays of the busier one), each replayed there exactly (the results above)
-        log = (mesh.workdir / "controller.log").read_text()
-        moved = [int(line.split("; ")[-1].split()[0]) for line in log.splitlines()
-                 if "joined the plan" in line and "running requests move onto it" in line]
+        def joins() -> list[int]:
+            log = (mesh.workdir / "controller.log").read_text()
+            return [int(line.split("; ")[-1].split()[0]) for line in log.splitlines()
+                    if "joined the plan" in line and "running requests move onto it" in line]
+        moved = eventually(joins, 30, "the join's moves")  # (KV mirrors: a moment after it joined)
         assert len(moved) == 1 and moved[0] <= len(PROMPTS) // 2, moved
         assert mesh.controller_status().replays == replays + moved[0], "a join moves only the requests it takes"
 
