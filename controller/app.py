@@ -53,6 +53,7 @@ class ControllerOptions:
     standby_name: str = ""            # over TLS: the certificate name of the one standby Replicate serves
     peer_secret: bytes = b""          # in plaintext: the secret a standby sends to Replicate (--peer-secret-file)
     disaggregate: str = "auto"        # prefill on one pipeline, decode on another: auto (by measured rates) | off | on
+    tp_groups: tuple = ()             # --tp-group: node ids of each stage over several nodes, rank 0 first
 
 
 @dataclass(frozen=True)

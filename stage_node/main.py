@@ -51,6 +51,7 @@ from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa:
 from logicpipe.stage_node.engine.kv_quant import KV_DTYPES  # noqa: E402
 from logicpipe.stage_node.engine.runner import Runner  # noqa: E402
 from logicpipe.stage_node.engine.tp_group import Leader  # noqa: E402
+from logicpipe.stage_node.engine.tp_member import free_port  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
@@ -100,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "tensor-parallel width of each assignment among the widths that divide the model (the "
                          "follower group re-formed when it changes; width 1 where the measured all-reduce makes TP "
                          "a loss); not with --tp N > 1 (default 0: the width is --tp)")
+    ap.add_argument("--tp-port", type=int, default=0, metavar="PORT",
+                    help="a tensor-parallel stage over several nodes (the controller's --tp-group; CPU, gloo over "
+                         "TCP): the TCP port its members meet at when this node is its rank 0 (open it between the "
+                         "hosts; gloo then connects the ranks on ports of its own). Default 0: a port free at start")
     ap.add_argument("--max-kv-mib", type=int, default=2048,
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
@@ -237,6 +242,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--draft-layers must be 0 (all) or more")
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
+    if not 0 <= args.tp_port <= 65535:
+        raise SystemExit(f"--tp-port {args.tp_port}: give a TCP port (0: one free at start)")
     if args.tp_max < 0:
         raise SystemExit(f"--tp-max {args.tp_max}: give the most devices the plan may use, 1 or more")
     if args.tp_max and args.tp > 1:
@@ -332,7 +339,7 @@ async def serve(args: argparse.Namespace) -> None:
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()), tp=leader, tp_max=args.tp_max,
-                           tp_threads=args.threads,
+                           tp_threads=args.threads, tp_port=args.tp_port or free_port(),
                            replay_rows=args.replay_rows == "on", window_kv=args.window_kv == "on",
                            kv_context=max(1, args.kv_context), kv_dtype=args.kv_dtype,
                            swap_bytes=swap_mib(args, device, host_memory_bytes()) * 2**20, swap_dir=args.swap_dir)

@@ -21,6 +21,7 @@ from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Not
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node.weights import loading
 from logicpipe.stage_node.engine import handoff, tp_group
+from logicpipe.stage_node.engine.tp_member import Member
 from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.stage_node.engine.window import managers
@@ -45,6 +46,7 @@ class NodeState(Enum):
     IDLE = "idle"          # no assignment
     LOADING = "loading"    # loading an assignment (a previous one, if any, still serves)
     READY = "ready"
+    MEMBER = "member"      # a member of another node's tensor-parallel stage (engine.tp_member): nothing else
 
 
 class StageRuntime:
@@ -71,6 +73,8 @@ class StageRuntime:
         self._tasks: set[asyncio.Task] = set()
         self._assign_lock = asyncio.Lock()
         self._step_lock = asyncio.Lock()  # held while a step computes (a re-assignment waits for it)
+        self.member: Member | None = None  # a member of another node's stage (its follower process)
+        self._member_tasks: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -87,21 +91,29 @@ class StageRuntime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._leave_group()
         if self.engine is not None:
             self.engine.end_sessions("the stage is stopping")
             await self.engine.close_links()
         self.runner.close()
 
     # ---- assignment ------------------------------------------------------------------------
-    async def assign(self, a: Assignment, stream_key: str = "", admit: Callable[[], None] | None = None) -> Engine:
-        """Load `a` fully, then put it in place of the assignment in force (whose sessions end).
+    async def assign(self, a: Assignment, stream_key: str = "", admit: Callable[[], None] | None = None) -> Engine | None:
+        """Load `a` fully, then put it in place of the assignment in force (whose sessions end); a member's
+        assignment of another node's stage over several nodes (tp_rank > 0) starts its follower (None).
         `stream_key`: the plan's (its stages' Stream calls carry it). `admit`: called once `a` is
         loaded and valid, just before it takes effect (the Assign's caller takes the fence there);
         if it raises, nothing changes: an invalid or refused assignment never holds the node."""
         a.check()
         loading.check_formats(a, self.node_id, self.options)
-        width = tp_group.width_for(a.tp_width, self.options.tp, self.options.tp_max, self.node_id)
+        remote = self._remote_of(a)
+        if remote is not None and a.tp_rank:
+            await self._follow(a, remote, admit)
+            return None
+        width = remote.world if remote is not None else tp_group.width_for(a.tp_width, self._own_group(),
+                                                                            self.options.tp_max, self.node_id)
         async with self._assign_lock:
+            self._leave_group()
             old = self.engine
             if old is not None and old.assignment == a and old.stream_key == stream_key:
                 if admit is not None:
@@ -113,8 +125,8 @@ class StageRuntime:
                 self.weights.pull_key = stream_key
                 model_dir = await self.weights.model_dir_for(a)
                 self.stats.weights_pulled_bytes = self.weights.pulled_bytes
-                if width != self._width():
-                    await self._reform(width, model_dir)
+                if width != self._width() or remote != self._remote():
+                    await self._reform(width, model_dir, remote)
                     old, before = None, NodeState.IDLE
                 if old is not None and old.assignment.same_weights(a) and old.shard_dir == model_dir:
                     shard, pool, kv = old.shard, old.pool, old.kv  # keeps the prefix cache too
@@ -178,7 +190,77 @@ class StageRuntime:
         """Devices the stage spans now: its group's ranks, 1 without one."""
         return self.options.tp.world if self.options.tp is not None else 1
 
-    async def _reform(self, width: int, model_dir: str) -> None:
+    def _remote(self) -> tp_group.Remote | None:
+        """The group over several nodes this node is rank 0 of now (None: none)."""
+        return self.options.tp.remote if self.options.tp is not None else None
+
+    def _own_group(self):
+        """The node's own group (--tp N, --tp-max), not one over several nodes."""
+        return self.options.tp if self._remote() is None else None
+
+    def _remote_of(self, a: Assignment) -> tp_group.Remote | None:
+        """The group over several nodes `a` makes this node a rank of (None: a stage of this node alone), or
+        FailedPrecondition where this node cannot be one."""
+        if a.tp_world <= 1:
+            return None
+        if self.options.tp_max or (self.options.tp is not None and self._remote() is None) or self.device != "cpu":
+            raise FailedPrecondition(f"tp_world {a.tp_world}: node {self.node_id} cannot join a stage over several "
+                                     "nodes (it spans several devices itself with --tp/--tp-max, or computes on a GPU: "
+                                     "a group over several nodes is CPU and gloo only)")
+        if a.tp_members[a.tp_rank] != self.node_id:
+            raise InvalidArgument(f"tp_members names {a.tp_members[a.tp_rank][:80]} at rank {a.tp_rank}, not node "
+                                  f"{self.node_id}")
+        return tp_group.Remote(a.tp_init, str(a.generation), a.tp_members)
+
+    async def _follow(self, a: Assignment, remote: tp_group.Remote, admit: Callable[[], None] | None) -> None:
+        """Become rank a.tp_rank of `remote` (engine.tp_member): the assignment in force (or a group of its
+        own) ends, and the follower runs until the group is over; kept when it is that rank already."""
+        async with self._assign_lock:
+            self.weights.pull_key = ""
+            model_dir = await self.weights.model_dir_for(a)
+            if self.member is not None and self.member.same(a.tp_rank, remote, model_dir):
+                if admit is not None:
+                    admit()
+                return
+            if admit is not None:
+                admit()
+            self._leave_group()
+            async with self._step_lock:
+                old, self.engine = self.engine, None
+                if old is not None:
+                    old.retired = True
+                    old.end_sessions(f"the node became a member of {remote.members[0]}'s tensor-parallel stage")
+                if self.options.tp is not None:  # (rank 0 of another group before)
+                    leader = await self.runner.call(tp_group.reform, self.options.tp, 1, self.device,
+                                                    self.options.tp_threads)
+                    self.options = replace(self.options, tp=leader)
+            if old is not None:
+                await old.close_links()
+            member = self.member = Member(a.tp_rank, remote, model_dir, self.options.tp_threads)
+            self.state = NodeState.MEMBER
+            task = asyncio.create_task(self._watch_member(member), name="tp-member")
+            self._member_tasks.add(task)
+            task.add_done_callback(self._member_tasks.discard)
+
+    async def _watch_member(self, member: Member) -> None:
+        """Until the member's follower ends: then the node is idle (to be assigned anew)."""
+        while member.alive():
+            await asyncio.sleep(tp_group.WATCH_S)
+        if self.member is member:
+            self.member = None
+            self.state = NodeState.IDLE
+            log.warning("the tensor-parallel stage of %s is over for this node (follower status %s): idle",
+                        member.leader, member.proc.returncode)
+
+    def _leave_group(self) -> None:
+        """Stop being a member of another node's stage (before any other assignment)."""
+        member, self.member = self.member, None
+        if member is not None:
+            member.stop()
+            if self.state is NodeState.MEMBER:
+                self.state = NodeState.IDLE
+
+    async def _reform(self, width: int, model_dir: str, remote: tp_group.Remote | None = None) -> None:
         """A --tp-max node asked for another width (planner.width): the model's split checked first (a refusal
         leaves everything as it was), then the assignment in force ends (its shard is another split) and the
         follower group is formed again at `width` (stopped at 1: tp_group.reform)."""
@@ -196,7 +278,7 @@ class StageRuntime:
                 old.end_sessions("the stage's tensor-parallel width changes")
                 self.engine = None
             leader = await self.runner.call(tp_group.reform, self.options.tp, width, self.device,
-                                            self.options.tp_threads)
+                                            self.options.tp_threads, remote)
             self.options = replace(self.options, tp=leader)
         if old is not None:
             await old.close_links()
@@ -439,4 +521,5 @@ class StageRuntime:
                              uptime_s=time.monotonic() - self.started, stats=replace(self.stats),
                              session_ttl_s=self.options.session_ttl_s, block_size=self.options.block_size,
                              stopping=self.stopping, drafter=self.drafter, engine=view,
-                             step_bar_s=self.options.step_bar_s)
+                             step_bar_s=self.options.step_bar_s, tp_port=self.options.tp_port,
+                             tp_leader=self.member.leader if self.member is not None else "")

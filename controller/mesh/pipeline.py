@@ -47,6 +47,10 @@ class StageAssignment:
     wire_dtype: str = ""     # the dtype its hidden states travel in ("": its dtype)
     node_id: str = ""        # the node's id (over TLS its certificate's name: who may stream to whom)
     tp_width: int = 0        # devices its stage spans, from the plan (0: the node's own; planner.width)
+    # a stage over several nodes (--tp-group): (node id, address) of every node by rank, this one first, and
+    # where they meet (its rank 0's tcp://HOST:--tp-port); () and "" for a stage of one node
+    members: tuple[tuple[str, str], ...] = ()
+    tp_init: str = ""
 
 
 @dataclass
@@ -184,6 +188,7 @@ class Pipeline(HoldsIdentity):
         self.index = index
         self.plan = None      # planner.Plan of this pipeline (its stages, predicted tokens/s)
         self.stages: list[StageHandle] = []
+        self.members: list[StageHandle] = []  # the members (ranks > 0) of its stages over several nodes
         self.plan_id = ""
         self.generation = 0
         self.retired = False  # being replaced: no request opens on it any more
@@ -230,9 +235,9 @@ class Pipeline(HoldsIdentity):
         stream_key = secrets.token_hex(16)  # this plan's: its stages stream to each other with it
         self.identity.stream_keys.append(stream_key)  # and show it to PullWeights
 
-        async def assign(i: int) -> None:
+        def request(i: int) -> stage_pb2.AssignRequest:
             h = handles[i]
-            req = stage_pb2.AssignRequest(
+            return stage_pb2.AssignRequest(
                 model_dir=model_dir, model_digest=digest, start_layer=h.start, end_layer=h.end,
                 num_layers=num_layers, stage_index=i, num_stages=n,
                 next_address=handles[i + 1].address if i + 1 < n else "",
@@ -243,7 +248,12 @@ class Pipeline(HoldsIdentity):
                 plan_id=self.plan_id, controller_epoch=self.epoch, controller_id=self.owner,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address,
                 revoked=self.revoked, stream_key=stream_key, standby_name=self.identity.standby_name,
-                tp_width=assignments[i].tp_width)
+                tp_width=assignments[i].tp_width, tp_world=len(assignments[i].members),
+                tp_init=assignments[i].tp_init, tp_members=[n for n, _ in assignments[i].members])
+
+        async def assign(i: int) -> None:
+            h = handles[i]
+            req = request(i)
             try:
                 reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
                 h.parameter_count = reply.parameter_count
@@ -254,16 +264,35 @@ class Pipeline(HoldsIdentity):
             log.info("stage %d: %s (%s) layers [%d, %d) ready in %.1f s", i, h.node_id, h.address,
                      h.start, h.end, reply.load_seconds)
 
+        members: list[tuple[int, int, StageHandle]] = []  # (stage, rank, its handle)
+        for i, a in enumerate(assignments):
+            for rank, (node_id, address) in enumerate(a.members[1:], 1):
+                ch = self.transport.channel(address, "stage")
+                members.append((i, rank, StageHandle(address, ch, self.stub(ch), node_id=node_id, start=a.start,
+                                                     end=a.end)))
+
+        async def assign_member(i: int, rank: int, h: StageHandle) -> None:
+            """A member of stage i's group: it joins rank 0 (whose Assign waits for it) and follows it."""
+            req = request(i)
+            req.tp_rank = rank
+            try:
+                await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise _mesh_error(exc, h.address) from exc
+            log.info("stage %d: %s (%s) is its rank %d", i, h.node_id, h.address, rank)
+
         try:
-            results = await asyncio.gather(*(assign(i) for i in range(n)), return_exceptions=True)
+            results = await asyncio.gather(*(assign(i) for i in range(n)),
+                                           *(assign_member(i, r, h) for i, r, h in members), return_exceptions=True)
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
         except BaseException:
-            for h in handles:
+            for h in [*handles, *(h for _, _, h in members)]:
                 await h.channel.close()
             raise
         self.stages = handles
+        self.members = [h for _, _, h in members]
         ready = []
         for h in handles:
             ready.append(asyncio.get_running_loop().create_future())
@@ -275,7 +304,7 @@ class Pipeline(HoldsIdentity):
     def down(self) -> list[tuple[str, str]]:
         """(address, why) of every stage that was lost or whose node membership holds down."""
         out = []
-        for h in self.stages:
+        for h in [*self.stages, *self.members]:
             why = h.down_reason if h.lost else self.why_down(h.address)
             if why:
                 out.append((h.address, why))
@@ -355,6 +384,9 @@ class Pipeline(HoldsIdentity):
         """Let go of the stages. `wait_closes`: session closes in flight get their chance to land
         first (not when a new plan replaces this one: a stalled stage would hold it up)."""
         stages, self.stages = self.stages, []
+        members, self.members = self.members, []
+        for h in members:
+            await h.channel.close()
         self._pending_closes.clear()
         if self._monitor is not None:
             self._monitor.cancel()

@@ -36,6 +36,7 @@ from logicpipe.planner import (
     make_mesh_plan,
     make_plan,
     mesh_plan_from_json,
+    parse_groups,
     mesh_plan_to_json,
     mesh_reuse_mismatch,
 )
@@ -284,6 +285,23 @@ def replicas_flag(value: str) -> int:
     return n
 
 
+def tp_group_flag(value: str) -> tuple[tuple[str, ...], ...]:
+    """--tp-group A,B[;C,D] (planner.hosts.parse_groups), its errors as the flag's."""
+    try:
+        return parse_groups(value)
+    except ValueError as exc:
+        raise ArgumentTypeError(str(exc)) from None
+
+
+def check_groups(groups, spec: ModelSpec) -> None:
+    """ValueError naming --tp-group for a group whose width does not divide the model."""
+    for g in groups:
+        if len(g) not in spec.tp_widths(len(g)):
+            sizes = ", ".join(map(str, spec.tp_sizes)) or "none: its attention does not split"
+            raise ValueError(f"--tp-group {','.join(g)}: {len(g)} nodes do not divide model {spec.name} (heads, KV "
+                             f"heads, MLP or experts, vocabulary: {sizes})")
+
+
 def classic(options) -> bool:
     """One pipeline over the nodes, costed by its bottleneck stage (as before replicas): asked for
     with --replicas 1 or a fixed strategy."""
@@ -318,8 +336,9 @@ def evaluate(plans: list[Plan], profiles: list[DeviceProfile], spec: ModelSpec, 
 
 
 def pipeline_key(plan: Plan) -> tuple[tuple[str, int, int, int], ...]:
-    """What makes two pipelines the same: their nodes, layer ranges and widths (devices), in order."""
-    return tuple((s.node_id, s.start, s.end, s.devices) for s in plan.stages)
+    """What makes two pipelines the same: their nodes, layer ranges and widths (devices, the members of a
+    stage over several nodes), in order."""
+    return tuple((s.node_id, s.start, s.end, s.devices, s.members) for s in plan.stages)
 
 
 def same_pipelines(a: MeshPlan, b: MeshPlan) -> bool:

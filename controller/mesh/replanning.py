@@ -23,7 +23,7 @@ from logicpipe.controller.mesh.membership import NOT_PROBED
 from logicpipe.controller.mesh.pipeline import Pipeline, StageAssignment
 from logicpipe.controller.mesh.state import Phase
 from logicpipe.errors import FailedPrecondition, Fenced, InvalidArgument, MeshError
-from logicpipe.planner import Link, Workload
+from logicpipe.planner import Link, Workload, apply_groups
 
 if TYPE_CHECKING:
     from logicpipe.controller.app import ControllerApp
@@ -153,7 +153,7 @@ class Replanner:
         """The pipelines in force that cannot serve: a stage lost or down, or its node drained or leaving."""
         out = []
         for p in self.app.pipelines.all:
-            for h in p.stages:
+            for h in [*p.stages, *p.members]:  # (a member of a stage over several nodes: the stage with it)
                 m = self.app.members.by_address.get(h.address)
                 if h.lost or (m is not None and not m.usable):
                     out.append(p)
@@ -192,8 +192,13 @@ class Replanner:
         await self._measure_links(ids)
         usable = [m for m in usable if m.usable]  # a node whose links failed is out
         ids = {m.node_id: m.address for m in usable}
-        self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
-                                                 self.app.spec) for m in usable]
+        profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
+                                            self.app.spec) for m in usable]
+        try:
+            self.profiles = self._grouped(profiles)
+        except InvalidArgument as exc:
+            self.give_up(not kept, str(exc))
+            return False
         self._profile_of.update((p.node_id, p) for p in self.profiles)
         self.workload = self.app.scheduler.traffic.workload(self.app.options.context, self.app.config.max_position_embeddings)
         try:
@@ -210,6 +215,23 @@ class Replanner:
             return False
         await self._install(mesh, ids, why, since)
         return True
+
+    def _grouped(self, profiles: list) -> list:
+        """The profiles with each --tp-group whose nodes are all usable joined into one stage's
+        (planner.hosts); InvalidArgument naming the flag for a group that cannot be one (a node the mesh
+        never saw, a width that does not divide the model)."""
+        groups = self.app.options.tp_groups
+        if not groups:
+            return profiles
+        known = {m.node_id or (m.status.node_id if m.status is not None else "")
+                 for m in self.app.members.by_address.values()}
+        try:
+            out, notes = apply_groups(profiles, groups, self.app.spec, known)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        for note in notes:
+            log.warning("%s", note)
+        return out
 
     def pending_nodes(self) -> set[str]:
         """Node ids of the pipelines being installed in the background."""
@@ -384,7 +406,8 @@ class Replanner:
             plan = mesh.pipelines[i]
             p.plan = plan
             await p.install(str(self.app.model_dir), self.app.digest, self.app.num_layers,
-                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id, s.devices)
+                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id, s.devices,
+                                             tuple((n, ids[n]) for n in s.members), self._tp_init(s, ids))
                              for s, (dtype, fmt, wire) in zip(plan.stages, planning.stage_formats(plan, self.profiles))],
                             self.app.options.dtype, self.app.options.micro_batches, controller_address=self.app.options.address,
                             generation=self.app.pipelines.next_generation(),
@@ -432,6 +455,17 @@ class Replanner:
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
         self._measure_held(ids)
+
+    def _tp_init(self, stage, ids: dict[str, str]) -> str:
+        """Where the nodes of a stage over several nodes meet: its rank 0's host and --tp-port ("": one node)."""
+        if not stage.members:
+            return ""
+        m = self.app.members.by_address.get(ids[stage.node_id])
+        port = m.status.tp_port if m is not None and m.status is not None else 0
+        if not port:
+            raise FailedPrecondition(f"node {stage.node_id} reports no --tp-port: it cannot be rank 0 of a stage over "
+                                     "several nodes (a LogicPipe stage of an older version?)")
+        return f"tcp://{ids[stage.node_id].rpartition(':')[0]}:{port}"
 
     def _evaluate_in_force(self):
         """The planner.MeshPlan of the pipelines in force and those being installed."""
