@@ -277,8 +277,13 @@ class StageRuntime:
                 old.retired = True
                 old.end_sessions("the stage's tensor-parallel width changes")
                 self.engine = None
-            leader = await self.runner.call(tp_group.reform, self.options.tp, width, self.device,
-                                            self.options.tp_threads, remote)
+            try:
+                leader = await self.runner.call(tp_group.reform, self.options.tp, width, self.device,
+                                                self.options.tp_threads, remote)
+            except BaseException:
+                if self.options.tp is not None and self.options.tp.stopped:  # (ended, and none formed instead)
+                    self.options = replace(self.options, tp=None)
+                raise
             self.options = replace(self.options, tp=leader)
         if old is not None:
             await old.close_links()

@@ -170,6 +170,7 @@ class Leader:
         self.channel: Channel | None = None
         self._device_kind, self._threads = device, threads
         self._closing = threading.Event()  # set once rank 0 ends the group itself: its followers' ends are no loss
+        self.stopped = False  # ended (stop): a group of another width or other nodes replaces it
 
     def start(self) -> None:
         """Runner thread: start the followers and join the process groups with them (a group over several
@@ -225,6 +226,7 @@ class Leader:
         every follower, each waited for (killed after `wait_s`), and this process's groups destroyed, so
         a group of another width can be formed."""
         self._closing.set()
+        self.stopped = True
         try:
             self.channel.header(STOP)
         except Exception as exc:  # noqa: BLE001 — a follower already gone: the rest are killed below

@@ -1,0 +1,59 @@
+"""Two stage nodes as one tensor-parallel stage over gloo on TCP (issue 36, the controller's --tp-group):
+rank 0's Assign waits for its member, whose Assign starts its follower (Status "member", naming rank 0);
+together they serve transformers' tokens; when rank 0 ends the group the member is idle again. A member
+that does not come fails rank 0's assignment naming it; an assignment whose members do not name the node
+at its rank is refused by name."""
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+import grpc
+
+from logicpipe.stage_node.engine import tp_group
+from logicpipe.v1 import stage_pb2
+from tests.localmesh import free_port
+
+from .conftest import RPC_TIMEOUT_S, assign, expect_status, run, serve_valid_request, stage_node
+
+
+async def state_of(node) -> stage_pb2.StatusReply:
+    return await node.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
+
+
+async def until_idle(node, timeout: float = 20.0) -> stage_pb2.StatusReply:
+    deadline = time.monotonic() + timeout
+    while (st := await state_of(node)).state != "idle" and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return st
+
+
+def test_two_nodes_are_one_stage_and_the_member_is_idle_again_when_it_ends(tiny_model, monkeypatch):
+    async def main():
+        port = free_port()
+        async with stage_node("lead", tp_port=port, tp_threads=1) as lead, stage_node("mem", tp_threads=1) as mem:
+            assert (await state_of(lead)).tp_port == port
+            group = dict(tp_world=2, tp_init=f"tcp://127.0.0.1:{port}", tp_members=["lead", "mem"], generation=7)
+            await expect_status(assign(mem, tiny_model.path, **{**group, "tp_rank": 1, "tp_members": ["lead", "x"]}),
+                                grpc.StatusCode.INVALID_ARGUMENT, "tp_members names x at rank 1, not node mem")
+            await expect_status(assign(mem, tiny_model.path, **{**group, "tp_rank": 1, "tp_members": ["lead"]}),
+                                grpc.StatusCode.INVALID_ARGUMENT, "tp_members must name 2 nodes")
+            # a member that never comes: rank 0's assignment fails naming it, and rank 0 stays as it was
+            monkeypatch.setattr(tp_group, "JOIN_TIMEOUT", timedelta(seconds=1))
+            await expect_status(assign(lead, tiny_model.path, **group), grpc.StatusCode.FAILED_PRECONDITION,
+                                "member mem did not join", f"tcp://127.0.0.1:{port}")
+            assert lead.runtime.options.tp is None and (await state_of(lead)).state == "idle"
+            monkeypatch.undo()  # (the member's follower, a process of its own, takes a while to start)
+            await asyncio.gather(assign(lead, tiny_model.path, **group), assign(mem, tiny_model.path, tp_rank=1, **group))
+            st = await state_of(mem)
+            assert (st.state, st.tp_leader) == ("member", "lead"), st
+            assert lead.runtime.options.tp.remote.members == ("lead", "mem")
+            await serve_valid_request(lead, expect=tiny_model.greedy)  # 4 heads over 2 KV heads, split in two
+            # rank 0 ends the group (a stage of its own now): the member's follower ends, the member is idle
+            follower = mem.runtime.member.proc
+            await assign(lead, tiny_model.path)
+            assert lead.runtime.options.tp is None
+            assert (await until_idle(mem)).state == "idle" and follower.poll() is not None
+            await serve_valid_request(lead, expect=tiny_model.greedy)
+    run(main())
