@@ -317,9 +317,10 @@ class Pipeline(HoldsIdentity):
         retried on stages that answer."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            stages = list(self.stages)
+            stages, members = list(self.stages), list(self.members)
             replies = await asyncio.gather(*(h.stub.Status(stage_pb2.StatusRequest(), timeout=PROBE_TIMEOUT_S)
-                                             for h in stages), return_exceptions=True)
+                                             for h in stages + members), return_exceptions=True)
+            self._check_members(members, replies[len(stages):])
             for h, r in zip(stages, replies):
                 if isinstance(r, BaseException):
                     h.misses += 1
@@ -348,6 +349,18 @@ class Pipeline(HoldsIdentity):
                     continue
                 if not self.why_down(h.address) and self._pending_closes.get(h.address):
                     await self._retry_closes(h)
+
+    def _check_members(self, members: list[StageHandle], replies: list) -> None:
+        """A member of a stage over several nodes that answers but follows no group any more (its follower
+        ended: rank 0 stopped it, or it crashed) breaks that stage: lost, so the plan is made again.
+        (One that does not answer is membership's to judge, as any node.)"""
+        for h, r in zip(members, replies):
+            if isinstance(r, BaseException) or h.lost or h not in self.members or r.state == "member":
+                continue
+            h.lost = True
+            h.down_reason = f"it left its tensor-parallel stage (it is {r.state})"
+            log.warning("member %s (%s) of a tensor-parallel stage: %s", h.node_id, h.address, h.down_reason)
+            self._on_stage_lost(h.address, h.down_reason)
 
     async def _retry_closes(self, h: StageHandle) -> None:
         sessions = self._pending_closes.pop(h.address, set())
