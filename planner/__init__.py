@@ -38,7 +38,7 @@ from logicpipe.planner.cost import (
 )
 from logicpipe.planner.digest import model_digest, profile_digest, profiles_digest
 from logicpipe.planner.evaluate import evaluate_mesh
-from logicpipe.planner.hosts import apply_groups, group_profile, parse_groups
+from logicpipe.planner.hosts import apply_groups, auto_groups, group_profile, parse_groups
 from logicpipe.planner.mesh import MESH_FORMAT_VERSION, MeshPlan, make_mesh_plan
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
@@ -61,7 +61,7 @@ __all__ = [
     "STRATEGIES",
     "DeviceProfile", "InfeasibleError", "Link", "MeshPlan", "ModelSpec", "NodeId", "Objective", "Plan", "PlanFormatError",
     "PlanMetadata", "Reserve", "Stage", "Workload",
-    "apply_groups", "best_micro_batches", "build_stages", "check_memory", "evaluate_mesh", "format_mesh_plan_table", "format_model_note",
+    "apply_groups", "auto_groups", "best_micro_batches", "build_stages", "check_memory", "evaluate_mesh", "format_mesh_plan_table", "format_model_note",
     "format_plan_table", "group_profile", "make_mesh_plan", "make_plan", "mesh_plan_from_json", "mesh_plan_to_json",
     "mesh_reuse_mismatch", "model_digest", "parse_groups", "pipeline_round_s", "pipeline_tokens_per_s", "plan_cost_s",
     "plan_from_json", "plan_to_json", "profile_digest", "profiles_digest", "reuse_mismatch", "step_times_s",

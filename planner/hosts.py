@@ -9,17 +9,27 @@ all-reduce of B bytes over n ranks sends 2(n-1)/n B through each link in 2(n-1) 
 2(n-1) link latencies and its bandwidth the link's times n / (2(n-1)) (what `cost.allreduce_time_s`
 charges twice a layer).
 
-Only explicit groups are built; no cost-model rule groups nodes by itself yet (an `auto` mode).
+`auto_groups` proposes groups by itself (the controller's `--tp-hosts auto`): pairs of one-device nodes of
+one kind on different hosts, joined greedily, the pair that shortens the one-stream step most first (the
+latency plan's cost: a token's trip through the stages), while it shortens it by more than AUTO_GAIN. Pairs
+only: a group of four is not proposed.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Mapping, Sequence
 
+from logicpipe.planner.api import make_plan
 from logicpipe.planner.model import ModelSpec
-from logicpipe.planner.types import DeviceProfile
+from logicpipe.planner.types import DeviceProfile, InfeasibleError, Objective, Workload
 
 FLAG = "--tp-group"
+AUTO_GAIN = 0.10
+"""`auto_groups` joins a pair only where the one-stream step gets shorter by more than this share."""
+AUTO_MAX_NODES = 12
+"""`auto_groups` considers at most this many nodes (each round plans every pair of them once)."""
 
 
 def parse_groups(text: str) -> tuple[tuple[str, ...], ...]:
@@ -99,3 +109,41 @@ def apply_groups(profiles: Sequence[DeviceProfile], groups: Sequence[Sequence[st
         joined[g[0]] = group_profile([by_id[n] for n in g], model)
         taken.update(g[1:])
     return [joined.get(p.node_id, p) for p in profiles if p.node_id not in taken], notes
+
+
+def one_stream_step_s(profiles: Sequence[DeviceProfile], model: ModelSpec, context_tokens: int) -> float:
+    """Seconds a token of one stream takes through the best latency plan over `profiles` (inf: none fits)."""
+    try:
+        return make_plan(profiles, model, Workload(context_tokens=context_tokens), Objective.LATENCY).cost_s
+    except InfeasibleError:
+        return math.inf
+
+
+def auto_groups(profiles: Sequence[DeviceProfile], model: ModelSpec, context_tokens: int,
+                hosts: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """Pairs of `profiles` (one device each, one kind, `hosts[node]` different; a node whose host is not
+    known is never paired) that, joined (`group_profile`), shorten the one-stream step by more than
+    AUTO_GAIN each, the best pair first (module docstring); () where none does or the model does not split
+    in two."""
+    if 2 not in model.tp_widths(2):
+        return ()
+    current = list(profiles)
+    free = [p.node_id for p in profiles if p.devices == 1 and p.max_devices <= 1 and not p.members
+            and hosts.get(p.node_id)][:AUTO_MAX_NODES]
+    step = one_stream_step_s(current, model, context_tokens)
+    groups: list[tuple[str, str]] = []
+    while True:
+        by_id = {p.node_id: p for p in current}
+        best = None
+        for a, b in itertools.combinations(free, 2):
+            if hosts[a] == hosts[b] or by_id[a].device_kind != by_id[b].device_kind:
+                continue
+            trial, _ = apply_groups(current, [(a, b)], model)
+            t = one_stream_step_s(trial, model, context_tokens)
+            if t < step * (1 - AUTO_GAIN) and (best is None or t < best[0]):
+                best = (t, (a, b), trial)
+        if best is None:
+            return tuple(groups)
+        step, pair, current = best
+        groups.append(pair)
+        free = [n for n in free if n not in pair]

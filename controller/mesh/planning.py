@@ -30,15 +30,17 @@ from logicpipe.planner import (
     Objective,
     Plan,
     Workload,
+    apply_groups,
+    auto_groups,
     evaluate_mesh,
     format_mesh_plan_table,
     format_model_note,
     make_mesh_plan,
     make_plan,
     mesh_plan_from_json,
-    parse_groups,
     mesh_plan_to_json,
     mesh_reuse_mismatch,
+    parse_groups,
 )
 from logicpipe.planner.model import device_weight_format
 from logicpipe.planner.prefill import best_chunk
@@ -291,6 +293,33 @@ def tp_group_flag(value: str) -> tuple[tuple[str, ...], ...]:
         return parse_groups(value)
     except ValueError as exc:
         raise ArgumentTypeError(str(exc)) from None
+
+
+def grouped(profiles: list[DeviceProfile], spec: ModelSpec, groups, *, auto: bool = False, context_tokens: int = 2048,
+            known: set[str] | None = None, hosts: dict[str, str] | None = None) -> tuple[list[DeviceProfile], list[str]]:
+    """(profiles with the --tp-group groups joined, then with --tp-hosts auto the pairs of the other nodes
+    that shorten the one-stream step (planner.hosts.auto_groups, `hosts`: node id -> its host), each as one
+    stage's profile; notes for the log). ValueError naming --tp-group for a group that cannot be one."""
+    out, notes = apply_groups(profiles, groups, spec, known)
+    if auto:
+        pairs = auto_groups(out, spec, context_tokens, hosts or {})
+        if pairs:
+            out, _ = apply_groups(out, pairs, spec)
+            notes.append("--tp-hosts auto: " + "; ".join(",".join(p) for p in pairs) + " join as tensor-parallel "
+                         "stages (the one-stream step gets shorter)")
+    return out, notes
+
+
+def host_of(status: stage_pb2.StatusReply) -> str:
+    """The host a node computes on (its compute_id's, "" when it does not say)."""
+    return status.compute_id.rpartition("@")[2]
+
+
+def tp_hosts_flag(value: str) -> bool:
+    """--tp-hosts auto|off -> whether the planner groups hosts by itself."""
+    if value not in ("auto", "off"):
+        raise ArgumentTypeError(f"--tp-hosts must be auto or off, not {value!r}")
+    return value == "auto"
 
 
 def check_groups(groups, spec: ModelSpec) -> None:

@@ -23,7 +23,7 @@ from logicpipe.controller.mesh.membership import NOT_PROBED
 from logicpipe.controller.mesh.pipeline import Pipeline, StageAssignment
 from logicpipe.controller.mesh.state import Phase
 from logicpipe.errors import FailedPrecondition, Fenced, InvalidArgument, MeshError
-from logicpipe.planner import Link, Workload, apply_groups
+from logicpipe.planner import Link, Workload
 
 if TYPE_CHECKING:
     from logicpipe.controller.app import ControllerApp
@@ -217,16 +217,18 @@ class Replanner:
         return True
 
     def _grouped(self, profiles: list) -> list:
-        """The profiles with each --tp-group whose nodes are all usable joined into one stage's
-        (planner.hosts); InvalidArgument naming the flag for a group that cannot be one (a node the mesh
+        """The profiles with each --tp-group whose nodes are all usable joined into one stage's, and with
+        --tp-hosts auto the pairs the planner proposes (planning.grouped); InvalidArgument naming the flag for a group that cannot be one (a node the mesh
         never saw, a width that does not divide the model)."""
-        groups = self.app.options.tp_groups
-        if not groups:
+        o = self.app.options
+        if not o.tp_groups and not o.tp_hosts:
             return profiles
-        known = {m.node_id or (m.status.node_id if m.status is not None else "")
-                 for m in self.app.members.by_address.values()}
+        members = [m for m in self.app.members.by_address.values() if m.status is not None]
+        known = {m.node_id or m.status.node_id for m in members}
         try:
-            out, notes = apply_groups(profiles, groups, self.app.spec, known)
+            out, notes = planning.grouped(profiles, self.app.spec, o.tp_groups, auto=o.tp_hosts, known=known,
+                                          context_tokens=self.workload.context_tokens,
+                                          hosts={m.status.node_id: planning.host_of(m.status) for m in members})
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         for note in notes:

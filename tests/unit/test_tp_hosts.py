@@ -4,12 +4,13 @@ ids, in the plan JSON too), its profile's figures from the members and the worst
 every group that cannot be one refused naming the flag."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from argparse import ArgumentTypeError
 
 import pytest
 
-from logicpipe.controller.mesh.planning import check_groups, tp_group_flag
+from logicpipe.controller.mesh.planning import check_groups, grouped, host_of, tp_group_flag, tp_hosts_flag
 from logicpipe.planner import (
     DeviceProfile,
     Link,
@@ -25,6 +26,8 @@ from logicpipe.planner import (
     plan_to_json,
 )
 from logicpipe.planner.cost import allreduce_time_s
+from logicpipe.planner.hosts import auto_groups, one_stream_step_s
+from logicpipe.v1 import stage_pb2
 
 GB = 10**9
 # 8 query heads over 4 KV heads: splits in 2 and 4, never in 3
@@ -102,3 +105,48 @@ def test_a_node_of_several_devices_or_another_kind_cannot_join_a_group():
     wide = DeviceProfile("w", "cpu", 8 * GB, 1e11, 1e10, max_devices=2)
     with pytest.raises(ValueError, match="--tp-group a,w: node w spans several devices itself"):
         group_profile([box("a"), wide], SPEC)
+
+
+# --tp-hosts auto (planner.hosts.auto_groups): the Llama-3-8B shape in bf16 on CPU boxes
+L8B = ModelSpec.decoder(name="8b", hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                        vocab_size=128256, num_layers=32, weight_format="bf16")
+LAN = Link(bandwidth=1.25e9, latency=20e-6)     # 10 Gbit/s, 20 us
+SLOW = Link(bandwidth=1.25e8, latency=1e-3)     # 1 Gbit/s, 1 ms
+
+
+def cpu_box(name: str, link: Link, others: str) -> DeviceProfile:
+    return DeviceProfile(name, "cpu", 64 * GB, 1e12, 5e10, weight_formats=("bf16", "fp32"),
+                         links={o: link for o in others if o != name})
+
+
+def test_auto_pairs_hosts_on_a_fast_lan_where_the_one_stream_step_gets_shorter():
+    boxes = [cpu_box(n, LAN, "abc") for n in "abc"]
+    groups = auto_groups(boxes, L8B, 2048, {"a": "h1", "b": "h2", "c": "h3"})
+    assert len(groups) == 1 and len(groups[0]) == 2  # pairs only: the third box stays a node of its own
+    grouped, _ = apply_groups(boxes, groups, L8B)
+    assert one_stream_step_s(grouped, L8B, 2048) < 0.9 * one_stream_step_s(boxes, L8B, 2048)
+
+
+def test_auto_never_pairs_over_a_slow_link_on_one_host_or_a_model_that_does_not_split():
+    assert auto_groups([cpu_box(n, SLOW, "ab") for n in "ab"], L8B, 2048, {"a": "h1", "b": "h2"}) == ()
+    fast = [cpu_box(n, LAN, "ab") for n in "ab"]
+    assert auto_groups(fast, L8B, 2048, {"a": "h1", "b": "h1"}) == ()  # one host: its cores, shared
+    assert auto_groups(fast, L8B, 2048, {"a": "h1"}) == ()              # a host not known
+    odd = ModelSpec.decoder(name="odd", hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
+                            vocab_size=49152, num_layers=30, weight_format="bf16")
+    assert auto_groups(fast, odd, 2048, {"a": "h1", "b": "h2"}) == ()
+
+
+def test_the_controller_joins_the_operator_s_groups_then_with_auto_pairs_of_the_others():
+    # boxes of 6 GB: the 8B shape needs three of them; a pipeline of two pairs halves the one-stream step
+    boxes = [dataclasses.replace(cpu_box(n, LAN, "abcd"), memory_bytes=6 * GB) for n in "abcd"]
+    hosts = {n: f"h{n}" for n in "abcd"}
+    out, notes = grouped(boxes, L8B, (("a", "b"),), hosts=hosts)
+    assert [(p.node_id, p.members) for p in out] == [("a", ("a", "b")), ("c", ()), ("d", ())] and not notes  # off
+    # (with 64 GB boxes a second pair would not shorten the step: one pair holds the whole model)
+    assert len(auto_groups([cpu_box(n, LAN, "abcd") for n in "abcd"], L8B, 2048, hosts)) == 1
+    out, notes = grouped(boxes, L8B, (("a", "b"),), auto=True, hosts=hosts)
+    assert [p.members for p in out] == [("a", "b"), ("c", "d")] and "--tp-hosts auto: c,d" in notes[0]
+    assert host_of(stage_pb2.StatusReply(compute_id="cpu@0123abcd")) == "0123abcd"
+    with pytest.raises(ArgumentTypeError, match="--tp-hosts must be auto or off"):
+        tp_hosts_flag("on")
