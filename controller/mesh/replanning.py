@@ -532,7 +532,7 @@ class Replanner:
         """A newcomer measures links only for the controller that holds it, so its links were not
         measured before its first assignment: measure them now that this controller holds it (in the
         background, after the plan serves), for the next plan and /metrics."""
-        held = {h.node_id for p in self.app.pipelines.all for h in [*p.stages, *p.members]}  # (members: a group's link)
+        held = {h.node_id for h in self.app.pipelines.nodes}  # (a group's members too: the link between them)
         todo = {n: a for n, a in ids.items() if n in held}
         if not any(b not in self.links.get(a, {}) for a in todo for b in todo if a != b):
             return
