@@ -21,7 +21,7 @@ from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Not
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node.weights import loading
 from logicpipe.stage_node.engine import handoff, tp_group
-from logicpipe.stage_node.engine.tp_member import Member
+from logicpipe.stage_node.engine.tp_member import Member, remote_for
 from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.stage_node.engine.window import managers
@@ -106,9 +106,9 @@ class StageRuntime:
         if it raises, nothing changes: an invalid or refused assignment never holds the node."""
         a.check()
         loading.check_formats(a, self.node_id, self.options)
-        remote = self._remote_of(a)
+        remote = remote_for(a, self.node_id, self.device, own_group=bool(self.options.tp_max or self._own_group()))
         if remote is not None and a.tp_rank:
-            await self._follow(a, remote, admit)
+            await self._follow(a, remote, stream_key, admit)
             return None
         width = remote.world if remote is not None else tp_group.width_for(a.tp_width, self._own_group(),
                                                                             self.options.tp_max, self.node_id)
@@ -198,25 +198,12 @@ class StageRuntime:
         """The node's own group (--tp N, --tp-max), not one over several nodes."""
         return self.options.tp if self._remote() is None else None
 
-    def _remote_of(self, a: Assignment) -> tp_group.Remote | None:
-        """The group over several nodes `a` makes this node a rank of (None: a stage of this node alone), or
-        FailedPrecondition where this node cannot be one."""
-        if a.tp_world <= 1:
-            return None
-        if self.options.tp_max or (self.options.tp is not None and self._remote() is None) or self.device != "cpu":
-            raise FailedPrecondition(f"tp_world {a.tp_world}: node {self.node_id} cannot join a stage over several "
-                                     "nodes (it spans several devices itself with --tp/--tp-max, or computes on a GPU: "
-                                     "a group over several nodes is CPU and gloo only)")
-        if a.tp_members[a.tp_rank] != self.node_id:
-            raise InvalidArgument(f"tp_members names {a.tp_members[a.tp_rank][:80]} at rank {a.tp_rank}, not node "
-                                  f"{self.node_id}")
-        return tp_group.Remote(a.tp_init, str(a.generation), a.tp_members)
-
-    async def _follow(self, a: Assignment, remote: tp_group.Remote, admit: Callable[[], None] | None) -> None:
+    async def _follow(self, a: Assignment, remote: tp_group.Remote, stream_key: str,
+                      admit: Callable[[], None] | None) -> None:
         """Become rank a.tp_rank of `remote` (engine.tp_member): the assignment in force (or a group of its
         own) ends, and the follower runs until the group is over; kept when it is that rank already."""
         async with self._assign_lock:
-            self.weights.pull_key = ""
+            self.weights.pull_key = stream_key  # (its own copy of the model, pulled as any stage's)
             model_dir = await self.weights.model_dir_for(a)
             if self.member is not None and self.member.same(a.tp_rank, remote, model_dir):
                 if admit is not None:
@@ -238,14 +225,13 @@ class StageRuntime:
                 await old.close_links()
             member = self.member = Member(a.tp_rank, remote, model_dir, self.options.tp_threads)
             self.state = NodeState.MEMBER
-            task = asyncio.create_task(self._watch_member(member), name="tp-member")
+            task = asyncio.create_task(self._member_ended(member), name="tp-member")
             self._member_tasks.add(task)
             task.add_done_callback(self._member_tasks.discard)
 
-    async def _watch_member(self, member: Member) -> None:
-        """Until the member's follower ends: then the node is idle (to be assigned anew)."""
-        while member.alive():
-            await asyncio.sleep(tp_group.WATCH_S)
+    async def _member_ended(self, member: Member) -> None:
+        """Once the member's follower ends, the node is idle (to be assigned anew)."""
+        await member.ended()
         if self.member is member:
             self.member = None
             self.state = NodeState.IDLE

@@ -6,13 +6,16 @@ broadcast fails) the node is idle again, to be assigned anew.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import subprocess
 import sys
 
-from logicpipe.stage_node.engine.tp_group import STOP_WAIT_S, Remote
+from logicpipe.errors import FailedPrecondition, InvalidArgument
+from logicpipe.stage_node.config import Assignment
+from logicpipe.stage_node.engine.tp_group import STOP_WAIT_S, WATCH_S, Remote
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def remote_for(a: Assignment, node_id: str, device: str, *, own_group: bool) -> Remote | None:
+    """The group over several nodes `a` makes this node a rank of (None: a stage of this node alone), or
+    the error that names why it cannot be (`own_group`: it spans several devices itself, --tp/--tp-max)."""
+    if a.tp_world <= 1:
+        return None
+    if own_group or device != "cpu":
+        raise FailedPrecondition(f"tp_world {a.tp_world}: node {node_id} cannot join a stage over several nodes (it "
+                                 "spans several devices itself with --tp/--tp-max, or computes on a GPU: a group over "
+                                 "several nodes is CPU and gloo only)")
+    if a.tp_members[a.tp_rank] != node_id:
+        raise InvalidArgument(f"tp_members names {a.tp_members[a.tp_rank][:80]} at rank {a.tp_rank}, not node {node_id}")
+    return Remote(a.tp_init, str(a.generation), a.tp_members)
 
 
 class Member:
@@ -43,6 +60,11 @@ class Member:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    async def ended(self) -> None:
+        """Returns once the follower has ended."""
+        while self.alive():
+            await asyncio.sleep(WATCH_S)
 
     def same(self, rank: int, remote: Remote, model_dir: str) -> bool:
         """Already this rank of that group (and still in it)."""

@@ -2,7 +2,7 @@
 rank 0's Assign waits for its member, whose Assign starts its follower (Status "member", naming rank 0);
 together they serve transformers' tokens; when rank 0 ends the group the member is idle again. A member
 that does not come fails rank 0's assignment naming it; an assignment whose members do not name the node
-at its rank is refused by name."""
+at its rank, or that asks a node of several devices of its own (--tp-max) to join, is refused by name."""
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +39,9 @@ def test_two_nodes_are_one_stage_and_the_member_is_idle_again_when_it_ends(tiny_
                                 grpc.StatusCode.INVALID_ARGUMENT, "tp_members names x at rank 1, not node mem")
             await expect_status(assign(mem, tiny_model.path, **{**group, "tp_rank": 1, "tp_members": ["lead"]}),
                                 grpc.StatusCode.INVALID_ARGUMENT, "tp_members must name 2 nodes")
+            async with stage_node("flex", tp_max=2) as flex:  # a node of several devices of its own: not in a group
+                await expect_status(assign(flex, tiny_model.path, **{**group, "tp_rank": 1, "tp_members": ["lead", "flex"]}),
+                                    grpc.StatusCode.FAILED_PRECONDITION, "tp_world 2: node flex cannot join")
             # a member that never comes: rank 0's assignment fails naming it, and rank 0 stays as it was
             monkeypatch.setattr(tp_group, "JOIN_TIMEOUT", timedelta(seconds=1))
             await expect_status(assign(lead, tiny_model.path, **group), grpc.StatusCode.FAILED_PRECONDITION,
