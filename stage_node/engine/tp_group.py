@@ -76,6 +76,7 @@ DESTROYED = [False]  # this process has ended a group (Leader.stop): CUDA does n
 STOP_WAIT_S = 10.0  # a stopped follower gets this long to exit before it is killed
 JOIN_TIMEOUT = timedelta(seconds=60)  # a group over several nodes: how long rank 0 waits for its members
 JOIN_POLL_S = 0.1
+_STORES: dict = {}  # port -> the TCPStore rank 0 serves there (join_remote)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +408,18 @@ def join(rank: int, world: int, init: str, device: str) -> tuple[TensorParallel,
     return TensorParallel(rank, world), control
 
 
+def _served_store(port: int):
+    """Rank 0: the TCPStore this process serves at `port` (--tp-port), made once and kept: a group formed
+    again meets there under its own key (a store made anew on the port of one whose group was destroyed
+    found it still bound, EADDRINUSE)."""
+    store = _STORES.get(port)
+    if store is None:
+        store = _STORES[port] = dist.TCPStore("0.0.0.0", port, None, is_master=True, timeout=JOIN_TIMEOUT,
+                                              wait_for_workers=False)
+    store.set_timeout(JOIN_TIMEOUT)
+    return store
+
+
 def join_remote(rank: int, remote: Remote, device: str) -> tuple[TensorParallel, object]:
     """`join` for a group over several nodes (CPU, gloo over TCP): every rank meets at rank 0's TCPStore
     (rank 0 serves it at remote.init's port); a member writes its node id under the group's key; rank 0
@@ -414,8 +427,10 @@ def join_remote(rank: int, remote: Remote, device: str) -> tuple[TensorParallel,
     if device != "cpu":
         raise ValueError("a tensor-parallel stage over several nodes computes on CPUs (gloo over TCP) only")
     host, _, port = remote.init.removeprefix("tcp://").rpartition(":")
-    store = dist.TCPStore(host if rank else "0.0.0.0", int(port), remote.world, is_master=rank == 0,
-                          timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    if rank:
+        store = dist.TCPStore(host, int(port), remote.world, is_master=False, timeout=JOIN_TIMEOUT)
+    else:
+        store = _served_store(int(port))
     store = dist.PrefixStore(f"lp-tp/{remote.key}", store)
     if rank:
         store.set(f"member/{rank}", remote.members[rank])

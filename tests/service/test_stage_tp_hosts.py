@@ -1,6 +1,7 @@
 """Two stage nodes as one tensor-parallel stage over gloo on TCP (issue 36, the controller's --tp-group):
 rank 0's Assign waits for its member, whose Assign starts its follower (Status "member", naming rank 0);
-together they serve transformers' tokens; when rank 0 ends the group the member is idle again. A member
+together they serve transformers' tokens; when rank 0 ends the group, or the member's follower dies, the
+member is idle again; the group forms again at the same port. A member
 that does not come fails rank 0's assignment naming it; an assignment whose members do not name the node
 at its rank, or that asks a node of several devices of its own (--tp-max) to join, is refused by name."""
 from __future__ import annotations
@@ -48,15 +49,21 @@ def test_two_nodes_are_one_stage_and_the_member_is_idle_again_when_it_ends(tiny_
                                 "member mem did not join", f"tcp://127.0.0.1:{port}")
             assert lead.runtime.options.tp is None and (await state_of(lead)).state == "idle"
             monkeypatch.undo()  # (the member's follower, a process of its own, takes a while to start)
-            await asyncio.gather(assign(lead, tiny_model.path, **group), assign(mem, tiny_model.path, tp_rank=1, **group))
-            st = await state_of(mem)
-            assert (st.state, st.tp_leader) == ("member", "lead"), st
-            assert lead.runtime.options.tp.remote.members == ("lead", "mem")
-            await serve_valid_request(lead, expect=tiny_model.greedy)  # 4 heads over 2 KV heads, split in two
-            # rank 0 ends the group (a stage of its own now): the member's follower ends, the member is idle
-            follower = mem.runtime.member.proc
-            await assign(lead, tiny_model.path)
-            assert lead.runtime.options.tp is None
-            assert (await until_idle(mem)).state == "idle" and follower.poll() is not None
-            await serve_valid_request(lead, expect=tiny_model.greedy)
+            for generation in (7, 8):  # formed, ended; formed again at the same port, ended
+                group["generation"] = generation
+                await asyncio.gather(assign(lead, tiny_model.path, **group),
+                                     assign(mem, tiny_model.path, tp_rank=1, **group))
+                st = await state_of(mem)
+                assert (st.state, st.tp_leader) == ("member", "lead"), st
+                assert lead.runtime.options.tp.remote.members == ("lead", "mem")
+                await serve_valid_request(lead, expect=tiny_model.greedy)  # 4 heads over 2 KV heads, split in two
+                follower = mem.runtime.member.proc
+                if generation == 7:  # the member's follower dies: the member is idle, rank 0 still ends its group
+                    follower.kill()
+                    assert (await until_idle(mem)).state == "idle"
+                # rank 0 ends the group (a stage of its own now): the member's follower ends, the member is idle
+                await assign(lead, tiny_model.path, generation=generation)
+                assert lead.runtime.options.tp is None
+                assert (await until_idle(mem)).state == "idle" and follower.poll() is not None
+                await serve_valid_request(lead, expect=tiny_model.greedy)
     run(main())
