@@ -408,14 +408,21 @@ def join(rank: int, world: int, init: str, device: str) -> tuple[TensorParallel,
     return TensorParallel(rank, world), control
 
 
+def serve_store(port: int) -> int:
+    """The TCPStore this process serves at `port` (--tp-port; 0: a free one) for the groups over several
+    nodes it will be rank 0 of, made at start so the port stays its own; returns the port."""
+    store = dist.TCPStore("0.0.0.0", port, None, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    _STORES[store.port] = store
+    return store.port
+
+
 def _served_store(port: int):
-    """Rank 0: the TCPStore this process serves at `port` (--tp-port), made once and kept: a group formed
-    again meets there under its own key (a store made anew on the port of one whose group was destroyed
-    found it still bound, EADDRINUSE)."""
-    store = _STORES.get(port)
-    if store is None:
-        store = _STORES[port] = dist.TCPStore("0.0.0.0", port, None, is_master=True, timeout=JOIN_TIMEOUT,
-                                              wait_for_workers=False)
+    """Rank 0: the TCPStore this process serves at `port`, made once (at start, or at the first forming) and
+    kept: a group formed again meets there under its own key (a store made anew on the port of one whose
+    group was destroyed found it still bound, EADDRINUSE)."""
+    if port not in _STORES:
+        serve_store(port)
+    store = _STORES[port]
     store.set_timeout(JOIN_TIMEOUT)
     return store
 

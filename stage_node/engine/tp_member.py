@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,13 +17,6 @@ from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.engine.tp_group import STOP_WAIT_S, WATCH_S, Remote
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    """A TCP port free on every interface now (--tp-port 0: the group's rank 0 binds it when it forms one)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def remote_for(a: Assignment, node_id: str, device: str, *, own_group: bool) -> Remote | None:
