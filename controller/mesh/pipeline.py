@@ -105,6 +105,15 @@ def _mesh_error(exc: grpc.aio.AioRpcError, address: str) -> MeshError:
     return from_code(exc.code(), f"stage {address}: {exc.details()}")
 
 
+def absent_members(details: str, members: tuple[tuple[str, str], ...]) -> str:
+    """The addresses of the members that rank 0 of a stage over several nodes says did not join it (its
+    Assign's error: "... member B, C did not join at ..."), comma-separated; "" for any other error. The
+    failed install is then theirs (the controller leaves them out), not rank 0's."""
+    head, sep, _ = details.partition(" did not join")
+    named = head.rpartition("member ")[2].split(", ") if sep else []
+    return ", ".join(address for node, address in members[1:] if node in named)
+
+
 def compute_groups(statuses: list[stage_pb2.StatusReply]) -> int:
     """How many micro-batches keep the stages busy: one per stage, except that CPU stages on one
     machine (the same compute_id) share its cores and count once: there, micro-batches only take
@@ -259,7 +268,7 @@ class Pipeline(HoldsIdentity):
                 h.parameter_count = reply.parameter_count
                 h.status = await h.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                raise _mesh_error(exc, h.address) from exc
+                raise _mesh_error(exc, absent_members(exc.details() or "", assignments[i].members) or h.address) from exc
             h.node_id, h.device = h.status.node_id, h.status.device
             log.info("stage %d: %s (%s) layers [%d, %d) ready in %.1f s", i, h.node_id, h.address,
                      h.start, h.end, reply.load_seconds)

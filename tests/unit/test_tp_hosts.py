@@ -10,6 +10,7 @@ from argparse import ArgumentTypeError
 
 import pytest
 
+from logicpipe.controller.mesh.pipeline import absent_members
 from logicpipe.controller.mesh.planning import check_groups, grouped, host_of, tp_group_flag, tp_hosts_flag
 from logicpipe.planner import (
     DeviceProfile,
@@ -150,3 +151,11 @@ def test_the_controller_joins_the_operator_s_groups_then_with_auto_pairs_of_the_
     assert host_of(stage_pb2.StatusReply(compute_id="cpu@0123abcd")) == "0123abcd"
     with pytest.raises(ArgumentTypeError, match="--tp-hosts must be auto or off"):
         tp_hosts_flag("on")
+
+
+def test_a_member_that_did_not_join_is_blamed_for_the_failed_install_not_rank_0():
+    members = (("a", "10.0.0.1:50061"), ("b", "10.0.0.2:50061"), ("c", "10.0.0.3:50061"))
+    details = ("node a could not load layers [0, 4) of m: tensor-parallel group over a, b, c: member b, c did not "
+               "join at tcp://10.0.0.1:41000 within 60 s; it stays unassigned")
+    assert absent_members(details, members) == "10.0.0.2:50061, 10.0.0.3:50061"
+    assert absent_members("node a could not load layers: out of memory", members) == ""
