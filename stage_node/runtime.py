@@ -332,6 +332,9 @@ class StageRuntime:
         log.info("drafting candidates with the draft %s", self.drafter)
 
     def require_ready(self) -> Engine:
+        if self.member is not None:
+            raise FailedPrecondition(f"node {self.node_id} is a member of {self.member.leader}'s tensor-parallel stage: "
+                                     f"it serves nothing else (send to {self.member.leader})")
         if self.engine is None:
             raise FailedPrecondition(
                 f"node {self.node_id} has no layer assignment yet ({self.state.value}); "

@@ -16,7 +16,7 @@ from logicpipe.stage_node.engine import tp_group
 from logicpipe.v1 import stage_pb2
 from tests.localmesh import free_port
 
-from .conftest import RPC_TIMEOUT_S, assign, expect_status, run, serve_valid_request, stage_node
+from .conftest import RPC_TIMEOUT_S, assign, expect_status, open_request, run, serve_valid_request, stage_node
 
 
 async def state_of(node) -> stage_pb2.StatusReply:
@@ -31,6 +31,9 @@ async def until_idle(node, timeout: float = 20.0) -> stage_pb2.StatusReply:
 
 
 def test_two_nodes_are_one_stage_and_the_member_is_idle_again_when_it_ends(tiny_model, monkeypatch):
+    monkeypatch.setattr(tp_group, "_STORES", {})  # (the store rank 0 serves here ends with the test)
+    join_timeout = tp_group.JOIN_TIMEOUT
+
     async def main():
         port = free_port()
         async with stage_node("lead", tp_port=port, tp_threads=1) as lead, stage_node("mem", tp_threads=1) as mem:
@@ -48,7 +51,8 @@ def test_two_nodes_are_one_stage_and_the_member_is_idle_again_when_it_ends(tiny_
             await expect_status(assign(lead, tiny_model.path, **group), grpc.StatusCode.FAILED_PRECONDITION,
                                 "member mem did not join", f"tcp://127.0.0.1:{port}")
             assert lead.runtime.options.tp is None and (await state_of(lead)).state == "idle"
-            monkeypatch.undo()  # (the member's follower, a process of its own, takes a while to start)
+            # (the member's follower, a process of its own, takes a while to start)
+            monkeypatch.setattr(tp_group, "JOIN_TIMEOUT", join_timeout)
             for generation in (7, 8):  # formed, ended; formed again at the same port, ended
                 group["generation"] = generation
                 await asyncio.gather(assign(lead, tiny_model.path, **group),
@@ -56,6 +60,8 @@ def test_two_nodes_are_one_stage_and_the_member_is_idle_again_when_it_ends(tiny_
                 st = await state_of(mem)
                 assert (st.state, st.tp_leader) == ("member", "lead"), st
                 assert lead.runtime.options.tp.remote.members == ("lead", "mem")
+                await expect_status(mem.stub.OpenSession(open_request("s1"), timeout=RPC_TIMEOUT_S),
+                                    grpc.StatusCode.FAILED_PRECONDITION, "member of lead's tensor-parallel stage")
                 await serve_valid_request(lead, expect=tiny_model.greedy)  # 4 heads over 2 KV heads, split in two
                 follower = mem.runtime.member.proc
                 if generation == 7:  # the member's follower dies: the member is idle, rank 0 still ends its group
