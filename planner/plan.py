@@ -85,5 +85,5 @@ class Plan:
 
     @property
     def node_ids(self) -> tuple[NodeId, ...]:
-        """The nodes taking part, in pipeline order."""
-        return tuple(s.node_id for s in self.stages)
+        """The nodes taking part, in pipeline order (every node of a stage over several nodes)."""
+        return tuple(n for s in self.stages for n in (s.members or (s.node_id,)))

@@ -237,7 +237,7 @@ class Replanner:
 
     def pending_nodes(self) -> set[str]:
         """Node ids of the pipelines being installed in the background."""
-        return {s.node_id for plan in self._pending.values() for s in plan.stages}
+        return {n for plan in self._pending.values() for n in plan.node_ids}
 
     @staticmethod
     def _plans(pipelines: list[Pipeline]) -> list:
@@ -249,7 +249,7 @@ class Replanner:
         o, spec, workload = self.app.options, self.app.spec, self.workload
         if self.plan is None:
             return planning.reuse_or_plan(o.plan_path, self.profiles, spec, workload, o)
-        in_use = {s.node_id for p in kept for s in (p.plan.stages if p.plan else ())}
+        in_use = {n for p in kept for s in (p.plan.stages if p.plan else ()) for n in (s.members or (s.node_id,))}
         free = [p for p in self.profiles if p.node_id not in in_use]
         left = o.replicas - len(kept) if o.replicas else 0
 

@@ -70,6 +70,7 @@ def test_grouped_nodes_are_one_stage_whose_devices_are_their_ids():
     plan = make_plan(profiles, SPEC, Workload(), strategy="uniform")
     assert [s.device_ids for s in plan.stages] == [("a", "b"), ("c",)]
     assert [s.devices for s in plan.stages] == [2, 1]
+    assert plan.node_ids == ("a", "b", "c")  # (a member is used: no other pipeline may take it)
     assert "a+b" in format_plan_table(plan) and " cpu fp32 x2 " in format_plan_table(plan)  # (`lpctl plan`)
     # the plan JSON lists them, and reads back to the same stage
     back = plan_from_json(plan_to_json(plan))
