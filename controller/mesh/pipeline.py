@@ -70,6 +70,7 @@ class StageHandle:
     stalled: bool = False    # reported silent (see STALL_GRACE_S) and not answered since
     down_reason: str = ""    # why it was lost ("" while it is not)
     lost: bool = False       # its event stream ended, or it serves another plan: only a new plan brings it back
+    leader: str = ""         # a member of a stage over several nodes: that stage's node (its rank 0)
 
     @property
     def kv_positions(self) -> int:
@@ -278,7 +279,7 @@ class Pipeline(HoldsIdentity):
             for rank, (node_id, address) in enumerate(a.members[1:], 1):
                 ch = self.transport.channel(address, "stage")
                 members.append((i, rank, StageHandle(address, ch, self.stub(ch), node_id=node_id, start=a.start,
-                                                     end=a.end)))
+                                                     end=a.end, leader=a.members[0][0])))
 
         async def assign_member(i: int, rank: int, h: StageHandle) -> None:
             """A member of stage i's group: it joins rank 0 (whose Assign waits for it) and follows it."""
@@ -364,10 +365,12 @@ class Pipeline(HoldsIdentity):
         ended: rank 0 stopped it, or it crashed) breaks that stage: lost, so the plan is made again.
         (One that does not answer is membership's to judge, as any node.)"""
         for h, r in zip(members, replies):
-            if isinstance(r, BaseException) or h.lost or h not in self.members or r.state == "member":
+            if isinstance(r, BaseException) or h.lost or h not in self.members or \
+                    (r.state, r.tp_leader) == ("member", h.leader):
                 continue
             h.lost = True
-            h.down_reason = f"it left its tensor-parallel stage (it is {r.state})"
+            now = f"{r.state} of {r.tp_leader}" if r.tp_leader else r.state
+            h.down_reason = f"it left the tensor-parallel stage of {h.leader} (it is {now})"
             log.warning("member %s (%s) of a tensor-parallel stage: %s", h.node_id, h.address, h.down_reason)
             self._on_stage_lost(h.address, h.down_reason)
 
