@@ -50,7 +50,7 @@ from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa:
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.engine.kv_quant import KV_DTYPES  # noqa: E402
 from logicpipe.stage_node.engine.runner import Runner  # noqa: E402
-from logicpipe.stage_node.engine.tp_group import Leader, serve_store  # noqa: E402
+from logicpipe.stage_node.engine.tp_group import Leader, free_port, serve_store  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
@@ -102,9 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "a loss); not with --tp N > 1 (default 0: the width is --tp)")
     ap.add_argument("--tp-port", type=int, default=0, metavar="PORT",
                     help="a tensor-parallel stage over several nodes (the controller's --tp-group; CPU, gloo over "
-                         "TCP): the TCP port its members meet at when this node is its rank 0, served from start (open "
-                         "it between the hosts; gloo then connects the ranks on ports of its own). Default 0: a port "
-                         "free at start, which Status reports")
+                         "TCP): the TCP port its members meet at when this node is its rank 0, served from start on "
+                         "every interface (open it between the hosts only; gloo then connects the ranks on ports of "
+                         "its own). Default 0: a port free at start, which Status reports, opened only when a group "
+                         "forms here")
     ap.add_argument("--max-kv-mib", type=int, default=2048,
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
@@ -323,8 +324,9 @@ async def serve(args: argparse.Namespace) -> None:
         # (2026-11-28), so it is formed once, at start; a plan may narrow it, never widen it again
         await runner.call(leader.stop)
         leader = None
-    try:  # (served from start: the port stays this node's until a group over several nodes meets there)
-        tp_port = serve_store(args.tp_port)
+    try:  # (a port given is served from start, so it stays this node's; the store listens on every interface
+        # and takes anyone, so a node not told to opens none until it is rank 0 of a group: docs/security.md)
+        tp_port = serve_store(args.tp_port) if args.tp_port else free_port()
     except RuntimeError as exc:
         raise SystemExit(f"--tp-port {args.tp_port}: {exc}") from None
     measured = None if args.no_profile else await runner.call(host_profile, device, dtype=args.dtype,

@@ -99,6 +99,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port() -> int:
+    """A TCP port free on every interface now (--tp-port 0: rank 0 serves it once a group forms there)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def _die_with_parent(parent: int) -> None:
     """In a follower, first thing: SIGKILL this process when its parent (rank 0) dies (Linux prctl
     PR_SET_PDEATHSIG), and exit now if it is gone already. (Set here, not in a preexec_fn: a fork of the
@@ -409,16 +416,16 @@ def join(rank: int, world: int, init: str, device: str) -> tuple[TensorParallel,
 
 
 def serve_store(port: int) -> int:
-    """The TCPStore this process serves at `port` (--tp-port; 0: a free one) for the groups over several
-    nodes it will be rank 0 of, made at start so the port stays its own; returns the port."""
+    """The TCPStore this process serves at `port` (0: a free one) for the groups over several nodes it is rank
+    0 of (it listens on every interface, whatever host it is given); returns the port."""
     store = dist.TCPStore("0.0.0.0", port, None, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
     _STORES[store.port] = store
     return store.port
 
 
 def _served_store(port: int):
-    """Rank 0: the TCPStore this process serves at `port`, made once (at start, or at the first forming) and
-    kept: a group formed again meets there under its own key (a store made anew on the port of one whose
+    """Rank 0: the TCPStore this process serves at `port`, made once (at start with --tp-port, else at the
+    first forming) and kept: a group formed again meets there under its own key (a store made anew on the port of one whose
     group was destroyed found it still bound, EADDRINUSE)."""
     if port not in _STORES:
         serve_store(port)
