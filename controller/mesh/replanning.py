@@ -346,7 +346,7 @@ class Replanner:
         channels = {nid: self.app.transport.channel(addr, "stage") for nid, addr in ids.items()}
         try:
             stubs = {nid: self.app.pipelines.stub(ch) for nid, ch in channels.items()}
-            in_plan = {h.node_id for h in self.app.pipelines.stages}
+            in_plan = {h.node_id for h in self.app.pipelines.nodes}
             measured = await planning.measure_pairs(stubs, ids, pairs, epoch=self.app.pipelines.epoch,
                                                     owner=self.app.pipelines.owner)
             for (a, b), link in zip(pairs, measured):
