@@ -76,6 +76,7 @@ DESTROYED = [False]  # this process has ended a group (Leader.stop): CUDA does n
 STOP_WAIT_S = 10.0  # a stopped follower gets this long to exit before it is killed
 JOIN_TIMEOUT = timedelta(seconds=60)  # a group over several nodes: how long rank 0 waits for its members
 JOIN_POLL_S = 0.1
+DATA_TIMEOUT = timedelta(seconds=120)  # a group over several nodes: a step's data operation waits this long at most
 _STORES: dict = {}  # port -> the TCPStore rank 0 serves there (join_remote)
 
 
@@ -262,6 +263,7 @@ class Leader:
                            quantize=quantize, tp=self.tp)
         shard.batch_invariant = invariant
         shard.mirror = self
+        self._settled()
         return shard
 
     def new_pool(self, shard: Shard, num_blocks: int, block_size: int, graphs: bool = False) -> KVPool:
@@ -270,7 +272,14 @@ class Leader:
         self.channel.header(POOL, num_blocks, block_size, int(graphs))
         pool = shard.new_pool(num_blocks, block_size)
         pool.mirror = self
+        self._settled()
         return pool
+
+    def _settled(self) -> None:
+        """A group over several nodes: wait (on the control group, without end) until every member has
+        loaded too, so that the steps' data operations, bounded by DATA_TIMEOUT, wait only for a step."""
+        if self.remote is not None:
+            dist.barrier(group=self.channel.control)
 
     def capture(self, rows: int, context: int) -> None:
         """Before rank 0 makes the (rows, context) bucket's graph: every rank makes its own at once
@@ -458,8 +467,11 @@ def join_remote(rank: int, remote: Remote, device: str) -> tuple[TensorParallel,
                                    f"{', '.join(missing)} did not join at {remote.init} within "
                                    f"{JOIN_TIMEOUT.total_seconds():.0f} s")
             time.sleep(JOIN_POLL_S)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=remote.world, timeout=IDLE_TIMEOUT)
-    return TensorParallel(rank, remote.world), None
+    # the data (a step's broadcasts and all-reduces) bounded by DATA_TIMEOUT: a member host that vanishes
+    # without closing its connections ends rank 0's step then, not at TCP's own timeout; the control group
+    # (the headers a follower waits for between steps) waits without end
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=remote.world, timeout=DATA_TIMEOUT)
+    return TensorParallel(rank, remote.world), dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 def follow(rank: int, world: int, init: str, device: str, remote: Remote | None = None, model_dir: str = "") -> None:
@@ -487,11 +499,15 @@ def follow(rank: int, world: int, init: str, device: str, remote: Remote | None 
                                    dtype=DTYPES[h[5]], quantize=quantize, tp=tp)
                 shard.batch_invariant = bool(h[7])
                 hidden_size, pool = shard.config.hidden_size, None
+                if remote is not None:  # (Leader._settled)
+                    dist.barrier(group=control)
             elif op == POOL:
                 pool = shard.new_pool(h[1], h[2])
                 if h[3]:  # a graph reads masked positions too: none may hold a NaN (a CUDA pool is zeroed already)
                     pool.kv.zero_()
                 shard.graphs = StepGraphs(shard, pool, capture=dev.type == "cuda", warm=False) if h[3] else None
+                if remote is not None:  # (Leader._settled)
+                    dist.barrier(group=control)
             elif op == CAPTURE:
                 if shard.graphs.make(h[1], h[2]) is None:
                     raise RuntimeError(f"the step graph of {h[1]} rows, {h[2]} positions could not be made")
