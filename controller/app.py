@@ -54,6 +54,8 @@ class ControllerOptions:
     peer_secret: bytes = b""          # in plaintext: the secret a standby sends to Replicate (--peer-secret-file)
     disaggregate: str = "auto"        # prefill on one pipeline, decode on another: auto (by measured rates) | off | on
     kv_mirror: bool = True            # replicas copy each other's KV blocks as they fill (mesh.mirrors)
+    tp_groups: tuple = ()             # --tp-group: node ids of each stage over several nodes, rank 0 first
+    tp_hosts: bool = False            # --tp-hosts auto: the planner pairs nodes of other hosts where it pays
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ Pure: standard library only, no I/O, nothing else of LogicPipe imported. Modules
     bounds.py      lower bounds, infeasibility   strategies.py  uniform/memory/compute/mixed/custom
     digest.py      stable digests                artifact.py    plan JSON, reuse check
     table.py       plan as a text table          api.py         make_plan
+    width.py       a --tp-max node's width    hosts.py       a stage over several nodes (--tp-group)
     mesh.py        MeshPlan, make_mesh_plan: pipelines (replicas) over disjoint nodes
     evaluate.py    evaluate_mesh: pipelines in force costed again at a workload
     replicas.py    the replica search      mesh_search.py  its tables: a chain's tokens/s at R rows
@@ -37,6 +38,7 @@ from logicpipe.planner.cost import (
 )
 from logicpipe.planner.digest import model_digest, profile_digest, profiles_digest
 from logicpipe.planner.evaluate import evaluate_mesh
+from logicpipe.planner.hosts import apply_groups, auto_groups, group_profile, parse_groups
 from logicpipe.planner.mesh import MESH_FORMAT_VERSION, MeshPlan, make_mesh_plan
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import FORMAT_VERSION, Plan, PlanMetadata, Stage
@@ -59,8 +61,8 @@ __all__ = [
     "STRATEGIES",
     "DeviceProfile", "InfeasibleError", "Link", "MeshPlan", "ModelSpec", "NodeId", "Objective", "Plan", "PlanFormatError",
     "PlanMetadata", "Reserve", "Stage", "Workload",
-    "best_micro_batches", "build_stages", "check_memory", "evaluate_mesh", "format_mesh_plan_table", "format_model_note",
-    "format_plan_table", "make_mesh_plan", "make_plan", "mesh_plan_from_json", "mesh_plan_to_json",
-    "mesh_reuse_mismatch", "model_digest", "pipeline_round_s", "pipeline_tokens_per_s", "plan_cost_s",
+    "apply_groups", "auto_groups", "best_micro_batches", "build_stages", "check_memory", "evaluate_mesh", "format_mesh_plan_table", "format_model_note",
+    "format_plan_table", "group_profile", "make_mesh_plan", "make_plan", "mesh_plan_from_json", "mesh_plan_to_json",
+    "mesh_reuse_mismatch", "model_digest", "parse_groups", "pipeline_round_s", "pipeline_tokens_per_s", "plan_cost_s",
     "plan_from_json", "plan_to_json", "profile_digest", "profiles_digest", "reuse_mismatch", "step_times_s",
 ]

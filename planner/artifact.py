@@ -11,7 +11,8 @@ Layout (format version 1):
                   "reserve": {"fraction": 0.1, "fixed_bytes": 0}},
      "stages": [{"node_id": ..., "device_kind": ..., "weight_format": ..., "start": 0, "end": 16,
                  "compute_s": ..., "transfer_s": ..., "memory_bytes": ...,
-                 "devices": ["node-a"]}, ...]}   (a tensor-parallel stage: ["node-a:0", "node-a:1"])
+                 "devices": ["node-a"]}, ...]}   (a tensor-parallel stage: ["node-a:0", "node-a:1"]; one
+                                                  over several nodes, --tp-group: ["node-a", "node-b"])
 
 A plan may also carry the decode prediction of `make_mesh_plan`: "micro_batches", "rows" and
 "tokens_per_s" (read when present, 0 when absent; written only when set, so a version-1 plan
@@ -138,18 +139,24 @@ def _stage(obj: object, index: int, prefix: str = "") -> Stage:
     node = _str(obj, "node_id", where)
     if not node:
         raise PlanFormatError(f"plan JSON: {where}.node_id is empty")
+    devices = _devices(obj, node, where)
     return Stage(node_id=NodeId(node), device_kind=_str(obj, "device_kind", where),
                  weight_format=_str(obj, "weight_format", where), start=start, end=end,
                  compute_s=_float(obj, "compute_s", where), transfer_s=_float(obj, "transfer_s", where),
-                 memory_bytes=_int(obj, "memory_bytes", where), devices=_devices(obj, node, where))
+                 memory_bytes=_int(obj, "memory_bytes", where), devices=len(devices),
+                 members=tuple(devices) if len(devices) > 1 and all(":" not in d for d in devices) else ())
 
 
-def _devices(obj: dict, node: str, where: str) -> int:
-    """How many devices the stage lists under `devices` (optional: one, the node)."""
+def _devices(obj: dict, node: str, where: str) -> list[str]:
+    """The devices the stage lists under `devices` (optional: one, the node): node:gpu names of one node's
+    devices, or node ids (the first `node`) of a stage over several nodes."""
     devices = obj.get("devices", [node])
-    if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, str) and d for d in devices):
         raise PlanFormatError(f"plan JSON: {where}.devices must be a non-empty list of device names")
-    return len(devices)
+    if len(devices) > 1 and all(":" not in d for d in devices) and (devices[0] != node or len(set(devices)) < len(devices)):
+        raise PlanFormatError(f"plan JSON: {where}.devices of a stage over several nodes must be distinct node ids, "
+                              f"{node} first")
+    return devices
 
 
 def _metadata(doc: dict, version: int, prefix: str = "") -> PlanMetadata:

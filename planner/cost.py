@@ -261,6 +261,7 @@ def build_stages(profiles: Sequence[DeviceProfile], layer_counts: Sequence[int],
             memory_bytes=stage_memory_bytes(profile, model, workload, count, is_first=is_first, is_last=is_last,
                                             start=start),
             devices=profile.devices,
+            members=profile.members,
         ))
         start += count
     return tuple(stages)

@@ -57,6 +57,8 @@ def profile_dict(profile: DeviceProfile) -> dict:
         out["allreduce"] = [profile.allreduce_latency_s, profile.allreduce_bandwidth]
     if profile.max_devices > 1:
         out["max_devices"] = profile.max_devices
+    if profile.members:
+        out["members"] = list(profile.members)
     return out
 
 

@@ -22,10 +22,14 @@ class Stage:
     transfer_s: float   # s per step to send its output on (the last stage: the token back to stage 0)
     memory_bytes: int   # bytes it holds: weights + KV for the workload (+ embedding / LM head), no reserve
     devices: int = 1    # devices the node's stage spans (--tp N: its GPUs, as node:0 ... node:N-1)
+    members: tuple[str, ...] = ()  # a stage over several nodes (--tp-group): their ids by rank, node_id first
 
     @property
     def device_ids(self) -> tuple[str, ...]:
-        """The devices of the stage: its node id, or node:gpu for each device of a multi-device stage."""
+        """The devices of the stage: its node id, node:gpu for each device of a multi-device stage, or the
+        node ids of a stage over several nodes."""
+        if self.members:
+            return tuple(self.members)
         return (self.node_id,) if self.devices <= 1 else tuple(f"{self.node_id}:{i}" for i in range(self.devices))
 
     @property
@@ -81,5 +85,5 @@ class Plan:
 
     @property
     def node_ids(self) -> tuple[NodeId, ...]:
-        """The nodes taking part, in pipeline order."""
-        return tuple(s.node_id for s in self.stages)
+        """The nodes taking part, in pipeline order (every node of a stage over several nodes)."""
+        return tuple(n for s in self.stages for n in (s.members or (s.node_id,)))

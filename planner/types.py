@@ -124,6 +124,9 @@ class DeviceProfile:
     # its sliding-window layers keep every position's KV, as full layers do (a stage started with
     # --window-kv off, or a tensor-parallel one): the planner counts them so (False: they hold only their window)
     full_sliding_kv: bool = False
+    # a stage over several nodes (`hosts.py`, the controller's --tp-group): their node ids by rank, the
+    # first this profile's `node_id` (rank 0, the one the mesh talks to); () for one node
+    members: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(isinstance(self.node_id, str) and self.node_id != "", f"node_id must be a non-empty string, got {self.node_id!r}")
@@ -154,6 +157,10 @@ class DeviceProfile:
         _require(isinstance(self.full_sliding_kv, bool), f"{where}: full_sliding_kv must be a bool")
         _require(isinstance(self.devices, int) and not isinstance(self.devices, bool) and self.devices >= 1,
                  f"{where}: devices must be an integer >= 1, got {self.devices!r}")
+        object.__setattr__(self, "members", tuple(self.members))
+        _require(not self.members or (len(self.members) == self.devices and self.members[0] == self.node_id
+                                      and len(set(self.members)) == len(self.members)),
+                 f"{where}: members must list `devices` distinct node ids, this node first, got {self.members!r}")
         _require(_is_int(self.max_devices) and self.max_devices >= 0 and (self.max_devices <= 1 or self.devices == 1),
                  f"{where}: max_devices must be 0 (the width is `devices`) or an integer >= 1 on a profile of one "
                  f"device's figures (devices 1), got {self.max_devices!r} with devices {self.devices!r}")

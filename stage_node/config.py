@@ -33,6 +33,7 @@ class StageOptions:
                                          # --tp-max, the one at the width in force (None at width 1)
     tp_max: int = 0                      # --tp-max N: the plan chooses the width of each assignment, 1..N (0: fixed)
     tp_threads: int = 0                  # --threads of each follower rank a CPU group starts (0: torch's choice)
+    tp_port: int = 0                     # --tp-port: where a group over several nodes meets, this node its rank 0
     replay_rows: bool = True             # --replay-rows: log the rows it sends on (and inside a range a re-plan
                                          # grew), so a replay after a re-plan computes only the layers it lacks
     window_kv: bool = True               # --window-kv: sliding-window layers keep only their window's KV
@@ -71,6 +72,10 @@ class Assignment:
     prev_node_id: str = ""   # over TLS: the stage that may stream steps here ("": any stage)
     last_node_id: str = ""   # stage 0 over TLS: the last stage, whose tokens stream here
     tp_width: int = 0        # devices the stage spans, chosen by the plan (0: the node's own: --tp N, or 1)
+    tp_rank: int = 0         # a stage over several nodes (--tp-group): this node's rank (0: the stage's own)
+    tp_world: int = 0        # ... the nodes it spans (0 or 1: this node alone)
+    tp_init: str = ""        # ... where they meet: rank 0's tcp://HOST:PORT
+    tp_members: tuple[str, ...] = ()  # ... their node ids by rank
 
     @property
     def first(self) -> bool:
@@ -105,6 +110,17 @@ class Assignment:
             raise InvalidArgument(f"stage ending at layer {self.end} < {self.num_layers} needs a next_address")
         if self.last and not self.first and not self.first_address:
             raise InvalidArgument("the last stage needs first_address (where new tokens go)")
+        if self.tp_world > 1:
+            if len(self.tp_members) != self.tp_world or not self.tp_rank < self.tp_world:
+                raise InvalidArgument(f"tp_rank {self.tp_rank}, tp_world {self.tp_world}: tp_members must name "
+                                      f"{self.tp_world} nodes (got {len(self.tp_members)}) and the rank be below it")
+            if not self.tp_init.startswith("tcp://"):
+                raise InvalidArgument(f"tp_init {self.tp_init[:80]!r}: give rank 0's tcp://HOST:PORT")
+            if self.tp_width not in (0, self.tp_world):
+                raise InvalidArgument(f"tp_width {self.tp_width} with tp_world {self.tp_world}: a stage over several "
+                                      "nodes spans one device of each")
+        elif self.tp_rank or self.tp_members or self.tp_init:
+            raise InvalidArgument("tp_rank, tp_members and tp_init belong to a stage over several nodes (tp_world >= 2)")
 
     def same_weights(self, other: "Assignment") -> bool:
         """Whether `other` needs exactly these weights (a re-assignment keeping them keeps the pool too)."""

@@ -50,7 +50,7 @@ from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa:
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.engine.kv_quant import KV_DTYPES  # noqa: E402
 from logicpipe.stage_node.engine.runner import Runner  # noqa: E402
-from logicpipe.stage_node.engine.tp_group import Leader  # noqa: E402
+from logicpipe.stage_node.engine.tp_group import Leader, free_port, serve_store  # noqa: E402
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
@@ -100,6 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "tensor-parallel width of each assignment among the widths that divide the model (the "
                          "follower group re-formed when it changes; width 1 where the measured all-reduce makes TP "
                          "a loss); not with --tp N > 1 (default 0: the width is --tp)")
+    ap.add_argument("--tp-port", type=int, default=0, metavar="PORT",
+                    help="a tensor-parallel stage over several nodes (the controller's --tp-group; CPU, gloo over "
+                         "TCP): the TCP port its members meet at when this node is its rank 0, served from start on "
+                         "every interface (open it between the hosts only; gloo then connects the ranks on ports of "
+                         "its own). Default 0: a port free at start, which Status reports, opened only when a group "
+                         "forms here")
     ap.add_argument("--max-kv-mib", type=int, default=2048,
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
@@ -237,6 +243,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--draft-layers must be 0 (all) or more")
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
+    if not 0 <= args.tp_port <= 65535:
+        raise SystemExit(f"--tp-port {args.tp_port}: give a TCP port (0: one free at start)")
     if args.tp_max < 0:
         raise SystemExit(f"--tp-max {args.tp_max}: give the most devices the plan may use, 1 or more")
     if args.tp_max and args.tp > 1:
@@ -316,6 +324,11 @@ async def serve(args: argparse.Namespace) -> None:
         # (2026-11-28), so it is formed once, at start; a plan may narrow it, never widen it again
         await runner.call(leader.stop)
         leader = None
+    try:  # (a port given is served from start, so it stays this node's; the store listens on every interface
+        # and takes anyone, so a node not told to opens none until it is rank 0 of a group: docs/security.md)
+        tp_port = serve_store(args.tp_port) if args.tp_port else free_port()
+    except RuntimeError as exc:
+        raise SystemExit(f"--tp-port {args.tp_port}: {exc}") from None
     measured = None if args.no_profile else await runner.call(host_profile, device, dtype=args.dtype,
                                                               quantize=args.quantize)
     profile = None if measured is None else offering(measured, args.tp_max, allreduce) if args.tp_max else \
@@ -332,7 +345,7 @@ async def serve(args: argparse.Namespace) -> None:
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()), tp=leader, tp_max=args.tp_max,
-                           tp_threads=args.threads,
+                           tp_threads=args.threads, tp_port=tp_port,
                            replay_rows=args.replay_rows == "on", window_kv=args.window_kv == "on",
                            kv_context=max(1, args.kv_context), kv_dtype=args.kv_dtype,
                            swap_bytes=swap_mib(args, device, host_memory_bytes()) * 2**20, swap_dir=args.swap_dir)

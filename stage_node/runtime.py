@@ -21,6 +21,7 @@ from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, Not
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node.weights import loading
 from logicpipe.stage_node.engine import handoff, tp_group
+from logicpipe.stage_node.engine.tp_member import Member, remote_for
 from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.stage_node.engine.window import managers
@@ -46,6 +47,7 @@ class NodeState(Enum):
     IDLE = "idle"          # no assignment
     LOADING = "loading"    # loading an assignment (a previous one, if any, still serves)
     READY = "ready"
+    MEMBER = "member"      # a member of another node's tensor-parallel stage (engine.tp_member): nothing else
 
 
 class StageRuntime:
@@ -73,6 +75,8 @@ class StageRuntime:
         self._assign_lock = asyncio.Lock()
         self._step_lock = asyncio.Lock()  # held while a step computes (a re-assignment waits for it)
         self.mirror = KvMirror(self)  # KV blocks copied to other pipelines' stages, and taken from theirs
+        self.member: Member | None = None  # a member of another node's stage (its follower process)
+        self._member_tasks: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -90,21 +94,29 @@ class StageRuntime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._leave_group()
         if self.engine is not None:
             self.engine.end_sessions("the stage is stopping")
             await self.engine.close_links()
         self.runner.close()
 
     # ---- assignment ------------------------------------------------------------------------
-    async def assign(self, a: Assignment, stream_key: str = "", admit: Callable[[], None] | None = None) -> Engine:
-        """Load `a` fully, then put it in place of the assignment in force (whose sessions end).
+    async def assign(self, a: Assignment, stream_key: str = "", admit: Callable[[], None] | None = None) -> Engine | None:
+        """Load `a` fully, then put it in place of the assignment in force (whose sessions end); a member's
+        assignment of another node's stage over several nodes (tp_rank > 0) starts its follower (None).
         `stream_key`: the plan's (its stages' Stream calls carry it). `admit`: called once `a` is
         loaded and valid, just before it takes effect (the Assign's caller takes the fence there);
         if it raises, nothing changes: an invalid or refused assignment never holds the node."""
         a.check()
         loading.check_formats(a, self.node_id, self.options)
-        width = tp_group.width_for(a.tp_width, self.options.tp, self.options.tp_max, self.node_id)
+        remote = remote_for(a, self.node_id, self.device, own_group=bool(self.options.tp_max or self._own_group()))
+        if remote is not None and a.tp_rank:
+            await self._follow(a, remote, stream_key, admit)
+            return None
+        width = remote.world if remote is not None else tp_group.width_for(a.tp_width, self._own_group(),
+                                                                            self.options.tp_max, self.node_id)
         async with self._assign_lock:
+            self._leave_group()
             old = self.engine
             if old is not None and old.assignment == a and old.stream_key == stream_key:
                 if admit is not None:
@@ -116,8 +128,8 @@ class StageRuntime:
                 self.weights.pull_key = stream_key
                 model_dir = await self.weights.model_dir_for(a)
                 self.stats.weights_pulled_bytes = self.weights.pulled_bytes
-                if width != self._width():
-                    await self._reform(width, model_dir)
+                if width != self._width() or remote != self._remote():
+                    await self._reform(width, model_dir, remote)
                     old, before = None, NodeState.IDLE
                 if old is not None and old.assignment.same_weights(a) and old.shard_dir == model_dir:
                     shard, pool, kv = old.shard, old.pool, old.kv  # keeps the prefix cache too
@@ -181,7 +193,63 @@ class StageRuntime:
         """Devices the stage spans now: its group's ranks, 1 without one."""
         return self.options.tp.world if self.options.tp is not None else 1
 
-    async def _reform(self, width: int, model_dir: str) -> None:
+    def _remote(self) -> tp_group.Remote | None:
+        """The group over several nodes this node is rank 0 of now (None: none)."""
+        return self.options.tp.remote if self.options.tp is not None else None
+
+    def _own_group(self):
+        """The node's own group (--tp N, --tp-max), not one over several nodes."""
+        return self.options.tp if self._remote() is None else None
+
+    async def _follow(self, a: Assignment, remote: tp_group.Remote, stream_key: str,
+                      admit: Callable[[], None] | None) -> None:
+        """Become rank a.tp_rank of `remote` (engine.tp_member): the assignment in force (or a group of its
+        own) ends, and the follower runs until the group is over; kept when it is that rank already."""
+        async with self._assign_lock:
+            self.weights.pull_key = stream_key  # (its own copy of the model, pulled as any stage's)
+            model_dir = await self.weights.model_dir_for(a)
+            if self.member is not None and self.member.same(a.tp_rank, remote, model_dir):
+                if admit is not None:
+                    admit()
+                return
+            if admit is not None:
+                admit()
+            self._leave_group()
+            async with self._step_lock:
+                old, self.engine = self.engine, None
+                if old is not None:
+                    old.retired = True
+                    old.end_sessions(f"the node became a member of {remote.members[0]}'s tensor-parallel stage")
+                if self.options.tp is not None:  # (rank 0 of another group before)
+                    leader = await self.runner.call(tp_group.reform, self.options.tp, 1, self.device,
+                                                    self.options.tp_threads)
+                    self.options = replace(self.options, tp=leader)
+            if old is not None:
+                await old.close_links()
+            member = self.member = Member(a.tp_rank, remote, model_dir, self.options.tp_threads)
+            self.state = NodeState.MEMBER
+            task = asyncio.create_task(self._member_ended(member), name="tp-member")
+            self._member_tasks.add(task)
+            task.add_done_callback(self._member_tasks.discard)
+
+    async def _member_ended(self, member: Member) -> None:
+        """Once the member's follower ends, the node is idle (to be assigned anew)."""
+        await member.ended()
+        if self.member is member:
+            self.member = None
+            self.state = NodeState.IDLE
+            log.warning("the tensor-parallel stage of %s is over for this node (follower status %s): idle",
+                        member.leader, member.proc.returncode)
+
+    def _leave_group(self) -> None:
+        """Stop being a member of another node's stage (before any other assignment)."""
+        member, self.member = self.member, None
+        if member is not None:
+            member.stop()
+            if self.state is NodeState.MEMBER:
+                self.state = NodeState.IDLE
+
+    async def _reform(self, width: int, model_dir: str, remote: tp_group.Remote | None = None) -> None:
         """A --tp-max node asked for another width (planner.width): the model's split checked first (a refusal
         leaves everything as it was), then the assignment in force ends (its shard is another split) and the
         follower group is formed again at `width` (stopped at 1: tp_group.reform)."""
@@ -198,8 +266,13 @@ class StageRuntime:
                 old.retired = True
                 old.end_sessions("the stage's tensor-parallel width changes")
                 self.engine = None
-            leader = await self.runner.call(tp_group.reform, self.options.tp, width, self.device,
-                                            self.options.tp_threads)
+            try:
+                leader = await self.runner.call(tp_group.reform, self.options.tp, width, self.device,
+                                                self.options.tp_threads, remote)
+            except BaseException:
+                if self.options.tp is not None and self.options.tp.stopped:  # (ended, and none formed instead)
+                    self.options = replace(self.options, tp=None)
+                raise
             self.options = replace(self.options, tp=leader)
         if old is not None:
             await old.close_links()
@@ -262,6 +335,9 @@ class StageRuntime:
         log.info("drafting candidates with the draft %s", self.drafter)
 
     def require_ready(self) -> Engine:
+        if self.member is not None:
+            raise FailedPrecondition(f"node {self.node_id} is a member of {self.member.leader}'s tensor-parallel stage: "
+                                     f"it serves nothing else (send to {self.member.leader})")
         if self.engine is None:
             raise FailedPrecondition(
                 f"node {self.node_id} has no layer assignment yet ({self.state.value}); "
@@ -442,4 +518,5 @@ class StageRuntime:
                              uptime_s=time.monotonic() - self.started, stats=replace(self.stats),
                              session_ttl_s=self.options.session_ttl_s, block_size=self.options.block_size,
                              stopping=self.stopping, drafter=self.drafter, engine=view,
-                             step_bar_s=self.options.step_bar_s)
+                             step_bar_s=self.options.step_bar_s, tp_port=self.options.tp_port,
+                             tp_leader=self.member.leader if self.member is not None else "")

@@ -119,7 +119,7 @@ class Dashboard:
 
     def _nodes(self) -> list[dict]:
         """Every node membership knows, from its last probe."""
-        in_plan = {h.address: p.index for p in self.app.pipelines.all for h in p.stages}
+        in_plan = {h.address: p.index for p in self.app.pipelines.all for h in (*p.stages, *p.members)}
         out = []
         for m in sorted(self.app.members.by_address.values(), key=lambda m: (m.node_id or "~", m.address)):
             s, why = m.status, m.why_not()

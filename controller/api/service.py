@@ -188,7 +188,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         members = list(self.app.members.by_address.values())
         probes = await asyncio.gather(*(self.app.pipelines.probe(m.address, timeout=STATUS_PROBE_TIMEOUT_S)
                                         for m in members), return_exceptions=True)
-        in_plan = {h.address: p.index for p in self.app.pipelines.all for h in p.stages}
+        in_plan = {h.address: p.index for p in self.app.pipelines.all for h in (*p.stages, *p.members)}
         for m, probe in zip(members, probes):
             node = controller_pb2.NodeStatus(address=m.address, node_id=m.node_id, source=m.source,
                                              in_plan=m.address in in_plan, drained=m.drained, down=m.why_not(),

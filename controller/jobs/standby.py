@@ -106,7 +106,7 @@ class Replicator:
         self.followers: dict[str, float] = {}  # standby -> when it started following
 
     def _plan(self) -> dict:
-        return {"nodes_json": json.dumps({h.node_id: h.address for h in self.app.pipelines.stages})}
+        return {"nodes_json": json.dumps({h.node_id: h.address for h in self.app.pipelines.nodes})}
 
     async def follow(self, follower: str, tls: bool = False, name: str = "", metadata=None):
         """Controller.Replicate: the journal for the named standby only (`tls`, `name`: the

@@ -32,7 +32,7 @@ class OperatorCommands:
         self.app.pipelines.revoked = list(self.app.revocations)
         told = await self._push_revoked()
         m = self.app.members.find(node_id)
-        if m is None or not any(h.node_id == node_id for h in self.app.pipelines.stages):
+        if m is None or not any(h.node_id == node_id for h in self.app.pipelines.nodes):
             return f"{node_id} revoked (it was not in the plan); {told}"
         m.drained = True
         await self.app.replanner.replan_now(f"node {node_id} revoked")
@@ -92,13 +92,13 @@ class OperatorCommands:
         if m is None:
             return False, f"node {node_id} is not known here"
         m.leaving = True
-        if not any(h.address == m.address for h in self.app.pipelines.stages):
+        if not any(h.address == m.address for h in self.app.pipelines.nodes):
             return True, "it serves no stage of the plan in force"
         try:
             await asyncio.wait_for(self.app.replanner.replan_now(f"node {node_id} is stopping"), timeout)
         except asyncio.TimeoutError:
             return False, f"no new plan within {timeout:.0f} s"
-        moved = not any(h.address == m.address for h in self.app.pipelines.stages)
+        moved = not any(h.address == m.address for h in self.app.pipelines.nodes)
         return moved, ("its requests moved to plan generation %d" % self.app.pipelines.generation) if moved else \
             self.app.state.reason
 
@@ -109,7 +109,7 @@ class OperatorCommands:
         m = next((m for m in self.app.members.by_address.values() if m.node_id == name), None)
         if m is not None:
             return f"the node at {m.address} goes by it"
-        if any(h.node_id == name for h in self.app.pipelines.stages):
+        if any(h.node_id == name for h in self.app.pipelines.nodes):
             return "a stage of the plan goes by it"
         return ""
 

@@ -47,6 +47,10 @@ class StageAssignment:
     wire_dtype: str = ""     # the dtype its hidden states travel in ("": its dtype)
     node_id: str = ""        # the node's id (over TLS its certificate's name: who may stream to whom)
     tp_width: int = 0        # devices its stage spans, from the plan (0: the node's own; planner.width)
+    # a stage over several nodes (--tp-group): (node id, address) of every node by rank, this one first, and
+    # where they meet (its rank 0's tcp://HOST:--tp-port); () and "" for a stage of one node
+    members: tuple[tuple[str, str], ...] = ()
+    tp_init: str = ""
 
 
 @dataclass
@@ -66,6 +70,7 @@ class StageHandle:
     stalled: bool = False    # reported silent (see STALL_GRACE_S) and not answered since
     down_reason: str = ""    # why it was lost ("" while it is not)
     lost: bool = False       # its event stream ended, or it serves another plan: only a new plan brings it back
+    leader: str = ""         # a member of a stage over several nodes: that stage's node (its rank 0)
 
     @property
     def kv_positions(self) -> int:
@@ -99,6 +104,15 @@ class _KeyedStub:
 
 def _mesh_error(exc: grpc.aio.AioRpcError, address: str) -> MeshError:
     return from_code(exc.code(), f"stage {address}: {exc.details()}")
+
+
+def absent_members(details: str, members: tuple[tuple[str, str], ...]) -> str:
+    """The addresses of the members that rank 0 of a stage over several nodes says did not join it (its
+    Assign's error: "... member B, C did not join at ..."), comma-separated; "" for any other error. The
+    failed install is then theirs (the controller leaves them out), not rank 0's."""
+    head, sep, _ = details.partition(" did not join")
+    named = head.rpartition("member ")[2].split(", ") if sep else []
+    return ", ".join(address for node, address in members[1:] if node in named)
 
 
 def compute_groups(statuses: list[stage_pb2.StatusReply]) -> int:
@@ -185,6 +199,7 @@ class Pipeline(HoldsIdentity):
         self.index = index
         self.plan = None      # planner.Plan of this pipeline (its stages, predicted tokens/s)
         self.stages: list[StageHandle] = []
+        self.members: list[StageHandle] = []  # the members (ranks > 0) of its stages over several nodes
         self.plan_id = ""
         self.generation = 0
         self.retired = False  # being replaced: no request opens on it any more
@@ -231,9 +246,9 @@ class Pipeline(HoldsIdentity):
         stream_key = secrets.token_hex(16)  # this plan's: its stages stream to each other with it
         self.identity.stream_keys.append(stream_key)  # and show it to PullWeights
 
-        async def assign(i: int) -> None:
+        def request(i: int) -> stage_pb2.AssignRequest:
             h = handles[i]
-            req = stage_pb2.AssignRequest(
+            return stage_pb2.AssignRequest(
                 model_dir=model_dir, model_digest=digest, start_layer=h.start, end_layer=h.end,
                 num_layers=num_layers, stage_index=i, num_stages=n,
                 next_address=handles[i + 1].address if i + 1 < n else "",
@@ -244,27 +259,51 @@ class Pipeline(HoldsIdentity):
                 plan_id=self.plan_id, controller_epoch=self.epoch, controller_id=self.owner,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address,
                 revoked=self.revoked, stream_key=stream_key, standby_name=self.identity.standby_name,
-                tp_width=assignments[i].tp_width)
+                tp_width=assignments[i].tp_width, tp_world=len(assignments[i].members),
+                tp_init=assignments[i].tp_init, tp_members=[n for n, _ in assignments[i].members])
+
+        async def assign(i: int) -> None:
+            h = handles[i]
+            req = request(i)
             try:
                 reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
                 h.parameter_count = reply.parameter_count
                 h.status = await h.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                raise _mesh_error(exc, h.address) from exc
+                raise _mesh_error(exc, absent_members(exc.details() or "", assignments[i].members) or h.address) from exc
             h.node_id, h.device = h.status.node_id, h.status.device
             log.info("stage %d: %s (%s) layers [%d, %d) ready in %.1f s", i, h.node_id, h.address,
                      h.start, h.end, reply.load_seconds)
 
+        members: list[tuple[int, int, StageHandle]] = []  # (stage, rank, its handle)
+        for i, a in enumerate(assignments):
+            for rank, (node_id, address) in enumerate(a.members[1:], 1):
+                ch = self.transport.channel(address, "stage")
+                members.append((i, rank, StageHandle(address, ch, self.stub(ch), node_id=node_id, start=a.start,
+                                                     end=a.end, leader=a.members[0][0])))
+
+        async def assign_member(i: int, rank: int, h: StageHandle) -> None:
+            """A member of stage i's group: it joins rank 0 (whose Assign waits for it) and follows it."""
+            req = request(i)
+            req.tp_rank = rank
+            try:
+                await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise _mesh_error(exc, h.address) from exc
+            log.info("stage %d: %s (%s) is its rank %d", i, h.node_id, h.address, rank)
+
         try:
-            results = await asyncio.gather(*(assign(i) for i in range(n)), return_exceptions=True)
+            results = await asyncio.gather(*(assign(i) for i in range(n)),
+                                           *(assign_member(i, r, h) for i, r, h in members), return_exceptions=True)
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
         except BaseException:
-            for h in handles:
+            for h in [*handles, *(h for _, _, h in members)]:
                 await h.channel.close()
             raise
         self.stages = handles
+        self.members = [h for _, _, h in members]
         ready = []
         for h in handles:
             ready.append(asyncio.get_running_loop().create_future())
@@ -276,7 +315,7 @@ class Pipeline(HoldsIdentity):
     def down(self) -> list[tuple[str, str]]:
         """(address, why) of every stage that was lost or whose node membership holds down."""
         out = []
-        for h in self.stages:
+        for h in [*self.stages, *self.members]:
             why = h.down_reason if h.lost else self.why_down(h.address)
             if why:
                 out.append((h.address, why))
@@ -289,9 +328,10 @@ class Pipeline(HoldsIdentity):
         retried on stages that answer."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            stages = list(self.stages)
+            stages, members = list(self.stages), list(self.members)
             replies = await asyncio.gather(*(h.stub.Status(stage_pb2.StatusRequest(), timeout=PROBE_TIMEOUT_S)
-                                             for h in stages), return_exceptions=True)
+                                             for h in stages + members), return_exceptions=True)
+            self._check_members(members, replies[len(stages):])
             for h, r in zip(stages, replies):
                 if isinstance(r, BaseException):
                     h.misses += 1
@@ -320,6 +360,20 @@ class Pipeline(HoldsIdentity):
                     continue
                 if not self.why_down(h.address) and self._pending_closes.get(h.address):
                     await self._retry_closes(h)
+
+    def _check_members(self, members: list[StageHandle], replies: list) -> None:
+        """A member of a stage over several nodes that answers but follows no group any more (its follower
+        ended: rank 0 stopped it, or it crashed) breaks that stage: lost, so the plan is made again.
+        (One that does not answer is membership's to judge, as any node.)"""
+        for h, r in zip(members, replies):
+            if isinstance(r, BaseException) or h.lost or h not in self.members or \
+                    (r.state, r.tp_leader) == ("member", h.leader):
+                continue
+            h.lost = True
+            now = f"{r.state} of {r.tp_leader}" if r.tp_leader else r.state
+            h.down_reason = f"it left the tensor-parallel stage of {h.leader} (it is {now})"
+            log.warning("member %s (%s) of a tensor-parallel stage: %s", h.node_id, h.address, h.down_reason)
+            self._on_stage_lost(h.address, h.down_reason)
 
     async def _retry_closes(self, h: StageHandle) -> None:
         sessions = self._pending_closes.pop(h.address, set())
@@ -356,6 +410,9 @@ class Pipeline(HoldsIdentity):
         """Let go of the stages. `wait_closes`: session closes in flight get their chance to land
         first (not when a new plan replaces this one: a stalled stage would hold it up)."""
         stages, self.stages = self.stages, []
+        members, self.members = self.members, []
+        for h in members:
+            await h.channel.close()
         self._pending_closes.clear()
         if self._monitor is not None:
             self._monitor.cancel()

@@ -112,6 +112,11 @@ class PipelineSet(HoldsIdentity):
         return [h for p in self.all for h in p.stages]
 
     @property
+    def nodes(self) -> list[StageHandle]:
+        """Every node of every pipeline: its stages and the members of its stages over several nodes."""
+        return [h for p in self.all for h in (*p.stages, *p.members)]
+
+    @property
     def generation(self) -> int:
         """The newest pipeline's plan generation (0: none installed)."""
         return max((p.generation for p in self.all), default=0)

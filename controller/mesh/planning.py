@@ -30,6 +30,8 @@ from logicpipe.planner import (
     Objective,
     Plan,
     Workload,
+    apply_groups,
+    auto_groups,
     evaluate_mesh,
     format_mesh_plan_table,
     format_model_note,
@@ -38,6 +40,7 @@ from logicpipe.planner import (
     mesh_plan_from_json,
     mesh_plan_to_json,
     mesh_reuse_mismatch,
+    parse_groups,
 )
 from logicpipe.planner.model import device_weight_format
 from logicpipe.planner.prefill import best_chunk
@@ -284,6 +287,50 @@ def replicas_flag(value: str) -> int:
     return n
 
 
+def tp_group_flag(value: str) -> tuple[tuple[str, ...], ...]:
+    """--tp-group A,B[;C,D] (planner.hosts.parse_groups), its errors as the flag's."""
+    try:
+        return parse_groups(value)
+    except ValueError as exc:
+        raise ArgumentTypeError(str(exc)) from None
+
+
+def grouped(profiles: list[DeviceProfile], spec: ModelSpec, groups, *, auto: bool = False, context_tokens: int = 2048,
+            known: set[str] | None = None, hosts: dict[str, str] | None = None) -> tuple[list[DeviceProfile], list[str]]:
+    """(profiles with the --tp-group groups joined, then with --tp-hosts auto the pairs of the other nodes
+    that shorten the one-stream step (planner.hosts.auto_groups, `hosts`: node id -> its host), each as one
+    stage's profile; notes for the log). ValueError naming --tp-group for a group that cannot be one."""
+    out, notes = apply_groups(profiles, groups, spec, known)
+    if auto:
+        pairs = auto_groups(out, spec, context_tokens, hosts or {})
+        if pairs:
+            out, _ = apply_groups(out, pairs, spec)
+            notes.append("--tp-hosts auto: " + "; ".join(",".join(p) for p in pairs) + " join as tensor-parallel "
+                         "stages (the one-stream step gets shorter)")
+    return out, notes
+
+
+def host_of(status: stage_pb2.StatusReply) -> str:
+    """The host a node computes on (its compute_id's, "" when it does not say)."""
+    return status.compute_id.rpartition("@")[2]
+
+
+def tp_hosts_flag(value: str) -> bool:
+    """--tp-hosts auto|off -> whether the planner groups hosts by itself."""
+    if value not in ("auto", "off"):
+        raise ArgumentTypeError(f"--tp-hosts must be auto or off, not {value!r}")
+    return value == "auto"
+
+
+def check_groups(groups, spec: ModelSpec) -> None:
+    """ValueError naming --tp-group for a group whose width does not divide the model."""
+    for g in groups:
+        if len(g) not in spec.tp_widths(len(g)):
+            sizes = ", ".join(map(str, spec.tp_sizes)) or "none: its attention does not split"
+            raise ValueError(f"--tp-group {','.join(g)}: {len(g)} nodes do not divide model {spec.name} (heads, KV "
+                             f"heads, MLP or experts, vocabulary: {sizes})")
+
+
 def classic(options) -> bool:
     """One pipeline over the nodes, costed by its bottleneck stage (as before replicas): asked for
     with --replicas 1 or a fixed strategy."""
@@ -318,8 +365,9 @@ def evaluate(plans: list[Plan], profiles: list[DeviceProfile], spec: ModelSpec, 
 
 
 def pipeline_key(plan: Plan) -> tuple[tuple[str, int, int, int], ...]:
-    """What makes two pipelines the same: their nodes, layer ranges and widths (devices), in order."""
-    return tuple((s.node_id, s.start, s.end, s.devices) for s in plan.stages)
+    """What makes two pipelines the same: their nodes, layer ranges and widths (devices, the members of a
+    stage over several nodes), in order."""
+    return tuple((s.node_id, s.start, s.end, s.devices, s.members) for s in plan.stages)
 
 
 def same_pipelines(a: MeshPlan, b: MeshPlan) -> bool:

@@ -153,7 +153,7 @@ class Replanner:
         """The pipelines in force that cannot serve: a stage lost or down, or its node drained or leaving."""
         out = []
         for p in self.app.pipelines.all:
-            for h in p.stages:
+            for h in [*p.stages, *p.members]:  # (a member of a stage over several nodes: the stage with it)
                 m = self.app.members.by_address.get(h.address)
                 if h.lost or (m is not None and not m.usable):
                     out.append(p)
@@ -192,8 +192,13 @@ class Replanner:
         await self._measure_links(ids)
         usable = [m for m in usable if m.usable]  # a node whose links failed is out
         ids = {m.node_id: m.address for m in usable}
-        self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
-                                                 self.app.spec) for m in usable]
+        profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
+                                            self.app.spec) for m in usable]
+        try:
+            self.profiles = self._grouped(profiles)
+        except InvalidArgument as exc:
+            self.give_up(not kept, str(exc))
+            return False
         self._profile_of.update((p.node_id, p) for p in self.profiles)
         self.workload = self.app.scheduler.traffic.workload(self.app.options.context, self.app.config.max_position_embeddings)
         try:
@@ -211,9 +216,28 @@ class Replanner:
         await self._install(mesh, ids, why, since)
         return True
 
+    def _grouped(self, profiles: list) -> list:
+        """The profiles with each --tp-group whose nodes are all usable joined into one stage's, and with
+        --tp-hosts auto the pairs the planner proposes (planning.grouped); InvalidArgument naming the flag for a group that cannot be one (a node the mesh
+        never saw, a width that does not divide the model)."""
+        o = self.app.options
+        if not o.tp_groups and not o.tp_hosts:
+            return profiles
+        members = [m for m in self.app.members.by_address.values() if m.status is not None]
+        known = {m.node_id or m.status.node_id for m in members}
+        try:
+            out, notes = planning.grouped(profiles, self.app.spec, o.tp_groups, auto=o.tp_hosts, known=known,
+                                          context_tokens=self.workload.context_tokens,
+                                          hosts={m.status.node_id: planning.host_of(m.status) for m in members})
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        for note in notes:
+            log.warning("%s", note)
+        return out
+
     def pending_nodes(self) -> set[str]:
         """Node ids of the pipelines being installed in the background."""
-        return {s.node_id for plan in self._pending.values() for s in plan.stages}
+        return {n for plan in self._pending.values() for n in plan.node_ids}
 
     @staticmethod
     def _plans(pipelines: list[Pipeline]) -> list:
@@ -225,7 +249,7 @@ class Replanner:
         o, spec, workload = self.app.options, self.app.spec, self.workload
         if self.plan is None:
             return planning.reuse_or_plan(o.plan_path, self.profiles, spec, workload, o)
-        in_use = {s.node_id for p in kept for s in (p.plan.stages if p.plan else ())}
+        in_use = {n for p in kept for s in (p.plan.stages if p.plan else ()) for n in (s.members or (s.node_id,))}
         free = [p for p in self.profiles if p.node_id not in in_use]
         left = o.replicas - len(kept) if o.replicas else 0
 
@@ -322,7 +346,7 @@ class Replanner:
         channels = {nid: self.app.transport.channel(addr, "stage") for nid, addr in ids.items()}
         try:
             stubs = {nid: self.app.pipelines.stub(ch) for nid, ch in channels.items()}
-            in_plan = {h.node_id for h in self.app.pipelines.stages}
+            in_plan = {h.node_id for h in self.app.pipelines.nodes}
             measured = await planning.measure_pairs(stubs, ids, pairs, epoch=self.app.pipelines.epoch,
                                                     owner=self.app.pipelines.owner)
             for (a, b), link in zip(pairs, measured):
@@ -384,7 +408,8 @@ class Replanner:
             plan = mesh.pipelines[i]
             p.plan = plan
             await p.install(str(self.app.model_dir), self.app.digest, self.app.num_layers,
-                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id, s.devices)
+                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id, s.devices,
+                                             tuple((n, ids[n]) for n in s.members), self._tp_init(s, ids))
                              for s, (dtype, fmt, wire) in zip(plan.stages, planning.stage_formats(plan, self.profiles))],
                             self.app.options.dtype, self.app.options.micro_batches, controller_address=self.app.options.address,
                             generation=self.app.pipelines.next_generation(),
@@ -432,6 +457,17 @@ class Replanner:
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
         self._measure_held(ids)
+
+    def _tp_init(self, stage, ids: dict[str, str]) -> str:
+        """Where the nodes of a stage over several nodes meet: its rank 0's host and --tp-port ("": one node)."""
+        if not stage.members:
+            return ""
+        m = self.app.members.by_address.get(ids[stage.node_id])
+        port = m.status.tp_port if m is not None and m.status is not None else 0
+        if not port:
+            raise FailedPrecondition(f"node {stage.node_id} reports no --tp-port: it cannot be rank 0 of a stage over "
+                                     "several nodes (a LogicPipe stage of an older version?)")
+        return f"tcp://{ids[stage.node_id].rpartition(':')[0]}:{port}"
 
     def _evaluate_in_force(self):
         """The planner.MeshPlan of the pipelines in force and those being installed."""
@@ -502,7 +538,7 @@ class Replanner:
         """A newcomer measures links only for the controller that holds it, so its links were not
         measured before its first assignment: measure them now that this controller holds it (in the
         background, after the plan serves), for the next plan and /metrics."""
-        held = {h.node_id for h in self.app.pipelines.stages}
+        held = {h.node_id for h in self.app.pipelines.nodes}  # (a group's members too: the link between them)
         todo = {n: a for n, a in ids.items() if n in held}
         if not any(b not in self.links.get(a, {}) for a in todo for b in todo if a != b):
             return

@@ -80,7 +80,7 @@ class EngineView:
 @dataclass(frozen=True)
 class StageSnapshot:
     node_id: str
-    state: str                     # idle | loading | ready
+    state: str                     # idle | loading | ready | member
     device: str
     uptime_s: float
     stats: StageStats
@@ -89,4 +89,6 @@ class StageSnapshot:
     stopping: bool
     drafter: str                   # what drafts candidates on the last stage
     step_bar_s: float = 0.0        # --max-step-ms, s (0: no bar)
+    tp_port: int = 0               # --tp-port: where a group over several nodes meets with this node as its rank 0
+    tp_leader: str = ""            # state "member": the node whose stage it computes a share of
     engine: EngineView | None = field(default=None)

@@ -22,6 +22,15 @@ each assignment (planner.width): the group is formed at N at start only to measu
 the profile, then stopped (`Leader.stop`: STOP to every follower, the process group destroyed), and
 `reform` forms it again at the width an assignment asks for (none at width 1) when that changes.
 
+Several nodes (the controller's --tp-group, issue 36). A stage may also span several stage nodes, each
+one device: the controller assigns rank 0 (a `Leader` with a `Remote`: it spawns nothing) and every
+member (`Member`: the follower loop above in a subprocess of the member node, its own model directory
+for LOAD). They meet at rank 0's --tp-port (`join_remote`: a TCPStore there, each member writing its
+node id under the group's key; rank 0 waits JOIN_TIMEOUT, then fails the assignment naming the members
+that did not come), then form gloo over TCP. A member that dies takes the stage down (rank 0's next
+broadcast or all-reduce fails: it exits, status 75, and the mesh re-plans without it); when rank 0 dies
+or stops the group, the member's follower ends and the member node is idle again, to be assigned anew.
+
 Failure. A member that dies takes the stage down: rank 0 watches its followers and exits (status
 75) the moment one is gone, so the controller re-plans and the requests replay elsewhere, as for any
 lost node; a follower dies with rank 0 (the kernel's parent-death signal, and its next broadcast
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ctypes
 import logging
 import os
@@ -64,11 +74,36 @@ MEASURE_SIZES = (256, 1 << 20)  # float32 elements of the small and the large ti
 MEASURE_REPS = 10
 DESTROYED = [False]  # this process has ended a group (Leader.stop): CUDA does not form one again here
 STOP_WAIT_S = 10.0  # a stopped follower gets this long to exit before it is killed
+JOIN_TIMEOUT = timedelta(seconds=60)  # a group over several nodes: how long rank 0 waits for its members
+JOIN_POLL_S = 0.1
+DATA_TIMEOUT = timedelta(seconds=120)  # a group over several nodes: a step's data operation waits this long at most
+_STORES: dict = {}  # port -> the TCPStore rank 0 serves there (join_remote)
+
+
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """A group over several nodes (module docstring): where it meets, its key (the plan generation that
+    formed it: a member of an older forming never joins a newer one) and its node ids by rank."""
+
+    init: str                # rank 0's tcp://HOST:PORT
+    key: str = dataclasses.field(compare=False)  # its key in the store (a kept group keeps its first key)
+    members: tuple[str, ...]  # node ids by rank
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port() -> int:
+    """A TCP port free on every interface now (--tp-port 0: rank 0 serves it once a group forms there)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
@@ -135,17 +170,26 @@ class Leader:
     """Rank 0 of a node's tensor-parallel stage: starts the followers, mirrors the runner's operations to
     them (Shard.mirror / KVPool.mirror), and exits when one of them is lost."""
 
-    def __init__(self, world: int, device: str, threads: int):
+    def __init__(self, world: int, device: str, threads: int, remote: Remote | None = None):
         self.world = world
+        self.remote = remote  # a group over several nodes: its members join from their nodes, none is spawned
         self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
         self.procs: list[subprocess.Popen] = []
         self.tp: TensorParallel | None = None
         self.channel: Channel | None = None
         self._device_kind, self._threads = device, threads
         self._closing = threading.Event()  # set once rank 0 ends the group itself: its followers' ends are no loss
+        self.stopped = False  # ended (stop): a group of another width or other nodes replaces it
 
     def start(self) -> None:
-        """Runner thread: start the followers and join the process groups with them."""
+        """Runner thread: start the followers and join the process groups with them (a group over several
+        nodes: wait for its members, JOIN_TIMEOUT at most)."""
+        if self.remote is not None:
+            self.tp, control = join_remote(0, self.remote, self._device_kind)
+            self.channel = Channel(self.tp, control, self.device)
+            log.info("tensor-parallel stage over %d nodes (%s) formed at %s", self.world, ", ".join(self.remote.members),
+                     self.remote.init)
+            return
         init = f"tcp://127.0.0.1:{_free_port()}"
         for r in range(1, self.world):
             cmd = [sys.executable, "-m", "logicpipe.stage_node.engine.tp_group", "--rank", str(r), "--world",
@@ -191,6 +235,7 @@ class Leader:
         every follower, each waited for (killed after `wait_s`), and this process's groups destroyed, so
         a group of another width can be formed."""
         self._closing.set()
+        self.stopped = True
         try:
             self.channel.header(STOP)
         except Exception as exc:  # noqa: BLE001 — a follower already gone: the rest are killed below
@@ -218,6 +263,7 @@ class Leader:
                            quantize=quantize, tp=self.tp)
         shard.batch_invariant = invariant
         shard.mirror = self
+        self._settled()
         return shard
 
     def new_pool(self, shard: Shard, num_blocks: int, block_size: int, graphs: bool = False) -> KVPool:
@@ -226,7 +272,14 @@ class Leader:
         self.channel.header(POOL, num_blocks, block_size, int(graphs))
         pool = shard.new_pool(num_blocks, block_size)
         pool.mirror = self
+        self._settled()
         return pool
+
+    def _settled(self) -> None:
+        """A group over several nodes: wait (on the control group, without end) until every member has
+        loaded too, so that the steps' data operations, bounded by DATA_TIMEOUT, wait only for a step."""
+        if self.remote is not None:
+            dist.barrier(group=self.channel.control)
 
     def capture(self, rows: int, context: int) -> None:
         """Before rank 0 makes the (rows, context) bucket's graph: every rank makes its own at once
@@ -296,16 +349,16 @@ def check_model_split(model_dir: str, width: int) -> None:
     check_split(ModelConfig.from_dir(model_dir), width)
 
 
-def reform(leader: Leader | None, width: int, device: str, threads: int) -> Leader | None:
-    """Runner thread: the group at `width` (None at 1): `leader` kept if it has that width, else stopped
-    and a new one started (its followers spawned and joined)."""
-    if leader is not None and leader.world == width:
+def reform(leader: Leader | None, width: int, device: str, threads: int, remote: Remote | None = None) -> Leader | None:
+    """Runner thread: the group at `width` (None at 1), or over the nodes of `remote`: `leader` kept if it
+    is that group, else stopped and a new one started (its followers spawned, or its members waited for)."""
+    if leader is not None and leader.world == width and leader.remote == remote:
         return leader
     if leader is not None:
         leader.stop()
     if width <= 1:
         return None
-    new = Leader(width, device, threads)
+    new = Leader(width, device, threads, remote)
     new.start()
     return new
 
@@ -371,11 +424,64 @@ def join(rank: int, world: int, init: str, device: str) -> tuple[TensorParallel,
     return TensorParallel(rank, world), control
 
 
-def follow(rank: int, world: int, init: str, device: str) -> None:
-    """A follower's life: join, then run every mirrored operation until STOP (or rank 0 is gone)."""
-    tp, control = join(rank, world, init, device)
+def serve_store(port: int) -> int:
+    """The TCPStore this process serves at `port` (0: a free one) for the groups over several nodes it is rank
+    0 of (it listens on every interface, whatever host it is given); returns the port."""
+    store = dist.TCPStore("0.0.0.0", port, None, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    _STORES[store.port] = store
+    return store.port
+
+
+def _served_store(port: int):
+    """Rank 0: the TCPStore this process serves at `port`, made once (at start with --tp-port, else at the
+    first forming) and kept: a group formed again meets there under its own key (a store made anew on the port of one whose
+    group was destroyed found it still bound, EADDRINUSE)."""
+    if port not in _STORES:
+        serve_store(port)
+    store = _STORES[port]
+    store.set_timeout(JOIN_TIMEOUT)
+    return store
+
+
+def join_remote(rank: int, remote: Remote, device: str) -> tuple[TensorParallel, object]:
+    """`join` for a group over several nodes (CPU, gloo over TCP): every rank meets at rank 0's TCPStore
+    (rank 0 serves it at remote.init's port); a member writes its node id under the group's key; rank 0
+    waits JOIN_TIMEOUT for every member, then raises naming those that did not come."""
+    if device != "cpu":
+        raise ValueError("a tensor-parallel stage over several nodes computes on CPUs (gloo over TCP) only")
+    host, _, port = remote.init.removeprefix("tcp://").rpartition(":")
+    if rank:
+        store = dist.TCPStore(host, int(port), remote.world, is_master=False, timeout=JOIN_TIMEOUT)
+    else:
+        store = _served_store(int(port))
+    store = dist.PrefixStore(f"lp-tp/{remote.key}", store)
+    if rank:
+        store.set(f"member/{rank}", remote.members[rank])
+    else:
+        keys = [f"member/{r}" for r in range(1, remote.world)]
+        deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [remote.members[r] for r in range(1, remote.world) if not store.check([f"member/{r}"])]
+                raise TimeoutError(f"tensor-parallel group over {', '.join(remote.members)}: member "
+                                   f"{', '.join(missing)} did not join at {remote.init} within "
+                                   f"{JOIN_TIMEOUT.total_seconds():.0f} s")
+            time.sleep(JOIN_POLL_S)
+    # the data (a step's broadcasts and all-reduces) bounded by DATA_TIMEOUT: a member host that vanishes
+    # without closing its connections ends rank 0's step then, not at TCP's own timeout; the control group
+    # (the headers a follower waits for between steps) waits without end
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=remote.world, timeout=DATA_TIMEOUT)
+    return TensorParallel(rank, remote.world), dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def follow(rank: int, world: int, init: str, device: str, remote: Remote | None = None, model_dir: str = "") -> None:
+    """A follower's life: join, then run every mirrored operation until STOP (or rank 0 is gone).
+    `remote`: a member of a group over several nodes; `model_dir`: its own copy of the model (LOAD names
+    rank 0's)."""
+    tp, control = join_remote(rank, remote, device) if remote is not None else join(rank, world, init, device)
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     channel = Channel(tp, control, dev)
+    remote_dir = model_dir
     shard: Shard | None = None
     pool: KVPool | None = None
     hidden_size = 0
@@ -388,15 +494,20 @@ def follow(rank: int, world: int, init: str, device: str) -> None:
             if op == LOAD:
                 text = bytes(channel.ints(None, h[6]).tolist()).decode()
                 model_dir, quantize = text.split("\0")
+                model_dir = model_dir if not remote_dir else remote_dir
                 shard = Shard.load(model_dir, h[1], h[2], first=bool(h[3]), last=bool(h[4]), device=dev,
                                    dtype=DTYPES[h[5]], quantize=quantize, tp=tp)
                 shard.batch_invariant = bool(h[7])
                 hidden_size, pool = shard.config.hidden_size, None
+                if remote is not None:  # (Leader._settled)
+                    dist.barrier(group=control)
             elif op == POOL:
                 pool = shard.new_pool(h[1], h[2])
                 if h[3]:  # a graph reads masked positions too: none may hold a NaN (a CUDA pool is zeroed already)
                     pool.kv.zero_()
                 shard.graphs = StepGraphs(shard, pool, capture=dev.type == "cuda", warm=False) if h[3] else None
+                if remote is not None:  # (Leader._settled)
+                    dist.barrier(group=control)
             elif op == CAPTURE:
                 if shard.graphs.make(h[1], h[2]) is None:
                     raise RuntimeError(f"the step graph of {h[1]} rows, {h[2]} positions could not be made")
@@ -432,13 +543,17 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--parent", type=int, default=0, help="rank 0's pid: this rank dies with it")
+    ap.add_argument("--members", default="", help="a group over several nodes: their node ids by rank, comma-separated")
+    ap.add_argument("--key", default="", help="a group over several nodes: its key (the plan generation that formed it)")
+    ap.add_argument("--model-dir", default="", help="a group over several nodes: this node's model directory")
     args = ap.parse_args(argv)
     _die_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{args.rank}: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        follow(args.rank, args.world, args.init, args.device)
+        remote = Remote(args.init, args.key, tuple(args.members.split(","))) if args.members else None
+        follow(args.rank, args.world, args.init, args.device, remote, args.model_dir)
     except Exception as exc:  # noqa: BLE001 — rank 0 gone (its broadcast fails) or a broken step: this rank ends
         log.error("tensor-parallel follower %d stops: %s", args.rank, exc)
         sys.exit(1)

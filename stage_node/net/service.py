@@ -73,6 +73,8 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
 
         t0 = time.monotonic()
         eng = await self.runtime.assign(a, stream_key=request.stream_key, admit=admit)
+        if eng is None:  # a member of another node's stage: its follower loads with rank 0's LOAD
+            return stage_pb2.AssignReply(load_seconds=time.monotonic() - t0)
         return stage_pb2.AssignReply(parameter_count=eng.shard.parameter_count,
                                      tied_copy_count=eng.shard.tied_copy_count, load_seconds=time.monotonic() - t0)
 

@@ -40,15 +40,18 @@ def assignment_from_proto(req: stage_pb2.AssignRequest, controller_address: str)
                         ("controller_id", req.controller_id)):
         check_id(what, value, empty_ok=True)
     for what, value in (("next_address", req.next_address), ("first_address", req.first_address),
-                        ("controller_address", controller_address)):
+                        ("controller_address", controller_address), ("tp_init", req.tp_init.removeprefix("tcp://"))):
         check_address(what, value, empty_ok=True)
+    for node in req.tp_members:
+        check_id("tp_members", node)
     return Assignment(
         model_dir=req.model_dir, start=req.start_layer, end=req.end_layer, num_layers=req.num_layers,
         stage_index=req.stage_index, num_stages=req.num_stages, next_address=req.next_address,
         first_address=req.first_address, dtype=req.dtype or "float32", plan_id=req.plan_id,
         model_digest=req.model_digest, generation=req.generation, micro_batches=req.micro_batches,
         weight_format=req.weight_format, wire_dtype=req.wire_dtype, prev_node_id=req.prev_node_id,
-        last_node_id=req.last_node_id, controller_address=controller_address, tp_width=req.tp_width)
+        last_node_id=req.last_node_id, controller_address=controller_address, tp_width=req.tp_width,
+        tp_rank=req.tp_rank, tp_world=req.tp_world, tp_init=req.tp_init, tp_members=tuple(req.tp_members))
 
 
 def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int, opener: Caller = Caller()) -> SeqSpec:
@@ -207,9 +210,9 @@ def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str)
         swapped_in_seqs=st.swapped_in_seqs, swapped_in_blocks=st.swapped_in_blocks,
         swapped_in_bytes=st.swapped_in_bytes, swapped_in_tokens=st.swapped_in_tokens, swap_full=st.swap_full,
         max_step_s=st.max_step_s, decode_steps=st.decode_steps, max_decode_step_s=st.max_decode_step_s,
-        decode_steps_over_bar=st.decode_steps_over_bar, step_bar_s=snap.step_bar_s,
-        mirrored_out_blocks=st.mirrored_out_blocks, mirrored_in_blocks=st.mirrored_in_blocks,
-        mirror_errors=st.mirror_errors)
+        decode_steps_over_bar=st.decode_steps_over_bar, step_bar_s=snap.step_bar_s, tp_port=snap.tp_port,
+        tp_leader=snap.tp_leader, mirrored_out_blocks=st.mirrored_out_blocks,
+        mirrored_in_blocks=st.mirrored_in_blocks, mirror_errors=st.mirror_errors)
     e = snap.engine
     if e is not None:
         reply.model_dir, reply.model_digest, reply.plan_id = e.model_dir, e.model_digest, e.plan_id

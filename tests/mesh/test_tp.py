@@ -88,3 +88,32 @@ def test_a_tensor_parallel_stage_in_a_pipeline(models, tmp_path):
         assert mesh.procs["stage0"].returncode == 75  # the stage left: a member was lost
         assert [s.node_id for s in mesh.controller_status().stages] == ["stage1"]
         assert plan_devices(mesh) == [["stage1"]]
+
+
+def test_a_tensor_parallel_stage_over_two_nodes(models, tmp_path):
+    """Two stage nodes grouped by the controller's --tp-group are one TP-2 stage over gloo on TCP (issue 36),
+    planned beside a third node; greedy tokens equal transformers'; the plan lists the stage's devices as
+    both node ids; the member serves nothing else. The member node killed mid-generation: rank 0's next
+    all-reduce fails, it leaves (status 75), and the request finishes identical on the third node."""
+    with LocalMesh(3, models["llama"], tmp_path / "mesh", threads=1,
+                   controller_args=("--strategy", "uniform", "--settle-s", "0.5", "--tp-group", "stage0,stage1")) as mesh:
+        st = mesh.controller_status()
+        assert [s.node_id for s in st.stages] == ["stage0", "stage2"]
+        assert plan_devices(mesh) == [["stage0", "stage1"], ["stage2"]]
+        member = stage_status(mesh.stage_addresses[1])
+        assert (member.state, member.tp_leader) == ("member", "stage0"), member
+        model = hf_model(models["llama"])
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(lambda p: submit(mesh, p, 0, new=NEW), PROMPTS)) == \
+                [hf_greedy(model, p, NEW) for p in PROMPTS]
+        with ThreadPoolExecutor(1) as pool:
+            streamed: list = []
+            long = pool.submit(submit, mesh, PROMPTS[1], 0, None, LONG, streamed)
+            eventually(lambda: len(streamed) >= 4, 120, "the long generation's first tokens")
+            mesh.kill("stage1")
+            assert long.result() == hf_greedy(model, PROMPTS[1], LONG)
+        deadline = time.monotonic() + 30
+        while mesh.procs["stage0"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mesh.procs["stage0"].returncode == 75  # rank 0 left: its member was lost
+        assert plan_devices(mesh) == [["stage2"]]
