@@ -79,7 +79,12 @@ class StageMembership:
 
     async def leave(self) -> None:
         """SIGTERM: withdraw the mDNS record, then ask the controller to move our sequences away
-        (it answers once they run elsewhere, or at once if we serve no plan)."""
+        (it answers once they run elsewhere, or at once if we serve no plan). First the KV mirrors get
+        what they lack (net.mirror): the sequences replay there from those copies."""
+        try:
+            await self.runtime.mirror.flush()
+        except Exception:  # noqa: BLE001 — a mirror not flushed only costs the replays their speed
+            log.exception("could not send the KV mirrors what they lack before leaving")
         self.runtime.stopping = True
         if self._register_task is not None:
             self._register_task.cancel()

@@ -11,7 +11,9 @@ first block first: the receiver's cache finds a prefix block by block) whose has
 not taken yet, read from the pool between steps (the step lock held: no step writes meanwhile) and
 sent in PutBlocks of at most MESSAGE_BYTES each, ROUND_BYTES a round. A target that answers with another incarnation (it
 restarted, or its pool was replaced) gets everything again. A failed call is counted and skipped:
-a mirror is an optimisation, and a request whose mirror is short replays more.
+a mirror is an optimisation, and a request whose mirror is short replays more. A stage that leaves
+(SIGTERM) first sends its targets everything they lack (`flush`, at most FLUSH_S), then says it
+stops: the controller moves its sequences once their copies are there.
 
 Receiver: PutBlocks carries the controller's mirror key (SetMirror gave every stage it holds the
 same); the blocks must be of this stage's layers, model and block size; each is registered as a
@@ -53,6 +55,7 @@ MAX_BLOCKS = 1024           # blocks of one PutBlocks at most (a receiver refuse
 SENT_CAP = 1 << 16          # hashes remembered per target as taken (the oldest forgotten first)
 PUT_TIMEOUT_S = 10.0
 RETRY_S = 2.0               # a target whose PutBlocks failed is left alone this long
+FLUSH_S = 5.0               # a stage that leaves (SIGTERM) sends what its targets lack for at most this long first
 MAX_KEY_CHARS = 128
 
 
@@ -141,6 +144,26 @@ class KvMirror:
                 if not n:
                     break
                 sent += n
+
+    async def flush(self, within_s: float = FLUSH_S) -> int:
+        """Leaving (SIGTERM): send every target what it lacks now, for at most `within_s`, before the
+        controller moves the sequences away (they replay there from these copies). Returns the KV
+        bytes sent."""
+        rt, sent = self.runtime, 0
+        eng = rt.engine
+        if eng is None or eng.retired or not self.targets or self._why_not(eng):
+            return 0
+        deadline = time.monotonic() + within_s
+        for t in list(self.targets):
+            t.retry_at = 0.0
+            while time.monotonic() < deadline and rt.engine is eng and not eng.retired:
+                n = await self._send(eng, t)
+                if not n:
+                    break
+                sent += n
+        if sent:
+            log.info("sent %.1f MiB of KV blocks to the mirrors before leaving", sent / 2**20)
+        return sent
 
     async def _send(self, eng, t: Target) -> int:
         """One PutBlocks of the blocks `t` lacks; the KV bytes sent (0: none to send, or it failed)."""

@@ -65,6 +65,9 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
             await pipelines._mirror_task
             assert pipelines.mirror_of(pa) is pb and pipelines.mirror_of(pb) is pa
             assert [t.address for t in a1.runtime.mirror.targets] == [b1.address]  # stage by stage
+            async def no_rounds() -> None:
+                return None
+            a1.runtime.mirror.round = no_rounds  # a1's copies come only from its flush, below
             state = MeshState()
             state.set(Phase.READY)
             sched = Scheduler(pipelines, state, SchedulerConfig(TINY_CONTEXT, frozenset(), TINY_VOCAB, speculate=0))
@@ -75,9 +78,12 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                         tokens.append(u.token_id)
                         if len(tokens) == MOVE_AT:
                             assert sched.opened[handle.request.session_id] is pa
-                            # B's stages hold the request's first 3 blocks (positions [0, 48)) ...
-                            await until(lambda: min(b0.runtime.stats.mirrored_in_blocks,
-                                                    b1.runtime.stats.mirrored_in_blocks) >= 3, what="B taking A's blocks")
+                            # B's stages hold the request's first 3 blocks (positions [0, 48)): b0 by the
+                            # rounds, b1 by a flush (what a stage that leaves on SIGTERM does first) ...
+                            await until(lambda: b0.runtime.stats.mirrored_in_blocks >= 3, what="b0 taking a0's blocks")
+                            assert b1.runtime.stats.mirrored_in_blocks == 0
+                            assert await a1.runtime.mirror.flush() > 0
+                            assert b1.runtime.stats.mirrored_in_blocks >= 3
                             pa.retired = True  # ... when a re-plan moves it off A
                             sessions = sched.detach([pa])
                             await pa.close_session_many(sessions, pa.stages)
