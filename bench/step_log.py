@@ -147,3 +147,29 @@ def install() -> None:
     os.makedirs(_dir, exist_ok=True)
     gc.callbacks.append(_gc_cb)
     step_trace.add_patches(PATCHES)
+
+
+def summary(folder: str, bar_s: float = 0.1, top: int = 30) -> None:
+    """Print the steps of DIR/steps-*.jsonl that held a decode row: how many went over the bar, and the
+    `top` longest with what else happened in them."""
+    recs = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("steps-") and name.endswith(".jsonl"):
+            with open(os.path.join(folder, name)) as f:
+                recs += [json.loads(x) for x in f if x.strip()]
+    dec = [r for r in recs if any(s[2] for s in r["seqs"])]
+    over = [r for r in dec if r["s"] > bar_s]
+    print(f"{len(recs)} steps, {len(dec)} with a decode row, {len(over)} over {bar_s * 1e3:.0f} ms")
+    for label, xs in (("over the bar", over), ("the rest", [r for r in dec if r["s"] <= bar_s])):
+        if xs:
+            mean = {k: sum(r[k] for r in xs) / len(xs) for k in ("s", "pred", "ex", "fwd", "smp", "gpu")}
+            print(label, {k: round(v * 1e3, 1) for k, v in mean.items()},
+                  "gc ms", round(sum(r["gc"][1] for r in xs) / len(xs), 2),
+                  "mallocs", round(sum(r["mallocs"] for r in xs) / len(xs), 2),
+                  "compiles", sum(r["compiles"][0] for r in xs))
+    for r in sorted(dec, key=lambda r: -r["s"])[:top]:
+        print(json.dumps({k: r[k] for k in r if k != "coef"}))
+
+
+if __name__ == "__main__":
+    summary(sys.argv[1], *(float(x) for x in sys.argv[2:3]))
