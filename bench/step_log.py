@@ -172,4 +172,4 @@ def summary(folder: str, bar_s: float = 0.1, top: int = 30) -> None:
 
 
 if __name__ == "__main__":
-    summary(sys.argv[1], *(float(x) for x in sys.argv[2:3]))
+    summary(sys.argv[1], *(float(x) for x in sys.argv[2:3]), *(int(x) for x in sys.argv[3:4]))
