@@ -59,7 +59,8 @@ def _mem() -> tuple[int, float]:
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0, 0.0
     st = torch.cuda.memory_stats()
-    return int(st.get("num_device_alloc", st.get("segment.all.allocated", 0))), st.get("reserved_bytes.all.current", 0) / 2**20
+    mallocs = st.get("num_device_alloc", st.get("segment.all.allocated", 0))
+    return int(mallocs), st.get("reserved_bytes.all.current", 0) / 2**20
 
 
 def _runner(m) -> None:
