@@ -119,3 +119,21 @@ def test_a_long_prompts_attention_goes_in_launches_of_enough_rows():
     share = int(small * invariant.ATTN_WORKSPACE_SHARE)
     assert invariant.part_rows(per_row(131_072), 32, small) == share // per_row(131_072)
     assert invariant.part_rows(per_row(131_072), 32, 2**30) == 1  # ... at least one row
+
+
+def test_a_launchs_partials_share_one_allocation_of_a_size_that_does_not_creep():
+    """Max, sum and output of a launch's splits in one float32 allocation, apart and each on 64 bytes;
+    an eager step's rounded up to a power of two (its chunks' splits grow a little every step)."""
+    for rows, heads, chunks, D, bucket in [(16, 32, 1000, 128, True), (3, 9, 7, 64, True), (1, 32, 33, 128, False)]:
+        m, l, acc = invariant.partials(rows, heads, chunks, D, "cpu", bucket=bucket)
+        assert m.shape == l.shape == (rows, heads, chunks) and acc.shape == (rows, heads, chunks, D)
+        assert m.is_contiguous() and l.is_contiguous() and acc.is_contiguous() and m.dtype == torch.float32
+        spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (m, l, acc))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+        assert all(t.data_ptr() % 64 == acc.data_ptr() % 64 for t in (m, l))
+        size = m.untyped_storage().nbytes() // 4
+        assert size >= rows * heads * chunks * (D + 2)
+        assert not bucket or size & (size - 1) == 0
+    a = invariant.partials(16, 32, 1000, 128, "cpu", bucket=True)[2].untyped_storage().nbytes()
+    b = invariant.partials(16, 32, 1007, 128, "cpu", bucket=True)[2].untyped_storage().nbytes()
+    assert a == b  # the next step's few more splits: the same size, the block reused
