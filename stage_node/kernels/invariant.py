@@ -433,7 +433,7 @@ def partials(rows: int, heads: int, chunks: int, D: int, device, *, bucket: bool
     chunks] and output [rows, heads, chunks, D], float32, in one allocation. `bucket` (an eager step):
     its size rounded up to a power of two. A long prompt's chunks need a few more splits every step;
     allocations of a size a little larger each time were each a new block of the caching allocator,
-    the old ones kept (128,000 tokens on an H200: 123 GB reserved in 300 steps); by powers of two,
+    the old ones kept (128,000 tokens on an H200: 120 GiB more reserved over 300 steps); by powers of two,
     those kept hold less than the newest."""
     n = rows * heads * chunks
     pad = -(-n // 16) * 16  # each part on 64 bytes
