@@ -299,11 +299,14 @@ PATCHES = {
 }
 
 
+EXTRA: dict[str, list] = defaultdict(list)  # more patches by module (add_patches: bench.step_log's)
+
+
 class _Hook(importlib.abc.MetaPathFinder):
-    """Patches a module of PATCHES right after it is executed."""
+    """Patches a module of PATCHES (and EXTRA) right after it is executed."""
 
     def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
+        if name not in PATCHES and name not in EXTRA:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -313,22 +316,36 @@ class _Hook(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        loader, patch = spec.loader, PATCHES[name]
+        loader = spec.loader
+        patches = ([PATCHES[name]] if name in PATCHES and _dir else []) + EXTRA.get(name, [])
         orig = loader.exec_module
 
         def exec_module(module):
             orig(module)
-            try:
-                patch(module)
-            except Exception as exc:  # noqa: BLE001 — a trace that fails must not change the run
-                print(f"step trace: patching {name} failed: {exc}", file=sys.stderr)
+            for patch in patches:
+                try:
+                    patch(module)
+                except Exception as exc:  # noqa: BLE001 — a trace that fails must not change the run
+                    print(f"step trace: patching {name} failed: {exc}", file=sys.stderr)
 
         loader.exec_module = exec_module
         return spec
+
+
+def _insert_hook() -> None:
+    if not any(isinstance(f, _Hook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Hook())
 
 
 def install() -> None:
     if not _dir:
         return
     os.makedirs(_dir, exist_ok=True)
-    sys.meta_path.insert(0, _Hook())
+    _insert_hook()
+
+
+def add_patches(patches: dict) -> None:
+    """Patch these modules too (name -> fn(module)) once imported, with or without LOGICPIPE_STEP_TRACE."""
+    for name, fn in patches.items():
+        EXTRA[name].append(fn)
+    _insert_hook()

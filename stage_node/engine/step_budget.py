@@ -34,7 +34,9 @@ FLOPS = {"cpu": 5e10, "cuda": 2e14}        # the prior FLOP rate before any step
 BYTES = {"cpu": 5e9, "cuda": 1e12}         # ... and the rate keys are gathered at, bytes/s
 FIT_STEPS = 64           # the measured steps the fit keeps (the newest)
 PRIOR_WEIGHT = 2.0       # the prior counts as this many steps in the fit
-REFIT_EVERY = 8          # once FIT_STEPS are measured, the model is fitted again every this many steps
+REFIT_EVERY = 8          # once FIT_STEPS are measured, the model is fitted again every this many steps,
+SURPRISE = 1.15          # ... and at once after a step that took this many times what the model said
+                         # (a cost that jumps: the next chunks are sized by the step that showed it)
 MIN_OBSERVED_S = 0.002   # steps shorter than this say more about noise than about rows and positions
 
 
@@ -96,9 +98,10 @@ class StepClock:
         """A step of this stage took `seconds`: the model is fitted again."""
         if rows <= 0 or seconds < MIN_OBSERVED_S:
             return
+        surprise = seconds > SURPRISE * self.seconds(rows, positions, held)
         self.steps.append((float(rows), float(positions), float(held), seconds))
         self.observed += 1
-        if self.observed <= FIT_STEPS or self.observed % REFIT_EVERY == 0:  # a fit costs ~0.2 ms of Python
+        if self.observed <= FIT_STEPS or self.observed % REFIT_EVERY == 0 or surprise:  # a fit: ~0.2 ms of Python
             self.coef = self._fit()
 
     def _fit(self) -> tuple[float, float, float, float]:

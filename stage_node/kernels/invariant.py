@@ -337,7 +337,15 @@ ATTN_BLOCK_N = 64
 # layer for one row at 200 positions, the GPU mostly idle)
 ATTN_CHUNK = 64
 ATTN_MERGE_CHUNKS = 16  # splits the merge reads at a time
-ATTN_WORKSPACE = 64 * 2**20  # bytes of partial results per launch at most (a long prompt goes in parts)
+ATTN_WORKSPACE = 64 * 2**20  # bytes of partial results a launch may always take (a long prompt goes in parts)
+# (row, head)s a launch merges at least, where ATTN_WORKSPACE_SHARE allows: the merge is one program a
+# (row, head), walking its splits in order, bound by latency, not bytes, so its time hardly grows with
+# the programs up to a few per SM. Parts of ATTN_WORKSPACE alone held fewer rows as the context grew
+# (8B shape: 12 rows to 32k positions, 8 to 64.5k, 4 past it), and each such step made a prompt row's
+# attention dearer at once (an H200 at 64.5k: 2.9 -> 4.5 ns an attended position), which put a stretch
+# of steps over the step-time bar (docs/benchmarks.md, long context)
+ATTN_MERGE_PROGRAMS = 512
+ATTN_WORKSPACE_SHARE = 1 / 32  # ... and the partials of a launch take at most this share of the device's memory
 
 
 def tile_rows(group: int) -> int:
@@ -376,21 +384,15 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
     assert q.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and slots.stride(1) == 1
     per_row = heads * chunks * (D + 2) * 4
     n = tiles.shape[1]
-    if tiles_at is None or T * per_row <= ATTN_WORKSPACE:
+    if tiles_at is None:
         parts = [(0, n)]
-    else:  # tiles in groups of at most ATTN_WORKSPACE bytes of partials (at least one tile a group)
-        cap_rows, parts, a = max(1, ATTN_WORKSPACE // per_row), [], 0
-        for b in range(1, n + 1):
-            if b == n or tiles_at[b] - tiles_at[a] > cap_rows:
-                parts.append((a, b))
-                a = b
+    else:
+        parts = attn_parts(tiles_at, T, part_rows(per_row, heads, _device_bytes(q.device)))
     for a, b in parts:
         sub = tiles if (a, b) == (0, n) else tiles[:, a:b].contiguous()
         first = 0 if a == 0 else tiles_at[a]
         rows = (T if b == n else tiles_at[b]) - first
-        m_ws = torch.empty(rows, heads, chunks, dtype=torch.float32, device=q.device)
-        l_ws = torch.empty_like(m_ws)
-        acc_ws = torch.empty(rows, heads, chunks, D, dtype=torch.float32, device=q.device)
+        m_ws, l_ws, acc_ws = partials(rows, heads, chunks, D, q.device, bucket=tiles_at is not None)
         part_kernel[(b - a, kvh, chunks)](
             q, k_pool, v_pool, m_ws, l_ws, acc_ws, slots, positions, sub, b - a, first, q.stride(0), q.stride(1),
             k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), slots.stride(0), window or 0,
@@ -403,6 +405,48 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
                                     D=D, HD=hd, HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS,
                                     HAS_SINK=sinks is not None, num_warps=2)
     return out.view(T, heads * hd)
+
+
+def part_rows(per_row: int, heads: int, device_bytes: int) -> int:
+    """Rows of partial results one attention launch holds at most, each `per_row` bytes: what
+    ATTN_WORKSPACE holds, or where that is fewer, up to ATTN_MERGE_PROGRAMS (row, head)s as far as
+    ATTN_WORKSPACE_SHARE of the device's `device_bytes` holds them; at least 1."""
+    floor = min(-(-ATTN_MERGE_PROGRAMS // heads), int(device_bytes * ATTN_WORKSPACE_SHARE) // per_row)
+    return max(1, ATTN_WORKSPACE // per_row, floor)
+
+
+def attn_parts(tiles_at: list[int], rows: int, cap_rows: int) -> list[tuple[int, int]]:
+    """The launches of a step's attention: consecutive tiles [a, b) (tiles_at: each tile's first row,
+    `rows` in all) of at most `cap_rows` rows, at least one tile each."""
+    n = len(tiles_at)
+    ends = [*tiles_at[1:], rows]  # each tile's end
+    parts, a = [], 0
+    for b in range(1, n + 1):
+        if b == n or ends[b] - tiles_at[a] > cap_rows:
+            parts.append((a, b))
+            a = b
+    return parts
+
+
+def partials(rows: int, heads: int, chunks: int, D: int, device, *, bucket: bool = False):
+    """One launch's partial results: each (row, head, split)'s running max and sum [rows, heads,
+    chunks] and output [rows, heads, chunks, D], float32, in one allocation. `bucket` (an eager step):
+    its size rounded up to a power of two. A long prompt's chunks need a few more splits every step;
+    allocations of a size a little larger each time were each a new block of the caching allocator,
+    the old ones kept (128,000 tokens on an H200: 120 GiB more reserved over 300 steps); by powers of two,
+    those kept hold less than the newest."""
+    n = rows * heads * chunks
+    pad = -(-n // 16) * 16  # each part on 64 bytes
+    need = pad * (D + 2)
+    buf = torch.empty(1 << (need - 1).bit_length() if bucket else need, dtype=torch.float32, device=device)
+    acc = buf[: n * D].view(rows, heads, chunks, D)
+    m = buf[pad * D: pad * D + n].view(rows, heads, chunks)
+    return m, buf[pad * (D + 1): pad * (D + 1) + n].view(rows, heads, chunks), acc
+
+
+@functools.cache
+def _device_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
 
 
 def seq_tiles(counts: list[int], group: int) -> list[tuple[int, int, int]]:

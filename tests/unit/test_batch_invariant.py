@@ -94,3 +94,46 @@ def test_the_sum_over_k_does_not_follow_the_row_count(n, k):
         assert all(256 % c[2] == 0 for c in configs)
         assert mm_config(n, k, dtype, 1)[0] == 16  # decode rows: the skinny tile
     assert len({mm_config(n, k, torch.float32, m) for m in (1, 8, 33, 512)}) == 1  # float32: one tile
+
+
+def test_a_long_prompts_attention_goes_in_launches_of_enough_rows():
+    """A step's attention goes in launches (parts) of whole tiles, in order, each at most part_rows
+    rows (one tile where a tile is more); part_rows keeps ATTN_MERGE_PROGRAMS (row, head)s a launch
+    while the device's share allows, whatever the context (the 8B shape: 32 heads, 4-row tiles)."""
+    tiles = seq_tiles([1, 450], 4)
+    tiles_at = [t[0] for t in tiles]
+    for cap in (1, 3, 4, 8, 16, 100, 1000):
+        parts = invariant.attn_parts(tiles_at, 451, cap)
+        assert [a for a, _ in parts] == [0, *[b for _, b in parts[:-1]]] and parts[-1][1] == len(tiles)
+        for a, b in parts:
+            rows = (tiles_at[b] if b < len(tiles) else 451) - tiles_at[a]
+            assert rows <= cap or b == a + 1
+    per_row = lambda context: 32 * -(-context // 64) * 130 * 4  # noqa: E731 — bytes of partials a row
+    h200 = 139 * 2**30
+    floor = -(-invariant.ATTN_MERGE_PROGRAMS // 32)
+    for context in (1000, 16_000, 32_300, 64_600, 131_072):
+        rows = invariant.part_rows(per_row(context), 32, h200)
+        assert rows >= floor and rows >= invariant.ATTN_WORKSPACE // per_row(context)
+    assert invariant.part_rows(per_row(131_072), 32, h200) == floor  # the workspace then: 16 rows, 533 MB
+    small = 4 * 2**30  # a device whose share cannot hold the floor: what the share holds (3 rows here)
+    share = int(small * invariant.ATTN_WORKSPACE_SHARE)
+    assert invariant.part_rows(per_row(131_072), 32, small) == share // per_row(131_072)
+    assert invariant.part_rows(per_row(131_072), 32, 2**30) == 1  # ... at least one row
+
+
+def test_a_launchs_partials_share_one_allocation_of_a_size_that_does_not_creep():
+    """Max, sum and output of a launch's splits in one float32 allocation, apart and each on 64 bytes;
+    an eager step's rounded up to a power of two (its chunks' splits grow a little every step)."""
+    for rows, heads, chunks, D, bucket in [(16, 32, 1000, 128, True), (3, 9, 7, 64, True), (1, 32, 33, 128, False)]:
+        m, l, acc = invariant.partials(rows, heads, chunks, D, "cpu", bucket=bucket)
+        assert m.shape == l.shape == (rows, heads, chunks) and acc.shape == (rows, heads, chunks, D)
+        assert m.is_contiguous() and l.is_contiguous() and acc.is_contiguous() and m.dtype == torch.float32
+        spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (m, l, acc))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+        assert all(t.data_ptr() % 64 == acc.data_ptr() % 64 for t in (m, l))
+        size = m.untyped_storage().nbytes() // 4
+        assert size >= rows * heads * chunks * (D + 2)
+        assert not bucket or size & (size - 1) == 0
+    a = invariant.partials(16, 32, 1000, 128, "cpu", bucket=True)[2].untyped_storage().nbytes()
+    b = invariant.partials(16, 32, 1007, 128, "cpu", bucket=True)[2].untyped_storage().nbytes()
+    assert a == b  # the next step's few more splits: the same size, the block reused

@@ -7,7 +7,7 @@ from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.engine.scheduler import Budget, Scheduler
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
-from logicpipe.stage_node.engine.step_budget import MIN_CHUNK, StepClock, attended, shape_of
+from logicpipe.stage_node.engine.step_budget import FIT_STEPS, MIN_CHUNK, REFIT_EVERY, StepClock, attended, shape_of
 
 # a CPU stage of 3 SmolLM2-135M-shaped layers (576 wide, 9 heads of 64, 3 KV heads), float32 KV
 SHAPE = shape_of(params=3 * 3_540_000, attention_layers=3, num_heads=9, head_dim=64, kv_bytes=3 * 2 * 3 * 64 * 4)
@@ -115,3 +115,23 @@ def test_rows_that_read_the_pool_in_place_cost_no_gather():
     assert gathering.held(30_000, 1) == 30_001
     # beside a decode row at 30k: the in-place model leaves the chunk more of the bar
     assert clock.chunk(1, 30_001, 0, 10_000, 511) > gathering.chunk(1, 30_001, 30_001, 10_000, 511)
+
+
+def test_a_step_well_over_the_model_refits_it_at_once():
+    """A cost that jumps (a kernel that goes in smaller launches past some context): the step that
+    shows it is fitted at once, not REFIT_EVERY steps later, so the next chunk is already smaller."""
+    clock = StepClock(SHAPE, "cpu", bar_s=0.1)
+    took = lambda r, a, jump=1.0: 0.003 + r * 2e-4 + a * 3e-8 * jump  # noqa: E731
+    start = 0
+    for _ in range(FIT_STEPS + 3):  # past the first FIT_STEPS, where every step refits
+        n = clock.chunk(1, 100, 0, start, 512)
+        a = attended(start, n)
+        clock.observe(n + 1, a + 100, 0, took(n + 1, a + 100))
+        start += n
+    assert clock.observed % REFIT_EVERY, "the next step must not be a periodic refit"
+    before = clock.coef
+    n = clock.chunk(1, 100, 0, start, 512)
+    a = attended(start, n)
+    clock.observe(n + 1, a + 100, 0, took(n + 1, a + 100, jump=1.6))
+    assert clock.coef != before
+    assert clock.chunk(1, 100, 0, start + n, 512) < n
