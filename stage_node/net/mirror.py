@@ -93,7 +93,6 @@ class KvMirror:
         self.targets: list[Target] = []
         self.key = ""
         self.process = uuid.uuid4().hex[:12]
-        self._refused = ""  # why this stage's KV cannot be mirrored (logged once)
 
     # ---- the controller's word (SetMirror) -------------------------------------------------------
     def set(self, targets: list[str], key: str, generation: int) -> int:
@@ -119,7 +118,8 @@ class KvMirror:
                                tensor_parallel=self.runtime.options.tp is not None)
 
     def incarnation(self, eng) -> str:
-        return f"{self.process}-{id(eng.kv):x}"
+        """Names the prefix cache the blocks went into: another after a restart or a new pool."""
+        return f"{self.process}-{eng.assignment.generation}-{id(eng.kv):x}"
 
     # ---- sender ----------------------------------------------------------------------------------
     async def run(self) -> None:
