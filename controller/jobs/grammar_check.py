@@ -196,12 +196,20 @@ def emptiness(ebnf: str, root: str = "root") -> str:
     return ""
 
 
+CIRCULAR = "Circular $ref chain"  # what newer grammar libraries say of a schema that only refers to itself
+
+
 @functools.lru_cache(maxsize=CACHED_VERDICTS)
 def check_schema(text: str) -> str:
     """`text` (JSON_OBJECT or a JSON schema's text) when a client may ask for it, else ValueError
     saying why: the grammar library refuses it, or its grammar admits no JSON value. Milliseconds
     for a typical schema: call it off the event loop."""
-    check_grammar(text)
+    try:
+        check_grammar(text)
+    except ValueError as exc:
+        if CIRCULAR in str(exc):  # (xgrammar >= 0.2.9 finds a self-referring chain itself)
+            raise ValueError(f"the JSON schema can never be satisfied: a $ref chain that never ends ({exc})") from exc
+        raise
     if text == JSON_OBJECT:
         return text
     import xgrammar as xgr

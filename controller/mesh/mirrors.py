@@ -32,7 +32,7 @@ def numerics(p: Pipeline) -> tuple | None:
     out = []
     for h in p.stages:
         st = getattr(h, "status", None)  # (None: not probed yet)
-        if st is None or not st.model_digest:
+        if not isinstance(st, stage_pb2.StatusReply) or not st.model_digest:
             return None
         prof = st.profile
         out.append((h.start, h.end, st.model_digest, st.device.split(":")[0], prof.device_name, prof.kv_format,
