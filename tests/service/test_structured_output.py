@@ -125,9 +125,8 @@ def test_a_grammar_that_dead_ends_on_a_stage_ends_its_request_as_invalid_argumen
     import grpc
 
     from logicpipe.controller.jobs import rules
-    from logicpipe.sampling import check_grammar
 
-    monkeypatch.setattr(rules, "check_schema", check_grammar)  # only the library's check: {"$ref": "#"} passes it
+    monkeypatch.setattr(rules, "check_schema", lambda text: text)  # no check at the door: it reaches the stage
 
     async def go():
         replays = api.ctl.app.scheduler.stats.replays
@@ -137,7 +136,9 @@ def test_a_grammar_that_dead_ends_on_a_stage_ends_its_request_as_invalid_argumen
             async for _ in call:
                 pass
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-        assert "json_schema: its grammar allows no token" in info.value.details()
+        # the stage's matcher allows no first token, or (xgrammar >= 0.2.9) its compiler refuses the schema
+        assert "json_schema: its grammar allows no token" in info.value.details() or \
+            "Circular $ref chain" in info.value.details(), info.value.details()
         assert api.ctl.app.scheduler.stats.replays == replays
         replies = [x async for x in api.ctl.stub.Submit(controller_pb2.SubmitRequest(
             prompt="Is water wet? Answer as JSON.", max_tokens=16, json_schema=json.dumps(SCHEMA)),
