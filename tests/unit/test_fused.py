@@ -94,13 +94,13 @@ def test_silu_mul(interpret, dtype):
 
 @pytest.mark.parametrize("window, sinks", [(None, False), (40, True)])  # (a window alone: within the second)
 def test_attention_over_several_splits(interpret, window, sinks):
-    """stage_node.invariant.attention over 130 positions (three splits of ATTN_CHUNK, merged CB at a
-    time; the window skips the last rows' first split) against softmax attention in float64; a row's
-    bits the same alone in a tile with its sequence's slot table and with a longer one (a graph's:
-    splits past its own are not read), and as the first row of a prompt's tile; with `sinks` (gpt-oss),
-    a logit per head that joins every row's softmax once, whatever the splits. (Rows further down a prompt's tile are checked on the GPU,
-    bench/gpu_invariance.py: the interpreter's numpy products give rows of one tile other bits by
-    their place in it.)"""
+    """stage_node.invariant.attention over 130 positions (three splits of ATTN_CHUNK, merged CB at a time; the
+    window skips the last rows' first split) against softmax attention in float64; a row's bits the same
+    alone in a tile with its sequence's slot table and with a longer one (a graph's: splits past its own are
+    not read), and as the first row of a prompt's tile; with `sinks` (gpt-oss), a logit per head that joins
+    every row's softmax once, whatever the splits. (Rows further down a prompt's tile are checked on the
+    GPU, bench/gpu_invariance.py: the interpreter's numpy products give rows of one tile other bits by their
+    place in it.)"""
     from logicpipe.stage_node.kernels import invariant
 
     g = torch.Generator().manual_seed(0)
