@@ -10,7 +10,7 @@ On exit (also after a failure) every process it started gets SIGTERM, then SIGKI
 period, by process group. Processes run as users run them: no environment tweaks beyond
 unbuffered output (in particular no OMP_WAIT_POLICY, which doubles a CPU step). In the suite
 ($LOGICPIPE_TEST_ZYGOTE=1) they are forked from tests.zygote, which has their imports done: the same
-command line and environment, seconds sooner.
+command line and environment (and network namespace: tests.netns), seconds sooner.
 """
 from __future__ import annotations
 
@@ -132,10 +132,12 @@ class LocalMesh:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env, **(env or {}))
-        zygote = Zygote.get() if os.environ.get("LOGICPIPE_TEST_ZYGOTE") == "1" and not prefix and args[0] == "-m" \
-            else None
+        # a prefix the zygote can stand in for: none, or `ip netns exec NS` (tests.netns; the child joins NS)
+        netns = prefix[3] if len(prefix) == 4 and tuple(prefix[:3]) == ("ip", "netns", "exec") else None
+        zygote = Zygote.get() if os.environ.get("LOGICPIPE_TEST_ZYGOTE") == "1" and (not prefix or netns) \
+            and args[0] == "-m" else None
         if zygote is not None:  # the suite: forked from a process that has the imports done (tests.zygote)
-            proc = zygote.spawn(args[1], args[2:], env, log)
+            proc = zygote.spawn(args[1], args[2:], env, log, netns=netns)
             self.procs[name] = proc
             return proc, log
         with open(log, "ab") as out:

@@ -5,8 +5,10 @@ command line would be (a session of its own, its environment, its output to its 
 as __main__), minus the imports. The suite starts about a hundred such processes.
 
 Protocol, one JSON line each way on stdin / stdout:
-    -> {"module": ..., "args": [...], "env": {...}, "log": PATH, "cwd": DIR}
+    -> {"module": ..., "args": [...], "env": {...}, "log": PATH, "cwd": DIR, "netns": NAME or null}
     <- {"pid": PID}                      (the child has its own session by then: killpg reaches it)
+With "netns" the child joins that network namespace (/var/run/netns/NAME, tests.netns) first, as
+`ip netns exec NAME` would run the command line: the split-brain test's controllers.
 The zygote reaps its children and writes each one's exit status (Popen's returncode: -N for signal
 N) to STATUS_DIR/PID, which `ZygoteProc` reads. It exits when its stdin closes.
 
@@ -16,6 +18,8 @@ the imports have started one, the zygote says so and LocalMesh starts processes 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import ctypes.util
 import json
 import os
 import random
@@ -40,6 +44,21 @@ WARM = ("transformers.models.auto.configuration_auto", "transformers.modeling_ro
         "transformers.models.auto.tokenization_auto")
 
 
+CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type (os.setns and os.CLONE_NEWNET come with Python 3.12)
+
+
+def join_netns(name: str) -> None:
+    """Move this (single-threaded) process into network namespace `name`, as `ip netns exec` does."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _child(request: dict, ready_w: int) -> None:
     """In the forked child: become the command line, run it, never return."""
     code = 1
@@ -54,6 +73,8 @@ def _child(request: dict, ready_w: int) -> None:
         os.dup2(log, 2)
         os.close(log)
         os.close(null)
+        if request.get("netns"):  # (a failure is in the log, which LocalMesh shows when the process ends)
+            join_netns(request["netns"])
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(request["cwd"])
@@ -179,10 +200,11 @@ class Zygote:
                 cls._failed = True
         return cls._one
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str], log: Path) -> ZygoteProc:
+    def spawn(self, module: str, args: list[str], env: dict[str, str], log: Path, netns: str | None = None) -> ZygoteProc:
+        """`python -m module args...` forked, in network namespace `netns` if given (tests.netns)."""
         with self.lock:
-            self.proc.stdin.write((json.dumps({"module": module, "args": list(args), "env": env,
-                                               "log": str(log), "cwd": os.getcwd()}) + "\n").encode())
+            self.proc.stdin.write((json.dumps({"module": module, "args": list(args), "env": env, "log": str(log),
+                                               "cwd": os.getcwd(), "netns": netns}) + "\n").encode())
             self.proc.stdin.flush()
             pid = json.loads(self.proc.stdout.readline())["pid"]
         return ZygoteProc(pid, [sys.executable, "-m", module, *args], self.status_dir / str(pid))

@@ -241,19 +241,21 @@ def test_a_request_larger_than_a_stage_pool_is_resource_exhausted_at_once(runner
     arun(runner, main())
 
 
-def test_a_preempted_request_is_replayed_to_the_same_tokens(runner, model_dir):
+def test_a_preempted_request_is_replayed_to_the_same_tokens(runner, chat_model):
     """Two requests whose sequences cannot both grow in the last stage's pool: it preempts the
     younger, whose owner (the controller) replays it once there is room; both give exactly what
     they give alone, and the stream of the preempted one never notices. The stages have swap space
     (--swap-mib): the preempted sequence's KV waits there (the last stage's as it preempts, the first
     stage's as the controller closes it) and comes back for the replay instead of being computed."""
-    block_bytes = 16 * 15 * 3 * 64 * 2 * 4  # 16 positions of the 15 layers a stage holds, fp32 K and V
+    # the small model (its tokens cost ms, the default model's 270 tokens here took ~35 s): 16 positions of the
+    # 3 layers a stage holds, 2 KV heads of 64, fp32 K and V
+    block_bytes = 16 * 3 * 2 * 64 * 2 * 4
     prompts = ["Tell me about the history of bread, from the first farmers to modern bakeries.",
                "Tell me about the history of maps, from clay tablets to satellites."]
 
     async def main():
         swap = dict(swap_bytes=8 * 2**20)
-        async with mesh_of_two(model_dir, "tight", swap, max_kv_bytes=14 * block_bytes, **swap) as m:
+        async with mesh_of_two(chat_model, "tight", swap, max_kv_bytes=14 * block_bytes, **swap) as m:
             alone = [[t for r in await submit(m.ctl, prompt=p, max_tokens=90, ignore_eos=True) for t in r.token_ids]
                      for p in prompts]
             before = (await m.last.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)).preempted
