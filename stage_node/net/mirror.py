@@ -40,6 +40,7 @@ import torch
 
 from logicpipe import tensor_codec
 from logicpipe.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from logicpipe.formats import FLOAT_DTYPES
 from logicpipe.stage_node.engine import handoff
 from logicpipe.stage_node.engine.blocks import HOLE
 from logicpipe.tensor_codec import RawTensor
@@ -68,7 +69,8 @@ class Target:
 
 
 def block_slots(block_ids, block_size: int) -> torch.Tensor:
-    return torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in block_ids])
+    """Pool slots of whole blocks, in order (handoff.slots over the blocks as one table)."""
+    return handoff.slots(block_ids, block_size, 0, len(block_ids) * block_size)
 
 
 def read_blocks(pool, block_ids, block_size: int) -> RawTensor:
@@ -138,12 +140,8 @@ class KvMirror:
         if eng is None or eng.retired or not self.targets or self._why_not(eng):
             return
         for t in list(self.targets):
-            sent = 0
-            while sent < ROUND_BYTES and t.retry_at <= time.monotonic() and rt.engine is eng and not eng.retired:
-                n = await self._send(eng, t)
-                if not n:
-                    break
-                sent += n
+            if t.retry_at <= time.monotonic():
+                await self._catch_up(eng, t, ROUND_BYTES, float("inf"))
 
     async def flush(self, within_s: float = FLUSH_S) -> int:
         """Leaving (SIGTERM): send every target what it lacks now, for at most `within_s`, before the
@@ -155,14 +153,20 @@ class KvMirror:
             return 0
         deadline = time.monotonic() + within_s
         for t in list(self.targets):
-            t.retry_at = 0.0
-            while time.monotonic() < deadline and rt.engine is eng and not eng.retired:
-                n = await self._send(eng, t)
-                if not n:
-                    break
-                sent += n
+            sent += await self._catch_up(eng, t, float("inf"), deadline)
         if sent:
             log.info("sent %.1f MiB of KV blocks to the mirrors before leaving", sent / 2**20)
+        return sent
+
+    async def _catch_up(self, eng, t: Target, most_bytes: float, deadline: float) -> int:
+        """PutBlocks to `t` until it lacks nothing, a call fails, `most_bytes` went or `deadline`
+        passed; the KV bytes sent."""
+        sent = 0
+        while sent < most_bytes and time.monotonic() < deadline and self.runtime.engine is eng and not eng.retired:
+            n = await self._send(eng, t)
+            if not n:
+                break
+            sent += n
         return sent
 
     async def _send(self, eng, t: Target) -> int:
@@ -247,7 +251,7 @@ class KvMirror:
         if not 1 <= n <= MAX_BLOCKS:
             raise InvalidArgument(f"blocks: {n} blocks, give 1 to {MAX_BLOCKS}")
         try:
-            kv = tensor_codec.check(req.kv, rank=4, dtypes=("float32", "float16", "bfloat16"))
+            kv = tensor_codec.check(req.kv, rank=4, dtypes=FLOAT_DTYPES)
         except tensor_codec.TensorError as exc:
             raise InvalidArgument(f"kv: {exc}") from exc
         pool = eng.pool
