@@ -5,8 +5,8 @@
 Parts (`--part`, comma list; default check,decode,matrices,agreement):
   * check: each matrix of layer 0 of the 8B-shaped model (and the int8 LM head) in int4 and int8,
     256 rows against a float32 product with the dequantized matrix, and a row's bits at any place
-    among 1 to 256 rows (decode tiles up to 32 rows, prompt tiles past that: the kernels' batch
-    invariance, which Triton's interpreter cannot check, see tests/unit/test_gpu_quant.py);
+    among 1 to 256 rows (the one-row kernel up to gpu_quant.GEMV_ROWS rows, 16- to 128-row tiles past
+    that: the kernels' batch invariance on the GPU's own instructions);
   * decode: one stream of the 8B-shaped layer set (bench.gpu_engine's model, `--layers`, default 8,
     with the final norm and the LM head: int8 beside int4 and int8 layers, as a stage holds it) in
     bf16, int4 and int8: the one-row step at `--context` positions as a CUDA-graph replay (the
@@ -14,7 +14,7 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     ms a token, tok/s, the weight bytes a token reads and their HBM limit (bytes over the GPU's peak:
     a table by name, H100 SXM 3.35 TB/s, else `--hbm-tbps`, else a large copy's rate), the graph
     against the eager step (same bits), the output against bf16's;
-  * matrices: each matrix's one-row (and 8-row) product alone, 20 calls in one CUDA graph, GB/s of
+  * matrices: each matrix's one-row (and 8- and 256-row) product alone, 20 calls in one CUDA graph, GB/s of
     its bytes: bf16 by invariant.mm against int4 and int8;
   * agreement: greedy decoding of a small random Llama (bench.gpu_engine's SMALL shape, `AGREE`, or
     `--model DIR`, e.g. the default model's safetensors directory) in int4 and int8 against bf16:
@@ -22,8 +22,9 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     and the tokens equal before the first difference decoding freely, over `--prompts` prompts x
     `--tokens` tokens; float32 beside them, for scale (a random model's top logits are close, and
     its layers amplify rounding: a real model's figure needs `--model`);
-  * sweep: the decode tile (BLOCK_N, warps, stages, parts of K) of each matrix at 1 and 8 rows, for
-    tuning gpu_quant.qmm_config (not run by default).
+  * sweep: the one-row kernel's tile (BLOCK_N, warps, stages) of each matrix, for tuning
+    gpu_quant.DECODE_TILES; the best is used by the parts after it in the same run (`--part
+    sweep,decode`); and the one-row kernel against the 16-row tile at 1 to 8 rows (not run by default).
 
 Prints progress lines, then one JSON line of every result (also written to $OUT/gpu_quant.json, after
 each part). A part that fails records {"error": ...} with the part's name, writes what it has, and
@@ -190,7 +191,7 @@ def one_row_step(shard: Shard, ctx: int, tbps: float) -> tuple[dict, torch.Tenso
 
 
 def matrices(args, res: dict) -> None:
-    """Each matrix's product alone, 1 and 8 rows, GB/s of its bytes."""
+    """Each matrix's product alone, 1, 8 and 256 rows (a prompt's), GB/s of its bytes."""
     path = big_model(args)
     out = res["matrices"] = {}
     for fmt in FORMATS:
@@ -198,7 +199,7 @@ def matrices(args, res: dict) -> None:
         mats = {m: getattr(shard.layers[0], m) for m in MATRICES} | {"lm_head": shard.lm_head}
         for name, m in mats.items():
             mul = (lambda x, m=m: invariant.mm(x, m)) if fmt == "bf16" else m
-            for rows in (1, 8):
+            for rows in (1, 8, 256):
                 x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
                 ms = graph_ms(lambda x=x, mul=mul: mul(x))
                 nbytes = tensor_bytes(m)
@@ -209,33 +210,40 @@ def matrices(args, res: dict) -> None:
 
 
 def sweep(args, res: dict) -> None:
-    """Decode tiles of each int4 / int8 matrix at 1 and 8 rows (qmm_config's alternatives)."""
+    """The one-row kernel's tile (BLOCK_N, warps, stages) of each int4 / int8 matrix at 1 row, the
+    best kept in gpu_quant.DECODE_TILES for the parts that follow (any tile gives the same bits); and
+    the one-row kernel against the 16-row tile at 1 to 8 rows (the GEMV_ROWS choice)."""
     path = big_model(args)
     out = res["sweep"] = {}
     for fmt in ("int4", "int8"):
         shard = load(path, fmt, 1)
-        for name in MATRICES:
-            m = getattr(shard.layers[0], name)
-            for rows in (1, 8):
-                x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
-                now = gpu_quant.qmm_config(*m.shape, x.dtype, rows)
-                times = {}
-                for bn in (16, 32, 64, 128):
-                    for warps in (2, 4, 8):
-                        for stages in (2, 3, 4, 6):
-                            for parts in (1, 2, 4):
-                                cfg = (16, bn, warps, stages, parts)
-                                try:
-                                    times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10,
-                                                          rounds=20)
-                                except Exception as exc:  # noqa: BLE001 — a tile that does not fit (shared memory)
-                                    print("sweep", fmt, name, rows, cfg, "failed:", str(exc).splitlines()[0][:120])
-                best = min(times, key=times.get)
-                out[f"{fmt}_{name}_{rows}"] = {"current": list(now), "current_us": round(times.get(now, -1e-3) * 1e3, 2),
-                                               "best": list(best), "best_us": round(times[best] * 1e3, 2),
-                                               "best_gbps": round(tensor_bytes(m) / times[best] / 1e6)}
-                print("sweep", fmt, name, rows, out[f"{fmt}_{name}_{rows}"], flush=True)
-        del shard
+        mats = {m: getattr(shard.layers[0], m) for m in MATRICES} | ({"lm_head": shard.lm_head} if fmt == "int8" else {})
+        for name, m in mats.items():
+            x = torch.randn(1, m.shape[1], device="cuda").bfloat16()
+            now = gpu_quant.qmm_config(*m.shape, x.dtype, 1, fmt)
+            times = {}
+            for bn in (64, 128, 256):
+                for warps in (2, 4, 8):
+                    for stages in (1, 2):
+                        cfg = (1, bn, warps, stages, now[4])
+                        try:
+                            times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
+                        except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
+                            print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
+            best = min(times, key=times.get)
+            gpu_quant.DECODE_TILES[(fmt, *m.shape)] = best[1:4]
+            rows = {}
+            for r in (1, 2, 4, 8):
+                xr = torch.randn(r, m.shape[1], device="cuda").bfloat16()
+                rows[r] = [round(graph_ms(lambda m=m, xr=xr, c=c: m.mm_parts(xr, c), inner=10, rounds=20) * 1e3, 2)
+                           for c in ((1, *best[1:]), (16, 64, 4, 3, now[4]))]
+            out[f"{fmt}_{name}"] = {"shape": list(m.shape), "parts": now[4], "default": list(now),
+                                    "default_us": round(times.get(now, -1e-3) * 1e3, 2), "best": list(best),
+                                    "best_us": round(times[best] * 1e3, 2),
+                                    "best_gbps": round(tensor_bytes(m) / times[best] / 1e6),
+                                    "rows_us_gemv_vs_tile16": rows}
+            print("sweep", fmt, name, out[f"{fmt}_{name}"], flush=True)
+        del shard, mats
         torch.cuda.empty_cache()
 
 

@@ -36,104 +36,47 @@ Triton is imported only when a matrix is multiplied.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.kernels import gpu_quant_kernels, invariant
 from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, dequantize_int4, int4_grid, int8_grid
 
 log = logging.getLogger(__name__)
 
-INT4_CHUNK = 4    # int4: groups of 32 a chunk of the K loop (128 of K; fewer where K / 32 is not a multiple of 4)
-INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
+INT4_CHUNK = 4    # int4: groups of 32 a chunk of the packing (128 of K; fewer where K / 32 is not a multiple of 4)
+INT8_UNROLL = 4   # int8's one-row kernel: groups of 32 a step of its K loop (speed only: groups go in order)
 
 
-@functools.cache
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit(do_not_specialize=["M", "sys_"])
-    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qc, s_qn, s_sn, sys_, sym,
-                    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
-        # program (m block, n block, part of K): y[part] = x[m block, part] @ W[n block, part].T, W
-        # dequantized a chunk of G groups at a time: the chunk's low nibbles (the first 16 weights of
-        # each group) in one dot, then its high nibbles; the same order for every tile
-        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        j = tl.arange(0, 16 * G)          # a chunk's bytes: group j // 16, weight j % 16 of each half
-        kj = (j // 16) * 32 + j % 16      # the low nibble's place in the chunk's K (the high one's: + 16)
-        h = tl.arange(0, G)               # a chunk's groups
-        rows_in, cols_in = rm < M, rn < N
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
-        c_lo = part * (k_part // (32 * G))
-        c_hi = tl.minimum(c_lo + k_part // (32 * G), K // (32 * G))
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for c in range(c_lo, c_hi):  # (offsets below 2^31 bytes: a matrix of under 4G weights)
-            p = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + j[None, :], mask=cols_in[:, None],
-                        other=0).to(tl.int32)  # [BN, 16 G]: two weights a byte, one contiguous run a row
-            sz = tl.load(sz_ptr + rn[:, None] * s_sn + c * G + h[None, :], mask=cols_in[:, None], other=0)
-            sz = tl.reshape(tl.broadcast_to(sz[:, :, None], (BN, G, 16)), (BN, 16 * G))  # each byte's group's
-            scale = (sz << 16).to(tl.float32, bitcast=True)  # bf16 bits: scale | zero << 16
-            zero = (sz & -65536).to(tl.float32, bitcast=True)
-            k = c * (32 * G) + kj
-            xa = tl.load(x_rows + k[None, :], mask=rows_in[:, None], other=0.0)       # [BM, 16 G]
-            xb = tl.load(x_rows + 16 + k[None, :], mask=rows_in[:, None], other=0.0)
-            wa = (((p & 15) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # [BN, 16 G]: the low halves
-            wb = (((p >> 4) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # the high halves
-            if IEEE:
-                acc = tl.dot(xa, tl.trans(wa), acc, input_precision="ieee")
-                acc = tl.dot(xb, tl.trans(wb), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xa, tl.trans(wa), acc)
-                acc = tl.dot(xb, tl.trans(wb), acc)
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
-
-    @triton.jit(do_not_specialize=["M", "sys_"])
-    def int8_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-        # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale
-        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        rk = tl.arange(0, BK)
-        rows_in, cols_in = rm < M, rn < N
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
-        k0 = part * k_part
-        k1 = tl.minimum(k0 + k_part, K)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(k0, k1, BK):
-            kk = k + rk
-            a = tl.load(x_rows + kk[None, :], mask=rows_in[:, None] & (kk[None, :] < k1), other=0.0)  # [BM, BK]
-            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :] & (kk[:, None] < k1),
-                        other=0).to(a.dtype)  # [BK, BN]: exact (|q| <= 127)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
-
-    return triton, int4_kernel, int8_kernel
+def quant_parts(n: int, k: int) -> int:
+    """Parts of K a product with a quantized w [n, k] sums separately (then adds in order): a function
+    of the matrix alone (never of the rows), enough that the one-row kernel's programs (64 columns a
+    block) fill the GPU twice over (an 8B model's q/k/v 3, o 4, down 5, gate/up and the LM head 1)."""
+    blocks = -(-n // 64)
+    return max(1, min(-(-2 * invariant.SMS // blocks), k // 512))
 
 
-def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int]:
+# the one-row kernel's tile (BLOCK_N, num_warps, num_stages) by (format, n, k); others DECODE_TILE[format].
+# Any tile gives the same bits (the module's docstring): these are speed only (bench/gpu_quant.py --part sweep)
+DECODE_TILE = {"int4": (128, 4, 2), "int8": (128, 4, 2)}
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+GEMV_ROWS = 4  # products of up to this many rows run the one-row kernel (a program a row), more the tiled one
+
+
+def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4") -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
-    w [n, k]. The parts are the float path's (invariant.k_parts: a function of the matrix); the tile
-    follows m, but never under 64 rows: on the H100 a 16- or 32-row tile gave a row other bits than
-    the 64- and 128-row tiles (bench/gpu_quant_tiles.py; the float path's do agree), so decode runs
-    the 64 x 64 tile too (int4 511 tok/s one stream for 8 layers of the 8B shape against 805 with
-    16 x 32: bench/gpu_quant.py, docs/engine.md)."""
-    if dtype == torch.float32:  # exact float32 (no TF32): one tile
-        return 16, 32, 4, 3, 1
-    parts = invariant.k_parts(n, k)
-    if m <= 64:  # decode too: a tile of fewer than 64 rows gave other bits than the larger ones on the H100
-        return 64, 64, 4, 4, parts
+    w [n, k]; BLOCK_M 1: the one-row kernel (CUDA cores), else the tiled one (tensor cores). The parts
+    are quant_parts(n, k), never a function of m; the tile follows m (it changes no bit)."""
+    parts = quant_parts(n, k)
+    if m <= GEMV_ROWS:
+        return (1, *DECODE_TILES.get((fmt, n, k), DECODE_TILE[fmt]), parts)
+    if m <= 16:
+        return 16, 64, 4, 3, parts
+    if m <= 32:
+        return 32, 64, 4, 3, parts
+    if m <= 64:
+        return 64, 64, 4, 3, parts
     if m <= 128:
         return 64, 128, 4, 3, parts
     return 128, 128, 8, 3, parts
@@ -143,7 +86,7 @@ _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the confi
 
 
 def _k_part(k: int, parts: int) -> int:
-    """K a part sums, a multiple of 256 (the float path's: parts start at the same places)."""
+    """K a part sums, a multiple of 256 (so a part holds whole int4 chunks and int8 groups)."""
     k_part = -(-k // parts)
     return -(-k_part // 256) * 256
 
@@ -164,14 +107,14 @@ class TritonMatrix(QuantMatrix):
             raise ValueError(f"a {self.format} matrix of {N} x {K} multiplied by rows of {x.shape[1]}")
         if x.stride(1) != 1:
             x = x.contiguous()
-        config = config or qmm_config(N, K, x.dtype, M)
+        config = config or qmm_config(N, K, x.dtype, M, self.format)
         bm, bn, _, _, parts = config
         k_part = _k_part(K, parts)
         parts = -(-K // k_part)
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
         if M:
-            triton = _kernels()[0]
-            self._launch_fitting(x, ws, (triton.cdiv(M, bm), triton.cdiv(N, bn), parts), config, k_part)
+            grid = (M if bm == 1 else -(-M // bm), -(-N // bn), parts)
+            self._launch_fitting(x, ws, grid, config, k_part)
         return ws
 
     def _launch_fitting(self, x, ws, grid, config, k_part) -> None:
@@ -221,12 +164,17 @@ class TritonInt4(TritonMatrix):
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, kernel, _ = _kernels()
+        _, mm, gemv, _, _ = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        kernel[grid](x, self.q4, self.sz, ws, x.shape[0], N, K, k_part, x.stride(0), self.q4.stride(0),
-                     self.q4.stride(1), self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1),
-                     BM=bm, BN=bn, G=self.q4.shape[2] // 16, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        args = (x, self.q4, self.sz, ws)
+        strides = (k_part, x.stride(0), self.q4.stride(0), self.q4.stride(1), self.sz.stride(0),
+                   ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
+        g = self.q4.shape[2] // 16
+        if bm == 1:
+            gemv[grid](*args, N, K, *strides, BN=bn, G=g, num_warps=warps, num_stages=stages)
+        else:
+            mm[grid](*args, x.shape[0], N, K, *strides, BM=bm, BN=bn, G=g, num_warps=warps, num_stages=stages)
 
 
 class TritonInt8(TritonMatrix):
@@ -248,12 +196,15 @@ class TritonInt8(TritonMatrix):
         return self.scales
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, _, kernel = _kernels()
+        _, _, _, mm, gemv = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        kernel[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
-                     ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
-                     IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        args = (x, self.q8, self.scales, ws)
+        strides = (k_part, x.stride(0), self.q8.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
+        if bm == 1:
+            gemv[grid](*args, N, K, *strides, BN=bn, U=INT8_UNROLL, num_warps=warps, num_stages=stages)
+        else:
+            mm[grid](*args, x.shape[0], N, K, *strides, BM=bm, BN=bn, num_warps=warps, num_stages=stages)
 
 
 def chunk_groups(k: int) -> int:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from logicpipe.stage_node.engine.kv import StepKV, seq_slice
-from logicpipe.stage_node.kernels import gpu_quant, invariant
+from logicpipe.stage_node.kernels import gpu_quant, gpu_quant_kernels, invariant
 from logicpipe.stage_node.kernels.quant import Int4Packed, Int8Packed, QuantError, check_format
 from logicpipe.stage_node.kernels.quant_grid import dequantize_int4, int4_grid
 from logicpipe.stage_node.model import shard as shard_module
@@ -173,44 +173,77 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
 
 def interpreted_product(fmt, w, x):
     m = gpu_quant.quantize(w, fmt)
-    ref = x.float() @ gpu_quant.dequantized(m).to(x.dtype).float().T  # the weights as the kernel rounds them
-    return m, m(x), ref
+    return m, m(x), exact_product(m, x)
+
+
+def exact_product(m, x):
+    """The kernels' arithmetic in float64 (gpu_quant_kernels.reference: no rounding but the
+    activations' to 11-bit integers per group of 32), float32 [M, N]."""
+    if m.format == "int4":
+        scale, zero = m.grid()
+        return gpu_quant_kernels.reference(x, gpu_quant.unpack_int4(m.q4), scale, zero).float()
+    return gpu_quant_kernels.reference(x, m.q8, m.scales, None).float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_interpreted_product_is_the_dequantized_matrix_s(interpret, fmt, dtype):
-    """Against a float32 product with the dequantized matrix (its weights rounded to x's dtype, as the
-    kernel does), and within the format's rounding of the float matrix; rows 1..n of 40 the same bits
-    alone as among them (16-row decode tiles up to 32 rows, 64-row tiles past that). At the same place
-    in their tile: the interpreter's numpy products give a row other bits by its place in a tile, so a
-    row's bits at any place are checked on the GPU (bench/gpu_quant.py --part invariance)."""
+    """Against the kernels' arithmetic in float64 (partial sums exact, activations rounded to 11-bit
+    integers per group of 32), against a float32 product with the dequantized matrix, and within the
+    format's rounding of the float matrix; rows 1..n of 40 the same bits alone as among them (the
+    one-row kernel up to GEMV_ROWS rows, 16-, 32- and 64-row tiles past that)."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(80, 160, generator=g) * 0.05  # 5 groups a row: the K loop unrolls one group a chunk
+    w = torch.randn(80, 160, generator=g) * 0.05  # 5 groups a row: chunks of 1 group
     x = torch.randn(40, 160, generator=g).to(dtype)
     m, y, ref = interpreted_product(fmt, w, x)
     assert y.dtype == dtype and y.shape == (40, 80)
-    bound = 1e-5 if dtype == torch.float32 else 2e-3
+    bound = 1e-6 if dtype == torch.float32 else 1e-3
     assert (y.float() - ref).abs().max() <= bound * ref.abs().max()
+    deq = x.float() @ gpu_quant.dequantized(m).T
+    assert (y.float() - deq).abs().max() <= 2e-3 * deq.abs().max()
     exact = x.float() @ w.T
     assert (y.float() - exact).abs().max() <= (0.1 if fmt == "int4" else 0.02) * exact.abs().max()
-    for rows in (1, 17, 33):
+    for rows in (1, 2, 5, 17, 33):
         assert torch.equal(m(x[:rows]), y[:rows]), f"{rows} rows"
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_interpreted_one_row_kernel_gives_a_row_the_tiled_kernel_s_bits(interpret, fmt):
+    """A row alone (the one-row kernel, CUDA cores on a GPU) and the same row among 7 others (the
+    16-row tile, tensor cores), and other tiles forced on 8 rows: the same bits, K in 2 parts and
+    chunks of 4 groups (the 8B model's o projection in small), an outlier in a group."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 1024, generator=g) * 0.05
+    x = torch.randn(8, 1024, generator=g).half()
+    x[3, 7] = 60.0  # a group whose other entries round coarser
+    m = gpu_quant.quantize(w, fmt)
+    parts = gpu_quant.quant_parts(32, 1024)
+    assert parts == 2 and gpu_quant.qmm_config(32, 1024, x.dtype, 1, fmt)[0] == 1
+    assert gpu_quant.qmm_config(32, 1024, x.dtype, 8, fmt)[0] == 16
+    alone = m(x[3:4])
+    among = m(x)
+    assert torch.equal(alone, among[3:4])
+    for cfg in ((1, 16, 4, 1, parts), (64, 32, 4, 1, parts)):
+        assert torch.equal(invariant.add_parts(m.mm_parts(x, cfg), x.dtype), among), cfg
+    ref = exact_product(m, x)
+    assert (among.float() - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_interpreted_parts_of_k_are_added_in_order(interpret, fmt):
-    """A matrix the float path sums in two parts of K (few outputs, K >= 2048): the quantized kernels
-    give the same two parts, added in order (invariant.add_parts), rows alike alone or together."""
+    """A matrix of few outputs is summed in parts of K fixed by its shape (quant_parts: 3 parts of
+    256 here), added in order (invariant.add_parts), rows alike alone or together."""
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(32, 2304, generator=g) * 0.05  # 2304 = 2048 + 256: parts of 1280 and 1024
-    x = torch.randn(3, 2304, generator=g).half()
-    assert invariant.k_parts(32, 2304) == 2
-    m, y, ref = interpreted_product(fmt, w, x)
-    parts = m.mm_parts(x)
-    assert parts.shape == (2, 3, 32) and parts.dtype == torch.float32
-    assert torch.equal(y, (parts[0] + parts[1]).half())
-    assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
+    w = torch.randn(16, 768, generator=g) * 0.05
+    x = torch.randn(3, 768, generator=g).half()
+    m, _, ref = interpreted_product(fmt, w, x)
+    parts = m.mm_parts(x, (1, 16, 4, 1, 3))  # the one-row kernel, 3 parts of K
+    assert parts.shape == (3, 3, 16) and parts.dtype == torch.float32
+    assert torch.equal(m.mm_parts(x, (16, 16, 4, 1, 3)), parts)  # the tiled kernel: the same parts
+    assert torch.equal(m.mm_parts(x[1:2], (16, 16, 4, 1, 3)), parts[:, 1:2])
+    y = invariant.add_parts(parts, x.dtype)
+    assert torch.equal(y, (parts[0] + parts[1] + parts[2]).half())
+    assert (y.float() - ref).abs().max() <= 1e-3 * ref.abs().max()
 
 
 def one_llama_layer(path: Path) -> Path:
