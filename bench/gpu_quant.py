@@ -224,7 +224,7 @@ def sweep(args, res: dict) -> None:
             times = {}
             for bn in (64, 128, 256):
                 for warps in (2, 4, 8):
-                    for stages in (1, 2):
+                    for stages in (2,):
                         cfg = (1, bn, warps, stages, now[4])
                         try:
                             times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
