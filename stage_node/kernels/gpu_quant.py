@@ -52,9 +52,10 @@ INT8_UNROLL = 4   # int8's one-row kernel: groups of 32 a step of its K loop (sp
 def quant_parts(n: int, k: int) -> int:
     """Parts of K a product with a quantized w [n, k] sums separately (then adds in order): a function
     of the matrix alone (never of the rows), enough that the one-row kernel's programs (64 columns a
-    block) fill the GPU twice over (an 8B model's q/k/v 3, o 4, down 5, gate/up and the LM head 1)."""
+    block) fill the GPU four times over, at most 8 and none under 512 of K (an 8B model's q/k/v 6,
+    o 8, down 8, gate/up 2, the LM head 1)."""
     blocks = -(-n // 64)
-    return max(1, min(-(-2 * invariant.SMS // blocks), k // 512))
+    return max(1, min(-(-4 * invariant.SMS // blocks), k // 512, 8))
 
 
 # the one-row kernel's tile (BLOCK_N, num_warps, num_stages) by (format, n, k); others DECODE_TILE[format].
