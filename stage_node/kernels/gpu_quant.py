@@ -1,4 +1,6 @@
-"""int4 and int8 weights on CUDA without bitsandbytes: the CPU formats' grids (stage_node.kernels.quant_grid)
+"""int4 and int8 weights on CUDA without bitsandbytes (the kernels and their exact arithmetic: gpu_quant_kernels;
+what follows on the product is partly historical: the sums are now exact per group, so any tile gives
+the same bits): the CPU formats' grids (stage_node.kernels.quant_grid)
 repacked at load for coalesced reads, multiplied by Triton kernels that dequantize in registers.
 
 Layout on the GPU (packed once, as each matrix is quantized):
@@ -59,10 +61,13 @@ def quant_parts(n: int, k: int) -> int:
 
 
 # the one-row kernel's tile (BLOCK_N, num_warps, num_stages) by (format, n, k); others DECODE_TILE[format].
-# Any tile gives the same bits (the module's docstring): these are speed only (bench/gpu_quant.py --part sweep)
-DECODE_TILE = {"int4": (128, 4, 2), "int8": (128, 4, 2)}
-DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {}
-GEMV_ROWS = 4  # products of up to this many rows run the one-row kernel (a program a row), more the tiled one
+# Any tile gives the same bits (gpu_quant_kernels): speed only. The fastest of 6 at one row for each 8B
+# matrix on an H100 (bench/gpu_quant.py --part sweep, 2026-11-27): 32 columns a one-warp program
+DECODE_TILE = {"int4": (32, 1, 2), "int8": (32, 1, 2)}
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 28672, 4096): (64, 1, 2)}
+# products of up to this many rows run the one-row kernel (a program a row), more the tiled one: on
+# the H100 the one-row kernel took 13.9 against 24.3 us for the 8B q/k/v at 1 row, 44.2 against 24.5 at 4
+GEMV_ROWS = 1
 
 
 def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4") -> tuple[int, int, int, int, int]:
@@ -80,7 +85,7 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4"
         return 64, 64, 4, 3, parts
     if m <= 128:
         return 64, 128, 4, 3, parts
-    return 128, 128, 8, 3, parts
+    return 128, 64, 8, 3, parts  # (128 x 128 spilled registers on sm_90)
 
 
 _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU

@@ -154,18 +154,23 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
         pytest.skip("compiled in the parent process")
     try:
         from triton.compiler import ASTSource  # noqa: F401
-        _, int4_kernel, int8_kernel = gpu_quant._kernels()
+        _, int4_mm, int4_gemv, int8_mm, int8_gemv = gpu_quant_kernels.kernels()
     except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
         pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
-    tiles = [gpu_quant.qmm_config(4096, 4096, torch.bfloat16, m)[:4] for m in (1, 200)]  # decode, largest prompt
+    one_row = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 1)
+    prompt = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 200)
+    assert one_row[0] == 1 and prompt[0] == 128
     for cap in (90, 87):
-        for bm, bn, warps, stages in tiles if cap == 90 else tiles[:1]:
+        for (bm, bn, warps, stages, _) in (one_row, prompt) if cap == 90 else (one_row,):
             for kernel, args, ptrs, const in (
-                    (int4_kernel, INT4_ARGS, ["*bf16", "*u8", "*i32", "*bf16"], {"G": gpu_quant.INT4_CHUNK}),
-                    (int8_kernel, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"], {"BK": gpu_quant.INT8_BK})):
-                signature = dict(zip(args, ptrs + ["i32"] * (len(args) - 4)))
-                shared, spilled = compiled(kernel, signature, {"BM": bm, "BN": bn, "IEEE": False, **const}, cap, warps,
-                                           stages)
+                    (int4_gemv if bm == 1 else int4_mm, INT4_ARGS, ["*bf16", "*u8", "*i32", "*bf16"],
+                     {"G": gpu_quant.INT4_CHUNK}),
+                    (int8_gemv if bm == 1 else int8_mm, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"],
+                     {"U": gpu_quant.INT8_UNROLL} if bm == 1 else {})):
+                names = [a for a in args if a != "M"] if bm == 1 else list(args)
+                signature = dict(zip(names, ptrs + ["i32"] * (len(names) - 4)))
+                const = {"BN": bn, **const} | ({} if bm == 1 else {"BM": bm})
+                shared, spilled = compiled(kernel, signature, const, cap, warps, stages)
                 what = f"{kernel.__name__} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
                 assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
                 assert cap != 90 or spilled <= 0, f"{what}: {spilled} bytes of registers spilled a thread"
@@ -210,21 +215,21 @@ def test_interpreted_product_is_the_dequantized_matrix_s(interpret, fmt, dtype):
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_interpreted_one_row_kernel_gives_a_row_the_tiled_kernel_s_bits(interpret, fmt):
     """A row alone (the one-row kernel, CUDA cores on a GPU) and the same row among 7 others (the
-    16-row tile, tensor cores), and other tiles forced on 8 rows: the same bits, K in 2 parts and
-    chunks of 4 groups (the 8B model's o projection in small), an outlier in a group."""
+    16-row tile, tensor cores): the same bits, by default and with K forced into 2 parts (chunks of
+    4 groups), and with a 64-row tile; an outlier in a group."""
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(32, 1024, generator=g) * 0.05
-    x = torch.randn(8, 1024, generator=g).half()
+    w = torch.randn(32, 512, generator=g) * 0.05
+    x = torch.randn(8, 512, generator=g).half()
     x[3, 7] = 60.0  # a group whose other entries round coarser
     m = gpu_quant.quantize(w, fmt)
-    parts = gpu_quant.quant_parts(32, 1024)
-    assert parts == 2 and gpu_quant.qmm_config(32, 1024, x.dtype, 1, fmt)[0] == 1
-    assert gpu_quant.qmm_config(32, 1024, x.dtype, 8, fmt)[0] == 16
-    alone = m(x[3:4])
+    assert gpu_quant.qmm_config(32, 512, x.dtype, 1, fmt)[0] == 1
+    assert gpu_quant.qmm_config(32, 512, x.dtype, 8, fmt)[0] == 16
     among = m(x)
-    assert torch.equal(alone, among[3:4])
-    for cfg in ((1, 16, 4, 1, parts), (64, 32, 4, 1, parts)):
-        assert torch.equal(invariant.add_parts(m.mm_parts(x, cfg), x.dtype), among), cfg
+    assert torch.equal(m(x[3:4]), among[3:4])
+    parts = m.mm_parts(x, (16, 32, 4, 1, 2))
+    assert parts.shape[0] == 2
+    assert torch.equal(m.mm_parts(x[3:4], (1, 16, 1, 1, 2)), parts[:, 3:4])
+    assert torch.equal(m.mm_parts(x, (64, 32, 4, 1, 2)), parts)
     ref = exact_product(m, x)
     assert (among.float() - ref).abs().max() <= 1e-3 * ref.abs().max()
 
