@@ -48,7 +48,6 @@ from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, deq
 log = logging.getLogger(__name__)
 
 INT4_CHUNK = 4    # int4: groups of 32 a chunk of the packing (128 of K; fewer where K / 32 is not a multiple of 4)
-INT8_UNROLL = 4   # int8's one-row kernel: groups of 32 a step of its K loop (speed only: groups go in order)
 
 
 def quant_parts(n: int, k: int) -> int:
@@ -63,7 +62,7 @@ def quant_parts(n: int, k: int) -> int:
 # the one-row kernel's tile (BLOCK_N, num_warps, num_stages) by (format, n, k); others DECODE_TILE[format].
 # Any tile gives the same bits (gpu_quant_kernels): speed only. The fastest of 6 at one row for each 8B
 # matrix on an H100 (bench/gpu_quant.py --part sweep, 2026-11-27): 32 columns a one-warp program
-DECODE_TILE = {"int4": (32, 1, 2), "int8": (32, 1, 2)}
+DECODE_TILE = {"int4": (64, 1, 2), "int8": (32, 1, 2)}
 DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 28672, 4096): (64, 1, 2)}
 # products of up to this many rows run the one-row kernel (a program a row), more the tiled one: on
 # the H100 the one-row kernel took 13.9 against 24.3 us for the 8B q/k/v at 1 row, 44.2 against 24.5 at 4
@@ -170,17 +169,21 @@ class TritonInt4(TritonMatrix):
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, mm, gemv, _, _ = gpu_quant_kernels.kernels()
+        _, _, mm, gemv, _, _ = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        args = (x, self.q4, self.sz, ws)
-        strides = (k_part, x.stride(0), self.q4.stride(0), self.q4.stride(1), self.sz.stride(0),
-                   ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
         g = self.q4.shape[2] // 16
         if bm == 1:
-            gemv[grid](*args, N, K, *strides, BN=bn, G=g, num_warps=warps, num_stages=stages)
+            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_INT4)
+            q32 = self.q4.view(torch.int32)
+            gemv[grid](xq, aux, q32, self.sz, ws, N, K, k_part, q32.stride(0), q32.stride(1), self.sz.stride(0),
+                       ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), gpu_quant_kernels.MAGIC_BITS, BN=bn, G=g, num_warps=warps,
+                       num_stages=stages)
         else:
-            mm[grid](*args, x.shape[0], N, K, *strides, BM=bm, BN=bn, G=g, num_warps=warps, num_stages=stages)
+            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
+            mm[grid](xq, aux, self.q4, self.sz, ws, x.shape[0], N, K, k_part, self.q4.stride(0), self.q4.stride(1),
+                     self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, G=g,
+                     num_warps=warps, num_stages=stages)
 
 
 class TritonInt8(TritonMatrix):
@@ -202,15 +205,33 @@ class TritonInt8(TritonMatrix):
         return self.scales
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, _, _, mm, gemv = gpu_quant_kernels.kernels()
+        _, _, _, _, mm, gemv = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        args = (x, self.q8, self.scales, ws)
-        strides = (k_part, x.stride(0), self.q8.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
+        tail = (ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
         if bm == 1:
-            gemv[grid](*args, N, K, *strides, BN=bn, U=INT8_UNROLL, num_warps=warps, num_stages=stages)
+            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_INT8)
+            q32 = self.q8.view(torch.int32)
+            gemv[grid](xq, aux, q32, self.scales, ws, N, K, k_part, q32.stride(0), *tail, gpu_quant_kernels.MAGIC_BITS, BN=bn,
+                       U=chunk_groups(K), num_warps=warps, num_stages=stages)
         else:
-            mm[grid](*args, x.shape[0], N, K, *strides, BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
+            mm[grid](xq, aux, self.q8, self.scales, ws, x.shape[0], N, K, k_part, self.q8.stride(0), *tail, BM=bm,
+                     BN=bn, num_warps=warps, num_stages=stages)
+
+
+def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (its integers i [M, K], float16 for the tiled kernels (LAYOUT_MM) or float32
+    permuted and pre-scaled for a one-row kernel; a and S [M, 2, K/32] float32): the activations'
+    rounding, once per product (gpu_quant_kernels' docstring)."""
+    triton, kernel, *_ = gpu_quant_kernels.kernels()
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.float16 if layout == gpu_quant_kernels.LAYOUT_MM else torch.float32,
+                     device=x.device)
+    aux = torch.empty(m, 2, k // 32, dtype=torch.float32, device=x.device)
+    gb = gpu_quant_kernels.ROUND_GROUPS
+    kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1)
+    return xq, aux
 
 
 def chunk_groups(k: int) -> int:

@@ -115,8 +115,9 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
         m.mm_parts(x, (16, 64, 4, 4, 1))
 
 
-INT4_ARGS = ("x_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "s_qc", "s_qn", "s_sn", "sys_", "sym")
-INT8_ARGS = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "sqn", "sys_", "sym")
+INT4_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "s_qc", "s_qn", "s_sn", "sys_",
+             "sym")
+INT8_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "s_ptr", "y_ptr", "M", "N", "K", "k_part", "sqn", "sys_", "sym")
 SHARED_LIMIT = {90: 227 * 1024, 87: 163 * 1024}  # bytes of shared memory a program may take: H100, Jetson Orin
 
 
@@ -129,7 +130,7 @@ def compiled(kernel, signature: dict, constexprs: dict, cap: int, warps: int, st
 
     # the hints Triton's launcher gives at run time: pointers and sizes divisible by 16 (not the
     # unspecialized arguments); without them its loads are neither vectorized nor pipelined
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name not in ("M", "sys_")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name not in ("M", "sys_", "magic")}
     c = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", cap, 32), options={"num_warps": warps, "num_stages": stages})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -154,7 +155,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
         pytest.skip("compiled in the parent process")
     try:
         from triton.compiler import ASTSource  # noqa: F401
-        _, int4_mm, int4_gemv, int8_mm, int8_gemv = gpu_quant_kernels.kernels()
+        _, round_rows, int4_mm, int4_gemv, int8_mm, int8_gemv = gpu_quant_kernels.kernels()
     except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
         pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
     one_row = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 1)
@@ -163,12 +164,13 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     for cap in (90, 87):
         for (bm, bn, warps, stages, _) in (one_row, prompt) if cap == 90 else (one_row,):
             for kernel, args, ptrs, const in (
-                    (int4_gemv if bm == 1 else int4_mm, INT4_ARGS, ["*bf16", "*u8", "*i32", "*bf16"],
-                     {"G": gpu_quant.INT4_CHUNK}),
-                    (int8_gemv if bm == 1 else int8_mm, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"],
-                     {"U": gpu_quant.INT8_UNROLL} if bm == 1 else {})):
-                names = [a for a in args if a != "M"] if bm == 1 else list(args)
-                signature = dict(zip(names, ptrs + ["i32"] * (len(names) - 4)))
+                    (int4_gemv, INT4_ARGS, ["*fp32", "*fp32", "*i32", "*i32", "*bf16"], {"G": gpu_quant.INT4_CHUNK})
+                    if bm == 1 else (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"],
+                                     {"G": gpu_quant.INT4_CHUNK}),
+                    (int8_gemv, INT8_ARGS, ["*fp32", "*fp32", "*i32", "*fp32", "*bf16"], {"U": 4}) if bm == 1
+                    else (int8_mm, INT8_ARGS, ["*fp16", "*fp32", "*i8", "*fp32", "*bf16"], {})):
+                names = [a for a in args if a != "M"] + ["magic"] if bm == 1 else list(args)
+                signature = dict(zip(names, ptrs + ["i32"] * (len(names) - 5)))
                 const = {"BN": bn, **const} | ({} if bm == 1 else {"BM": bm})
                 shared, spilled = compiled(kernel, signature, const, cap, warps, stages)
                 what = f"{kernel.__name__} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
