@@ -109,8 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "over stage to stage): auto (default) when one pipeline's measured prefill rate is 4x "
                          "every other's and the handoff brings the first token sooner; on: the fastest prefiller "
                          "prefills every prompt for the others; off: never")
-    ap.add_argument("--context", type=int, default=2048,
-                    help="tokens of context per sequence the plan reserves KV for (default %(default)s)")
+    ap.add_argument("--context", type=int, default=2048, metavar="TOKENS",
+                    help="tokens of context per sequence the plan reserves KV for, up to the model's limit "
+                         "(max_position_embeddings: 8192 for the default model; 131072 for a Llama-3.1 with its "
+                         "llama3 RoPE scaling); a prompt longer than it still runs where the stages' KV holds it "
+                         "(default %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=list(FLOAT_DTYPES),
                     help="compute dtype on the stages (a stage whose device lacks it computes in float32: the plan "
                          "says which, stage by stage)")
@@ -166,6 +169,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not 0 <= args.speculate <= MAX_SPECULATE:
         ap.error(f"--speculate must be 0 (off) to {MAX_SPECULATE}")
+    if args.context < 1:
+        ap.error(f"--context must be a number of tokens >= 1, not {args.context}")
     if args.prefill_chunk < 0:
         ap.error("--prefill-chunk must be 0 (from the cost model) or a number of tokens")
     args.http_keys = None  # the HTTP API's keys, checked before anything starts
@@ -252,6 +257,9 @@ async def serve(args: argparse.Namespace) -> None:
                             journal=journal)
     except (ModelError, OSError) as exc:  # a tokenizer that does not load is an OSError of transformers
         raise SystemExit(f"--model {args.model or model_dir}: {exc}") from None
+    if args.context > app.config.max_position_embeddings:
+        raise SystemExit(f"--context {args.context}: over the model's limit of {app.config.max_position_embeddings} "
+                         f"tokens (max_position_embeddings of {model_dir / 'config.json'}); give at most that")
     try:  # (its files are read and checked: disk work, off the loop)
         await asyncio.to_thread(journal.open, app.digest)
     except JournalError as exc:

@@ -126,6 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-step-ms", type=float, default=0.0, metavar="MS",
                     help="every step takes at least this long, the stage waiting out the rest: a slower device "
                          "emulated, for fault drills and tests on a small model (default 0: as long as it takes)")
+    ap.add_argument("--max-step-ms", type=float, default=100.0, metavar="MS",
+                    help="the step-time bar: a prompt's chunks shrink as its context grows so that a step (decode "
+                         "rows of the running requests and a prefill chunk) stays under this, by the stage's cost "
+                         "model per row and per attended key position, corrected by its measured steps "
+                         "(default %(default)s; 0: chunks by --max-step-tokens and the controller alone)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
     ap.add_argument("--quantize", default="none", choices=list(QUANT_CHOICES),
                     help="hold this stage's layers quantized: int4 or int8 (CPU: the native kernels or torch's "
@@ -301,7 +306,7 @@ async def serve(args: argparse.Namespace) -> None:
         profile = dataclasses.replace(profile, full_sliding_kv=True)
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
-                           min_step_s=max(0.0, args.min_step_ms) / 1000,
+                           min_step_s=max(0.0, args.min_step_ms) / 1000, step_bar_s=max(0.0, args.max_step_ms) / 1000,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()), tp=leader,

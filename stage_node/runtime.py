@@ -209,7 +209,7 @@ class StageRuntime:
                       transport=self.transport, runner=self.runner, lock=self._step_lock, events=self.events,
                       stats=self.stats, budget=self.options.budget, orphaned=self._orphaned,
                       draft_model=lambda: self.draft_model, wake=self._wake.set, shard_dir=shard_dir,
-                      stream_key=stream_key, min_step_s=opts.min_step_s)
+                      stream_key=stream_key, min_step_s=opts.min_step_s, step_bar_s=opts.step_bar_s)
 
     async def _load_draft_model(self, vocab_size: int) -> None:
         """Last stage with --draft-model: load it once. A draft model that cannot serve this model
@@ -407,4 +407,5 @@ class StageRuntime:
         return StageSnapshot(node_id=self.node_id, state=self.state.value, device=str(self.device),
                              uptime_s=time.monotonic() - self.started, stats=replace(self.stats),
                              session_ttl_s=self.options.session_ttl_s, block_size=self.options.block_size,
-                             stopping=self.stopping, drafter=self.drafter, engine=view)
+                             stopping=self.stopping, drafter=self.drafter, engine=view,
+                             step_bar_s=self.options.step_bar_s)

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 128
 FEED_CHUNK = 8192           # input tokens per feed message (stage 0 chunks them into steps itself)
 TOKEN_TIMEOUT_S = 120.0     # no token for this long fails a running request
+PREFILL_ALLOWANCE_S = 0.02  # ... and before its first token, this much more per prompt token (a 32k-token
+                            # prompt on a slow CPU mesh prefills for minutes; 50 tokens/s is the floor allowed)
 QUEUE_TIMEOUT_S = 600.0     # a request waiting for KV blocks this long fails with RESOURCE_EXHAUSTED
 MAX_QUEUED = 4096           # requests waiting at once; more are refused at once
 MAX_PREEMPTIONS = 64        # a request preempted this often fails (the mesh is thrashing)
@@ -477,8 +479,9 @@ class Scheduler:
             except asyncio.TimeoutError:
                 now = time.monotonic()
                 since = max(req.times.last_token, req.times.opened_now)
-                if req.state is RequestState.RUNNING and now - since > TOKEN_TIMEOUT_S:
-                    raise Unavailable(f"no token from the pipeline in {TOKEN_TIMEOUT_S:.0f} s") from None
+                limit = TOKEN_TIMEOUT_S + (0.0 if req.times.last_token else PREFILL_ALLOWANCE_S * len(req.prompt_ids))
+                if req.state is RequestState.RUNNING and now - since > limit:
+                    raise Unavailable(f"no token from the pipeline in {limit:.0f} s") from None
                 wait_s = self.config.wait_for_nodes_s
                 if (req.state is RequestState.QUEUED and self.state.waiting  # across failed installs in between
                         and now - max(req.times.queued_since, self.state.unready_since) > wait_s):

@@ -30,6 +30,7 @@ from logicpipe.stage_node.net.links import PeerLink
 from logicpipe.stage_node.engine.runner import Launched, Runner, StepResult, execute, launch, read_tokens
 from logicpipe.stage_node.engine.scheduler import Budget, Failure, PlannedSeq, Scheduler, Step, StepMsg
 from logicpipe.stage_node.engine.sequence import SeqStatus, Sequence, SeqWork
+from logicpipe.stage_node.engine.step_budget import StepClock, shape_of
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.engine.stats import StageStats
 from logicpipe.tensor_codec import RawTensor
@@ -49,7 +50,7 @@ class Engine:
                  transport: Transport, runner: Runner, lock: asyncio.Lock, events: EventHub, stats: StageStats,
                  budget: Budget, orphaned: Callable[[Sequence], bool],
                  draft_model: Callable[[], DraftModel | None], wake: Callable[[], None] = lambda: None,
-                 shard_dir: str = "", stream_key: str = "", min_step_s: float = 0.0):
+                 shard_dir: str = "", stream_key: str = "", min_step_s: float = 0.0, step_bar_s: float = 0.0):
         self.assignment = a
         self.stream_key = stream_key      # the plan's: our Stream calls carry it, and calls to us must (see fence)
         self.shard, self.pool, self.kv = shard, pool, kv
@@ -70,6 +71,7 @@ class Engine:
         self.scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=node_id, budget=budget,
                                    micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned,
                                    states=pool.states, prefix_cache=not hybrid, swap=pool.swap)
+        self.scheduler.clock = self.clock = clock_of(shard, step_bar_s)  # the step-time bar (engine.step_budget)
         if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
             self.scheduler.grammars = GrammarBook(shard_dir, shard.config.vocab_size)
         # issue 32: a one-stage CUDA pipeline overlaps its greedy steps (see `_step_ahead`)
@@ -252,8 +254,19 @@ class Engine:
                                             for p in step.seqs})
         if self.min_step_s:  # --min-step-ms: wait out the rest, as a slower device would compute it
             await asyncio.sleep(self.min_step_s - (time.perf_counter() - t0))
-        self.stats.compute_s += time.perf_counter() - t0
+        self._timed(step, time.perf_counter() - t0)
         return None if self.retired else result
+
+    def _timed(self, step: Step, seconds: float) -> None:
+        """A computed step's time: the counters, and the cost model the step-time bar sizes chunks by."""
+        st = self.stats
+        st.compute_s += seconds
+        st.max_step_s = max(st.max_step_s, seconds)
+        self.clock.observe(step.rows, step.positions(self.clock.shape.window), step.held, seconds)
+        if step.decodes:  # a decode row waited for this step: the bar's figure
+            st.decode_steps += 1
+            st.max_decode_step_s = max(st.max_decode_step_s, seconds)
+            st.decode_steps_over_bar += bool(self.clock.bar_s) and seconds > self.clock.bar_s
 
     def _postprocess(self, step: Step, result: StepResult) -> last_stage.Outcome | None:
         """Commit the step; pass its hidden states on, or (last stage) report its tokens and return
@@ -413,3 +426,14 @@ def hidden_of(step: Step, result: StepResult, done: list[PlannedSeq]) -> RawTens
             spans[q.seq.id] = (row, row + q.work.num_tokens)
             row += q.work.num_tokens
     return result.hidden.take_rows([spans[i] for i in ids])
+
+
+def clock_of(shard: Shard, bar_s: float) -> StepClock:
+    """The step cost model of a shard's layers (engine.step_budget), under a bar of `bar_s` (0: none)."""
+    c, layers = shard.config, shard.end - shard.start
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    kv_bytes = layers * c.kv_parts * kv * shard.dtype.itemsize
+    return StepClock(shape_of(params=layers * per_layer, attention_layers=layers, num_heads=c.num_heads,
+                              kv_bytes=kv_bytes, head_dim=c.head_dim), shard.device.type, bar_s=bar_s)
+

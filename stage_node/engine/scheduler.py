@@ -28,6 +28,7 @@ from logicpipe.stage_node.engine.blocks import BadWrite, KVManager, OutOfBlocks,
 from logicpipe.stage_node.model.sampling import draw
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
 from logicpipe.stage_node.engine.states import RecurrentStates
+from logicpipe.stage_node.engine.step_budget import StepClock, attended
 from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.tensor_codec import RawTensor
 
@@ -84,6 +85,20 @@ class Step:
     def rows(self) -> int:
         return sum(p.work.num_tokens for p in self.seqs)
 
+    def positions(self, window: int = 0) -> int:
+        """Key positions its rows attend over in all (engine.step_budget)."""
+        return sum(attended(p.work.start_pos, p.work.num_tokens, window) for p in self.seqs)
+
+    @property
+    def held(self) -> int:
+        """Positions its sequences hold once it is computed, in all (each one's keys are read)."""
+        return sum(p.work.stop for p in self.seqs)
+
+    @property
+    def decodes(self) -> bool:
+        """It holds a decode row (a sequence past its prompt)."""
+        return any(p.work.start_pos >= len(p.seq.spec.prompt) for p in self.seqs)
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -115,6 +130,7 @@ class Scheduler:
         self._recently_closed: OrderedDict[str, str] = OrderedDict()  # session id -> owner
         self._step_ids = itertools.count(1)
         self.preempted = 0  # sequences given up to free blocks, since start
+        self.clock: StepClock | None = None  # the step-time bar's cost model (engine.step_budget; None: rows only)
 
     # ---- admission --------------------------------------------------------------------------
     def admit(self, spec: SeqSpec) -> tuple[Sequence, int]:
@@ -274,7 +290,8 @@ class Scheduler:
         b = self.budget
         ready = [s for s in self.seqs.values() if s.pending and not self.is_orphaned(s)]
         chosen: list[tuple[Sequence, int]] = []
-        rows = 0
+        rows = positions = held = 0  # token rows, the key positions they attend over, those their sequences hold
+        window = self.clock.shape.window if self.clock is not None else 0
         in_flight_cap, group = self.micro_batches_now()
         prompts = sorted((s for s in ready if s.is_prefill_ready()), key=lambda s: s.age)
         # decode rows first, those that waited longest first; with prompts waiting, they keep a seat
@@ -293,17 +310,27 @@ class Scheduler:
                     break
                 chosen.append((s, len(s.pending)))
                 rows += len(s.pending)
+                positions += attended(s.pending_pos, len(s.pending), window)
+                held += s.pending_pos + len(s.pending)
+        # the bar holds while some sequence decodes (here or further down the pipeline: its next step waits
+        # for this one); a prompt alone flows in whole chunks, its first token no later than it need be
+        decoding = self.clock is not None and bool(self.clock.bar_s) and bool(prompts) and any(
+            s.next_pos > len(s.spec.prompt) for s in self.seqs.values())
         for s in prompts:
             room = b.max_tokens - rows
             if room <= 0 or len(chosen) >= b.max_seqs:
                 break
             n = min(room, len(s.pending), s.spec.prefill_chunk or len(s.pending))  # a long prompt flows in chunks
+            if decoding:  # the step-time bar: a chunk shrinks as the context it attends over grows
+                n = self.clock.chunk(rows, positions, held, s.pending_pos, n)
             if n < len(s.pending) and s.pending_candidates:  # the last chunk keeps the row before them
                 n = min(n, len(s.pending) - s.pending_candidates - 1)
             if n < 1:
                 continue
             chosen.append((s, n))
             rows += n
+            positions += attended(s.pending_pos, n, window)
+            held += s.pending_pos + n
         if not chosen:
             return None, []
         step = Step(next(self._step_ids), [])
@@ -340,12 +367,17 @@ class Scheduler:
         step = Step(next(self._step_ids), [])
         failures: list[Failure] = []
         seen: set[str] = set()
-        rows = nseqs = 0
+        rows = nseqs = positions = held = 0
+        clock = self.clock
         while self.inbox:
             msg = self.inbox[0]
+            more = sum(attended(w.start_pos, w.num_tokens, clock.shape.window) for w in msg.seqs) if clock else 0
+            holds = sum(w.stop for w in msg.seqs)
             if nseqs and (rows + msg.rows > b.max_tokens or nseqs + len(msg.seqs) > b.max_seqs
-                          or any(w.session_id in seen for w in msg.seqs)):
+                          or any(w.session_id in seen for w in msg.seqs)
+                          or (clock is not None and not clock.fits(rows + msg.rows, positions + more, held + holds))):
                 break  # it waits for the next step (a sequence's next slice needs this one's KV first)
+            positions, held = positions + more, held + holds
             self.inbox.popleft()
             part = len(step.parts)
             step.parts.append(msg.hidden)

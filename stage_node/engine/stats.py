@@ -14,6 +14,10 @@ class StageStats:
     seq_rows: int = 0              # sequences in them (summed over steps)
     max_step_seqs: int = 0         # most sequences in one step
     compute_s: float = 0.0         # seconds spent in the runner on steps
+    max_step_s: float = 0.0        # the longest step, s
+    decode_steps: int = 0          # steps that held a decode row (a sequence past its prompt)
+    max_decode_step_s: float = 0.0  # the longest of them, s: what a decoding request waited at most here
+    decode_steps_over_bar: int = 0  # ... those over the step-time bar (--max-step-ms)
     sessions_expired: int = 0      # sessions freed because their owner was gone
     weights_pulled_bytes: int = 0  # tensor bytes pulled from the controller
     stale_steps: int = 0           # steps and feeds refused for carrying another plan generation
@@ -80,4 +84,5 @@ class StageSnapshot:
     block_size: int                # --block-size (the engine's, once assigned)
     stopping: bool
     drafter: str                   # what drafts candidates on the last stage
+    step_bar_s: float = 0.0        # --max-step-ms, s (0: no bar)
     engine: EngineView | None = field(default=None)

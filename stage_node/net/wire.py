@@ -205,7 +205,9 @@ def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str)
         candidates_accepted=st.candidates_accepted, drafter=snap.drafter, swapped_out_seqs=st.swapped_out_seqs,
         swapped_out_blocks=st.swapped_out_blocks, swapped_out_bytes=st.swapped_out_bytes,
         swapped_in_seqs=st.swapped_in_seqs, swapped_in_blocks=st.swapped_in_blocks,
-        swapped_in_bytes=st.swapped_in_bytes, swapped_in_tokens=st.swapped_in_tokens, swap_full=st.swap_full)
+        swapped_in_bytes=st.swapped_in_bytes, swapped_in_tokens=st.swapped_in_tokens, swap_full=st.swap_full,
+        max_step_s=st.max_step_s, decode_steps=st.decode_steps, max_decode_step_s=st.max_decode_step_s,
+        decode_steps_over_bar=st.decode_steps_over_bar, step_bar_s=snap.step_bar_s)
     e = snap.engine
     if e is not None:
         reply.model_dir, reply.model_digest, reply.plan_id = e.model_dir, e.model_digest, e.plan_id
