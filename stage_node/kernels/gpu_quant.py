@@ -1,40 +1,27 @@
-"""int4 and int8 weights on CUDA without bitsandbytes (the kernels and their exact arithmetic: gpu_quant_kernels;
-what follows on the product is partly historical: the sums are now exact per group, so any tile gives
-the same bits): the CPU formats' grids (stage_node.kernels.quant_grid)
-repacked at load for coalesced reads, multiplied by Triton kernels that dequantize in registers.
+"""int4 and int8 weights on CUDA without bitsandbytes: the CPU formats' grids
+(stage_node.kernels.quant_grid) repacked at load, multiplied by the Triton kernels of
+gpu_quant_kernels (whose docstring gives their exact arithmetic: activations rounded per group of 32
+to 11-bit integers times a power of two, every partial sum an exact integer in float32).
 
 Layout on the GPU (packed once, as each matrix is quantized):
-  * int4, w [N, K]: the K loop goes in chunks of G groups of 32 (G = chunk_groups(K): 4, or 2 or 1
-    where K / 32 is not a multiple of 4). `q4` [K/32G, N, 16G] uint8: chunk c of output n is one run of
-    16G bytes (coalesced), byte 16h + i holding q[n, 32(cG + h) + i] in its low nibble and
-    q[n, 32(cG + h) + 16 + i] in its high one: the low nibbles of a chunk are the first 16 weights of
-    each of its groups, the high nibbles the last 16, so each nibble half of a byte is a whole 16-wide
-    slice of K (a tensor-core step) and no shuffle interleaves them. `sz` [N, K/32] int32: a group's
-    bf16 scale bits in the low half, its zero point's in the high half (bf16 held as bits: Triton's
-    interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
+  * int4, w [N, K]: `q4` [K/32G, N, 16G] uint8 (G = chunk_groups(K): 4, or 2 or 1 where K / 32 is not
+    a multiple of 4): chunk c of output n is one run of 16G bytes, byte 16h + i holding
+    q[n, 32(cG + h) + i] in its low nibble and q[n, 32(cG + h) + 16 + i] in its high one (the one-row
+    kernel reads it as int32 words). `sz` [N, K/32] int32: a group's bf16 scale bits in the low half,
+    its zero point's in the high half (bf16 held as bits: Triton's interpreter, which the CPU tests
+    run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
   * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
 
-The product. One kernel per format, program (block of rows, block of BN outputs, part of K): it reads
-its weight tile once for all its rows, dequantizes it in registers and multiplies on the tensor cores,
-float32 accumulation:
-  * int4: a chunk at a time, w = (q - 8) * scale + zero in float32, rounded to the activations'
-    dtype; one dot over the chunk's low halves, then one over its high halves (few, large dots: each
-    costs a change of register layout on the way to the tensor cores);
-  * int8: K in chunks of BK, q converted to the activations' dtype exactly, the dot, and the output
-    channel's scale applied to the part's sum.
-Decode (up to invariant.DECODE_ROWS rows) runs 16-row tiles over narrow column blocks, the
-GEMV shape (many programs, each streaming its weight tile once); prompts run larger tiles (the same
-kernel: a tiled GEMM dequantizing tiles on the fly). `qmm_config` picks them.
+A product is three kernels: round_rows (the activations' integers, once per product), then up to
+GEMV_ROWS rows the one-row kernel (a program per row, column block and part of K, CUDA cores), more
+rows the tiled kernel (tensor cores), then invariant.add_parts over the parts of K. `qmm_config`
+picks the tile; any tile gives a row the same bits, so the kernel follows the row count.
 
-Batch invariance, by the float path's rule (stage_node.kernels.invariant): a row's sum over K is taken
-in an order that never depends on the number of rows: K in parts fixed per matrix
-(`invariant.k_parts`, added in order by `invariant.add_parts`), each part in 16-wide slices in
-a fixed order (int4: a chunk's low halves, then its high halves, G fixed per matrix; int8: slices in
-ascending order, BK fixed per format, not per tile); the tile itself
-follows the row count, which the tensor cores' ordered 16-wide steps make harmless (checked on the
-H100 for the float kernel, bench/gpu_invariance.py; for these by bench/gpu_quant.py). Outputs are
-written with no host sync and no allocation but the output's, so a CUDA graph captures them.
-Triton is imported only when a matrix is multiplied.
+Batch invariance, by the float path's rule (stage_node.kernels.invariant): K in parts fixed per
+matrix (`quant_parts`, never a function of the rows), added in order by `invariant.add_parts`, each
+part's groups in ascending order; checked on the H100 by bench/gpu_quant.py --part check. Outputs are
+written with no host sync and no allocation but the output's and the pre-pass's, so a CUDA graph
+captures them. Triton is imported only when a matrix is multiplied.
 """
 from __future__ import annotations
 
@@ -61,7 +48,8 @@ def quant_parts(n: int, k: int) -> int:
 
 # the one-row kernel's tile (BLOCK_N, num_warps, num_stages) by (format, n, k); others DECODE_TILE[format].
 # Any tile gives the same bits (gpu_quant_kernels): speed only. The fastest of 6 at one row for each 8B
-# matrix on an H100 (bench/gpu_quant.py --part sweep, 2026-11-27): 32 columns a one-warp program
+# matrix on an H100 (bench/gpu_quant.py --part sweep, 2026-11-27): 32 columns a one-warp program; int4
+# now 64 (two columns a thread share the activations' loads; not swept since the kernel changed)
 DECODE_TILE = {"int4": (64, 1, 2), "int8": (32, 1, 2)}
 DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 28672, 4096): (64, 1, 2)}
 # products of up to this many rows run the one-row kernel (a program a row), more the tiled one: on
