@@ -52,6 +52,7 @@ PROG = "logicpipe-controller"
 
 SERVICE_NAME = "logicpipe.v1.Controller"
 STARTED = time.monotonic()  # about when this process started (its predecessor was gone by then)
+DEFAULT_CONTEXT = 2048  # --context: tokens per sequence the plan reserves KV for (clamped to the model's limit)
 EXIT_FENCED = 75  # another controller took over: stopped, to be started again (as its standby) by systemd
 
 
@@ -109,11 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "over stage to stage): auto (default) when one pipeline's measured prefill rate is 4x "
                          "every other's and the handoff brings the first token sooner; on: the fastest prefiller "
                          "prefills every prompt for the others; off: never")
-    ap.add_argument("--context", type=int, default=2048, metavar="TOKENS",
+    ap.add_argument("--context", type=int, default=None, metavar="TOKENS",
                     help="tokens of context per sequence the plan reserves KV for, up to the model's limit "
                          "(max_position_embeddings: 8192 for the default model; 131072 for a Llama-3.1 with its "
                          "llama3 RoPE scaling); a prompt longer than it still runs where the stages' KV holds it "
-                         "(default %(default)s)")
+                         "(default 2048, or the model's limit where that is less)")
     ap.add_argument("--dtype", default="float32", choices=list(FLOAT_DTYPES),
                     help="compute dtype on the stages (a stage whose device lacks it computes in float32: the plan "
                          "says which, stage by stage)")
@@ -169,7 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not 0 <= args.speculate <= MAX_SPECULATE:
         ap.error(f"--speculate must be 0 (off) to {MAX_SPECULATE}")
-    if args.context < 1:
+    if args.context is not None and args.context < 1:
         ap.error(f"--context must be a number of tokens >= 1, not {args.context}")
     if args.prefill_chunk < 0:
         ap.error("--prefill-chunk must be 0 (from the cost model) or a number of tokens")
@@ -245,7 +246,8 @@ async def serve(args: argparse.Namespace) -> None:
         except TlsError as exc:
             raise SystemExit(f"--standby-name: {exc}") from None
     options = ControllerOptions(
-        dtype=args.dtype, plan_path=args.plan, strategy=args.strategy, objective=args.objective, context=args.context,
+        dtype=args.dtype, plan_path=args.plan, strategy=args.strategy, objective=args.objective,
+        context=args.context or DEFAULT_CONTEXT,
         micro_batches=args.micro_batches, address=address, settle_s=args.settle_s,
         replan_gain=args.replan_gain, wait_for_nodes_s=args.wait_for_nodes_s, mdns=not args.no_mdns, mesh=args.mesh,
         speculate=args.speculate, prefill_chunk=args.prefill_chunk, replicas=args.replicas,
@@ -257,7 +259,7 @@ async def serve(args: argparse.Namespace) -> None:
                             journal=journal)
     except (ModelError, OSError) as exc:  # a tokenizer that does not load is an OSError of transformers
         raise SystemExit(f"--model {args.model or model_dir}: {exc}") from None
-    if args.context > app.config.max_position_embeddings:
+    if args.context is not None and args.context > app.config.max_position_embeddings:  # the default is clamped
         raise SystemExit(f"--context {args.context}: over the model's limit of {app.config.max_position_embeddings} "
                          f"tokens (max_position_embeddings of {model_dir / 'config.json'}); give at most that")
     try:  # (its files are read and checked: disk work, off the loop)

@@ -107,8 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "both hold as many sequences of this many positions (default %(default)s)")
     ap.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
                     help="KV cache values: auto (default: the compute dtype), or 8-bit with a float32 scale per "
-                         "(token, KV head): int8 (CPU: attention reads it directly) or fp8 (float8 e4m3, meant for "
-                         "CUDA; works on a CPU too); not with --tp, nor --batch-invariant on (auto turns it off)")
+                         "(token, KV head): int8 (any device, the one that agrees with float KV on >= 0.95 of greedy "
+                         "tokens; keys and values stored rotated; a CPU's attention reads it directly) or fp8 (float8 "
+                         "e4m3: 3 mantissa bits, agrees less: docs/engine.md); not with --tp, nor --batch-invariant "
+                         "on (auto turns it off)")
     ap.add_argument("--swap-mib", type=int, default=None, metavar="MIB",
                     help="swap space, MiB: a sequence preempted for KV blocks keeps its KV there and its replay "
                          "copies it back instead of computing it again (0: none). Default: on a GPU half of "

@@ -71,7 +71,7 @@ class Engine:
         self.scheduler = Scheduler(kv, first=a.first, last=a.last, node_id=node_id, budget=budget,
                                    micro_batches=a.micro_batches or a.num_stages, is_orphaned=orphaned,
                                    states=pool.states, prefix_cache=not hybrid, swap=pool.swap)
-        self.scheduler.clock = self.clock = clock_of(shard, step_bar_s)  # the step-time bar (engine.step_budget)
+        self.scheduler.clock = self.clock = clock_of(shard, step_bar_s, pool)  # the step-time bar (engine.step_budget)
         if a.last:  # compiles a session's grammar when one first asks (its tokenizer read from shard_dir then)
             self.scheduler.grammars = GrammarBook(shard_dir, shard.config.vocab_size)
         # issue 32: a one-stage CUDA pipeline overlaps its greedy steps (see `_step_ahead`)
@@ -262,7 +262,8 @@ class Engine:
         st = self.stats
         st.compute_s += seconds
         st.max_step_s = max(st.max_step_s, seconds)
-        self.clock.observe(step.rows, step.positions(self.clock.shape.window), step.held, seconds)
+        if self.clock.bar_s:  # (no bar: nothing sizes chunks by the model, which is not fitted then)
+            self.clock.observe(step.rows, step.positions(self.clock.shape.window), step.held(self.clock), seconds)
         if step.decodes:  # a decode row waited for this step: the bar's figure
             st.decode_steps += 1
             st.max_decode_step_s = max(st.max_decode_step_s, seconds)
@@ -428,12 +429,14 @@ def hidden_of(step: Step, result: StepResult, done: list[PlannedSeq]) -> RawTens
     return result.hidden.take_rows([spans[i] for i in ids])
 
 
-def clock_of(shard: Shard, bar_s: float) -> StepClock:
-    """The step cost model of a shard's layers (engine.step_budget), under a bar of `bar_s` (0: none)."""
+def clock_of(shard: Shard, bar_s: float, pool=None) -> StepClock:
+    """The step cost model of a shard's layers (engine.step_budget) over `pool`, under a bar of `bar_s` (0: none)."""
     c, layers = shard.config, shard.end - shard.start
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     kv_bytes = layers * c.kv_parts * kv * shard.dtype.itemsize
     return StepClock(shape_of(params=layers * per_layer, attention_layers=layers, num_heads=c.num_heads,
-                              kv_bytes=kv_bytes, head_dim=c.head_dim), shard.device.type, bar_s=bar_s)
+                              kv_bytes=kv_bytes, head_dim=c.head_dim,
+                              in_place_rows=0 if pool is None else shard.in_place_rows(pool)),
+                      shard.device.type, bar_s=bar_s)
 

@@ -15,8 +15,9 @@ range (written by the torch forward). A replay after a re-plan that moved this s
 its rows from them instead of computing the layers it kept (stage_node.engine.blocks).
 
 8-bit KV (`kv_dtype` int8 / fp8, engine.kv_quant): the values in one byte and `scales`
-[layers, parts, kv_heads, slots] float32 beside them, one per (token, head) vector; `store` quantizes
-what a step writes, and attention dequantizes what it reads (stage_node.model.shard).
+[layers, parts, kv_heads, slots] float32 beside them, one per (token, head) vector; `store` rotates
+(`rotated`: int8 keys and values in two parts) and quantizes what a step writes, and attention dequantizes
+what it reads with its queries rotated and its output un-rotated (stage_node.model.shard, kv_quant.rotate).
 
 Multi-head latent attention (DeepSeek) keeps one tensor, not two: `parts` 1, one "head" whose row is a
 token's latent and rotary key ([layers, 1, 1, slots, kv_lora_rank + rope_dim]); `k` is that row and
@@ -35,6 +36,7 @@ from logicpipe.stage_node.engine.kv_quant import (
     index_select,
     quantize,
     quantized,
+    rotate,
     storage_dtype,
     vector_bytes,
 )
@@ -63,6 +65,9 @@ class KVPool:
         self.ks = None if self.scales is None else self.scales[:, 0]  # [layers, kv_heads, slots]
         self.vs = None if self.scales is None else self.scales[:, -1]  # (one part: the latent row's own)
         self.parts = parts
+        # int8 keys and values stored rotated (kv_quant.rotate; not fp8, whose error is relative to each
+        # element, nor MLA's one-part latent rows)
+        self.rotated = kv_dtype == "int8" and parts == 2
         self.num_blocks = num_blocks
         self.block_size = block_size  # positions per block (tokens)
         self.scratch_slot = num_blocks * block_size  # belongs to no block: written, never read
@@ -103,7 +108,7 @@ class KVPool:
             if self.scales is None:
                 dst.index_copy_(1, slots, x.transpose(0, 1))
             else:
-                q, s = quantize(x, self.kv_dtype)  # [T, kv_heads, hd], [T, kv_heads]
+                q, s = quantize(rotate(x) if self.rotated else x, self.kv_dtype)  # [T, kv_heads, hd], [T, kv_heads]
                 index_copy_(dst, 1, slots, q.transpose(0, 1))
                 self.scales[layer, part].index_copy_(1, slots, s.transpose(0, 1))
 

@@ -5,16 +5,36 @@ an element, each (token, KV head) vector with its own float32 scale beside it.
   x ~ q * scale (error at most scale / 2 an element).
 - fp8: torch.float8_e4m3fn (CUDA's 8-bit float; its storage and conversions work on a CPU too),
   scale = max|x| / 448 (e4m3's largest finite value), q = fp8(x / scale); relative error at most
-  2^-4 an element (3 mantissa bits), at least the scale's 2^-9 near zero.
+  2^-4 an element (3 mantissa bits), at least the scale's 2^-9 near zero. Its error is 4 to 5 times
+  int8's on a head's vector (relative RMS 0.022 against 0.0047 on Gaussian vectors), whatever the
+  scale: it agrees with float KV on fewer greedy tokens (docs/engine.md#8-bit-kv), so int8 is the
+  8-bit KV for every device; the attention paths dequantize either the same way.
 - auto: the compute dtype (no scales), as before.
+
+Rotation: before quantizing, each key and value vector is rotated by a fixed orthogonal matrix R (a
+randomized Hadamard transform: fixed signs, then Walsh-Hadamard in blocks of the largest power of two
+dividing the head dim, scaled to be orthonormal: `rotate`), and attention uses q R for the scores and
+un-rotates its output (`unrotate`): q . k = (q R) . (k R) and sum_j p_j v_j = (sum_j p_j v_j R) R^T,
+so float attention would give the same result; what changes is the rounding. A real model's keys
+and values have a few channels much larger than the rest (the default model: a channel's RMS up to
+4.7x the mean, max|x| / RMS of a vector 3.5 to 5.5), and one scale per vector spends the 8 bits on
+them; rotated, every element is a mix of all channels and the vector's max|x| / RMS falls to a
+Gaussian's (about 2.5): int8's relative error 0.006 to 0.013 -> 0.0053 to 0.0059 on the default
+model's keys and values (`bench.kv_quant --parts error`). On a CPU by butterflies, elementwise adds
+(a row's bits never depend on what shares its step); on CUDA one product with R. Only int8 is
+rotated: fp8's error is relative to each element, which a rotation does not change. Multi-head latent
+attention's rows (one part: the values are a slice of the keys' row) are not rotated.
 
 Where it happens: keys and values are quantized as a step writes them to the pool (`quantize`, the
 row's own vector only, so a row's stored bits never depend on what shares its step) and dequantized
 as attention reads them (`dequantize`, in the compute dtype, or directly by cpu_quant.c's
-`lp_attend_int8` on a CPU: stage_node.model.shard). The scale layout is the pool's without its last
+`lp_attend` on a CPU: stage_node.model.shard). The scale layout is the pool's without its last
 axis: [layers, parts (k, v), kv_heads, slots] float32 (`KVPool.scales`).
 """
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
@@ -61,6 +81,69 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
     else:
         q = (x / div).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q, scale
+
+
+@functools.lru_cache(maxsize=None)
+def _signs(d: int) -> tuple[float, ...]:
+    """The rotation's fixed signs for head dim d (a 32-bit LCG's top bit: the same in every process)."""
+    out, x = [], 12345
+    for _ in range(d):
+        x = (1103515245 * x + 12345) & 0xFFFFFFFF
+        out.append(-1.0 if x >> 31 else 1.0)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _signs_tensor(d: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(_signs(d), dtype=torch.float32, device=device)
+
+
+def _signs_on(x: torch.Tensor) -> torch.Tensor:
+    """The signs on x's device, made once (a CUDA graph's warm-up run makes them before its capture)."""
+    return _signs_tensor(x.shape[-1], x.device)
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] float32 -> its Walsh-Hadamard transform in blocks of b (the largest power of two dividing d),
+    scaled by 1 / sqrt(b): orthonormal and its own inverse. Butterflies (elementwise adds): a row's result
+    never depends on the other rows."""
+    d = x.shape[-1]
+    b = d & -d
+    lead = x.shape[:-1]
+    h = 1
+    while h < b:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        x = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), -2)
+        h *= 2
+    return x.reshape(*lead, d) * (1.0 / math.sqrt(b))
+
+
+def _butterflies(x: torch.Tensor) -> torch.Tensor:
+    return _hadamard(x.float() * _signs_on(x))
+
+
+@functools.lru_cache(maxsize=None)
+def rotation(d: int, device: torch.device) -> torch.Tensor:
+    """R [d, d] float32 on `device` (made once: a CUDA graph's warm-up run makes it before its capture)."""
+    return _butterflies(torch.eye(d)).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] -> x R in float32 (R: fixed signs, then `_hadamard`), what an int8 pool stores and what
+    attention's queries are multiplied by. On a CPU by butterflies (a row's bits never depend on the other
+    rows); on CUDA one float32 product with R (one kernel where the butterflies launch 20-odd small ones;
+    CUDA's 8-bit KV forward runs --batch-invariant off anyway)."""
+    if x.is_cuda:
+        return x.float() @ rotation(x.shape[-1], x.device)
+    return _butterflies(x)
+
+
+def unrotate(y: torch.Tensor) -> torch.Tensor:
+    """y [..., d] -> y R^T in y's dtype (computed in float32): attention's output over rotated values back in
+    the model's basis."""
+    if y.is_cuda:
+        return (y.float() @ rotation(y.shape[-1], y.device).T).to(y.dtype)
+    return (_hadamard(y.float()) * _signs_on(y)).to(y.dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -89,10 +89,9 @@ class Step:
         """Key positions its rows attend over in all (engine.step_budget)."""
         return sum(attended(p.work.start_pos, p.work.num_tokens, window) for p in self.seqs)
 
-    @property
-    def held(self) -> int:
-        """Positions its sequences hold once it is computed, in all (each one's keys are read)."""
-        return sum(p.work.stop for p in self.seqs)
+    def held(self, clock) -> int:
+        """Positions its sequences gather once it is computed, in all (`StepClock.held`)."""
+        return sum(clock.held(p.work.start_pos, p.work.num_tokens) for p in self.seqs)
 
     @property
     def decodes(self) -> bool:
@@ -311,7 +310,7 @@ class Scheduler:
                 chosen.append((s, len(s.pending)))
                 rows += len(s.pending)
                 positions += attended(s.pending_pos, len(s.pending), window)
-                held += s.pending_pos + len(s.pending)
+                held += self.clock.held(s.pending_pos, len(s.pending)) if self.clock is not None else 0
         # the bar holds while some sequence decodes (here or further down the pipeline: its next step waits
         # for this one); a prompt alone flows in whole chunks, its first token no later than it need be
         decoding = self.clock is not None and bool(self.clock.bar_s) and bool(prompts) and any(
@@ -330,7 +329,7 @@ class Scheduler:
             chosen.append((s, n))
             rows += n
             positions += attended(s.pending_pos, n, window)
-            held += s.pending_pos + n
+            held += self.clock.held(s.pending_pos, n) if self.clock is not None else 0
         if not chosen:
             return None, []
         step = Step(next(self._step_ids), [])
@@ -368,11 +367,11 @@ class Scheduler:
         failures: list[Failure] = []
         seen: set[str] = set()
         rows = nseqs = positions = held = 0
-        clock = self.clock
+        clock = self.clock if self.clock is not None and self.clock.bar_s else None  # (no bar: rows alone)
         while self.inbox:
             msg = self.inbox[0]
             more = sum(attended(w.start_pos, w.num_tokens, clock.shape.window) for w in msg.seqs) if clock else 0
-            holds = sum(w.stop for w in msg.seqs)
+            holds = sum(clock.held(w.start_pos, w.num_tokens) for w in msg.seqs) if clock else 0
             if nseqs and (rows + msg.rows > b.max_tokens or nseqs + len(msg.seqs) > b.max_seqs
                           or any(w.session_id in seen for w in msg.seqs)
                           or (clock is not None and not clock.fits(rows + msg.rows, positions + more, held + holds))):

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from logicpipe.stage_node.engine.blocks import HOLE
-from logicpipe.stage_node.engine.kv_quant import dequantize, index_select
+from logicpipe.stage_node.engine.kv_quant import dequantize, index_select, rotate, unrotate
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.model.ops import softcap
 
@@ -353,6 +353,8 @@ class StepGraphs:
             values = keys[..., : pool.v.shape[-1]] if v is None else both[1]
             mask = masks[s.kind(i)]
             q = q.view(R, kvh, group_size, hd)
+            if pool.rotated:  # 8-bit keys and values stored rotated (kv_quant.rotate): so are the queries
+                q = rotate(q).to(q.dtype)
             if sinks is not None:  # ops.attention's form with sinks: [R, kv_heads, group, C + 1]
                 scores = (q @ keys.transpose(-1, -2) * s._scale).masked_fill(~mask, float("-inf"))
                 both = torch.cat([scores, sinks.to(scores.dtype).view(1, kvh, group_size, 1).expand(R, -1, -1, -1)], -1)
@@ -363,7 +365,7 @@ class StepGraphs:
             else:  # [R, kv_heads, group, C]
                 scores = softcap(q @ keys.transpose(-1, -2) * s._scale, cap).masked_fill(~mask, float("-inf"))
                 o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
-            return o.reshape(R, -1)  # o: [R, kv_heads, group, hd]
+            return (unrotate(o) if pool.rotated else o).reshape(R, -1)  # o: [R, kv_heads, group, hd]
 
         h = g.x
         for i, w in enumerate(s.layers):

@@ -131,9 +131,9 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     lib.lp_layers_pools.argtypes = [ctypes.POINTER(Dims), ctypes.POINTER(Layer), i64, ptr, i64, ptr, ptr,
                                     ctypes.POINTER(Pool), i64, ptr, ptr, ptr, cint]
     lib.lp_layers_pools.restype = cint
-    lib.lp_attend_int8.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
-                                   ctypes.c_double, ptr, cint]
-    lib.lp_attend_int8.restype = cint
+    lib.lp_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
+                              ctypes.c_double, ptr, cint]
+    lib.lp_attend.restype = cint
     log.info("native CPU kernels (%s) loaded from %s", ISA_NAMES.get(lib.lp_isa(), "?"), path)
     return lib
 
@@ -215,17 +215,26 @@ def call(fn, x: torch.Tensor, w: int, s: int, n: int) -> torch.Tensor:
     return out
 
 
-def attend_int8(q: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-                table: torch.Tensor, row_seq: torch.Tensor, pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """Attention over one layer's int8 KV (cpu_quant.c's lp_attend_int8): q [T, heads, hd] float32; kq, vq
-    [kv_heads, slots, hd] int8 and ks, vs [kv_heads, slots] float32 (contiguous); table [seqs, L] int64,
-    each sequence's slot of each position; row_seq, pos [T] int64; window 0: none. -> [T, heads * hd]"""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, row_seq: torch.Tensor,
+           pos: torch.Tensor, window: int, scale: float, ks: torch.Tensor | None = None,
+           vs: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over one layer's paged KV, read in place (cpu_quant.c's lp_attend): q [T, heads, hd]
+    float32; k, v [kv_heads, slots, hd] float32, or int8 with their scales ks, vs [kv_heads, slots]
+    float32 (all contiguous); table [seqs, L] int64, each sequence's slot of each position; row_seq, pos
+    [T] int64 (row r sees its sequence's positions <= pos[r], and > pos[r] - window; window 0: none).
+    -> [T, heads * hd] float32"""
     lib = library()
     q = q.float().contiguous()
     T, heads, hd = q.shape
+    if (ks is None) != (k.dtype == torch.float32) or (ks is None) != (vs is None):
+        raise ValueError(f"native attention reads float32 KV, or int8 with both scales; got {k.dtype}")
     out = torch.empty(T, heads * hd)
-    if lib.lp_attend_int8(q.data_ptr(), T, heads, kq.shape[0], hd, kq.data_ptr(), vq.data_ptr(), ks.data_ptr(),
-                          vs.data_ptr(), kq.shape[1], table.data_ptr(), table.shape[1], row_seq.data_ptr(),
-                          pos.data_ptr(), window, scale, out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("native int8 attention: no memory for its scratch")
+    rc = lib.lp_attend(q.data_ptr(), T, heads, k.shape[0], hd, k.data_ptr(), v.data_ptr(),
+                       None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(), k.shape[1],
+                       table.data_ptr(), table.shape[1], row_seq.data_ptr(), pos.data_ptr(), window, scale,
+                       out.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"native attention: {heads // k.shape[0]} query heads a KV head, more than it tiles")
+    if rc:
+        raise MemoryError("native attention: no memory for its tiles")
     return out

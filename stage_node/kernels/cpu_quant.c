@@ -467,128 +467,28 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y +=
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* One row's head: softmax(q . k_j * scale) . v_j over the slots slots[lo..hi] -> out [hd]; p: scratch */
-static void attend_head(const float *q, const float *kb, const float *vb, const int64_t *slots, int64_t lo,
-                        int64_t hi, int64_t hd, float scale, float *p, float *out) {
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t j = lo; j <= hi; j++) {
-        float s = dot(q, kb + slots[j] * hd, hd) * scale;
-        p[j - lo] = s;
-        m = s > m ? s : m;
-    }
-    for (int64_t j = lo; j <= hi; j++) {
-        float e = expf(p[j - lo] - m);
-        p[j - lo] = e;
-        sum += e;
-    }
-    memset(out, 0, (size_t)hd * sizeof(float));
-    for (int64_t j = lo; j <= hi; j++) axpy(out, p[j - lo], vb + slots[j] * hd, hd);
-    float inv = 1.0f / sum;
-    for (int64_t i = 0; i < hd; i++) out[i] *= inv;
-}
-
-static inline float act_fn(float g, int64_t act) {
-    if (act == 1) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    return g / (1.0f + expf(-g));
-}
-
-/* Layers [0, nl) of `L` over x [T, hidden] in place (the residual stream), layer l's KV the layer
-   where[2 l + 1] of pools[where[2 l]] (npools of them). 0, or -1: no memory, -2: a head larger than 512. */
-int lp_layers_pools(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
-                    const int64_t *row_seq, const lp_pool *pools, int64_t npools, const int64_t *where,
-                    const float *cos, const float *sin_signed, int nt) {
-    const int64_t H = d->hidden, nh = d->heads, kvh = d->kv_heads, hd = d->head_dim, I = d->inter;
-    const int64_t qn = nh * hd, kvn = kvh * hd, QKV = qn + 2 * kvn, group = nh / kvh;
-    const float eps = (float)d->eps, scale = (float)d->scale;
-    if (hd > 512) return -2;
-    int threads = nt > 1 ? nt : 1;
-    float *h = (float *)malloc((size_t)(T * H) * sizeof(float));
-    float *qkv = (float *)malloc((size_t)(T * QKV) * sizeof(float));
-    float *att = (float *)malloc((size_t)(T * qn) * sizeof(float));
-    float *gu = (float *)malloc((size_t)(T * 2 * I) * sizeof(float));
-    float *tmp = (float *)malloc((size_t)(T * H) * sizeof(float));
-    int64_t longest = 1;
-    for (int64_t g = 0; g < npools; g++) longest = pools[g].table_len > longest ? pools[g].table_len : longest;
-    float *p = (float *)malloc((size_t)(threads * longest) * sizeof(float));
-    int rc = (h && qkv && att && gu && tmp && p) ? 0 : -1;
-    for (int64_t l = 0; l < nl && !rc; l++) {
-        const lp_layer *w = L + l;
-        const lp_pool *P = pools + where[2 * l];
-        const int64_t slots = P->slots, part = kvh * slots * hd;  /* floats of one (layer, k or v) */
-        const int64_t *table = P->table, table_len = P->table_len, *write_slots = P->write_slots;
-        float *kl = P->kv + 2 * where[2 * l + 1] * part, *vl = kl + part;
-        for (int64_t r = 0; r < T; r++) rms_norm_row(x + r * H, w->input_norm, h + r * H, H, eps);
-        if ((rc = mat_mm(&w->qkv, h, H, T, H, qkv, QKV, nt))) break;
-        add_bias(qkv, QKV, T, QKV, w->qkv_bias);
-        for (int64_t r = 0; r < T; r++) {
-            float *q = qkv + r * QKV, *k = q + qn, *v = k + kvn;
-            if (w->qk_norm)
-                for (int64_t i = 0; i < nh + kvh; i++) rms_norm_row(q + i * hd, NULL, q + i * hd, hd, eps);
-            if (w->qk_norm)
-                for (int64_t i = 0; i < (nh + kvh) * hd; i++) q[i] *= w->qk_norm[i];
-            if (w->rope)
-                for (int64_t i = 0; i < nh + kvh; i++) rope_head(q + i * hd, cos + pos[r] * hd, sin_signed + pos[r] * hd, hd);
-            for (int64_t g = 0; g < kvh; g++) {
-                memcpy(kl + (g * slots + write_slots[r]) * hd, k + g * hd, (size_t)hd * sizeof(float));
-                memcpy(vl + (g * slots + write_slots[r]) * hd, v + g * hd, (size_t)hd * sizeof(float));
-            }
-        }
-        int64_t pairs = T * nh;
-#ifdef _OPENMP
-        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && pairs >= 2 * threads)
-#endif
-        for (int64_t i = 0; i < pairs; i++) {
-            int64_t r = i / nh, hh = i % nh, g = hh / group;
-            int64_t hi = pos[r], lo = w->window > 0 && hi - w->window + 1 > 0 ? hi - w->window + 1 : 0;
-#ifdef _OPENMP
-            float *pt = p + (int64_t)omp_get_thread_num() * longest;
-#else
-            float *pt = p;
-#endif
-            attend_head(qkv + r * QKV + hh * hd, kl + g * slots * hd, vl + g * slots * hd,
-                        table + row_seq[r] * table_len, lo, hi, hd, scale, pt, att + r * qn + hh * hd);
-        }
-        if ((rc = mat_mm(&w->o, att, qn, T, qn, tmp, H, nt))) break;
-        add_bias(tmp, H, T, H, w->o_bias);
-        for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
-        for (int64_t r = 0; r < T; r++) rms_norm_row(x + r * H, w->post_norm, h + r * H, H, eps);
-        if ((rc = mat_mm(&w->gate_up, h, H, T, H, gu, 2 * I, nt))) break;
-        add_bias(gu, 2 * I, T, 2 * I, w->gate_up_bias);
-        for (int64_t r = 0; r < T; r++) {
-            float *g = gu + r * 2 * I;
-            for (int64_t i = 0; i < I; i++) g[i] = act_fn(g[i], d->act) * g[I + i];
-        }
-        if ((rc = mat_mm(&w->down, gu, 2 * I, T, I, tmp, H, nt))) break;
-        add_bias(tmp, H, T, H, w->down_bias);
-        for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
-    }
-    free(h); free(qkv); free(att); free(gu); free(tmp); free(p);
-    return rc;
-}
-
-/* lp_layers_pools over one pool kv (d->slots slots), layer l its layer l. */
-int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
-              const int64_t *row_seq, const int64_t *table, int64_t table_len, const int64_t *write_slots,
-              float *kv, const float *cos, const float *sin_signed, int nt) {
-    lp_pool one = {kv, d->slots, table, table_len, write_slots};
-    int64_t *where = (int64_t *)malloc((size_t)(2 * (nl > 0 ? nl : 1)) * sizeof(int64_t));
-    if (!where) return -1;
-    for (int64_t l = 0; l < nl; l++) { where[2 * l] = 0; where[2 * l + 1] = l; }
-    int rc = lp_layers_pools(d, L, nl, x, T, pos, row_seq, &one, 1, where, cos, sin_signed, nt);
-    free(where);
-    return rc;
-}
-
 /* ---------------------------------------------------------------------------------------------------
-   Attention over 8-bit KV (--kv-dtype int8; stage_node.model.shard's torch forward on a CPU): each
-   (token, KV head) vector is int8 values with a float32 scale, x = q * scale (engine.kv_quant). Read
-   directly, a byte an element, never dequantized into a copy:
-       score_j = (q . k_j) * ks_j * scale,   out = sum_j softmax_j * vs_j * v_j
-   q [T, heads, hd] float32; kq, vq [kv_heads, slots, hd] int8 and ks, vs [kv_heads, slots] float32 (one
-   layer's pool); row r attends over the slots table[row_seq[r]][j] of positions j in [lo, pos[r]] (lo =
-   pos[r] - window + 1 with a window, else 0) -> out [T, heads * hd]. Every (row, head) is computed on
-   its own in a fixed order, so a row's result does not depend on the rows beside it; threads split the
-   (row, head) pairs, never a sum. */
+   Attention over a paged KV pool, read in place (lp_attend: stage_node.model.shard's torch forward on a
+   CPU; and lp_layers_pools' attention). Float32 KV, or 8-bit (--kv-dtype int8: each (token, KV head)
+   vector int8 values with a float32 scale, x = q * scale, engine.kv_quant; read a byte an element,
+   never dequantized into a copy):
+       score_j = (q . k_j) [* ks_j] * scale,   out = sum_j softmax_j [* vs_j] * v_j
+   k, v [kv_heads, slots, hd] (one layer's pool; ks, vs [kv_heads, slots] with int8); row r of q (rows
+   ldq floats apart, heads hd apart) attends over the slots table[row_seq[r]][j] of the positions j in
+   [lo, pos[r]] (lo = pos[r] - window + 1 with a window, else 0): causal within a prompt chunk, whose
+   rows' keys are in the pool before any row reads -> out (rows ldo apart, heads hd apart). No gather:
+   each key is read from its slot where it lies.
+
+   Softmax online, over blocks of ATT_BLOCK positions at multiples of ATT_BLOCK: per (row, head) a
+   running max, sum and output, rescaled when the max grows. A block is read once for a tile of
+   consecutive rows of one sequence times the `group` query heads of one KV head (grouped-query heads
+   share each key; none is copied). Batch invariance: a (row, head) takes its blocks, and the positions
+   within a block, in the same order by the same instructions whatever rows are beside it (a block it
+   does not see is skipped for it, not masked), so a row's result does not depend on its step; threads
+   split the (tile, KV head) pairs, never a sum. */
+
+#define ATT_BLOCK 64
+#define ATT_PAIRS 64  /* (row, query head) pairs of a tile at most: ATT_PAIRS / group rows (at least 1) */
 
 static inline float dot_i8(const float *a, const int8_t *b, int64_t n) {
 #if defined(LP_AVX2)
@@ -639,47 +539,220 @@ static inline void axpy_i8(float *y, float a, const int8_t *x, int64_t n) {  /* 
     for (int64_t i = 0; i < n; i++) y[i] += a * (float)x[i];
 }
 
-int lp_attend_int8(const float *q, int64_t T, int64_t nh, int64_t kvh, int64_t hd, const int8_t *kq,
-                   const int8_t *vq, const float *ks, const float *vs, int64_t slots, const int64_t *table,
-                   int64_t table_len, const int64_t *row_seq, const int64_t *pos, int64_t window, double scale_d,
-                   float *out, int nt) {
-    const int64_t group = nh / kvh, pairs = T * nh;
-    const float scale = (float)scale_d;
-    int threads = nt > 1 ? nt : 1;
-    float *p = (float *)malloc((size_t)(threads * table_len) * sizeof(float));
-    if (!p) return -1;
-#ifdef _OPENMP
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && pairs >= 2 * threads)
-#endif
-    for (int64_t i = 0; i < pairs; i++) {
-        int64_t r = i / nh, hh = i % nh, g = hh / group;
-        int64_t hi = pos[r], lo = window > 0 && hi - window + 1 > 0 ? hi - window + 1 : 0;
-#ifdef _OPENMP
-        float *pt = p + (int64_t)omp_get_thread_num() * table_len;
-#else
-        float *pt = p;
-#endif
-        const float *qr = q + (r * nh + hh) * hd;
-        const int8_t *kb = kq + g * slots * hd, *vb = vq + g * slots * hd;
-        const float *ksb = ks + g * slots, *vsb = vs + g * slots;
-        const int64_t *sl = table + row_seq[r] * table_len;
-        float *o = out + (r * nh + hh) * hd;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t j = lo; j <= hi; j++) {
-            float s = dot_i8(qr, kb + sl[j] * hd, hd) * ksb[sl[j]] * scale;
-            pt[j - lo] = s;
-            m = s > m ? s : m;
+/* four keys' dot products with q, each summed as dot() / dot_i8() sums it (four chains side by side) */
+INLINE void dot4(const int I8, const float *q, const void *k, const int64_t *at, int64_t hd, float *o) {
+#if defined(LP_AVX2)
+    if (hd % 8 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t i = 0; i < hd; i += 8) {
+            __m256 a = _mm256_loadu_ps(q + i), k0, k1, k2, k3;
+            if (I8) {
+                const int8_t *b = (const int8_t *)k + i;
+#define LP_I8(x) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x))))
+                k0 = LP_I8(b + at[0] * hd); k1 = LP_I8(b + at[1] * hd);
+                k2 = LP_I8(b + at[2] * hd); k3 = LP_I8(b + at[3] * hd);
+#undef LP_I8
+            } else {
+                const float *b = (const float *)k + i;
+                k0 = _mm256_loadu_ps(b + at[0] * hd); k1 = _mm256_loadu_ps(b + at[1] * hd);
+                k2 = _mm256_loadu_ps(b + at[2] * hd); k3 = _mm256_loadu_ps(b + at[3] * hd);
+            }
+            s0 = _mm256_fmadd_ps(a, k0, s0); s1 = _mm256_fmadd_ps(a, k1, s1);
+            s2 = _mm256_fmadd_ps(a, k2, s2); s3 = _mm256_fmadd_ps(a, k3, s3);
         }
-        for (int64_t j = lo; j <= hi; j++) {
-            float e = expf(pt[j - lo] - m);
-            pt[j - lo] = e;
-            sum += e;
-        }
-        memset(o, 0, (size_t)hd * sizeof(float));
-        for (int64_t j = lo; j <= hi; j++) axpy_i8(o, pt[j - lo] * vsb[sl[j]], vb + sl[j] * hd, hd);
-        float inv = 1.0f / sum;
-        for (int64_t k = 0; k < hd; k++) o[k] *= inv;
+        o[0] = hsum8(s0); o[1] = hsum8(s1); o[2] = hsum8(s2); o[3] = hsum8(s3);
+        return;
     }
-    free(p);
+#endif
+    for (int c = 0; c < 4; c++)
+        o[c] = I8 ? dot_i8(q, (const int8_t *)k + at[c] * hd, hd) : dot(q, (const float *)k + at[c] * hd, hd);
+}
+
+typedef struct {
+    const void *k, *v;     /* one layer's [kv_heads, slots, hd]: float32, or int8 with ks, vs */
+    const float *ks, *vs;  /* int8: [kv_heads, slots] scales; NULL with float32 */
+    int64_t slots;
+    const int64_t *table;  /* [seqs, table_len]: each sequence's slot of each position */
+    int64_t table_len;
+} lp_kv;
+
+INLINE int64_t first_seen(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* rows [r0, r1) (consecutive rows of one sequence) x the query heads of KV head g */
+INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t ldq, int64_t r0, int64_t r1,
+                        int64_t g, int64_t group, int64_t hd, const int64_t *row_seq, const int64_t *pos,
+                        int64_t window, float scale, float *out, int64_t ldo) {
+    float m[ATT_PAIRS], l[ATT_PAIRS], s[ATT_BLOCK];
+    const int64_t *sl = kv->table + row_seq[r0] * kv->table_len;
+    const int64_t esz = I8 ? 1 : (int64_t)sizeof(float);
+    const char *kb = (const char *)kv->k + g * kv->slots * hd * esz, *vb = (const char *)kv->v + g * kv->slots * hd * esz;
+    const float *ksb = I8 ? kv->ks + g * kv->slots : NULL, *vsb = I8 ? kv->vs + g * kv->slots : NULL;
+    int64_t lo_t = INT64_MAX, hi_t = -1;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t lo = first_seen(pos[r], window);
+        lo_t = lo < lo_t ? lo : lo_t;
+        hi_t = pos[r] > hi_t ? pos[r] : hi_t;
+        for (int64_t c = 0; c < group; c++) {
+            m[(r - r0) * group + c] = -INFINITY;
+            l[(r - r0) * group + c] = 0.0f;
+            memset(out + r * ldo + (g * group + c) * hd, 0, (size_t)hd * sizeof(float));
+        }
+    }
+    for (int64_t b = lo_t / ATT_BLOCK * ATT_BLOCK; b <= hi_t; b += ATT_BLOCK) {
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t lo = first_seen(pos[r], window), a = b > lo ? b : lo;
+            int64_t e = b + ATT_BLOCK - 1 < pos[r] ? b + ATT_BLOCK - 1 : pos[r];
+            if (a > e) continue;
+            for (int64_t c = 0; c < group; c++) {
+                int64_t i = (r - r0) * group + c, hh = g * group + c, j = a;
+                const float *qr = q + r * ldq + hh * hd;
+                float *o = out + r * ldo + hh * hd, top = -INFINITY;
+                for (; j + 4 <= e + 1; j += 4) dot4(I8, qr, kb, sl + j, hd, s + (j - a));
+                for (; j <= e; j++) {  /* the last few: one key in all four chains */
+                    float one[4];
+                    dot4(I8, qr, kb, (const int64_t[4]){sl[j], sl[j], sl[j], sl[j]}, hd, one);
+                    s[j - a] = one[0];
+                }
+                for (j = a; j <= e; j++) {
+                    float x = I8 ? s[j - a] * ksb[sl[j]] * scale : s[j - a] * scale;
+                    s[j - a] = x;
+                    top = x > top ? x : top;
+                }
+                if (top > m[i]) {  /* the running max grows: what is summed so far is rescaled */
+                    float alpha = expf(m[i] - top);
+                    l[i] *= alpha;
+                    for (int64_t d = 0; d < hd; d++) o[d] *= alpha;
+                    m[i] = top;
+                }
+                for (j = a; j <= e; j++) {
+                    float p = expf(s[j - a] - m[i]);
+                    l[i] += p;
+                    if (I8) axpy_i8(o, p * vsb[sl[j]], (const int8_t *)vb + sl[j] * hd, hd);
+                    else axpy(o, p, (const float *)vb + sl[j] * hd, hd);
+                }
+            }
+        }
+    }
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c = 0; c < group; c++) {
+            float inv = 1.0f / l[(r - r0) * group + c], *o = out + r * ldo + (g * group + c) * hd;
+            for (int64_t d = 0; d < hd; d++) o[d] *= inv;
+        }
+}
+
+/* Every row of a step (q rows ldq apart) over its sequence's positions, into out (rows ldo apart).
+   0, or -1: no memory. */
+static int attend_rows(const int I8, const lp_kv *kv, const float *q, int64_t ldq, int64_t T, int64_t nh,
+                       int64_t kvh, int64_t hd, const int64_t *row_seq, const int64_t *pos, int64_t window,
+                       float scale, float *out, int64_t ldo, int nt) {
+    const int64_t group = nh / kvh, per = ATT_PAIRS / group > 0 ? ATT_PAIRS / group : 1;
+    if (group > ATT_PAIRS) return -2;
+    int64_t *tiles = (int64_t *)malloc((size_t)(T + 1) * sizeof(int64_t)), n = 0;
+    if (!tiles) return -1;
+    for (int64_t r = 0; r < T; r++)  /* a tile: up to `per` consecutive rows of one sequence */
+        if (!n || row_seq[r] != row_seq[tiles[n - 1]] || r - tiles[n - 1] >= per) tiles[n++] = r;
+    tiles[n] = T;
+    int64_t items = n * kvh;
+    int threads = nt > 1 ? nt : 1;
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(threads) schedule(dynamic) if (threads > 1 && items >= 2)
+#endif
+    for (int64_t i = 0; i < items; i++) {
+        int64_t t = i / kvh, g = i % kvh;
+        if (I8) attend_tile(1, kv, q, ldq, tiles[t], tiles[t + 1], g, group, hd, row_seq, pos, window, scale, out, ldo);
+        else attend_tile(0, kv, q, ldq, tiles[t], tiles[t + 1], g, group, hd, row_seq, pos, window, scale, out, ldo);
+    }
+    (void)threads;
+    free(tiles);
     return 0;
+}
+
+/* One layer's attention (see above): q [T, heads, hd] float32; k, v [kv_heads, slots, hd] float32, or int8
+   with ks, vs [kv_heads, slots] (ks NULL: float32) -> out [T, heads * hd]. 0, -1: no memory, -2: more
+   query heads a KV head than ATT_PAIRS. */
+int lp_attend(const float *q, int64_t T, int64_t nh, int64_t kvh, int64_t hd, const void *k, const void *v,
+              const float *ks, const float *vs, int64_t slots, const int64_t *table, int64_t table_len,
+              const int64_t *row_seq, const int64_t *pos, int64_t window, double scale, float *out, int nt) {
+    lp_kv kv = {k, v, ks, vs, slots, table, table_len};
+    return attend_rows(ks != NULL, &kv, q, nh * hd, T, nh, kvh, hd, row_seq, pos, window, (float)scale, out,
+                       nh * hd, nt);
+}
+
+static inline float act_fn(float g, int64_t act) {
+    if (act == 1) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
+/* Layers [0, nl) of `L` over x [T, hidden] in place (the residual stream), layer l's KV the layer
+   where[2 l + 1] of pools[where[2 l]] (npools of them). 0, or -1: no memory, -2: a head larger than 512 or more than
+   ATT_PAIRS query heads a KV head. */
+int lp_layers_pools(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
+                    const int64_t *row_seq, const lp_pool *pools, int64_t npools, const int64_t *where,
+                    const float *cos, const float *sin_signed, int nt) {
+    const int64_t H = d->hidden, nh = d->heads, kvh = d->kv_heads, hd = d->head_dim, I = d->inter;
+    const int64_t qn = nh * hd, kvn = kvh * hd, QKV = qn + 2 * kvn;
+    const float eps = (float)d->eps, scale = (float)d->scale;
+    (void)npools;
+    if (hd > 512) return -2;
+    float *h = (float *)malloc((size_t)(T * H) * sizeof(float));
+    float *qkv = (float *)malloc((size_t)(T * QKV) * sizeof(float));
+    float *att = (float *)malloc((size_t)(T * qn) * sizeof(float));
+    float *gu = (float *)malloc((size_t)(T * 2 * I) * sizeof(float));
+    float *tmp = (float *)malloc((size_t)(T * H) * sizeof(float));
+    int rc = (h && qkv && att && gu && tmp) ? 0 : -1;
+    for (int64_t l = 0; l < nl && !rc; l++) {
+        const lp_layer *w = L + l;
+        const lp_pool *P = pools + where[2 * l];
+        const int64_t slots = P->slots, part = kvh * slots * hd;  /* floats of one (layer, k or v) */
+        const int64_t *table = P->table, table_len = P->table_len, *write_slots = P->write_slots;
+        float *kl = P->kv + 2 * where[2 * l + 1] * part, *vl = kl + part;
+        for (int64_t r = 0; r < T; r++) rms_norm_row(x + r * H, w->input_norm, h + r * H, H, eps);
+        if ((rc = mat_mm(&w->qkv, h, H, T, H, qkv, QKV, nt))) break;
+        add_bias(qkv, QKV, T, QKV, w->qkv_bias);
+        for (int64_t r = 0; r < T; r++) {
+            float *q = qkv + r * QKV, *k = q + qn, *v = k + kvn;
+            if (w->qk_norm)
+                for (int64_t i = 0; i < nh + kvh; i++) rms_norm_row(q + i * hd, NULL, q + i * hd, hd, eps);
+            if (w->qk_norm)
+                for (int64_t i = 0; i < (nh + kvh) * hd; i++) q[i] *= w->qk_norm[i];
+            if (w->rope)
+                for (int64_t i = 0; i < nh + kvh; i++) rope_head(q + i * hd, cos + pos[r] * hd, sin_signed + pos[r] * hd, hd);
+            for (int64_t g = 0; g < kvh; g++) {
+                memcpy(kl + (g * slots + write_slots[r]) * hd, k + g * hd, (size_t)hd * sizeof(float));
+                memcpy(vl + (g * slots + write_slots[r]) * hd, v + g * hd, (size_t)hd * sizeof(float));
+            }
+        }
+        lp_kv kv = {kl, vl, NULL, NULL, slots, table, table_len};
+        if ((rc = attend_rows(0, &kv, qkv, QKV, T, nh, kvh, hd, row_seq, pos, w->window, scale, att, qn, nt))) break;
+        if ((rc = mat_mm(&w->o, att, qn, T, qn, tmp, H, nt))) break;
+        add_bias(tmp, H, T, H, w->o_bias);
+        for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
+        for (int64_t r = 0; r < T; r++) rms_norm_row(x + r * H, w->post_norm, h + r * H, H, eps);
+        if ((rc = mat_mm(&w->gate_up, h, H, T, H, gu, 2 * I, nt))) break;
+        add_bias(gu, 2 * I, T, 2 * I, w->gate_up_bias);
+        for (int64_t r = 0; r < T; r++) {
+            float *g = gu + r * 2 * I;
+            for (int64_t i = 0; i < I; i++) g[i] = act_fn(g[i], d->act) * g[I + i];
+        }
+        if ((rc = mat_mm(&w->down, gu, 2 * I, T, I, tmp, H, nt))) break;
+        add_bias(tmp, H, T, H, w->down_bias);
+        for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
+    }
+    free(h); free(qkv); free(att); free(gu); free(tmp);
+    return rc;
+}
+
+/* lp_layers_pools over one pool kv (d->slots slots), layer l its layer l. */
+int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t T, const int64_t *pos,
+              const int64_t *row_seq, const int64_t *table, int64_t table_len, const int64_t *write_slots,
+              float *kv, const float *cos, const float *sin_signed, int nt) {
+    lp_pool one = {kv, d->slots, table, table_len, write_slots};
+    int64_t *where = (int64_t *)malloc((size_t)(2 * (nl > 0 ? nl : 1)) * sizeof(int64_t));
+    if (!where) return -1;
+    for (int64_t l = 0; l < nl; l++) { where[2 * l] = 0; where[2 * l + 1] = l; }
+    int rc = lp_layers_pools(d, L, nl, x, T, pos, row_seq, &one, 1, where, cos, sin_signed, nt);
+    free(where);
+    return rc;
 }

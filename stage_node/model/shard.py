@@ -27,7 +27,7 @@ from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import cpu_native, fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
-from logicpipe.stage_node.engine.kv_quant import dequantize, index_select
+from logicpipe.stage_node.engine.kv_quant import dequantize, index_select, rotate, unrotate
 from logicpipe.stage_node.engine.states import RecurrentStates
 from logicpipe.stage_node.model import deltanet, native_layers
 from logicpipe.stage_node.model import tp as tp_split
@@ -63,6 +63,7 @@ from logicpipe.stage_node.model.weights import (
 log = logging.getLogger(__name__)
 
 __all__ = ["Shard"]
+
 
 
 class Shard:
@@ -442,15 +443,16 @@ class Shard:
                         for s in reading[kind].seqs] for kind in self.ropes}
         rows = Rows.split([p >= s.decode_from for s in seqs for p in range(s.start_pos, s.stop)], self.device,
                           invariant=self.batch_invariant)
-        spans = None
-        if reads is None:
+        # a CPU stage's float32 or int8 KV: attention reads the pool in place (cpu_quant.c's lp_attend), every
+        # row of a layer in one call (a layer with sinks: torch's path)
+        direct = None
+        if reads is None and self._reads_native(kv.pool):
+            by_kv = {key: self._native_reads(r) for key, r in read_kvs.items()}
+            direct = {kind: by_kv[id(r)] for kind, r in reading.items()}
+        spans = None  # torch's path: views of the pool where a sequence's slots are consecutive, once a step
+        if reads is None and (direct is None or any(w.sinks is not None for w in self.layers)):
             by_kv = {key: self._spans(r) for key, r in read_kvs.items()}
             spans = {kind: by_kv[id(r)] for kind, r in reading.items()}
-        # int8 KV on a CPU: attention reads it directly (cpu_quant.c), every row of a layer in one call
-        direct = None
-        if self._reads_int8(kv.pool):
-            by_kv = {key: self._int8_reads(r) for key, r in read_kvs.items()}
-            direct = {kind: by_kv[id(r)] for kind, r in reading.items()}
 
         c = self.config
         logs = kv.pool.logs
@@ -472,9 +474,9 @@ class Shard:
             def attend(i, q, k, v, masks=masks[kind], kind=kind):
                 if reads is not None:
                     return self._attention_invariant(i, q, k, v, reading[kind], reads[kind], kind)
-                if direct is not None and v is not None and self.layers[i].sinks is None:
-                    return self._attention_int8(i, q, k, v, reading[kind], direct[kind], kind)
-                return self._attention(i, q, k, v, reading[kind], masks, spans[kind])
+                native = direct[kind] if direct is not None and v is not None and self.layers[i].sinks is None else None
+                return self._attention(i, q, k, v, reading[kind], masks, None if spans is None else spans[kind],
+                                       native, kind)
 
             hidden = self._layer(i, w, hidden, cos, sin, rows, attend)
         return hidden
@@ -522,12 +524,22 @@ class Shard:
         return y if bias is None else y + bias
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV,
-                   masks: list, spans: list) -> torch.Tensor:
+                   masks: list, spans: list, native: tuple | None = None, kind: str = "full") -> torch.Tensor:
         """Store the new rows' k/v in their pool slots, then per sequence attend over its
-        positions [0, stop) (`spans`: the step's `_spans`). -> [T, heads * head_dim]"""
+        positions [0, stop) (`spans`: the step's `_spans`). `native` (the step's `_native_reads`): every row by
+        cpu_quant.c's lp_attend instead, reading the pool in place. -> [T, heads * head_dim]"""
         pool, j = kv.pool, self._kv[i]
         k_pool, v_pool = pool.k[j], pool.v[j]  # [kv_heads, slots, head_dim]
         pool.store(j, kv.write_slots, k, v)  # (v None: MLA's latent rows, whose values are a part of k's: pool.v)
+        if pool.rotated:  # 8-bit keys and values stored rotated: so are the queries, and the output is un-rotated
+            q = rotate(q).to(q.dtype)
+        if native is not None:
+            table, row_seq, pos = native
+            window = (self.arch.sliding_window if kind == "sliding" else 0) or 0
+            scales = {} if pool.scales is None else {"ks": pool.scales[j, 0], "vs": pool.scales[j, 1]}
+            out = cpu_native.attend(q, pool.kv[j, 0], pool.kv[j, 1], table, row_seq, pos, window, self._scale,
+                                    **scales).to(q.dtype)
+            return unrotate(out.view(q.shape)).reshape(q.shape[0], -1) if pool.rotated else out
         # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
         # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]
@@ -555,7 +567,7 @@ class Shard:
                                   scale=self._scale, cap=self.arch.attn_softcap, sinks=self.layers[i].sinks))
             row += s.num_tokens
         o = outs[0] if one else torch.cat(outs, 2)  # [1, heads, T, hd]
-        return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+        return (unrotate(o[0]) if pool.rotated else o[0]).transpose(0, 1).reshape(q.shape[0], -1)
 
     def _spans(self, kv: StepKV) -> list:
         """Per sequence of the step: its keys and values of every layer, [layers, 1, kv_heads, stop - lo,
@@ -573,46 +585,55 @@ class Shard:
             out.append((k[:, :, :, a:b], v[:, :, :, a:b]) + ((None, None) if ks is None else (ks[..., a:b], vs[..., a:b])))
         return out
 
-    def _reads_int8(self, pool: KVPool) -> bool:
-        """Whether attention reads `pool`'s int8 KV directly by cpu_quant.c (a CPU stage with the native
-        kernels, no soft-capping; sinks and MLA are told per layer): else it dequantizes what it reads."""
-        return (pool.kv_dtype == "int8" and self.device.type == "cpu" and self.arch.attn_softcap is None
-                and self.arch.mla is None and cpu_native.library() is not None)
+    def _reads_native(self, pool: KVPool) -> bool:
+        """Whether attention reads `pool` in place by cpu_quant.c's lp_attend: a CPU stage with the native
+        kernels, float32 or int8 KV, no soft-capping, no MLA, at most ATT_PAIRS (64) query heads a KV head
+        (sinks are told per layer). Else torch's path: each sequence's keys gathered (or a view where its
+        slots are consecutive), then SDPA (bf16 / fp16 compute, fp8 KV, Gemma 2's cap, MLA, gpt-oss' sinks)."""
+        c = self.config
+        return (self.device.type == "cpu" and self.arch.attn_softcap is None and self.arch.mla is None
+                and c.num_heads // c.num_kv_heads <= 64 and cpu_native.library() is not None
+                and (pool.kv_dtype == "int8" or (pool.scales is None and pool.kv.dtype == torch.float32
+                                                 and self.dtype == torch.float32)))
 
-    def _int8_reads(self, kv: StepKV) -> tuple:
-        """What lp_attend_int8 reads for every layer of a step: each sequence's slot of each position
-        [seqs, longest] int64 (from its first read position lo), each row's sequence and position [T] int64."""
+    def in_place_rows(self, pool: KVPool) -> int:
+        """A sequence with at most this many rows in a step reads its keys where they lie in `pool`
+        (no gather: lp_attend, or a CUDA stage's paged kernels); 0: every sequence's are gathered."""
+        if self.device.type == "cuda" and self.batch_invariant:
+            return 1 << 30
+        if self.device.type == "cpu" and self.native is not None:  # lp_layers: every row
+            return 1 << 30
+        if self.device.type == "cpu" and self._reads_native(pool):
+            return 1 << 30
+        return 0
+
+    def _slot_table(self, seqs) -> torch.Tensor:
+        """Each sequence's slot of each of its positions from its first read one (`lo`) [seqs, longest]
+        int64 on the stage's device (a window's positions before lo, given back, are never read: zeros)."""
+        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            if s.span is not None:
+                table[i, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo, device=self.device)
+            else:
+                table[i, s.lo: s.stop] = s.slots
+        return table
+
+    def _native_reads(self, kv: StepKV) -> tuple:
+        """What lp_attend reads for every layer of a step, every row of every sequence (a row's bits must not
+        depend on how many rows its sequence has in the step, or a replay's chunk would give other bits than
+        the decode steps it recomputes): the slot table (`_slot_table`), each row's sequence and position
+        [T] int64."""
         seqs = kv.seqs
-        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long)
-        for n, s in enumerate(seqs):
-            table[n, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo) if s.span is not None else s.slots
         pos = torch.cat([torch.arange(s.start_pos, s.stop) for s in seqs])
         row_seq = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
-        return table, row_seq, pos
-
-    def _attention_int8(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: StepKV, reads: tuple,
-                        kind: str) -> torch.Tensor:
-        """Store the new rows' k/v (int8), then every row attends over its positions by cpu_quant.c's
-        lp_attend_int8, reading the int8 values and their scales directly. -> [T, heads * head_dim]"""
-        pool, j = kv.pool, self._kv[i]
-        pool.store(j, kv.write_slots, k, v)
-        table, row_seq, pos = reads
-        window = self.arch.sliding_window if kind == "sliding" else 0
-        out = cpu_native.attend_int8(q, pool.kv[j, 0], pool.kv[j, 1], pool.scales[j, 0], pool.scales[j, 1], table,
-                                     row_seq, pos, window or 0, self._scale)
-        return out.to(q.dtype)
+        return self._slot_table(seqs), row_seq, pos
 
     def _invariant_reads(self, kv: StepKV) -> tuple:
         """What the batch-invariant attention reads, for every layer of a step: each sequence's slot
         of each of its positions from its first read one (`lo`) [seqs, longest] int64, each row's position [T] int64, the tiles and
         their first rows (stage_node.invariant.attention)."""
         seqs = kv.seqs
-        table = torch.zeros(len(seqs), max(s.stop for s in seqs), dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):  # (a window's positions before lo, given back, are never read: zeros)
-            if s.span is not None:
-                table[i, s.lo: s.stop] = torch.arange(s.span, s.span + s.stop - s.lo, device=self.device)
-            else:
-                table[i, s.lo: s.stop] = s.slots
+        table = self._slot_table(seqs)
         positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.stop)], dtype=torch.long)
         tiles = invariant.seq_tiles([s.num_tokens for s in seqs], self.config.num_heads // self.config.num_kv_heads)
         return (table, positions.to(self.device, non_blocking=True), invariant.tiles_tensor(tiles, self.device),

@@ -3,7 +3,9 @@ again) and every client — lpctl, a gRPC client resuming by request id, an HTTP
 with Last-Event-ID — gets the rest, the same tokens as without the fault (greedy and seeded
 sampling); a standby takes over when the active controller dies, the same; a storm of stage
 faults (SIGKILL, SIGSTOP, SIGTERM, killed stages started again at once) loses no request and
-changes no output."""
+changes no output. The model is the small random one of the default model's tokenizer (chat_model),
+its stages paced as a slower device (PACE) so that every fault lands mid-request: what is tested is
+durability, not the model."""
 from __future__ import annotations
 
 import contextlib
@@ -191,9 +193,12 @@ def lpctl_submit(mesh: LocalMesh, controllers: str, prompt: str, max_tokens: int
 
 
 def lpctl_outline(mesh: LocalMesh, prompt: str) -> subprocess.Popen:
-    """An outline request (journaled too) by lpctl, which resumes it by point."""
-    return subprocess.Popen([*mesh.lpctl(), "--resume-s", str(RESUME_S), "submit", prompt, "--outline",
-                             "--max-points", "2", "--max-tokens", "12", "--json"],
+    """An outline request (journaled too) by lpctl, which resumes it by point. Its outline is given
+    (the small random model writes none that parses); its points are generated."""
+    outline = mesh.workdir / "outline.txt"
+    outline.write_text(OUTLINE)
+    return subprocess.Popen([*mesh.lpctl(), "--resume-s", str(RESUME_S), "submit", prompt, "--outline-text",
+                             str(outline), "--max-points", "2", "--max-tokens", "12", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -224,7 +229,8 @@ def lpctl_tokens(proc: subprocess.Popen) -> tuple[list[int], str]:
 
 PROMPTS = ["Tell me a very long story about a dragon.", "Describe every planet of the solar system.",
            "Write a poem about the sea.", "List the kings of France."]
-N = 72  # tokens per request: long enough to be cut, short enough for CI
+N = 96  # tokens per request: long enough to be cut (PACE: about 4 s), short enough for CI
+PACE = ("--min-step-ms", "40")  # a step of the small model takes as long as one of a slow device
 
 
 def wait_producing(clients, mesh, lp=None) -> None:
@@ -234,14 +240,16 @@ def wait_producing(clients, mesh, lp=None) -> None:
 
 
 OUTLINE_PROMPT = "How do I make tea?"
+OUTLINE = "1. Boil the water.\n2. Steep the leaves. [1]"
 
 
-def test_a_controller_killed_mid_generation_comes_back_and_every_client_gets_the_rest(model_dir, tmp_path):
+def test_a_controller_killed_mid_generation_comes_back_and_every_client_gets_the_rest(chat_model, tmp_path):
     """... an outline request too; then, killed again, it finds its journal damaged and its state
     dir full: it says so (Status, lpctl status), keeps its epoch, and refuses what it cannot keep."""
     http_address = f"127.0.0.1:{free_port()}"
     try:
-        with LocalMesh(2, model_dir, tmp_path, threads=1, controller_args=("--http", http_address)) as mesh:
+        with LocalMesh(2, chat_model, tmp_path, threads=1, controller_args=("--http", http_address),
+                       stage_args=PACE) as mesh:
             controller_killed_then_damaged_then_full(mesh, http_address)
     finally:  # the small tmpfs mounted late in the test as the controller's state dir (every process stopped)
         small = tmp_path / "controller-state"
@@ -319,8 +327,8 @@ def damaged_then_full(mesh: LocalMesh, epoch: int) -> None:
     mesh.kill("controller")  # (its files open on the tmpfs: gone before it is unmounted)
 
 
-def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_path):
-    mesh = LocalMesh(2, model_dir, tmp_path, threads=1)
+def test_a_standby_takes_over_when_the_active_controller_dies(chat_model, tmp_path):
+    mesh = LocalMesh(2, chat_model, tmp_path, threads=1, stage_args=PACE)
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     secret = tmp_path / "peer.secret"  # Replicate serves only the standby that sends it
     secret.write_text("0123456789abcdef" * 2 + "\n")
@@ -400,12 +408,13 @@ def test_a_standby_takes_over_when_the_active_controller_dies(model_dir, tmp_pat
         mesh.stop()
 
 
-def test_a_storm_of_stage_faults_loses_no_request_and_changes_no_output(model_dir, tmp_path):
+def test_a_storm_of_stage_faults_loses_no_request_and_changes_no_output(chat_model, tmp_path):
     """20 faults, 1.5 s apart and every 4th 0.3 s after the one before: SIGKILL (the stage started
     again at once), SIGSTOP for 3 s, SIGTERM (started again once it has left); four clients submit
     requests one after another all along. Every request finishes, with the tokens it gives alone."""
     rng = random.Random(22)
-    with LocalMesh(3, model_dir, tmp_path, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=("--strategy", "uniform"),
+                   stage_args=PACE) as mesh:
         addr = mesh.controller_address
         ref = together({p: (lambda p=p: submit(addr, p, 40)) for p in PROMPTS})
         results: list[tuple[str, list[int] | Exception]] = []

@@ -67,11 +67,12 @@ class PagedCache:
         return out
 
     def _forward(self, hidden, seqs, plans, decode_from, held) -> torch.Tensor:
-        slots = torch.tensor([s for p in plans for s in p.slots], dtype=torch.long)
+        device = self.shard.device
+        slots = torch.tensor([s for p in plans for s in p.slots], dtype=torch.long, device=device)
         kv = step_kv(self.pool, self.shard.window,
                      [(start, len(toks), self.kv.read_span(sid, start + len(toks)),
                        self.kv.read_window(sid, start + len(toks)), decode_from.get(sid, 0)) for sid, start, toks in seqs],
-                     slots, states=held,
+                     slots, device, states=held,
                      window_slots=[s for p in plans for s in p.window.slots] if self.pool.group is not None else None)
         return self.shard.forward(hidden, kv)
 

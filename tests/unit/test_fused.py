@@ -92,7 +92,7 @@ def test_silu_mul(interpret, dtype):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("window, sinks", [(None, False), (70, False), (70, True)])
+@pytest.mark.parametrize("window, sinks", [(None, False), (70, True)])  # (a window alone: within the second)
 def test_attention_over_several_splits(interpret, window, sinks):
     """stage_node.invariant.attention over 150 positions (three splits of ATTN_CHUNK, merged CB at a
     time) against softmax attention in float64; a row's bits the same alone in a tile with its

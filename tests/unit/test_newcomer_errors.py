@@ -170,6 +170,16 @@ def test_a_bad_model_is_one_line(mistake, tmp_path, capsys):
             "no-weights": "has no *.safetensors weights; convert the checkpoint to safetensors"}[mistake] in line
 
 
+def test_a_context_over_the_model_s_limit_is_one_line_and_the_default_is_clamped(tmp_path, capsys):
+    """An explicit --context past max_position_embeddings (64 here) is refused naming both; the default
+    (2048) is not: it is clamped to the limit (the other tests here start on this model with it)."""
+    model = tiny_model(tmp_path / "model")
+    line = in_process(controller_main.main, ["--listen", f"127.0.0.1:{free_port()}", "--model", str(model),
+                                             "--context", "65", *controller_flags(tmp_path)], capsys)
+    assert line == (f"logicpipe-controller: --context 65: over the model's limit of 64 tokens "
+                    f"(max_position_embeddings of {model / 'config.json'}); give at most that"), line
+
+
 # --- the default model ---------------------------------------------------------------------------------
 
 def without_the_package(monkeypatch):

@@ -85,7 +85,7 @@ def _cases(count: int, seed: int):
     rng = random.Random(seed)
     for index in range(count):
         n = rng.randint(1, 6)
-        L = rng.randint(1, 10 if n <= 3 else 8 if n <= 4 else 7)
+        L = rng.randint(1, 10 if n <= 3 else 8 if n <= 4 else 6)  # (brute force: n! orders x C(L-1, n-1) cuts)
         workload = Workload(tokens_per_step=rng.randint(1, 4), context_tokens=rng.randint(1, 8), batch=rng.randint(1, 3))
         model = random_model(rng, L)
         reserve = Reserve(rng.choice([0.0, 0.1]), rng.choice([0, 50]))
