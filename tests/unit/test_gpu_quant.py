@@ -31,6 +31,20 @@ from .test_quant import fake_orin
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # chosen before triton is first imported: a child process
 
+if INTERPRETED:
+    # Triton 3.6's interpreter (the GPU machine's) takes a loop bound's int() of a one-element array,
+    # which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"):
+    # every kernel with a run-time loop bound failed there. Triton 3.7 on squeezes it first; so does this.
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor
+
 
 def test_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
