@@ -22,9 +22,10 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     and the tokens equal before the first difference decoding freely, over `--prompts` prompts x
     `--tokens` tokens; float32 beside them, for scale (a random model's top logits are close, and
     its layers amplify rounding: a real model's figure needs `--model`);
-  * sweep: the one-row kernel's tile (BLOCK_N, warps, stages) of each matrix, for tuning
-    gpu_quant.DECODE_TILES; the best is used by the parts after it in the same run (`--part
-    sweep,decode`); and the one-row kernel against the 16-row tile at 1 to 8 rows (not run by default).
+  * sweep: the one-row kernel's tile (BLOCK_N, warps, groups a step) of each matrix at one row and
+    the tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256, for tuning gpu_quant.DECODE_TILES
+    and PROMPT_TILES; the best are used by the parts after it in the same run (`--part
+    sweep,decode`) (not run by default).
 
 Prints progress lines, then one JSON line of every result (also written to $OUT/gpu_quant.json, after
 each part). A part that fails records {"error": ...} with the part's name, writes what it has, and
@@ -209,40 +210,45 @@ def matrices(args, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
+SWEEP_ONE_ROW = ((32, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 4), (64, 2, 8), (128, 4, 8))
+SWEEP_PROMPT = ((128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (256, 64, 8, 3))
+
+
 def sweep(args, res: dict) -> None:
-    """The one-row kernel's tile (BLOCK_N, warps, stages) of each int4 / int8 matrix at 1 row, the
-    best kept in gpu_quant.DECODE_TILES for the parts that follow (any tile gives the same bits); and
-    the one-row kernel against the 16-row tile at 1 to 8 rows (the GEMV_ROWS choice)."""
+    """The one-row kernel's tile (BLOCK_N, warps, groups a step) of each int4 / int8 matrix at 1 row
+    and the tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256 rows, the best kept in
+    gpu_quant.DECODE_TILES / PROMPT_TILES for the parts that follow (any tile gives the same bits)."""
     path = big_model(args)
     out = res["sweep"] = {}
     for fmt in ("int4", "int8"):
         shard = load(path, fmt, 1)
         mats = {m: getattr(shard.layers[0], m) for m in MATRICES} | ({"lm_head": shard.lm_head} if fmt == "int8" else {})
         for name, m in mats.items():
-            x = torch.randn(1, m.shape[1], device="cuda").bfloat16()
-            now = gpu_quant.qmm_config(*m.shape, x.dtype, 1, fmt)
-            times = {}
-            for bn, warps in ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4), (256, 4)):
-                cfg = (1, bn, warps, 2, now[4])
-                try:
-                    times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
-                except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
-                    print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
-            best = min(times, key=times.get)
-            gpu_quant.DECODE_TILES[(fmt, *m.shape)] = best[1:4]
-            rows = {}
-            for r in (1, 4, 8):
-                xr = torch.randn(r, m.shape[1], device="cuda").bfloat16()
-                rows[r] = [round(graph_ms(lambda m=m, xr=xr, c=c: m.mm_parts(xr, c), inner=10, rounds=20) * 1e3, 2)
-                           for c in ((1, *best[1:]), (16, 64, 4, 3, now[4]))]
-            out[f"{fmt}_{name}"] = {"shape": list(m.shape), "parts": now[4], "default": list(now),
-                                    "default_us": round(times.get(now, -1e-3) * 1e3, 2), "best": list(best),
-                                    "best_us": round(times[best] * 1e3, 2),
-                                    "best_gbps": round(tensor_bytes(m) / times[best] / 1e6),
-                                    "rows_us_gemv_vs_tile16": rows}
-            print("sweep", fmt, name, out[f"{fmt}_{name}"], flush=True)
+            r = out[f"{fmt}_{name}"] = {"shape": list(m.shape)}
+            for rows, tiles, table in ((1, SWEEP_ONE_ROW, gpu_quant.DECODE_TILES),
+                                       (256, SWEEP_PROMPT, gpu_quant.PROMPT_TILES)):
+                if rows == 256 and name == "lm_head":
+                    continue
+                x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
+                now = gpu_quant.qmm_config(*m.shape, x.dtype, rows, fmt)
+                times = {}
+                for tile in tiles:
+                    cfg = (1, *tile, now[4]) if rows == 1 else (*tile, now[4])
+                    try:
+                        times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
+                    except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
+                        print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
+                best = min(times, key=times.get)
+                table[(fmt, *m.shape)] = best[1:4] if rows == 1 else best[:4]
+                r[f"rows_{rows}"] = {"default": list(now), "default_us": round(times.get(now, -1e-3) * 1e3, 2),
+                                     "best": list(best), "best_us": round(times[best] * 1e3, 2),
+                                     "best_gbps": round(tensor_bytes(m) / times[best] / 1e6),
+                                     "all_us": {str(list(k)): round(v * 1e3, 2) for k, v in times.items()}}
+            print("sweep", fmt, name, r, flush=True)
         del shard, mats
         torch.cuda.empty_cache()
+    res["decode_tiles"] = {str(k): v for k, v in gpu_quant.DECODE_TILES.items()}
+    res["prompt_tiles"] = {str(k): v for k, v in gpu_quant.PROMPT_TILES.items()}
 
 
 def greedy(shard: Shard, prompt: list[int], tokens: int) -> list[int]:

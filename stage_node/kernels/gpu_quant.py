@@ -1,20 +1,19 @@
 """int4 and int8 weights on CUDA without bitsandbytes: the CPU formats' grids
 (stage_node.kernels.quant_grid) repacked at load, multiplied by the Triton kernels of
 gpu_quant_kernels (whose docstring gives their exact arithmetic: activations rounded per group of 32
-to 11-bit integers times a power of two, every partial sum an exact integer in float32).
+to 11-bit integers times a power of two, every partial sum an exact integer).
 
 Layout on the GPU (packed once, as each matrix is quantized):
-  * int4, w [N, K]: `q4` [K/32G, N, 16G] uint8 (G = chunk_groups(K): 4, or 2 or 1 where K / 32 is not
-    a multiple of 4): chunk c of output n is one run of 16G bytes, byte 16h + i holding
-    q[n, 32(cG + h) + i] in its low nibble and q[n, 32(cG + h) + 16 + i] in its high one (the one-row
-    kernel reads it as int32 words). `sz` [N, K/32] int32: a group's bf16 scale bits in the low half,
-    its zero point's in the high half (bf16 held as bits: Triton's interpreter, which the CPU tests
-    run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
+  * int4, w [N, K]: `q4` [K/32, N, 16] uint8, group-major: byte j of output n's group g holds
+    q[n, 32g + j] in its low nibble and q[n, 32g + 16 + j] in its high one (a group of a block of
+    outputs is one contiguous run; the one-row kernel reads it as int32 words). `sz` [K/32, N] int32:
+    a group's bf16 scale bits in the low half, its zero point's in the high half (bf16 held as bits:
+    Triton's interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
   * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
 
 A product is three kernels: round_rows (the activations' integers, once per product), then up to
-GEMV_ROWS rows the one-row kernel (a program per row, column block and part of K, CUDA cores), more
-rows the tiled kernel (tensor cores), then invariant.add_parts over the parts of K. `qmm_config`
+GEMV_ROWS rows the one-row kernel (a program per row, column block and part of K, CUDA cores: dp4a),
+more rows the tiled kernel (tensor cores), then invariant.add_parts over the parts of K. `qmm_config`
 picks the tile; any tile gives a row the same bits, so the kernel follows the row count.
 
 Batch invariance, by the float path's rule (stage_node.kernels.invariant): K in parts fixed per
@@ -34,9 +33,6 @@ from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, deq
 
 log = logging.getLogger(__name__)
 
-INT4_CHUNK = 4    # int4: groups of 32 a chunk of the packing (128 of K; fewer where K / 32 is not a multiple of 4)
-
-
 def quant_parts(n: int, k: int) -> int:
     """Parts of K a product with a quantized w [n, k] sums separately (then adds in order): a function
     of the matrix alone (never of the rows), enough that the one-row kernel's programs (64 columns a
@@ -46,20 +42,23 @@ def quant_parts(n: int, k: int) -> int:
     return max(1, min(-(-4 * invariant.SMS // blocks), k // 512, 8))
 
 
-# the one-row kernel's tile (BLOCK_N, num_warps, num_stages) by (format, n, k); others DECODE_TILE[format].
-# Any tile gives the same bits (gpu_quant_kernels): speed only. The fastest of 6 at one row for each 8B
-# matrix on an H100 (bench/gpu_quant.py --part sweep, 2026-11-27): 32 columns a one-warp program; int4
-# now 64 (two columns a thread share the activations' loads; not swept since the kernel changed)
-DECODE_TILE = {"int4": (64, 1, 2), "int8": (32, 1, 2)}
-DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 28672, 4096): (64, 1, 2)}
-# products of up to this many rows run the one-row kernel (a program a row), more the tiled one: on
-# the H100 the one-row kernel took 13.9 against 24.3 us for the 8B q/k/v at 1 row, 44.2 against 24.5 at 4
+# the one-row kernel's tile (BLOCK_N, num_warps, groups of 32 a step of its K loop) by (format, n, k);
+# others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
+# (bench/gpu_quant.py --part sweep)
+DECODE_TILE = {"int4": (64, 2, 4), "int8": (64, 2, 4)}
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+# the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
+# (format, n, k); others PROMPT_TILE[format] (bench/gpu_quant.py --part sweep)
+PROMPT_TILE = {"int4": (128, 64, 4, 3), "int8": (128, 64, 4, 3)}
+PROMPT_TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+# products of up to this many rows run the one-row kernel (a program a row), more the tiled one
 GEMV_ROWS = 1
 
 
 def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4") -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
-    w [n, k]; BLOCK_M 1: the one-row kernel (CUDA cores), else the tiled one (tensor cores). The parts
+    w [n, k]; BLOCK_M 1: the one-row kernel (CUDA cores; its num_stages are the groups of 32 a step
+    of its K loop, step_groups), else the tiled one (tensor cores). The parts
     are quant_parts(n, k), never a function of m; the tile follows m (it changes no bit)."""
     parts = quant_parts(n, k)
     if m <= GEMV_ROWS:
@@ -70,16 +69,14 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4"
         return 32, 64, 4, 3, parts
     if m <= 64:
         return 64, 64, 4, 3, parts
-    if m <= 128:
-        return 64, 128, 4, 3, parts
-    return 128, 64, 8, 3, parts  # (128 x 128 spilled registers on sm_90)
+    return (*PROMPT_TILES.get((fmt, n, k), PROMPT_TILE[fmt]), parts)
 
 
 _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU
 
 
 def _k_part(k: int, parts: int) -> int:
-    """K a part sums, a multiple of 256 (so a part holds whole int4 chunks and int8 groups)."""
+    """K a part sums, a multiple of 256 (so a part holds whole steps of the one-row kernels)."""
     k_part = -(-k // parts)
     return -(-k_part // 256) * 256
 
@@ -153,25 +150,23 @@ class TritonInt4(TritonMatrix):
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
-        sz = self.sz  # [out, groups] int32
+        sz = self.sz.t()  # [out, groups] int32
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
         _, _, mm, gemv, _, _ = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        g = self.q4.shape[2] // 16
+        M = x.shape[0]
+        tail = (ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
         if bm == 1:
-            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_INT4)
-            q32 = self.q4.view(torch.int32)
-            gemv[grid](xq, aux, q32, self.sz, ws, N, K, k_part, q32.stride(0), q32.stride(1), self.sz.stride(0),
-                       ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), gpu_quant_kernels.MAGIC_BITS, BN=bn, G=g, num_warps=warps,
-                       num_stages=stages)
+            xd, aux = round_rows(x, gpu_quant_kernels.LAYOUT_DP)
+            gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, M, N, K, k_part, *tail, BN=bn,
+                       U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1)
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
-            mm[grid](xq, aux, self.q4, self.sz, ws, x.shape[0], N, K, k_part, self.q4.stride(0), self.q4.stride(1),
-                     self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, G=g,
-                     num_warps=warps, num_stages=stages)
+            mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, num_warps=warps,
+                     num_stages=stages)
 
 
 class TritonInt8(TritonMatrix):
@@ -196,48 +191,50 @@ class TritonInt8(TritonMatrix):
         _, _, _, _, mm, gemv = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
+        M = x.shape[0]
         tail = (ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
         if bm == 1:
-            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_INT8)
+            xd, aux = round_rows(x, gpu_quant_kernels.LAYOUT_DP)
             q32 = self.q8.view(torch.int32)
-            gemv[grid](xq, aux, q32, self.scales, ws, N, K, k_part, q32.stride(0), *tail, gpu_quant_kernels.MAGIC_BITS, BN=bn,
-                       U=chunk_groups(K), num_warps=warps, num_stages=stages)
+            gemv[grid](xd.view(torch.int32), aux, q32, self.scales, ws, M, N, K, k_part, q32.stride(0), *tail, BN=bn,
+                       U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1)
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
-            mm[grid](xq, aux, self.q8, self.scales, ws, x.shape[0], N, K, k_part, self.q8.stride(0), *tail, BM=bm,
-                     BN=bn, num_warps=warps, num_stages=stages)
+            mm[grid](xq, aux, self.q8, self.scales, ws, M, N, K, k_part, self.q8.stride(0), *tail, BM=bm, BN=bn,
+                     num_warps=warps, num_stages=stages)
 
 
 def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (its integers i [M, K], float16 for the tiled kernels (LAYOUT_MM) or float32
-    permuted and pre-scaled for a one-row kernel; a and S [M, 2, K/32] float32): the activations'
-    rounding, once per product (gpu_quant_kernels' docstring)."""
+    """x [M, K] -> (its integers: float16 [M, K] for the tiled kernels (LAYOUT_MM) or the bytes
+    int8 [M, K/32, 2, 32] for the one-row kernels (LAYOUT_DP); a and S [2, K/32, M] float32): the
+    activations' rounding, once per product (gpu_quant_kernels' docstring)."""
     triton, kernel, *_ = gpu_quant_kernels.kernels()
     m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.float16 if layout == gpu_quant_kernels.LAYOUT_MM else torch.float32,
-                     device=x.device)
-    aux = torch.empty(m, 2, k // 32, dtype=torch.float32, device=x.device)
+    if layout == gpu_quant_kernels.LAYOUT_MM:
+        xq = torch.empty(m, k, dtype=torch.float16, device=x.device)
+    else:
+        xq = torch.empty(m, k // 32, 2, 32, dtype=torch.int8, device=x.device)
+    aux = torch.empty(2, k // 32, m, dtype=torch.float32, device=x.device)
     gb = gpu_quant_kernels.ROUND_GROUPS
-    kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1)
+    kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, m, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1)
     return xq, aux
 
 
-def chunk_groups(k: int) -> int:
-    """int4: groups of 32 weights a chunk of the kernel's K loop for an input of `k` (a function of the
-    matrix: the chunk fixes the sum's order), as many as divide k / 32, up to INT4_CHUNK."""
-    return next(g for g in (INT4_CHUNK, 2, 1) if k // 32 % g == 0)
+def step_groups(k: int, most: int) -> int:
+    """Groups of 32 a step of the one-row kernels' K loop for an input of `k`: the largest power of two
+    up to `most` (at most 8) that divides k / 32, so every part of K (a multiple of 256 but the last)
+    is whole steps. Speed only: the groups are added in the same order."""
+    return next(g for g in (8, 4, 2, 1) if g <= most and k // 32 % g == 0)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32G, N, 16G] uint8,
-    sz [N, K/32] int32), the GPU layout of the module's docstring (G = chunk_groups(K))."""
+    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32, N, 16] uint8,
+    sz [K/32, N] int32), the GPU layout of the module's docstring."""
     n, k = q.shape
-    g = chunk_groups(k)
-    halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, i]: k = 32 group + 16 half + i
-    q4 = halves[:, :, 0] | (halves[:, :, 1] << 4)          # [n, group, 16]
-    q4 = q4.reshape(n, k // 32 // g, 16 * g).transpose(0, 1).contiguous()
+    halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, j]: k = 32 group + 16 half + j
+    q4 = (halves[:, :, 0] | (halves[:, :, 1] << 4)).transpose(0, 1).contiguous()  # [group, n, 16]
     sz = (_bf16_bits(scale) & 0xFFFF) | (_bf16_bits(zero) << 16)
-    return q4, sz.contiguous()
+    return q4, sz.t().contiguous()
 
 
 def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -246,10 +243,10 @@ def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(q4: torch.Tensor) -> torch.Tensor:
-    """q4 [K/32G, N, 16G] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
-    chunks, n, width = q4.shape
-    q = q4.long().transpose(0, 1).reshape(n, chunks * width // 16, 16)  # [n, group, 16]
-    return torch.stack([q & 15, q >> 4], 2).reshape(n, chunks * width * 2)
+    """q4 [K/32, N, 16] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
+    groups, n, _ = q4.shape
+    q = q4.long().transpose(0, 1)  # [n, group, 16]
+    return torch.stack([q & 15, q >> 4], 2).reshape(n, groups * 32)
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:

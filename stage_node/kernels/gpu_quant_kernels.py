@@ -5,28 +5,30 @@ Exact partial sums, so that any kernel gives a row the same bits. Each row's act
 per group of 32 along K, to integers of at most 11 bits times a power of two: a = 2^(E - 10) where
 2^E <= max |x| < 2^(E + 1), i = rint(x / a), |i| <= 2048 (so i is exact in float16, and x = a i to
 within a / 2, finer than bf16 for the group's large entries). Then for output n and group g:
-  * int4: A = sum_k i_k (q_k - 8) and S = sum_k i_k are integers under 2^20, exact in float32 whatever
-    the order (|i (q - 8)| <= 2^14, 32 of them), on the tensor cores (float16 operands, float32 sums)
-    or on the CUDA cores (there as sum_k i_k q_k - 8 S: the same integer); then, elementwise and in
-    this order, t = fma(scale, A, zero * S) and acc = fma(a, t, acc), group after group in ascending
-    order;
-  * int8: A = sum_k i_k q_k (|i q| <= 2^18, 32 of them: under 2^23, exact; on the CUDA cores as
-    sum_k i_k (q_k + 128) - 128 S, partial sums under 2^24: the same integer); acc = fma(a, A, acc),
-    group after group; the output channel's scale on the part's sum (acc * scale).
-Nothing in a row's arithmetic then depends on the tile, the instruction (mma, wgmma, FMA) or the other
-rows: the one-row GEMV kernels (CUDA cores, decode) and the tiled GEMM kernels (tensor cores, prompts)
-give a row the same bits, so the kernel may follow the row count. K in parts fixed per matrix (added in
-order by invariant.add_parts), each part's groups in ascending order.
+  * int4: A = sum_k i_k (q_k - 8) (an integer under 2^20) and S = sum_k i_k; then, elementwise and
+    in this order, t = fma(scale, A, zero * S) and acc = fma(a, t, acc), group after group in
+    ascending order;
+  * int8: A = sum_k i_k q_k (under 2^23); acc = fma(a, A, acc), group after group; the output
+    channel's scale on the part's sum (acc * scale).
+A is the same integer on every instruction that computes it exactly, and both kernels do:
+  * the tiled kernels (prompts, tensor cores): float16 operands i and q - 8 (or q), float32 sums: every
+    product and partial sum an integer under 2^24, so exact whatever the order;
+  * the one-row kernels (decode, CUDA cores): integer dot products of 4 bytes (dp4a): i = 128 h + l,
+    h = i >> 7 in -16..16 and l = i & 127 in 0..127 as bytes, so sum i q = 128 sum h q + sum l q in
+    int32, then A = float(that) - 8 S (int4: q as the unsigned nibble) exactly.
+Nothing in a row's arithmetic then depends on the tile, the instruction (mma, wgmma, dp4a) or the other
+rows: the kernel may follow the row count. K in parts fixed per matrix (added in order by
+invariant.add_parts), each part's groups in ascending order.
 
-The rounding is done once per product by `round_rows` (a row's i, a and S, each group's 32 i in the
-order the next kernel reads them), not in every program of the product:
-  * LAYOUT_MM: i in K's order, float16 (the tensor cores' operands);
-  * LAYOUT_INT4 / LAYOUT_INT8: float32, permuted and pre-scaled for the one-row kernels, which read a
-    group's weights as int32 words (int4: 4 words of 8 nibbles; int8: 8 words of 4 bytes) and take
-    the same nibble (byte) e of every word with one mask, in place: (w & 15 << s) | 0x4B000000 read
-    as a float is 2^23 + q 2^s exactly (s <= 19), so q 2^s costs a LOP3 and a FADD, and the
-    activation it meets is stored as i 2^-s (exact) at position 4e + t (int4) or 8e + t (int8), t
-    the word: one 16-byte load brings the activations of a nibble of 4 words.
+The rounding is done once per product by `round_rows` (a row's i, a and S):
+  * LAYOUT_MM (the tiled kernels): i in K's order, float16 [M, K];
+  * LAYOUT_DP (the one-row kernels): int8 [M, K/32, 2, 32], a group's 32 l then its 32 h, read as
+    int32 words of 4 bytes (bytes k = 4m..4m+3 in word m);
+  * both: a and S as float32 [2, K/32, M] (a group's values contiguous over the rows).
+The weights (gpu_quant's docstring): int4 group-major [K/32, N, 16] bytes, byte j holding q of k = j
+(low nibble) and k = 16 + j (high nibble), so word t's low nibbles meet activation word t and its
+high nibbles word 4 + t; int8 [N, K]. On the CPU (Triton's interpreter, which has no inline PTX) the
+one-row kernels take the same sums by byte arithmetic (`ASM` off): the same integers.
 Triton is imported only when a matrix is multiplied.
 """
 from __future__ import annotations
@@ -35,125 +37,123 @@ import functools
 
 import torch
 
-MAGIC_BITS = 0x4B000000  # the float 2^23
-MAGIC = 8388608.0  # 2^23: an integer v < 2^23 or'd into 0x4B000000 reads as the float 2^23 + v
-ROUND = 12582912.0  # 1.5 * 2^23: (v + ROUND) - ROUND rounds a float32 |v| < 2^22 to the nearest integer (ties even)
-LAYOUT_MM, LAYOUT_INT4, LAYOUT_INT8 = 0, 4, 8
+LAYOUT_MM, LAYOUT_DP = 0, 1
 ROUND_GROUPS = 4  # groups of 32 a program of round_rows
 
 
 @functools.cache
 def kernels():
+    global dp4  # (a helper the kernels call: Triton resolves it among the module's globals)
     import triton
     import triton.language as tl
 
     @triton.jit
-    def round_rows(x_ptr, xq_ptr, aux_ptr, K, sxm, LAYOUT: tl.constexpr, GB: tl.constexpr):
-        # program (row, block of GB groups): i (permuted, pre-scaled as LAYOUT says), then a and S
+    def round_rows(x_ptr, xq_ptr, aux_ptr, M, K, sxm, LAYOUT: tl.constexpr, GB: tl.constexpr):
+        # program (row, block of GB groups): i as LAYOUT says, then a and S
         row, pid = tl.program_id(0), tl.program_id(1)
         groups = K // 32
         gs = pid * GB + tl.arange(0, GB)
         d = tl.arange(0, 32)
-        if LAYOUT == 4:  # position d = 4e + t: word t's nibble e, k = 16 (e % 2) + 4 t + e // 2; times 2^-s
-            nib = d // 4
-            src = 16 * (nib % 2) + 4 * (d % 4) + nib // 2
-            shift = tl.where(nib < 5, 4 * nib, 4 * nib - 12)
-        elif LAYOUT == 8:  # position d = 8e + t: word t's byte e, k = 4 t + e; times 2^-s
-            nib = d // 8
-            src = 4 * (d % 8) + nib
-            shift = 8 * (nib % 2)
-        else:
-            src = d
-            shift = d * 0
         g_in = gs < groups
-        base = row.to(tl.int64) * sxm
-        x = tl.load(x_ptr + base + gs[:, None] * 32 + src[None, :], mask=g_in[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row.to(tl.int64) * sxm + gs[:, None] * 32 + d[None, :], mask=g_in[:, None],
+                    other=0.0).to(tl.float32)
         e = tl.maximum(tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23 & 255, 11)  # 2^(e-127) <= max |x|
         inv = ((264 - e) << 23).to(tl.float32, bitcast=True)  # 1 / a
         a = ((e - 10) << 23).to(tl.float32, bitcast=True)  # a = 2^(E - 10)
-        i = (x * inv[:, None] + 12582912.0) - 12582912.0
+        i = (x * inv[:, None] + 12582912.0) - 12582912.0  # rint (ties even): |x / a| < 2^11 + 1/2
         s = tl.sum(i, axis=1)
-        i = i * ((127 - shift) << 23).to(tl.float32, bitcast=True)[None, :]
-        out = row.to(tl.int64) * K + gs[:, None] * 32 + d[None, :]
-        tl.store(xq_ptr + out, i.to(xq_ptr.dtype.element_ty), mask=g_in[:, None])
-        aux = aux_ptr + row.to(tl.int64) * 2 * groups + gs
-        tl.store(aux, a, mask=g_in)
-        tl.store(aux + groups, s, mask=g_in)
+        if LAYOUT == 0:
+            out = row.to(tl.int64) * K + gs[:, None] * 32 + d[None, :]
+            tl.store(xq_ptr + out, i.to(tl.float16), mask=g_in[:, None])
+        else:
+            ii = i.to(tl.int32)
+            out = row.to(tl.int64) * 2 * K + gs[:, None] * 64 + d[None, :]
+            tl.store(xq_ptr + out, (ii & 127).to(tl.int8), mask=g_in[:, None])
+            tl.store(xq_ptr + out + 32, (ii >> 7).to(tl.int8), mask=g_in[:, None])
+        tl.store(aux_ptr + gs * M + row, a, mask=g_in)
+        tl.store(aux_ptr + (groups + gs) * M + row, s, mask=g_in)
+
+    @triton.jit
+    def dp4(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
+        # c + sum over the 4 bytes of a (unsigned, or signed with SIGNED) times those of b (signed): dp4a
+        if ASM:
+            if SIGNED:
+                return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        for j in tl.static_range(4):
+            if SIGNED:
+                aj = (a << (24 - 8 * j)) >> 24
+            else:
+                aj = (a >> (8 * j)) & 255
+            c += aj * ((b << (24 - 8 * j)) >> 24)
+        return c
 
     @triton.jit(do_not_specialize=["M", "sys_"])
-    def int4_mm(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, s_qc, s_qn, s_sn, sys_, sym,
-                BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
-        # program (m block, n block, part of K), tensor cores: a group's A and S as in the docstring
+    def int4_mm(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym, BM: tl.constexpr, BN: tl.constexpr):
+        # program (m block, n block, part of K), tensor cores, weights as the dot's first operand (out^T =
+        # W x^T: the int4 weights dequantized in registers, the activations from shared memory)
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         j = tl.arange(0, 16)
-        h = tl.arange(0, G)
         rows_in, cols_in = rm < M, rn < N
         groups = K // 32
-        x_rows = xq_ptr + rm.to(tl.int64)[:, None] * K
-        aux_rows = aux_ptr + rm.to(tl.int64) * 2 * groups
-        c_lo = part * (k_part // (32 * G))
-        c_hi = tl.minimum(c_lo + k_part // (32 * G), K // (32 * G))
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for c in range(c_lo, c_hi):
-            szc = tl.load(sz_ptr + rn[:, None] * s_sn + c * G + h[None, :], mask=cols_in[:, None], other=0)
-            for hh in tl.static_range(G):
-                k = (c * G + hh) * 32
-                p = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + 16 * hh + j[None, :], mask=cols_in[:, None],
-                            other=0).to(tl.int32)  # [BN, 16]: weights k + j (low nibbles), k + 16 + j (high)
-                ia = tl.load(x_rows + k + j[None, :], mask=rows_in[:, None], other=0.0)
-                ib = tl.load(x_rows + k + 16 + j[None, :], mask=rows_in[:, None], other=0.0)
-                a = tl.load(aux_rows + c * G + hh, mask=rows_in, other=0.0)
-                s_x = tl.load(aux_rows + groups + c * G + hh, mask=rows_in, other=0.0)
-                wa = ((p & 15 | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0).to(tl.float16)
-                wb = ((p >> 4 | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0).to(tl.float16)
-                A = tl.dot(ia, tl.trans(wa), out_dtype=tl.float32)
-                A = tl.dot(ib, tl.trans(wb), A)
-                sz = tl.sum(tl.where(h[None, :] == hh, szc, 0), axis=1)  # [BN]: group hh's scale | zero << 16
-                scale = (sz << 16).to(tl.float32, bitcast=True)
-                zero = (sz & -65536).to(tl.float32, bitcast=True)
-                t = tl.fma(scale[None, :], A, zero[None, :] * s_x[:, None])
-                acc = tl.fma(a[:, None], t, acc)
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+        x_cols = xq_ptr + rm.to(tl.int64)[None, :] * K
+        g0 = part * (k_part // 32)
+        g1 = tl.minimum(g0 + k_part // 32, groups)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for g in range(g0, g1):
+            p = tl.load(q_ptr + g * N * 16 + rn[:, None] * 16 + j[None, :], mask=cols_in[:, None], other=0)
+            p = p.to(tl.int16)  # [BN, 16]: q of k = 32 g + j (low nibble), 32 g + 16 + j (high)
+            wa = ((p & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0  # 1024 + q - 1032: q - 8, exact
+            wb = ((p >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+            xa = tl.load(x_cols + g * 32 + j[:, None], mask=rows_in[None, :], other=0.0)  # [16, BM]
+            xb = tl.load(x_cols + g * 32 + 16 + j[:, None], mask=rows_in[None, :], other=0.0)
+            A = tl.dot(wa, xa, out_dtype=tl.float32)
+            A = tl.dot(wb, xb, A)
+            sz = tl.load(sz_ptr + g * N + rn, mask=cols_in, other=0)
+            scale = (sz << 16).to(tl.float32, bitcast=True)
+            zero = (sz & -65536).to(tl.float32, bitcast=True)
+            a = tl.load(aux_ptr + g * M + rm, mask=rows_in, other=0.0)
+            s_x = tl.load(aux_ptr + (groups + g) * M + rm, mask=rows_in, other=0.0)
+            t = tl.fma(scale[:, None], A, zero[:, None] * s_x[None, :])
+            acc = tl.fma(a[None, :], t, acc)
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
-    @triton.jit(do_not_specialize=["sys_", "magic"])
-    def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, N, K, k_part, s_qc, s_qn, s_sn, sys_, sym, magic,
-                  BN: tl.constexpr, G: tl.constexpr):
-        # program (row, n block, part of K), CUDA cores: the same sums as int4_mm, one row; q_ptr the
-        # packing as int32 words (s_qc, s_qn in words), xq in LAYOUT_INT4 (the docstring); magic
-        # 0x4B000000 as an argument, so that (w & mask) | magic is one LOP3 (mask immediate)
+    @triton.jit(do_not_specialize=["sys_"])
+    def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym,
+                  BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
+        # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step;
+        # xd the row's bytes as int32 words [M, K/32, 16] (LAYOUT_DP), q_ptr the weights as int32 words
+        # [K/32, N, 4]: word t's low nibbles are q of k = 4t..4t+3, its high nibbles of k = 16+4t..
         row, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
         t4 = tl.arange(0, 4)
-        h = tl.arange(0, G)
         cols_in = rn < N
         groups = K // 32
-        x_row = xq_ptr + row.to(tl.int64) * K
-        aux_row = aux_ptr + row.to(tl.int64) * 2 * groups
-        c_lo = part * (k_part // (32 * G))
-        c_hi = tl.minimum(c_lo + k_part // (32 * G), K // (32 * G))
+        x_row = xq_ptr + row.to(tl.int64) * groups * 16
+        g0 = part * (k_part // 32)
+        g1 = tl.minimum(g0 + k_part // 32, groups)
         acc = tl.zeros((BN,), dtype=tl.float32)
-        for c in range(c_lo, c_hi):
-            szc = tl.load(sz_ptr + rn[:, None] * s_sn + c * G + h[None, :], mask=cols_in[:, None], other=0)
-            for hh in tl.static_range(G):
-                g = c * G + hh
-                w = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + 4 * hh + t4[None, :], mask=cols_in[:, None],
-                            other=0)  # [BN, 4] int32: 8 nibbles a word
-                wh = w >> 12
-                xg = x_row + g * 32 + t4[None, :]
-                s4 = tl.zeros((BN, 4), dtype=tl.float32)
-                for e in tl.static_range(8):
-                    if e < 5:
-                        v = ((w & (15 << (4 * e))) | magic).to(tl.float32, bitcast=True) - 8388608.0
-                    else:
-                        v = ((wh & (15 << (4 * e - 12))) | magic).to(tl.float32, bitcast=True) - 8388608.0
-                    s4 += v * tl.load(xg + 4 * e)  # q 2^s times i 2^-s: i q, exact
-                a = tl.load(aux_row + g)
-                s_x = tl.load(aux_row + groups + g)
-                A = tl.sum(s4, axis=1) - 8.0 * s_x  # sum i (q - 8), exactly
-                sz = tl.sum(tl.where(h[None, :] == hh, szc, 0), axis=1)
+        for gu in range(g0, g1, U):
+            for u in tl.static_range(U):
+                g = gu + u
+                w = tl.load(q_ptr + g * N * 4 + rn[:, None] * 4 + t4[None, :], mask=cols_in[:, None], other=0)
+                lo = w & 0x0F0F0F0F  # [BN, 4]: bytes q of k = 4t + b
+                hi = (w >> 4) & 0x0F0F0F0F  # k = 16 + 4t + b
+                xl = x_row + g * 16 + t4[None, :]
+                h = dp4(lo, tl.load(xl + 8), tl.zeros((BN, 4), dtype=tl.int32), False, ASM)
+                h = dp4(hi, tl.load(xl + 12), h, False, ASM)
+                low = dp4(lo, tl.load(xl), tl.zeros((BN, 4), dtype=tl.int32), False, ASM)
+                low = dp4(hi, tl.load(xl + 4), low, False, ASM)
+                iq = tl.sum(h, axis=1) * 128 + tl.sum(low, axis=1)  # sum i q, exactly
+                a = tl.load(aux_ptr + g * M + row)
+                s_x = tl.load(aux_ptr + (groups + g) * M + row)
+                A = tl.fma(s_x, -8.0, iq.to(tl.float32))  # sum i (q - 8), exactly
+                sz = tl.load(sz_ptr + g * N + rn, mask=cols_in, other=0)
                 scale = (sz << 16).to(tl.float32, bitcast=True)
                 zero = (sz & -65536).to(tl.float32, bitcast=True)
                 t = tl.fma(scale, A, zero * s_x)
@@ -163,61 +163,52 @@ def kernels():
     @triton.jit(do_not_specialize=["M", "sys_"])
     def int8_mm(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,
                 BM: tl.constexpr, BN: tl.constexpr):
-        # program (m block, n block, part of K), tensor cores: a group's A as in the docstring
+        # program (m block, n block, part of K), tensor cores, weights as the dot's first operand
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         r32 = tl.arange(0, 32)
         rows_in, cols_in = rm < M, rn < N
         groups = K // 32
-        x_rows = xq_ptr + rm.to(tl.int64)[:, None] * K
-        aux_rows = aux_ptr + rm.to(tl.int64) * 2 * groups
-        k0 = part * k_part
-        k1 = tl.minimum(k0 + k_part, K)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(k0, k1, 32):
-            kk = k + r32
-            xi = tl.load(x_rows + kk[None, :], mask=rows_in[:, None], other=0.0)
-            a = tl.load(aux_rows + k // 32, mask=rows_in, other=0.0)
-            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :],
-                        other=0).to(tl.float16)  # [32, BN]: exact (|q| <= 127)
-            A = tl.dot(xi, b, out_dtype=tl.float32)
-            acc = tl.fma(a[:, None], A, acc)
-        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+        x_cols = xq_ptr + rm.to(tl.int64)[None, :] * K
+        g0 = part * (k_part // 32)
+        g1 = tl.minimum(g0 + k_part // 32, groups)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for g in range(g0, g1):
+            p = tl.load(q_ptr + rn[:, None] * sqn + g * 32 + r32[None, :], mask=cols_in[:, None], other=0)
+            w = (p.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0  # 1024 + q + 128 - 1152: q
+            xi = tl.load(x_cols + g * 32 + r32[:, None], mask=rows_in[None, :], other=0.0)  # [32, BM]
+            A = tl.dot(w, xi, out_dtype=tl.float32)
+            a = tl.load(aux_ptr + g * M + rm, mask=rows_in, other=0.0)
+            acc = tl.fma(a[None, :], A, acc)
+        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[:, None]
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
-    @triton.jit(do_not_specialize=["sys_", "magic"])
-    def int8_gemv(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, N, K, k_part, sqn, sys_, sym, magic,
-                  BN: tl.constexpr, U: tl.constexpr):
-        # program (row, n block, part of K), CUDA cores: the same sums as int8_mm, one row, U groups a
-        # step; q_ptr the matrix as int32 words (sqn in words), xq in LAYOUT_INT8 (the docstring)
+    @triton.jit(do_not_specialize=["sys_"])
+    def int8_gemv(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,
+                  BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
+        # program (row, n block, part of K), CUDA cores: the same sums as int8_mm by dp4a, U groups a
+        # step; q_ptr the matrix as int32 words (sqn in words), xd as in int4_gemv
         row, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
         t8 = tl.arange(0, 8)
         cols_in = rn < N
         groups = K // 32
-        x_row = xq_ptr + row.to(tl.int64) * K
-        aux_row = aux_ptr + row.to(tl.int64) * 2 * groups
+        x_row = xq_ptr + row.to(tl.int64) * groups * 16
+        w_cols = q_ptr + rn.to(tl.int64)[:, None] * sqn + t8[None, :]
         g0 = part * (k_part // 32)
         g1 = tl.minimum(g0 + k_part // 32, groups)
         acc = tl.zeros((BN,), dtype=tl.float32)
         for gu in range(g0, g1, U):
             for u in tl.static_range(U):
                 g = gu + u
-                w = tl.load(q_ptr + rn[:, None] * sqn + 8 * g + t8[None, :], mask=cols_in[:, None], other=0)
-                w = w ^ -2139062144  # 0x80808080: each byte q + 128, in 1..255
-                wh = w >> 16
-                xg = x_row + g * 32 + t8[None, :]
-                s8 = tl.zeros((BN, 8), dtype=tl.float32)
-                for e in tl.static_range(4):
-                    if e < 2:
-                        v = ((w & (255 << (8 * e))) | magic).to(tl.float32, bitcast=True) - 8388608.0
-                    else:
-                        v = ((wh & (255 << (8 * e - 16))) | magic).to(tl.float32, bitcast=True) - 8388608.0
-                    s8 += v * tl.load(xg + 8 * e)  # (q + 128) 2^s times i 2^-s, exact
-                A = tl.sum(s8, axis=1) - 128.0 * tl.load(aux_row + groups + g)  # sum i q, exactly
-                acc = tl.fma(tl.load(aux_row + g), A, acc)
+                w = tl.load(w_cols + g * 8, mask=cols_in[:, None], other=0)  # [BN, 8]: q of k = 4t + b
+                xl = x_row + g * 16 + t8[None, :]
+                h = dp4(w, tl.load(xl + 8), tl.zeros((BN, 8), dtype=tl.int32), True, ASM)
+                low = dp4(w, tl.load(xl), tl.zeros((BN, 8), dtype=tl.int32), True, ASM)
+                iq = tl.sum(h, axis=1) * 128 + tl.sum(low, axis=1)  # sum i q, exactly
+                acc = tl.fma(tl.load(aux_ptr + g * M + row), iq.to(tl.float32), acc)
         acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)
         tl.store(y_ptr + part * sys_ + row.to(tl.int64) * sym + rn, acc.to(y_ptr.dtype.element_ty), mask=cols_in)
 

@@ -77,12 +77,8 @@ def test_the_gpu_packing_holds_the_cpu_grid():
     cpu = Int4Packed(w, kernel="torch")
     assert [torch.equal(a, b) for a, b in zip(m.grid(), cpu.grid())] == [True, True]
     assert torch.equal(gpu_quant.dequantized(m), dequantize_int4(q, scale, zero))
-    assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (48, 3)
-    for k, chunk in ((256, 4), (192, 2)):  # chunks of 4 groups (2 where K / 32 is not a multiple of 4)
-        wk = torch.randn(16, k, generator=g)
-        mk = gpu_quant.TritonInt4(wk)
-        assert mk.q4.shape == (k // 32 // chunk, 16, 16 * chunk)
-        assert torch.equal(gpu_quant.unpack_int4(mk.q4), int4_grid(wk)[0].long())
+    assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (3, 48)
+    assert torch.equal(m.q4[1, 5], (q[5, 32:48] + 16 * q[5, 48:64]).to(torch.uint8))  # group-major, k and k + 16
     m8, cpu8 = gpu_quant.TritonInt8(w), Int8Packed(w, kernel="torch")
     assert torch.equal(m8.q8, cpu8._q) and torch.equal(m8.grid(), cpu8.grid())
     assert m8.nbytes == 48 * 96 + 48 * 4
@@ -129,8 +125,7 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
         m.mm_parts(x, (16, 64, 4, 4, 1))
 
 
-INT4_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "s_qc", "s_qn", "s_sn", "sys_",
-             "sym")
+INT4_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "sys_", "sym")
 INT8_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "s_ptr", "y_ptr", "M", "N", "K", "k_part", "sqn", "sys_", "sym")
 SHARED_LIMIT = {90: 227 * 1024, 87: 163 * 1024}  # bytes of shared memory a program may take: H100, Jetson Orin
 
@@ -169,22 +164,25 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
         pytest.skip("compiled in the parent process")
     try:
         from triton.compiler import ASTSource  # noqa: F401
-        _, round_rows, int4_mm, int4_gemv, int8_mm, int8_gemv = gpu_quant_kernels.kernels()
+        _, _, int4_mm, int4_gemv, int8_mm, int8_gemv = gpu_quant_kernels.kernels()
     except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
         pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
     one_row = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 1)
     prompt = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 200)
     assert one_row[0] == 1 and prompt[0] == 128
+    kernels = {  # (one row?, format): (kernel, its arguments' names, its pointers' types, constexprs)
+        (True, "int4"): (int4_gemv, INT4_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*bf16"], {"U": 4, "ASM": True}),
+        (False, "int4"): (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"], {}),
+        (True, "int8"): (int8_gemv, INT8_ARGS, ["*i32", "*fp32", "*i32", "*fp32", "*bf16"], {"U": 4, "ASM": True}),
+        (False, "int8"): (int8_mm, INT8_ARGS, ["*fp16", "*fp32", "*i8", "*fp32", "*bf16"], {})}
     for cap in (90, 87):
-        for (bm, bn, warps, stages, _) in (one_row, prompt) if cap == 90 else (one_row,):
-            for kernel, args, ptrs, const in (
-                    (int4_gemv, INT4_ARGS, ["*fp32", "*fp32", "*i32", "*i32", "*bf16"], {"G": gpu_quant.INT4_CHUNK})
-                    if bm == 1 else (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"],
-                                     {"G": gpu_quant.INT4_CHUNK}),
-                    (int8_gemv, INT8_ARGS, ["*fp32", "*fp32", "*i32", "*fp32", "*bf16"], {"U": 4}) if bm == 1
-                    else (int8_mm, INT8_ARGS, ["*fp16", "*fp32", "*i8", "*fp32", "*bf16"], {})):
-                names = [a for a in args if a != "M"] + ["magic"] if bm == 1 else list(args)
-                signature = dict(zip(names, ptrs + ["i32"] * (len(names) - 5)))
+        for fmt in ("int4", "int8"):
+            one_row = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 1, fmt)
+            prompt = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 200, fmt)
+            assert one_row[0] == 1 and prompt[0] >= 64
+            for (bm, bn, warps, stages, _) in (one_row, prompt) if cap == 90 else (one_row,):
+                kernel, args, ptrs, const = kernels[bm == 1, fmt]
+                signature = dict(zip(args, ptrs + ["i32"] * (len(args) - 5)))
                 const = {"BN": bn, **const} | ({} if bm == 1 else {"BM": bm})
                 shared, spilled = compiled(kernel, signature, const, cap, warps, stages)
                 what = f"{kernel.__name__} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
