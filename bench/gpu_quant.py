@@ -220,6 +220,7 @@ def sweep(args, res: dict) -> None:
     gpu_quant.DECODE_TILES / PROMPT_TILES for the parts that follow (any tile gives the same bits)."""
     path = big_model(args)
     out = res["sweep"] = {}
+    default_s_dot, s_dot_us = gpu_quant.S_DOT, {}
     for fmt in ("int4", "int8"):
         shard = load(path, fmt, 1)
         mats = {m: getattr(shard.layers[0], m) for m in MATRICES} | ({"lm_head": shard.lm_head} if fmt == "int8" else {})
@@ -234,10 +235,17 @@ def sweep(args, res: dict) -> None:
                 times = {}
                 for tile in tiles:
                     cfg = (1, *tile, now[4]) if rows == 1 else (*tile, now[4])
-                    try:
-                        times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
-                    except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
-                        print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
+                    for s_dot in (True, False) if rows > 1 and fmt == "int4" else (gpu_quant.S_DOT,):
+                        gpu_quant.S_DOT = s_dot
+                        try:
+                            ms = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
+                        except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
+                            print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
+                            continue
+                        if rows > 1 and fmt == "int4":
+                            s_dot_us.setdefault(s_dot, {})[(name, cfg)] = ms * 1e3
+                        times[cfg] = min(times.get(cfg, ms), ms)
+                    gpu_quant.S_DOT = default_s_dot
                 best = min(times, key=times.get)
                 table[(fmt, *m.shape)] = best[1:4] if rows == 1 else best[:4]
                 r[f"rows_{rows}"] = {"default": list(now), "default_us": round(times.get(now, -1e-3) * 1e3, 2),
@@ -247,6 +255,16 @@ def sweep(args, res: dict) -> None:
             print("sweep", fmt, name, r, flush=True)
         del shard, mats
         torch.cuda.empty_cache()
+    # int4 tiles: S by a dot or loaded, whichever gives the smaller sum of each matrix's best tile
+    best = {v: sum(min(t for (n, _), t in us.items() if n == name) for name in MATRICES) for v, us in s_dot_us.items()}
+    gpu_quant.S_DOT = min(best, key=best.get)
+    res["s_dot_us"] = {str(k): round(v, 2) for k, v in best.items()}
+    res["s_dot"] = gpu_quant.S_DOT
+    shapes = {name: tuple(out[f"int4_{name}"]["shape"]) for name in MATRICES}
+    for name in MATRICES:  # each int4 matrix's best tile with that choice
+        us = {cfg: t for (n, cfg), t in s_dot_us[gpu_quant.S_DOT].items() if n == name}
+        gpu_quant.PROMPT_TILES[("int4", *shapes[name])] = min(us, key=us.get)[:4]
+    res["s_dot_tiles_us"] = {str(v): {f"{n} {list(c)}": round(t, 2) for (n, c), t in us.items()} for v, us in s_dot_us.items()}
     res["decode_tiles"] = {str(k): v for k, v in gpu_quant.DECODE_TILES.items()}
     res["prompt_tiles"] = {str(k): v for k, v in gpu_quant.PROMPT_TILES.items()}
 

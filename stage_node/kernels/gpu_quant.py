@@ -51,6 +51,9 @@ DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {}
 # (format, n, k); others PROMPT_TILE[format] (bench/gpu_quant.py --part sweep)
 PROMPT_TILE = {"int4": (128, 64, 4, 3), "int8": (128, 64, 4, 3)}
 PROMPT_TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+# int4 tiles: each group's S (sum of the row's integers) by a dot of ones on the tensor cores (exact,
+# in the accumulator's layout) rather than loaded (then moved through shared memory); the same bits
+S_DOT = False
 # products of up to this many rows run the one-row kernel (a program a row), more the tiled one
 GEMV_ROWS = 1
 
@@ -165,7 +168,7 @@ class TritonInt4(TritonMatrix):
                        U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1)
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
-            mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, num_warps=warps,
+            mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, S_DOT=S_DOT, num_warps=warps,
                      num_stages=stages)
 
 

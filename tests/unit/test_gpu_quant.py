@@ -172,7 +172,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     assert one_row[0] == 1 and prompt[0] == 128
     kernels = {  # (one row?, format): (kernel, its arguments' names, its pointers' types, constexprs)
         (True, "int4"): (int4_gemv, INT4_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*bf16"], {"U": 4, "ASM": True}),
-        (False, "int4"): (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"], {}),
+        (False, "int4"): (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"], {"S_DOT": gpu_quant.S_DOT}),
         (True, "int8"): (int8_gemv, INT8_ARGS, ["*i32", "*fp32", "*i32", "*fp32", "*bf16"], {"U": 4, "ASM": True}),
         (False, "int8"): (int8_mm, INT8_ARGS, ["*fp16", "*fp32", "*i8", "*fp32", "*bf16"], {})}
     for cap in (90, 87):
@@ -227,10 +227,11 @@ def test_interpreted_product_is_the_dequantized_matrix_s(interpret, fmt, dtype):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_interpreted_one_row_kernel_gives_a_row_the_tiled_kernel_s_bits(interpret, fmt):
+def test_interpreted_one_row_kernel_gives_a_row_the_tiled_kernel_s_bits(interpret, fmt, monkeypatch):
     """A row alone (the one-row kernel, CUDA cores on a GPU) and the same row among 7 others (the
-    16-row tile, tensor cores): the same bits, by default and with K forced into 2 parts (chunks of
-    4 groups), and with a 64-row tile; an outlier in a group."""
+    16-row tile, tensor cores): the same bits, by default and with K forced into 2 parts (steps of
+    4 groups), and with a 64-row tile, int4's tiles with S loaded as with S by a dot of ones; an
+    outlier in a group."""
     g = torch.Generator().manual_seed(4)
     w = torch.randn(32, 512, generator=g) * 0.05
     x = torch.randn(8, 512, generator=g).half()
@@ -244,6 +245,8 @@ def test_interpreted_one_row_kernel_gives_a_row_the_tiled_kernel_s_bits(interpre
     assert parts.shape[0] == 2
     assert torch.equal(m.mm_parts(x[3:4], (1, 16, 1, 1, 2)), parts[:, 3:4])
     assert torch.equal(m.mm_parts(x, (64, 32, 4, 1, 2)), parts)
+    monkeypatch.setattr(gpu_quant, "S_DOT", not gpu_quant.S_DOT)
+    assert torch.equal(m.mm_parts(x, (16, 32, 4, 1, 2)), parts)
     ref = exact_product(m, x)
     assert (among.float() - ref).abs().max() <= 1e-3 * ref.abs().max()
 
