@@ -25,7 +25,10 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
   * sweep: the one-row kernel's tile (BLOCK_N, warps, groups a step) of each matrix at one row and
     the tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256, for tuning gpu_quant.DECODE_TILES
     and PROMPT_TILES; the best are used by the parts after it in the same run (`--part
-    sweep,decode`) (not run by default).
+    sweep,decode`) (not run by default);
+  * prompt: each matrix's 256- and 1024-row product in int4 and int8 with the tiled kernel adding the
+    parts of K itself against a program a part and invariant.add_parts (the same bits, checked), bf16
+    beside them (not run by default).
 
 Prints progress lines, then one JSON line of every result (also written to $OUT/gpu_quant.json, after
 each part). A part that fails records {"error": ...} with the part's name, writes what it has, and
@@ -220,7 +223,6 @@ def sweep(args, res: dict) -> None:
     gpu_quant.DECODE_TILES / PROMPT_TILES for the parts that follow (any tile gives the same bits)."""
     path = big_model(args)
     out = res["sweep"] = {}
-    default_s_dot, s_dot_us = gpu_quant.S_DOT, {}
     for fmt in ("int4", "int8"):
         shard = load(path, fmt, 1)
         mats = {m: getattr(shard.layers[0], m) for m in MATRICES} | ({"lm_head": shard.lm_head} if fmt == "int8" else {})
@@ -235,17 +237,10 @@ def sweep(args, res: dict) -> None:
                 times = {}
                 for tile in tiles:
                     cfg = (1, *tile, now[4]) if rows == 1 else (*tile, now[4])
-                    for s_dot in (True, False) if rows > 1 and fmt == "int4" else (gpu_quant.S_DOT,):
-                        gpu_quant.S_DOT = s_dot
-                        try:
-                            ms = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
-                        except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
-                            print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
-                            continue
-                        if rows > 1 and fmt == "int4":
-                            s_dot_us.setdefault(s_dot, {})[(name, cfg)] = ms * 1e3
-                        times[cfg] = min(times.get(cfg, ms), ms)
-                    gpu_quant.S_DOT = default_s_dot
+                    try:
+                        times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
+                    except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
+                        print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
                 best = min(times, key=times.get)
                 table[(fmt, *m.shape)] = best[1:4] if rows == 1 else best[:4]
                 r[f"rows_{rows}"] = {"default": list(now), "default_us": round(times.get(now, -1e-3) * 1e3, 2),
@@ -255,18 +250,39 @@ def sweep(args, res: dict) -> None:
             print("sweep", fmt, name, r, flush=True)
         del shard, mats
         torch.cuda.empty_cache()
-    # int4 tiles: S by a dot or loaded, whichever gives the smaller sum of each matrix's best tile
-    best = {v: sum(min(t for (n, _), t in us.items() if n == name) for name in MATRICES) for v, us in s_dot_us.items()}
-    gpu_quant.S_DOT = min(best, key=best.get)
-    res["s_dot_us"] = {str(k): round(v, 2) for k, v in best.items()}
-    res["s_dot"] = gpu_quant.S_DOT
-    shapes = {name: tuple(out[f"int4_{name}"]["shape"]) for name in MATRICES}
-    for name in MATRICES:  # each int4 matrix's best tile with that choice
-        us = {cfg: t for (n, cfg), t in s_dot_us[gpu_quant.S_DOT].items() if n == name}
-        gpu_quant.PROMPT_TILES[("int4", *shapes[name])] = min(us, key=us.get)[:4]
-    res["s_dot_tiles_us"] = {str(v): {f"{n} {list(c)}": round(t, 2) for (n, c), t in us.items()} for v, us in s_dot_us.items()}
     res["decode_tiles"] = {str(k): v for k, v in gpu_quant.DECODE_TILES.items()}
     res["prompt_tiles"] = {str(k): v for k, v in gpu_quant.PROMPT_TILES.items()}
+
+
+def prompt(args, res: dict) -> None:
+    """Each int4 / int8 matrix's product of 256 and 1024 rows (a prompt's) as a whole call, 20 calls in
+    one CUDA graph: the tiled kernel adding the parts of K itself against one program a part and
+    invariant.add_parts (gpu_quant.SUM_PARTS_PROGRAMS), the same bits; bf16 beside them."""
+    path = big_model(args)
+    out = res["prompt"] = {}
+    keep = gpu_quant.SUM_PARTS_PROGRAMS
+    for fmt in FORMATS:
+        shard = load(path, fmt, 1)
+        for name in MATRICES:
+            m = getattr(shard.layers[0], name)
+            for rows in (256, 1024):
+                x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
+                if fmt == "bf16":
+                    out[f"{fmt}_{name}_{rows}"] = {"us": round(graph_ms(lambda m=m, x=x: invariant.mm(x, m)) * 1e3, 2)}
+                    continue
+                r, ys = {}, []
+                for mode, programs in (("summed", 0), ("parts", 1 << 30)):
+                    gpu_quant.SUM_PARTS_PROGRAMS = programs
+                    r[f"{mode}_us"] = round(graph_ms(lambda m=m, x=x: m(x)) * 1e3, 2)
+                    ys.append(m(x))
+                gpu_quant.SUM_PARTS_PROGRAMS = keep
+                r["same_bits"] = torch.equal(*ys)
+                out[f"{fmt}_{name}_{rows}"] = r
+        print(fmt, {k: v for k, v in out.items() if k.startswith(fmt)}, flush=True)
+        del shard
+        torch.cuda.empty_cache()
+    if not all(v.get("same_bits", True) for v in out.values()):
+        raise RuntimeError("the tiled kernel's own sum of the parts differs from invariant.add_parts'")
 
 
 def greedy(shard: Shard, prompt: list[int], tokens: int) -> list[int]:
@@ -336,7 +352,8 @@ def big_model(args) -> Path:
                       torch.bfloat16)
 
 
-PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "sweep": sweep}
+PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "sweep": sweep,
+         "prompt": prompt}
 
 
 def main() -> None:

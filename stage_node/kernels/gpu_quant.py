@@ -46,14 +46,17 @@ def quant_parts(n: int, k: int) -> int:
 # others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
 # (bench/gpu_quant.py --part sweep)
 DECODE_TILE = {"int4": (64, 2, 4), "int8": (64, 2, 4)}
-DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {  # the sweep's on an H100 (2026-11-28)
+    ("int4", 6144, 4096): (32, 1, 4), ("int8", 6144, 4096): (128, 4, 8), ("int8", 4096, 4096): (128, 4, 8),
+    ("int8", 28672, 4096): (32, 1, 4), ("int8", 4096, 14336): (32, 1, 4)}
 # the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
 # (format, n, k); others PROMPT_TILE[format] (bench/gpu_quant.py --part sweep)
 PROMPT_TILE = {"int4": (128, 64, 4, 3), "int8": (128, 64, 4, 3)}
 PROMPT_TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
-# int4 tiles: each group's S (sum of the row's integers) by a dot of ones on the tensor cores (exact,
-# in the accumulator's layout) rather than loaded (then moved through shared memory); the same bits
-S_DOT = False
+# the tiled kernels add a product's parts of K themselves (in order, as invariant.add_parts: the same
+# bits) where its tiles alone make at least this many programs: no float32 parts written and read
+# back, no second kernel; fewer, longer programs (bench/gpu_quant.py --part prompt)
+SUM_PARTS_PROGRAMS = 0
 # products of up to this many rows run the one-row kernel (a program a row), more the tiled one
 GEMV_ROWS = 1
 
@@ -104,6 +107,8 @@ class TritonMatrix(QuantMatrix):
         bm, bn, _, _, parts = config
         k_part = _k_part(K, parts)
         parts = -(-K // k_part)
+        if bm > 1 and -(-M // bm) * -(-N // bn) >= SUM_PARTS_PROGRAMS:
+            parts = 1  # the tiled kernel adds the parts (grid[2] == 1 of several parts: its SUM)
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
         if M:
             grid = (M if bm == 1 else -(-M // bm), -(-N // bn), parts)
@@ -168,8 +173,8 @@ class TritonInt4(TritonMatrix):
                        U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1)
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
-            mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, S_DOT=S_DOT, num_warps=warps,
-                     num_stages=stages)
+            mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, SUM=grid[2] < -(-K // k_part),
+                     num_warps=warps, num_stages=stages)
 
 
 class TritonInt8(TritonMatrix):
@@ -204,7 +209,7 @@ class TritonInt8(TritonMatrix):
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
             mm[grid](xq, aux, self.q8, self.scales, ws, M, N, K, k_part, self.q8.stride(0), *tail, BM=bm, BN=bn,
-                     num_warps=warps, num_stages=stages)
+                     SUM=grid[2] < -(-K // k_part), num_warps=warps, num_stages=stages)
 
 
 def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,8 +92,9 @@ def kernels():
 
     @triton.jit(do_not_specialize=["M", "sys_"])
     def int4_mm(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym, BM: tl.constexpr, BN: tl.constexpr,
-                S_DOT: tl.constexpr):
-        # program (m block, n block, part of K), tensor cores, weights as the dot's first operand (out^T =
+                SUM: tl.constexpr):
+        # program (m block, n block, part of K; with SUM every part, added in order as invariant.add_parts
+        # does, the sum written in y's dtype), tensor cores, weights as the dot's first operand (out^T =
         # W x^T: the int4 weights dequantized in registers, the activations from shared memory)
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -102,43 +103,39 @@ def kernels():
         rows_in, cols_in = rm < M, rn < N
         groups = K // 32
         x_cols = xq_ptr + rm.to(tl.int64)[None, :] * K
-        g0 = part * (k_part // 32)
-        g1 = tl.minimum(g0 + k_part // 32, groups)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        # a group's scales, zero points, a and S (not the dot's operands, which Triton's pipeline brings
-        # ahead) loaded a group ahead, so that their latency hides behind a group's work
-        # (with S_DOT, S comes from the tensor cores too, a dot of ones: exact, and in the accumulator's
-        # layout, where S loaded would be moved through shared memory)
-        ones = tl.full((BN, 16), 1.0, dtype=tl.float16)
-        sz_n = tl.load(sz_ptr + g0 * N + rn, mask=cols_in, other=0)
-        a_n = tl.load(aux_ptr + g0 * M + rm, mask=rows_in, other=0.0)
-        s_n = tl.load(aux_ptr + (groups + g0) * M + rm, mask=rows_in & (not S_DOT), other=0.0)
-        for g in range(g0, g1):
-            sz, a, s_x = sz_n, a_n, s_n
-            gn = tl.minimum(g + 1, g1 - 1)
-            sz_n = tl.load(sz_ptr + gn * N + rn, mask=cols_in, other=0)
-            a_n = tl.load(aux_ptr + gn * M + rm, mask=rows_in, other=0.0)
-            if not S_DOT:
+        p_lo = 0 if SUM else part
+        p_hi = tl.cdiv(K, k_part) if SUM else part + 1
+        total = tl.zeros((BN, BM), dtype=tl.float32)
+        for pk in range(p_lo, p_hi):
+            g0 = pk * (k_part // 32)
+            g1 = tl.minimum(g0 + k_part // 32, groups)
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            # a group's scales, zero points, a and S (not the dot's operands, which Triton's pipeline
+            # brings ahead) loaded a group ahead, so that their latency hides behind a group's work
+            sz_n = tl.load(sz_ptr + g0 * N + rn, mask=cols_in, other=0)
+            a_n = tl.load(aux_ptr + g0 * M + rm, mask=rows_in, other=0.0)
+            s_n = tl.load(aux_ptr + (groups + g0) * M + rm, mask=rows_in, other=0.0)
+            for g in range(g0, g1):
+                sz, a, s_x = sz_n, a_n, s_n
+                gn = tl.minimum(g + 1, g1 - 1)
+                sz_n = tl.load(sz_ptr + gn * N + rn, mask=cols_in, other=0)
+                a_n = tl.load(aux_ptr + gn * M + rm, mask=rows_in, other=0.0)
                 s_n = tl.load(aux_ptr + (groups + gn) * M + rm, mask=rows_in, other=0.0)
-            p = tl.load(q_ptr + g * N * 16 + rn[:, None] * 16 + j[None, :], mask=cols_in[:, None], other=0)
-            p = p.to(tl.int16)  # [BN, 16]: q of k = 32 g + j (low nibble), 32 g + 16 + j (high)
-            wa = ((p & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0  # 1024 + q - 1032: q - 8, exact
-            wb = ((p >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-            xa = tl.load(x_cols + g * 32 + j[:, None], mask=rows_in[None, :], other=0.0)  # [16, BM]
-            xb = tl.load(x_cols + g * 32 + 16 + j[:, None], mask=rows_in[None, :], other=0.0)
-            A = tl.dot(wa, xa, out_dtype=tl.float32)
-            A = tl.dot(wb, xb, A)
-            scale = (sz << 16).to(tl.float32, bitcast=True)
-            zero = (sz & -65536).to(tl.float32, bitcast=True)
-            if S_DOT:
-                S = tl.dot(ones, xa, out_dtype=tl.float32)
-                zs = zero[:, None] * tl.dot(ones, xb, S)
-            else:
-                zs = zero[:, None] * s_x[None, :]
-            t = tl.fma(scale[:, None], A, zs)
-            acc = tl.fma(a[None, :], t, acc)
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
+                p = tl.load(q_ptr + g * N * 16 + rn[:, None] * 16 + j[None, :], mask=cols_in[:, None], other=0)
+                p = p.to(tl.int16)  # [BN, 16]: q of k = 32 g + j (low nibble), 32 g + 16 + j (high)
+                wa = ((p & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0  # 1024 + q - 1032: q - 8, exact
+                wb = ((p >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+                xa = tl.load(x_cols + g * 32 + j[:, None], mask=rows_in[None, :], other=0.0)  # [16, BM]
+                xb = tl.load(x_cols + g * 32 + 16 + j[:, None], mask=rows_in[None, :], other=0.0)
+                A = tl.dot(wa, xa, out_dtype=tl.float32)
+                A = tl.dot(wb, xb, A)
+                scale = (sz << 16).to(tl.float32, bitcast=True)
+                zero = (sz & -65536).to(tl.float32, bitcast=True)
+                t = tl.fma(scale[:, None], A, zero[:, None] * s_x[None, :])
+                acc = tl.fma(a[None, :], t, acc)
+            total = tl.where(pk == p_lo, acc, total + acc)
+        out = y_ptr + (0 if SUM else part) * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
+        tl.store(out, total.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
     @triton.jit(do_not_specialize=["sys_"])
     def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym,
@@ -179,8 +176,9 @@ def kernels():
 
     @triton.jit(do_not_specialize=["M", "sys_"])
     def int8_mm(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,
-                BM: tl.constexpr, BN: tl.constexpr):
-        # program (m block, n block, part of K), tensor cores, weights as the dot's first operand
+                BM: tl.constexpr, BN: tl.constexpr, SUM: tl.constexpr):
+        # program (m block, n block, part of K; with SUM every part, as in int4_mm), tensor cores, weights
+        # as the dot's first operand
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -188,21 +186,27 @@ def kernels():
         rows_in, cols_in = rm < M, rn < N
         groups = K // 32
         x_cols = xq_ptr + rm.to(tl.int64)[None, :] * K
-        g0 = part * (k_part // 32)
-        g1 = tl.minimum(g0 + k_part // 32, groups)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        a_n = tl.load(aux_ptr + g0 * M + rm, mask=rows_in, other=0.0)  # a group ahead, as in int4_mm
-        for g in range(g0, g1):
-            a = a_n
-            a_n = tl.load(aux_ptr + tl.minimum(g + 1, g1 - 1) * M + rm, mask=rows_in, other=0.0)
-            p = tl.load(q_ptr + rn[:, None] * sqn + g * 32 + r32[None, :], mask=cols_in[:, None], other=0)
-            w = (p.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0  # 1024 + q + 128 - 1152: q
-            xi = tl.load(x_cols + g * 32 + r32[:, None], mask=rows_in[None, :], other=0.0)  # [32, BM]
-            A = tl.dot(w, xi, out_dtype=tl.float32)
-            acc = tl.fma(a[None, :], A, acc)
-        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[:, None]
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
+        scale = tl.load(s_ptr + rn, mask=cols_in, other=0.0)
+        p_lo = 0 if SUM else part
+        p_hi = tl.cdiv(K, k_part) if SUM else part + 1
+        total = tl.zeros((BN, BM), dtype=tl.float32)
+        for pk in range(p_lo, p_hi):
+            g0 = pk * (k_part // 32)
+            g1 = tl.minimum(g0 + k_part // 32, groups)
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            a_n = tl.load(aux_ptr + g0 * M + rm, mask=rows_in, other=0.0)  # a group ahead, as in int4_mm
+            for g in range(g0, g1):
+                a = a_n
+                a_n = tl.load(aux_ptr + tl.minimum(g + 1, g1 - 1) * M + rm, mask=rows_in, other=0.0)
+                p = tl.load(q_ptr + rn[:, None] * sqn + g * 32 + r32[None, :], mask=cols_in[:, None], other=0)
+                w = (p.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0  # 1024 + q + 128 - 1152: q
+                xi = tl.load(x_cols + g * 32 + r32[:, None], mask=rows_in[None, :], other=0.0)  # [32, BM]
+                A = tl.dot(w, xi, out_dtype=tl.float32)
+                acc = tl.fma(a[None, :], A, acc)
+            acc = acc * scale[:, None]
+            total = tl.where(pk == p_lo, acc, total + acc)
+        out = y_ptr + (0 if SUM else part) * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
+        tl.store(out, total.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
     @triton.jit(do_not_specialize=["sys_"])
     def int8_gemv(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,
