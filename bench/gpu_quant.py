@@ -26,9 +26,9 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     the tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256, for tuning gpu_quant.DECODE_TILES
     and PROMPT_TILES; the best are used by the parts after it in the same run (`--part
     sweep,decode`) (not run by default);
-  * prompt: each matrix's 256- and 1024-row product in int4 and int8 with the tiled kernel adding the
-    parts of K itself against a program a part and invariant.add_parts (the same bits, checked), bf16
-    beside them (not run by default).
+  * prompt: each matrix's 256- and 1024-row product in int4 and int8, int4's with the tiled kernel
+    adding the parts of K itself against a program a part and invariant.add_parts (the same bits,
+    checked), bf16 beside them (not run by default).
 
 Prints progress lines, then one JSON line of every result (also written to $OUT/gpu_quant.json, after
 each part). A part that fails records {"error": ...} with the part's name, writes what it has, and
@@ -256,11 +256,12 @@ def sweep(args, res: dict) -> None:
 
 def prompt(args, res: dict) -> None:
     """Each int4 / int8 matrix's product of 256 and 1024 rows (a prompt's) as a whole call, 20 calls in
-    one CUDA graph: the tiled kernel adding the parts of K itself against one program a part and
-    invariant.add_parts (gpu_quant.SUM_PARTS_PROGRAMS), the same bits; bf16 beside them."""
+    one CUDA graph; int4's tiled kernel adding the parts of K itself against one program a part and
+    invariant.add_parts (gpu_quant.SUM_PARTS_ROWS), the same bits; bf16 beside them. (A tree without
+    SUM_PARTS_ROWS, main's before it, times its one way twice.)"""
     path = big_model(args)
     out = res["prompt"] = {}
-    keep = gpu_quant.SUM_PARTS_PROGRAMS
+    keep = getattr(gpu_quant, "SUM_PARTS_ROWS", None)
     for fmt in FORMATS:
         shard = load(path, fmt, 1)
         for name in MATRICES:
@@ -271,12 +272,12 @@ def prompt(args, res: dict) -> None:
                     out[f"{fmt}_{name}_{rows}"] = {"us": round(graph_ms(lambda m=m, x=x: invariant.mm(x, m)) * 1e3, 2)}
                     continue
                 r, ys = {}, []
-                for mode, programs in (("summed", 0), ("parts", 1 << 30)):
-                    gpu_quant.SUM_PARTS_PROGRAMS = programs
+                for mode, rows_from in (("summed", 0), ("parts", 1 << 30)) if fmt == "int4" else (("parts", None),):
+                    gpu_quant.SUM_PARTS_ROWS = rows_from
                     r[f"{mode}_us"] = round(graph_ms(lambda m=m, x=x: m(x)) * 1e3, 2)
                     ys.append(m(x))
-                gpu_quant.SUM_PARTS_PROGRAMS = keep
-                r["same_bits"] = torch.equal(*ys)
+                gpu_quant.SUM_PARTS_ROWS = keep
+                r["same_bits"] = all(torch.equal(ys[0], y) for y in ys)
                 out[f"{fmt}_{name}_{rows}"] = r
         print(fmt, {k: v for k, v in out.items() if k.startswith(fmt)}, flush=True)
         del shard

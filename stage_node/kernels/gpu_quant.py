@@ -53,10 +53,11 @@ DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {  # the sweep'
 # (format, n, k); others PROMPT_TILE[format] (bench/gpu_quant.py --part sweep)
 PROMPT_TILE = {"int4": (128, 64, 4, 3), "int8": (128, 64, 4, 3)}
 PROMPT_TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
-# the tiled kernels add a product's parts of K themselves (in order, as invariant.add_parts: the same
-# bits) where its tiles alone make at least this many programs: no float32 parts written and read
-# back, no second kernel; fewer, longer programs (bench/gpu_quant.py --part prompt)
-SUM_PARTS_PROGRAMS = 0
+# int4 products of at least this many rows: the tiled kernel adds the parts of K itself (in order, as
+# invariant.add_parts: the same bits, checked on the H100), no float32 parts written and read back, no
+# second kernel, but a program does every part. On the H100 (bench/gpu_quant.py --part prompt) 1024
+# rows took 0.78-0.92 of the time a program a part takes, 256 rows 1.05-1.35 of it
+SUM_PARTS_ROWS = 1024
 # products of up to this many rows run the one-row kernel (a program a row), more the tiled one
 GEMV_ROWS = 1
 
@@ -107,7 +108,7 @@ class TritonMatrix(QuantMatrix):
         bm, bn, _, _, parts = config
         k_part = _k_part(K, parts)
         parts = -(-K // k_part)
-        if bm > 1 and -(-M // bm) * -(-N // bn) >= SUM_PARTS_PROGRAMS:
+        if bm > 1 and self.format == "int4" and M >= SUM_PARTS_ROWS:
             parts = 1  # the tiled kernel adds the parts (grid[2] == 1 of several parts: its SUM)
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
         if M:
@@ -209,7 +210,7 @@ class TritonInt8(TritonMatrix):
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
             mm[grid](xq, aux, self.q8, self.scales, ws, M, N, K, k_part, self.q8.stride(0), *tail, BM=bm, BN=bn,
-                     SUM=grid[2] < -(-K // k_part), num_warps=warps, num_stages=stages)
+                     num_warps=warps, num_stages=stages)
 
 
 def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -176,9 +176,10 @@ def kernels():
 
     @triton.jit(do_not_specialize=["M", "sys_"])
     def int8_mm(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,
-                BM: tl.constexpr, BN: tl.constexpr, SUM: tl.constexpr):
-        # program (m block, n block, part of K; with SUM every part, as in int4_mm), tensor cores, weights
-        # as the dot's first operand
+                BM: tl.constexpr, BN: tl.constexpr):
+        # program (m block, n block, part of K), tensor cores, weights as the dot's first operand. (Not
+        # adding the parts itself as int4_mm may: the scale's product and the parts' sum would be
+        # contracted into an FMA, other bits than invariant.add_parts', as seen on the H100)
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -186,27 +187,21 @@ def kernels():
         rows_in, cols_in = rm < M, rn < N
         groups = K // 32
         x_cols = xq_ptr + rm.to(tl.int64)[None, :] * K
-        scale = tl.load(s_ptr + rn, mask=cols_in, other=0.0)
-        p_lo = 0 if SUM else part
-        p_hi = tl.cdiv(K, k_part) if SUM else part + 1
-        total = tl.zeros((BN, BM), dtype=tl.float32)
-        for pk in range(p_lo, p_hi):
-            g0 = pk * (k_part // 32)
-            g1 = tl.minimum(g0 + k_part // 32, groups)
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            a_n = tl.load(aux_ptr + g0 * M + rm, mask=rows_in, other=0.0)  # a group ahead, as in int4_mm
-            for g in range(g0, g1):
-                a = a_n
-                a_n = tl.load(aux_ptr + tl.minimum(g + 1, g1 - 1) * M + rm, mask=rows_in, other=0.0)
-                p = tl.load(q_ptr + rn[:, None] * sqn + g * 32 + r32[None, :], mask=cols_in[:, None], other=0)
-                w = (p.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0  # 1024 + q + 128 - 1152: q
-                xi = tl.load(x_cols + g * 32 + r32[:, None], mask=rows_in[None, :], other=0.0)  # [32, BM]
-                A = tl.dot(w, xi, out_dtype=tl.float32)
-                acc = tl.fma(a[None, :], A, acc)
-            acc = acc * scale[:, None]
-            total = tl.where(pk == p_lo, acc, total + acc)
-        out = y_ptr + (0 if SUM else part) * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
-        tl.store(out, total.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
+        g0 = part * (k_part // 32)
+        g1 = tl.minimum(g0 + k_part // 32, groups)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        a_n = tl.load(aux_ptr + g0 * M + rm, mask=rows_in, other=0.0)  # a group ahead, as in int4_mm
+        for g in range(g0, g1):
+            a = a_n
+            a_n = tl.load(aux_ptr + tl.minimum(g + 1, g1 - 1) * M + rm, mask=rows_in, other=0.0)
+            p = tl.load(q_ptr + rn[:, None] * sqn + g * 32 + r32[None, :], mask=cols_in[:, None], other=0)
+            w = (p.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0  # 1024 + q + 128 - 1152: q
+            xi = tl.load(x_cols + g * 32 + r32[:, None], mask=rows_in[None, :], other=0.0)  # [32, BM]
+            A = tl.dot(w, xi, out_dtype=tl.float32)
+            acc = tl.fma(a[None, :], A, acc)
+        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[:, None]
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
     @triton.jit(do_not_specialize=["sys_"])
     def int8_gemv(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,

@@ -184,9 +184,10 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
             for (bm, bn, warps, stages, _) in (one_row, prompt) if cap == 90 else (one_row,):
                 kernel, args, ptrs, const = kernels[bm == 1, fmt]
                 signature = dict(zip(args, ptrs + ["i32"] * (len(args) - 5)))
-                # the tiled kernel a part a program (no spill) and adding every part itself: its running
+                # int4's tiled kernel a part a program (no spill) and adding every part itself: its running
                 # sum, kept across the K loop, may spill (outside the K loop, in the SASS: 48 bytes)
-                for extra, allowed in ((({}, 0),) if bm == 1 else (({"SUM": False}, 0), ({"SUM": True}, 64))):
+                for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 64)) if (bm, fmt) == (prompt[0], "int4") \
+                        else (({}, 0),):
                     shared, spilled = compiled(kernel, signature, {"BN": bn, **const, **extra} | ({} if bm == 1 else {"BM": bm}),
                                                cap, warps, stages)
                     what = f"{kernel.__name__} {extra} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
@@ -245,12 +246,14 @@ def test_interpreted_one_row_kernel_gives_a_row_the_tiled_kernel_s_bits(interpre
     assert gpu_quant.qmm_config(32, 512, x.dtype, 8, fmt)[0] == 16
     among = m(x)
     assert torch.equal(m(x[3:4]), among[3:4])
-    summed = m.mm_parts(x, (16, 32, 4, 1, 2))  # the tile adds the 2 parts (SUM_PARTS_PROGRAMS 0)
-    assert summed.shape == (1, 8, 32) and summed.dtype == x.dtype
-    monkeypatch.setattr(gpu_quant, "SUM_PARTS_PROGRAMS", 1 << 30)
     parts = m.mm_parts(x, (16, 32, 4, 1, 2))
     assert parts.shape[0] == 2
-    assert torch.equal(invariant.add_parts(parts, x.dtype), summed[0])
+    if fmt == "int4":  # the tile adds the 2 parts itself from SUM_PARTS_ROWS rows
+        monkeypatch.setattr(gpu_quant, "SUM_PARTS_ROWS", 8)
+        summed = m.mm_parts(x, (16, 32, 4, 1, 2))
+        assert summed.shape == (1, 8, 32) and summed.dtype == x.dtype
+        assert torch.equal(invariant.add_parts(parts, x.dtype), summed[0])
+        monkeypatch.undo()
     assert torch.equal(m.mm_parts(x[3:4], (1, 16, 1, 1, 2)), parts[:, 3:4])
     assert torch.equal(m.mm_parts(x, (64, 32, 4, 1, 2)), parts)
     ref = exact_product(m, x)
@@ -268,10 +271,12 @@ def test_interpreted_parts_of_k_are_added_in_order(interpret, fmt, monkeypatch):
     m, _, ref = interpreted_product(fmt, w, x)
     parts = m.mm_parts(x, (1, 16, 4, 1, 3))  # the one-row kernel, 3 parts of K
     assert parts.shape == (3, 3, 16) and parts.dtype == torch.float32
-    summed = m.mm_parts(x, (16, 16, 4, 1, 3))  # the tiled kernel adds them itself
-    assert summed.shape == (1, 3, 16) and torch.equal(summed[0], invariant.add_parts(parts, x.dtype))
-    monkeypatch.setattr(gpu_quant, "SUM_PARTS_PROGRAMS", 1 << 30)
-    assert torch.equal(m.mm_parts(x, (16, 16, 4, 1, 3)), parts)  # a program a part: the same parts
+    assert torch.equal(m.mm_parts(x, (16, 16, 4, 1, 3)), parts)  # the tiled kernel: the same parts
+    if fmt == "int4":  # or, from SUM_PARTS_ROWS rows, their sum by the tiled kernel itself
+        monkeypatch.setattr(gpu_quant, "SUM_PARTS_ROWS", 3)
+        summed = m.mm_parts(x, (16, 16, 4, 1, 3))
+        assert summed.shape == (1, 3, 16) and torch.equal(summed[0], invariant.add_parts(parts, x.dtype))
+        monkeypatch.undo()
     assert torch.equal(m.mm_parts(x[1:2], (16, 16, 4, 1, 3)), parts[:, 1:2])
     y = invariant.add_parts(parts, x.dtype)
     assert torch.equal(y, (parts[0] + parts[1] + parts[2]).half())
