@@ -22,8 +22,8 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     and the tokens equal before the first difference decoding freely, over `--prompts` prompts x
     `--tokens` tokens; float32 beside them, for scale (a random model's top logits are close, and
     its layers amplify rounding: a real model's figure needs `--model`);
-  * sweep: the one-row kernel's tile (BLOCK_N, warps, groups a step) of each matrix at one row and
-    the tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256, for tuning gpu_quant.DECODE_TILES
+  * sweep: int4's one-row kernel's tile (BLOCK_N, warps, groups a step) of each matrix at one row and
+    its tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256, for tuning gpu_quant.DECODE_TILES
     and PROMPT_TILES; the best are used by the parts after it in the same run (`--part
     sweep,decode`) (not run by default);
   * prompt: each matrix's 256- and 1024-row product in int4 and int8, int4's with the tiled kernel
@@ -218,20 +218,19 @@ SWEEP_PROMPT = ((128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 
 
 
 def sweep(args, res: dict) -> None:
-    """The one-row kernel's tile (BLOCK_N, warps, groups a step) of each int4 / int8 matrix at 1 row
-    and the tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256 rows, the best kept in
-    gpu_quant.DECODE_TILES / PROMPT_TILES for the parts that follow (any tile gives the same bits)."""
+    """The one-row kernel's tile (BLOCK_N, warps, groups a step) of each int4 matrix at 1 row and the
+    tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256 rows, the best kept in
+    gpu_quant.DECODE_TILES / PROMPT_TILES for the parts that follow (any tile gives the same bits).
+    (int8's tiles are the float path's rule, not swept.)"""
     path = big_model(args)
     out = res["sweep"] = {}
-    for fmt in ("int4", "int8"):
+    for fmt in ("int4",):
         shard = load(path, fmt, 1)
-        mats = {m: getattr(shard.layers[0], m) for m in MATRICES} | ({"lm_head": shard.lm_head} if fmt == "int8" else {})
+        mats = {m: getattr(shard.layers[0], m) for m in MATRICES}
         for name, m in mats.items():
             r = out[f"{fmt}_{name}"] = {"shape": list(m.shape)}
             for rows, tiles, table in ((1, SWEEP_ONE_ROW, gpu_quant.DECODE_TILES),
                                        (256, SWEEP_PROMPT, gpu_quant.PROMPT_TILES)):
-                if rows == 256 and name == "lm_head":
-                    continue
                 x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
                 now = gpu_quant.qmm_config(*m.shape, x.dtype, rows, fmt)
                 times = {}

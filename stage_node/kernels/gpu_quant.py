@@ -11,10 +11,12 @@ Layout on the GPU (packed once, as each matrix is quantized):
     Triton's interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
   * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
 
-A product is three kernels: round_rows (the activations' integers, once per product), then up to
-GEMV_ROWS rows the one-row kernel (a program per row, column block and part of K, CUDA cores: dp4a),
-more rows the tiled kernel (tensor cores), then invariant.add_parts over the parts of K. `qmm_config`
-picks the tile; any tile gives a row the same bits, so the kernel follows the row count.
+An int4 product is up to three kernels: round_rows (the activations' integers, once per product),
+then up to GEMV_ROWS rows the one-row kernel (a program per row, column block and part of K, CUDA
+cores: dp4a), more rows the tiled kernel (tensor cores), then invariant.add_parts over the parts of K
+(from SUM_PARTS_ROWS rows the tiled kernel adds them itself). `qmm_config` picks the tile; any tile
+gives a row the same bits, so the kernel follows the row count. An int8 product is one kernel (the
+activations as they are; int8_config) and add_parts.
 
 Batch invariance, by the float path's rule (stage_node.kernels.invariant): K in parts fixed per
 matrix (`quant_parts`, never a function of the rows), added in order by `invariant.add_parts`, each
@@ -45,13 +47,11 @@ def quant_parts(n: int, k: int) -> int:
 # the one-row kernel's tile (BLOCK_N, num_warps, groups of 32 a step of its K loop) by (format, n, k);
 # others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
 # (bench/gpu_quant.py --part sweep)
-DECODE_TILE = {"int4": (64, 2, 4), "int8": (64, 2, 4)}
-DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {  # the sweep's on an H100 (2026-11-28)
-    ("int4", 6144, 4096): (32, 1, 4), ("int8", 6144, 4096): (128, 4, 8), ("int8", 4096, 4096): (128, 4, 8),
-    ("int8", 28672, 4096): (32, 1, 4), ("int8", 4096, 14336): (32, 1, 4)}
+DECODE_TILE = {"int4": (64, 2, 4)}
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 6144, 4096): (32, 1, 4)}  # the H100 sweep's
 # the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
 # (format, n, k); others PROMPT_TILE[format] (bench/gpu_quant.py --part sweep)
-PROMPT_TILE = {"int4": (128, 64, 4, 3), "int8": (128, 64, 4, 3)}
+PROMPT_TILE = {"int4": (128, 64, 4, 3)}
 PROMPT_TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
 # int4 products of at least this many rows: the tiled kernel adds the parts of K itself (in order, as
 # invariant.add_parts: the same bits, checked on the H100), no float32 parts written and read back, no
@@ -67,6 +67,8 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4"
     w [n, k]; BLOCK_M 1: the one-row kernel (CUDA cores; its num_stages are the groups of 32 a step
     of its K loop, step_groups), else the tiled one (tensor cores). The parts
     are quant_parts(n, k), never a function of m; the tile follows m (it changes no bit)."""
+    if fmt == "int8":
+        return int8_config(n, k, dtype, m)
     parts = quant_parts(n, k)
     if m <= GEMV_ROWS:
         return (1, *DECODE_TILES.get((fmt, n, k), DECODE_TILE[fmt]), parts)
@@ -77,6 +79,23 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4"
     if m <= 64:
         return 64, 64, 4, 3, parts
     return (*PROMPT_TILES.get((fmt, n, k), PROMPT_TILE[fmt]), parts)
+
+
+INT8_BK = 128  # int8: K a chunk, the same for every tile (part of the sum's order)
+
+
+def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, int, int, int]:
+    """int8's tile (the activations as they are, the float path's rule): the parts a function of the
+    matrix (invariant.quant_parts); the tile follows m, but never under 64 rows: on the H100 a 16- or
+    32-row tile gave a row other bits than the 64- and 128-row tiles (bench/gpu_quant_tiles.py)."""
+    if dtype == torch.float32:  # exact float32 (no TF32): one tile
+        return 16, 32, 4, 3, 1
+    parts = invariant.quant_parts(n, k)
+    if m <= 64:
+        return 64, 64, 4, 4, parts
+    if m <= 128:
+        return 64, 128, 4, 3, parts
+    return 128, 128, 8, 3, parts
 
 
 _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU
@@ -163,7 +182,7 @@ class TritonInt4(TritonMatrix):
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, _, mm, gemv, _, _ = gpu_quant_kernels.kernels()
+        _, _, mm, gemv, _ = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
         M = x.shape[0]
@@ -197,20 +216,12 @@ class TritonInt8(TritonMatrix):
         return self.scales
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, _, _, _, mm, gemv = gpu_quant_kernels.kernels()
+        *_, mm = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        M = x.shape[0]
-        tail = (ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
-        if bm == 1:
-            xd, aux = round_rows(x, gpu_quant_kernels.LAYOUT_DP)
-            q32 = self.q8.view(torch.int32)
-            gemv[grid](xd.view(torch.int32), aux, q32, self.scales, ws, M, N, K, k_part, q32.stride(0), *tail, BN=bn,
-                       U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1)
-        else:
-            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
-            mm[grid](xq, aux, self.q8, self.scales, ws, M, N, K, k_part, self.q8.stride(0), *tail, BM=bm, BN=bn,
-                     num_warps=warps, num_stages=stages)
+        mm[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
+                 ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
+                 IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
 
 
 def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,34 +1,36 @@
 """The Triton kernels of stage_node.kernels.gpu_quant (int4 / int8 weights on CUDA), and the torch
-reference of their arithmetic.
+reference of int4's arithmetic.
 
-Exact partial sums, so that any kernel gives a row the same bits. Each row's activations are rounded,
-per group of 32 along K, to integers of at most 11 bits times a power of two: a = 2^(E - 10) where
-2^E <= max |x| < 2^(E + 1), i = rint(x / a), |i| <= 2048 (so i is exact in float16, and x = a i to
-within a / 2, finer than bf16 for the group's large entries). Then for output n and group g:
-  * int4: A = sum_k i_k (q_k - 8) (an integer under 2^20) and S = sum_k i_k; then, elementwise and
-    in this order, t = fma(scale, A, zero * S) and acc = fma(a, t, acc), group after group in
-    ascending order;
-  * int8: A = sum_k i_k q_k (under 2^23); acc = fma(a, A, acc), group after group; the output
-    channel's scale on the part's sum (acc * scale).
+int4: exact partial sums, so that any kernel gives a row the same bits. Each row's activations are
+rounded, per group of 32 along K, to integers of at most 11 bits times a power of two: a = 2^(E - 10)
+where 2^E <= max |x| < 2^(E + 1), i = rint(x / a), |i| <= 2048 (so i is exact in float16, and x = a i
+to within a / 2, finer than bf16 for the group's large entries). Then for output n and group g,
+A = sum_k i_k (q_k - 8) (an integer under 2^20) and S = sum_k i_k; then, elementwise and in this
+order, t = fma(scale, A, zero * S) and acc = fma(a, t, acc), group after group in ascending order.
 A is the same integer on every instruction that computes it exactly, and both kernels do:
-  * the tiled kernels (prompts, tensor cores): float16 operands i and q - 8 (or q), float32 sums: every
-    product and partial sum an integer under 2^24, so exact whatever the order;
-  * the one-row kernels (decode, CUDA cores): integer dot products of 4 bytes (dp4a): i = 128 h + l,
+  * the tiled kernel (prompts, tensor cores): float16 operands i and q - 8, float32 sums: every product
+    and partial sum an integer under 2^24, so exact whatever the order;
+  * the one-row kernel (decode, CUDA cores): integer dot products of 4 bytes (dp4a): i = 128 h + l,
     h = i >> 7 in -16..16 and l = i & 127 in 0..127 as bytes, so sum i q = 128 sum h q + sum l q in
-    int32, then A = float(that) - 8 S (int4: q as the unsigned nibble) exactly.
+    int32 (q the unsigned nibble), then A = float(that) - 8 S exactly.
 Nothing in a row's arithmetic then depends on the tile, the instruction (mma, wgmma, dp4a) or the other
-rows: the kernel may follow the row count. K in parts fixed per matrix (added in order by
-invariant.add_parts), each part's groups in ascending order.
+rows: the kernel may follow the row count. K in parts fixed per matrix, each part's groups in
+ascending order, the parts added in order (invariant.add_parts, or the tiled kernel itself).
 
 The rounding is done once per product by `round_rows` (a row's i, a and S):
-  * LAYOUT_MM (the tiled kernels): i in K's order, float16 [M, K];
-  * LAYOUT_DP (the one-row kernels): int8 [M, K/32, 2, 32], a group's 32 l then its 32 h, read as
+  * LAYOUT_MM (the tiled kernel): i in K's order, float16 [M, K];
+  * LAYOUT_DP (the one-row kernel): int8 [M, K/32, 2, 32], a group's 32 l then its 32 h, read as
     int32 words of 4 bytes (bytes k = 4m..4m+3 in word m);
   * both: a and S as float32 [2, K/32, M] (a group's values contiguous over the rows).
-The weights (gpu_quant's docstring): int4 group-major [K/32, N, 16] bytes, byte j holding q of k = j
-(low nibble) and k = 16 + j (high nibble), so word t's low nibbles meet activation word t and its
-high nibbles word 4 + t; int8 [N, K]. On the CPU (Triton's interpreter, which has no inline PTX) the
-one-row kernels take the same sums by byte arithmetic (`ASM` off): the same integers.
+The weights (gpu_quant's docstring): group-major [K/32, N, 16] bytes, byte j holding q of k = j (low
+nibble) and k = 16 + j (high nibble), so word t's low nibbles meet activation word t and its high
+nibbles word 4 + t. On the CPU (Triton's interpreter, which has no inline PTX) the one-row kernel
+takes the same sums by byte arithmetic (`ASM` off): the same integers.
+
+int8 (int8_mm) takes the activations as they are: float32 sums on the tensor cores, batch-invariant by
+the float path's rule (K in parts fixed per matrix, each in BK chunks, 64-row tiles and up, whose
+16-wide steps the tensor cores add in order; gpu_quant.qmm_config): exact sums' kernels for int8 were
+no faster for one row and half as fast for prompts on the H100 (docs/engine.md).
 Triton is imported only when a matrix is multiplied.
 """
 from __future__ import annotations
@@ -74,20 +76,13 @@ def kernels():
         tl.store(aux_ptr + (groups + gs) * M + row, s, mask=g_in)
 
     @triton.jit
-    def dp4(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
-        # c + sum over the 4 bytes of a (unsigned, or signed with SIGNED) times those of b (signed): dp4a
+    def dp4(a, b, c, ASM: tl.constexpr):
+        # c + sum over the 4 bytes of a (unsigned) times those of b (signed): dp4a
         if ASM:
-            if SIGNED:
-                return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                                 dtype=tl.int32, is_pure=True, pack=1)
             return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                              dtype=tl.int32, is_pure=True, pack=1)
         for j in tl.static_range(4):
-            if SIGNED:
-                aj = (a << (24 - 8 * j)) >> 24
-            else:
-                aj = (a >> (8 * j)) & 255
-            c += aj * ((b << (24 - 8 * j)) >> 24)
+            c += ((a >> (8 * j)) & 255) * ((b << (24 - 8 * j)) >> 24)
         return c
 
     @triton.jit(do_not_specialize=["M", "sys_"])
@@ -159,10 +154,10 @@ def kernels():
                 lo = w & 0x0F0F0F0F  # [BN, 4]: bytes q of k = 4t + b
                 hi = (w >> 4) & 0x0F0F0F0F  # k = 16 + 4t + b
                 xl = x_row + g * 16 + t4[None, :]
-                h = dp4(lo, tl.load(xl + 8), tl.zeros((BN, 4), dtype=tl.int32), False, ASM)
-                h = dp4(hi, tl.load(xl + 12), h, False, ASM)
-                low = dp4(lo, tl.load(xl), tl.zeros((BN, 4), dtype=tl.int32), False, ASM)
-                low = dp4(hi, tl.load(xl + 4), low, False, ASM)
+                h = dp4(lo, tl.load(xl + 8), tl.zeros((BN, 4), dtype=tl.int32), ASM)
+                h = dp4(hi, tl.load(xl + 12), h, ASM)
+                low = dp4(lo, tl.load(xl), tl.zeros((BN, 4), dtype=tl.int32), ASM)
+                low = dp4(hi, tl.load(xl + 4), low, ASM)
                 iq = tl.sum(h, axis=1) * 128 + tl.sum(low, axis=1)  # sum i q, exactly
                 a = tl.load(aux_ptr + g * M + row)
                 s_x = tl.load(aux_ptr + (groups + g) * M + row)
@@ -175,62 +170,32 @@ def kernels():
         tl.store(y_ptr + part * sys_ + row.to(tl.int64) * sym + rn, acc.to(y_ptr.dtype.element_ty), mask=cols_in)
 
     @triton.jit(do_not_specialize=["M", "sys_"])
-    def int8_mm(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,
-                BM: tl.constexpr, BN: tl.constexpr):
-        # program (m block, n block, part of K), tensor cores, weights as the dot's first operand. (Not
-        # adding the parts itself as int4_mm may: the scale's product and the parts' sum would be
-        # contracted into an FMA, other bits than invariant.add_parts', as seen on the H100)
+    def int8_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        r32 = tl.arange(0, 32)
+        rk = tl.arange(0, BK)
         rows_in, cols_in = rm < M, rn < N
-        groups = K // 32
-        x_cols = xq_ptr + rm.to(tl.int64)[None, :] * K
-        g0 = part * (k_part // 32)
-        g1 = tl.minimum(g0 + k_part // 32, groups)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        a_n = tl.load(aux_ptr + g0 * M + rm, mask=rows_in, other=0.0)  # a group ahead, as in int4_mm
-        for g in range(g0, g1):
-            a = a_n
-            a_n = tl.load(aux_ptr + tl.minimum(g + 1, g1 - 1) * M + rm, mask=rows_in, other=0.0)
-            p = tl.load(q_ptr + rn[:, None] * sqn + g * 32 + r32[None, :], mask=cols_in[:, None], other=0)
-            w = (p.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0  # 1024 + q + 128 - 1152: q
-            xi = tl.load(x_cols + g * 32 + r32[:, None], mask=rows_in[None, :], other=0.0)  # [32, BM]
-            A = tl.dot(w, xi, out_dtype=tl.float32)
-            acc = tl.fma(a[None, :], A, acc)
-        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[:, None]
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+        k0 = part * k_part
+        k1 = tl.minimum(k0 + k_part, K)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(k0, k1, BK):
+            kk = k + rk
+            a = tl.load(x_rows + kk[None, :], mask=rows_in[:, None] & (kk[None, :] < k1), other=0.0)  # [BM, BK]
+            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :] & (kk[:, None] < k1),
+                        other=0).to(a.dtype)  # [BK, BN]: exact (|q| <= 127)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
+        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
 
-    @triton.jit(do_not_specialize=["sys_"])
-    def int8_gemv(xq_ptr, aux_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sqn, sys_, sym,
-                  BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
-        # program (row, n block, part of K), CUDA cores: the same sums as int8_mm by dp4a, U groups a
-        # step; q_ptr the matrix as int32 words (sqn in words), xd as in int4_gemv
-        row, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = pid_n * BN + tl.arange(0, BN)
-        t8 = tl.arange(0, 8)
-        cols_in = rn < N
-        groups = K // 32
-        x_row = xq_ptr + row.to(tl.int64) * groups * 16
-        w_cols = q_ptr + rn.to(tl.int64)[:, None] * sqn + t8[None, :]
-        g0 = part * (k_part // 32)
-        g1 = tl.minimum(g0 + k_part // 32, groups)
-        acc = tl.zeros((BN,), dtype=tl.float32)
-        for gu in range(g0, g1, U):
-            for u in tl.static_range(U):
-                g = gu + u
-                w = tl.load(w_cols + g * 8, mask=cols_in[:, None], other=0)  # [BN, 8]: q of k = 4t + b
-                xl = x_row + g * 16 + t8[None, :]
-                h = dp4(w, tl.load(xl + 8), tl.zeros((BN, 8), dtype=tl.int32), True, ASM)
-                low = dp4(w, tl.load(xl), tl.zeros((BN, 8), dtype=tl.int32), True, ASM)
-                iq = tl.sum(h, axis=1) * 128 + tl.sum(low, axis=1)  # sum i q, exactly
-                acc = tl.fma(tl.load(aux_ptr + g * M + row), iq.to(tl.float32), acc)
-        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)
-        tl.store(y_ptr + part * sys_ + row.to(tl.int64) * sym + rn, acc.to(y_ptr.dtype.element_ty), mask=cols_in)
-
-    return triton, round_rows, int4_mm, int4_gemv, int8_mm, int8_gemv
+    return triton, round_rows, int4_mm, int4_gemv, int8_mm
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,14 +211,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return i.double(), a.double()
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """The kernels' product in float64 (no rounding but the activations'): x [M, K]; int4: q [N, K]
-    in 0..15, scale and zero [N, K/32]; int8 (zero None): q [N, K] in -127..127, scale [N]."""
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The int4 kernels' product in float64 (no rounding but the activations'): x [M, K]; q [N, K] in
+    0..15, scale and zero [N, K/32]."""
     i, a = quantize_rows(x)
     n = q.shape[0]
-    if zero is None:
-        A = torch.einsum("mgk,ngk->mng", i, q.double().reshape(n, -1, 32))
-        return (A * a[:, None, :]).sum(-1) * scale.double()[None, :]
     A = torch.einsum("mgk,ngk->mng", i, (q.double() - 8).reshape(n, -1, 32))
     t = scale.double()[None] * A + zero.double()[None] * i.sum(-1)[:, None, :]
     return (t * a[:, None, :]).sum(-1)
