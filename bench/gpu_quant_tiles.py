@@ -39,7 +39,7 @@ def main() -> None:
             x = torch.randn(256, m.shape[1], generator=g, device="cuda").bfloat16()
             fulls = {}
             for label, cfg in CONFIGS.items():
-                parts = invariant.k_parts(*m.shape)
+                parts = (invariant.k_parts if fmt == "bf16" else invariant.quant_parts)(*m.shape)
                 if fmt == "bf16":
                     bk = 128 if cfg[0] <= 64 else 64
                     c = (cfg[0], cfg[1], bk, cfg[2], cfg[3], parts)

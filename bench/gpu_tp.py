@@ -9,11 +9,17 @@
 
     python -m bench.gpu_tp --work /tmp/gpu --out $OUT --layers 32 --tokens 64 --rounds 2
     python -m bench.gpu_tp --skip-exactness --shape 70b --layers 40 --variants tp4,pp4,tp2x2   # 4 GPUs
+    python -m bench.gpu_tp --skip-exactness --variants 1gpu,tp2 --trace /tmp/trace --profile 30   # where the time goes
+
+The controller runs with `--speculate 0` unless told (a greedy stream then takes the overlapped step,
+as in bench.gpu_engine). `--trace DIR`: bench.step_trace's timings of each variant's stage and
+followers under DIR/<variant>; `--profile N`: torch.profiler over 16 one-row steps from the Nth.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -136,11 +142,19 @@ def speed(work: Path, args) -> dict:
         if width > torch.cuda.device_count():
             out[label] = f"needs {width} GPUs"
             continue
+        if args.trace:  # bench.step_trace's hooks in the stage and its followers (bench/trace_site)
+            os.environ["LOGICPIPE_STEP_TRACE"] = str(args.trace / label)
+            os.environ["LOGICPIPE_STEP_PROFILE"] = str(args.profile)
+            site = str(Path(__file__).resolve().parent / "trace_site")
+            if site not in os.environ.get("PYTHONPATH", ""):
+                os.environ["PYTHONPATH"] = os.pathsep.join(
+                    x for x in (site, str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if x)
         t0 = time.perf_counter()
         with LocalMesh(stages, path, work / f"mesh-{args.shape}-{label}", threads=4, device="cuda",
                        stage_args=("--max-kv-mib", str(kv), "--max-step-seqs", str(max(conc))),
                        stage_extra=extra, stage_env=env,
-                       controller_args=("--dtype", "bfloat16", "--strategy", "uniform")) as mesh:
+                       controller_args=("--dtype", "bfloat16", "--strategy", "uniform",
+                                        "--speculate", str(args.speculate))) as mesh:
             up = time.perf_counter() - t0
             rates = mesh_rates(mesh.controller_address, PROMPTS, args.tokens, args.rounds, conc, mesh.stage_addresses)
         out[label] = {"gpus": width, "start_s": round(up, 1), "one_stream_tps": round(rates["one_stream_tps"], 1),
@@ -166,7 +180,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="8")
+    ap.add_argument("--speculate", type=int, default=0,
+                    help="the controller's --speculate (default 0, as bench.gpu_engine: a greedy stream then takes "
+                         "the overlapped path; before issue 36's second sitting this bench left the controller's 4)")
     ap.add_argument("--skip-exactness", action="store_true")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="write bench.step_trace's timings of each variant's stage and followers under this folder")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="with --trace: torch.profiler over 16 one-row steps from the Nth (0: none)")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 or more CUDA devices, this machine has {torch.cuda.device_count()}")

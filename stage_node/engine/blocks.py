@@ -100,13 +100,29 @@ def block_hash(previous: int | None, tokens) -> int:
     return hash((0 if previous is None else previous, tuple(tokens)))
 
 
+class Blocks(dict):
+    """A pool's `Block`s by id, each made on first use: a small model's KV in a big budget is
+    hundreds of thousands of blocks, and making them all cost seconds at every assignment (an
+    untouched block is a free one with nothing cached, what a new `Block` is)."""
+
+    def __init__(self, num_blocks: int):
+        super().__init__()
+        self.num_blocks = num_blocks
+
+    def __missing__(self, b: int) -> Block:
+        if not 0 <= b < self.num_blocks:
+            raise IndexError(f"block {b} of a pool of {self.num_blocks}")
+        blk = self[b] = Block(b)
+        return blk
+
+
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one position, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = Blocks(num_blocks)
         self.state = bytearray(num_blocks)  # BlockState per block
         self.counts = {s: 0 for s in BlockState}
         self.counts[BlockState.FREE] = num_blocks

@@ -122,7 +122,7 @@ def launch(shard: Shard, pool: KVPool, step: Step, source: tuple[torch.Tensor, l
     no wait for the device (on the runner thread). `source`: the previous launched step's device
     tokens and, for each of this step's sequences, the index of its input token among them (each
     such sequence has one row). The tokens are `sample`'s greedy choice: the argmax of the same
-    logits. Raises where the forward fails (the caller fails the step's sequences)."""
+    logits (`Shard.greedy`). Raises where the forward fails (the caller fails the step's sequences)."""
     with torch.inference_mode():
         lost = pool.swap.flush() if pool.swap is not None else set()  # (sessions whose KV did not come back)
         if lost & {p.seq.id for p in step.seqs}:
@@ -148,7 +148,7 @@ def launch(shard: Shard, pool: KVPool, step: Step, source: tuple[torch.Tensor, l
         sampled = [p for p in step.seqs if p.work.sample]
         if not sampled:
             return Launched(step, [], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
-        tokens = shard.logits(torch.cat([outs[p.seq.id][-1:] for p in sampled])).argmax(-1)
+        tokens = shard.greedy(torch.cat([outs[p.seq.id][-1:] for p in sampled]))
         host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=cuda)
         host.copy_(tokens, non_blocking=cuda)
         ready = None

@@ -5,9 +5,9 @@ with the stage's --threads). To the controller the node stays one node and one s
 
 Only rank 0 talks to the mesh. Every operation of its runner that involves the other ranks is
 mirrored to them before it runs, in the same order on every rank: loading an assignment's layers,
-making the KV pool, its copy-on-write block copies, a forward over the pool and the LM head's logits
-(`Shard.mirror`, `KVPool.mirror`), and on CUDA each step graph's capture and replay (`StepGraphs`:
-every rank captures the same bucket's graph at the same moment, its all-reduces inside; a step
+making the KV pool, its copy-on-write block copies, a forward over the pool, the LM head's logits
+and an overlapped step's greedy tokens (`Shard.mirror`, `KVPool.mirror`, `Shard.greedy`), and on
+CUDA each step graph's capture and replay (`StepGraphs`: every rank captures the same bucket's graph at the same moment, its all-reduces inside; a step
 sends its bucket, then the graph's integer inputs and rows into every rank's static buffers over
 NCCL, and every rank replays). A follower is a loop over those messages; it keeps no scheduler
 and no sessions: the slots each row writes and reads come with the step.
@@ -48,7 +48,7 @@ from logicpipe.stage_node.model.tp import TensorParallel, check_split
 
 log = logging.getLogger(__name__)
 
-STOP, LOAD, POOL, COPY, FORWARD, LOGITS, MEASURE, CAPTURE, GRAPH = range(9)
+STOP, LOAD, POOL, COPY, FORWARD, LOGITS, MEASURE, CAPTURE, GRAPH, GREEDY = range(10)
 HEADER = 8  # int64s of a message's header
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waits for the next message as long as the stage lives
@@ -227,6 +227,11 @@ class Leader:
         self.channel.header(LOGITS, hidden.shape[0], DTYPES.index(hidden.dtype))
         self.channel.data(hidden, tuple(hidden.shape), hidden.dtype)
 
+    def greedy(self, hidden: torch.Tensor) -> None:
+        """Before rank 0 takes the greedy tokens of `hidden` (Shard.greedy): every rank takes its share."""
+        self.channel.header(GREEDY, hidden.shape[0], DTYPES.index(hidden.dtype))
+        self.channel.data(hidden, tuple(hidden.shape), hidden.dtype)
+
     def measure(self, reps: int = MEASURE_REPS) -> tuple[float, float]:
         """Runner thread: the all-reduce over the ranks, timed (seconds of one small one: its
         latency; bytes/s of a large one, its latency included: a launch-bound small one can take
@@ -308,6 +313,8 @@ def follow(rank: int, world: int, init: str, device: str) -> None:
                 shard.forward(x, StepKV(pool, write, _seqs_of(table, slots)))
             elif op == LOGITS:
                 shard.logits(channel.data(None, (h[1], hidden_size), DTYPES[h[2]]))
+            elif op == GREEDY:
+                shard.greedy(channel.data(None, (h[1], hidden_size), DTYPES[h[2]]))
             elif op == MEASURE:
                 _all_reduces(tp, dev, h[1], h[2])
             else:

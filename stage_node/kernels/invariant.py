@@ -239,7 +239,10 @@ def _kernels():
 #     128 / 256 of K, 4 / 6 stages, 1 / 2 / 4 parts: bench/gpu_step.py --part sweep; 16 x 32 x 128 in 5
 #     stages before, gate_up 3% slower), and where a matrix has fewer blocks of 32 columns than ~1.2
 #     per SM (an 8B model's o and down), K is summed in 2 fixed parts, added in order by a second
-#     kernel (or by stage_node.fused.add_norm with the residual);
+#     kernel (or by stage_node.fused.add_norm with the residual), unless the matrix holds fewer than
+#     2^24 weights (SPLIT_MIN): such a one (a tensor-parallel rank's q/k/v and o of the 8B shape)
+#     reads faster whole, in blocks of 32 columns, than split and added (issue 36, one H100, one
+#     row: [3072, 4096] 11.9 us against 12.8, [4096, 2048] 8.4 against 10.0; bench/gpu_tp_tiles.py);
 #   * 33 to 64 rows, and up to 128 for matrices of fewer than 16,384 rows (batched decode, issue 32):
 #     64 x 64 x 128, 4 warps, 4 stages: against 64 x 128 x 64 it keeps twice the column blocks in
 #     flight; at 64 rows qkv 21.4 us against 35.3, o 11.3 / 17.9, down 47.8 / 68.8 (gate_up alike),
@@ -250,9 +253,19 @@ SMS = 132
 DECODE_ROWS = 32
 
 
+SPLIT_MIN = 1 << 24  # weights: a smaller float matrix is read whole (its K not split in parts)
+
+
 @functools.cache
 def k_parts(n: int, k: int) -> int:
-    """Parts of K the product with w [n, k] sums separately (then adds in order): never a function of M."""
+    """Parts of K the product with a float w [n, k] sums separately (then adds in order): never a function of M."""
+    return 2 if quant_parts(n, k) == 2 and n * k >= SPLIT_MIN else 1
+
+
+@functools.cache
+def quant_parts(n: int, k: int) -> int:
+    """The same for a quantized w (stage_node.kernels.gpu_quant, its own tiles): split wherever the
+    matrix has too few column blocks, whatever its size."""
     return 2 if -(-n // 32) < 1.2 * SMS and k >= 2048 else 1
 
 
@@ -261,8 +274,8 @@ def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int,
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 32, 4, 3, 1
     parts = k_parts(n, k)
-    if m <= DECODE_ROWS:
-        return 16, 64, 128, 4, 6, parts
+    if m <= DECODE_ROWS:  # a small matrix read whole: 32 columns a block, twice the programs
+        return 16, 32 if parts < quant_parts(n, k) else 64, 128, 4, 6, parts
     if m <= 64 or (m <= 128 and n < 16384):  # batched decode (issue 32): more column blocks in flight
         return 64, 64, 128, 4, 4, parts
     if m <= 128:

@@ -147,7 +147,7 @@ class Shard:
                                w.qkv_bias is None and w.o_bias is None and w.gate_up_bias is None and
                                w.down_bias is None and w.q_norm is None and w.attn_out_norm is None and
                                w.mlp_out_norm is None and w.experts is None and w.mla is None for w in self.layers) and
-                           a.rotary == 1.0 and all(self._ropes) and self.tp is None)  # RoPE over every layer's whole heads
+                           a.rotary == 1.0 and all(self._ropes))  # RoPE over every layer's whole heads
         return self._plain
 
     _plain: bool | None = None
@@ -189,11 +189,19 @@ class Shard:
             qkv = invariant.mm(h, w.qkv)  # [T, q + 2 kv]
             q = fused.rope_kv(qkv, cos, sin, positions, ws, pool[j, 0], pool[j, 1], c.num_heads,
                               c.num_kv_heads, c.head_dim)
-            x, h = fused.add_norm(invariant.mm_parts(attend(i, q), w.o), x, w.post_norm, eps)
+            x, h = fused.add_norm(self._row_parallel(attend(i, q), w.o), x, w.post_norm, eps)
             mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
-            x, h = fused.add_norm(invariant.mm_parts(mlp, w.down), x, self.layers[i + 1].input_norm if i + 1 < n else None,
+            x, h = fused.add_norm(self._row_parallel(mlp, w.down), x, self.layers[i + 1].input_norm if i + 1 < n else None,
                                   eps)
         return x
+
+    def _row_parallel(self, x: torch.Tensor, w) -> torch.Tensor:
+        """The fused layers' o or down product for fused.add_norm: its parts over K [parts, T, N]; on a
+        rank of a tensor-parallel stage the product (its parts added in order) summed over the ranks,
+        [1, T, N] (TensorParallel.all_reduce: a fixed order, whatever the step)."""
+        if self.tp is None:
+            return invariant.mm_parts(x, w)
+        return self.tp.all_reduce(invariant.mm(x, w))[None]
 
     @torch.inference_mode()
     def warm_up(self, pool: KVPool) -> float:
@@ -365,14 +373,45 @@ class Shard:
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._own_logits(hidden)
+        if self.tp is not None:  # each rank's rows of the vocabulary, side by side
+            logits = self.tp.all_gather_last(logits.contiguous())
+        return logits
+
+    def _own_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of this shard's rows of the vocabulary (a tensor-parallel rank's share) [B, rows] float32."""
         if self.fused_layers:  # the final norm by the fused layers' kernel (one launch)
             logits = invariant.mm(fused.add_norm(None, hidden, self.final_norm, self.config.rms_norm_eps)[1],
                                   self.lm_head)
-            return softcap(logits, self.arch.final_softcap).float()
-        logits = linear(self.norm(hidden, self.final_norm), self.lm_head, None, self.decode_rows)
-        if self.tp is not None:  # each rank's rows of the vocabulary, side by side
-            logits = self.tp.all_gather_last(logits.contiguous())
+        else:
+            logits = linear(self.norm(hidden, self.final_norm), self.lm_head, None, self.decode_rows)
         return softcap(logits, self.arch.final_softcap).float()
+
+    @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, hidden] -> each row's greedy token [B] int64 on the device: the argmax of
+        `logits(hidden)` (the first of equal maxima; a NaN counts as the largest, as torch.argmax has
+        it). A tensor-parallel stage gathers each rank's (largest logit, its index) instead of the
+        logits: the first rank holding the overall largest has the overall first index of it."""
+        if not self.last:
+            raise RuntimeError(f"shard [{self.start}, {self.end}) is not a last stage: it has no LM head")
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        if self.tp is None:
+            return self._logits(hidden).argmax(-1)
+        if self.mirror is not None:  # rank 0: the other ranks take their share with it
+            with self.mirror.lost_on_error():
+                self.mirror.greedy(hidden)
+                return self._greedy(hidden)
+        return self._greedy(hidden)
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._own_logits(hidden)  # [B, V / world]
+        at = logits.argmax(-1, keepdim=True)
+        # (value, index in the whole vocabulary) in float64, exact for both: one gather of 16 bytes a row and rank
+        mine = torch.cat([logits.gather(-1, at).double(), (at + self.tp.span(self.config.vocab_size)[0]).double()], -1)
+        every = self.tp.all_gather_rows(mine)  # [world, B, 2], in rank order
+        best = every[..., 0].argmax(0, keepdim=True)  # [1, B]: the first rank of the largest
+        return every[..., 1].gather(0, best)[0].long()
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, kv: StepKV, first: int = 0, stop: int | None = None) -> torch.Tensor:

@@ -58,6 +58,7 @@ class TensorParallel:
     group: object = None
     one_shot: torch.Tensor | None = field(default=None, compare=False, repr=False)  # CUDA: the symmetric buffer of the one-shot all-reduce (enable_one_shot)
     _one_shot_group: str = field(default="", compare=False, repr=False)  # its process group's name
+    _copy_in: bool = field(default=False, compare=False, repr=False)  # one_shot_all_reduce_copy works here
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank); returned (x itself over NCCL or gloo).
@@ -69,6 +70,9 @@ class TensorParallel:
         buf = self.one_shot
         if buf is not None and x.dtype == buf.dtype and x.numel() <= buf.numel():
             part = buf[: x.numel()]
+            if self._copy_in:  # x copied into the symmetric buffer by the all-reduce's own kernel
+                return torch.ops.symm_mem.one_shot_all_reduce_copy(part, x.reshape(-1), "sum",
+                                                                   self._one_shot_group).view(x.shape)
             part.copy_(x.reshape(-1))
             return torch.ops.symm_mem.one_shot_all_reduce(part, "sum", self._one_shot_group).view(x.shape)
         x = x.contiguous()
@@ -96,12 +100,23 @@ class TensorParallel:
         except Exception as exc:  # noqa: BLE001 — NCCL's all-reduce still works; say why once
             log.warning("the one-shot all-reduce (symmetric memory) is not available here (%s): NCCL's is used", exc)
             ok = False
-        agree = torch.tensor([int(ok)], device=device)
+        copy_in = ok
+        if ok:  # its form that copies the input in itself (one kernel instead of a copy and the all-reduce)
+            try:
+                local = torch.full((2 * hidden,), self.rank + 1, dtype=dtype, device=device)
+                got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:2 * hidden], local, "sum", self._one_shot_group)
+                copy_in = bool((got == self.world * (self.world + 1) // 2).all())
+            except Exception as exc:  # noqa: BLE001 — the copy and the plain one-shot kernel then
+                log.info("one_shot_all_reduce_copy is not available here (%s): a copy, then the one-shot kernel", exc)
+                copy_in = False
+        agree = torch.tensor([int(ok), int(copy_in)], device=device)
         dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
-        if agree.item():
+        ok, copy_in = agree.tolist()
+        self._copy_in = bool(copy_in)
+        if ok:
             self.one_shot = buf
-            log.info("tensor-parallel all-reduces of up to %d rows by the one-shot kernel (symmetric memory)",
-                     ONE_SHOT_ROWS)
+            log.info("tensor-parallel all-reduces of up to %d rows by the one-shot kernel (symmetric memory%s)",
+                     ONE_SHOT_ROWS, ", the input copied in by it" if self._copy_in else "")
         return self.one_shot is not None
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +124,12 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [...] stacked in rank order -> [world, ...] (one collective)."""
+        out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out.view(self.world, *x.shape)
 
     def span(self, n: int) -> tuple[int, int]:
         """This rank's [start, stop) of n things split evenly."""

@@ -16,7 +16,7 @@ def kv():
     for seq in list(m.tables):
         m.close(seq)
     assert m.used == 0 and m.available == m.num_blocks, "blocks leaked"
-    assert all(b.ref_count == 0 for b in m.blocks)
+    assert all(b.ref_count == 0 for b in m.blocks.values())
     assert m.counts[BlockState.RESERVED] == 0, "growth room left reserved"
 
 
@@ -162,3 +162,16 @@ def test_reserve_then_write_uses_the_reserved_blocks(kv):
     assert len(reserved) == 3 and kv.tables["a"].length == 0
     write(kv, "a", 0, [1] * (2 * BS + 1))
     assert kv.tables["a"].blocks == reserved
+
+
+def test_a_big_pool_makes_its_blocks_on_first_use():
+    """A pool of millions of blocks (a small model's KV in a big budget) starts at once: a block is
+    made when first used, a fresh one free and empty, and a block past the pool is an error."""
+    m = KVManager(4_000_000, BS)
+    assert len(m.blocks) == 0
+    m.open("a", capacity=3 * BS)
+    write(m, "a", 0, [1] * (3 * BS))
+    assert len(m.blocks) == 3 and [m.blocks[b].ref_count for b in m.tables["a"].blocks] == [1, 1, 1]
+    assert m.blocks[3_999_999].ref_count == 0 and m.blocks[3_999_999].hash is None
+    with pytest.raises(IndexError):
+        m.blocks[4_000_000]

@@ -45,7 +45,7 @@ def greedy(stages: list[Shard], prompt: list[int], n: int) -> list[int]:
         h = stages[0].embed(torch.tensor(rows))
         for c in caches:
             h = c.forward(h, [("s", start, rows)], {"s": len(prompt)})
-        tok = int(stages[-1].logits(h[-1:]).argmax())
+        tok = int(stages[-1].greedy(h[-1:])[0])  # (a rank of TP: each rank's largest logit gathered, Shard.greedy)
         out.append(tok)
         ids.append(tok)
         rows = [tok]
@@ -183,8 +183,8 @@ def _graph_leader(path: str, results) -> None:
         n = len(ids)
         h = shard.forward(shard.embed(torch.tensor(ids)),
                           StepKV(pool, torch.arange(n), (seq_slice(0, n, blocks, bs),)))
-        for _ in range(NEW):
-            tok = int(shard.logits(h[-1:]).argmax())
+        for i in range(NEW):  # the logits gathered (mirrored LOGITS), or each rank's largest (GREEDY), in turn
+            tok = int(shard.greedy(h[-1:])[0]) if i % 2 else int(shard.logits(h[-1:]).argmax())
             out.append(tok)
             ids.append(tok)
             pos = len(ids) - 1
