@@ -19,8 +19,9 @@ gives a row the same bits, so the kernel follows the row count. An int8 product 
 activations as they are; int8_config) and add_parts.
 
 Batch invariance, by the float path's rule (stage_node.kernels.invariant): K in parts fixed per
-matrix (`quant_parts`, never a function of the rows), added in order by `invariant.add_parts`, each
-part's groups in ascending order; checked on the H100 by bench/gpu_quant.py --part check. Outputs are
+matrix (int4: `quant_parts`; int8: `invariant.quant_parts`; never a function of the rows), added in
+order by `invariant.add_parts`; int4's sums exact, int8's tiles never under 64 rows; checked on the
+H100 by bench/gpu_quant.py --part check. Outputs are
 written with no host sync and no allocation but the output's and the pre-pass's, so a CUDA graph
 captures them. Triton is imported only when a matrix is multiplied.
 """
@@ -35,11 +36,12 @@ from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, deq
 
 log = logging.getLogger(__name__)
 
+
 def quant_parts(n: int, k: int) -> int:
-    """Parts of K a product with a quantized w [n, k] sums separately (then adds in order): a function
-    of the matrix alone (never of the rows), enough that the one-row kernel's programs (64 columns a
+    """Parts of K an int4 product with w [n, k] sums separately (then adds in order): a function of
+    the matrix alone (never of the rows), enough that the one-row kernel's programs (64 columns a
     block) fill the GPU four times over, at most 8 and none under 512 of K (an 8B model's q/k/v 6,
-    o 8, down 8, gate/up 2, the LM head 1)."""
+    o 8, down 8, gate/up 2)."""
     blocks = -(-n // 64)
     return max(1, min(-(-4 * invariant.SMS // blocks), k // 512, 8))
 

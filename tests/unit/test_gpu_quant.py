@@ -171,7 +171,8 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     kernels = {  # (one row?, format): (kernel, its arguments' names, its pointers' types, constexprs)
         (True, "int4"): (int4_gemv, INT4_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*bf16"], {"U": 4, "ASM": True}),
         (False, "int4"): (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"], {}),
-        (False, "int8"): (int8_mm, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"], {"BK": gpu_quant.INT8_BK, "IEEE": False})}
+        (False, "int8"): (int8_mm, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"],
+                          {"BK": gpu_quant.INT8_BK, "IEEE": False})}
     for cap in (90, 87):
         for fmt in ("int4", "int8"):
             one_row = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 1, fmt)
@@ -184,8 +185,8 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                 # sum, kept across the K loop, may spill (outside the K loop, in the SASS: 48 bytes)
                 for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 64)) if (bm, fmt) == (prompt[0], "int4") \
                         else (({}, 0),):
-                    shared, spilled = compiled(kernel, signature, {"BN": bn, **const, **extra} | ({} if bm == 1 else {"BM": bm}),
-                                               cap, warps, stages)
+                    constexprs = {"BN": bn, **const, **extra} | ({} if bm == 1 else {"BM": bm})
+                    shared, spilled = compiled(kernel, signature, constexprs, cap, warps, stages)
                     what = f"{kernel.__name__} {extra} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
                     assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
                     assert cap != 90 or spilled <= allowed, f"{what}: {spilled} bytes of registers spilled a thread"
