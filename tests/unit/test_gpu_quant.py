@@ -226,7 +226,7 @@ def test_interpreted_product_is_the_dequantized_matrix_s(interpret, fmt, dtype):
     assert (y.float() - deq).abs().max() <= 2e-3 * deq.abs().max()
     exact = x.float() @ w.T
     assert (y.float() - exact).abs().max() <= (0.1 if fmt == "int4" else 0.02) * exact.abs().max()
-    for rows in (1, 2, 5, 17, 33):
+    for rows in (1, 5, 33):  # int4: the one-row kernel, a 16-row and a 64-row tile
         assert torch.equal(m(x[:rows]), y[:rows]), f"{rows} rows"
 
 
