@@ -21,10 +21,20 @@ request id (Resume) when their stream breaks:
   replay                                  one fault's replays: 12 requests of --history tokens, the
                                           middle stage SIGKILLed and started again 2 s later
 
+The storm and replay run one of two shapes over the 3 stage processes (--shape): `pipeline` (the
+default, the rows of issue 34's earlier sittings: one 3-stage pipeline, --strategy uniform) or
+`replicas` (--replicas 3, the planner's default strategy: each process holds the whole default
+model, so 3 pipelines of one stage; a fault breaks one of them and moves only its requests). The
+row says the plan the mesh started with (`plan`: per pipeline, its stages).
+
   lost       requests that failed (or hung)
   resumed    seconds until every request had a token again: after the restarted controller's
              start (restarts), after the kill (takeover); for the storm, the median and the
              largest gap between two tokens of a request
+
+The storm's JSON row also has, per fault, `fault_resume_s` (seconds until every request running at
+it had a new token) and `fault_paused` ("paused/running": the running requests that had no token
+for 2 s after it), and the load average while it ran.
 
     python -m bench.fault_bench                 # every row
     python -m bench.fault_bench --faults stage-sigstop --ttl 3
@@ -236,21 +246,45 @@ def run_fault(name: str, model_dir: Path, work: Path, ttl: float) -> dict:
                 "state": state, "errors": sorted({r.error.split(":")[0] for r in requests if r.error})}
 
 
+SHAPES = {"pipeline": ("--strategy", "uniform"), "replicas": ("--replicas", "3")}
+
+
+def _plan_shape(address: str) -> list[list[str]]:
+    """The plan in force, per pipeline its stages as node[start,end)."""
+    st = _status(address)
+    if st is None:
+        return []
+    out: dict[int, list[str]] = {}
+    for s in st.stages:
+        out.setdefault(s.pipeline, []).append(f"{s.node_id}[{s.start_layer},{s.end_layer})")
+    return [out[k] for k in sorted(out)]
+
+
 def _resume_s(requests: list[Resuming], since: float) -> float | None:
     after = [r.first_after(since) for r in requests if not r.error]
     return max(after) - since if after and all(a is not None for a in after) else None
 
 
-def _fault_resume_s(requests: list[Resuming], fault: float) -> float | None:
-    """Seconds from a storm's fault until every request still running at it had a new token (a
-    request that ended after it without one counts at its end); None when none was running."""
+def _fault_waits(requests: list[Resuming], fault: float) -> list[float]:
+    """Per request still running at a storm's fault, seconds until its next token (one that ended
+    after it without one counts at its end)."""
     waits = []
     for r in requests:
         if not r.times or r.times[0] > fault or (r.ended is not None and r.ended <= fault):
             continue
         nxt = r.first_after(fault)
         waits.append((nxt if nxt is not None else (r.ended or fault)) - fault)
+    return waits
+
+
+def _fault_resume_s(requests: list[Resuming], fault: float) -> float | None:
+    """Seconds from a storm's fault until every request still running at it had a new token; None
+    when none was running."""
+    waits = _fault_waits(requests, fault)
     return max(waits) if waits else None
+
+
+PAUSED_S = 2.0  # a request whose next token came this long after a fault was paused by it
 
 
 def run_restart(sig: int, model_dir: Path, work: Path) -> dict:
@@ -303,14 +337,15 @@ def run_takeover(model_dir: Path, work: Path) -> dict:
         mesh.stop()
 
 
-def run_replay(model_dir: Path, work: Path, history: int = 200) -> dict:
+def run_replay(model_dir: Path, work: Path, history: int = 200, shape: str = "pipeline") -> dict:
     """The cost of one fault's replays (issue 34): 12 requests run until each has `history` tokens on
     a 3-stage pipeline; the middle stage is SIGKILLed (and started again 2 s later). `resumed`: seconds
     from the kill until every request had a new token (the re-plan over the survivors and the
     replays); `back`: seconds from the install of the plan with the node back until every request had
     a new token (that move's replays); `pause`: the longest gap between two tokens of a request."""
     tokens = history + 150
-    with LocalMesh(3, model_dir, work, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+    with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape]) as mesh:
+        plan = _plan_shape(mesh.controller_address)
         reqs = [Resuming([mesh.controller_address], PROMPTS[i % 4], tokens) for i in range(12)]
         deadline = time.monotonic() + 600
         while min(len(r.tokens) for r in reqs) < history and time.monotonic() < deadline:
@@ -325,7 +360,7 @@ def run_replay(model_dir: Path, work: Path, history: int = 200) -> dict:
         t1, gen = None, gen0
         while time.monotonic() < deadline and any(r.ended is None for r in reqs):
             st = _status(mesh.controller_address)
-            if st is not None and st.plan_generation != gen and len(st.stages) == 3:
+            if st is not None and st.plan_generation != gen and len({s.node_id for s in st.stages}) == 3:
                 t1 = time.monotonic()
                 break
             gen = st.plan_generation if st is not None and st.plan_generation != gen0 else gen
@@ -334,7 +369,7 @@ def run_replay(model_dir: Path, work: Path, history: int = 200) -> dict:
         for r in reqs:
             r.thread.join(WAIT_S + 300)
         gaps = [max(b - a for a, b in zip(r.times, r.times[1:])) for r in reqs if len(r.times) > 1]
-        return {"fault": f"replay (12 requests of {history} tokens, middle stage killed and back)",
+        return {"fault": f"replay (12 requests of {history} tokens, middle stage killed and back; {shape})", "plan": plan,
                 "lost": sum(1 for r in reqs if r.error), "of": len(reqs), "resumed_s": resumed, "back_s": back,
                 "pause_max_s": max(gaps) if gaps else None, "errors": sorted({r.error for r in reqs if r.error})}
 
@@ -364,12 +399,13 @@ def _wait_resume(reqs: list[Resuming], since: float) -> float | None:
     return None
 
 
-def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.0) -> dict:
+def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.0, shape: str = "pipeline") -> dict:
     """`faults` stage faults, one every `spacing` s and every 4th 0.3 s after the one before, on a
     3-stage mesh serving 12 requests long enough to outlast the storm."""
     rng = random.Random(22)
     tokens = int(faults * spacing * 9)  # ~ the storm's length at a few tokens per second per request
-    with LocalMesh(3, model_dir, work, threads=1, controller_args=("--strategy", "uniform")) as mesh:
+    with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape]) as mesh:
+        plan = _plan_shape(mesh.controller_address)
         reqs = [Resuming([mesh.controller_address], PROMPTS[i % 4], tokens) for i in range(12)]
         for r in reqs:
             r.started.wait(120)
@@ -405,12 +441,15 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
         per_fault = [s for s in each if s is not None]
         # the same, less the time within each fault's wait during which no stage answered at all
         served = [s - watch.none_up_s(t, t + s) for s, t in zip(each, fault_times) if s is not None]
-        return {"fault": f"storm ({faults} faults, {spacing:g} s apart)", "lost": sum(1 for r in reqs if r.error),
+        return {"fault": f"storm ({faults} faults, {spacing:g} s apart; {shape})", "plan": plan, "lost": sum(1 for r in reqs if r.error),
                 "of": len(reqs), "resumed_s": statistics.median(gaps) if gaps else None,
                 "resumed_max_s": max(gaps) if gaps else None,
                 "fault_resume_median_s": statistics.median(per_fault) if per_fault else None,
                 "fault_resume_max_s": max(per_fault) if per_fault else None,
                 "fault_resume_s": [None if s is None else round(s, 1) for s in each], "faults": fault_log,
+                # per fault: "paused/running": requests it paused (no token for PAUSED_S) of those running
+                "fault_paused": [f"{sum(w > PAUSED_S for w in ws)}/{len(ws)}"
+                                 for ws in (_fault_waits(reqs, t) for t in fault_times)],
                 "fault_resume_stage_up_median_s": statistics.median(served) if served else None,
                 "fault_resume_stage_up_max_s": max(served) if served else None,
                 "no_stage_up_s": round(watch.none_up_s(fault_times[0], time.monotonic()), 1) if fault_times else 0.0,
@@ -426,6 +465,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--spacing", type=float, default=4.0, help="the storm's seconds between faults")
     ap.add_argument("--history", type=int, default=200, help="replay: tokens each request has when the stage dies")
+    ap.add_argument("--shape", default="pipeline", choices=list(SHAPES),
+                    help="storm and replay: one 3-stage pipeline (--strategy uniform; the default) or 3 replicas of "
+                         "one stage each (--replicas 3)")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep each mesh's work dir (its logs) here instead of a temporary one")
     args = ap.parse_args()
@@ -444,9 +486,9 @@ def main() -> None:
             elif name == "standby-takeover":
                 rows.append(run_takeover(model_dir, work))
             elif name == "storm":
-                rows.append(run_storm(model_dir, work, spacing=args.spacing))
+                rows.append(run_storm(model_dir, work, spacing=args.spacing, shape=args.shape))
             elif name == "replay":
-                rows.append(run_replay(model_dir, work, history=args.history))
+                rows.append(run_replay(model_dir, work, history=args.history, shape=args.shape))
             else:
                 raise SystemExit(f"--faults: no fault {name!r}")
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

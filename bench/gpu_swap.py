@@ -54,7 +54,7 @@ def pool_round_trip(kv_dtype: str, positions: int) -> dict:
     raw = as_bytes(pool.kv)
     raw.copy_(torch.randint(0, 120, raw.shape, dtype=torch.uint8, device=DEVICE))
     if pool.scales is not None:
-        pool.scales.uniform_()
+        pool.scales.view(torch.float32).uniform_()  # (int8: int32 words)
     swap = SwapSpace(pool, 64 << 30)
     kv = KVManager(blocks, BLOCK)
     tokens = [i % 1000 for i in range(positions)]

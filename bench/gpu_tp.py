@@ -9,6 +9,7 @@
 
     python -m bench.gpu_tp --work /tmp/gpu --out $OUT --layers 32 --tokens 64 --rounds 2
     python -m bench.gpu_tp --skip-exactness --shape 70b --layers 40 --variants tp4,pp4,tp2x2   # 4 GPUs
+    python -m bench.gpu_tp --skip-exactness --layers 32 --variants tp2,tpmax2 --tokens 64 --rounds 1   # the planner's width
     python -m bench.gpu_tp --skip-exactness --variants 1gpu,tp2 --trace /tmp/trace --profile 30   # where the time goes
 
 The controller runs with `--speculate 0` unless told (a greedy stream then takes the overlapped step,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -72,6 +74,7 @@ VARIANTS = {
     "1gpu-eager": (1, 1, {0: ("--cuda-graphs", "off")}, {}),
     "tp2": (2, 1, {0: ("--tp", "2")}, {}),
     "tp2-eager": (2, 1, {0: ("--tp", "2", "--cuda-graphs", "off")}, {}),
+    "tpmax2": (2, 1, {0: ("--tp-max", "2")}, {}),  # the planner picks the width (issue 36, planner/width.py)
     "tp4": (4, 1, {0: ("--tp", "4")}, {}),
     "pp4": (4, 4, {}, {i: _gpus(i) for i in range(4)}),  # a 4-stage pipeline, stage i on GPU i
     "tp2x2": (4, 2, {0: ("--tp", "2"), 1: ("--tp", "2")}, {0: _gpus(0, 1), 1: _gpus(2, 3)}),
@@ -126,6 +129,18 @@ def make_llama_fast(path: Path, shape: dict, device: str = "cuda") -> Path:
     return path
 
 
+def _plan(mesh) -> dict:
+    """What the controller planned: `lpctl status` and `lpctl nodes` as printed, and each stage's profile
+    (devices it spans, max_devices it offers, its measured all-reduce)."""
+    out = {}
+    for cmd in ("status", "nodes"):
+        run = subprocess.run([*mesh.lpctl(), cmd], capture_output=True, text=True, timeout=60)
+        out[cmd] = (run.stdout + run.stderr).strip()
+    st = mesh.controller_status()
+    out["stages"] = [str(s).replace("\n", " ") for s in st.stages]
+    return out
+
+
 def speed(work: Path, args) -> dict:
     """Each of --variants on the --shape model: one stream and --concurrency at once, against the HBM
     limit of the GPUs it uses (the weight bytes a token reads over their summed bandwidth)."""
@@ -156,14 +171,16 @@ def speed(work: Path, args) -> dict:
                        controller_args=("--dtype", "bfloat16", "--strategy", "uniform",
                                         "--speculate", str(args.speculate))) as mesh:
             up = time.perf_counter() - t0
+            plan = _plan(mesh)
+            print(label, "plan:", json.dumps(plan), flush=True)
             rates = mesh_rates(mesh.controller_address, PROMPTS, args.tokens, args.rounds, conc, mesh.stage_addresses)
         out[label] = {"gpus": width, "start_s": round(up, 1), "one_stream_tps": round(rates["one_stream_tps"], 1),
                       "of_hbm_limit": round(rates["one_stream_tps"] / (limit * width), 3),
                       "concurrent_tps": {c: r["concurrent_tps"] for c, r in rates["by_concurrency"].items()},
-                      "one_stream_step_ms": rates["one_stream_step_ms_per_stage"]}
+                      "one_stream_step_ms": rates["one_stream_step_ms_per_stage"], "plan": plan}
         print(label, json.dumps(out[label]), flush=True)
     ran = {k: v for k, v in out.items() if isinstance(v, dict)}
-    for a, b in (("tp2", "1gpu"), ("tp2", "1gpu-eager"), ("tp2", "tp2-eager"), ("pp4", "tp4"), ("tp2x2", "tp4")):
+    for a, b in (("tpmax2", "tp2"), ("tp2", "1gpu"), ("tp2", "1gpu-eager"), ("tp2", "tp2-eager"), ("pp4", "tp4"), ("tp2x2", "tp4")):
         if a in ran and b in ran:
             out[f"{a}_over_{b}"] = round(ran[a]["one_stream_tps"] / ran[b]["one_stream_tps"], 3)
     return out

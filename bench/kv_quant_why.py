@@ -7,7 +7,10 @@ choice after each of float KV's greedy tokens is compared with float KV's:
   int8 rotated (kv_quant.rotate, what `--kv-dtype int8` stores); int8 keys with fp8 values;
 - per flip: float KV's top-1 / top-2 logit margin there and its rank among all positions' margins
   (near-ties flip first), the median |logit change|, and how many experts' choices changed (MoE);
-- `--layers`: fp8 in one layer at a time (which layers' rounding matters).
+- int8 rotated keys only / values only, a min/max grid with a float32 zero point ("int8 asym"), a 9-bit
+  probe (one bit more: how much the rounding's size counts), fp8 rotated (`--variants` picks some);
+- `--layers`: int8 in one layer at a time and everywhere but one layer, fp8 in one layer at a time
+  (which layers' rounding matters). "int8 rotated" is what the stage stores (kv_quant.quantize: with a mid).
 
     python -m bench.kv_quant_why [--families default,llama,...] [--prompts 16] [--tokens 32] [--init 0.1]
 """
@@ -34,8 +37,11 @@ VARIANTS = {  # name -> (keys' format, values' format, rotated)
     "int8": ("int8", "int8", False), "int8 K only": ("int8", None, False), "int8 V only": (None, "int8", False),
     "int8 rotated": ("int8", "int8", True), "fp8": ("fp8", "fp8", False), "fp8 K only": ("fp8", None, False),
     "fp8 V only": (None, "fp8", False), "int8 K, fp8 V": ("int8", "fp8", False), "bf16": ("bf16", "bf16", False),
+    "int8 rotated K only": ("int8", None, True), "int8 rotated V only": (None, "int8", True),
+    "int8 asym rotated": ("int8a", "int8a", True), "int8 asym K, sym V, rotated": ("int8a", "int8", True),
+    "9-bit rotated (probe)": ("int9", "int9", True), "fp8 rotated": ("fp8", "fp8", True),
 }
-STATE = {"variant": None, "layers": None, "call": 0, "routes": []}
+STATE = {"variant": None, "layers": None, "call": 0, "routes": [], "names": None}
 _store, _route = kv_module.KVPool.store, moe.route
 
 
@@ -45,7 +51,15 @@ def rounded(x: torch.Tensor, fmt: str | None, rotated: bool) -> torch.Tensor:
     if fmt == "bf16":
         return x.to(torch.bfloat16).to(x.dtype)
     y = rotate(x) if rotated else x.float()
-    y = dequantize(*quantize(y, fmt), torch.float32)
+    if fmt == "int8a":  # asymmetric: 255 steps over [min, max] of the vector, the zero point its min
+        lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+        s = ((hi - lo) / 254).clamp_min(1e-30)
+        y = torch.round((y - lo) / s) * s + lo
+    elif fmt == "int9":  # a probe: 511 levels (one bit more than int8)
+        s = (y.abs().amax(-1, keepdim=True) / 255).clamp_min(1e-30)
+        y = torch.round(y / s) * s
+    else:
+        y = dequantize(*quantize(y, fmt), torch.float32)
     return (unrotate(y) if rotated else y).to(x.dtype)
 
 
@@ -89,7 +103,7 @@ def run(shard: Shard, prompts: list[list[int]], tokens: int, layers: int) -> dic
     margin = top2[:, 0] - top2[:, 1]
     out = {"float KV teacher-forced": round((base.argmax(-1) == want).float().mean().item(), 3),
            "margin median": round(margin.median().item(), 4), "margin 10th pct": round(margin.quantile(0.1).item(), 4)}
-    for name in VARIANTS:
+    for name in VARIANTS if STATE["names"] is None else STATE["names"]:
         got, routes = forced(name)
         flips = (got.argmax(-1) != want).nonzero().flatten()
         out[name] = {"agree": round(1 - len(flips) / len(want), 3),
@@ -100,6 +114,11 @@ def run(shard: Shard, prompts: list[list[int]], tokens: int, layers: int) -> dic
                 f"{sum(int((a != b).any(-1).sum()) for a, b in zip(base_routes, routes))} of "
                 f"{sum(a.shape[0] for a in base_routes)}")
     if layers:
+        out["int8 rotated in one layer"] = {n: round((forced("int8 rotated", {n})[0].argmax(-1) == want).float().mean().item(), 3)
+                                            for n in range(layers)}
+        out["int8 rotated, all but one layer"] = {
+            n: round((forced("int8 rotated", set(range(layers)) - {n})[0].argmax(-1) == want).float().mean().item(), 3)
+            for n in range(layers)}
         out["fp8 in one layer"] = {n: round((forced("fp8", {n})[0].argmax(-1) == want).float().mean().item(), 3)
                                    for n in range(layers)}
     return out
@@ -113,9 +132,11 @@ def main() -> None:
     ap.add_argument("--init", type=float, default=0.1, help="the tiny families' initializer range")
     ap.add_argument("--layers", action="store_true", help="also fp8 in one layer at a time (tiny families)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="the rounding variants compared (names above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kv_module.KVPool.store, moe.route = store, route
+    STATE["names"] = args.variants.split(",")
     gen = torch.Generator().manual_seed(5)
     ids = [torch.randint(0, 49152, (24,), generator=gen).tolist() for _ in range(args.prompts)]
     with tempfile.TemporaryDirectory() as d:

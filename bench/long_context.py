@@ -82,6 +82,7 @@ def main() -> None:
                     help="tiny: --hidden/--layers/--heads; 8b: Llama-3.1-8B's shapes (--layers of them), random bf16")
     ap.add_argument("--dtype", default="float32", help="the controller's --dtype")
     ap.add_argument("--max-kv-mib", type=int, default=0, help="the stages' KV pool (default: theirs)")
+    ap.add_argument("--kv-dtype", default="auto", help="the stages' --kv-dtype (auto, int8, fp8)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -112,7 +113,7 @@ def main() -> None:
         print(f"transformers: {n}-token prompt's {args.new_tokens} greedy tokens in {ref_s:.1f} s")
         del hf
     stage_flags = ("--max-step-ms", str(args.max_step_ms),
-                   *(("--max-kv-mib", str(args.max_kv_mib)) if args.max_kv_mib else ()))
+                   *(("--max-kv-mib", str(args.max_kv_mib)) if args.max_kv_mib else ()), "--kv-dtype", args.kv_dtype)
     gpu_mib: list[int] = []
     with LocalMesh(args.stages, model, work / "mesh", threads=args.threads, tls=False, stage_args=stage_flags,
                    device=args.device, controller_args=("--context", str(min(n + 256, 131072)),

@@ -5,6 +5,8 @@
     make_plan(profiles, model, workload, strategy="memory")    # a fixed strategy, given order
     make_plan(profiles, model, workload, strategy="custom", boundaries=[(0, 15), (16, 29)])
 
+A node that offers several devices (`max_devices`, --tp-max) is planned at every width that divides
+the model, the cheapest plan kept (`width.py`).
 "dp" picks devices, order and split: exactly for up to EXACT_MAX_DEVICES devices that can take
 part (`dp.py`), by the heuristic of `heuristic.py` above that (the plan then reports its gap to a
 lower bound). The fixed strategies of `strategies.py` keep every device in the order given.
@@ -12,6 +14,7 @@ Every plan is costed by `cost.py` and checked against memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -24,6 +27,7 @@ from logicpipe.planner.instance import Chain, eligible_profiles, make_instance
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import Plan
 from logicpipe.planner.strategies import FIXED_STRATEGIES, strategy_counts
+from logicpipe.planner.width import best_over_widths, flexible
 from logicpipe.planner.types import (
     DEFAULT_RESERVE,
     DeviceProfile,
@@ -87,6 +91,23 @@ def make_plan(
     """
     devices = unique_profiles(profiles)
     objective = Objective.parse(objective)
+    if not flexible(devices):
+        return _make_plan(devices, model, workload, objective, strategy, boundaries, reserve, mix)
+    plan = best_over_widths(devices, model, lambda ps: _make_plan(ps, model, workload, objective, strategy, boundaries,
+                                                                   reserve, mix), lambda p: p.cost_s, higher=False)
+    return with_profiles(plan, devices, model)
+
+
+def with_profiles(plan: Plan, devices: Sequence[DeviceProfile], model: ModelSpec) -> Plan:
+    """`plan` with the metadata of the profiles as the nodes gave them (not as the widths tried made
+    them), so a saved plan is reused while they stay the same."""
+    meta = plan.metadata
+    return dataclasses.replace(plan, metadata=make_metadata(devices, model, meta.workload, meta.reserve))
+
+
+def _make_plan(devices: Sequence[DeviceProfile], model: ModelSpec, workload: Workload, objective: Objective,
+               strategy: str, boundaries: Sequence[Sequence[int]] | None, reserve: Reserve, mix: float) -> Plan:
+    """make_plan over profiles of fixed widths."""
     if strategy == "dp":
         if boundaries is not None:
             raise ValueError("boundaries are only used by strategy 'custom', not 'dp'")

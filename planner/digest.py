@@ -53,7 +53,10 @@ def profile_dict(profile: DeviceProfile) -> dict:
         out["full_sliding_kv"] = True
     if profile.devices > 1:
         out["devices"] = profile.devices
+    if profile.devices > 1 or profile.max_devices > 1:
         out["allreduce"] = [profile.allreduce_latency_s, profile.allreduce_bandwidth]
+    if profile.max_devices > 1:
+        out["max_devices"] = profile.max_devices
     return out
 
 
@@ -81,8 +84,9 @@ def model_digest(model: ModelSpec) -> str:
     """sha256 (hex) of the ModelSpec's canonical JSON (its weights_digest included; a dense model's
     empty mixture-of-experts and layer-kind fields left out, so its digest is what it was before they existed)."""
     fields = asdict(model)
-    for name in ("kv_elements_per_token_per_layer", "kv_vectors_per_token_per_layer"):
-        fields.pop(name)  # (the shape the other fields record, counted for 8-bit KV: digests as before issue 39)
+    for name in ("kv_elements_per_token_per_layer", "kv_vectors_per_token_per_layer", "tp_sizes"):
+        fields.pop(name)  # (the shape the other fields record, counted for 8-bit KV and the tensor-parallel
+        # widths: digests as before issue 39)
     if not model.num_experts:
         for name in ("num_experts", "experts_per_token", "expert_bytes"):
             fields.pop(name)

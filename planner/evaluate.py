@@ -18,6 +18,7 @@ from logicpipe.planner.mesh import MeshPlan
 from logicpipe.planner.model import ModelSpec
 from logicpipe.planner.plan import Plan
 from logicpipe.planner.types import DEFAULT_RESERVE, DeviceProfile, Objective, Reserve, Workload
+from logicpipe.planner.width import as_planned
 
 
 def split_rows(rates: Sequence, rows: int, holds: Sequence | None = None) -> list[int]:
@@ -49,7 +50,8 @@ def evaluate_mesh(plans: Iterable[Plan], profiles: Iterable[DeviceProfile], mode
     missing = [s.node_id for plan in plans for s in plan.stages if s.node_id not in by_id]
     if missing:
         raise ValueError(f"no profile for node {missing[0]} of the pipelines to evaluate")
-    shapes = [([by_id[s.node_id] for s in plan.stages], [s.num_layers for s in plan.stages]) for plan in plans]
+    shapes = [([as_planned(by_id[s.node_id], s.devices) for s in plan.stages], [s.num_layers for s in plan.stages])
+              for plan in plans]
     context = workload.context_tokens
 
     def rate_of(i: int):

@@ -13,6 +13,8 @@ sum_i t_i(1), is shortest; with `replicas` other than 1 the devices left form mo
 Each pipeline of a latency plan holds the KV of `workload.batch` sequences, as `make_plan` does.
 The fixed strategies keep their meaning: one pipeline over every device in the order given.
 `workload.tokens_per_step` is not used: a decode step is one token per sequence.
+A node that offers several devices (`max_devices`, --tp-max) is planned at every width that divides the
+model, the plan of the most predicted tokens/s kept (`width.py`): the width beside depth and replicas.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from logicpipe.planner.plan import Plan, PlanMetadata, Stage
 from logicpipe.planner.mesh_search import MeshSearch
 from logicpipe.planner.replicas import latency_partition, throughput_partition
 from logicpipe.planner.strategies import FIXED_STRATEGIES, strategy_counts
+from logicpipe.planner.width import best_over_widths, flexible
 from logicpipe.planner.types import (
     DEFAULT_RESERVE,
     DeviceProfile,
@@ -162,6 +165,20 @@ def make_mesh_plan(
     objective = Objective.parse(objective)
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
         raise ValueError(f"replicas must be an integer >= 0 (0: the planner chooses), got {replicas!r}")
+    if not flexible(devices):
+        return _mesh_plan(devices, model, workload, objective, strategy, boundaries, replicas, reserve, mix)
+    mesh = best_over_widths(devices, model, lambda ps: _mesh_plan(ps, model, workload, objective, strategy, boundaries,
+                                                                   replicas, reserve, mix),
+                            lambda m: m.tokens_per_s, higher=True)
+    pipelines = tuple(dataclasses.replace(p, metadata=make_metadata(devices, model, p.metadata.workload, reserve))
+                      for p in mesh.pipelines)
+    return dataclasses.replace(mesh, pipelines=pipelines)
+
+
+def _mesh_plan(devices: Sequence[DeviceProfile], model: ModelSpec, workload: Workload, objective: Objective,
+               strategy: str, boundaries: Sequence[Sequence[int]] | None, replicas: int, reserve: Reserve,
+               mix: float) -> MeshPlan:
+    """make_mesh_plan over profiles of fixed widths."""
     if strategy in FIXED_STRATEGIES:
         order = list(devices)
         counts = strategy_counts(strategy, order, model, workload, reserve, boundaries=boundaries, mix=mix)

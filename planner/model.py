@@ -76,6 +76,9 @@ class ModelSpec:
     # (2 x kv heads x head dim; MLA: the latent row) and vectors (2 x kv heads; MLA: 1), for 8-bit KV's bytes
     kv_elements_per_token_per_layer: int = 0
     kv_vectors_per_token_per_layer: int = 0
+    # sizes a tensor-parallel width must divide (issue 36): query heads, KV heads, the MLP's intermediate
+    # size or the experts (a shared expert's too), the vocabulary; (): the model does not split (width 1 only)
+    tp_sizes: tuple[int, ...] = ()
 
     def kv_bytes_per_sequence(self, context: int, start: int = 0, end: int | None = None, *,
                               kv_scale: float = 1.0, state_scale: float = 1.0, whole: bool = False) -> float:
@@ -160,6 +163,16 @@ class ModelSpec:
                f"{where}: sliding layers need a sliding_window >= 1")
         _check(isinstance(self.state_bytes_per_layer, int) and self.state_bytes_per_layer >= 0,
                f"{where}: state_bytes_per_layer must be an integer number of bytes >= 0")
+        object.__setattr__(self, "tp_sizes", tuple(self.tp_sizes))
+        _check(all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.tp_sizes),
+               f"{where}: tp_sizes must be integers >= 1, got {self.tp_sizes!r}")
+
+    def tp_widths(self, most: int) -> tuple[int, ...]:
+        """The tensor-parallel widths 1..`most` this model splits into: those that divide every one of
+        `tp_sizes` (only 1 where the model does not split)."""
+        if not self.tp_sizes:
+            return (1,)
+        return tuple(w for w in range(1, max(1, most) + 1) if all(n % w == 0 for n in self.tp_sizes))
 
     @classmethod
     def llama(cls, **kwargs) -> "ModelSpec":
@@ -201,6 +214,7 @@ class ModelSpec:
         layer_kinds: tuple[str, ...] = (),
         sliding_window: int = 0,
         state_elements_per_layer: int = 0,
+        tp_sizes: tuple[int, ...] | None = None,
     ) -> "ModelSpec":
         """A decoder from its config.
 
@@ -229,6 +243,7 @@ class ModelSpec:
         - per layer kind (`layer_kinds`): a "sliding" layer keeps min(context, `sliding_window`)
           tokens of KV, a "linear" one a recurrent state of `state_elements_per_layer` float32
           elements (state_bytes_per_layer = 4 x that), whatever the context
+        - tp_sizes (the sizes a tensor-parallel width must divide; None: derived) = (a, g, i or E, V)
         """
         if bytes_per_param is None:
             _check(weight_format in FORMAT_BYTES, f"unknown weight format {weight_format!r}: pass bytes_per_param")
@@ -280,6 +295,8 @@ class ModelSpec:
             state_bytes_per_layer=4 * state_elements_per_layer,
             kv_elements_per_token_per_layer=2 * num_kv_heads * d if kv_elements_per_token is None else kv_elements_per_token,
             kv_vectors_per_token_per_layer=2 * num_kv_heads if kv_vectors_per_token is None else kv_vectors_per_token,
+            tp_sizes=(num_heads, num_kv_heads, num_experts or intermediate_size, vocab_size) if tp_sizes is None
+            else tuple(tp_sizes),
         )
 
 

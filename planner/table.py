@@ -12,7 +12,8 @@ _RIGHT = {0, 4, 5, 6, 7}  # numeric columns are right-aligned
 
 
 def _rows(plan: Plan) -> list[tuple[str, ...]]:
-    return [(str(i), s.node_id, s.device_kind if s.weight_format == "" else f"{s.device_kind} {s.weight_format}",
+    return [(str(i), s.node_id, (s.device_kind if s.weight_format == "" else f"{s.device_kind} {s.weight_format}")
+             + (f" x{s.devices}" if s.devices > 1 else ""),  # (a tensor-parallel stage: its width)
              f"{s.start}-{s.end - 1} ({s.num_layers})", format_bytes(s.memory_bytes),
              format_ms(s.compute_s), format_ms(s.transfer_s), format_ms(s.total_s))
             for i, s in enumerate(plan.stages)]

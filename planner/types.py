@@ -113,6 +113,9 @@ class DeviceProfile:
     # packing the batch, kernel launches); 0: DEFAULT_STEP_OVERHEAD_S of `cost.py` (assumed, 1 ms)
     step_overhead_s: float = 0.0
     devices: int = 1  # devices one stage of this node spans (a tensor-parallel stage, issue 36): it lists them
+    # devices the node may give one stage, the planner choosing how many (`width.py`; --tp-max N): its
+    # figures above are then one device's and `devices` is 1; 0: the width is `devices`, fixed (--tp N)
+    max_devices: int = 0
     allreduce_latency_s: float = 0.0  # ... their all-reduce, measured: seconds of a small one (added twice a layer)
     allreduce_bandwidth: float = 0.0  # ... bytes/s of a large one (0: not measured)
     # its KV cache's format: "" the compute format; "int8" / "fp8" (--kv-dtype): a byte an element and a
@@ -151,6 +154,9 @@ class DeviceProfile:
         _require(isinstance(self.full_sliding_kv, bool), f"{where}: full_sliding_kv must be a bool")
         _require(isinstance(self.devices, int) and not isinstance(self.devices, bool) and self.devices >= 1,
                  f"{where}: devices must be an integer >= 1, got {self.devices!r}")
+        _require(_is_int(self.max_devices) and self.max_devices >= 0 and (self.max_devices <= 1 or self.devices == 1),
+                 f"{where}: max_devices must be 0 (the width is `devices`) or an integer >= 1 on a profile of one "
+                 f"device's figures (devices 1), got {self.max_devices!r} with devices {self.devices!r}")
 
     def link_to(self, other: str) -> Link:
         """The link from this node to `other`: LOOPBACK for itself, the measured one if present,

@@ -15,6 +15,7 @@ cat "$browser_log" >&2 && rm -f "$browser_log"
 [ "$browser_rc" = 0 ] || echo "test: chromium could not be installed (above): tests/mesh/test_dashboard.py will fail" >&2
 # Three workers (pytest-xdist), each test file on one of them so a file's shared mesh is started once:
 # the mesh tests wait on their processes (paced stages, leases, re-plans) more than they compute, so
-# three files at a time keep 2 cores busy. LOGICPIPE_TEST_WORKERS sets how many (0: no workers, all in
+# three files at a time keep 2 cores busy; the longest files go first (tests/conftest.py LONGEST_FIRST).
+# LOGICPIPE_TEST_WORKERS sets how many (0: no workers, all in
 # this process).
-exec .venv/bin/python -m pytest -q -n "${LOGICPIPE_TEST_WORKERS:-3}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n "${LOGICPIPE_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

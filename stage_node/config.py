@@ -29,7 +29,10 @@ class StageOptions:
     batch_invariant: str = "auto"        # CUDA: auto / on / off, batch-invariant kernels (stage_node.invariant)
     dtype: str = "auto"                  # --dtype: "auto" (what the plan asks) or the one dtype it computes in
     model_root: str = ""                 # an assigned model directory must lie under this ("": anywhere)
-    tp: object = None                    # --tp N > 1: the stage's engine.tp_group.Leader (rank 0 of N)
+    tp: object = None                    # --tp N > 1: the stage's engine.tp_group.Leader (rank 0 of N); with
+                                         # --tp-max, the one at the width in force (None at width 1)
+    tp_max: int = 0                      # --tp-max N: the plan chooses the width of each assignment, 1..N (0: fixed)
+    tp_threads: int = 0                  # --threads of each follower rank a CPU group starts (0: torch's choice)
     replay_rows: bool = True             # --replay-rows: log the rows it sends on (and inside a range a re-plan
                                          # grew), so a replay after a re-plan computes only the layers it lacks
     window_kv: bool = True               # --window-kv: sliding-window layers keep only their window's KV
@@ -67,6 +70,7 @@ class Assignment:
     wire_dtype: str = ""     # dtype of the hidden states it sends on ("": dtype)
     prev_node_id: str = ""   # over TLS: the stage that may stream steps here ("": any stage)
     last_node_id: str = ""   # stage 0 over TLS: the last stage, whose tokens stream here
+    tp_width: int = 0        # devices the stage spans, chosen by the plan (0: the node's own: --tp N, or 1)
 
     @property
     def first(self) -> bool:

@@ -44,8 +44,8 @@ from logicpipe.stage_node.net.identity import default_state_dir, node_identity  
 from logicpipe.stage_node.kernels.invariant import SETTINGS as INVARIANT_SETTINGS  # noqa: E402
 from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
-from logicpipe.stage_node.profile import compute_id, cpu_kernels, host_profile, offered_formats, tensor_parallel  # noqa: E402
-from logicpipe.stage_node.model.rope import warm_imports  # noqa: E402
+from logicpipe.stage_node.profile import (  # noqa: E402
+    compute_id, cpu_kernels, host_profile, offered_formats, offering, tensor_parallel)
 from logicpipe.stage_node.kernels.quant import FORMATS as QUANT_CHOICES  # noqa: E402
 from logicpipe.stage_node.kernels.quant import QuantError, check_format  # noqa: E402
 from logicpipe.stage_node.engine.kv_quant import KV_DTYPES  # noqa: E402
@@ -95,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="tensor-parallel over N ranks: the layers split over N processes of this node (CUDA: GPUs "
                          "0..N-1 over NCCL; CPU: N processes of --threads each, over gloo); one stage to the "
                          "controller (default 1)")
+    ap.add_argument("--tp-max", type=int, default=0, metavar="N",
+                    help="offer up to N devices (CUDA: GPUs 0..N-1; CPU: processes) and let the plan choose the "
+                         "tensor-parallel width of each assignment among the widths that divide the model (the "
+                         "follower group re-formed when it changes; width 1 where the measured all-reduce makes TP "
+                         "a loss); not with --tp N > 1 (default 0: the width is --tp)")
     ap.add_argument("--max-kv-mib", type=int, default=2048,
                     help="KV pool of this stage, MiB (sessions take blocks of it as they grow; default %(default)s)")
     ap.add_argument("--block-size", type=int, default=16, help="KV positions per block (default %(default)s)")
@@ -206,7 +211,7 @@ def swap_mib(args: argparse.Namespace, device: str, host_bytes: int) -> int:
     --swap-dir (a disk); none on a tensor-parallel stage."""
     if args.swap_mib is not None:
         return args.swap_mib
-    if args.tp > 1:
+    if args.tp > 1 or args.tp_max > 1:
         return 0
     if device == "cuda":
         return min(args.max_kv_mib // 2, host_bytes // 4 // 2**20) if host_bytes else args.max_kv_mib // 2
@@ -232,12 +237,18 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--draft-layers must be 0 (all) or more")
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
-    if args.kv_dtype != "auto" and args.tp > 1:
-        raise SystemExit(f"--kv-dtype {args.kv_dtype}: tensor-parallel stages (--tp) keep float KV only")
+    if args.tp_max < 0:
+        raise SystemExit(f"--tp-max {args.tp_max}: give the most devices the plan may use, 1 or more")
+    if args.tp_max and args.tp > 1:
+        raise SystemExit(f"--tp-max {args.tp_max} with --tp {args.tp}: give one of them (--tp fixes the width, "
+                         "--tp-max lets the plan choose it)")
+    ranks = args.tp_max or args.tp  # the most ranks the stage may run
+    if args.kv_dtype != "auto" and ranks > 1:
+        raise SystemExit(f"--kv-dtype {args.kv_dtype}: tensor-parallel stages (--tp, --tp-max) keep float KV only")
     if args.swap_mib is not None and args.swap_mib < 0:
         raise SystemExit("--swap-mib must be 0 (none) or more")
-    if args.swap_mib and args.tp > 1:
-        raise SystemExit(f"--swap-mib {args.swap_mib}: tensor-parallel stages (--tp) do not swap KV yet")
+    if args.swap_mib and ranks > 1:
+        raise SystemExit(f"--swap-mib {args.swap_mib}: tensor-parallel stages (--tp, --tp-max) do not swap KV yet")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     try:  # its identity and its fence live there: a directory that cannot keep them says so now
         await asyncio.to_thread(statedir.prepare, state_dir)
@@ -250,13 +261,14 @@ async def serve(args: argparse.Namespace) -> None:
     if device == "cuda" and not has_cuda:
         raise SystemExit("--device cuda but torch sees no CUDA device")
     leader = None
-    if args.tp > 1:
+    flag = f"--tp-max {args.tp_max}" if args.tp_max else f"--tp {args.tp}"
+    if ranks > 1:
         gpus = await runner.call(torch_cuda_count) if device == "cuda" else 0
-        if device == "cuda" and gpus < args.tp:
-            raise SystemExit(f"--tp {args.tp}: this node has {gpus} CUDA devices")
+        if device == "cuda" and gpus < ranks:
+            raise SystemExit(f"{flag}: this node has {gpus} CUDA devices")
         if args.draft_model:
-            raise SystemExit("--tp with --draft-model is not supported yet")
-        leader = Leader(args.tp, device, args.threads)
+            raise SystemExit(f"{flag} with --draft-model is not supported yet")
+        leader = Leader(ranks, device, args.threads)  # (--tp-max: formed at start only to measure its all-reduce)
         await runner.call(leader.start)
     if args.quantize != "none":
         try:
@@ -297,9 +309,17 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("offers weight formats %s (compute %s)", ", ".join(formats), compute)
     allreduce = await runner.call(leader.measure) if leader is not None else (0.0, 0.0)
     if leader is not None:
-        log.info("all-reduce over the %d ranks: %.0f us, %.2f GB/s", args.tp, allreduce[0] * 1e6, allreduce[1] / 1e9)
-    profile = None if args.no_profile else tensor_parallel(
-        await runner.call(host_profile, device, dtype=args.dtype, quantize=args.quantize), args.tp, allreduce)
+        log.info("all-reduce over the %d ranks: %.0f us, %.2f GB/s", ranks, allreduce[0] * 1e6, allreduce[1] / 1e9)
+    if args.tp_max and leader is not None and device != "cuda":
+        # each assignment forms the group at the plan's width (tp_group.reform). A CUDA node keeps its
+        # group of N: forming a group again in a process whose NCCL group was destroyed hung on 2 H200s
+        # (2026-11-28), so it is formed once, at start; a plan may narrow it, never widen it again
+        await runner.call(leader.stop)
+        leader = None
+    measured = None if args.no_profile else await runner.call(host_profile, device, dtype=args.dtype,
+                                                              quantize=args.quantize)
+    profile = None if measured is None else offering(measured, args.tp_max, allreduce) if args.tp_max else \
+        tensor_parallel(measured, args.tp, allreduce)
     if profile is not None and args.kv_dtype != "auto":  # the planner counts its KV at 8-bit's bytes
         profile = dataclasses.replace(profile, kv_format=args.kv_dtype)
     if profile is not None and (args.window_kv == "off" or leader is not None):
@@ -311,7 +331,8 @@ async def serve(args: argparse.Namespace) -> None:
                            min_step_s=max(0.0, args.min_step_ms) / 1000, step_bar_s=max(0.0, args.max_step_ms) / 1000,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
-                           model_root=str(args.model_root or cache_root()), tp=leader,
+                           model_root=str(args.model_root or cache_root()), tp=leader, tp_max=args.tp_max,
+                           tp_threads=args.threads,
                            replay_rows=args.replay_rows == "on", window_kv=args.window_kv == "on",
                            kv_context=max(1, args.kv_context), kv_dtype=args.kv_dtype,
                            swap_bytes=swap_mib(args, device, host_memory_bytes()) * 2**20, swap_dir=args.swap_dir)
@@ -324,7 +345,6 @@ async def serve(args: argparse.Namespace) -> None:
     bound = bind(transport, server, args.listen, "--listen", PROG)
     runtime.start()
     await server.start()
-    warming = asyncio.ensure_future(runner.call(warm_imports))  # a head start for the first load (queued before it)
     log.info("stage node %s listening on %s:%d (device %s, pid %d)", node_id, host, bound, device, os.getpid())
     members = StageMembership(runtime, f"{host}:{bound}", transport, controller=args.controller,
                               mdns=not args.no_mdns, mesh=args.mesh,
@@ -334,7 +354,6 @@ async def serve(args: argparse.Namespace) -> None:
         await serve_until_signalled(server, health, SERVICE_NAME, grace_s=2.0, ready=members.start,
                                     on_stop=members.leave, alive=runtime.alive)
     finally:
-        warming.cancel()
         await members.close()
         await runtime.stop()
         if leader is not None:

@@ -66,6 +66,8 @@ class HostProfile:
     kv_format: str = ""               # its KV: "" the compute format, "int8" / "fp8" (--kv-dtype; engine.kv_quant)
     full_sliding_kv: bool = False     # its sliding-window layers keep every position (--window-kv off; --tp):
                                       # the planner counts them as full layers (engine.window)
+    max_devices: int = 0              # --tp-max N: devices the plan may give one stage (the figures are one
+                                      # device's, the all-reduce that over all N; planner.width); 0: fixed
 
 
 def tensor_parallel(profile: HostProfile, world: int, allreduce: tuple[float, float] = (0.0, 0.0)) -> HostProfile:
@@ -82,6 +84,14 @@ def tensor_parallel(profile: HostProfile, world: int, allreduce: tuple[float, fl
                                mem_bandwidth=profile.mem_bandwidth * world,
                                weight_bandwidth=profile.weight_bandwidth * world,
                                format_flops=tuple((f, v * world) for f, v in profile.format_flops))
+
+
+def offering(profile: HostProfile, most: int, allreduce: tuple[float, float] = (0.0, 0.0)) -> HostProfile:
+    """The profile of a `--tp-max most` node: one device's figures as measured, the devices it offers and
+    the all-reduce its `most` ranks measured at start; the planner makes each width of it (planner.width)."""
+    if most <= 1:
+        return profile
+    return replace(profile, max_devices=most, allreduce_latency_s=allreduce[0], allreduce_bandwidth=allreduce[1])
 
 
 def _cache_path(device: str, formats: tuple[str, ...] = ("fp32",), compute: str = "fp32", kernels: str = "") -> Path:

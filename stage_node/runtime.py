@@ -20,7 +20,7 @@ from logicpipe.common.transport import Transport
 from logicpipe.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, PermissionDenied, Unavailable
 from logicpipe.limits import MAX_ID_CHARS
 from logicpipe.stage_node.weights import loading
-from logicpipe.stage_node.engine import handoff
+from logicpipe.stage_node.engine import handoff, tp_group
 from logicpipe.stage_node.engine.blocks import KVManager
 from logicpipe.stage_node.engine.swap import SwapSpace
 from logicpipe.stage_node.engine.window import managers
@@ -100,6 +100,7 @@ class StageRuntime:
         if it raises, nothing changes: an invalid or refused assignment never holds the node."""
         a.check()
         loading.check_formats(a, self.node_id, self.options)
+        width = tp_group.width_for(a.tp_width, self.options.tp, self.options.tp_max, self.node_id)
         async with self._assign_lock:
             old = self.engine
             if old is not None and old.assignment == a and old.stream_key == stream_key:
@@ -112,6 +113,9 @@ class StageRuntime:
                 self.weights.pull_key = stream_key
                 model_dir = await self.weights.model_dir_for(a)
                 self.stats.weights_pulled_bytes = self.weights.pulled_bytes
+                if width != self._width():
+                    await self._reform(width, model_dir)
+                    old, before = None, NodeState.IDLE
                 if old is not None and old.assignment.same_weights(a) and old.shard_dir == model_dir:
                     shard, pool, kv = old.shard, old.pool, old.kv  # keeps the prefix cache too
                 else:
@@ -125,7 +129,7 @@ class StageRuntime:
                 raise
             except Exception as exc:  # noqa: BLE001 — whatever broke, the assignment in force stays
                 self.state = before
-                keeps = "it keeps its previous assignment" if old is not None else "it stays unassigned"
+                keeps = "it keeps its previous assignment" if self.engine is not None else "it stays unassigned"
                 raise FailedPrecondition(f"node {self.node_id} could not load layers [{a.start}, {a.end}) of "
                                          f"{a.model_dir[:200]}: {str(exc).splitlines()[0][:300]}; {keeps}") from exc
             if admit is not None:
@@ -169,6 +173,33 @@ class StageRuntime:
                      a.start, a.end, model_dir, a.stage_index, a.num_stages, shard.parameter_count,
                      pool.num_blocks, pool.block_size)
             return self.engine
+
+    def _width(self) -> int:
+        """Devices the stage spans now: its group's ranks, 1 without one."""
+        return self.options.tp.world if self.options.tp is not None else 1
+
+    async def _reform(self, width: int, model_dir: str) -> None:
+        """A --tp-max node asked for another width (planner.width): the model's split checked first (a refusal
+        leaves everything as it was), then the assignment in force ends (its shard is another split) and the
+        follower group is formed again at `width` (stopped at 1: tp_group.reform)."""
+        if width > 1:
+            await self.runner.call(tp_group.check_model_split, model_dir, width)
+            if self.device == "cuda" and tp_group.DESTROYED[0]:
+                raise FailedPrecondition(f"tp_width {width}: node {self.node_id} cannot form a CUDA tensor-parallel "
+                                         f"group again after ending one (it hung on 2 H200s); restart the node to "
+                                         f"give it {width} GPUs again")
+        log.info("tensor-parallel width %d -> %d: re-forming the stage's group", self._width(), width)
+        old = self.engine
+        async with self._step_lock:
+            if old is not None:
+                old.retired = True
+                old.end_sessions("the stage's tensor-parallel width changes")
+                self.engine = None
+            leader = await self.runner.call(tp_group.reform, self.options.tp, width, self.device,
+                                            self.options.tp_threads)
+            self.options = replace(self.options, tp=leader)
+        if old is not None:
+            await old.close_links()
 
     MAX_LOGS = 3  # boundaries whose rows a pool keeps at most (its end, and inner ones a re-plan grew over)
 

@@ -31,3 +31,25 @@ def chat_model(model_dir, tmp_path_factory):
 
 # the meshes' processes forked from a process with their imports done (tests.zygote): seconds a start
 os.environ.setdefault("LOGICPIPE_TEST_ZYGOTE", "1")
+
+# The files that take longest, longest first. pytest-xdist hands a worker whole files (--dist loadfile)
+# in collection order (scripts/test.sh turns off its own reordering, by number of tests), and the suite
+# ends when its last file does: a long file started last kept the other workers idle for minutes.
+# Ordered by each file's wall time measured under the suite's load (2 cores, 3 workers); the rest keep their order.
+LONGEST_FIRST = (
+    "tests/mesh/test_families.py", "tests/mesh/test_speculate.py", "tests/mesh/test_membership.py",
+    "tests/mesh/test_generate.py", "tests/service/test_controller_service.py", "tests/mesh/test_durability.py",
+    "tests/service/test_structured_output.py", "tests/mesh/test_http.py", "tests/mesh/test_faults.py",
+    "tests/unit/test_gguf.py", "tests/unit/test_tp.py", "tests/mesh/test_engine.py",
+    "tests/service/test_openai_api.py", "tests/mesh/test_split_brain.py", "tests/unit/test_kv_quant.py",
+    "tests/unit/test_fused.py", "tests/unit/test_quant.py", "tests/unit/test_grouped_experts.py",
+    "tests/unit/test_shard.py", "tests/service/test_stage_service.py", "tests/unit/test_aarch64_wheels.py",
+    "tests/service/test_client_apis.py", "tests/mesh/test_tls.py", "tests/service/test_identity.py",
+    "tests/unit/test_families.py", "tests/service/test_outline.py", "tests/mesh/test_front_door.py",
+    "tests/mesh/test_replicas.py", "tests/service/test_hardening.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: a file's tests keep theirs

@@ -33,6 +33,11 @@ from pathlib import Path
 
 PRELOAD = ("logicpipe.stage_node.main", "logicpipe.controller.main")  # the stage's first: it sets GOMP_SPINCOUNT
                                                                     # before torch loads
+# ... and what their first model load imports lazily (transformers' config machinery and the tests' Llama
+# configuration, the tokenizer's): about a second of CPU a process, paid once here instead
+WARM = ("transformers.models.auto.configuration_auto", "transformers.modeling_rope_utils", "transformers.activations",
+        "transformers.models.llama.configuration_llama", "transformers.tokenization_utils_tokenizers",
+        "transformers.models.auto.tokenization_auto")
 
 
 def _child(request: dict, ready_w: int) -> None:
@@ -88,7 +93,7 @@ def _reap(status_dir: Path) -> None:
 
 
 def serve(status_dir: Path) -> None:
-    for module in PRELOAD:
+    for module in (*PRELOAD, *WARM):
         __import__(module)
     if threading.active_count() > 1:
         print(json.dumps({"error": f"{threading.active_count()} threads after the imports: forking is not safe"}),

@@ -31,6 +31,7 @@ import grpc
 from logicpipe.controller.jobs.handoff import PREFILLED, Handoff, HandoffPolicy, move_kv
 from logicpipe.controller.jobs.job import OUTLINE_RECORD, Job, Request, RequestState, TokenUpdate
 from logicpipe.controller.jobs.journal import Journal
+from logicpipe.controller.jobs.rebalance import Movable, moves_onto
 from logicpipe.controller.mesh.pipeline import Pipeline
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState
@@ -303,6 +304,32 @@ class Scheduler:
             self._back_in_queue(req, Unavailable("its pipeline was replaced"), moved=True)
         self._hold_replays = False
         return [session for session, _ in running]
+
+    def rebalance(self, target: Pipeline) -> list[str]:
+        """`target` just joined while other pipelines serve: move its share of the running requests
+        onto it (controller.jobs.rebalance: the cheapest replays of the most loaded pipelines), each
+        replayed there from its prompt and tokens as after a fault (the same tokens). A request
+        that is finished, still catching up from an earlier move, or a fork's parent or child, or
+        prefilled elsewhere, stays. Returns the sessions moved (closed on their old pipelines)."""
+        serving = self.pipelines.serving()
+        prefillers = self.handoffs.prefill_only(serving)  # (they decode nobody's requests)
+        serving = [p for p in serving if id(p) not in prefillers]
+        if target not in serving or len(serving) < 2:
+            return []
+        running = [Movable(sid, id(p), len(r.inputs)) for sid, r in self.active.items()
+                   if (p := self.opened.get(sid)) is not None and p in serving]
+        movable = {sid for sid, r in self.active.items()
+                   if not (r.done or r.catching_up or r.keep_open or r.parent or r.handoff is not None
+                           or sid in self.prefilling)}
+        picked = moves_onto(id(target), running, [id(p) for p in serving], movable)
+        for sid in picked:
+            req = self.active.pop(sid)
+            self._close_soon(sid)
+            req.session_id, req.target = "", target
+            self._back_in_queue(req, Unavailable(f"moved onto pipeline {target.index}, which joined"), moved=True)
+        if picked:
+            log.info("%d running requests move onto pipeline %d, which joined", len(picked), target.index)
+        return picked
 
     def load(self, pipeline: Pipeline) -> int:
         """Requests running on `pipeline` now."""
@@ -681,7 +708,12 @@ class Scheduler:
         prefillers = self.handoffs.prefill_only(serving)  # they prefill for the others and decode nobody's
         while True:
             inputs = req.inputs
-            pipeline = parent or self.pipelines.route(inputs, req.capacity, self.load, frozenset(tried) | prefillers)
+            target, req.target = req.target, None  # (a rebalance's move: there once, if it still serves)
+            if target is not None and (target not in serving or id(target) in tried):
+                target = None
+            pipeline = parent or target or self.pipelines.route(inputs, req.capacity, self.load,
+                                                                frozenset(tried) | prefillers,
+                                                                affinity=not req.received)
             if pipeline is None:
                 raise Unavailable("no pipeline serves now")
             prefill = None

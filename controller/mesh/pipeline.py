@@ -46,6 +46,7 @@ class StageAssignment:
     weight_format: str = ""  # its layers' format, from the plan ("": that of its dtype)
     wire_dtype: str = ""     # the dtype its hidden states travel in ("": its dtype)
     node_id: str = ""        # the node's id (over TLS its certificate's name: who may stream to whom)
+    tp_width: int = 0        # devices its stage spans, from the plan (0: the node's own; planner.width)
 
 
 @dataclass
@@ -241,7 +242,8 @@ class Pipeline(HoldsIdentity):
                 last_node_id=assignments[-1].node_id if i == 0 and n > 1 else "",
                 plan_id=self.plan_id, controller_epoch=self.epoch, controller_id=self.owner,
                 generation=self.generation, micro_batches=micro_batches, controller_address=controller_address,
-                revoked=self.revoked, stream_key=stream_key, standby_name=self.identity.standby_name)
+                revoked=self.revoked, stream_key=stream_key, standby_name=self.identity.standby_name,
+                tp_width=assignments[i].tp_width)
             try:
                 reply = await h.stub.Assign(req, timeout=ASSIGN_TIMEOUT_S)
                 h.parameter_count = reply.parameter_count
@@ -381,6 +383,10 @@ class Pipeline(HoldsIdentity):
         if errors:  # closed everywhere: a stage whose answer timed out may still have admitted it
             await self.close_session_many([request.session_id], [h for h in stages if h in self.stages])
             h, exc = errors[0]
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # a stage too busy (or stalled) to admit it in time: not the request's fault; it waits
+                # and opens again (a stalled stage is planned around meanwhile)
+                raise Unavailable(f"stage {h.address} did not answer OpenSession within {OPEN_TIMEOUT_S:.0f} s") from exc
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise _mesh_error(exc, h.address) from exc
             if isinstance(exc, asyncio.CancelledError) or self.generation != generation:

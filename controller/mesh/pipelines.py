@@ -105,12 +105,13 @@ class PipelineSet(HoldsIdentity):
 
     # ---- routing ----------------------------------------------------------------------------
     def route(self, prompt: list[int], capacity: int, load: Callable[[Pipeline], int],
-              exclude: frozenset[int] = frozenset()) -> Pipeline | None:
+              exclude: frozenset[int] = frozenset(), *, affinity: bool = True) -> Pipeline | None:
         """The pipeline for a request of `capacity` positions whose input starts with `prompt`:
         among the serving ones that can hold it (and not in `exclude`, by id), the least loaded
         relative to its predicted speed (`load`: requests on it now), unless the pipeline that
         last took the same prefix is within AFFINITY_SLACK (or AFFINITY_SLACK_SHARE) of that: its
-        stages' prefix caches hold the prefix. None when none can take it."""
+        stages' prefix caches hold the prefix (`affinity` False: the least loaded, whatever it holds;
+        a replay's tokens outweigh its shared prompt prefix). None when none can take it."""
         fits = [p for p in self.serving() if id(p) not in exclude
                 and (not p.largest_request() or capacity <= p.largest_request())]
         if not fits:
@@ -123,7 +124,7 @@ class PipelineSet(HoldsIdentity):
             return (load(p) + 1) / share
 
         best = min(fits, key=lambda p: (pressure(p), p.index))
-        for key in prefix_keys(prompt):
+        for key in prefix_keys(prompt) if affinity else ():
             held = self._affinity.get(key)
             if held is not None and held in fits:
                 if pressure(held) <= pressure(best) + max(AFFINITY_SLACK, AFFINITY_SLACK_SHARE * pressure(best)):

@@ -87,7 +87,19 @@ def model_spec(config: ModelConfig, name: str, digest: str, dtype: str = "float3
         expert_intermediate_size=moe.intermediate_size if moe else 0,
         moe_layers=sum(moe.layers) if moe else None, sinks=a.sinks,
         expert_bias=a.checkpoint == "gpt_oss", router_bias=a.checkpoint == "gpt_oss", moe_shared_params=_moe_shared_params(config),
-        **mla_shape(config), **hybrid_shape(config), **kinds_shape(config))
+        tp_sizes=tp_sizes(config), **mla_shape(config), **hybrid_shape(config), **kinds_shape(config))
+
+
+def tp_sizes(config: ModelConfig) -> tuple[int, ...]:
+    """The sizes a tensor-parallel width must divide (the stage's own check, stage_node.model.tp.check_split):
+    query and KV heads, the MLP's intermediate size or the experts (and a shared expert's), the vocabulary;
+    () for attention that does not split yet (multi-head latent, linear): the planner then keeps width 1."""
+    a = config.arch
+    if a.mla is not None or a.hybrid:
+        return ()
+    mlp = (a.moe.num_experts,) + ((a.moe.shared_intermediate_size,) if a.moe.shared_intermediate_size else ()) \
+        if a.moe is not None else (config.intermediate_size,)
+    return (config.num_heads, config.num_kv_heads, *mlp, config.vocab_size)
 
 
 def kinds_shape(config: ModelConfig) -> dict:
@@ -161,6 +173,7 @@ def device_profile(status: stage_pb2.StatusReply, links: dict[str, Link], spec: 
         mem_bandwidth=round_sig(p.mem_bandwidth, 2), links=links, weight_formats=tuple(p.weight_formats) or ("fp32",),
         compute_format=p.compute_format, weight_bandwidth=round_sig(p.weight_bandwidth, 2),
         weight_bytes_per_param=round_sig(p.weight_bytes_per_param, 3), devices=max(1, p.devices),
+        max_devices=p.max_devices if p.max_devices > 1 and p.devices <= 1 else 0,
         allreduce_latency_s=round_sig(p.allreduce_latency_s, 2), allreduce_bandwidth=round_sig(p.allreduce_bandwidth, 2),
         kv_format=p.kv_format if p.kv_format in KV_FORMATS else "", full_sliding_kv=p.full_sliding_kv)
     if profile.device_kind in STEP_OVERHEAD_S:
@@ -304,9 +317,9 @@ def evaluate(plans: list[Plan], profiles: list[DeviceProfile], spec: ModelSpec, 
                          replicas=options.replicas)
 
 
-def pipeline_key(plan: Plan) -> tuple[tuple[str, int, int], ...]:
-    """What makes two pipelines the same: their nodes and layer ranges, in order."""
-    return tuple((s.node_id, s.start, s.end) for s in plan.stages)
+def pipeline_key(plan: Plan) -> tuple[tuple[str, int, int, int], ...]:
+    """What makes two pipelines the same: their nodes, layer ranges and widths (devices), in order."""
+    return tuple((s.node_id, s.start, s.end, s.devices) for s in plan.stages)
 
 
 def same_pipelines(a: MeshPlan, b: MeshPlan) -> bool:

@@ -81,6 +81,10 @@ class Replanner:
         self._now = False             # the re-plan in progress was asked for by an operator (drain, revoke, leave)
         self._recheck: asyncio.TimerHandle | None = None
         self._left_out = False        # the re-plan in progress left a node out (its install could not reach it)
+        # pipelines being installed in the background while the ones in force serve on (a node back, a
+        # join): each joins the set once ready; their nodes are no one else's meanwhile (issue 34)
+        self._pending: dict[Pipeline, object] = {}  # -> its planner.Plan
+        self._profile_of: dict[str, object] = {}    # node id -> its last planner profile (pending nodes' too)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="replanner")
@@ -176,7 +180,9 @@ class Replanner:
             return False  # stepping down: another controller steers the mesh
         broken = self.broken_pipelines()
         kept = [p for p in self.app.pipelines.all if p not in broken]
-        usable = [m for m in self.app.members.usable() if m.status is not None and m.node_id not in self.app.revocations]
+        loading = self.pending_nodes()
+        usable = [m for m in self.app.members.usable() if m.status is not None and m.node_id not in self.app.revocations
+                  and m.node_id not in loading]
         if not usable:
             self.give_up(not kept, "no stage nodes yet" if not self.app.members.by_address else
                           "no usable stage node (" + "; ".join(f"{m.address}: {m.why_not()}"
@@ -188,6 +194,7 @@ class Replanner:
         ids = {m.node_id: m.address for m in usable}
         self.profiles = [planning.device_profile(m.status, {b: l for b, l in self.links.get(m.node_id, {}).items() if b in ids},
                                                  self.app.spec) for m in usable]
+        self._profile_of.update((p.node_id, p) for p in self.profiles)
         self.workload = self.app.scheduler.traffic.workload(self.app.options.context, self.app.config.max_position_embeddings)
         try:
             mesh = self._choose(kept, broken, why)
@@ -203,6 +210,10 @@ class Replanner:
             return False
         await self._install(mesh, ids, why, since)
         return True
+
+    def pending_nodes(self) -> set[str]:
+        """Node ids of the pipelines being installed in the background."""
+        return {s.node_id for plan in self._pending.values() for s in plan.stages}
 
     @staticmethod
     def _plans(pipelines: list[Pipeline]) -> list:
@@ -373,7 +384,7 @@ class Replanner:
             plan = mesh.pipelines[i]
             p.plan = plan
             await p.install(str(self.app.model_dir), self.app.digest, self.app.num_layers,
-                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id)
+                            [StageAssignment(ids[s.node_id], s.start, s.end, dtype, fmt, wire, s.node_id, s.devices)
                              for s, (dtype, fmt, wire) in zip(plan.stages, planning.stage_formats(plan, self.profiles))],
                             self.app.options.dtype, self.app.options.micro_batches, controller_address=self.app.options.address,
                             generation=self.app.pipelines.next_generation(),
@@ -382,31 +393,31 @@ class Replanner:
             self.app.pipelines.replace(sorted([*self.app.pipelines.all, p], key=lambda x: self._order(mesh, x)))
             self.app.scheduler.kick()
 
-        results = await asyncio.gather(*(install(i, p) for i, p in fresh.items()), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        installed = [p for p in self.app.pipelines.all]
+        if keep and fresh:
+            # the pipelines kept serve on: the new ones load in the background and join as each is
+            # ready, so a fault meanwhile (or another node back) is planned at once, not after a load;
+            # a node that fails or stalls while loading holds up no one but its own pipeline
+            for i, p in fresh.items():
+                self._pending[p] = mesh.pipelines[i]
+                task = asyncio.get_running_loop().create_task(self._install_later(install, i, p, why),
+                                                              name="install-pipeline")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            failed, installed = [], list(self.app.pipelines.all)
+        else:
+            results = await asyncio.gather(*(install(i, p) for i, p in fresh.items()), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            installed = [p for p in self.app.pipelines.all]
         if failed:
             exc = failed[0]
-            if isinstance(exc, MeshError) and Fenced.seen_in(str(exc)):
-                self.app.on_fenced(str(exc))
-                raise exc
-            for err in failed:
-                if isinstance(err, MeshError):
-                    for m in self.app.members.usable():  # the node that failed is left out until it answers again
-                        if m.address in str(err):
-                            if isinstance(err, (InvalidArgument, FailedPrecondition)):  # not a passing fault
-                                self.app.members.refuse(m.address, f"its assignment failed: {err}")
-                            else:
-                                self.app.members.mark_down(m.address, f"its assignment failed: {err}")
-                            self._left_out = True
+            self._install_failed(failed)
             for i, p in fresh.items():
                 if p not in installed:
                     await p.close(wait_closes=False)
             self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
             if not installed:
                 raise exc
-        self.plan = planning.evaluate([p.plan for p in installed], self.profiles, self.app.spec, self.workload, self.app.options) \
-            if failed else mesh
+        self.plan = self._evaluate_in_force() if failed else mesh
         self.plan_json = planning.to_json(self.plan)
         self._installed_at = time.monotonic()
         self.replans += 1
@@ -421,6 +432,65 @@ class Replanner:
         self.plan_changed.set()
         self.plan_changed = asyncio.Event()
         self._measure_held(ids)
+
+    def _evaluate_in_force(self):
+        """The planner.MeshPlan of the pipelines in force and those being installed."""
+        plans = [p.plan for p in self.app.pipelines.all if p.plan is not None] + list(self._pending.values())
+        nodes = {s.node_id for plan in plans for s in plan.stages}
+        return planning.evaluate(plans, [self._profile_of[n] for n in nodes if n in self._profile_of], self.app.spec,
+                                 self.workload, self.app.options)
+
+    def _install_failed(self, failed: list[BaseException]) -> None:
+        """Assignments that failed: a stage of a newer controller's steps this one down; a node that
+        failed is left out until it answers again."""
+        exc = failed[0]
+        if isinstance(exc, MeshError) and Fenced.seen_in(str(exc)):
+            self.app.on_fenced(str(exc))
+            raise exc
+        for err in failed:
+            if isinstance(err, MeshError):
+                for m in self.app.members.usable():
+                    if m.address in str(err):
+                        if isinstance(err, (InvalidArgument, FailedPrecondition)):  # not a passing fault
+                            self.app.members.refuse(m.address, f"its assignment failed: {err}")
+                        else:
+                            self.app.members.mark_down(m.address, f"its assignment failed: {err}")
+                        self._left_out = True
+
+    async def _install_later(self, install, i: int, p: Pipeline, why: str) -> None:
+        """`install(i, p)` in the background (see `_install`): `p` joins the set once ready; if it
+        fails, the node is left out and the plan is made again."""
+        t0 = time.monotonic()
+        try:
+            await install(i, p)
+        except asyncio.CancelledError:
+            self._pending.pop(p, None)
+            await p.close(wait_closes=False)
+            raise
+        except Exception as exc:  # noqa: BLE001 — the pipelines in force serve on; plan again without it
+            self._pending.pop(p, None)
+            await p.close(wait_closes=False)
+            log.warning("a new pipeline (%s) did not join: %s", why, exc)
+            try:
+                self._install_failed([exc])
+            except MeshError:
+                return  # a stage follows a newer controller: this one steps down
+            if self.app.pipelines.all or self._pending:
+                self.plan = self._evaluate_in_force()
+                self.plan_json = planning.to_json(self.plan)
+            self.request_replan(f"the last install did not finish ({exc or type(exc).__name__})")
+            return
+        self._pending.pop(p, None)
+        moved = self.app.scheduler.rebalance(p)  # its share of the running requests (none lost: they replay there)
+        self.plan = self._evaluate_in_force()
+        self.plan_json = planning.to_json(self.plan)
+        if self.app.state.waiting:  # (every pipeline in force broke meanwhile: this one serves now)
+            self.app.state.set(Phase.READY)
+        log.info("pipeline %d (%s) joined the plan %.1f s after its install began (%s); %d running requests "
+                 "move onto it", p.index, " ".join(f"{h.node_id}[{h.start},{h.end})" for h in p.stages),
+                 time.monotonic() - t0, why, len(moved))
+        self.plan_changed.set()
+        self.plan_changed = asyncio.Event()
 
     def _measure_held(self, ids: dict[str, str]) -> None:
         """A newcomer measures links only for the controller that holds it, so its links were not

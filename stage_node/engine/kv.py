@@ -37,9 +37,11 @@ from logicpipe.stage_node.engine.kv_quant import (
     quantize,
     quantized,
     rotate,
+    signs_on,
     storage_dtype,
     vector_bytes,
 )
+from logicpipe.stage_node.kernels import cpu_native
 
 
 class KVPool:
@@ -59,9 +61,10 @@ class KVPool:
         self.k = self.kv[:, 0]  # k: [layers, kv_heads, slots, head_dim] (a view)
         # v: [layers, kv_heads, slots, head_dim]; with one part, the first value_dim elements of k's rows
         self.v = self.kv[:, 1] if parts == 2 else self.k[..., : value_dim or head_dim]
-        # 8-bit KV: scales [layers, parts, kv_heads, slots] float32, a (token, head) vector's each (zeros:
+        # 8-bit KV: scales [layers, parts, kv_heads, slots] (int8: int32, the vector's scale and mid as two
+        # bfloat16, kv_quant.pack; fp8: float32), a (token, head) vector's each (zeros:
         # a never-written slot reads as zeros, as a CUDA graph's masked positions need); None: float KV
-        self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if quantized(kv_dtype) else None
+        self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE[kv_dtype], device=device) if quantized(kv_dtype) else None
         self.ks = None if self.scales is None else self.scales[:, 0]  # [layers, kv_heads, slots]
         self.vs = None if self.scales is None else self.scales[:, -1]  # (one part: the latent row's own)
         self.parts = parts
@@ -107,6 +110,9 @@ class KVPool:
             dst = self.kv[layer, part]  # [kv_heads, slots, head_dim]
             if self.scales is None:
                 dst.index_copy_(1, slots, x.transpose(0, 1))
+            elif self.kv_dtype == "int8" and x.device.type == "cpu" and x.shape[0] and cpu_native.kv_store_int8(
+                    x, slots, signs_on(x) if self.rotated else None, dst, self.scales[layer, part]):
+                continue  # the same bits, quantized straight into the pool (cpu_quant.c)
             else:
                 q, s = quantize(rotate(x) if self.rotated else x, self.kv_dtype)  # [T, kv_heads, hd], [T, kv_heads]
                 index_copy_(dst, 1, slots, q.transpose(0, 1))

@@ -17,6 +17,11 @@ ints, broadcast from rank 0 over gloo (the control group); what already lives on
 slots a step writes and reads, the hidden states) goes over the data group (gloo on a CPU, NCCL on
 CUDA, the group the layers' all-reduces use), so rank 0 never waits for its device to send a step.
 
+Width. With `--tp N` the group is formed once, at start. With `--tp-max N` the plan chooses the width of
+each assignment (planner.width): the group is formed at N at start only to measure the all-reduce for
+the profile, then stopped (`Leader.stop`: STOP to every follower, the process group destroyed), and
+`reform` forms it again at the width an assignment asks for (none at width 1) when that changes.
+
 Failure. A member that dies takes the stage down: rank 0 watches its followers and exits (status
 75) the moment one is gone, so the controller re-plans and the requests replay elsewhere, as for any
 lost node; a follower dies with rank 0 (the kernel's parent-death signal, and its next broadcast
@@ -40,11 +45,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from logicpipe.errors import InvalidArgument
 from logicpipe.stage_node.engine.kv import KVPool, SeqSlice, StepKV
 from logicpipe.stage_node.engine.step_graphs import StepGraphs
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.common.modeldir import ModelConfig
-from logicpipe.stage_node.model.tp import TensorParallel, check_split
+from logicpipe.stage_node.model.tp import ONE_SHOT_ROWS, TensorParallel, check_split
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ EXIT_MEMBER_LOST = 75
 WATCH_S = 0.2  # rank 0 checks its followers this often
 MEASURE_SIZES = (256, 1 << 20)  # float32 elements of the small and the large timed all-reduce
 MEASURE_REPS = 10
+DESTROYED = [False]  # this process has ended a group (Leader.stop): CUDA does not form one again here
+STOP_WAIT_S = 10.0  # a stopped follower gets this long to exit before it is killed
 
 
 def _free_port() -> int:
@@ -64,12 +72,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this process when its parent (rank 0) dies (Linux prctl PR_SET_PDEATHSIG)."""
+def _die_with_parent(parent: int) -> None:
+    """In a follower, first thing: SIGKILL this process when its parent (rank 0) dies (Linux prctl
+    PR_SET_PDEATHSIG), and exit now if it is gone already. (Set here, not in a preexec_fn: a fork of the
+    stage process, whose gRPC threads hold locks, must exec before it runs any Python.)"""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:
         pass
+    if parent and os.getppid() != parent:
+        sys.exit(1)
 
 
 class Channel:
@@ -130,14 +142,16 @@ class Leader:
         self.tp: TensorParallel | None = None
         self.channel: Channel | None = None
         self._device_kind, self._threads = device, threads
+        self._closing = threading.Event()  # set once rank 0 ends the group itself: its followers' ends are no loss
 
     def start(self) -> None:
         """Runner thread: start the followers and join the process groups with them."""
         init = f"tcp://127.0.0.1:{_free_port()}"
         for r in range(1, self.world):
             cmd = [sys.executable, "-m", "logicpipe.stage_node.engine.tp_group", "--rank", str(r), "--world",
-                   str(self.world), "--init", init, "--device", self._device_kind, "--threads", str(self._threads)]
-            self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+                   str(self.world), "--init", init, "--device", self._device_kind, "--threads", str(self._threads),
+                   "--parent", str(os.getpid())]
+            self.procs.append(subprocess.Popen(cmd))
         self.tp, control = join(0, self.world, init, self._device_kind)
         self.channel = Channel(self.tp, control, self.device)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
@@ -145,9 +159,9 @@ class Leader:
                  ", ".join(str(p.pid) for p in self.procs))
 
     def _watch(self) -> None:
-        while True:
+        while not self._closing.is_set():
             for r, p in enumerate(self.procs, 1):
-                if p.poll() is not None:
+                if p.poll() is not None and not self._closing.is_set():
                     log.error("tensor-parallel rank %d (pid %d) is gone (status %s): this stage cannot compute "
                               "without it; exiting so the mesh re-plans", r, p.pid, p.returncode)
                     self.close()
@@ -167,9 +181,29 @@ class Leader:
             os._exit(EXIT_MEMBER_LOST)
 
     def close(self) -> None:
+        self._closing.set()
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Runner thread: end the group on purpose (a width change, the start's measurement): STOP to
+        every follower, each waited for (killed after `wait_s`), and this process's groups destroyed, so
+        a group of another width can be formed."""
+        self._closing.set()
+        try:
+            self.channel.header(STOP)
+        except Exception as exc:  # noqa: BLE001 — a follower already gone: the rest are killed below
+            log.warning("tensor-parallel group: STOP not sent to every rank (%s)", exc)
+        for p in self.procs:
+            try:
+                p.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        dist.destroy_process_group()
+        DESTROYED[0] = True
+        log.info("tensor-parallel group of %d ranks stopped", self.world)
 
     # ---- what rank 0 runs, mirrored first ---------------------------------------------------
     def load(self, model_dir: str, start: int, end: int, *, first: bool, last: bool, dtype: torch.dtype,
@@ -243,8 +277,46 @@ class Leader:
         return times[0], MEASURE_SIZES[1] * 4 / max(times[1], 1e-9)
 
 
+def width_for(tp_width: int, leader: Leader | None, tp_max: int, node_id: str) -> int:
+    """The width an assignment's `tp_width` asks of this node (0: its own), or InvalidArgument naming it: a
+    node of fixed width (--tp N) takes only N; a --tp-max node any of 1..N."""
+    own = leader.world if leader is not None and not tp_max else 1
+    if not tp_max:
+        if tp_width not in (0, own):
+            raise InvalidArgument(f"tp_width {tp_width}: node {node_id} has a fixed tensor-parallel width of {own} "
+                                  f"(--tp {own}); start it with --tp-max N to let the plan choose the width")
+        return own
+    if tp_width > tp_max:
+        raise InvalidArgument(f"tp_width {tp_width}: node {node_id} offers 1 to {tp_max} devices (--tp-max {tp_max})")
+    return tp_width or 1
+
+
+def check_model_split(model_dir: str, width: int) -> None:
+    """Runner thread: refuse (ModelError, by name) a model that does not split over `width` ranks."""
+    check_split(ModelConfig.from_dir(model_dir), width)
+
+
+def reform(leader: Leader | None, width: int, device: str, threads: int) -> Leader | None:
+    """Runner thread: the group at `width` (None at 1): `leader` kept if it has that width, else stopped
+    and a new one started (its followers spawned and joined)."""
+    if leader is not None and leader.world == width:
+        return leader
+    if leader is not None:
+        leader.stop()
+    if width <= 1:
+        return None
+    new = Leader(width, device, threads)
+    new.start()
+    return new
+
+
 def _all_reduces(tp: TensorParallel, device: torch.device, n: int, reps: int) -> float:
-    """Seconds one all-reduce of n float32 takes over the data group (after one untimed)."""
+    """Seconds one all-reduce of n float32 takes over the data group (after one untimed). CUDA: as a
+    step's graph runs it (`_in_graph`) where every rank can, else eagerly (NCCL, each launch timed too)."""
+    if device.type == "cuda":
+        seconds = _in_graph(tp, device, n, reps)
+        if seconds is not None:
+            return seconds
     x = torch.ones(n, dtype=torch.float32, device=device)
     dist.all_reduce(x, group=tp.group)
     if device.type == "cuda":
@@ -254,6 +326,37 @@ def _all_reduces(tp: TensorParallel, device: torch.device, n: int, reps: int) ->
         dist.all_reduce(x, group=tp.group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def _in_graph(tp: TensorParallel, device: torch.device, n: int, reps: int) -> float | None:
+    """CUDA: seconds one all-reduce of n float32 takes replayed in a CUDA graph, the one-shot kernel
+    where it fits (`TensorParallel.all_reduce`), as a step's graph runs it: no launch cost, which an
+    eager NCCL call adds (on 2 H200s that made the planner keep one GPU where --tp 2 was 1.32x); None
+    where any rank cannot capture it (every rank agrees first, so none replays alone)."""
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    graph, ok = torch.cuda.CUDAGraph(), 1
+    try:
+        tp.enable_one_shot(MEASURE_SIZES[-1] // ONE_SHOT_ROWS, torch.float32, device)
+        tp.all_reduce(x)
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                tp.all_reduce(x)
+    except Exception as exc:  # noqa: BLE001 — timed eagerly then
+        log.info("the all-reduce could not be timed in a CUDA graph (%s): timed eagerly", exc)
+        ok = 0
+    agree = torch.tensor([ok], device=device)
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=tp.group)
+    if not agree.item():
+        return None
+    graph.replay()
+    torch.cuda.synchronize(device)
+    dist.all_reduce(agree, group=tp.group)  # (the ranks start the timed replay together)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize(device)
     return (time.perf_counter() - t0) / reps
 
 
@@ -328,7 +431,9 @@ def main(argv=None) -> None:
     ap.add_argument("--init", required=True, help="torch.distributed init method (tcp://HOST:PORT)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--parent", type=int, default=0, help="rank 0's pid: this rank dies with it")
     args = ap.parse_args(argv)
+    _die_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{args.rank}: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

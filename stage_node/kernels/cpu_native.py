@@ -134,6 +134,12 @@ def _build(cc: str, cflags: list[str]) -> ctypes.CDLL | None:
     lib.lp_attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
                               ctypes.c_double, ptr, cint]
     lib.lp_attend.restype = cint
+    lib.lp_rotate.argtypes = [ptr, i64, i64, ptr, cint, cint]
+    lib.lp_rotate.restype = cint
+    lib.lp_kv_int8.argtypes = [ptr, i64, i64, ptr, ptr, cint]
+    lib.lp_kv_int8.restype = cint
+    lib.lp_kv_store_int8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, cint]
+    lib.lp_kv_store_int8.restype = cint
     log.info("native CPU kernels (%s) loaded from %s", ISA_NAMES.get(lib.lp_isa(), "?"), path)
     return lib
 
@@ -217,17 +223,22 @@ def call(fn, x: torch.Tensor, w: int, s: int, n: int) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, row_seq: torch.Tensor,
            pos: torch.Tensor, window: int, scale: float, ks: torch.Tensor | None = None,
-           vs: torch.Tensor | None = None) -> torch.Tensor:
+           vs: torch.Tensor | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over one layer's paged KV, read in place (cpu_quant.c's lp_attend): q [T, heads, hd]
     float32; k, v [kv_heads, slots, hd] float32, or int8 with their scales ks, vs [kv_heads, slots]
-    float32 (all contiguous); table [seqs, L] int64, each sequence's slot of each position; row_seq, pos
+    int32 (each the vector's scale and mid as two bfloat16: engine.kv_quant.pack; all contiguous); table [seqs, L] int64, each sequence's slot of each position; row_seq, pos
     [T] int64 (row r sees its sequence's positions <= pos[r], and > pos[r] - window; window 0: none).
+    signs [hd] float32: KV stored rotated (engine.kv_quant.rotate): q is rotated first (a copy) and the output
+    un-rotated, by lp_rotate, the same bits as kv_quant's rotate and unrotate around the call.
     -> [T, heads * hd] float32"""
     lib = library()
     q = q.float().contiguous()
     T, heads, hd = q.shape
-    if (ks is None) != (k.dtype == torch.float32) or (ks is None) != (vs is None):
-        raise ValueError(f"native attention reads float32 KV, or int8 with both scales; got {k.dtype}")
+    if signs is not None:
+        q = rotate(q, signs, inverse=False)
+    if (ks is None) != (k.dtype == torch.float32) or (ks is None) != (vs is None) or not (
+            ks is None or ks.dtype == vs.dtype == torch.int32):
+        raise ValueError(f"native attention reads float32 KV, or int8 with both (scale, mid) words; got {k.dtype}")
     out = torch.empty(T, heads * hd)
     rc = lib.lp_attend(q.data_ptr(), T, heads, k.shape[0], hd, k.data_ptr(), v.data_ptr(),
                        None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(), k.shape[1],
@@ -237,4 +248,51 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
         raise ValueError(f"native attention: {heads // k.shape[0]} query heads a KV head, more than it tiles")
     if rc:
         raise MemoryError("native attention: no memory for its tiles")
+    if signs is not None:
+        lib.lp_rotate(out.data_ptr(), T * heads, hd, signs.data_ptr(), 1, torch.get_num_threads())
     return out
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor | None:
+    """engine.kv_quant's rotation of x [..., d] (float32 signs [d]) by cpu_quant.c's lp_rotate, the same
+    bits as its butterflies in torch: -> a new float32 tensor (x R, or x R^T with `inverse`); None where
+    the library is unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    y = torch.empty(x.shape, dtype=torch.float32)
+    y.copy_(x)
+    d = x.shape[-1]
+    lib.lp_rotate(y.data_ptr(), y.numel() // d if d else 0, d, signs.data_ptr(), int(inverse), torch.get_num_threads())
+    return y
+
+
+def kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """engine.kv_quant.quantize(x, "int8") by cpu_quant.c's lp_kv_int8 (the same bits): x [..., d] ->
+    (q [..., d] int8, packed (scale, mid) words [...] int32); None where the library is unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    x = x.float().contiguous()
+    d = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.int8)
+    packed = torch.empty(x.shape[:-1], dtype=torch.int32)
+    lib.lp_kv_int8(x.data_ptr(), x.numel() // d if d else 0, d, q.data_ptr(), packed.data_ptr(), torch.get_num_threads())
+    return q, packed
+
+
+def kv_store_int8(x: torch.Tensor, slots: torch.Tensor, signs: torch.Tensor | None, dst: torch.Tensor,
+                  scales: torch.Tensor) -> bool:
+    """A step's new keys or values x [T, kv_heads, d] quantized to int8 (rotated first with `signs`) straight
+    into one layer's part of a pool, dst [kv_heads, slots, d] int8 and scales [kv_heads, slots] int32 (both
+    contiguous) at `slots` [T] int64: what kv_quant.quantize and two index copies write, the same bits.
+    False (nothing written) where the library is unavailable or d is above its row buffer."""
+    lib = library()
+    if lib is None or not (dst.is_contiguous() and scales.is_contiguous()):
+        return False
+    x = x.float().contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    T, kvh, d = x.shape
+    return not lib.lp_kv_store_int8(x.data_ptr(), T, kvh, d, slots.data_ptr(),
+                                    None if signs is None else signs.data_ptr(), dst.data_ptr(), scales.data_ptr(),
+                                    dst.shape[1], torch.get_num_threads())

@@ -53,12 +53,10 @@ int lp_isa(void) {  /* 2: AVX2, 1: NEON, 0: portable C */
 #endif
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
 /* One row x [K] -> xq [Kb * 32] int16, xd [Kb] (block scale), xs [Kb] (xd * sum of the block's xq). */
 static void quantize_row(const float *x, int64_t K, int16_t *xq, float *xd, float *xs) {
@@ -470,9 +468,10 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y +=
 /* ---------------------------------------------------------------------------------------------------
    Attention over a paged KV pool, read in place (lp_attend: stage_node.model.shard's torch forward on a
    CPU; and lp_layers_pools' attention). Float32 KV, or 8-bit (--kv-dtype int8: each (token, KV head)
-   vector int8 values with a float32 scale, x = q * scale, engine.kv_quant; read a byte an element,
-   never dequantized into a copy):
-       score_j = (q . k_j) [* ks_j] * scale,   out = sum_j softmax_j [* vs_j] * v_j
+   vector int8 values with a scale and a mid, two bfloat16 in one 32-bit word (mid high, scale low),
+   x = mid + q * scale, engine.kv_quant; read a byte an element, never dequantized into a copy):
+       score_j = ((q . k_j) [* ks_j + km_j * sum(q)]) * scale,
+       out = sum_j p_j [* vs_j] * v_j [+ sum_j p_j * vm_j]   (p = softmax)
    k, v [kv_heads, slots, hd] (one layer's pool; ks, vs [kv_heads, slots] with int8); row r of q (rows
    ldq floats apart, heads hd apart) attends over the slots table[row_seq[r]][j] of the positions j in
    [lo, pos[r]] (lo = pos[r] - window + 1 with a window, else 0): causal within a prompt chunk, whose
@@ -568,9 +567,12 @@ INLINE void dot4(const int I8, const float *q, const void *k, const int64_t *at,
         o[c] = I8 ? dot_i8(q, (const int8_t *)k + at[c] * hd, hd) : dot(q, (const float *)k + at[c] * hd, hd);
 }
 
+INLINE float bf16_hi(uint32_t w) { union { uint32_t u; float f; } c = {w & 0xFFFF0000u}; return c.f; }  /* mid */
+INLINE float bf16_lo(uint32_t w) { union { uint32_t u; float f; } c = {w << 16}; return c.f; }  /* scale */
+
 typedef struct {
-    const void *k, *v;     /* one layer's [kv_heads, slots, hd]: float32, or int8 with ks, vs */
-    const float *ks, *vs;  /* int8: [kv_heads, slots] scales; NULL with float32 */
+    const void *k, *v;        /* one layer's [kv_heads, slots, hd]: float32, or int8 with ks, vs */
+    const uint32_t *ks, *vs;  /* int8: [kv_heads, slots] (scale, mid) words; NULL with float32 */
     int64_t slots;
     const int64_t *table;  /* [seqs, table_len]: each sequence's slot of each position */
     int64_t table_len;
@@ -584,11 +586,11 @@ INLINE int64_t first_seen(int64_t pos, int64_t window) {
 INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t ldq, int64_t r0, int64_t r1,
                         int64_t g, int64_t group, int64_t hd, const int64_t *row_seq, const int64_t *pos,
                         int64_t window, float scale, float *out, int64_t ldo) {
-    float m[ATT_PAIRS], l[ATT_PAIRS], s[ATT_BLOCK];
+    float m[ATT_PAIRS], l[ATT_PAIRS], off[ATT_PAIRS], s[ATT_BLOCK];  /* off: sum_j p_j vm_j (int8) */
     const int64_t *sl = kv->table + row_seq[r0] * kv->table_len;
     const int64_t esz = I8 ? 1 : (int64_t)sizeof(float);
     const char *kb = (const char *)kv->k + g * kv->slots * hd * esz, *vb = (const char *)kv->v + g * kv->slots * hd * esz;
-    const float *ksb = I8 ? kv->ks + g * kv->slots : NULL, *vsb = I8 ? kv->vs + g * kv->slots : NULL;
+    const uint32_t *ksb = I8 ? kv->ks + g * kv->slots : NULL, *vsb = I8 ? kv->vs + g * kv->slots : NULL;
     int64_t lo_t = INT64_MAX, hi_t = -1;
     for (int64_t r = r0; r < r1; r++) {
         int64_t lo = first_seen(pos[r], window);
@@ -597,6 +599,7 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
         for (int64_t c = 0; c < group; c++) {
             m[(r - r0) * group + c] = -INFINITY;
             l[(r - r0) * group + c] = 0.0f;
+            off[(r - r0) * group + c] = 0.0f;
             memset(out + r * ldo + (g * group + c) * hd, 0, (size_t)hd * sizeof(float));
         }
     }
@@ -608,7 +611,9 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
             for (int64_t c = 0; c < group; c++) {
                 int64_t i = (r - r0) * group + c, hh = g * group + c, j = a;
                 const float *qr = q + r * ldq + hh * hd;
-                float *o = out + r * ldo + hh * hd, top = -INFINITY;
+                float *o = out + r * ldo + hh * hd, top = -INFINITY, qsum = 0.0f;
+                if (I8)
+                    for (int64_t d = 0; d < hd; d++) qsum += qr[d];
                 for (; j + 4 <= e + 1; j += 4) dot4(I8, qr, kb, sl + j, hd, s + (j - a));
                 for (; j <= e; j++) {  /* the last few: one key in all four chains */
                     float one[4];
@@ -616,21 +621,25 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
                     s[j - a] = one[0];
                 }
                 for (j = a; j <= e; j++) {
-                    float x = I8 ? s[j - a] * ksb[sl[j]] * scale : s[j - a] * scale;
+                    float x = I8 ? (s[j - a] * bf16_lo(ksb[sl[j]]) + bf16_hi(ksb[sl[j]]) * qsum) * scale
+                                 : s[j - a] * scale;
                     s[j - a] = x;
                     top = x > top ? x : top;
                 }
                 if (top > m[i]) {  /* the running max grows: what is summed so far is rescaled */
                     float alpha = expf(m[i] - top);
                     l[i] *= alpha;
+                    off[i] *= alpha;
                     for (int64_t d = 0; d < hd; d++) o[d] *= alpha;
                     m[i] = top;
                 }
                 for (j = a; j <= e; j++) {
                     float p = expf(s[j - a] - m[i]);
                     l[i] += p;
-                    if (I8) axpy_i8(o, p * vsb[sl[j]], (const int8_t *)vb + sl[j] * hd, hd);
-                    else axpy(o, p, (const float *)vb + sl[j] * hd, hd);
+                    if (I8) {
+                        axpy_i8(o, p * bf16_lo(vsb[sl[j]]), (const int8_t *)vb + sl[j] * hd, hd);
+                        off[i] += p * bf16_hi(vsb[sl[j]]);
+                    } else axpy(o, p, (const float *)vb + sl[j] * hd, hd);
                 }
             }
         }
@@ -638,7 +647,10 @@ INLINE void attend_tile(const int I8, const lp_kv *kv, const float *q, int64_t l
     for (int64_t r = r0; r < r1; r++)
         for (int64_t c = 0; c < group; c++) {
             float inv = 1.0f / l[(r - r0) * group + c], *o = out + r * ldo + (g * group + c) * hd;
-            for (int64_t d = 0; d < hd; d++) o[d] *= inv;
+            if (I8)
+                for (int64_t d = 0; d < hd; d++) o[d] = (o[d] + off[(r - r0) * group + c]) * inv;
+            else
+                for (int64_t d = 0; d < hd; d++) o[d] *= inv;
         }
 }
 
@@ -670,10 +682,10 @@ static int attend_rows(const int I8, const lp_kv *kv, const float *q, int64_t ld
 }
 
 /* One layer's attention (see above): q [T, heads, hd] float32; k, v [kv_heads, slots, hd] float32, or int8
-   with ks, vs [kv_heads, slots] (ks NULL: float32) -> out [T, heads * hd]. 0, -1: no memory, -2: more
+   with ks, vs [kv_heads, slots] (scale, mid) words (ks NULL: float32) -> out [T, heads * hd]. 0, -1: no memory, -2: more
    query heads a KV head than ATT_PAIRS. */
 int lp_attend(const float *q, int64_t T, int64_t nh, int64_t kvh, int64_t hd, const void *k, const void *v,
-              const float *ks, const float *vs, int64_t slots, const int64_t *table, int64_t table_len,
+              const uint32_t *ks, const uint32_t *vs, int64_t slots, const int64_t *table, int64_t table_len,
               const int64_t *row_seq, const int64_t *pos, int64_t window, double scale, float *out, int nt) {
     lp_kv kv = {k, v, ks, vs, slots, table, table_len};
     return attend_rows(ks != NULL, &kv, q, nh * hd, T, nh, kvh, hd, row_seq, pos, window, (float)scale, out,
@@ -755,4 +767,105 @@ int lp_layers(const lp_dims *d, const lp_layer *L, int64_t nl, float *x, int64_t
     int rc = lp_layers_pools(d, L, nl, x, T, pos, row_seq, &one, 1, where, cos, sin_signed, nt);
     free(where);
     return rc;
+}
+
+/* ---- 8-bit KV on a CPU (stage_node.engine.kv_quant): the rotation and int8's quantization, row by row ----
+
+   The same float32 operations in the same order as kv_quant's torch code (so the same bits): the rotation
+   x R = hadamard(x * signs) and its inverse y R^T = hadamard(y) * signs, where hadamard is the
+   Walsh-Hadamard butterflies (a + b, a - b) in blocks of b (the largest power of two dividing d), then a
+   multiply by (float)(1 / sqrt(b)); int8's [min, max] grid centred on mid = bf16(round to nearest even of
+   (max + min) * 0.5), scale = bf16 rounded up of max(max - mid, mid - min) / 127, q = round half to even of
+   (x - mid) / max(scale, 1e-30), clamped to [-127, 127]; (scale, mid) packed in one 32-bit word (mid's
+   bits high). Rows are independent: threads split rows only. What torch did in 20-odd small operations a
+   call (the butterflies: a stack per stage) cost an 8-row decode step of the default model ~45 ms. */
+#define KVQ_MAX_D 4096
+
+static void fwht_row(float *x, int64_t d, int64_t b, float s) {
+    for (int64_t h = 1; h < b; h *= 2)
+        for (int64_t i = 0; i < d; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                float a = x[j], c = x[j + h];
+                x[j] = a + c;
+                x[j + h] = a - c;
+            }
+    for (int64_t j = 0; j < d; j++) x[j] *= s;
+}
+
+static inline float rotation_scale(int64_t b) { return (float)(1.0 / sqrt((double)b)); }
+
+/* x [rows, d] float32 in place: inverse 0: x R (signs, butterflies); 1: x R^T (butterflies, signs). */
+int lp_rotate(float *x, int64_t rows, int64_t d, const float *signs, int inverse, int nt) {
+    const int64_t b = d & -d;
+    const float s = rotation_scale(b);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows * d >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * d;
+        if (!inverse)
+            for (int64_t j = 0; j < d; j++) row[j] *= signs[j];
+        fwht_row(row, d, b, s);
+        if (inverse)
+            for (int64_t j = 0; j < d; j++) row[j] *= signs[j];
+    }
+    return 0;
+}
+
+static inline float bf16_near(float f) {  /* torch's float -> bfloat16 (round to nearest even; NaN stays NaN) */
+    if (f != f) return f;
+    uint32_t u = f32_bits(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return bits_f32(u & 0xFFFF0000u);
+}
+
+static inline float bf16_up(float f) { return bits_f32((uint32_t)((int32_t)f32_bits(f) + 0xFFFF) & 0xFFFF0000u); }
+
+/* One vector v [d] -> q [d] int8 and its packed (scale, mid) word; signs non-NULL: of v R (buf: d floats). */
+static void kv_int8_row(const float *v, int64_t d, const float *signs, int8_t *q, int32_t *packed, float *buf) {
+    if (signs) {
+        const int64_t b = d & -d;
+        for (int64_t j = 0; j < d; j++) buf[j] = v[j] * signs[j];
+        fwht_row(buf, d, b, rotation_scale(b));
+        v = buf;
+    }
+    float lo = v[0], hi = v[0];
+    for (int64_t j = 1; j < d; j++) {
+        lo = v[j] < lo ? v[j] : lo;
+        hi = v[j] > hi ? v[j] : hi;
+    }
+    const float mid = bf16_near((hi + lo) * 0.5f);
+    const float a = hi - mid, c = mid - lo;
+    const float scale = bf16_up((a > c ? a : c) / 127.0f);
+    const float div = scale > 1e-30f ? scale : 1e-30f;
+    for (int64_t j = 0; j < d; j++) {
+        float t = nearbyintf((v[j] - mid) / div);
+        t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
+        q[j] = (int8_t)t;
+    }
+    *packed = (int32_t)((f32_bits(mid) & 0xFFFF0000u) | ((f32_bits(scale) >> 16) & 0xFFFFu));
+}
+
+/* x [rows, d] float32 -> q [rows, d] int8 and packed [rows] (scale, mid) words. */
+int lp_kv_int8(const float *x, int64_t rows, int64_t d, int8_t *q, int32_t *packed, int nt) {
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows * d >= 32768)
+    for (int64_t r = 0; r < rows; r++)
+        kv_int8_row(x + r * d, d, NULL, q + r * d, packed + r, NULL);
+    return 0;
+}
+
+/* A step's new keys or values x [T, kvh, d] float32 quantized (rotated with signs non-NULL) straight into
+   one layer's part of an int8 pool: dst [kvh, n_slots, d] int8 and scales [kvh, n_slots] at slots [T] (what
+   lp_kv_int8 and two index copies do, without the copies). 0, or -1: d above KVQ_MAX_D. */
+int lp_kv_store_int8(const float *x, int64_t T, int64_t kvh, int64_t d, const int64_t *slots, const float *signs,
+                     int8_t *dst, int32_t *scales, int64_t n_slots, int nt) {
+    if (d > KVQ_MAX_D) return -1;
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (T * kvh * d >= 32768)
+    for (int64_t r = 0; r < T * kvh; r++) {
+        float buf[KVQ_MAX_D];
+        const int64_t t = r / kvh, h = r % kvh, at = h * n_slots + slots[t];
+        kv_int8_row(x + r * d, d, signs, dst + at * d, scales + at, buf);
+    }
+    return 0;
 }

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from logicpipe.common.families import LinearAttn
-from logicpipe.stage_node.model.ops import Rows, linear
+from logicpipe.stage_node.model.ops import Rows, linear, rowwise
 
 CHUNK = 64  # rows of the chunked form's blocks (transformers' chunk_size)
 
@@ -113,17 +113,6 @@ def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
         state = state * block_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
     return out.reshape(heads, -1, out.shape[-1])[:, :n].transpose(0, 1), state
-
-
-VECTOR = 32  # floats: a multiple of the CPU's vectorized loop (2 AVX-512 registers)
-
-
-def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn (an elementwise function) of x [T, n] with each row padded to a multiple of VECTOR columns:
-    torch's CPU loops compute the elements past the last whole vector by a scalar path that rounds
-    otherwise, which would make a row's bits depend on how many rows share its step."""
-    pad = (-x.shape[1]) % VECTOR
-    return fn(F.pad(x, (0, pad)) if pad else x)[:, : x.shape[1]]
 
 
 def runs(start: int, stop: int, decode_from: int, keep) -> list[tuple[int, int]]:

@@ -29,7 +29,7 @@ import torch
 
 from logicpipe.common.families import MoE
 from logicpipe.stage_node.kernels import grouped, invariant
-from logicpipe.stage_node.model.ops import Rows, linear
+from logicpipe.stage_node.model.ops import Rows, linear, rowwise
 from logicpipe.stage_node.model.weights import Experts
 
 GATHER_MAX_ROWS = 32  # CUDA: steps up to this many rows take the gathered way (the largest graph bucket of an MoE stage)
@@ -50,7 +50,7 @@ def route(h: torch.Tensor, experts: Experts, moe: MoE, rows: Rows) -> tuple[torc
         logits = linear(h.float(), experts.router, None, rows)  # [T, experts]
     else:
         logits = linear(h, experts.router, None, rows).float()
-    scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    scores = rowwise(torch.sigmoid, logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores if experts.correction_bias is None else scores + experts.correction_bias
     if moe.n_group > 1 and moe.topk_group < moe.n_group:
         by_group = choice.view(choice.shape[0], moe.n_group, -1)  # [T, groups, experts per group]
@@ -114,7 +114,7 @@ def shared_expert(h: torch.Tensor, experts: Experts, glu, rows: Rows) -> torch.T
     Qwen2-MoE's scaled by sigmoid(h . gate)), as HF adds it to the routed output."""
     y = linear(glu(linear(h, experts.shared_gate_up, None, rows)), experts.shared_down, None, rows)
     if experts.shared_gate is not None:
-        y = torch.sigmoid(linear(h, experts.shared_gate, None, rows)) * y  # gate: [1, hidden]
+        y = rowwise(torch.sigmoid, linear(h, experts.shared_gate, None, rows)) * y  # gate: [1, hidden]
     return y
 
 

@@ -70,6 +70,19 @@ PROMPT_ROWS = Rows(None, None, all_prompt=True)
 INVARIANT_ROWS = Rows(None, None, all_decode=True, invariant=True)  # CUDA, --batch-invariant: any kind
 
 
+VECTOR = 32  # floats: a multiple of the CPU's vectorized loop (2 AVX-512 registers)
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (an elementwise function) of x [T, n] with each row padded to a multiple of VECTOR columns:
+    torch's CPU loops compute the elements past the last whole vector by a scalar path that rounds
+    otherwise, which would make a row's bits depend on how many rows share its step (a router's 8
+    scores a row: alone all scalar, beside two other rows vectorized). CUDA's elementwise kernels
+    compute every element alike: no padding there (two kernels fewer a call in a step's graph)."""
+    pad = 0 if x.is_cuda else (-x.shape[1]) % VECTOR
+    return fn(F.pad(x, (0, pad)))[:, : x.shape[1]] if pad else fn(x)
+
+
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] >= rows else torch.cat([x, x[-1:].expand(rows - x.shape[0], -1)])
 

@@ -2,11 +2,17 @@
 
 The frequencies (and the attention scaling of yarn) come from transformers' own
 `ROPE_INIT_FUNCTIONS`, so every supported scaling type matches Hugging Face exactly; the tables are
-computed with the same float32 arithmetic as `LlamaRotaryEmbedding`, so they are bit-identical.
+computed with the same float32 arithmetic as `LlamaRotaryEmbedding`, so they are bit-identical. A
+plain RoPE (no scaling) of the families whose config needs no transformers defaults is read from
+config.json directly: transformers' config machinery costs a restarted stage 2-4 s of a core at its
+first load on a small CPU (issue 34: a node back from a fault serves that much sooner; the stage no
+longer imports it in advance, which cost every restart that CPU beside the stages serving).
 """
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -15,25 +21,51 @@ from logicpipe.common.modeldir import SUPPORTED_ROPE_TYPES, ModelError
 log = logging.getLogger(__name__)
 
 MIN_TABLE_POSITIONS = 1024  # first table size (positions); it doubles as longer contexts arrive
+# families whose config class adds nothing to a plain RoPE that config.json does not say (rope_theta
+# 10000 and head_dim hidden_size / heads when absent; qwen3's head_dim has a default of its own, so
+# it must be written): `plain_rope` reads them without transformers
+PLAIN_ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_KEYS = ("rope_scaling", "rope_parameters")  # None, or transformers 5's spelling of a plain RoPE
 
 
-def warm_imports() -> None:
-    """Import what `rope_parameters` needs from transformers (about 2 s of a stage's first load on a
-    small CPU: its config machinery) while the stage waits to be assigned, so that a restarted
-    stage's first assignment does not pay it. Run on the runner thread, as loads are: transformers'
-    lazy modules are not safe to import from two threads at once, and a load that comes meanwhile
-    queues behind it."""
+def plain_rope(model_dir, kind: str = "full") -> tuple[torch.Tensor, float] | None:
+    """`rope_parameters` for a RoPE without scaling of a PLAIN_ROPE_FAMILIES model, from its
+    config.json alone (the formula transformers uses); None for anything else."""
     try:
-        from transformers import AutoConfig  # noqa: F401
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: F401
-        import transformers.activations  # noqa: F401  (what a model's configuration module pulls in)
-    except Exception:  # noqa: BLE001 — only a head start: the first load imports them itself
-        log.debug("warming the transformers imports failed", exc_info=True)
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if kind != "full" or not isinstance(cfg, dict) or cfg.get("model_type") not in PLAIN_ROPE_FAMILIES \
+            or cfg.get("partial_rotary_factor") is not None or (cfg["model_type"] == "qwen3" and not cfg.get("head_dim")):
+        return None
+    theta = cfg.get("rope_theta")
+    for key in ROPE_KEYS:
+        params = cfg.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict) or set(params) - {"rope_theta", "rope_type", "type"} or \
+                (params.get("rope_type") or params.get("type") or "default") != "default":
+            return None
+        theta = params.get("rope_theta", theta)
+    try:
+        theta = float(10000.0 if theta is None else theta)
+        dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 def rope_parameters(model_dir, kind: str = "full") -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32, attention_scaling) of a model directory's RoPE for its
     layers of `kind` ("full", or "sliding": Gemma 3's local layers have a RoPE of their own)."""
+    plain = plain_rope(model_dir, kind)
+    if plain is not None:
+        return plain
+    return _hf_rope_parameters(model_dir, kind)
+
+
+def _hf_rope_parameters(model_dir, kind: str) -> tuple[torch.Tensor, float]:
+    """`rope_parameters` by transformers' config and ROPE_INIT_FUNCTIONS."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -27,7 +27,7 @@ from logicpipe.common.modeldir import ModelConfig, checkpoint_index
 from logicpipe.stage_node.kernels import cpu_native, fused
 from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.engine.kv import KVPool, StepKV, seq_slice
-from logicpipe.stage_node.engine.kv_quant import dequantize, index_select, rotate, unrotate
+from logicpipe.stage_node.engine.kv_quant import dequantize, index_select, rotate, signs_on, unrotate
 from logicpipe.stage_node.engine.states import RecurrentStates
 from logicpipe.stage_node.model import deltanet, native_layers
 from logicpipe.stage_node.model import tp as tp_split
@@ -38,6 +38,7 @@ from logicpipe.stage_node.model.ops import (
     DECODE_ROWS,
     INVARIANT_ROWS,
     Rows,
+    rowwise,
     glu,
     attention,
     causal_mask,
@@ -541,7 +542,7 @@ class Shard:
         v = qkv[:, self._q_size + self._kv_size: self._q_size + 2 * self._kv_size].view(T, c.num_kv_heads, c.head_dim)
         attended = attend(i, q, k, v)  # [T, heads * head_dim]
         if self.arch.attn_gate:  # Qwen3.5 / Qwen3-Next: each head's output gated by sigmoid(x W_gate)
-            attended = attended * torch.sigmoid(qkv[:, self._q_size + 2 * self._kv_size:])
+            attended = attended * rowwise(torch.sigmoid, qkv[:, self._q_size + 2 * self._kv_size:])
         attn = self._reduced(linear(attended, w.o, None, rows), w.o_bias)
         return self._mlp(w, x + (attn if w.attn_out_norm is None else self.norm(attn, w.attn_out_norm)), rows)
 
@@ -570,15 +571,18 @@ class Shard:
         pool, j = kv.pool, self._kv[i]
         k_pool, v_pool = pool.k[j], pool.v[j]  # [kv_heads, slots, head_dim]
         pool.store(j, kv.write_slots, k, v)  # (v None: MLA's latent rows, whose values are a part of k's: pool.v)
-        if pool.rotated:  # 8-bit keys and values stored rotated: so are the queries, and the output is un-rotated
+        # 8-bit keys and values stored rotated: so are the queries, and the output is un-rotated; float32 rows
+        # read natively are rotated inside the native call (the same bits, two fewer calls a layer)
+        inside = native is not None and pool.rotated and q.dtype == torch.float32
+        if pool.rotated and not inside:
             q = rotate(q).to(q.dtype)
         if native is not None:
             table, row_seq, pos = native
             window = (self.arch.sliding_window if kind == "sliding" else 0) or 0
             scales = {} if pool.scales is None else {"ks": pool.scales[j, 0], "vs": pool.scales[j, 1]}
             out = cpu_native.attend(q, pool.kv[j, 0], pool.kv[j, 1], table, row_seq, pos, window, self._scale,
-                                    **scales).to(q.dtype)
-            return unrotate(out.view(q.shape)).reshape(q.shape[0], -1) if pool.rotated else out
+                                    signs=signs_on(q) if inside else None, **scales).to(q.dtype)
+            return unrotate(out.view(q.shape)).reshape(q.shape[0], -1) if pool.rotated and not inside else out
         # per sequence few ops (ops.attention: the calls HF's sdpa path makes): a CPU decode step of
         # 8 sequences runs 240 of these loops
         qh = q.transpose(0, 1)[None]  # [1, heads, T, hd]

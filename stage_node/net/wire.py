@@ -48,7 +48,7 @@ def assignment_from_proto(req: stage_pb2.AssignRequest, controller_address: str)
         first_address=req.first_address, dtype=req.dtype or "float32", plan_id=req.plan_id,
         model_digest=req.model_digest, generation=req.generation, micro_batches=req.micro_batches,
         weight_format=req.weight_format, wire_dtype=req.wire_dtype, prev_node_id=req.prev_node_id,
-        last_node_id=req.last_node_id, controller_address=controller_address)
+        last_node_id=req.last_node_id, controller_address=controller_address, tp_width=req.tp_width)
 
 
 def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_size: int, opener: Caller = Caller()) -> SeqSpec:
@@ -190,7 +190,7 @@ def profile_to_proto(profile) -> stage_pb2.DeviceProfile:
         weight_bytes_per_param=profile.weight_bytes_per_param, format_flops=dict(profile.format_flops),
         devices=profile.devices, allreduce_latency_s=profile.allreduce_latency_s,
         allreduce_bandwidth=profile.allreduce_bandwidth, kv_format=profile.kv_format,
-        full_sliding_kv=profile.full_sliding_kv)
+        full_sliding_kv=profile.full_sliding_kv, max_devices=profile.max_devices)
 
 
 def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str) -> stage_pb2.StatusReply:

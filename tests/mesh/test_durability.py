@@ -348,6 +348,9 @@ def test_a_standby_takes_over_when_the_active_controller_dies(chat_model, tmp_pa
         greedy, sampled = GrpcClient([a, b], PROMPTS[0], N), GrpcClient([a, b], PROMPTS[1], N, 0.9, seed=11)
         lp = lpctl_submit(mesh, f"{a},{b}", PROMPTS[2], N)
         wait_producing([greedy, sampled], mesh)
+        deadline = time.monotonic() + 90  # lpctl's request admitted too (it starts slowly on a loaded machine)
+        while mesh.controller_status(address=a).journaled < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
         time.sleep(0.5)
         with pytest.raises(grpc.RpcError) as refused:  # a standby takes no requests; it names the active one
             submit(b, PROMPTS[0], 4)

@@ -1,7 +1,8 @@
 """Mesh tier, replicas: nodes that each hold the model serve as pipelines of their own, and each
 request runs on one. One mesh for every check (the suite's time): a node of one replica killed
 under 8 concurrent requests (its requests replay on the other, which goes on meanwhile and replays
-nothing), a node joining under load (it starts a replica; nothing moves), a node drained under load
+nothing), a node joining under load (it starts a replica and takes its share of the requests still
+running, at most half, each replayed there exactly), a node drained under load
 (its replica's requests move). Every request ends with exactly the tokens it gives alone. The model
 is the small random one of the default model's tokenizer (chat_model), its stages paced as a slower
 device (PACE) so that faults and drains land mid-request: what is tested is routing, not the model."""
@@ -114,8 +115,9 @@ def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(cha
         mesh.kill("stage0")
         assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
         after = arrivals.log[killed + 1:]
-        resumed = next(i for i, (name, _) in enumerate(after) if name in victims)
-        # the other replica went on while the lost one's requests waited for their replay
+        # the other replica went on while the lost one's requests waited for their replay (until the last
+        # victim's first token: a quick replay may share the survivor's step, its token arriving first)
+        resumed = max(next(i for i, (name, _) in enumerate(after) if name == v) for v in victims)
         assert sum(n for name, n in after[:resumed] if name in survivors) > 0, after[:resumed + 1]
         st = eventually(lambda: (s := mesh.controller_status()).replays - replays == len(victims) and s, 30,
                         "the victims' replays counted")
@@ -130,7 +132,13 @@ def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(cha
         assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
         assert sorted(s.node_id for s in st.stages) == ["stage1", "stage2"] and len(st.pipelines) == 2, st
         assert "stage2 joined" in st.last_replan
-        assert mesh.controller_status().replays == replays, "a join that adds a replica moves no request"
+        # the replica that joined took its share of the requests still running then (issue 34: the
+        # cheapest replays of the busier one), each replayed there exactly (the results above)
+        log = (mesh.workdir / "controller.log").read_text()
+        moved = [int(line.split("; ")[-1].split()[0]) for line in log.splitlines()
+                 if "joined the plan" in line and "running requests move onto it" in line]
+        assert len(moved) == 1 and moved[0] <= len(PROMPTS) // 2, moved
+        assert mesh.controller_status().replays == replays + moved[0], "a join moves only the requests it takes"
 
         # -- the new replica serves; then it is drained under load: its requests move to the other
         gens = burst(mesh)

@@ -64,6 +64,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_candidates(mesh):
     assert with_c == without and t.candidates > 0 and t.accepted > 0
 
 
+@pytest.mark.parametrize("mesh", [3], indirect=True, ids=["3stage"])  # chunks pipelined over stages
 def test_a_long_prompt_in_small_pipelined_chunks_gives_the_same_tokens(mesh):
     small, ts = submit(mesh.controller_address, PROMPTS[-1], prefill_chunk=48, speculate=0, max_tokens=12)
     big, tb = submit(mesh.controller_address, PROMPTS[-1], prefill_chunk=512, speculate=0, max_tokens=12)

@@ -62,9 +62,9 @@ def status(mesh: LocalMesh, address: str):
         return None
 
 
-def test_at_most_one_controller_serves_through_a_pause_a_kill_and_a_partition(model_dir, tmp_path):
+def test_at_most_one_controller_serves_through_a_pause_a_kill_and_a_partition(chat_model, tmp_path):
     with netns.Namespaces(["a", "b"]) as ns:
-        mesh = LocalMesh(2, model_dir, tmp_path, threads=1, tls=False)
+        mesh = LocalMesh(2, chat_model, tmp_path, threads=1, tls=False)
         addr = {n: f"{ns.address(n)}:{free_port()}" for n in ("a", "b")}
         peer = {"a": addr["b"], "b": addr["a"]}
         secret = tmp_path / "peer.secret"  # the journal streams only to the standby that sends it

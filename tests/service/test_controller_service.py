@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from dataclasses import dataclass
 
 import grpc
 import pytest
 
+from logicpipe.controller.mesh import pipeline as pipeline_module
 from logicpipe.v1 import controller_pb2, stage_pb2
 
 from .conftest import (
@@ -152,6 +154,31 @@ def test_valid_submit_streams_tokens_and_finishes_with_timings(runner, mesh):
         again = await submit(mesh.ctl, prompt_token_ids=prompt_ids, max_tokens=max_tokens)
         assert check_finished_stream(again, mesh, max_tokens) == ids
         assert mesh.ctl.app.scheduler.stats.completed == done + 2
+        await eventually_no_sessions(mesh.first, mesh.last)
+    arun(runner, main())
+
+
+def test_a_stage_too_slow_to_admit_a_request_delays_it_without_failing_it(runner, mesh, monkeypatch):
+    """OpenSession past its deadline (a stage busy or stalled) is a stage's trouble, not the
+    request's: it waits and opens again once the stage answers in time (was: failed as an
+    internal error, an HTTP 500)."""
+    async def main():
+        opens = []
+
+        def late(spec):  # the first stage answers every admission after its deadline
+            opens.append(spec.session_id)
+            time.sleep(0.3)  # (blocks the one event loop: nothing can answer meanwhile)
+            return admit(spec)
+
+        admit = mesh.first.runtime.open_session
+        monkeypatch.setattr(pipeline_module, "OPEN_TIMEOUT_S", 0.1)
+        monkeypatch.setattr(mesh.first.runtime, "open_session", late)
+        task = asyncio.ensure_future(submit(mesh.ctl, prompt="Hello", raw=True, max_tokens=3))
+        await asyncio.sleep(2.0)
+        assert not task.done(), task.exception() if task.done() else None
+        assert len(opens) >= 2, opens  # tried again
+        monkeypatch.setattr(mesh.first.runtime, "open_session", admit)
+        check_finished_stream(await task, mesh, 3)
         await eventually_no_sessions(mesh.first, mesh.last)
     arun(runner, main())
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from logicpipe.common.modeldir import ModelConfig
+from logicpipe.stage_node.model.rope import PLAIN_ROPE_FAMILIES, plain_rope
 from logicpipe.stage_node.model.shard import Shard
 from tests.families import FAMILIES, WINDOW, build, hf_greedy, hf_model
 
@@ -74,6 +75,16 @@ def test_a_row_does_not_depend_on_its_step(family):
                          [("a", len(PROMPT), t), ("b", len(OTHER), [5]), ("c", 0, [6])],
                          {"a": len(PROMPT), "b": len(OTHER), "c": 0})
     assert torch.equal(one, three[:1]), name
+
+
+def test_a_plain_rope_read_without_transformers_is_transformers_own(family):
+    """`plain_rope` (config.json alone) for the families it takes: transformers' inv_freq exactly;
+    None (transformers decides) for every other family."""
+    name, path, model, *_ = family
+    plain = plain_rope(path)
+    assert (plain is not None) == (name in PLAIN_ROPE_FAMILIES), name
+    if plain is not None:
+        assert torch.equal(plain[0], model.model.rotary_emb.inv_freq) and plain[1] == 1.0, name
 
 
 def test_the_description_says_what_the_forward_runs(family):

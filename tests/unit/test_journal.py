@@ -25,6 +25,8 @@ from logicpipe.controller.mesh.state import MeshState, Phase
 from logicpipe.errors import InvalidArgument, ResourceExhausted, Unavailable, code_number
 from logicpipe.v1 import stage_pb2
 
+from .fake_pipeline import FakePipeline, until
+
 
 def test_the_journal_keeps_requests_and_their_token_batches_across_a_restart(tmp_path):
     async def main():
@@ -59,31 +61,6 @@ def test_a_journal_of_another_model_is_not_resumed_and_one_controller_holds_it(t
     other.close_now()
 
 
-class FakePipeline:
-    """Opens sessions, takes feeds, closes sessions: records them."""
-
-    def __init__(self):
-        self.stages, self.down, self.generation = [object()], [], 1
-        self.retired, self.detaches, self.index, self.tokens_per_s, self.plan = False, 0, 0, 0.0, None
-        self.opened, self.closed = [], []
-
-    def largest_request(self) -> int:
-        return 0
-
-    async def open_session(self, request) -> int:
-        self.opened.append(request)
-        return 0
-
-    async def send_feed(self, batch) -> None:
-        pass
-
-    def close_session_soon(self, session_id: str, *, swap: bool = False) -> None:
-        self.closed.append(session_id)
-
-    async def close_session(self, session_id: str, *, swap: bool = False) -> None:
-        self.closed.append(session_id)
-
-
 def scheduler(journal: Journal) -> tuple[Scheduler, FakePipeline]:
     pipe = FakePipeline()
     pipelines = PipelineSet(None, lambda ev: None, lambda a, r: None)
@@ -95,14 +72,6 @@ def scheduler(journal: Journal) -> tuple[Scheduler, FakePipeline]:
 def tokens(sched: Scheduler, req, ids, finished=False):
     sched.on_event(stage_pb2.Event(session_id=req.session_id, token=stage_pb2.TokenEvent(
         token_ids=ids, index=len(req.received), finished=finished, finish_reason="length" if finished else "")))
-
-
-async def until(check, what: str, tries: int = 200):
-    for _ in range(tries):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(what)
 
 
 def test_a_request_is_journaled_restored_and_resumed_from_the_tokens_its_client_holds():

@@ -95,3 +95,20 @@ def test_routing_the_forward_cannot_run_is_refused(bad, match):
     raw = hf_block("deepseek_v3")[1] | bad
     with pytest.raises(ModelError, match=match):
         moe_of_config(raw, "deepseek_v3")
+
+
+def test_a_rows_routing_does_not_depend_on_the_rows_beside_it():
+    """Batch invariance of the sigmoid router (8 experts: a row's 8 scores alone went by torch's scalar
+    tail, beside two other rows by its vector loop, and rounded otherwise: deepseek_v3's decode rows
+    differed alone and in a step with others)."""
+    block, raw = hf_block("deepseek_v3", n_routed_experts=8, num_experts_per_tok=2)
+    moe, experts = moe_of_config(raw, "deepseek_v3"), ours(block)
+    h = torch.randn(64, 64, generator=torch.Generator().manual_seed(4)) * 0.1  # scores away from 0 and 1
+    rows = Rows(None, None, all_decode=True)
+    logits = torch.mm(h, experts.router.t())
+    assert any(not torch.equal(torch.sigmoid(logits[i: i + 1]), torch.sigmoid(logits)[i: i + 1])
+               for i in range(64))  # the rounding in question (torch's own, without the padding)
+    among = route(h, experts, moe, rows)
+    for i in range(64):
+        alone = route(h[i: i + 1], experts, moe, rows)
+        assert torch.equal(alone[0], among[0][i: i + 1]) and torch.equal(alone[1], among[1][i: i + 1]), i

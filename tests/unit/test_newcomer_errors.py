@@ -312,6 +312,42 @@ def test_nothing_listening_is_named(capsys, monkeypatch):
                     "address with --controller HOST:PORT (default port 50051)")
 
 
+
+def test_a_server_that_hangs_up_or_says_nothing_is_no_tls_mismatch(pki):
+    """A controller stopping or too busy resets the probe's handshake or lets it time out: that tells
+    neither TLS nor plaintext, so lpctl keeps trying (it gave up once in CI, judging a reset
+    "plaintext", on a controller taking over); bytes that are not TLS still mean plaintext."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        address = f"127.0.0.1:{srv.getsockname()[1]}"
+        srv.settimeout(5)
+        for how in ("reset", "close", "mute", "http2"):
+            out = []
+
+            def serve():
+                conn, _ = srv.accept()
+                with conn:
+                    if how == "reset":  # RST, not FIN
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    elif how == "mute":
+                        conn.recv(4096)
+                        out.append(conn.recv(4096))  # until the probe gives up
+                    elif how == "http2":  # what a plaintext gRPC server answers: a GOAWAY frame
+                        conn.recv(4096)
+                        conn.sendall(bytes.fromhex("000008070000000000000000000000000001"))
+            with futures.ThreadPoolExecutor(1) as pool:
+                done = pool.submit(serve)
+                got = lpctl.probe(address, timeout=0.5)
+                done.result(timeout=10)
+            assert got == ("plaintext" if how == "http2" else "silent"), how
+    args = lpctl.parse_args(["--controller", address, "--tls-dir", str(pki["client"]), "status"])
+    err = grpc.RpcError()
+    err.code, err.details = (lambda: grpc.StatusCode.UNAVAILABLE), (lambda: "Stream removed (Socket closed)")
+    with socket.create_server(("127.0.0.1", 0)) as srv, futures.ThreadPoolExecutor(1) as pool:
+        args.controller = [f"127.0.0.1:{srv.getsockname()[1]}"]
+        pool.submit(lambda: srv.accept()[0].close())  # a hang-up
+        lasting, line = lpctl.diagnose(args, err)
+    assert not lasting and "Stream removed" in line, line
+
 # --- lpctl chat: its keys, and an answer cut by --max-tokens ---------------------------------------------
 
 class CutShort(controller_pb2_grpc.ControllerServicer):

@@ -39,6 +39,8 @@ def test_a_prefix_goes_back_to_the_pipeline_that_holds_it_unless_that_one_is_muc
     ps.remember(prompt, b)
     load = {id(a): 0, id(b): 1}
     assert ps.route(prompt + [7], 10, lambda p: load[id(p)]) is b and ps.routed_by_prefix == 1
+    # a replay (tokens of its own past the shared prefix) goes to the least loaded
+    assert ps.route(prompt + [7], 10, lambda p: load[id(p)], affinity=False) is a and ps.routed_by_prefix == 1
     load[id(b)] = 6
     assert ps.route(prompt + [7], 10, lambda p: load[id(p)]) is a  # too busy: the cache is not worth the wait
     assert ps.route(list(range(1000, 1300)), 10, lambda p: 0) is a  # another prefix: the least loaded

@@ -31,7 +31,7 @@ def pool_of(blocks: int = 16, kv_dtype: str = "auto", logs: bool = False) -> KVP
     g = torch.Generator().manual_seed(0)
     as_bytes(pool.kv).copy_(torch.randint(0, 120, as_bytes(pool.kv).shape, generator=g, dtype=torch.uint8))
     if pool.scales is not None:
-        pool.scales.copy_(torch.rand(pool.scales.shape, generator=g))
+        pool.scales.view(torch.float32).copy_(torch.rand(pool.scales.shape, generator=g))  # (int8: int32 words)
     if logs:
         pool.add_logs([2], 6)
         pool.logs[2].copy_(torch.rand(pool.logs[2].shape, generator=g))
@@ -198,10 +198,12 @@ def test_the_scheduler_swaps_the_sequence_it_preempts_and_its_replay_takes_it_ba
 def test_the_default_swap_space_by_device():
     """A GPU stage: half its pool, at most a quarter of the host's memory; a CPU stage: none (its pool
     is host memory), or its pool's size on a disk; a tensor-parallel stage: none; a flag wins."""
-    def mib(device, swap_mib=None, swap_dir="", tp=1, host=64 << 30):
-        return swap_mib_for(Namespace(swap_mib=swap_mib, swap_dir=swap_dir, tp=tp, max_kv_mib=8192), device, host)
+    def mib(device, swap_mib=None, swap_dir="", tp=1, host=64 << 30, tp_max=0):
+        return swap_mib_for(Namespace(swap_mib=swap_mib, swap_dir=swap_dir, tp=tp, tp_max=tp_max, max_kv_mib=8192),
+                            device, host)
 
     assert mib("cuda") == 4096 and mib("cuda", host=8 << 30) == 2048 and mib("cuda", tp=2) == 0
+    assert mib("cuda", tp_max=2) == 0  # (a --tp-max node may run tensor-parallel: no swap either)
     assert mib("cpu") == 0 and mib("cpu", swap_dir="/var/tmp/lp") == 8192
     assert mib("cpu", swap_mib=100) == 100 and mib("cuda", swap_mib=0) == 0
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
-from logicpipe.controller.mesh.planning import device_profile
+from logicpipe.controller.mesh.planning import device_profile, model_spec
+from logicpipe.errors import InvalidArgument
 from logicpipe.planner import ModelSpec, Workload, make_plan, plan_from_json, plan_to_json
 from logicpipe.planner.cost import layer_time_s
 from logicpipe.stage_node.net import wire
@@ -22,9 +23,10 @@ from logicpipe.v1 import stage_pb2
 from logicpipe.stage_node.model import tp as tp_split
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.model.tp import TensorParallel
-from logicpipe.stage_node.profile import HostProfile, tensor_parallel
+from logicpipe.stage_node.profile import HostProfile, offering, tensor_parallel
 from logicpipe.stage_node.engine.kv import StepKV, seq_slice
 from logicpipe.stage_node.engine.step_graphs import MIN_CONTEXT, GraphRow, StepGraphs
+from logicpipe.stage_node.engine import tp_group
 from logicpipe.stage_node.engine.tp_group import Leader
 
 from .. import families
@@ -165,6 +167,25 @@ def test_a_tp_stage_lists_its_devices_in_the_plan():
     assert [s.devices for s in plan_from_json(plan_to_json(plan)).stages] == [2, 1]
 
 
+def _tokens(leader: Leader, path: str, n: int) -> list[int]:
+    """n greedy tokens of PROMPT through a whole-model stage of `leader`'s ranks (the mirrored eager forward)."""
+    shard = leader.load(path, 0, families.LAYERS, first=True, last=True, dtype=torch.float32, quantize="none",
+                        invariant=False)
+    bs, blocks = 4, list(range(8))
+    pool = leader.new_pool(shard, len(blocks) + 1, bs)
+    ids, out = list(PROMPT), []
+    rows = ids
+    for _ in range(n):
+        start = len(ids) - len(rows)
+        h = shard.forward(shard.embed(torch.tensor(rows)), StepKV(pool, torch.arange(start, len(ids)),
+                                                                   (seq_slice(start, len(rows), blocks, bs),)))
+        tok = int(shard.greedy(h[-1:])[0])
+        out.append(tok)
+        ids.append(tok)
+        rows = [tok]
+    return out
+
+
 def _graph_leader(path: str, results) -> None:
     """Rank 0 of a 2-rank CPU stage (its follower started by Leader, as a stage starts it): the prompt
     by the mirrored eager forward, then every decode row by the step graphs' body, mirrored step by
@@ -189,19 +210,31 @@ def _graph_leader(path: str, results) -> None:
             ids.append(tok)
             pos = len(ids) - 1
             h = graphs.forward(shard.embed(torch.tensor([tok])), [GraphRow(pos, pos, blocks)])
-        results.put((out, graphs.replays, sorted(graphs.graphs), [p.poll() for p in leader.procs]))
+        alive = [p.poll() for p in leader.procs]
+        # a --tp-max node's re-plans (tp_group.reform): the width in force kept, width 1 stops the group (its
+        # follower exits, status 0), width 2 forms it again (a new process group in this process)
+        followers = leader.procs
+        assert tp_group.reform(leader, 2, "cpu", 1) is leader
+        leader = tp_group.reform(leader, 1, "cpu", 1)
+        gone = [p.poll() for p in followers]
+        leader = tp_group.reform(leader, 2, "cpu", 1)
+        results.put((out, graphs.replays, sorted(graphs.graphs), alive, gone, _tokens(leader, path, 3)))
+        leader.stop()
     except BaseException as exc:  # noqa: BLE001 — reported to the test, which fails with it
         results.put(repr(exc))
         raise
     finally:
-        leader.close()
+        if leader is not None:
+            leader.close()
 
 
 def test_a_tp_stage_s_step_graphs_are_replayed_by_every_rank_together(checkpoints):
     """On a GPU a `--tp 2` stage replays its decode steps as CUDA graphs with the all-reduces inside
     (issue 36: eager it was 0.15 of one GPU). Every rank makes each bucket's graph when rank 0 does and
     replays it over the same inputs, sent into its static buffers: here the graphs' body on two CPU
-    processes over gloo gives transformers' greedy tokens, one replay per decode row, the follower alive."""
+    processes over gloo gives transformers' greedy tokens, one replay per decode row, the follower alive.
+    Then the group as a --tp-max node's width changes re-form it: stopped at width 1, formed again at 2
+    (transformers' tokens again)."""
     path = checkpoints["llama"]
     expected = families.hf_greedy(families.hf_model(path), PROMPT, NEW)
     ctx = multiprocessing.get_context("spawn")
@@ -216,9 +249,10 @@ def test_a_tp_stage_s_step_graphs_are_replayed_by_every_rank_together(checkpoint
             proc.kill()
             proc.join()
     assert not isinstance(got, str), got
-    tokens, replays, buckets, followers = got
+    tokens, replays, buckets, followers, gone, again = got
     assert tokens == expected
     assert replays == NEW and buckets == [(1, MIN_CONTEXT)] and followers == [None]
+    assert gone == [0] and again == expected[:3]
 
 
 def test_a_tp_stage_refuses_a_model_that_does_not_split_before_its_followers_hear_of_it(checkpoints, model_dir):
@@ -246,3 +280,36 @@ def _status(profile) -> stage_pb2.StatusReply:
     reply = stage_pb2.StatusReply(node_id="box", device="cuda:0")
     reply.profile.CopyFrom(wire.profile_to_proto(profile))
     return reply
+
+
+def test_an_assignment_s_width_is_honoured_or_refused_by_name():
+    fixed = Leader(2, "cpu", 1)  # (not started: width_for only reads its width)
+    assert tp_group.width_for(0, fixed, 0, "n") == 2 and tp_group.width_for(2, fixed, 0, "n") == 2
+    assert tp_group.width_for(0, None, 0, "n") == 1 and tp_group.width_for(1, None, 0, "n") == 1
+    with pytest.raises(InvalidArgument, match="tp_width 1: node n has a fixed tensor-parallel width of 2"):
+        tp_group.width_for(1, fixed, 0, "n")
+    with pytest.raises(InvalidArgument, match="tp_width 2: node n has a fixed tensor-parallel width of 1"):
+        tp_group.width_for(2, None, 0, "n")
+    assert [tp_group.width_for(w, None, 4, "n") for w in (0, 1, 3, 4)] == [1, 1, 3, 4]
+    with pytest.raises(InvalidArgument, match=r"tp_width 5: node n offers 1 to 4 devices \(--tp-max 4\)"):
+        tp_group.width_for(5, None, 4, "n")
+
+
+def test_a_tp_max_node_offers_one_device_s_figures_and_the_planner_sees_the_widths(checkpoints):
+    """The profile of a --tp-max 4 GPU node: one GPU's figures, max_devices 4 and the all-reduce, through
+    Status to the controller's planner profile; the controller's model spec carries the sizes a width must
+    divide (the stage's own check), so the planner offers only the widths the stage would take."""
+    gpu = HostProfile("cuda", "H100", 80 * 2**30, 5e14, 3e12, ("bf16",), weight_bandwidth=2e12)
+    prof = device_profile(_status(offering(gpu, 4, (20e-6, 1e11))), {})
+    assert (prof.devices, prof.max_devices, prof.memory_bytes, prof.allreduce_latency_s) == (1, 4, 80 * 2**30, 20e-6)
+    assert offering(gpu, 1) == gpu
+    for family, widths in (("llama", (1, 2)), ("qwen3_moe", (1, 2))):  # 4 heads over 2 KV heads; 6 experts
+        spec = model_spec(ModelConfig.from_dir(checkpoints[family]), family, "")
+        assert spec.tp_widths(4) == widths, family
+        for w in range(1, 5):
+            config = ModelConfig.from_dir(checkpoints[family])
+            if w in widths:
+                tp_split.check_split(config, w)
+            else:
+                with pytest.raises(ModelError):
+                    tp_split.check_split(config, w)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype", "prev_node_id", "last_node_id", "controller_epoch", "controller_id", "revoked", "stream_key", "standby_name")
+    __slots__ = ("model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "next_address", "first_address", "dtype", "plan_id", "generation", "micro_batches", "controller_address", "weight_format", "wire_dtype", "prev_node_id", "last_node_id", "controller_epoch", "controller_id", "revoked", "stream_key", "standby_name", "tp_width")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class AssignRequest(_message.Message):
     REVOKED_FIELD_NUMBER: _ClassVar[int]
     STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     STANDBY_NAME_FIELD_NUMBER: _ClassVar[int]
+    TP_WIDTH_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     model_digest: str
     start_layer: int
@@ -55,7 +56,8 @@ class AssignRequest(_message.Message):
     revoked: _containers.RepeatedScalarFieldContainer[str]
     stream_key: str
     standby_name: str
-    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., prev_node_id: _Optional[str] = ..., last_node_id: _Optional[str] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[_Iterable[str]] = ..., stream_key: _Optional[str] = ..., standby_name: _Optional[str] = ...) -> None: ...
+    tp_width: int
+    def __init__(self, model_dir: _Optional[str] = ..., model_digest: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., next_address: _Optional[str] = ..., first_address: _Optional[str] = ..., dtype: _Optional[str] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., controller_address: _Optional[str] = ..., weight_format: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., prev_node_id: _Optional[str] = ..., last_node_id: _Optional[str] = ..., controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ..., revoked: _Optional[_Iterable[str]] = ..., stream_key: _Optional[str] = ..., standby_name: _Optional[str] = ..., tp_width: _Optional[int] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("parameter_count", "tied_copy_count", "load_seconds")
@@ -261,7 +263,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceProfile(_message.Message):
-    __slots__ = ("device_kind", "device_name", "memory_bytes", "flops", "mem_bandwidth", "weight_formats", "compute_format", "weight_bandwidth", "weight_bytes_per_param", "format_flops", "devices", "allreduce_latency_s", "allreduce_bandwidth", "kv_format", "full_sliding_kv")
+    __slots__ = ("device_kind", "device_name", "memory_bytes", "flops", "mem_bandwidth", "weight_formats", "compute_format", "weight_bandwidth", "weight_bytes_per_param", "format_flops", "devices", "allreduce_latency_s", "allreduce_bandwidth", "kv_format", "full_sliding_kv", "max_devices")
     class FormatFlopsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class DeviceProfile(_message.Message):
     ALLREDUCE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     FULL_SLIDING_KV_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEVICES_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     device_name: str
     memory_bytes: int
@@ -299,7 +302,8 @@ class DeviceProfile(_message.Message):
     allreduce_bandwidth: float
     kv_format: str
     full_sliding_kv: bool
-    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ..., devices: _Optional[int] = ..., allreduce_latency_s: _Optional[float] = ..., allreduce_bandwidth: _Optional[float] = ..., kv_format: _Optional[str] = ..., full_sliding_kv: bool = ...) -> None: ...
+    max_devices: int
+    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., weight_formats: _Optional[_Iterable[str]] = ..., compute_format: _Optional[str] = ..., weight_bandwidth: _Optional[float] = ..., weight_bytes_per_param: _Optional[float] = ..., format_flops: _Optional[_Mapping[str, float]] = ..., devices: _Optional[int] = ..., allreduce_latency_s: _Optional[float] = ..., allreduce_bandwidth: _Optional[float] = ..., kv_format: _Optional[str] = ..., full_sliding_kv: bool = ..., max_devices: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("node_id", "state", "device", "model_dir", "model_digest", "start_layer", "end_layer", "num_layers", "stage_index", "num_stages", "parameter_count", "tied_copy_count", "open_sessions", "kv_bytes", "steps", "tokens", "plan_id", "uptime_s", "profile", "version", "generation", "block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_hit_tokens", "seq_rows", "max_step_seqs", "sessions_expired", "orphaned_sessions", "preempted", "session_ttl_s", "micro_batches", "compute_id", "compute_s", "stopping", "weights_pulled_bytes", "sampled_steps", "sampled_tokens", "candidates_verified", "candidates_accepted", "drafter", "dtype", "weight_format", "weight_bytes", "controller_epoch", "controller_id", "revoked", "stale_steps", "replay_rows_resumed", "replay_layers_skipped", "swap_bytes_total", "swap_bytes_used", "swapped_out_seqs", "swapped_out_blocks", "swapped_out_bytes", "swapped_in_seqs", "swapped_in_blocks", "swapped_in_bytes", "swapped_in_tokens", "swap_full", "max_step_s", "decode_steps", "max_decode_step_s", "decode_steps_over_bar", "step_bar_s")

@@ -1,0 +1,60 @@
+"""A pipeline that joins while others serve takes its share of the running requests (issue 34): the
+choice (controller.jobs.rebalance) and the controller scheduler's move, over fake pipelines: the
+moved requests replay on the new one from their prompt and tokens, the others go on untouched."""
+from __future__ import annotations
+
+import asyncio
+
+from logicpipe.controller.jobs.job import Job
+from logicpipe.controller.jobs.rebalance import Movable, moves_onto
+from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
+from logicpipe.controller.mesh.pipelines import PipelineSet
+from logicpipe.controller.mesh.state import MeshState, Phase
+from logicpipe.v1 import stage_pb2
+
+from .fake_pipeline import FakePipeline, until
+
+
+def test_the_busiest_give_their_cheapest_replays_up_to_the_even_share():
+    running = [Movable(f"a{i}", "A", 100 + i) for i in range(9)] + [Movable("b0", "B", 5), Movable("b1", "B", 6)]
+    # 11 running over 3 pipelines: the newcomer's share is 4; A gives its 3 cheapest (then A 6, B 2, new 3:
+    # the 4th from A), B nothing (2 is not 2 more than the newcomer's 3)
+    assert moves_onto("N", running, ["A", "B", "N"]) == ["a0", "a1", "a2", "a3"]
+    # what may not move stays, and still counts as load (b1 stays: B is not 2 busier than the newcomer's 2)
+    assert moves_onto("N", running, ["A", "B", "N"], movable={"a6", "a5", "b1"}) == ["a5", "a6"]
+    # nothing to spread: 1 and 1 and 0 (a move would only swap which one is busier)
+    assert moves_onto("N", [Movable("x", "A", 1), Movable("y", "B", 1)], ["A", "B", "N"]) == []
+    assert moves_onto("N", [], ["A", "N"]) == []
+
+
+def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_their_tokens():
+    async def main():
+        a, b = FakePipeline(0), FakePipeline(1)
+        pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+        pipelines.all = [a]
+        sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+        reqs = [sched.submit(Job((1, 2, 3 + i), 20, request_id=f"r{i}")).request for i in range(6)]
+        await until(lambda: all(r.session_id for r in reqs), "all six opened on the one pipeline", tries=300)
+        for i, r in enumerate(reqs):  # r0 has the most tokens (the dearest replay), r5 the fewest
+            ids = [10 + i] * (6 - i)
+            sched.on_event(stage_pb2.Event(session_id=r.session_id, token=stage_pb2.TokenEvent(token_ids=ids, index=0)))
+        old = {r.id: r.session_id for r in reqs}
+        assert sched.rebalance(b) == []  # not serving yet: nothing moves
+        pipelines.replace([a, b])
+        moved = sched.rebalance(b)
+        assert sorted(moved) == sorted(old[f"r{i}"] for i in (3, 4, 5)), "the three cheapest replays move"
+        assert sorted(a.closed) == sorted(moved)
+        await until(lambda: len(b.opened) == 3, "the moved ones opened on the pipeline that joined", tries=300)
+        replayed = {tuple(o.prompt_token_ids): o.generated for o in b.opened}
+        assert replayed == {(1, 2, 3 + i, *[10 + i] * (6 - i)): 6 - i for i in (3, 4, 5)}, replayed
+        assert [r.replays for r in reqs] == [0, 0, 0, 1, 1, 1] and all(reqs[i].catching_up for i in (3, 4, 5))
+        assert [r.session_id == old[r.id] for r in reqs] == [True, True, True, False, False, False]
+        # a late token of a moved request's old session is not taken; its new session's is
+        sched.on_event(stage_pb2.Event(session_id=old["r5"], token=stage_pb2.TokenEvent(token_ids=[99], index=1)))
+        sched.on_event(stage_pb2.Event(session_id=reqs[5].session_id, token=stage_pb2.TokenEvent(token_ids=[15], index=1)))
+        assert reqs[5].received == [15, 15] and not reqs[5].catching_up
+        # balanced now (3 and 3): another call moves nothing
+        assert sched.rebalance(b) == []
+        await sched.shutdown()
+
+    asyncio.run(main())
