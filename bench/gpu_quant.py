@@ -22,13 +22,10 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     and the tokens equal before the first difference decoding freely, over `--prompts` prompts x
     `--tokens` tokens; float32 beside them, for scale (a random model's top logits are close, and
     its layers amplify rounding: a real model's figure needs `--model`);
-  * sweep: int4's one-row kernel's tile (BLOCK_N, warps, groups a step) of each matrix at one row and
-    its tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256, for tuning gpu_quant.DECODE_TILES
-    and PROMPT_TILES; the best are used by the parts after it in the same run (`--part
-    sweep,decode`) (not run by default);
-  * prompt: each matrix's 256- and 1024-row product in int4 and int8, int4's with the tiled kernel
-    adding the parts of K itself against a program a part and invariant.add_parts (the same bits,
-    checked), bf16 beside them (not run by default).
+  * prompt: each matrix's product of `--prompt-rows` rows (default 256 and 2048) in int4 and int8 as
+    chosen, int4's also with the tiled kernel adding the parts of K itself and with a program a part
+    and invariant.add_parts (the same bits, checked), bf16 beside them (not run by default).
+The tiles' sweep and a profile of the one-row step are bench/gpu_quant_tune.py.
 
 Prints progress lines, then one JSON line of every result (also written to $OUT/gpu_quant.json, after
 each part). A part that fails records {"error": ...} with the part's name, writes what it has, and
@@ -213,70 +210,33 @@ def matrices(args, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
-SWEEP_ONE_ROW = ((32, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 4), (64, 2, 8), (128, 4, 8))
-SWEEP_PROMPT = ((128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3))
-
-
-def sweep(args, res: dict) -> None:
-    """The one-row kernel's tile (BLOCK_N, warps, groups a step) of each int4 matrix at 1 row and the
-    tiled kernel's (BLOCK_M, BLOCK_N, warps, stages) at 256 rows, the best kept in
-    gpu_quant.DECODE_TILES / PROMPT_TILES for the parts that follow (any tile gives the same bits).
-    (int8's tiles are the float path's rule, not swept.)"""
-    path = big_model(args)
-    out = res["sweep"] = {}
-    for fmt in ("int4",):
-        shard = load(path, fmt, 1)
-        mats = {m: getattr(shard.layers[0], m) for m in MATRICES}
-        for name, m in mats.items():
-            r = out[f"{fmt}_{name}"] = {"shape": list(m.shape)}
-            for rows, tiles, table in ((1, SWEEP_ONE_ROW, gpu_quant.DECODE_TILES),
-                                       (256, SWEEP_PROMPT, gpu_quant.PROMPT_TILES)):
-                x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
-                now = gpu_quant.qmm_config(*m.shape, x.dtype, rows, fmt)
-                times = {}
-                for tile in tiles:
-                    cfg = (1, *tile, now[4]) if rows == 1 else (*tile, now[4])
-                    try:
-                        times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10, rounds=20)
-                    except Exception as exc:  # noqa: BLE001 — a tile that does not compile or fit
-                        print("sweep", fmt, name, cfg, "failed:", str(exc).splitlines()[0][:120])
-                best = min(times, key=times.get)
-                table[(fmt, *m.shape)] = best[1:4] if rows == 1 else best[:4]
-                r[f"rows_{rows}"] = {"default": list(now), "default_us": round(times.get(now, -1e-3) * 1e3, 2),
-                                     "best": list(best), "best_us": round(times[best] * 1e3, 2),
-                                     "best_gbps": round(tensor_bytes(m) / times[best] / 1e6),
-                                     "all_us": {str(list(k)): round(v * 1e3, 2) for k, v in times.items()}}
-            print("sweep", fmt, name, r, flush=True)
-        del shard, mats
-        torch.cuda.empty_cache()
-    res["decode_tiles"] = {str(k): v for k, v in gpu_quant.DECODE_TILES.items()}
-    res["prompt_tiles"] = {str(k): v for k, v in gpu_quant.PROMPT_TILES.items()}
-
-
 def prompt(args, res: dict) -> None:
-    """Each int4 / int8 matrix's product of 256 and 1024 rows (a prompt's) as a whole call, 20 calls in
-    one CUDA graph; int4's tiled kernel adding the parts of K itself against one program a part and
-    invariant.add_parts (gpu_quant.SUM_PARTS_ROWS), the same bits; bf16 beside them. (A tree without
-    SUM_PARTS_ROWS, main's before it, times its one way twice.)"""
+    """Each int4 / int8 matrix's product of `--prompt-rows` rows (a prompt's) as a whole call, 20 calls in
+    one CUDA graph (`us`: the tile and the parts' sum gpu_quant chooses); on a tree with
+    gpu_quant.sum_rows also int4's tiled kernel adding the parts of K itself against a program a part
+    and invariant.add_parts (the same bits, checked); bf16 beside them."""
     path = big_model(args)
     out = res["prompt"] = {}
-    keep = getattr(gpu_quant, "SUM_PARTS_ROWS", None)
+    keep = getattr(gpu_quant, "SUM_ROWS", None)
+    rows_list = [int(r) for r in args.prompt_rows.split(",")]
     for fmt in FORMATS:
         shard = load(path, fmt, 1)
         for name in MATRICES:
             m = getattr(shard.layers[0], name)
-            for rows in (256, 1024):
+            for rows in rows_list:
                 x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
                 if fmt == "bf16":
                     out[f"{fmt}_{name}_{rows}"] = {"us": round(graph_ms(lambda m=m, x=x: invariant.mm(x, m)) * 1e3, 2)}
                     continue
-                r, ys = {}, []
-                for mode, rows_from in (("summed", 0), ("parts", 1 << 30)) if fmt == "int4" else (("parts", None),):
-                    gpu_quant.SUM_PARTS_ROWS = rows_from
-                    r[f"{mode}_us"] = round(graph_ms(lambda m=m, x=x: m(x)) * 1e3, 2)
-                    ys.append(m(x))
-                gpu_quant.SUM_PARTS_ROWS = keep
-                r["same_bits"] = all(torch.equal(ys[0], y) for y in ys)
+                r = {"us": round(graph_ms(lambda m=m, x=x: m(x)) * 1e3, 2)}
+                if fmt == "int4" and keep is not None:
+                    ys = []
+                    for mode, rows_from in (("summed", 0), ("parts", 1 << 30)):
+                        gpu_quant.SUM_ROWS = dict.fromkeys([tuple(m.shape)], rows_from)
+                        r[f"{mode}_us"] = round(graph_ms(lambda m=m, x=x: m(x)) * 1e3, 2)
+                        ys.append(m(x))
+                    gpu_quant.SUM_ROWS = keep
+                    r["same_bits"] = torch.equal(ys[0], ys[1]) and torch.equal(ys[0], m(x))
                 out[f"{fmt}_{name}_{rows}"] = r
         print(fmt, {k: v for k, v in out.items() if k.startswith(fmt)}, flush=True)
         del shard
@@ -352,8 +312,7 @@ def big_model(args) -> Path:
                       torch.bfloat16)
 
 
-PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "sweep": sweep,
-         "prompt": prompt}
+PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "prompt": prompt}
 
 
 def main() -> None:
@@ -367,6 +326,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="agreement: this model directory instead of a small random one")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt-rows", default="256,2048", help="prompt: the row counts timed (default 256,2048)")
     args = ap.parse_args()
     parts = [p for p in args.part.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]

@@ -37,31 +37,46 @@ from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, deq
 log = logging.getLogger(__name__)
 
 
+# parts of K of an int4 matrix by (n, k), where the sweep chose other than quant_parts' rule (bits
+# change with the parts, so this is a fact of the format on every GPU: never a function of the rows)
+PARTS: dict[tuple[int, int], int] = {}
+
+
 def quant_parts(n: int, k: int) -> int:
     """Parts of K an int4 product with w [n, k] sums separately (then adds in order): a function of
-    the matrix alone (never of the rows), enough that the one-row kernel's programs (64 columns a
-    block) fill the GPU four times over, at most 8 and none under 512 of K (an 8B model's q/k/v 6,
-    o 8, down 8, gate/up 2)."""
+    the matrix alone (never of the rows): PARTS, else enough that the one-row kernel's programs (64
+    columns a block) fill the GPU four times over, at most 8 and none under 512 of K (an 8B model's
+    q/k/v 6, o 8, down 8, gate/up 2)."""
+    if (n, k) in PARTS:
+        return PARTS[n, k]
     blocks = -(-n // 64)
     return max(1, min(-(-4 * invariant.SMS // blocks), k // 512, 8))
 
 
 # the one-row kernel's tile (BLOCK_N, num_warps, groups of 32 a step of its K loop) by (format, n, k);
 # others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
-# (bench/gpu_quant.py --part sweep)
+# (python -m bench.gpu_quant_tune --part sweep)
 DECODE_TILE = {"int4": (64, 2, 4)}
 DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 6144, 4096): (32, 1, 4)}  # the H100 sweep's
 # the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
-# (format, n, k); others PROMPT_TILE[format] (bench/gpu_quant.py --part sweep)
-PROMPT_TILE = {"int4": (128, 64, 4, 3)}
-PROMPT_TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+# (format, n, k, summed: the tile adds the parts of K itself, sum_rows); others PROMPT_TILE[summed].
+# A BLOCK_M of at most 32 x num_warps keeps a group's a and S in the accumulator's layout as loaded
+# (more: Triton moves them through shared memory, a barrier each group)
+PROMPT_TILE = {False: (128, 64, 8, 3), True: (128, 64, 8, 3)}
+PROMPT_TILES: dict[tuple[str, int, int, bool], tuple[int, int, int, int]] = {}
 # int4 products of at least this many rows: the tiled kernel adds the parts of K itself (in order, as
-# invariant.add_parts: the same bits, checked on the H100), no float32 parts written and read back, no
-# second kernel, but a program does every part. On the H100 (bench/gpu_quant.py --part prompt) 1024
-# rows took 0.78-0.92 of the time a program a part takes, 256 rows 1.05-1.35 of it
+# invariant.add_parts: the same bits, checked on the GPU), no float32 parts written and read back, no
+# second kernel, but a program does every part; by (n, k) in SUM_ROWS, else SUM_PARTS_ROWS (on the
+# H100 1024 rows took 0.78-0.92 of the time a program a part takes, 256 rows 1.05-1.35 of it)
 SUM_PARTS_ROWS = 1024
+SUM_ROWS: dict[tuple[int, int], int] = {}
 # products of up to this many rows run the one-row kernel (a program a row), more the tiled one
 GEMV_ROWS = 1
+
+
+def sum_rows(n: int, k: int) -> int:
+    """Rows from which an int4 product with w [n, k] has its tiled kernel add the parts of K itself."""
+    return SUM_ROWS.get((n, k), SUM_PARTS_ROWS)
 
 
 def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4") -> tuple[int, int, int, int, int]:
@@ -80,7 +95,8 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4"
         return 32, 64, 4, 3, parts
     if m <= 64:
         return 64, 64, 4, 3, parts
-    return (*PROMPT_TILES.get((fmt, n, k), PROMPT_TILE[fmt]), parts)
+    summed = m >= sum_rows(n, k)
+    return (*PROMPT_TILES.get((fmt, n, k, summed), PROMPT_TILE[summed]), parts)
 
 
 INT8_BK = 128  # int8: K a chunk, the same for every tile (part of the sum's order)
@@ -129,7 +145,7 @@ class TritonMatrix(QuantMatrix):
         bm, bn, _, _, parts = config
         k_part = _k_part(K, parts)
         parts = -(-K // k_part)
-        if bm > 1 and self.format == "int4" and M >= SUM_PARTS_ROWS:
+        if bm > 1 and self.format == "int4" and M >= sum_rows(N, K):
             parts = 1  # the tiled kernel adds the parts (grid[2] == 1 of several parts: its SUM)
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
         if M:

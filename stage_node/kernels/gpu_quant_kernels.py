@@ -95,6 +95,7 @@ def kernels():
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         j = tl.arange(0, 16)
+        k32 = tl.arange(0, 32)
         rows_in, cols_in = rm < M, rn < N
         groups = K // 32
         x_cols = xq_ptr + rm.to(tl.int64)[None, :] * K
@@ -120,15 +121,17 @@ def kernels():
                 p = p.to(tl.int16)  # [BN, 16]: q of k = 32 g + j (low nibble), 32 g + 16 + j (high)
                 wa = ((p & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0  # 1024 + q - 1032: q - 8, exact
                 wb = ((p >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-                xa = tl.load(x_cols + g * 32 + j[:, None], mask=rows_in[None, :], other=0.0)  # [16, BM]
-                xb = tl.load(x_cols + g * 32 + 16 + j[:, None], mask=rows_in[None, :], other=0.0)
-                A = tl.dot(wa, xa, out_dtype=tl.float32)
-                A = tl.dot(wb, xb, A)
+                w = tl.reshape(tl.permute(tl.join(wa, wb), (0, 2, 1)), (BN, 32))  # [BN, 32]: k = 32 g + 0..31
+                xg = tl.load(x_cols + g * 32 + k32[:, None], mask=rows_in[None, :], other=0.0)  # [32, BM]
+                A = tl.dot(w, xg, out_dtype=tl.float32)  # one dot of K 32: one wait a group
                 scale = (sz << 16).to(tl.float32, bitcast=True)
                 zero = (sz & -65536).to(tl.float32, bitcast=True)
                 t = tl.fma(scale[:, None], A, zero[:, None] * s_x[None, :])
                 acc = tl.fma(a[None, :], t, acc)
-            total = tl.where(pk == p_lo, acc, total + acc)
+            if SUM:
+                total = tl.where(pk == p_lo, acc, total + acc)
+            else:
+                total = acc
         out = y_ptr + (0 if SUM else part) * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
         tl.store(out, total.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
