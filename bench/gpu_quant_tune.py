@@ -8,8 +8,10 @@ Parts (`--part`, comma list; default sweep,profile):
     one-row product (round_rows, the one-row kernel, the parts' sum) for each of SWEEP_ONE_ROW's tiles
     (BLOCK_N, warps, groups a step), and the product of `--prompt-rows` rows for each of
     SWEEP_PROMPT's tiles (BLOCK_M, BLOCK_N, warps, stages), a program a part and the tile adding the
-    parts itself; us of the whole call (20 in one CUDA graph). Parts change the bits (a fact of the
-    format, chosen once for every GPU: gpu_quant.PARTS); tiles and the sum's place do not;
+    parts itself (`--prompt-rows ""`: none); us of the whole call (20 in one CUDA graph). Parts change
+    the bits (a fact of the format, chosen once for every GPU: gpu_quant.PARTS); tiles and the sum's
+    place do not. Also the int8 LM head's one-row product for each of SWEEP_HEAD's tiles (BLOCK_M,
+    BLOCK_N, warps, stages; gpu_quant.int8_config: 64 rows and more, which agree on a row's bits);
   * profile: one stream's one-row step (bench.gpu_quant's decode step: `--layers` layers of the 8B
     shape at `--context` positions, a CUDA-graph replay, and the LM head) per format of
     `--formats` under torch.profiler: GPU ms per kernel kind a token, their sum against the replay's time (the rest:
@@ -32,6 +34,7 @@ from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
 from logicpipe.stage_node.kernels import gpu_quant, invariant
 
 SWEEP_ONE_ROW = ((32, 1, 4), (32, 1, 8), (64, 1, 4), (64, 2, 4), (64, 2, 8), (128, 2, 4), (128, 4, 8))
+SWEEP_HEAD = ((64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3), (64, 128, 8, 4))  # int8
 SWEEP_PROMPT = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
                 (128, 64, 4, 3), (256, 64, 8, 3))
 
@@ -58,7 +61,7 @@ def sweep(args, res: dict) -> None:
                 r[f"one_row_p{parts}"] = {str(list(t)): round(graph_ms(
                     lambda m=m, x=x, c=(1, *t, parts): whole(m, x, c), inner=10, rounds=20) * 1e3, 2)
                     for t in SWEEP_ONE_ROW}
-                for rows in [int(v) for v in args.prompt_rows.split(",")]:
+                for rows in [int(v) for v in args.prompt_rows.split(",") if v]:
                     x = torch.randn(rows, k, device="cuda").bfloat16()
                     times = {}
                     for summed in (False, True):
@@ -71,6 +74,12 @@ def sweep(args, res: dict) -> None:
                                 print("sweep", name, t, summed, "failed:", str(exc).splitlines()[0][:120])
                     r[f"rows{rows}_p{parts}"] = dict(sorted(times.items(), key=lambda kv: kv[1]))
             print("sweep", name, json.dumps(r), flush=True)
+        head = shard.lm_head  # int8 (quant.HEAD_FORMAT): its one-row tile among those of 64 rows and more
+        x = torch.randn(1, head.shape[1], device="cuda").bfloat16()
+        parts = gpu_quant.int8_config(*head.shape, x.dtype, 1)[4]
+        out["lm_head_one_row"] = {"shape": list(head.shape), **{str(list(t)): round(graph_ms(
+            lambda c=(*t, parts): whole(head, x, c), inner=10, rounds=20) * 1e3, 2) for t in SWEEP_HEAD}}
+        print("sweep lm_head", json.dumps(out["lm_head_one_row"]), flush=True)
     finally:
         gpu_quant.PARTS.clear()
         gpu_quant.PARTS.update(keep_parts)

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 # parts of K of an int4 matrix by (n, k), where the sweep chose other than quant_parts' rule (bits
 # change with the parts, so this is a fact of the format on every GPU: never a function of the rows)
-PARTS: dict[tuple[int, int], int] = {}
+PARTS: dict[tuple[int, int], int] = {(28672, 4096): 4}  # an 8B model's gate/up (the H200 sweep: one row 27.3 us
+# whole against 38.8 with quant_parts' 2; 256 rows 458 against 433, 2048 rows 3113 against 3091)
 
 
 def quant_parts(n: int, k: int) -> int:
@@ -57,12 +58,12 @@ def quant_parts(n: int, k: int) -> int:
 # others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
 # (python -m bench.gpu_quant_tune --part sweep)
 DECODE_TILE = {"int4": (64, 2, 4)}
-DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 6144, 4096): (32, 1, 4)}  # the H100 sweep's
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {}
 # the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
 # (format, n, k, summed: the tile adds the parts of K itself, sum_rows); others PROMPT_TILE[summed].
-# A BLOCK_M of at most 32 x num_warps keeps a group's a and S in the accumulator's layout as loaded
-# (more: Triton moves them through shared memory, a barrier each group)
-PROMPT_TILE = {False: (128, 64, 8, 3), True: (128, 64, 8, 3)}
+# (8 warps, whose 128-row tiles keep a group's a and S in the accumulator's layout as loaded, took
+# 1.3-1.8x the time of 4 on the H200)
+PROMPT_TILE = {False: (128, 64, 4, 3), True: (128, 64, 4, 3)}  # the H200 sweep's best for every 8B matrix
 PROMPT_TILES: dict[tuple[str, int, int, bool], tuple[int, int, int, int]] = {}
 # int4 products of at least this many rows: the tiled kernel adds the parts of K itself (in order, as
 # invariant.add_parts: the same bits, checked on the GPU), no float32 parts written and read back, no

@@ -138,38 +138,52 @@ def kernels():
     @triton.jit(do_not_specialize=["sys_"])
     def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym,
                   BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
-        # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step;
+        # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step,
+        # every load of a step issued at its start (a thread's U words of weights in flight together);
         # xd the row's bytes as int32 words [M, K/32, 16] (LAYOUT_DP), q_ptr the weights as int32 words
         # [K/32, N, 4]: word t's low nibbles are q of k = 4t..4t+3, its high nibbles of k = 16+4t..
         row, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BN + tl.arange(0, BN)
         t4 = tl.arange(0, 4)
+        us = tl.arange(0, U)
         cols_in = rn < N
         groups = K // 32
         x_row = xq_ptr + row.to(tl.int64) * groups * 16
         g0 = part * (k_part // 32)
         g1 = tl.minimum(g0 + k_part // 32, groups)
         acc = tl.zeros((BN,), dtype=tl.float32)
+        # a step's weights and scales loaded a step ahead (loop-carried), so that a thread's U words are in
+        # flight while it computes the step before; [U, BN, 4] (U outermost: Triton spreads a warp's
+        # threads over the columns, each thread holding its column's U groups, so the groups' sums below
+        # stay in the thread)
+        w_ptrs = q_ptr + us[:, None, None] * N * 4 + rn[None, :, None] * 4 + t4[None, None, :]
+        # (the scales' columns written as (2 j) // 2: Triton then sees no contiguity along them, and loads
+        # them in the layout the sums are in rather than 4 columns a thread: no move between layouts)
+        sz_ptrs = sz_ptr + us[:, None] * N + (pid_n * BN + tl.arange(0, BN) * 2 // 2)[None, :]
+        w_n = tl.load(w_ptrs + g0 * N * 4, mask=cols_in[None, :, None], other=0)
+        sz_n = tl.load(sz_ptrs + g0 * N, mask=cols_in[None, :], other=0)
         for gu in range(g0, g1, U):
-            for u in tl.static_range(U):
-                g = gu + u
-                w = tl.load(q_ptr + g * N * 4 + rn[:, None] * 4 + t4[None, :], mask=cols_in[:, None], other=0)
-                lo = w & 0x0F0F0F0F  # [BN, 4]: bytes q of k = 4t + b
-                hi = (w >> 4) & 0x0F0F0F0F  # k = 16 + 4t + b
-                xl = x_row + g * 16 + t4[None, :]
-                h = dp4(lo, tl.load(xl + 8), tl.zeros((BN, 4), dtype=tl.int32), ASM)
-                h = dp4(hi, tl.load(xl + 12), h, ASM)
-                low = dp4(lo, tl.load(xl), tl.zeros((BN, 4), dtype=tl.int32), ASM)
-                low = dp4(hi, tl.load(xl + 4), low, ASM)
-                iq = tl.sum(h, axis=1) * 128 + tl.sum(low, axis=1)  # sum i q, exactly
-                a = tl.load(aux_ptr + g * M + row)
-                s_x = tl.load(aux_ptr + (groups + g) * M + row)
-                A = tl.fma(s_x, -8.0, iq.to(tl.float32))  # sum i (q - 8), exactly
-                sz = tl.load(sz_ptr + g * N + rn, mask=cols_in, other=0)
-                scale = (sz << 16).to(tl.float32, bitcast=True)
-                zero = (sz & -65536).to(tl.float32, bitcast=True)
-                t = tl.fma(scale, A, zero * s_x)
-                acc = tl.fma(a, t, acc)
+            gs = gu + us  # [U]: this step's groups
+            w, sz = w_n, sz_n
+            g_next = tl.minimum(gu + U, g1 - U)  # (the last step loads its own again: harmless)
+            w_n = tl.load(w_ptrs + g_next * N * 4, mask=cols_in[None, :, None], other=0)
+            sz_n = tl.load(sz_ptrs + g_next * N, mask=cols_in[None, :], other=0)
+            xw = x_row + gs[:, None] * 16 + t4[None, :]  # [U, 4]
+            xl0, xl1 = tl.load(xw)[:, None, :], tl.load(xw + 4)[:, None, :]
+            xh0, xh1 = tl.load(xw + 8)[:, None, :], tl.load(xw + 12)[:, None, :]
+            s_x = tl.load(aux_ptr + (groups + gs)[:, None] * M + row)  # [U, 1]
+            lo = w & 0x0F0F0F0F  # bytes q of k = 4t + b
+            hi = (w >> 4) & 0x0F0F0F0F  # k = 16 + 4t + b
+            h = dp4(hi, xh1, dp4(lo, xh0, tl.zeros((U, BN, 4), dtype=tl.int32), ASM), ASM)
+            low = dp4(hi, xl1, dp4(lo, xl0, tl.zeros((U, BN, 4), dtype=tl.int32), ASM), ASM)
+            iq = tl.sum(h, axis=2) * 128 + tl.sum(low, axis=2)  # [U, BN]: sum i q, exactly
+            A = tl.fma(s_x, -8.0, iq.to(tl.float32))  # sum i (q - 8), exactly
+            scale = (sz << 16).to(tl.float32, bitcast=True)
+            zero = (sz & -65536).to(tl.float32, bitcast=True)
+            t = tl.fma(scale, A, zero * s_x)  # [U, BN]
+            for u in tl.static_range(U):  # the groups added in order: a sum with zeros takes group u exactly
+                t_u = tl.sum(tl.where(us[:, None] == u, t, 0.0), axis=0)
+                acc = tl.fma(tl.load(aux_ptr + (gu + u) * M + row), t_u, acc)
         tl.store(y_ptr + part * sys_ + row.to(tl.int64) * sym + rn, acc.to(y_ptr.dtype.element_ty), mask=cols_in)
 
     @triton.jit(do_not_specialize=["M", "sys_"])

@@ -157,7 +157,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     """The decode tile and the largest prompt tile of qmm_config, compiled by Triton for sm_90 (H100)
     without a GPU, and the decode tile for sm_87 (Jetson Orin; a prompt tile too large for its shared
     memory is launched with fewer stages): it compiles, its shared memory fits the GPU's, and on
-    sm_90 no register spills (but the tiled kernel's running sum of the parts: at most 64 bytes). The
+    sm_90 no register spills (but the tiled kernel's running sum of the parts: at most 80 bytes). The
     real compiler, which the interpreter tests cannot reach (ten compiles: about 12 s with an empty
     Triton cache on this shared machine, a second after)."""
     pytest.importorskip("triton")
@@ -182,8 +182,8 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                 kernel, args, ptrs, const = kernels[bm == 1, fmt]
                 signature = dict(zip(args, ptrs + ["i32"] * (len(args) - len(ptrs))))
                 # int4's tiled kernel a part a program (no spill) and adding every part itself: its running
-                # sum, kept across the K loop, may spill (outside the K loop, in the SASS: 48 bytes)
-                for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 64)) if (bm, fmt) == (prompt[0], "int4") \
+                # sum, kept across the K loop, may spill (outside the K loop, in the SASS: 72 bytes with Triton 3.9)
+                for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 80)) if (bm, fmt) == (prompt[0], "int4") \
                         else (({}, 0),):
                     constexprs = {"BN": bn, **const, **extra} | ({} if bm == 1 else {"BM": bm})
                     shared, spilled = compiled(kernel, signature, constexprs, cap, warps, stages)
