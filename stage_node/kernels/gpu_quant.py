@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 
 # parts of K of an int4 matrix by (n, k), where the sweep chose other than quant_parts' rule (bits
 # change with the parts, so this is a fact of the format on every GPU: never a function of the rows)
-PARTS: dict[tuple[int, int], int] = {(28672, 4096): 4}  # an 8B model's gate/up (the H200 sweep: one row 27.3 us
-# whole against 38.8 with quant_parts' 2; 256 rows 458 against 433, 2048 rows 3113 against 3091)
+PARTS: dict[tuple[int, int], int] = {}  # (none: the H200 sweep found quant_parts' within 3% of the best for one
+# row of every 8B matrix, with the one-row kernel loading a step ahead; fewer parts are faster prompts)
 
 
 def quant_parts(n: int, k: int) -> int:
@@ -57,8 +57,8 @@ def quant_parts(n: int, k: int) -> int:
 # the one-row kernel's tile (BLOCK_N, num_warps, groups of 32 a step of its K loop) by (format, n, k);
 # others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
 # (python -m bench.gpu_quant_tune --part sweep)
-DECODE_TILE = {"int4": (64, 2, 4)}
-DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+DECODE_TILE = {"int4": (32, 1, 4)}  # the H200 sweep's (q/k/v, gate/up, down; o 1% faster with 64 x 2 warps)
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 4096, 4096): (64, 2, 4)}
 # the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
 # (format, n, k, summed: the tile adds the parts of K itself, sum_rows); others PROMPT_TILE[summed].
 # (8 warps, whose 128-row tiles keep a group's a and S in the accumulator's layout as loaded, took
@@ -101,6 +101,7 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4"
 
 
 INT8_BK = 128  # int8: K a chunk, the same for every tile (part of the sum's order)
+HEAD_ROWS = 65536  # int8 matrices of at least this many outputs (a vocabulary: an LM head) decode by 64 x 128 tiles
 
 
 def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, int, int, int]:
@@ -110,6 +111,8 @@ def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, i
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
     parts = invariant.quant_parts(n, k)
+    if m <= 64 and n >= HEAD_ROWS:  # an LM head: on the H200 one row 210.8 us against 271.5 with 64 x 64
+        return 64, 128, 4, 3, parts  # (its 65- to 128-row tile: the same bits)
     if m <= 64:
         return 64, 64, 4, 4, parts
     if m <= 128:
