@@ -21,7 +21,7 @@ activations as they are; int8_config) and add_parts.
 Batch invariance, by the float path's rule (stage_node.kernels.invariant): K in parts fixed per
 matrix (int4: `quant_parts`; int8: `invariant.quant_parts`; never a function of the rows), added in
 order by `invariant.add_parts`; int4's sums exact, int8's tiles never under 64 rows; checked on the
-H100 by bench/gpu_quant.py --part check. Outputs are
+H100 and the H200 by bench/gpu_quant.py --part check. Outputs are
 written with no host sync and no allocation but the output's and the pre-pass's, so a CUDA graph
 captures them. Triton is imported only when a matrix is multiplied.
 """
