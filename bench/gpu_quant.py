@@ -5,8 +5,8 @@
 Parts (`--part`, comma list; default check,decode,matrices,agreement):
   * check: each matrix of layer 0 of the 8B-shaped model (and the int8 LM head) in int4 and int8,
     256 rows against a float32 product with the dequantized matrix, and a row's bits at any place
-    among 1 to 256 rows (decode tiles up to 32 rows, prompt tiles past that: the kernels' batch
-    invariance, which Triton's interpreter cannot check, see tests/unit/test_gpu_quant.py);
+    among 1 to 256 rows (the one-row kernel up to gpu_quant.GEMV_ROWS rows, 16- to 128-row tiles past
+    that: the kernels' batch invariance on the GPU's own instructions);
   * decode: one stream of the 8B-shaped layer set (bench.gpu_engine's model, `--layers`, default 8,
     with the final norm and the LM head: int8 beside int4 and int8 layers, as a stage holds it) in
     bf16, int4 and int8: the one-row step at `--context` positions as a CUDA-graph replay (the
@@ -14,7 +14,7 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     ms a token, tok/s, the weight bytes a token reads and their HBM limit (bytes over the GPU's peak:
     a table by name, H100 SXM 3.35 TB/s, else `--hbm-tbps`, else a large copy's rate), the graph
     against the eager step (same bits), the output against bf16's;
-  * matrices: each matrix's one-row (and 8-row) product alone, 20 calls in one CUDA graph, GB/s of
+  * matrices: each matrix's one-row (and 8- and 256-row) product alone, 20 calls in one CUDA graph, GB/s of
     its bytes: bf16 by invariant.mm against int4 and int8;
   * agreement: greedy decoding of a small random Llama (bench.gpu_engine's SMALL shape, `AGREE`, or
     `--model DIR`, e.g. the default model's safetensors directory) in int4 and int8 against bf16:
@@ -22,8 +22,10 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
     and the tokens equal before the first difference decoding freely, over `--prompts` prompts x
     `--tokens` tokens; float32 beside them, for scale (a random model's top logits are close, and
     its layers amplify rounding: a real model's figure needs `--model`);
-  * sweep: the decode tile (BLOCK_N, warps, stages, parts of K) of each matrix at 1 and 8 rows, for
-    tuning gpu_quant.qmm_config (not run by default).
+  * prompt: each matrix's product of `--prompt-rows` rows (default 256 and 2048) in int4 and int8 as
+    chosen, int4's also with the tiled kernel adding the parts of K itself and with a program a part
+    and invariant.add_parts (the same bits, checked), bf16 beside them (not run by default).
+The tiles' sweep and a profile of the one-row step are bench/gpu_quant_tune.py.
 
 Prints progress lines, then one JSON line of every result (also written to $OUT/gpu_quant.json, after
 each part). A part that fails records {"error": ...} with the part's name, writes what it has, and
@@ -190,7 +192,7 @@ def one_row_step(shard: Shard, ctx: int, tbps: float) -> tuple[dict, torch.Tenso
 
 
 def matrices(args, res: dict) -> None:
-    """Each matrix's product alone, 1 and 8 rows, GB/s of its bytes."""
+    """Each matrix's product alone, 1, 8 and 256 rows (a prompt's), GB/s of its bytes."""
     path = big_model(args)
     out = res["matrices"] = {}
     for fmt in FORMATS:
@@ -198,7 +200,7 @@ def matrices(args, res: dict) -> None:
         mats = {m: getattr(shard.layers[0], m) for m in MATRICES} | {"lm_head": shard.lm_head}
         for name, m in mats.items():
             mul = (lambda x, m=m: invariant.mm(x, m)) if fmt == "bf16" else m
-            for rows in (1, 8):
+            for rows in (1, 8, 256):
                 x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
                 ms = graph_ms(lambda x=x, mul=mul: mul(x))
                 nbytes = tensor_bytes(m)
@@ -208,35 +210,39 @@ def matrices(args, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(args, res: dict) -> None:
-    """Decode tiles of each int4 / int8 matrix at 1 and 8 rows (qmm_config's alternatives)."""
+def prompt(args, res: dict) -> None:
+    """Each int4 / int8 matrix's product of `--prompt-rows` rows (a prompt's) as a whole call, 20 calls in
+    one CUDA graph (`us`: the tile and the parts' sum gpu_quant chooses); on a tree with
+    gpu_quant.sum_rows also int4's tiled kernel adding the parts of K itself against a program a part
+    and invariant.add_parts (the same bits, checked); bf16 beside them."""
     path = big_model(args)
-    out = res["sweep"] = {}
-    for fmt in ("int4", "int8"):
+    out = res["prompt"] = {}
+    keep = getattr(gpu_quant, "SUM_ROWS", None)
+    rows_list = [int(r) for r in args.prompt_rows.split(",")]
+    for fmt in FORMATS:
         shard = load(path, fmt, 1)
         for name in MATRICES:
             m = getattr(shard.layers[0], name)
-            for rows in (1, 8):
+            for rows in rows_list:
                 x = torch.randn(rows, m.shape[1], device="cuda").bfloat16()
-                now = gpu_quant.qmm_config(*m.shape, x.dtype, rows)
-                times = {}
-                for bn in (16, 32, 64, 128):
-                    for warps in (2, 4, 8):
-                        for stages in (2, 3, 4, 6):
-                            for parts in (1, 2, 4):
-                                cfg = (16, bn, warps, stages, parts)
-                                try:
-                                    times[cfg] = graph_ms(lambda m=m, x=x, cfg=cfg: m.mm_parts(x, cfg), inner=10,
-                                                          rounds=20)
-                                except Exception as exc:  # noqa: BLE001 — a tile that does not fit (shared memory)
-                                    print("sweep", fmt, name, rows, cfg, "failed:", str(exc).splitlines()[0][:120])
-                best = min(times, key=times.get)
-                out[f"{fmt}_{name}_{rows}"] = {"current": list(now), "current_us": round(times.get(now, -1e-3) * 1e3, 2),
-                                               "best": list(best), "best_us": round(times[best] * 1e3, 2),
-                                               "best_gbps": round(tensor_bytes(m) / times[best] / 1e6)}
-                print("sweep", fmt, name, rows, out[f"{fmt}_{name}_{rows}"], flush=True)
+                if fmt == "bf16":
+                    out[f"{fmt}_{name}_{rows}"] = {"us": round(graph_ms(lambda m=m, x=x: invariant.mm(x, m)) * 1e3, 2)}
+                    continue
+                r = {"us": round(graph_ms(lambda m=m, x=x: m(x)) * 1e3, 2)}
+                if fmt == "int4" and keep is not None:
+                    ys = []
+                    for mode, rows_from in (("summed", 0), ("parts", 1 << 30)):
+                        gpu_quant.SUM_ROWS = dict.fromkeys([tuple(m.shape)], rows_from)
+                        r[f"{mode}_us"] = round(graph_ms(lambda m=m, x=x: m(x)) * 1e3, 2)
+                        ys.append(m(x))
+                    gpu_quant.SUM_ROWS = keep
+                    r["same_bits"] = torch.equal(ys[0], ys[1]) and torch.equal(ys[0], m(x))
+                out[f"{fmt}_{name}_{rows}"] = r
+        print(fmt, {k: v for k, v in out.items() if k.startswith(fmt)}, flush=True)
         del shard
         torch.cuda.empty_cache()
+    if not all(v.get("same_bits", True) for v in out.values()):
+        raise RuntimeError("the tiled kernel's own sum of the parts differs from invariant.add_parts'")
 
 
 def greedy(shard: Shard, prompt: list[int], tokens: int) -> list[int]:
@@ -306,7 +312,7 @@ def big_model(args) -> Path:
                       torch.bfloat16)
 
 
-PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "sweep": sweep}
+PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "prompt": prompt}
 
 
 def main() -> None:
@@ -320,6 +326,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="agreement: this model directory instead of a small random one")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt-rows", default="256,2048", help="prompt: the row counts timed (default 256,2048)")
     args = ap.parse_args()
     parts = [p for p in args.part.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]

@@ -1,138 +1,119 @@
-"""int4 and int8 weights on CUDA without bitsandbytes: the CPU formats' grids (stage_node.kernels.quant_grid)
-repacked at load for coalesced reads, multiplied by Triton kernels that dequantize in registers.
+"""int4 and int8 weights on CUDA without bitsandbytes: the CPU formats' grids
+(stage_node.kernels.quant_grid) repacked at load, multiplied by the Triton kernels of
+gpu_quant_kernels (whose docstring gives their exact arithmetic: activations rounded per group of 32
+to 11-bit integers times a power of two, every partial sum an exact integer).
 
 Layout on the GPU (packed once, as each matrix is quantized):
-  * int4, w [N, K]: the K loop goes in chunks of G groups of 32 (G = chunk_groups(K): 4, or 2 or 1
-    where K / 32 is not a multiple of 4). `q4` [K/32G, N, 16G] uint8: chunk c of output n is one run of
-    16G bytes (coalesced), byte 16h + i holding q[n, 32(cG + h) + i] in its low nibble and
-    q[n, 32(cG + h) + 16 + i] in its high one: the low nibbles of a chunk are the first 16 weights of
-    each of its groups, the high nibbles the last 16, so each nibble half of a byte is a whole 16-wide
-    slice of K (a tensor-core step) and no shuffle interleaves them. `sz` [N, K/32] int32: a group's
-    bf16 scale bits in the low half, its zero point's in the high half (bf16 held as bits: Triton's
-    interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
+  * int4, w [N, K]: `q4` [K/32, N, 16] uint8, group-major: byte j of output n's group g holds
+    q[n, 32g + j] in its low nibble and q[n, 32g + 16 + j] in its high one (a group of a block of
+    outputs is one contiguous run; the one-row kernel reads it as int32 words). `sz` [K/32, N] int32:
+    a group's bf16 scale bits in the low half, its zero point's in the high half (bf16 held as bits:
+    Triton's interpreter, which the CPU tests run, has no bfloat16). 0.625 bytes a weight, as on the CPU.
   * int8, w [N, K]: `q8` [N, K] int8 (the CPU's), `scales` [N] float32 (the bf16 values): 1 byte a weight.
 
-The product. One kernel per format, program (block of rows, block of BN outputs, part of K): it reads
-its weight tile once for all its rows, dequantizes it in registers and multiplies on the tensor cores,
-float32 accumulation:
-  * int4: a chunk at a time, w = (q - 8) * scale + zero in float32, rounded to the activations'
-    dtype; one dot over the chunk's low halves, then one over its high halves (few, large dots: each
-    costs a change of register layout on the way to the tensor cores);
-  * int8: K in chunks of BK, q converted to the activations' dtype exactly, the dot, and the output
-    channel's scale applied to the part's sum.
-Decode (up to invariant.DECODE_ROWS rows) runs 16-row tiles over narrow column blocks, the
-GEMV shape (many programs, each streaming its weight tile once); prompts run larger tiles (the same
-kernel: a tiled GEMM dequantizing tiles on the fly). `qmm_config` picks them.
+An int4 product is up to three kernels: round_rows (the activations' integers, once per product),
+then up to GEMV_ROWS rows the one-row kernel (a program per row, column block and part of K, CUDA
+cores: dp4a), more rows the tiled kernel (tensor cores), then invariant.add_parts over the parts of K
+(from SUM_PARTS_ROWS rows the tiled kernel adds them itself). `qmm_config` picks the tile; any tile
+gives a row the same bits, so the kernel follows the row count. An int8 product is one kernel (the
+activations as they are; int8_config) and add_parts.
 
-Batch invariance, by the float path's rule (stage_node.kernels.invariant): a row's sum over K is taken
-in an order that never depends on the number of rows: K in parts fixed per matrix
-(`invariant.quant_parts`, added in order by `invariant.add_parts`), each part in 16-wide slices in
-a fixed order (int4: a chunk's low halves, then its high halves, G fixed per matrix; int8: slices in
-ascending order, BK fixed per format, not per tile); the tile itself
-follows the row count, which the tensor cores' ordered 16-wide steps make harmless (checked on the
-H100 for the float kernel, bench/gpu_invariance.py; for these by bench/gpu_quant.py). Outputs are
-written with no host sync and no allocation but the output's, so a CUDA graph captures them.
-Triton is imported only when a matrix is multiplied.
+Batch invariance, by the float path's rule (stage_node.kernels.invariant): K in parts fixed per
+matrix (int4: `quant_parts`; int8: `invariant.quant_parts`; never a function of the rows), added in
+order by `invariant.add_parts`; int4's sums exact, int8's tiles never under 64 rows; checked on the
+H100 and the H200 by bench/gpu_quant.py --part check. Outputs are
+written with no host sync and no allocation but the output's and the pre-pass's, so a CUDA graph
+captures them. Triton is imported only when a matrix is multiplied.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.kernels import gpu_quant_kernels, invariant
 from logicpipe.stage_node.kernels.quant_grid import GROUP_INT4, QuantMatrix, dequantize_int4, int4_grid, int8_grid
 
 log = logging.getLogger(__name__)
 
-INT4_CHUNK = 4    # int4: groups of 32 a chunk of the K loop (128 of K; fewer where K / 32 is not a multiple of 4)
-INT8_BK = 128     # int8: K a chunk, the same for every tile (part of the sum's order)
+
+# parts of K of an int4 matrix by (n, k), where the sweep chose other than quant_parts' rule (bits
+# change with the parts, so this is a fact of the format on every GPU: never a function of the rows)
+PARTS: dict[tuple[int, int], int] = {}  # (none: the H200 sweep found quant_parts' within 3% of the best for one
+# row of every 8B matrix, with the one-row kernel loading a step ahead; fewer parts are faster prompts)
 
 
-@functools.cache
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit(do_not_specialize=["M", "sys_"])
-    def int4_kernel(x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sxm, s_qc, s_qn, s_sn, sys_, sym,
-                    BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
-        # program (m block, n block, part of K): y[part] = x[m block, part] @ W[n block, part].T, W
-        # dequantized a chunk of G groups at a time: the chunk's low nibbles (the first 16 weights of
-        # each group) in one dot, then its high nibbles; the same order for every tile
-        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        j = tl.arange(0, 16 * G)          # a chunk's bytes: group j // 16, weight j % 16 of each half
-        kj = (j // 16) * 32 + j % 16      # the low nibble's place in the chunk's K (the high one's: + 16)
-        h = tl.arange(0, G)               # a chunk's groups
-        rows_in, cols_in = rm < M, rn < N
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
-        c_lo = part * (k_part // (32 * G))
-        c_hi = tl.minimum(c_lo + k_part // (32 * G), K // (32 * G))
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for c in range(c_lo, c_hi):  # (offsets below 2^31 bytes: a matrix of under 4G weights)
-            p = tl.load(q_ptr + c * s_qc + rn[:, None] * s_qn + j[None, :], mask=cols_in[:, None],
-                        other=0).to(tl.int32)  # [BN, 16 G]: two weights a byte, one contiguous run a row
-            sz = tl.load(sz_ptr + rn[:, None] * s_sn + c * G + h[None, :], mask=cols_in[:, None], other=0)
-            sz = tl.reshape(tl.broadcast_to(sz[:, :, None], (BN, G, 16)), (BN, 16 * G))  # each byte's group's
-            scale = (sz << 16).to(tl.float32, bitcast=True)  # bf16 bits: scale | zero << 16
-            zero = (sz & -65536).to(tl.float32, bitcast=True)
-            k = c * (32 * G) + kj
-            xa = tl.load(x_rows + k[None, :], mask=rows_in[:, None], other=0.0)       # [BM, 16 G]
-            xb = tl.load(x_rows + 16 + k[None, :], mask=rows_in[:, None], other=0.0)
-            wa = (((p & 15) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # [BN, 16 G]: the low halves
-            wb = (((p >> 4) - 8).to(tl.float32) * scale + zero).to(xa.dtype)  # the high halves
-            if IEEE:
-                acc = tl.dot(xa, tl.trans(wa), acc, input_precision="ieee")
-                acc = tl.dot(xb, tl.trans(wb), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xa, tl.trans(wa), acc)
-                acc = tl.dot(xb, tl.trans(wb), acc)
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
-
-    @triton.jit(do_not_specialize=["M", "sys_"])
-    def int8_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-        # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale
-        pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        rk = tl.arange(0, BK)
-        rows_in, cols_in = rm < M, rn < N
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
-        k0 = part * k_part
-        k1 = tl.minimum(k0 + k_part, K)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(k0, k1, BK):
-            kk = k + rk
-            a = tl.load(x_rows + kk[None, :], mask=rows_in[:, None] & (kk[None, :] < k1), other=0.0)  # [BM, BK]
-            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :] & (kk[:, None] < k1),
-                        other=0).to(a.dtype)  # [BK, BN]: exact (|q| <= 127)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
-
-    return triton, int4_kernel, int8_kernel
+def quant_parts(n: int, k: int) -> int:
+    """Parts of K an int4 product with w [n, k] sums separately (then adds in order): a function of
+    the matrix alone (never of the rows): PARTS, else enough that the one-row kernel's programs (64
+    columns a block) fill the GPU four times over, at most 8 and none under 512 of K (an 8B model's
+    q/k/v 6, o 8, down 8, gate/up 2)."""
+    if (n, k) in PARTS:
+        return PARTS[n, k]
+    blocks = -(-n // 64)
+    return max(1, min(-(-4 * invariant.SMS // blocks), k // 512, 8))
 
 
-def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int]:
+# the one-row kernel's tile (BLOCK_N, num_warps, groups of 32 a step of its K loop) by (format, n, k);
+# others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
+# (python -m bench.gpu_quant_tune --part sweep)
+DECODE_TILE = {"int4": (32, 1, 4)}  # the H200 sweep's (q/k/v, gate/up, down; o 1% faster with 64 x 2 warps)
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 4096, 4096): (64, 2, 4)}
+# the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
+# (format, n, k, summed: the tile adds the parts of K itself, sum_rows); others PROMPT_TILE[summed].
+# (8 warps, whose 128-row tiles keep a group's a and S in the accumulator's layout as loaded, took
+# 1.3-1.8x the time of 4 on the H200)
+PROMPT_TILE = {False: (128, 64, 4, 3), True: (128, 64, 4, 3)}  # the H200 sweep's best for every 8B matrix
+PROMPT_TILES: dict[tuple[str, int, int, bool], tuple[int, int, int, int]] = {}
+# int4 products of at least this many rows: the tiled kernel adds the parts of K itself (in order, as
+# invariant.add_parts: the same bits, checked on the GPU), no float32 parts written and read back, no
+# second kernel, but a program does every part; by (n, k) in SUM_ROWS, else SUM_PARTS_ROWS (on the
+# H100 1024 rows took 0.78-0.92 of the time a program a part takes, 256 rows 1.05-1.35 of it)
+SUM_PARTS_ROWS = 1024
+SUM_ROWS: dict[tuple[int, int], int] = {}
+# products of up to this many rows run the one-row kernel (a program a row), more the tiled one
+GEMV_ROWS = 1
+
+
+def sum_rows(n: int, k: int) -> int:
+    """Rows from which an int4 product with w [n, k] has its tiled kernel add the parts of K itself."""
+    return SUM_ROWS.get((n, k), SUM_PARTS_ROWS)
+
+
+def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4") -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
-    w [n, k]. The parts are a function of the matrix (invariant.quant_parts); the tile
-    follows m, but never under 64 rows: on the H100 a 16- or 32-row tile gave a row other bits than
-    the 64- and 128-row tiles (bench/gpu_quant_tiles.py; the float path's do agree), so decode runs
-    the 64 x 64 tile too (int4 511 tok/s one stream for 8 layers of the 8B shape against 805 with
-    16 x 32: bench/gpu_quant.py, docs/engine.md)."""
+    w [n, k]; BLOCK_M 1: the one-row kernel (CUDA cores; its num_stages are the groups of 32 a step
+    of its K loop, step_groups), else the tiled one (tensor cores). The parts
+    are quant_parts(n, k), never a function of m; the tile follows m (it changes no bit)."""
+    if fmt == "int8":
+        return int8_config(n, k, dtype, m)
+    parts = quant_parts(n, k)
+    if m <= GEMV_ROWS:
+        return (1, *DECODE_TILES.get((fmt, n, k), DECODE_TILE[fmt]), parts)
+    if m <= 16:
+        return 16, 64, 4, 3, parts
+    if m <= 32:
+        return 32, 64, 4, 3, parts
+    if m <= 64:
+        return 64, 64, 4, 3, parts
+    summed = m >= sum_rows(n, k)
+    return (*PROMPT_TILES.get((fmt, n, k, summed), PROMPT_TILE[summed]), parts)
+
+
+INT8_BK = 128  # int8: K a chunk, the same for every tile (part of the sum's order)
+HEAD_ROWS = 65536  # int8 matrices of at least this many outputs (a vocabulary: an LM head) decode by 64 x 128 tiles
+
+
+def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, int, int, int]:
+    """int8's tile (the activations as they are, the float path's rule): the parts a function of the
+    matrix (invariant.quant_parts); the tile follows m, but never under 64 rows: on the H100 a 16- or
+    32-row tile gave a row other bits than the 64- and 128-row tiles (bench/gpu_quant_tiles.py)."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
     parts = invariant.quant_parts(n, k)
-    if m <= 64:  # decode too: a tile of fewer than 64 rows gave other bits than the larger ones on the H100
+    if m <= 64 and n >= HEAD_ROWS:  # an LM head: on the H200 one row 210.8 us against 271.5 with 64 x 64
+        return 64, 128, 4, 3, parts  # (its 65- to 128-row tile: the same bits)
+    if m <= 64:
         return 64, 64, 4, 4, parts
     if m <= 128:
         return 64, 128, 4, 3, parts
@@ -143,7 +124,7 @@ _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the confi
 
 
 def _k_part(k: int, parts: int) -> int:
-    """K a part sums, a multiple of 256 (the float path's: parts start at the same places)."""
+    """K a part sums, a multiple of 256 (so a part holds whole steps of the one-row kernels)."""
     k_part = -(-k // parts)
     return -(-k_part // 256) * 256
 
@@ -164,14 +145,16 @@ class TritonMatrix(QuantMatrix):
             raise ValueError(f"a {self.format} matrix of {N} x {K} multiplied by rows of {x.shape[1]}")
         if x.stride(1) != 1:
             x = x.contiguous()
-        config = config or qmm_config(N, K, x.dtype, M)
+        config = config or qmm_config(N, K, x.dtype, M, self.format)
         bm, bn, _, _, parts = config
         k_part = _k_part(K, parts)
         parts = -(-K // k_part)
+        if bm > 1 and self.format == "int4" and M >= sum_rows(N, K):
+            parts = 1  # the tiled kernel adds the parts (grid[2] == 1 of several parts: its SUM)
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
         if M:
-            triton = _kernels()[0]
-            self._launch_fitting(x, ws, (triton.cdiv(M, bm), triton.cdiv(N, bn), parts), config, k_part)
+            grid = (M if bm == 1 else -(-M // bm), -(-N // bn), parts)
+            self._launch_fitting(x, ws, grid, config, k_part)
         return ws
 
     def _launch_fitting(self, x, ws, grid, config, k_part) -> None:
@@ -217,16 +200,23 @@ class TritonInt4(TritonMatrix):
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
-        sz = self.sz  # [out, groups] int32
+        sz = self.sz.t()  # [out, groups] int32
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, kernel, _ = _kernels()
+        _, _, mm, gemv, _ = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        kernel[grid](x, self.q4, self.sz, ws, x.shape[0], N, K, k_part, x.stride(0), self.q4.stride(0),
-                     self.q4.stride(1), self.sz.stride(0), ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1),
-                     BM=bm, BN=bn, G=self.q4.shape[2] // 16, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        M = x.shape[0]
+        tail = (ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
+        if bm == 1:
+            xd, aux = round_rows(x, gpu_quant_kernels.LAYOUT_DP)
+            gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, M, N, K, k_part, *tail, BN=bn,
+                       U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1)
+        else:
+            xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
+            mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, SUM=grid[2] < -(-K // k_part),
+                     num_warps=warps, num_stages=stages)
 
 
 class TritonInt8(TritonMatrix):
@@ -248,30 +238,45 @@ class TritonInt8(TritonMatrix):
         return self.scales
 
     def _launch(self, x, ws, grid, config, k_part) -> None:
-        _, _, kernel = _kernels()
+        *_, mm = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
-        kernel[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
-                     ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
-                     IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        mm[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
+                 ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
+                 IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
 
 
-def chunk_groups(k: int) -> int:
-    """int4: groups of 32 weights a chunk of the kernel's K loop for an input of `k` (a function of the
-    matrix: the chunk fixes the sum's order), as many as divide k / 32, up to INT4_CHUNK."""
-    return next(g for g in (INT4_CHUNK, 2, 1) if k // 32 % g == 0)
+def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (its integers: float16 [M, K] for the tiled kernels (LAYOUT_MM) or the bytes
+    int8 [M, K/32, 2, 32] for the one-row kernels (LAYOUT_DP); a and S [2, K/32, M] float32): the
+    activations' rounding, once per product (gpu_quant_kernels' docstring)."""
+    triton, kernel, *_ = gpu_quant_kernels.kernels()
+    m, k = x.shape
+    if layout == gpu_quant_kernels.LAYOUT_MM:
+        xq = torch.empty(m, k, dtype=torch.float16, device=x.device)
+    else:
+        xq = torch.empty(m, k // 32, 2, 32, dtype=torch.int8, device=x.device)
+    aux = torch.empty(2, k // 32, m, dtype=torch.float32, device=x.device)
+    gb = gpu_quant_kernels.ROUND_GROUPS
+    kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, m, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1)
+    return xq, aux
+
+
+def step_groups(k: int, most: int) -> int:
+    """Groups of 32 a step of the one-row kernels' K loop for an input of `k`: the largest power of two
+    up to `most` (at most 8) that divides k / 32, so every part of K (a multiple of 256 but the last)
+    is whole steps. Speed only: the groups are added in the same order."""
+    return next(g for g in (8, 4, 2, 1) if g <= most and k // 32 % g == 0)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32G, N, 16G] uint8,
-    sz [N, K/32] int32), the GPU layout of the module's docstring (G = chunk_groups(K))."""
+    """The int4 grid (q [N, K] in 0..15; scale, zero bf16 [N, K/32]) -> (q4 [K/32, N, 16] uint8,
+    sz [K/32, N] int32), the GPU layout of the module's docstring."""
     n, k = q.shape
-    g = chunk_groups(k)
-    halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, i]: k = 32 group + 16 half + i
-    q4 = halves[:, :, 0] | (halves[:, :, 1] << 4)          # [n, group, 16]
-    q4 = q4.reshape(n, k // 32 // g, 16 * g).transpose(0, 1).contiguous()
+    halves = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # [n, group, half, j]: k = 32 group + 16 half + j
+    q4 = (halves[:, :, 0] | (halves[:, :, 1] << 4)).transpose(0, 1).contiguous()  # [group, n, 16]
     sz = (_bf16_bits(scale) & 0xFFFF) | (_bf16_bits(zero) << 16)
-    return q4, sz.contiguous()
+    return q4, sz.t().contiguous()
 
 
 def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
@@ -280,10 +285,10 @@ def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(q4: torch.Tensor) -> torch.Tensor:
-    """q4 [K/32G, N, 16G] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
-    chunks, n, width = q4.shape
-    q = q4.long().transpose(0, 1).reshape(n, chunks * width // 16, 16)  # [n, group, 16]
-    return torch.stack([q & 15, q >> 4], 2).reshape(n, chunks * width * 2)
+    """q4 [K/32, N, 16] uint8 -> q [N, K] int64 in 0..15 (pack_int4's inverse, for checks)."""
+    groups, n, _ = q4.shape
+    q = q4.long().transpose(0, 1)  # [n, group, 16]
+    return torch.stack([q & 15, q >> 4], 2).reshape(n, groups * 32)
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:

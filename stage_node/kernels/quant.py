@@ -26,15 +26,14 @@ Kernels, by format and device (chosen by `python -m bench.quant_bench --kernels`
 - **nf4 / fp4**: bitsandbytes 4-bit (blocks of 64 weights, one absmax each), on the CPU and CUDA;
   a stage tries a small product at start-up and refuses the format, saying why, where it fails.
 - **int4 and int8 on CUDA** (stage_node.kernels.gpu_quant; no bitsandbytes, so a Jetson Orin's sm_87
-  runs them): the same grids, repacked at load for coalesced reads (int4: chunks of 4 groups along K,
-  [K/128, N, 64] bytes, each byte two weights 16 apart in a group, so each nibble half is a 16-wide
-  slice of K; scale and zero point as bf16 bits in one int32 a group), multiplied by Triton kernels with bf16 activations that
-  dequantize in registers and multiply on the tensor cores, float32 accumulation: one kernel per
-  format, its tile by the row count (16-row tiles over narrow column blocks for decode, the GEMV
-  shape; larger tiles for prompts, a tiled GEMM dequantizing on the fly). They run in the fused layer
-  loop (stage_node.fused) and in CUDA graphs (no host sync, the output the only allocation). A stage
-  tries a small product at start-up (`gpu_quant.trial`) and refuses the format, saying why, where
-  it fails (no triton; a GPU Triton cannot compile for).
+  runs them): the same grids, repacked at load (int4 group-major, [K/32, N, 16] bytes, each byte two
+  weights 16 apart in a group; scale and zero point as bf16 bits in one int32 a group), multiplied by
+  Triton kernels. int4's sums are exact (activations rounded per group of 32 to 11-bit integers
+  times a power of two): one row by dp4a on the CUDA cores, more rows by tensor-core tiles, the same
+  bits; int8 dequantizes in registers and multiplies on the tensor cores, float32 accumulation, 64-row
+  tiles and up. They run in the fused layer loop (stage_node.fused) and in CUDA graphs (no host
+  sync). A stage tries a small product at start-up (`gpu_quant.trial`) and refuses the format,
+  saying why, where it fails (no triton; a GPU Triton cannot compile for).
 
 The grids live in quant_grid: scales and zero points are rounded to bf16 (the kernels take them so)
 before the weights are quantized against them, so the grid the weights are rounded to is the one
@@ -44,9 +43,10 @@ Batch invariance. The int4 and int8 kernels (native and torch's) compute each ro
 own, in an order that does not depend on the number of rows (checked for 1 to 64 rows by
 tests/unit/test_quant.py): a request gives the same greedy tokens alone or among others, as the
 float path does (`stage_node.ops`). The CUDA kernels follow the float CUDA path's rule
-(stage_node.kernels.invariant: parts of K fixed per matrix, 16-wide slices of K in order, whatever
-the tile; rows 1..n in Triton's interpreter by tests/unit/test_gpu_quant.py, any row at any place on
-the GPU by bench/gpu_quant.py). bitsandbytes' nf4/fp4 does not promise that: one row takes its
+(stage_node.kernels.invariant: parts of K fixed per matrix, added in order; int4's per-group sums
+exact whatever the tile or instruction, int8's 16-wide slices of K in order in tiles of 64 rows and
+up; rows 1..n in Triton's interpreter by tests/unit/test_gpu_quant.py, any row at any place on the
+GPU by bench/gpu_quant.py --part check). bitsandbytes' nf4/fp4 does not promise that: one row takes its
 matrix-vector kernel, several rows a dequantized product, so greedy tokens on such a stage are
 deterministic for a given batch but may differ between a request alone and one among others.
 """

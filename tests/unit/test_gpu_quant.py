@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from logicpipe.stage_node.engine.kv import StepKV, seq_slice
-from logicpipe.stage_node.kernels import gpu_quant, invariant
+from logicpipe.stage_node.kernels import gpu_quant, gpu_quant_kernels, invariant
 from logicpipe.stage_node.kernels.quant import Int4Packed, Int8Packed, QuantError, check_format
 from logicpipe.stage_node.kernels.quant_grid import dequantize_int4, int4_grid
 from logicpipe.stage_node.model import shard as shard_module
@@ -30,6 +30,20 @@ from logicpipe.stage_node.model.shard import Shard
 from .test_quant import fake_orin
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # chosen before triton is first imported: a child process
+
+if INTERPRETED:
+    # Triton 3.6's interpreter (the GPU machine's) takes a loop bound's int() of a one-element array,
+    # which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"):
+    # every kernel with a run-time loop bound failed there. Triton 3.7 on squeezes it first; so does this.
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
 def test_kernels_in_triton_interpreter():
@@ -63,12 +77,8 @@ def test_the_gpu_packing_holds_the_cpu_grid():
     cpu = Int4Packed(w, kernel="torch")
     assert [torch.equal(a, b) for a, b in zip(m.grid(), cpu.grid())] == [True, True]
     assert torch.equal(gpu_quant.dequantized(m), dequantize_int4(q, scale, zero))
-    assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (48, 3)
-    for k, chunk in ((256, 4), (192, 2)):  # chunks of 4 groups (2 where K / 32 is not a multiple of 4)
-        wk = torch.randn(16, k, generator=g)
-        mk = gpu_quant.TritonInt4(wk)
-        assert mk.q4.shape == (k // 32 // chunk, 16, 16 * chunk)
-        assert torch.equal(gpu_quant.unpack_int4(mk.q4), int4_grid(wk)[0].long())
+    assert m.nbytes == 48 * 96 * 5 // 8 and m.q4.shape == (3, 48, 16) and m.sz.shape == (3, 48)
+    assert torch.equal(m.q4[1, 5], (q[5, 32:48] + 16 * q[5, 48:64]).to(torch.uint8))  # group-major, k and k + 16
     m8, cpu8 = gpu_quant.TritonInt8(w), Int8Packed(w, kernel="torch")
     assert torch.equal(m8.q8, cpu8._q) and torch.equal(m8.grid(), cpu8.grid())
     assert m8.nbytes == 48 * 96 + 48 * 4
@@ -115,7 +125,7 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
         m.mm_parts(x, (16, 64, 4, 4, 1))
 
 
-INT4_ARGS = ("x_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "s_qc", "s_qn", "s_sn", "sys_", "sym")
+INT4_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "sys_", "sym")
 INT8_ARGS = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "sqn", "sys_", "sym")
 SHARED_LIMIT = {90: 227 * 1024, 87: 163 * 1024}  # bytes of shared memory a program may take: H100, Jetson Orin
 
@@ -129,7 +139,7 @@ def compiled(kernel, signature: dict, constexprs: dict, cap: int, warps: int, st
 
     # the hints Triton's launcher gives at run time: pointers and sizes divisible by 16 (not the
     # unspecialized arguments); without them its loads are neither vectorized nor pipelined
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name not in ("M", "sys_")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name not in ("M", "sys_", "magic")}
     c = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", cap, 32), options={"num_warps": warps, "num_stages": stages})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -147,66 +157,128 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     """The decode tile and the largest prompt tile of qmm_config, compiled by Triton for sm_90 (H100)
     without a GPU, and the decode tile for sm_87 (Jetson Orin; a prompt tile too large for its shared
     memory is launched with fewer stages): it compiles, its shared memory fits the GPU's, and on
-    sm_90 no register spills. The real compiler, which the interpreter tests cannot reach (six
-    compiles: 9 s with an empty Triton cache on this shared machine, under a second after)."""
+    sm_90 no register spills (but the tiled kernel's running sum of the parts: at most 80 bytes). The
+    real compiler, which the interpreter tests cannot reach (ten compiles: about 12 s with an empty
+    Triton cache on this shared machine, a second after)."""
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("compiled in the parent process")
     try:
         from triton.compiler import ASTSource  # noqa: F401
-        _, int4_kernel, int8_kernel = gpu_quant._kernels()
+        _, _, int4_mm, int4_gemv, int8_mm = gpu_quant_kernels.kernels()
     except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
         pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
-    tiles = [gpu_quant.qmm_config(4096, 4096, torch.bfloat16, m)[:4] for m in (1, 200)]  # decode, largest prompt
+    kernels = {  # (one row?, format): (kernel, its arguments' names, its pointers' types, constexprs)
+        (True, "int4"): (int4_gemv, INT4_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*bf16"], {"U": 4, "ASM": True}),
+        (False, "int4"): (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"], {}),
+        (False, "int8"): (int8_mm, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"],
+                          {"BK": gpu_quant.INT8_BK, "IEEE": False})}
     for cap in (90, 87):
-        for bm, bn, warps, stages in tiles if cap == 90 else tiles[:1]:
-            for kernel, args, ptrs, const in (
-                    (int4_kernel, INT4_ARGS, ["*bf16", "*u8", "*i32", "*bf16"], {"G": gpu_quant.INT4_CHUNK}),
-                    (int8_kernel, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"], {"BK": gpu_quant.INT8_BK})):
-                signature = dict(zip(args, ptrs + ["i32"] * (len(args) - 4)))
-                shared, spilled = compiled(kernel, signature, {"BM": bm, "BN": bn, "IEEE": False, **const}, cap, warps,
-                                           stages)
-                what = f"{kernel.__name__} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
-                assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
-                assert cap != 90 or spilled <= 0, f"{what}: {spilled} bytes of registers spilled a thread"
+        for fmt in ("int4", "int8"):
+            one_row = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 1, fmt)
+            prompt = gpu_quant.qmm_config(4096, 4096, torch.bfloat16, 200, fmt)
+            assert (one_row[0] == 1) == (fmt == "int4") and prompt[0] >= 64
+            for (bm, bn, warps, stages, _) in (one_row, prompt) if cap == 90 else (one_row,):
+                kernel, args, ptrs, const = kernels[bm == 1, fmt]
+                signature = dict(zip(args, ptrs + ["i32"] * (len(args) - len(ptrs))))
+                # int4's tiled kernel a part a program (no spill) and adding every part itself: its running
+                # sum, kept across the K loop, may spill (outside the K loop, in the SASS: 72 bytes with Triton 3.9)
+                for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 80)) if (bm, fmt) == (prompt[0], "int4") \
+                        else (({}, 0),):
+                    constexprs = {"BN": bn, **const, **extra} | ({} if bm == 1 else {"BM": bm})
+                    shared, spilled = compiled(kernel, signature, constexprs, cap, warps, stages)
+                    what = f"{kernel.__name__} {extra} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
+                    assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
+                    assert cap != 90 or spilled <= allowed, f"{what}: {spilled} bytes of registers spilled a thread"
 
 
 def interpreted_product(fmt, w, x):
     m = gpu_quant.quantize(w, fmt)
-    ref = x.float() @ gpu_quant.dequantized(m).to(x.dtype).float().T  # the weights as the kernel rounds them
-    return m, m(x), ref
+    return m, m(x), exact_product(m, x)
+
+
+def exact_product(m, x):
+    """int4: the kernels' arithmetic in float64 (gpu_quant_kernels.reference: no rounding but the
+    activations' to 11-bit integers per group of 32); int8: a float32 product with the dequantized
+    matrix (its weights rounded to x's dtype, as the kernel does). Float32 [M, N]."""
+    if m.format == "int4":
+        scale, zero = m.grid()
+        return gpu_quant_kernels.reference(x, gpu_quant.unpack_int4(m.q4), scale, zero).float()
+    return x.float() @ gpu_quant.dequantized(m).to(x.dtype).float().T
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_interpreted_product_is_the_dequantized_matrix_s(interpret, fmt, dtype):
-    """Against a float32 product with the dequantized matrix (its weights rounded to x's dtype, as the
-    kernel does), and within the format's rounding of the float matrix; rows 1..n of 40 the same bits
-    alone as among them (16-row decode tiles up to 32 rows, 64-row tiles past that). At the same place
-    in their tile: the interpreter's numpy products give a row other bits by its place in a tile, so a
-    row's bits at any place are checked on the GPU (bench/gpu_quant.py --part invariance)."""
+    """Against the kernels' arithmetic (int4: in float64, partial sums exact, activations rounded to
+    11-bit integers per group of 32; int8: the dequantized matrix's product), against a float32
+    product with the dequantized matrix, and within the format's rounding of the float matrix; rows
+    1..n of 40 the same bits alone as among them (int4: the one-row kernel up to GEMV_ROWS rows, 16-,
+    32- and 64-row tiles past that; int8: 64-row tiles, a row at the same place in its tile)."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(80, 160, generator=g) * 0.05  # 5 groups a row: the K loop unrolls one group a chunk
+    w = torch.randn(80, 160, generator=g) * 0.05  # 5 groups a row: steps of 1 group
     x = torch.randn(40, 160, generator=g).to(dtype)
     m, y, ref = interpreted_product(fmt, w, x)
     assert y.dtype == dtype and y.shape == (40, 80)
-    bound = 1e-5 if dtype == torch.float32 else 2e-3
+    bound = (1e-6 if fmt == "int4" else 1e-5) if dtype == torch.float32 else 2e-3
     assert (y.float() - ref).abs().max() <= bound * ref.abs().max()
+    deq = x.float() @ gpu_quant.dequantized(m).T
+    assert (y.float() - deq).abs().max() <= 2e-3 * deq.abs().max()
     exact = x.float() @ w.T
     assert (y.float() - exact).abs().max() <= (0.1 if fmt == "int4" else 0.02) * exact.abs().max()
-    for rows in (1, 17, 33):
+    for rows in (1, 5, 33):  # int4: the one-row kernel, a 16-row and a 64-row tile
         assert torch.equal(m(x[:rows]), y[:rows]), f"{rows} rows"
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_interpreted_parts_of_k_are_added_in_order(interpret, fmt):
-    """A matrix with few outputs and K >= 2048 (invariant.quant_parts): the quantized kernels
-    give the same two parts, added in order (invariant.add_parts), rows alike alone or together."""
+@pytest.mark.parametrize("fmt", ["int4"])
+def test_interpreted_one_row_kernel_gives_a_row_the_tiled_kernel_s_bits(interpret, fmt, monkeypatch):
+    """A row alone (the one-row kernel, CUDA cores on a GPU) and the same row among 7 others (the
+    16-row tile, tensor cores): the same bits, by default and with K forced into 2 parts (steps of
+    4 groups), a tile's program a part or every part (added in the tile as invariant.add_parts
+    adds them), and with a 64-row tile; an outlier in a group."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 512, generator=g) * 0.05
+    x = torch.randn(8, 512, generator=g).half()
+    x[3, 7] = 60.0  # a group whose other entries round coarser
+    m = gpu_quant.quantize(w, fmt)
+    assert gpu_quant.qmm_config(32, 512, x.dtype, 1, fmt)[0] == 1
+    assert gpu_quant.qmm_config(32, 512, x.dtype, 8, fmt)[0] == 16
+    among = m(x)
+    assert torch.equal(m(x[3:4]), among[3:4])
+    parts = m.mm_parts(x, (16, 32, 4, 1, 2))
+    assert parts.shape[0] == 2
+    monkeypatch.setattr(gpu_quant, "SUM_PARTS_ROWS", 8)  # the tile adds the 2 parts itself
+    summed = m.mm_parts(x, (16, 32, 4, 1, 2))
+    assert summed.shape == (1, 8, 32) and summed.dtype == x.dtype
+    assert torch.equal(invariant.add_parts(parts, x.dtype), summed[0])
+    monkeypatch.undo()
+    assert torch.equal(m.mm_parts(x[3:4], (1, 16, 1, 1, 2)), parts[:, 3:4])
+    assert torch.equal(m.mm_parts(x, (64, 32, 4, 1, 2)), parts)
+    ref = exact_product(m, x)
+    assert (among.float() - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
+def test_interpreted_parts_of_k_are_added_in_order(interpret, monkeypatch):
+    """int4: a matrix of few outputs is summed in parts of K fixed by its shape (quant_parts: 3 parts
+    of 256 here), added in order (invariant.add_parts, or the tiled kernel itself), rows alike alone or
+    together; int8: a matrix with few outputs and K >= 2048 (invariant.quant_parts) in two parts."""
     g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 768, generator=g) * 0.05
+    x = torch.randn(3, 768, generator=g).half()
+    m, _, ref = interpreted_product("int4", w, x)
+    parts = m.mm_parts(x, (1, 16, 4, 1, 3))  # the one-row kernel, 3 parts of K
+    assert parts.shape == (3, 3, 16) and parts.dtype == torch.float32
+    assert torch.equal(m.mm_parts(x, (16, 16, 4, 1, 3)), parts)  # the tiled kernel: the same parts
+    monkeypatch.setattr(gpu_quant, "SUM_PARTS_ROWS", 3)  # or, from SUM_PARTS_ROWS rows, their sum by the tile
+    summed = m.mm_parts(x, (16, 16, 4, 1, 3))
+    assert summed.shape == (1, 3, 16) and torch.equal(summed[0], invariant.add_parts(parts, x.dtype))
+    y = invariant.add_parts(parts, x.dtype)
+    assert torch.equal(y, (parts[0] + parts[1] + parts[2]).half())
+    assert (y.float() - ref).abs().max() <= 1e-3 * ref.abs().max()
     w = torch.randn(32, 2304, generator=g) * 0.05  # 2304 = 2048 + 256: parts of 1280 and 1024
     x = torch.randn(3, 2304, generator=g).half()
     assert invariant.quant_parts(32, 2304) == 2
-    m, y, ref = interpreted_product(fmt, w, x)
+    m, y, ref = interpreted_product("int8", w, x)
     parts = m.mm_parts(x)
     assert parts.shape == (2, 3, 32) and parts.dtype == torch.float32
     assert torch.equal(y, (parts[0] + parts[1]).half())

@@ -38,7 +38,7 @@ LOCAL_IMPORTS = {
     "stage_node/kernels/invariant.py": {"triton"},  # CUDA stages only (--batch-invariant; ships with torch's CUDA wheels)
     "stage_node/kernels/fused.py": {"triton"},  # the same: CUDA stages' fused layer kernels
     "stage_node/kernels/grouped.py": {"triton"},  # the same: CUDA stages' grouped-expert kernels
-    "stage_node/kernels/gpu_quant.py": {"triton"},  # the same: CUDA stages' int4 / int8 kernels
+    "stage_node/kernels/gpu_quant_kernels.py": {"triton"},  # the same: CUDA stages' int4 / int8 kernels
     # structured output only: xgrammar's import takes a second, transformers' more (the tokenizer)
     "protos/logicpipe/sampling.py": {"xgrammar"},
     "controller/jobs/grammar_check.py": {"xgrammar"},  # the door's check that a schema admits some value
