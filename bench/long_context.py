@@ -83,6 +83,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the controller's --dtype")
     ap.add_argument("--max-kv-mib", type=int, default=0, help="the stages' KV pool (default: theirs)")
     ap.add_argument("--kv-dtype", default="auto", help="the stages' --kv-dtype (auto, int8, fp8)")
+    ap.add_argument("--strategy", default="uniform",
+                    help="the controller's --strategy: uniform (default) splits the layers evenly over --stages "
+                         "stages; dp lets the planner choose (on a small model it may use fewer stages)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -117,7 +120,7 @@ def main() -> None:
     gpu_mib: list[int] = []
     with LocalMesh(args.stages, model, work / "mesh", threads=args.threads, tls=False, stage_args=stage_flags,
                    device=args.device, controller_args=("--context", str(min(n + 256, 131072)),
-                                                        "--dtype", args.dtype)) as mesh:
+                                                        "--dtype", args.dtype, "--strategy", args.strategy)) as mesh:
         addr = mesh.controller_address
         short: list = []
         long: list = []
@@ -158,13 +161,13 @@ def main() -> None:
         hf = hf_model(model)
         ref_short = hf_greedy(hf, SHORT, len(short_ids))
     result = {
-        "prompt_tokens": n, "stages": args.stages, "hidden": args.hidden, "layers": args.layers,
+        "prompt_tokens": n, "stages": args.stages, "strategy": args.strategy, "hidden": args.hidden, "layers": args.layers,
         "max_step_ms_flag": args.max_step_ms, "ttft_s": round(ttft, 2),
         "decode_tokens_during_prefill": sum(len(x[1]) for x in window),
         "max_decode_gap_ms": round(1000 * max(gaps), 1) if gaps else None,
         "median_decode_gap_ms": round(1000 * sorted(gaps)[len(gaps) // 2], 1) if gaps else None,
         "stages_steps": [
-            {"stage": i, "steps": s.steps, "rows": s.tokens, "decode_steps": s.decode_steps,
+            {"stage": i, "layers": [s.start_layer, s.end_layer], "steps": s.steps, "rows": s.tokens, "decode_steps": s.decode_steps,
              "max_decode_step_ms": round(1000 * s.max_decode_step_s, 1), "max_step_ms": round(1000 * s.max_step_s, 1),
              "decode_steps_over_bar": s.decode_steps_over_bar} for i, s in enumerate(stats)],
         "device": args.device, "shape": args.shape,

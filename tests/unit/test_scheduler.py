@@ -7,8 +7,10 @@ import pytest
 from logicpipe.errors import FailedPrecondition, ResourceExhausted
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.engine.blocks import KVManager
-from logicpipe.stage_node.engine.scheduler import Budget, Scheduler
+from logicpipe.stage_node.engine.scheduler import Budget, Scheduler, StepMsg
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
+from logicpipe.stage_node.engine.step_budget import StepClock, shape_of
+from logicpipe.tensor_codec import RawTensor
 
 
 def spec(sid: str, prompt=(1, 2, 3), capacity: int = 48, priority: int = 0) -> SeqSpec:
@@ -204,3 +206,55 @@ def test_candidates_never_evict_another_sequence():
     assert p.work.session_id == "old"
     assert (p.work.token_ids, p.work.num_candidates) == ((7,), 0)
     assert sched.seqs["old"].next_pos == 4
+
+
+def later_stage(bar_s: float) -> Scheduler:
+    sched = Scheduler(KVManager(200, 4), first=False, last=False, node_id="n", budget=Budget())
+    sched.clock = StepClock(shape_of(params=1_000_000, attention_layers=2, num_heads=4, head_dim=16, kv_bytes=512),
+                            "cpu", bar_s=bar_s)
+    return sched
+
+
+def rows(n: int) -> RawTensor:
+    return RawTensor("float32", (n, 4), bytes(16 * n))
+
+
+def queued_behind_chunks(sched: Scheduler) -> list[list[tuple[str, int, int]]]:
+    """A decoding sequence d whose next row came in the same message as a prompt's third chunk, two
+    chunks of that prompt queued before it: each step's (sequence, start, row in its part)."""
+    sched.admit(spec("d", capacity=48))
+    sched.admit(spec("p", prompt=tuple(range(40)), capacity=64))
+    sched.enqueue(StepMsg((SeqWork("d", 0, (1, 2, 3), sample=True),), rows(3)))
+    step, _ = sched.schedule()
+    sched.complete(step, set())
+    sched.enqueue(StepMsg((SeqWork("p", 0, tuple(range(8))),), rows(8)))
+    sched.enqueue(StepMsg((SeqWork("p", 8, tuple(range(8, 16))),), rows(8)))
+    third = StepMsg((SeqWork("d", 3, (9,), sample=True), SeqWork("p", 16, tuple(range(16, 24)))), rows(9))
+    sched.enqueue(third)
+    out = []
+    while sched.inbox:
+        step, failures = sched.schedule()
+        assert not failures
+        out.append([(p.seq.id, p.work.start_pos, p.row) for p in step.seqs])
+        assert all(step.parts[p.part] is third.hidden for p in step.seqs if p.work.start_pos in (3, 16))
+        sched.complete(step, set())
+    return out
+
+
+def test_a_decode_row_queued_behind_prompt_chunks_goes_first_under_the_bar():
+    """Later stages, under the step-time bar: a decoding sequence's row jumps the prompt chunks queued
+    before it (its own slices stay in order); the chunk left behind reads its rows where they are."""
+    steps = queued_behind_chunks(later_stage(0.1))
+    assert steps[0][0] == ("d", 3, 0)
+    assert [s for step in steps for s in step if s[0] == "p"] == [("p", 0, 0), ("p", 8, 0), ("p", 16, 1)]
+    # without a bar, the inbox's order
+    assert queued_behind_chunks(later_stage(0.0))[-1] == [("d", 3, 0), ("p", 16, 1)]
+
+
+def test_a_decode_row_never_passes_an_earlier_slice_of_its_own_sequence():
+    sched = later_stage(0.1)
+    sched.admit(spec("d", capacity=48))
+    sched.enqueue(StepMsg((SeqWork("d", 0, (1, 2, 3)),), rows(3)))
+    sched.enqueue(StepMsg((SeqWork("d", 3, (4,), sample=True),), rows(1)))
+    step, _ = sched.schedule()
+    assert [(p.seq.id, p.work.start_pos) for p in step.seqs] == [("d", 0)]
