@@ -310,4 +310,19 @@ class ControllerApp:
         await self.members.close()
         await self.scheduler.shutdown()
         await self.pipelines.close()
+        await self._release_stages()
         await self.journal.close()
+
+    async def _release_stages(self) -> None:
+        """Stopping as the active controller: end our lease on every stage now (StageNode.Release).
+        When every member answered, the journal's directory says so: the next controller on it (epoch
+        + 1) starts without waiting the lease out (controller.main); otherwise it waits, as after a
+        crash (an Assign refused for a live lease would make it step down)."""
+        if self.role != "active" or self.fenced or not self.pipelines.epoch:
+            return
+        addresses = list(self.members.by_address)
+        answered, released = await self.pipelines.release(addresses) if addresses else (0, 0)
+        log.info("released %d stage(s) as this controller stops (%d of %d members answered)", released, answered,
+                 len(addresses))
+        if answered == len(addresses):
+            self.journal.mark_released(self.pipelines.epoch)

@@ -319,7 +319,9 @@ async def serve(args: argparse.Namespace) -> None:
             takeover = asyncio.create_task(follow_then_take_over(), name="standby")
             return f"standby of {', '.join(peers)} (active once none of them is)"
         left = STAGE_LEASE_S + 0.3 - (time.monotonic() - STARTED)
-        if app.journal.epoch > 1 and left > 0:  # the stages' lease of our predecessor on this journal runs out first
+        if app.journal.epoch > 1 and app.journal.take_released() == app.journal.epoch - 1:
+            log.info("the previous controller released every stage as it stopped: no lease to wait for")
+        elif app.journal.epoch > 1 and left > 0:  # the stages' lease of our predecessor on this journal runs out first
             log.info("waiting %.1f s for the stages' lease of the previous controller to expire", left)
             await asyncio.sleep(left)
         await app.start(mdns_interface=args.mdns_interface)

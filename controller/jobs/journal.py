@@ -400,6 +400,20 @@ class Journal:
         with self._write_lock:
             return self._db.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
 
+    def mark_released(self, epoch: int) -> None:
+        """The controller of `epoch` released every stage it held as it stopped (journal_files.write_released)."""
+        if self.directory is None:
+            return
+        try:
+            files.write_released(self.directory, epoch)
+        except OSError as exc:
+            log.warning("could not mark the stages released in %s: %s (the next controller waits out the lease)",
+                        self.directory, exc)
+
+    def take_released(self) -> int:
+        """The epoch whose controller released its stages as it stopped, once (0: none)."""
+        return files.take_released(self.directory) if self.directory is not None else 0
+
     async def close(self) -> None:
         """Commit what is queued and let go of the file and the lock."""
         if self._flusher is not None:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 MAIN, WAL, SHM = "journal.sqlite3", "journal.sqlite3-wal", "journal.sqlite3-shm"
 EPOCH_FILE = "journal.epoch"
+RELEASED_FILE = "journal.released"  # the epoch whose controller released every stage it held as it stopped
 DAMAGED_PREFIX = "journal.damaged-"
 HEADER = b"SQLite format 3\x00"
 WAL_MAGIC = (0x377F0682, 0x377F0683)  # checksums in little-endian / big-endian words
@@ -200,3 +201,26 @@ def write_epoch(directory: Path, epoch: int) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+# ---- the released mark -------------------------------------------------------------------------
+def write_released(directory: Path, epoch: int) -> None:
+    """The controller of `epoch` stopped and ended its lease on every stage it held (Release): the
+    next one on this journal need not wait for the lease to run out (OSError when it cannot say so)."""
+    tmp = directory / f"{RELEASED_FILE}.tmp"
+    tmp.write_text(f"{epoch}\n")
+    os.replace(tmp, directory / RELEASED_FILE)
+
+
+def take_released(directory: Path) -> int:
+    """The epoch of the released mark, which is removed (0: none, or unreadable)."""
+    path = directory / RELEASED_FILE
+    try:
+        text = path.read_text()
+        path.unlink()
+    except OSError:
+        return 0
+    try:
+        return max(0, int(text.strip()))
+    except ValueError:
+        return 0

@@ -10,6 +10,8 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+import grpc
+
 from logicpipe.common.transport import Transport
 from logicpipe.controller.mesh import mirrors as kv_mirrors
 from logicpipe.controller.mesh.pipeline import (
@@ -24,6 +26,7 @@ from logicpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
+RELEASE_TIMEOUT_S = 1.0   # a stage's Release at stop (a stopping controller does not wait longer)
 AFFINITY_BLOCK = 16        # prefix lengths are taken in whole KV blocks of the stages (their default block size)
 AFFINITY_LENGTHS = (1024, 256, 64, 16)  # prefix lengths (tokens) remembered per request, longest matched first
 AFFINITY_ENTRIES = 4096    # prefixes remembered at most (least recently used forgotten first)
@@ -179,6 +182,23 @@ class PipelineSet(HoldsIdentity):
             self._affinity.move_to_end(key)
         while len(self._affinity) > AFFINITY_ENTRIES:
             self._affinity.popitem(last=False)
+
+    async def release(self, addresses: list[str]) -> tuple[int, int]:
+        """Stopping: end our lease on the stages at `addresses` now (StageNode.Release), all at once.
+        Returns (how many answered, how many we held and released); one that does not answer in
+        RELEASE_TIMEOUT_S keeps our lease until it runs out."""
+        req = stage_pb2.ReleaseRequest(controller_epoch=self.epoch, controller_id=self.owner)
+
+        async def one(address: str) -> bool | None:
+            try:
+                async with self.transport.channel(address, "stage") as ch:
+                    return (await self.stub(ch).Release(req, timeout=RELEASE_TIMEOUT_S)).released
+            except grpc.aio.AioRpcError as exc:
+                log.info("stage %s not released (%s): its lease runs out instead", address, exc.code().name)
+                return None
+
+        got = await asyncio.gather(*(one(a) for a in addresses))
+        return sum(x is not None for x in got), sum(bool(x) for x in got)
 
     async def close(self) -> None:
         if self._mirror_task is not None:

@@ -19,6 +19,7 @@ def role_host(role: str, name: str = "") -> str:
 STAGE_POLICY: dict[str, frozenset[str]] = {
     "Assign": frozenset({CONTROLLER}), "OpenSession": frozenset({CONTROLLER}), "CloseSession": frozenset({CONTROLLER}),
     "Events": frozenset({CONTROLLER}), "MeasureLink": frozenset({CONTROLLER}), "Revoked": frozenset({CONTROLLER}),
+    "Release": frozenset({CONTROLLER}),  # a holder that stops ends its lease at once
     "Stream": frozenset({CONTROLLER, STAGE}),  # the controller's prompts (stage 0) and the previous stage's steps
     "Echo": frozenset({CONTROLLER, STAGE}), "Status": frozenset({CONTROLLER, STAGE, CLIENT}),
     "SendKv": frozenset({CONTROLLER}),  # disaggregated prefill: the controller asks the prefill pipeline's stage ...

@@ -83,6 +83,7 @@ class Fence:
         self.holder: Holder | None = None
         self.revoked: frozenset[str] = frozenset()
         self.renewed = clock()  # the holder's lease runs lease_s from here (a restarted node gives it a new one)
+        self.released = False   # the holder ended its lease (Release: it stops); its next Assign holds it again
         if path is not None:
             self._load()
 
@@ -96,7 +97,7 @@ class Fence:
 
     def lease_left(self) -> float:
         """Seconds the holder's lease runs still (0: expired, or nobody holds this node)."""
-        return max(0.0, self.renewed + self.lease_s - self.clock()) if self.holder else 0.0
+        return max(0.0, self.renewed + self.lease_s - self.clock()) if self.holder and not self.released else 0.0
 
     def __contains__(self, name: str) -> bool:
         """A revoked certificate name (the server's role check asks)."""
@@ -113,7 +114,7 @@ class Fence:
             log.warning("controller %s (epoch %d, %s) takes this node over from %s (epoch %d)", controller_id,
                         epoch, caller.describe(), h.controller_id, h.epoch)
         held = Holder(caller, controller_id, max(epoch, h.epoch) if same else epoch, standby)
-        self.renewed = self.clock()
+        self.renewed, self.released = self.clock(), False
         if held != h:
             self._hold(held)
 
@@ -157,11 +158,25 @@ class Fence:
             self.renewed = self.clock()
 
     def renew(self, caller: Caller) -> bool:
-        """Status: the holder's probe renews its lease (anyone else's changes nothing)."""
+        """Status: the holder's probe renews its lease (anyone else's changes nothing; nor the
+        holder's, once it released it)."""
         h = self.holder
-        if h is None or h.caller != caller or caller.name in self:
+        if h is None or h.caller != caller or caller.name in self or self.released:
             return False
         self.renewed = self.clock()
+        return True
+
+    def release(self, caller: Caller, controller_id: str) -> bool:
+        """Release: the holder stops, and its lease ends now (the next controller of its journal, epoch
+        + 1, or its standby takes over without waiting LEASE_S). The holder and its epoch stay: every
+        rule of `may_take` holds as after an expired lease. False (nothing changes) for anyone else."""
+        self._refuse_revoked(caller)
+        h = self.holder
+        if h is None or (h.caller, h.controller_id) != (caller, controller_id):
+            return False
+        if not self.released:
+            log.info("controller %s (epoch %d) released this node: its lease ended", controller_id, h.epoch)
+        self.released = True
         return True
 
     def check_holder(self, caller: Caller, what: str) -> None:

@@ -84,6 +84,10 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         self.runtime.fence.set_revoked(names)
         return stage_pb2.RevokedReply(revoked=len(self.runtime.fence.revoked))
 
+    async def Release(self, request, context):
+        released = self.runtime.fence.release(self._caller(context), request.controller_id)
+        return stage_pb2.ReleaseReply(released=released)
+
     async def OpenSession(self, request, context):
         caller = self._caller(context)
         self.runtime.fence.check(caller, "sessions")

@@ -129,3 +129,7 @@ def test_a_controller_stopped_with_sigterm_closes_every_session(model_dir, tmp_p
         assert all(open_sessions(s) == 0 for s in mesh.stage_addresses), mesh.logs()
         # ... and the requests stay journaled: the controller started again has them, to resume
         assert mesh.restart_controller().journaled == 2, mesh.logs()
+        # it had released both stages as it stopped, so the next one waited for no lease
+        log = (mesh.workdir / "controller.log").read_text()
+        assert "released 2 stage(s) as this controller stops (2 of 2 members answered)" in log, log[-3000:]
+        assert "released every stage as it stopped: no lease to wait for" in log, log[-3000:]

@@ -157,3 +157,26 @@ def test_a_stage_started_with_no_state_dir_flag_keeps_its_fence_across_a_restart
     assert (restarted.epoch, restarted.controller_id) == (3, "a")
     with pytest.raises(Fenced):
         restarted.take(B, "b", 2)
+
+
+def test_a_holder_that_releases_ends_its_lease_now_and_only_the_holder_may():
+    """Release (a controller that stops): the next epoch takes over at once, by the same rules as
+    after an expired lease; nobody else can end the holder's lease; its own later calls do not
+    renew it; its next Assign holds the node again."""
+    f, clock = fence()
+    f.take(A, "a", 3, standby="ctl-b")
+    assert not f.release(B, "b") and not f.release(A, "other-id")  # not the holder: nothing changes
+    with pytest.raises(Fenced, match="lease"):
+        f.may_take(B, "b", 4)
+    assert f.release(A, "a") and f.lease_left() == 0
+    f.check(A, "sessions")                    # its calls while it stops renew nothing
+    assert not f.renew(A) and f.lease_left() == 0
+    with pytest.raises(Fenced, match="epoch 4"):
+        f.may_take(B, "b", 7)                 # the epoch rule stands
+    with pytest.raises(PermissionDenied):
+        f.may_take(Caller("ctl-x", "kx"), "x", 4)  # so does the certificate rule
+    f.take(A, "a", 3, standby="ctl-b")        # the holder again (its restart on the same key): a live lease
+    assert f.lease_left() == 3.0
+    f.release(A, "a")
+    f.take(B, "b", 4)                         # its standby, at once
+    assert f.holder.controller_id == "b" and f.lease_left() == 3.0

@@ -505,6 +505,20 @@ class RevokedReply(_message.Message):
     revoked: int
     def __init__(self, revoked: _Optional[int] = ...) -> None: ...
 
+class ReleaseRequest(_message.Message):
+    __slots__ = ("controller_epoch", "controller_id")
+    CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    controller_epoch: int
+    controller_id: str
+    def __init__(self, controller_epoch: _Optional[int] = ..., controller_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: bool = ...) -> None: ...
+
 class MeasureLinkReply(_message.Message):
     __slots__ = ("latency_s", "bandwidth")
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]

@@ -80,6 +80,11 @@ class StageNodeStub(object):
                 request_serializer=logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.SerializeToString,
                 response_deserializer=logicpipe_dot_v1_dot_stage__pb2.RevokedReply.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/logicpipe.v1.StageNode/Release',
+                request_serializer=logicpipe_dot_v1_dot_stage__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=logicpipe_dot_v1_dot_stage__pb2.ReleaseReply.FromString,
+                _registered_method=True)
         self.SendKv = channel.unary_unary(
                 '/logicpipe.v1.StageNode/SendKv',
                 request_serializer=logicpipe_dot_v1_dot_stage__pb2.SendKvRequest.SerializeToString,
@@ -174,6 +179,15 @@ class StageNodeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """The controller that holds this node stops (SIGTERM): its lease ends now instead of LEASE_S after
+        its last call, so the next controller on its journal (epoch + 1) or its standby takes over at once.
+        The holder and its epoch stay (the fence's rules are unchanged); only the holder may release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SendKv(self, request, context):
         """Disaggregated prefill (controller.jobs.handoff): the controller asks the stage that holds a
         prefilled session to send the KV of some of its layers to a stage of another pipeline, which
@@ -253,6 +267,11 @@ def add_StageNodeServicer_to_server(servicer, server):
                     servicer.Revoked,
                     request_deserializer=logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.FromString,
                     response_serializer=logicpipe_dot_v1_dot_stage__pb2.RevokedReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=logicpipe_dot_v1_dot_stage__pb2.ReleaseRequest.FromString,
+                    response_serializer=logicpipe_dot_v1_dot_stage__pb2.ReleaseReply.SerializeToString,
             ),
             'SendKv': grpc.unary_unary_rpc_method_handler(
                     servicer.SendKv,
@@ -519,6 +538,33 @@ class StageNode(object):
             '/logicpipe.v1.StageNode/Revoked',
             logicpipe_dot_v1_dot_stage__pb2.RevokedRequest.SerializeToString,
             logicpipe_dot_v1_dot_stage__pb2.RevokedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logicpipe.v1.StageNode/Release',
+            logicpipe_dot_v1_dot_stage__pb2.ReleaseRequest.SerializeToString,
+            logicpipe_dot_v1_dot_stage__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
