@@ -33,7 +33,7 @@ from logicpipe.stage_node.net.fence import Caller, Fence
 from logicpipe.stage_node.net.mirror import KvMirror
 from logicpipe.stage_node.engine.kv import KVPool
 from logicpipe.stage_node.engine.runner import Runner
-from logicpipe.stage_node.engine.scheduler import StepMsg
+from logicpipe.stage_node.engine.inbox import StepMsg
 from logicpipe.stage_node.engine.sequence import SeqSpec, Sequence, SeqWork
 from logicpipe.stage_node.model.shard import Shard
 from logicpipe.stage_node.engine.stats import EngineView, StageSnapshot, StageStats

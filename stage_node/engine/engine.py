@@ -28,7 +28,8 @@ from logicpipe.stage_node.model.grammar import GrammarBook
 from logicpipe.stage_node.engine.kv import KVPool
 from logicpipe.stage_node.net.links import PeerLink
 from logicpipe.stage_node.engine.runner import Launched, Runner, StepResult, execute, launch, read_tokens
-from logicpipe.stage_node.engine.scheduler import Budget, Failure, PlannedSeq, Scheduler, Step, StepMsg
+from logicpipe.stage_node.engine.inbox import StepMsg
+from logicpipe.stage_node.engine.scheduler import Budget, Failure, PlannedSeq, Scheduler, Step
 from logicpipe.stage_node.engine.sequence import SeqStatus, Sequence, SeqWork
 from logicpipe.stage_node.engine.step_budget import StepClock, shape_of
 from logicpipe.stage_node.model.shard import Shard

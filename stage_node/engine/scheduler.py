@@ -24,6 +24,7 @@ from typing import Callable
 
 from logicpipe.errors import FailedPrecondition, MeshError, NotFound, ResourceExhausted
 from logicpipe.stage_node.engine.handoff import KvImport
+from logicpipe.stage_node.engine.inbox import StepMsg, decode_first
 from logicpipe.stage_node.engine.blocks import BadWrite, KVManager, OutOfBlocks, WritePlan
 from logicpipe.stage_node.model.sampling import draw
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqStatus, Sequence, SeqWork
@@ -47,36 +48,6 @@ class _NoRoom(Exception):
 class Budget:
     max_tokens: int = 512  # token rows in one step
     max_seqs: int = 64     # sequences in one step
-
-
-@dataclass(frozen=True)
-class StepMsg:
-    """A computed step received from the previous stage."""
-
-    seqs: tuple[SeqWork, ...]
-    hidden: RawTensor  # [sum of num_tokens, hidden_size]
-    starts: tuple[int, ...] | None = None  # the row of `hidden` each of seqs starts at (None: one after another)
-
-    @property
-    def rows(self) -> int:
-        return sum(w.num_tokens for w in self.seqs)
-
-    def rows_at(self) -> dict[str, int]:
-        if self.starts is not None:
-            return {w.session_id: r for w, r in zip(self.seqs, self.starts)}
-        out, row = {}, 0
-        for w in self.seqs:
-            out[w.session_id] = row
-            row += w.num_tokens
-        return out
-
-    def split(self, keep) -> tuple[StepMsg | None, StepMsg | None]:
-        """(the message of the seqs `keep` is true of, that of the others), over the same rows."""
-        at = self.rows_at()
-        mine = [w for w in self.seqs if keep(w)]
-        rest = [w for w in self.seqs if not keep(w)]
-        part = lambda ws: StepMsg(tuple(ws), self.hidden, tuple(at[w.session_id] for w in ws)) if ws else None  # noqa: E731
-        return part(mine), part(rest)
 
 
 @dataclass(frozen=True)
@@ -387,7 +358,7 @@ class Scheduler:
         rows = nseqs = positions = held = 0
         clock = self.clock if self.clock is not None and self.clock.bar_s else None  # (no bar: rows alone)
         if clock is not None:
-            self._decode_first()
+            decode_first(self.inbox)
         while self.inbox:
             msg = self.inbox[0]
             more = sum(attended(w.start_pos, w.num_tokens, clock.shape.window) for w in msg.seqs) if clock else 0
@@ -415,32 +386,6 @@ class Scheduler:
             rows += msg.rows
             nseqs += len(msg.seqs)
         return (step if step.seqs else None), failures
-
-    def _decode_first(self) -> None:
-        """Under the step-time bar, a decode row queued behind prompt chunks goes first: a row of a
-        sequence that decodes (one token, sampled, with its candidates), in a message after the inbox's
-        first, moves to the front when no message before it holds that sequence (its slices stay in
-        order; sequences' KV are independent). Stage 0 sizes each chunk to the bar, so a later stage
-        whose steps take a little longer queues chunks; without this a decoding request's token waits
-        behind all of them (a 32k prompt: gaps of 1.8 s through three 16-core CPU stages)."""
-        if len(self.inbox) < 2:
-            return
-        ahead: set[str] = {w.session_id for w in self.inbox[0].seqs}
-        jump: list[StepMsg] = []
-        msgs = list(self.inbox)
-        for i in range(1, len(msgs)):
-            msg = msgs[i]
-            decodes = {w.session_id for w in msg.seqs
-                       if w.sample and w.num_tokens == 1 + w.num_candidates and w.session_id not in ahead}
-            ahead.update(w.session_id for w in msg.seqs)
-            if not decodes:
-                continue
-            mine, rest = msg.split(lambda w: w.session_id in decodes)
-            jump.append(mine)
-            msgs[i] = rest
-        if jump:
-            self.inbox.clear()
-            self.inbox.extend(jump + [m for m in msgs if m is not None])
 
     def _check_step(self, w: SeqWork) -> Sequence:
         s = self._open_seq(w.session_id)

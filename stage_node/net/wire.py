@@ -13,7 +13,7 @@ from logicpipe.stage_node.config import Assignment
 from logicpipe.stage_node.net.events import Event, TokenEvent
 from logicpipe.stage_node.net.fence import Caller
 from logicpipe.stage_node.engine.handoff import KvRows
-from logicpipe.stage_node.engine.scheduler import StepMsg
+from logicpipe.stage_node.engine.inbox import StepMsg
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
 from logicpipe.stage_node.engine.stats import StageSnapshot
 from logicpipe.tensor_codec import RawTensor

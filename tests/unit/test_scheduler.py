@@ -7,7 +7,8 @@ import pytest
 from logicpipe.errors import FailedPrecondition, ResourceExhausted
 from logicpipe.sampling import SamplingParams
 from logicpipe.stage_node.engine.blocks import KVManager
-from logicpipe.stage_node.engine.scheduler import Budget, Scheduler, StepMsg
+from logicpipe.stage_node.engine.inbox import StepMsg
+from logicpipe.stage_node.engine.scheduler import Budget, Scheduler
 from logicpipe.stage_node.engine.sequence import SeqSpec, SeqWork
 from logicpipe.stage_node.engine.step_budget import StepClock, shape_of
 from logicpipe.tensor_codec import RawTensor
