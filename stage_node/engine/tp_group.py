@@ -556,7 +556,18 @@ def main(argv=None) -> None:
         follow(args.rank, args.world, args.init, args.device, remote, args.model_dir)
     except Exception as exc:  # noqa: BLE001 — rank 0 gone (its broadcast fails) or a broken step: this rank ends
         log.error("tensor-parallel follower %d stops: %s", args.rank, exc)
-        sys.exit(1)
+        _exit_now(1)
+    _exit_now(0)
+
+
+def _exit_now(status: int) -> None:
+    """End the follower without the interpreter's teardown: the process group's C++ threads outlive it,
+    and their destructors at exit may call std::terminate (seen: a follower told STOP ended by SIGABRT,
+    status -6, instead of 0)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
