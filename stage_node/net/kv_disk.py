@@ -1,6 +1,6 @@
 """A stage's prefix cache kept on its own disk (issue 34, --kv-disk-mib): the full KV blocks it
 computes for its open sequences and those it adopts from KV mirrors (net.mirror) are appended to
-a store under its state directory (engine.kv_store) every MIRROR_S, as mirrors send theirs; when
+a store under its state directory (engine.kv_store) every WRITE_S, as mirrors send theirs; when
 the process starts again (a SIGKILL, a crash, a restart) and is assigned the same layers of the
 same model with the same KV format, the store is read back into the new pool's prefix cache
 before the assignment serves, so the replays the controller sends it attach their history there
@@ -26,6 +26,7 @@ from logicpipe.stage_node.net.mirror import MIRROR_S, block_slots, still_held, u
 
 log = logging.getLogger(__name__)
 
+WRITE_S = MIRROR_S         # the store takes new full blocks this often (as mirrors send theirs)
 ROUND_BYTES = 64 * 2**20   # KV bytes written per round at most (the rest next round)
 BATCH_BYTES = 8 * 2**20    # KV bytes read out of (or written into) the pool under one hold of the step lock
 ADOPTED_CAP = 1 << 14      # adopted blocks waiting to be written at most (the oldest forgotten first)
@@ -143,7 +144,7 @@ class DiskKv:
         if self.store is None:
             return
         while True:
-            await asyncio.sleep(MIRROR_S)
+            await asyncio.sleep(WRITE_S)
             try:
                 await self.round()
             except asyncio.CancelledError:
