@@ -4,9 +4,16 @@ is removed; the cap drops the oldest segments whole."""
 from __future__ import annotations
 
 import random
+from argparse import Namespace
+from pathlib import Path
+
+import torch
 
 from logicpipe.stage_node.engine.blocks import block_hash
+from logicpipe.stage_node.engine.kv import KVPool
 from logicpipe.stage_node.engine.kv_store import HEADER, KvStore, ReadStats, Record
+from logicpipe.stage_node.main import kv_disk_dir, kv_disk_mib
+from logicpipe.stage_node.net.kv_disk import block_bytes, read_block_bytes, write_block_bytes
 
 BS, KV = 4, 64  # positions per block, KV bytes per block
 KEY = {"model_digest": "abc", "start": 0, "end": 2, "block_size": BS, "kv_dtype": "torch.float32"}
@@ -93,3 +100,22 @@ def test_the_cap_drops_the_oldest_segments_whole(tmp_path):
     assert list(store.index) == kept  # the newest blocks, and the index knows which are gone
     _, got, _ = reopened(tmp_path, cap=16 * record)
     assert [r.hash for r in got] == kept
+
+
+def test_a_blocks_bytes_written_into_another_pool_are_the_same_kv():
+    a, b = (KVPool(3, 2, 8, 6, BS, dtype=torch.bfloat16) for _ in range(2))
+    a.kv.copy_(torch.randn(a.kv.shape))
+    b.kv.zero_()
+    data = read_block_bytes(a, [4, 1])
+    assert [len(d) for d in data] == [block_bytes(a)] * 2 == [3 * 2 * 2 * BS * 8 * 2] * 2
+    write_block_bytes(b, [0, 5], data)
+    for src, dst in ((4, 0), (1, 5)):
+        assert torch.equal(b.kv[:, :, :, dst * BS:(dst + 1) * BS], a.kv[:, :, :, src * BS:(src + 1) * BS])
+    assert not b.kv[:, :, :, BS:5 * BS].any()  # nothing else written
+
+
+def test_the_store_flag_defaults_to_the_pool_size_up_to_a_cap_and_lives_per_node_in_the_state_dir():
+    assert kv_disk_mib(Namespace(kv_disk_mib=None, max_kv_mib=256)) == 256
+    assert kv_disk_mib(Namespace(kv_disk_mib=None, max_kv_mib=8192)) == 1024
+    assert kv_disk_mib(Namespace(kv_disk_mib=0, max_kv_mib=8192)) == 0
+    assert kv_disk_dir(Path("/s"), "gpu-a/../b") == Path("/s/kv-gpu-a_.._b")
