@@ -112,14 +112,15 @@ class DiskKv:
                 await asyncio.to_thread(self._open_only, key, size)
         except OSError as exc:
             self.runtime.stats.kv_disk_errors += 1
-            log.error("could not read the KV store in %s (%s): starting with an empty prefix cache", self.store.dir, exc)
+            self.engine = None  # (nothing is written for this assignment either)
+            log.error("could not open the KV store in %s (%s): serving without it", self.store.dir, exc)
             return 0
         if stats.bad or stats.torn:
             log.info("KV store: skipped %d damaged block records and %d torn segment tails", stats.bad, stats.torn)
         restored = 0
         per = max(1, BATCH_BYTES // max(1, size))
         for i in range(0, len(records), per):
-            batch = records[i:i + per]
+            batch = [r for r in records[i:i + per] if len(r.tokens) == eng.kv.block_size]
             ids = eng.kv.adopt([(r.hash, r.previous, r.tokens) for r in batch])
             rows = [j for j, b in enumerate(ids) if b is not None]
             if rows:
