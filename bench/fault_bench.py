@@ -337,14 +337,15 @@ def run_takeover(model_dir: Path, work: Path) -> dict:
         mesh.stop()
 
 
-def run_replay(model_dir: Path, work: Path, history: int = 200, shape: str = "pipeline", extra: tuple = ()) -> dict:
+def run_replay(model_dir: Path, work: Path, history: int = 200, shape: str = "pipeline", extra: tuple = (),
+               stage_extra: tuple = ()) -> dict:
     """The cost of one fault's replays (issue 34): 12 requests run until each has `history` tokens on
     a 3-stage pipeline; the middle stage is SIGKILLed (and started again 2 s later). `resumed`: seconds
     from the kill until every request had a new token (the re-plan over the survivors and the
     replays); `back`: seconds from the install of the plan with the node back until every request had
     a new token (that move's replays); `pause`: the longest gap between two tokens of a request."""
     tokens = history + 150
-    with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape] + extra) as mesh:
+    with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape] + extra, stage_args=stage_extra) as mesh:
         plan = _plan_shape(mesh.controller_address)
         reqs = [Resuming([mesh.controller_address], PROMPTS[i % 4], tokens) for i in range(12)]
         deadline = time.monotonic() + 600
@@ -400,12 +401,12 @@ def _wait_resume(reqs: list[Resuming], since: float) -> float | None:
 
 
 def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.0, shape: str = "pipeline",
-              extra: tuple = ()) -> dict:
+              extra: tuple = (), stage_extra: tuple = ()) -> dict:
     """`faults` stage faults, one every `spacing` s and every 4th 0.3 s after the one before, on a
     3-stage mesh serving 12 requests long enough to outlast the storm."""
     rng = random.Random(22)
     tokens = int(faults * spacing * 9)  # ~ the storm's length at a few tokens per second per request
-    with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape] + extra) as mesh:
+    with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape] + extra, stage_args=stage_extra) as mesh:
         plan = _plan_shape(mesh.controller_address)
         reqs = [Resuming([mesh.controller_address], PROMPTS[i % 4], tokens) for i in range(12)]
         for r in reqs:
@@ -457,6 +458,7 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
                 "fault_resume_stage_up_max_s": max(served) if served else None,
                 "no_stage_up_s": round(watch.none_up_s(fault_times[0], time.monotonic()), 1) if fault_times else 0.0,
                 "load_average": watch.load(), "replay_tokens_cached": replayed, "controller_args": list(extra),
+                "stage_args": list(stage_extra),
                 "errors": sorted({r.error for r in reqs if r.error})}
 
 
@@ -473,6 +475,8 @@ def main() -> None:
                          "one stage each (--replicas 3)")
     ap.add_argument("--controller-arg", action="append", default=[], metavar="ARG",
                     help="storm and replay: one more controller flag (repeat it), e.g. --controller-arg=--kv-mirror=off")
+    ap.add_argument("--stage-arg", action="append", default=[], metavar="ARG",
+                    help="storm and replay: one more flag of every stage (repeat it), e.g. --stage-arg=--kv-disk-mib=0")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep each mesh's work dir (its logs) here instead of a temporary one")
     args = ap.parse_args()
@@ -492,10 +496,10 @@ def main() -> None:
                 rows.append(run_takeover(model_dir, work))
             elif name == "storm":
                 rows.append(run_storm(model_dir, work, spacing=args.spacing, shape=args.shape,
-                                      extra=tuple(args.controller_arg)))
+                                      extra=tuple(args.controller_arg), stage_extra=tuple(args.stage_arg)))
             elif name == "replay":
                 rows.append(run_replay(model_dir, work, history=args.history, shape=args.shape,
-                                       extra=tuple(args.controller_arg)))
+                                       extra=tuple(args.controller_arg), stage_extra=tuple(args.stage_arg)))
             else:
                 raise SystemExit(f"--faults: no fault {name!r}")
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

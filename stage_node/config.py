@@ -46,6 +46,9 @@ class StageOptions:
     swap_bytes: int = 0                  # --swap-mib: where a preempted sequence's KV waits for its replay, bytes
                                          # (engine.swap; 0: none, the replay computes it again)
     swap_dir: str = ""                   # --swap-dir: ... in files there ("": host memory)
+    kv_disk_bytes: int = 0               # --kv-disk-mib: the prefix cache kept on disk at most, bytes (net.kv_disk;
+                                         # 0: off), in kv_disk_dir
+    kv_disk_dir: str = ""                # ... the node's store directory (under --state-dir; "": off)
     min_step_s: float = 0.0              # --min-step-ms: a step takes at least this long (0: as long as it takes)
     step_bar_s: float = 0.1              # --max-step-ms: stage 0 sizes prompt chunks so that a step (its decode
                                          # rows and a chunk) stays under this, s, by engine.step_budget (0: off)

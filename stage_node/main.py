@@ -60,6 +60,7 @@ log = logging.getLogger("logicpipe.stage")
 
 SERVICE_NAME = "logicpipe.v1.StageNode"
 PROG = "logicpipe-stage"
+KV_DISK_DEFAULT_MIB = 1024  # --kv-disk-mib's default at most (the KV pool's size below that)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "state directory)")
     ap.add_argument("--state-dir", default=None,
                     help="where the node keeps its identity, its fence (the controller that holds it and its epoch, "
-                         "kept across restarts) and pulled weights (default $STATE_DIRECTORY, else "
+                         "kept across restarts), pulled weights and its prefix cache (--kv-disk-mib) (default $STATE_DIRECTORY, else "
                          "$XDG_STATE_HOME/logicpipe, else ~/.local/state/logicpipe)")
     ap.add_argument("--controller", default=None, metavar="HOST:PORT", type=address_flag(CONTROLLER_PORT),
                     help="register with this controller (networks without multicast; mDNS needs no flag; a HOST "
@@ -129,6 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "whose pool already is host memory, or --max-kv-mib with --swap-dir; not with --tp")
     ap.add_argument("--swap-dir", default="", metavar="DIR",
                     help="keep the swap space in files in DIR (a disk) instead of host memory (meant for CPU stages)")
+    ap.add_argument("--kv-disk-mib", type=int, default=None, metavar="MIB",
+                    help="keep this stage's prefix cache (the full KV blocks it computes and those KV mirrors give "
+                         "it) on disk under --state-dir, at most MIB (the oldest dropped first), and read it back "
+                         "when the node starts again with the same layers, so a restarted stage's replays attach "
+                         "their history instead of computing it (float KV only; 0: off; default: --max-kv-mib, at "
+                         f"most {KV_DISK_DEFAULT_MIB})")
     ap.add_argument("--max-step-tokens", type=int, default=512,
                     help="token rows in one step: decode rows plus prefill chunks (default %(default)s)")
     ap.add_argument("--max-step-seqs", type=int, default=None,
@@ -224,6 +231,17 @@ def swap_mib(args: argparse.Namespace, device: str, host_bytes: int) -> int:
     return args.max_kv_mib if args.swap_dir else 0
 
 
+def kv_disk_mib(args: argparse.Namespace) -> int:
+    """The prefix cache kept on disk, MiB (net.kv_disk): --kv-disk-mib, else the KV pool's size up to
+    KV_DISK_DEFAULT_MIB."""
+    return args.kv_disk_mib if args.kv_disk_mib is not None else min(args.max_kv_mib, KV_DISK_DEFAULT_MIB)
+
+
+def kv_disk_dir(state_dir: Path, node_id: str) -> Path:
+    """Where a node keeps its prefix cache: one store per node id in its state directory."""
+    return state_dir / ("kv-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in node_id))
+
+
 def torch_cuda_count() -> int:
     return torch.cuda.device_count()
 
@@ -253,6 +271,8 @@ async def serve(args: argparse.Namespace) -> None:
     ranks = args.tp_max or args.tp  # the most ranks the stage may run
     if args.kv_dtype != "auto" and ranks > 1:
         raise SystemExit(f"--kv-dtype {args.kv_dtype}: tensor-parallel stages (--tp, --tp-max) keep float KV only")
+    if args.kv_disk_mib is not None and args.kv_disk_mib < 0:
+        raise SystemExit("--kv-disk-mib must be 0 (off) or more")
     if args.swap_mib is not None and args.swap_mib < 0:
         raise SystemExit("--swap-mib must be 0 (none) or more")
     if args.swap_mib and ranks > 1:
@@ -348,7 +368,8 @@ async def serve(args: argparse.Namespace) -> None:
                            tp_threads=args.threads, tp_port=tp_port,
                            replay_rows=args.replay_rows == "on", window_kv=args.window_kv == "on",
                            kv_context=max(1, args.kv_context), kv_dtype=args.kv_dtype,
-                           swap_bytes=swap_mib(args, device, host_memory_bytes()) * 2**20, swap_dir=args.swap_dir)
+                           swap_bytes=swap_mib(args, device, host_memory_bytes()) * 2**20, swap_dir=args.swap_dir,
+                           kv_disk_bytes=kv_disk_mib(args) * 2**20, kv_disk_dir=str(kv_disk_dir(state_dir, node_id)))
     runtime = StageRuntime(node_id, device, transport=transport, options=options, runner=runner, pull_root=state_dir / "models",
                            local_model_dir=args.model_dir, fence_path=fence_file(state_dir, node_id))
     servicer = StageNodeServicer(runtime, transport, profile, await runner.call(compute_id, device))

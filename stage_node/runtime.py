@@ -30,6 +30,7 @@ from logicpipe.stage_node.engine.draft_model import DraftModel, DraftModelError
 from logicpipe.stage_node.engine.engine import Engine
 from logicpipe.stage_node.net.events import EventHub
 from logicpipe.stage_node.net.fence import Caller, Fence
+from logicpipe.stage_node.net.kv_disk import DiskKv
 from logicpipe.stage_node.net.mirror import KvMirror
 from logicpipe.stage_node.engine.kv import KVPool
 from logicpipe.stage_node.engine.runner import Runner
@@ -75,13 +76,17 @@ class StageRuntime:
         self._assign_lock = asyncio.Lock()
         self._step_lock = asyncio.Lock()  # held while a step computes (a re-assignment waits for it)
         self.mirror = KvMirror(self)  # KV blocks copied to other pipelines' stages, and taken from theirs
+        self.kv_disk = DiskKv(self, Path(options.kv_disk_dir) if options.kv_disk_dir else None,
+                              options.kv_disk_bytes)  # the prefix cache kept on disk, read back at a restart
         self.member: Member | None = None  # a member of another node's stage (its follower process)
         self._member_tasks: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        for coro, name in ((self._loop(), "stage-loop"), (self._janitor(), "stage-janitor"),
-                           (self.mirror.run(), "kv-mirror")):
+        jobs = [(self._loop(), "stage-loop"), (self._janitor(), "stage-janitor"), (self.mirror.run(), "kv-mirror")]
+        if self.kv_disk.on:
+            jobs.append((self.kv_disk.run(), "kv-disk"))
+        for coro, name in jobs:
             task = asyncio.create_task(coro, name=name)
             self._tasks.add(task)
 
@@ -174,6 +179,8 @@ class StageRuntime:
                         log.exception("could not keep the KV of the previous range; starting with an empty pool")
                         kv = None
                 self.engine = self._new_engine(a, shard, pool, kv, model_dir, stream_key)
+                # a new pool takes what this node's disk holds of these layers before it serves (net.kv_disk)
+                await self.kv_disk.restore(self.engine, fresh=kv is None)
             if old is not None:
                 await old.close_links()
             self.state = NodeState.READY

@@ -43,6 +43,10 @@ class StageStats:
     mirrored_out_blocks: int = 0
     mirrored_in_blocks: int = 0
     mirror_errors: int = 0
+    # the prefix cache kept on disk (net.kv_disk): blocks written, blocks read back at a restart, failed reads/writes
+    kv_disk_written_blocks: int = 0
+    kv_disk_restored_blocks: int = 0
+    kv_disk_errors: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import grpc
 
 from logicpipe.common.discovery import Advertiser
 from logicpipe.common.transport import Transport
+from logicpipe.stage_node.net.mirror import FLUSH_S
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,16 @@ class StageMembership:
     async def leave(self) -> None:
         """SIGTERM: withdraw the mDNS record, then ask the controller to move our sequences away
         (it answers once they run elsewhere, or at once if we serve no plan). First the KV mirrors get
-        what they lack (net.mirror): the sequences replay there from those copies."""
+        what they lack (net.mirror): the sequences replay there from those copies; and the node's disk
+        store its last blocks."""
         try:
             await self.runtime.mirror.flush()
         except Exception:  # noqa: BLE001 — a mirror not flushed only costs the replays their speed
             log.exception("could not send the KV mirrors what they lack before leaving")
+        try:  # ... and the node's own disk the blocks of the last round (net.kv_disk), read back when it restarts
+            await asyncio.wait_for(self.runtime.kv_disk.round(), FLUSH_S)
+        except Exception:  # noqa: BLE001 — the same: only the replays' speed
+            log.exception("could not write the last KV blocks to disk before leaving")
         self.runtime.stopping = True
         if self._register_task is not None:
             self._register_task.cancel()

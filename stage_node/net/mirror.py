@@ -87,6 +87,35 @@ def write_blocks(pool, block_ids, block_size: int, kv: RawTensor, rows) -> None:
     pool.kv.index_copy_(3, block_slots(block_ids, block_size).to(pool.kv.device), x.to(pool.kv.device, pool.kv.dtype))
 
 
+def unsent_blocks(eng, have, cap: int) -> list[tuple]:
+    """(sequence, block id, index, hash, previous hash or None, tokens) of the full blocks of the
+    open sequences whose hash is not in `have`, each sequence's in order, at most `cap` (the KV
+    mirrors' sender and the node's disk store, net.kv_disk)."""
+    kv, bs = eng.kv, eng.kv.block_size
+    out, seen = [], set()
+    for sid, table in list(kv.tables.items()):
+        for i in range(min(table.length // bs, len(table.hashes), len(table.blocks))):
+            h, b = table.hashes[i], table.blocks[i]
+            if h in have or h in seen:
+                continue
+            if b == HOLE:
+                break
+            seen.add(h)
+            out.append((sid, b, i, h, table.hashes[i - 1] if i else None, tuple(table.tokens[i * bs:(i + 1) * bs])))
+            if len(out) >= cap:
+                return out
+    return out
+
+
+def still_held(eng, x) -> bool:
+    """Block `x` (an unsent_blocks entry) is still that sequence's, with that hash, and full (a step
+    may have rolled it back since it was listed)."""
+    sid, b, i, h = x[:4]
+    table = eng.kv.tables.get(sid)
+    return (table is not None and i < len(table.blocks) and table.blocks[i] == b and i < len(table.hashes)
+            and table.hashes[i] == h and (i + 1) * eng.kv.block_size <= table.length)
+
+
 class KvMirror:
     """One stage node's mirror: its targets (sender) and the key it takes blocks with (receiver)."""
 
@@ -179,7 +208,7 @@ class KvMirror:
         async with rt._step_lock:
             if eng.retired or rt.engine is not eng:
                 return 0
-            todo = [x for x in todo if self._still(eng, x)]  # (a step may have rolled one back meanwhile)
+            todo = [x for x in todo if still_held(eng, x)]  # (a step may have rolled one back meanwhile)
             if not todo:
                 return 0
             kv = await rt.runner.call(read_blocks, eng.pool, [x[1] for x in todo], bs)
@@ -207,30 +236,8 @@ class KvMirror:
         return len(kv.data)
 
     def _unsent(self, eng, t: Target) -> list[tuple]:
-        """(sequence, block id, index, hash, previous hash or None, tokens) of the full blocks of the
-        open sequences that `t` has not taken, each sequence's in order, at most MESSAGE_BYTES."""
-        kv, bs = eng.kv, eng.kv.block_size
         cap = min(MAX_BLOCKS, max(1, MESSAGE_BYTES // max(1, eng.pool.block_bytes)))
-        out, seen = [], set()
-        for sid, table in list(kv.tables.items()):
-            for i in range(min(table.length // bs, len(table.hashes), len(table.blocks))):
-                h, b = table.hashes[i], table.blocks[i]
-                if h in t.sent or h in seen:
-                    continue
-                if b == HOLE:
-                    break
-                seen.add(h)
-                out.append((sid, b, i, h, table.hashes[i - 1] if i else None, tuple(table.tokens[i * bs:(i + 1) * bs])))
-                if len(out) >= cap:
-                    return out
-        return out
-
-    @staticmethod
-    def _still(eng, x) -> bool:
-        sid, b, i, h = x[:4]
-        table = eng.kv.tables.get(sid)
-        return (table is not None and i < len(table.blocks) and table.blocks[i] == b and i < len(table.hashes)
-                and table.hashes[i] == h and (i + 1) * eng.kv.block_size <= table.length)
+        return unsent_blocks(eng, t.sent, cap)
 
     # ---- receiver (PutBlocks) --------------------------------------------------------------------
     async def put(self, req: stage_pb2.PutBlocksRequest) -> stage_pb2.PutBlocksReply:
@@ -270,4 +277,5 @@ class KvMirror:
             if rows:
                 await rt.runner.call(write_blocks, pool, [ids[j] for j in rows], bs, kv, rows)
         rt.stats.mirrored_in_blocks += len(rows)
+        rt.kv_disk.note_adopted([entries[j] for j in rows])  # kept on this stage's disk too (net.kv_disk)
         return stage_pb2.PutBlocksReply(taken=len(rows), held=n - len(rows), incarnation=self.incarnation(eng))

@@ -207,6 +207,7 @@ class StageNodeServicer(stage_pb2_grpc.StageNodeServicer):
         reply.stale_steps, reply.replay_rows_resumed, reply.replay_layers_skipped = \
             st.stale_steps, st.replay_rows_resumed, st.replay_layers_skipped
         reply.mirror_targets = len(self.runtime.mirror.targets)
+        reply.kv_disk_bytes = self.runtime.kv_disk.bytes
         return reply
 
     async def Echo(self, request, context):

@@ -212,7 +212,9 @@ def status_reply(snap: StageSnapshot, *, profile, compute_id: str, version: str)
         max_step_s=st.max_step_s, decode_steps=st.decode_steps, max_decode_step_s=st.max_decode_step_s,
         decode_steps_over_bar=st.decode_steps_over_bar, step_bar_s=snap.step_bar_s, tp_port=snap.tp_port,
         tp_leader=snap.tp_leader, mirrored_out_blocks=st.mirrored_out_blocks,
-        mirrored_in_blocks=st.mirrored_in_blocks, mirror_errors=st.mirror_errors)
+        mirrored_in_blocks=st.mirrored_in_blocks, mirror_errors=st.mirror_errors,
+        kv_disk_written_blocks=st.kv_disk_written_blocks, kv_disk_restored_blocks=st.kv_disk_restored_blocks,
+        kv_disk_errors=st.kv_disk_errors)
     e = snap.engine
     if e is not None:
         reply.model_dir, reply.model_digest, reply.plan_id = e.model_dir, e.model_digest, e.plan_id

@@ -8,6 +8,7 @@ A [0, 2) -> [2, 4) and B the same."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -21,6 +22,7 @@ from logicpipe.controller.mesh.pipeline import StageAssignment
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState, Phase
 from logicpipe.sampling import SamplingParams
+from logicpipe.stage_node.net import kv_disk as kv_disk_module
 from logicpipe.stage_node.net import mirror as mirror_module
 from logicpipe.tensor_codec import encode
 from logicpipe.v1 import stage_pb2
@@ -108,6 +110,65 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                 await expect_status(pb.stages[0].stub.SetMirror(stage_pb2.SetMirrorRequest(
                     targets=[a0.address], key="k" * 32, generation=pb.generation + 1), timeout=RPC_TIMEOUT_S),
                     grpc.StatusCode.FAILED_PRECONDITION, "stale")
+            finally:
+                await sched.shutdown()
+                await pipelines.close()
+
+    asyncio.run(asyncio.wait_for(main(), 180))
+
+
+def test_a_stage_started_again_reads_its_prefix_cache_from_disk_and_the_replay_attaches_it(tiny_model, hf, monkeypatch,
+                                                                                           tmp_path):
+    monkeypatch.setattr(kv_disk_module, "WRITE_S", 0.05)
+    prompt = [random.Random(35).randrange(TINY_VOCAB) for _ in range(37)]
+    want = hf_greedy(hf, prompt, NEW)
+    disk = {name: dict(kv_disk_bytes=2**26, kv_disk_dir=str(tmp_path / f"kv-{name}"), min_step_s=0.01)
+            for name in ("s0", "s1")}
+    digest, path = model_digest(tiny_model.path), str(tiny_model.path)
+
+    async def main():
+        async with contextlib.AsyncExitStack() as again, contextlib.AsyncExitStack() as first:
+            a0 = await first.enter_async_context(stage_node("s0", **disk["s0"]))
+            a1 = await first.enter_async_context(stage_node("s1", **disk["s1"]))
+            sched = None
+            pipelines = PipelineSet(PLAINTEXT, lambda ev: sched.on_event(ev), lambda address, why: None)
+
+            async def install(s0, s1):
+                p = pipelines.new()
+                await p.install(path, digest, TINY_LAYERS, [StageAssignment(s0.address, 0, 2),
+                                                            StageAssignment(s1.address, 2, TINY_LAYERS)], micro_batches=1)
+                return p
+            pa = await install(a0, a1)
+            pipelines.replace([pa])
+            state = MeshState()
+            state.set(Phase.READY)
+            sched = Scheduler(pipelines, state, SchedulerConfig(TINY_CONTEXT, frozenset(), TINY_VOCAB, speculate=0))
+            try:
+                tokens = []
+                async with sched.submit(Job(tuple(prompt), NEW, SamplingParams(), ignore_eos=True)) as handle:
+                    async for u in handle:
+                        tokens.append(u.token_id)
+                        if len(tokens) != MOVE_AT:
+                            continue
+                        # both stages wrote the request's first 3 blocks (positions [0, 48)) to their disks
+                        await until(lambda: min(a0.runtime.stats.kv_disk_written_blocks,
+                                                a1.runtime.stats.kv_disk_written_blocks) >= 3, what="the disk writes")
+                        await first.aclose()  # A's stages gone, with no flush (as a SIGKILL)
+                        seg = sorted((tmp_path / "kv-s0").glob("seg-*.kv"))[-1]
+                        seg.write_bytes(seg.read_bytes() + b"LPKB" + b"\1" * 20)  # ... and a torn record at the tail
+                        b0 = await again.enter_async_context(stage_node("s0", **disk["s0"]))
+                        b1 = await again.enter_async_context(stage_node("s1", **disk["s1"]))
+                        pb = await install(b0, b1)  # started again: the blocks are read back before they serve
+                        assert b0.runtime.stats.kv_disk_restored_blocks >= 3
+                        assert b1.runtime.stats.kv_disk_restored_blocks >= 3
+                        pipelines.replace([pb])
+                        pa.retired = True
+                        sched.detach([pa])
+                st = await b0.stub.Status(stage_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
+                assert st.kv_disk_restored_blocks >= 3 and st.kv_disk_bytes > 0 and st.kv_disk_errors == 0
+                assert tokens == want, "greedy tokens differ from transformers'"
+                assert sched.stats.replays == 1 and sched.stats.replay_cached_tokens >= 48, \
+                    (sched.stats.replays, sched.stats.replay_cached_tokens)
             finally:
                 await sched.shutdown()
                 await pipelines.close()
