@@ -194,7 +194,7 @@ def test_unit_is_a_notify_service_with_watchdog_state_and_hardening(kind):
         "Type": "notify", "NotifyAccess": "main", "WatchdogSec": "30",
         # the controller restarts whatever its exit: a replaced one exits 75 to come back as the standby
         "Restart": {"controller": "always", "stage": "on-failure"}[kind],
-        "RestartSec": {"controller": "1", "stage": "3"}[kind], "StateDirectory": "logicpipe", "CacheDirectory": "logicpipe",
+        "RestartSec": "1", "StateDirectory": "logicpipe", "CacheDirectory": "logicpipe",
         "RestartPreventExitStatus": "2",  # a start-up mistake (one line naming the fix) is not retried
         "NoNewPrivileges": "true", "ProtectSystem": "strict", "ProtectHome": "true", "PrivateTmp": "true",
         "ReadOnlyPaths": "/opt/logicpipe", "TimeoutStopSec": {"controller": "20", "stage": "40"}[kind],
@@ -333,3 +333,11 @@ def test_units_score_ok_in_systemd_analyze_security(tmp_path, case):
     # the drop-in was read: the GPU stage has the host's devices and one supplementary group
     gpu_marks = ("Service potentially has access to hardware devices", "Service runs with supplementary groups")
     assert all((mark in report) == (case == "stage+gpu") for mark in gpu_marks), report
+
+
+def test_a_stage_comes_back_a_second_after_a_crash_and_is_never_given_up_on():
+    """A restarted stage reads its KV back from disk; each second of its restart is a second its
+    replays wait (issue 34). systemd's start limit (5 starts in 10 s) would stop a node restarted
+    every second for good, so the stage's unit has none."""
+    d = directives(UNITS["stage"].read_text())
+    assert d["RestartSec"] == "1" and d["StartLimitIntervalSec"] == "0"
