@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from logicpipe.stage_node.engine import handoff
 from logicpipe.stage_node.engine.kv_store import KvStore, ReadStats, Record
-from logicpipe.stage_node.net.mirror import MIRROR_S, block_slots, still_held, unsent_blocks
+from logicpipe.stage_node.net.mirror import MIRROR_S, block_slots, still_held, unsent_blocks, why_not_movable
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +78,6 @@ class DiskKv:
         """The store's bytes on disk now (0: off)."""
         return self.store.bytes if self.store is not None else 0
 
-    def _why_not(self, eng) -> str:
-        return handoff.movable(eng.pool, states=eng.pool.states is not None,
-                               tensor_parallel=self.runtime.options.tp is not None)
-
     def note_adopted(self, entries) -> None:
         """Blocks a mirror gave this stage's cache ((hash, previous or None, tokens)): kept on disk too."""
         if self.store is None:
@@ -96,7 +91,7 @@ class DiskKv:
     async def restore(self, eng, fresh: bool) -> int:
         """Bind the store to `eng`'s key; when `fresh` (a new, empty pool) and the store holds blocks of
         that key, adopt them into its prefix cache. Returns the blocks restored."""
-        if self.store is None or self._why_not(eng):
+        if self.store is None or why_not_movable(self.runtime, eng):
             self.engine = None
             return 0
         if self.engine is not None and not fresh and store_key(self.engine, self.runtime.device) == \

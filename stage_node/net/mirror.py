@@ -87,6 +87,12 @@ def write_blocks(pool, block_ids, block_size: int, kv: RawTensor, rows) -> None:
     pool.kv.index_copy_(3, block_slots(block_ids, block_size).to(pool.kv.device), x.to(pool.kv.device, pool.kv.dtype))
 
 
+def why_not_movable(runtime, eng) -> str:
+    """Why `eng`'s KV blocks cannot be copied out of its pool and into another ("" when they can):
+    handoff.movable on this node (the KV mirrors and the node's disk store, net.kv_disk)."""
+    return handoff.movable(eng.pool, states=eng.pool.states is not None, tensor_parallel=runtime.options.tp is not None)
+
+
 def unsent_blocks(eng, have, cap: int) -> list[tuple]:
     """(sequence, block id, index, hash, previous hash or None, tokens) of the full blocks of the
     open sequences whose hash is not in `have`, each sequence's in order, at most `cap` (the KV
@@ -145,8 +151,7 @@ class KvMirror:
         return len(self.targets)
 
     def _why_not(self, eng) -> str:
-        return handoff.movable(eng.pool, states=eng.pool.states is not None,
-                               tensor_parallel=self.runtime.options.tp is not None)
+        return why_not_movable(self.runtime, eng)
 
     def incarnation(self, eng) -> str:
         """Names the prefix cache the blocks went into: another after a restart or a new pool."""

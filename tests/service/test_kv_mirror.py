@@ -41,6 +41,14 @@ NEW = 40
 MOVE_AT = 20  # tokens received when the request is moved
 
 
+async def install(pipelines: PipelineSet, model_path, s0, s1):
+    """A new pipeline of `pipelines` over stages s0 (layers [0, 2)) and s1 (the rest), installed."""
+    p = pipelines.new()
+    await p.install(str(model_path), model_digest(model_path), TINY_LAYERS,
+                    [StageAssignment(s0.address, 0, 2), StageAssignment(s1.address, 2, TINY_LAYERS)], micro_batches=1)
+    return p
+
+
 async def until(check, within: float = 30.0, what: str = "") -> None:
     deadline = time.monotonic() + within
     while not check():
@@ -58,11 +66,8 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                 stage_node("b0", min_step_s=0.01) as b0, stage_node("b1", min_step_s=0.01) as b1:
             sched = None
             pipelines = PipelineSet(PLAINTEXT, lambda ev: sched.on_event(ev), lambda address, why: None)
-            pa, pb = pipelines.new(), pipelines.new()
-            digest, path = model_digest(tiny_model.path), str(tiny_model.path)
-            for p, (s0, s1) in ((pa, (a0, a1)), (pb, (b0, b1))):
-                await p.install(path, digest, TINY_LAYERS, [StageAssignment(s0.address, 0, 2),
-                                                            StageAssignment(s1.address, 2, TINY_LAYERS)], micro_batches=1)
+            digest = model_digest(tiny_model.path)
+            pa, pb = await install(pipelines, tiny_model.path, a0, a1), await install(pipelines, tiny_model.path, b0, b1)
             pipelines.replace([pa, pb])
             await pipelines._mirror_task
             assert pipelines.mirror_of(pa) is pb and pipelines.mirror_of(pb) is pa
@@ -124,7 +129,6 @@ def test_a_stage_started_again_reads_its_prefix_cache_from_disk_and_the_replay_a
     want = hf_greedy(hf, prompt, NEW)
     disk = {name: dict(kv_disk_bytes=2**26, kv_disk_dir=str(tmp_path / f"kv-{name}"), min_step_s=0.01)
             for name in ("s0", "s1")}
-    digest, path = model_digest(tiny_model.path), str(tiny_model.path)
 
     async def main():
         async with contextlib.AsyncExitStack() as again, contextlib.AsyncExitStack() as first:
@@ -132,13 +136,7 @@ def test_a_stage_started_again_reads_its_prefix_cache_from_disk_and_the_replay_a
             a1 = await first.enter_async_context(stage_node("s1", **disk["s1"]))
             sched = None
             pipelines = PipelineSet(PLAINTEXT, lambda ev: sched.on_event(ev), lambda address, why: None)
-
-            async def install(s0, s1):
-                p = pipelines.new()
-                await p.install(path, digest, TINY_LAYERS, [StageAssignment(s0.address, 0, 2),
-                                                            StageAssignment(s1.address, 2, TINY_LAYERS)], micro_batches=1)
-                return p
-            pa = await install(a0, a1)
+            pa = await install(pipelines, tiny_model.path, a0, a1)
             pipelines.replace([pa])
             state = MeshState()
             state.set(Phase.READY)
@@ -158,7 +156,7 @@ def test_a_stage_started_again_reads_its_prefix_cache_from_disk_and_the_replay_a
                         seg.write_bytes(seg.read_bytes() + b"LPKB" + b"\1" * 20)  # ... and a torn record at the tail
                         b0 = await again.enter_async_context(stage_node("s0", **disk["s0"]))
                         b1 = await again.enter_async_context(stage_node("s1", **disk["s1"]))
-                        pb = await install(b0, b1)  # started again: the blocks are read back before they serve
+                        pb = await install(pipelines, tiny_model.path, b0, b1)  # started again: the blocks are read back before they serve
                         assert b0.runtime.stats.kv_disk_restored_blocks >= 3
                         assert b1.runtime.stats.kv_disk_restored_blocks >= 3
                         pipelines.replace([pb])
