@@ -172,11 +172,16 @@ def _bind_errno(host: str, port: str) -> int | None:
     return first
 
 
+def is_free(address: str) -> bool:
+    """Whether `address` (HOST:PORT; port 0: any) can be listened on now."""
+    host, _, port = address.rpartition(":")
+    return not int(port or 0) or _bind_errno(host.strip("[]"), port) is None
+
+
 def check_free(address: str, flag: str, prog: str) -> None:
     """SystemExit now, before a slow start (a model to load, a benchmark), when `address` cannot be
     listened on; the real bind later says so again should another process take it meanwhile."""
-    host, _, port = address.rpartition(":")
-    if int(port or 0) and _bind_errno(host.strip("[]"), port) is not None:
+    if not is_free(address):
         raise SystemExit(cannot_listen(address, flag, prog))
 
 

@@ -54,6 +54,7 @@ from logicpipe.stage_node.engine.tp_group import Leader, free_port, serve_store 
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
+from logicpipe.stage_node.net.spare import ServingLock, lock_path, take_node  # noqa: E402
 from logicpipe.v1 import stage_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("logicpipe.stage")
@@ -152,6 +153,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "model per row and per attended key position, corrected by its measured steps "
                          "(default %(default)s; 0: chunks by --max-step-tokens and the controller alone)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
+    ap.add_argument("--spare", action="store_true",
+                    help="start as this node's spare: when another process serves it (the same --state-dir and "
+                         "node id), do the start-up's slow part now (imports, kernel timing, profile), wait, and "
+                         "serve the moment that process ends, however it ends, instead of after a restart's start-up "
+                         "(run it beside the node with the same flags; whoever restarts the ended one makes it the "
+                         "next spare: docs/deploy.md#a-spare-process). Not with --tp / --tp-max / --tp-port")
     ap.add_argument("--quantize", default="none", choices=list(QUANT_CHOICES),
                     help="hold this stage's layers quantized: int4 or int8 (CPU: the native kernels or torch's "
                          "packed ones, whichever is faster here, timed at start; LOGICPIPE_CPU_KERNEL=native|torch "
@@ -251,7 +258,8 @@ def cuda_available() -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    check_free(args.listen, "--listen", PROG)  # before the device is probed and measured
+    if not args.spare:  # (a spare's port is its node's serving process's until that one ends)
+        check_free(args.listen, "--listen", PROG)  # before the device is probed and measured
     for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:  # (None: --max-step-seqs by device)
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
@@ -269,6 +277,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--tp-max {args.tp_max} with --tp {args.tp}: give one of them (--tp fixes the width, "
                          "--tp-max lets the plan choose it)")
     ranks = args.tp_max or args.tp  # the most ranks the stage may run
+    if args.spare and (ranks > 1 or args.tp_port):
+        raise SystemExit("--spare with --tp, --tp-max or --tp-port: a tensor-parallel node has no spare process yet")
     if args.kv_dtype != "auto" and ranks > 1:
         raise SystemExit(f"--kv-dtype {args.kv_dtype}: tensor-parallel stages (--tp, --tp-max) keep float KV only")
     if args.kv_disk_mib is not None and args.kv_disk_mib < 0:
@@ -359,6 +369,12 @@ async def serve(args: argparse.Namespace) -> None:
         # its sliding-window layers keep every position (a tensor-parallel stage's ranks hold no windows
         # yet: Shard.hold_windows): the planner counts them as full layers, never a window's bytes
         profile = dataclasses.replace(profile, full_sliding_kv=True)
+    # one process serves the node; the fence and the KV disk store below are read as the one before left them
+    serving = ServingLock(lock_path(state_dir, node_id))
+    try:
+        await take_node(serving, node_id, args.listen, spare=args.spare, prog=PROG)
+    except OSError as exc:  # (a file system without flock)
+        raise SystemExit(f"--state-dir: cannot lock {serving.path}: {exc}") from None
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            min_step_s=max(0.0, args.min_step_ms) / 1000, step_bar_s=max(0.0, args.max_step_ms) / 1000,

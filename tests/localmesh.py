@@ -149,26 +149,41 @@ class LocalMesh:
     def start_stage(self, i: int, address: str | None = None, *extra: str, prefix: tuple[str, ...] = ()) -> str:
         """Start stage process `stage{i}` (on `address`, else a free port) and wait until it serves.
         `prefix`: what its command line runs under (tests.netns: `ip netns exec NS`)."""
-        addr, proc, log = self._spawn_stage(i, address, *extra, prefix=prefix)
+        addr, proc, log = self.spawn_stage(i, address, *extra, prefix=prefix)
         wait_serving(addr, proc, log, transport=self.transport)
         return addr
 
     def start_stages(self, extra: dict[int, tuple[str, ...]] | None = None) -> list[str]:
         """Start stages 0..n_stages-1 all at once (their start-ups overlap) and wait until every
         one serves; their addresses in order."""
-        started = [self._spawn_stage(i, None, *(extra or {}).get(i, ())) for i in range(self.n_stages)]
+        started = [self.spawn_stage(i, None, *(extra or {}).get(i, ())) for i in range(self.n_stages)]
         for addr, proc, log in started:
             wait_serving(addr, proc, log, transport=self.transport)
         return [addr for addr, _, _ in started]
 
-    def _spawn_stage(self, i: int, address: str | None, *extra: str,
-                     prefix: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen, Path]:
+    def start_spare(self, i: int, *extra: str) -> subprocess.Popen:
+        """Start `stage{i}-spare`: stage i's own flags (its address, node id, state directory) and --spare.
+        It starts up, waits until stage{i}'s process ends, then serves in its place (promote_spare)."""
+        _, proc, _ = self.spawn_stage(i, self.stage_addresses[i], *self.stage_extra.get(i, ()), "--spare", *extra,
+                                       name=f"stage{i}-spare")
+        return proc
+
+    def promote_spare(self, i: int) -> subprocess.Popen:
+        """Once stage{i}'s process has ended: its spare is `stage{i}` from now on, waited for until it serves."""
+        proc = self.procs.pop(f"stage{i}-spare")
+        self.procs[f"stage{i}"] = proc
+        wait_serving(self.stage_addresses[i], proc, self.workdir / f"stage{i}-spare.log", transport=self.transport)
+        return proc
+
+    def spawn_stage(self, i: int, address: str | None, *extra: str, prefix: tuple[str, ...] = (),
+                    name: str = "") -> tuple[str, subprocess.Popen, Path]:
+        """Start stage i's process (`name`, default stage{i}) on `address` (else a free port) without waiting."""
         addr = address or f"127.0.0.1:{free_port()}"
         found = ["--mdns-interface", "127.0.0.1", "--mesh", self.mesh_name] if self.mdns else ["--no-mdns"]
         if self.tls:
             found += ["--tls-dir", str(mesh_bundle(f"stage{i}", "stage"))]
         found += ["--model-root", str(self.model_dir.resolve().parent)]
-        proc, log = self._spawn(f"stage{i}", ["-m", "logicpipe.stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
+        proc, log = self._spawn(name or f"stage{i}", ["-m", "logicpipe.stage_node.main", "--listen", addr, "--node-id", f"stage{i}",
                                               "--device", self.device, "--threads", str(self.threads),
                                               "--state-dir", str(self.workdir / f"state{i}"), *found,
                                               *self.stage_args, *extra], self.stage_env.get(i), prefix)

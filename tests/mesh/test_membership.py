@@ -62,6 +62,13 @@ class Generation(threading.Thread):
         return self.tokens
 
 
+def until(check, what: str, within: float = 120) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {within:.0f} s"
+        time.sleep(0.05)
+
+
 def run(address: str, prompt: str = PROMPT, max_tokens: int = 48, **sampling) -> list[int]:
     return Generation(address, prompt, max_tokens, **sampling).result()
 
@@ -122,6 +129,24 @@ def test_a_killed_middle_stage_is_replanned_around_and_comes_back(chat_model, tm
             # restarted on its address, it is re-admitted without anyone doing anything
             mesh.start_stage(1, mesh.stage_addresses[1])
             mesh.wait_plan(stages=3, generation_above=st.plan_generation, timeout=60)
+        # a spare process of the node (--spare: started up, waiting) serves the moment the killed one ends
+        mesh.start_spare(1)
+        spare_log = tmp_path / "stage1-spare.log"
+        until(lambda: "waiting to take over" in spare_log.read_text(), "the spare's start")
+        # a second process for the node without --spare is refused at once (its own port: the lock refuses it)
+        _, dup, dup_log = mesh.spawn_stage(1, None, name="stage1-dup")
+        assert dup.wait(120) == 2 and "is served by another process" in dup_log.read_text()
+        del mesh.procs["stage1-dup"]
+        st = mesh.controller_status()
+        gen = Generation(mesh.controller_address)
+        gen.wait_tokens(12)
+        killed = mesh.procs["stage1"].pid
+        mesh.kill("stage1")
+        spare = mesh.promote_spare(1)
+        assert gen.result() == greedy
+        assert f"pid {killed}) ended; taking over" in spare_log.read_text()
+        assert (tmp_path / "state1" / "serving-stage1.lock").read_text().strip() == str(spare.pid)
+        mesh.wait_plan(stages=3, generation_above=st.plan_generation, timeout=60)
         # a restarted controller re-adopts the running nodes, which keep their weights
         pids = {name: p.pid for name, p in mesh.procs.items() if name.startswith("stage")}
         mesh.signal("controller", signal.SIGTERM)

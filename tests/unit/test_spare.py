@@ -1,0 +1,41 @@
+"""Unit tier: a node's serving lock (stage_node/net/spare.py). One holder at a time; the holder's pid
+in the file; a spare waiting on it holds it the moment the holder lets go (as the kernel does when
+the holder's process ends)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+from logicpipe.stage_node.net import spare
+from logicpipe.stage_node.net.spare import ServingLock, lock_path
+
+
+def test_one_holder_at_a_time_and_a_waiting_spare_takes_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(spare, "POLL_S", 0.01)
+    path = lock_path(tmp_path, "node a/b")
+    assert path.parent == tmp_path and path.name == "serving-node_a_b.lock"
+    first, second = ServingLock(path), ServingLock(path)
+    assert first.take() and first.held and first.take()  # (taking it again is a no-op)
+    assert not second.take() and not second.held
+    assert second.holder() == os.getpid()
+
+    async def spare_waits() -> float:
+        waiting = asyncio.create_task(second.wait())
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # held: the spare waits
+        first.release()
+        return await asyncio.wait_for(waiting, 5)
+
+    waited = asyncio.run(spare_waits())
+    assert second.held and waited >= 0.1
+    assert not ServingLock(path).take()  # the spare holds it now
+    second.release()
+    last = ServingLock(path)
+    assert last.take()
+    last.release()
+
+
+def test_wait_free_returns_once_the_address_is_free():
+    answers = iter([False, False, True])
+    asyncio.run(spare.wait_free("127.0.0.1:1", lambda _: next(answers), timeout_s=5))
+    asyncio.run(spare.wait_free("127.0.0.1:1", lambda _: False, timeout_s=0.05))  # gives up: the bind then says why
