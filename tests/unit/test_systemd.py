@@ -17,6 +17,7 @@ from logicpipe.common import sdnotify
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNITS = {"controller": SYSTEMD_DIR / "logicpipe-controller.service", "stage": SYSTEMD_DIR / "logicpipe-stage.service"}
+SPARE_UNIT = SYSTEMD_DIR / "logicpipe-stage-spare.service"  # the stage's spare process (--spare)
 GPU_DROP_IN = SYSTEMD_DIR / "logicpipe-stage.service.d" / "gpu.conf"
 MAX_EXPOSURE = 3.0  # systemd-analyze security's "OK" band ends here
 VENV_BIN = "/opt/logicpipe/.venv/bin/"
@@ -286,6 +287,10 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         files.append(tmp_path / unit.name)
         files[-1].write_text(text)
         if kind == "stage":
+            spare = re.sub(re.escape(VENV_BIN) + r"\S+", str(stub), SPARE_UNIT.read_text())
+            files.append(tmp_path / SPARE_UNIT.name)
+            files[-1].write_text(re.sub(r"^EnvironmentFile=.*$", f"EnvironmentFile={env_example(kind)}", spare,
+                                        flags=re.M))
             drop_in = GPU_DROP_IN.read_text()
             files.append(tmp_path / "logicpipe-stage-gpu.service")
             files[-1].write_text(with_drop_in(text, drop_in))
@@ -341,3 +346,14 @@ def test_a_stage_comes_back_a_second_after_a_crash_and_is_never_given_up_on():
     every second for good, so the stage's unit has none."""
     d = directives(UNITS["stage"].read_text())
     assert d["RestartSec"] == ["1"] and d["StartLimitIntervalSec"] == ["0"]
+
+
+def test_the_spare_unit_is_the_stage_unit_with_spare_stopped_with_it():
+    """The spare's unit runs the stage's command line with --spare, under the same settings and sandbox
+    (line for line: a change to one unit that the other lacks fails here), and is stopped and
+    restarted with the stage unit (PartOf=): an operator stopping the node stops its spare too."""
+    stage, spare = directives(UNITS["stage"].read_text()), directives(SPARE_UNIT.read_text())
+    assert spare.pop("PartOf") == ["logicpipe-stage.service"]
+    assert spare.pop("ExecStart") == [stage.pop("ExecStart")[0] + " --spare"]
+    assert spare.pop("Description") == [stage.pop("Description")[0] + " (its spare process)"]
+    assert spare == stage
