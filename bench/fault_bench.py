@@ -17,7 +17,9 @@ request id (Resume) when their stream breaks:
   standby-takeover                        two controllers (--peer); the active one killed
   storm                                   21 stage faults (SIGKILL, SIGSTOP 3 s, SIGTERM; killed
                                           stages started again at once) one every 4 s, every 4th
-                                          0.3 s after the one before; 12 requests
+                                          0.3 s after the one before; 12 requests (--spares: each
+                                          node's spare process serves when it ends, and the ended
+                                          one is started again as the next spare)
   replay                                  one fault's replays: 12 requests of --history tokens, the
                                           middle stage SIGKILLed and started again 2 s later
 
@@ -401,9 +403,11 @@ def _wait_resume(reqs: list[Resuming], since: float) -> float | None:
 
 
 def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.0, shape: str = "pipeline",
-              extra: tuple = (), stage_extra: tuple = ()) -> dict:
+              extra: tuple = (), stage_extra: tuple = (), spares: bool = False) -> dict:
     """`faults` stage faults, one every `spacing` s and every 4th 0.3 s after the one before, on a
-    3-stage mesh serving 12 requests long enough to outlast the storm."""
+    3-stage mesh serving 12 requests long enough to outlast the storm. `spares`: every node has a
+    spare process (--spare) that serves when its process ends; the ended one is started again as
+    the next spare (a fault hits the serving process)."""
     rng = random.Random(22)
     tokens = int(faults * spacing * 9)  # ~ the storm's length at a few tokens per second per request
     with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape] + extra, stage_args=stage_extra) as mesh:
@@ -412,11 +416,20 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
         for r in reqs:
             r.started.wait(120)
         restarting: dict[int, threading.Thread] = {}
+        if spares:
+            for i in range(3):
+                mesh.start_spare(i)
+            for i in range(3):
+                _wait_spare(mesh, i)
         watch = StageWatch(mesh.stage_addresses)
 
         def restart(i: int, proc) -> None:
             proc.wait(60)
-            mesh.start_stage(i, mesh.stage_addresses[i])
+            if not spares:
+                mesh.start_stage(i, mesh.stage_addresses[i])
+                return
+            mesh.promote_spare(i)  # it serves now: this node's next spare starts up behind it
+            mesh.start_spare(i)
 
         kinds = [signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM]
         fault_times: list[float] = []
@@ -458,8 +471,18 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
                 "fault_resume_stage_up_max_s": max(served) if served else None,
                 "no_stage_up_s": round(watch.none_up_s(fault_times[0], time.monotonic()), 1) if fault_times else 0.0,
                 "load_average": watch.load(), "replay_tokens_cached": replayed, "controller_args": list(extra),
-                "stage_args": list(stage_extra),
+                "stage_args": list(stage_extra), "spares": spares,
                 "errors": sorted({r.error for r in reqs if r.error})}
+
+
+def _wait_spare(mesh: LocalMesh, i: int, timeout_s: float = 120.0) -> None:
+    """Until stage i's spare has started up and waits to take over."""
+    log = mesh.workdir / f"stage{i}-spare.log"
+    deadline = time.monotonic() + timeout_s
+    while "waiting to take over" not in (log.read_text() if log.exists() else ""):
+        if time.monotonic() > deadline or mesh.procs[f"stage{i}-spare"].poll() is not None:
+            raise RuntimeError(f"stage{i}'s spare did not start up:\n{log.read_text()[-3000:] if log.exists() else ''}")
+        time.sleep(0.1)
 
 
 def main() -> None:
@@ -477,6 +500,9 @@ def main() -> None:
                     help="storm and replay: one more controller flag (repeat it), e.g. --controller-arg=--kv-mirror=off")
     ap.add_argument("--stage-arg", action="append", default=[], metavar="ARG",
                     help="storm and replay: one more flag of every stage (repeat it), e.g. --stage-arg=--kv-disk-mib=0")
+    ap.add_argument("--spares", action="store_true",
+                    help="storm: every node with a spare process (logicpipe-stage --spare) that serves when the "
+                         "node's process ends; the ended one is started again as its next spare")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep each mesh's work dir (its logs) here instead of a temporary one")
     args = ap.parse_args()
@@ -496,7 +522,8 @@ def main() -> None:
                 rows.append(run_takeover(model_dir, work))
             elif name == "storm":
                 rows.append(run_storm(model_dir, work, spacing=args.spacing, shape=args.shape,
-                                      extra=tuple(args.controller_arg), stage_extra=tuple(args.stage_arg)))
+                                      extra=tuple(args.controller_arg), stage_extra=tuple(args.stage_arg),
+                                      spares=args.spares))
             elif name == "replay":
                 rows.append(run_replay(model_dir, work, history=args.history, shape=args.shape,
                                        extra=tuple(args.controller_arg), stage_extra=tuple(args.stage_arg)))
