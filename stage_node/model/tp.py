@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
+from logicpipe.stage_node.kernels import fused as fused_kernels
+from logicpipe.stage_node.kernels import invariant
 from logicpipe.stage_node.model.weights import Experts, LayerWeights
 
 try:  # PyTorch's symmetric memory (CUDA): the one-shot all-reduce
@@ -59,6 +61,12 @@ class TensorParallel:
     one_shot: torch.Tensor | None = field(default=None, compare=False, repr=False)  # CUDA: the symmetric buffer of the one-shot all-reduce (enable_one_shot)
     _one_shot_group: str = field(default="", compare=False, repr=False)  # its process group's name
     _copy_in: bool = field(default=False, compare=False, repr=False)  # one_shot_all_reduce_copy works here
+    # CUDA: the fused all-reduce + residual + norm (reduce_add_norm): its symmetric buffer of two slots
+    # of ONE_SHOT_ROWS rows, and (every rank's buffer as mapped here, the device addresses of every
+    # rank's signal pad, programs a launch may take)
+    fused: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    _fused_at: tuple = field(default=(), compare=False, repr=False)
+    _fused_handle: object = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank); returned (x itself over NCCL or gloo).
@@ -78,6 +86,22 @@ class TensorParallel:
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         return x
+
+    def reduce_add_norm(self, ws: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                        slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fused.add_norm of the sum over the ranks of this rank's product (its parts over K, `ws`
+        [parts, M, N]) and the residual x [M, N], then the norm `weight` (None: none). On CUDA where the
+        fused buffer is on and the rows fit a slot: one kernel (fused.reduce_add_norm; `slot` 0 or 1,
+        used in turn: a layer's o product 0, its down product 1); else the parts added, `all_reduce`,
+        fused.add_norm. Both give the same bits on two ranks; which one runs depends on the shape only."""
+        buf = self.fused
+        M, N = x.shape
+        if buf is not None and x.dtype == buf.dtype and M * N * 2 <= buf.numel():
+            bufs, pads, programs = self._fused_at
+            return fused_kernels.reduce_add_norm(ws, x, weight, eps, bufs=bufs, pad_ptrs=pads,
+                                                 slot_off=slot * (buf.numel() // 2), rank=self.rank,
+                                                 programs=programs)
+        return fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, x.dtype))[None], x, weight, eps)
 
     def enable_one_shot(self, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
         """CUDA ranks, every one at the same point (a shard's load): allocate and exchange the
@@ -117,7 +141,45 @@ class TensorParallel:
             self.one_shot = buf
             log.info("tensor-parallel all-reduces of up to %d rows by the one-shot kernel (symmetric memory%s)",
                      ONE_SHOT_ROWS, ", the input copied in by it" if self._copy_in else "")
+            self._enable_fused(hidden, dtype, device)
         return self.one_shot is not None
+
+    def _enable_fused(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        """After the one-shot buffer (every rank at the same point): the fused kernel's own symmetric
+        buffer (two slots of ONE_SHOT_ROWS rows, its own signal pad), one sum checked against the
+        one-shot all-reduce + add_norm, and agreed over NCCL (logged either way)."""
+        self.fused, ok = None, True
+        try:
+            fbuf = symm_mem.empty(2 * ONE_SHOT_ROWS * hidden, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(fbuf, self._one_shot_group)
+            pad_bytes = int(getattr(handle, "signal_pad_size", 0) or 2048)
+            if self.world > fused_kernels.MAX_WORLD:
+                raise ValueError(f"{self.world} ranks: it serves {fused_kernels.MAX_WORLD} at most")
+            n = fbuf.numel()
+            at = ([fbuf if r == self.rank else handle.get_buffer(r, (n,), dtype) for r in range(self.world)],
+                  torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
+                  max(1, pad_bytes // 4 // self.world))
+            gen = torch.Generator(device=device).manual_seed(1234)
+            x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
+            w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
+            ws = torch.randn(2, 3, hidden, generator=gen, device=device) * (self.rank + 1)
+            got = fused_kernels.reduce_add_norm(ws, x, w, 1e-5, bufs=at[0], pad_ptrs=at[1], slot_off=0,
+                                                rank=self.rank, programs=at[2])
+            want = fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, dtype))[None], x, w, 1e-5)
+            ok = all(torch.equal(a, b) for a, b in zip(got, want))
+        except Exception as exc:  # noqa: BLE001 — the one-shot all-reduce and add_norm still work; say why once
+            log.warning("the fused all-reduce + norm kernel is not available here (%s): the one-shot all-reduce "
+                        "and the norm kernel are used", exc)
+            ok = False
+        agree = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
+        if agree.item():
+            self.fused, self._fused_at, self._fused_handle = fbuf, at, handle
+            log.info("tensor-parallel all-reduce, residual add and norm in one kernel (symmetric memory, "
+                     "%d programs at most)", at[2])
+        else:
+            log.warning("the fused all-reduce + norm kernel disagreed with the one-shot all-reduce + norm on "
+                        "some rank: the one-shot all-reduce and the norm kernel are used")
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x [..., n] side by side along the last dim, in rank order -> [..., world * n]."""
