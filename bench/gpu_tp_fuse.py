@@ -3,7 +3,8 @@ against the path it replaces (the product's parts added, the one-shot all-reduce
 every GPU of the host (2 by default), inside CUDA graphs:
 
   * bits: for `--rows` rows and 1 or 2 parts, the fused kernel's x' and norm against the old path's;
-  * the reduction alone: `--reps` of each captured in one graph and replayed (us per call);
+  * the reduction alone: `--reps` of each captured in one graph and replayed (us per call); the fused
+    kernel as its ranks meet by flags (`meet`) and as they push their sums (`push`, stage_node.kernels.tp_reduce);
   * a step's share: the o and down products of `--layers` layers of the 8B shape's rank (distinct
     weights, as a step reads them), each followed by its reduction, old path against fused;
   * the rank's small products (q/k/v [3072, 4096], o [4096, 2048]) over BLOCK_N 16 / 32, warps and
@@ -78,21 +79,26 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
     def old(ws, x):
         return fused.add_norm(tp.all_reduce(invariant.add_parts(ws, dt))[None], x, w, 1e-5)
 
+    kinds = {"meet": False, "push": True} if tp.push is not None else {"meet": False}
+    out["push_on"] = tp.push is not None
     for rows in args.rows:
         x = torch.randn(rows, h, generator=torch.Generator(device="cuda").manual_seed(rows), device="cuda").to(dt)
         for parts in (1, 2):
             ws = torch.randn(parts, rows, h, generator=gen, device="cuda")
             ws = ws if parts > 1 else ws.to(dt)
-            a, b = old(ws, x), tp.reduce_add_norm(ws, x, w, 1e-5, 0)
-            c = tp.reduce_add_norm(ws, x, w, 1e-5, 1)
-            torch.cuda.synchronize()
             key = f"rows={rows} parts={parts}"
-            out[f"{key} same bits"] = all(torch.equal(p, q) for p, q in zip(a, b)) and all(
-                torch.equal(p, q) for p, q in zip(a, c))
+            a = old(ws, x)
             out[f"{key} old us"] = round(_timed_graph(lambda ws=ws, x=x: old(ws, x), args.reps, args.replays), 2)
-            slots = iter(range(1 << 30))
-            out[f"{key} fused us"] = round(_timed_graph(
-                lambda ws=ws, x=x: tp.reduce_add_norm(ws, x, w, 1e-5, next(slots) % 2), args.reps, args.replays), 2)
+            for kind, push in kinds.items():
+                tp.use_push = push
+                b, c = tp.reduce_add_norm(ws, x, w, 1e-5, 0), tp.reduce_add_norm(ws, x, w, 1e-5, 1)
+                torch.cuda.synchronize()
+                out[f"{key} {kind} same bits"] = all(torch.equal(p, q) for p, q in zip(a, b)) and all(
+                    torch.equal(p, q) for p, q in zip(a, c))
+                slots = iter(range(1 << 30))
+                out[f"{key} {kind} us"] = round(_timed_graph(
+                    lambda ws=ws, x=x: tp.reduce_add_norm(ws, x, w, 1e-5, next(slots) % 2), args.reps,
+                    args.replays), 2)
     # a step's o and down products with their reductions, 8B-shaped rank matrices
     L = args.layers
     o = [torch.randn(h, 4096 // world, generator=gen, device="cuda").to(dt) * 0.02 for _ in range(L)]
@@ -115,11 +121,13 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
             x, _ = tp.reduce_add_norm(invariant.mm_parts(a_d, down[i]), x, w, 1e-5, 1)
         return x
 
-    same = torch.equal(step_old(), step_fused())
     out["layers"] = L
-    out["step o+down same bits"] = same
+    want = step_old()
     out["step o+down old us"] = round(_timed_graph(step_old, 1, args.replays), 1)
-    out["step o+down fused us"] = round(_timed_graph(step_fused, 1, args.replays), 1)
+    for kind, push in kinds.items():
+        tp.use_push = push
+        out[f"step o+down {kind} same bits"] = torch.equal(want, step_fused())
+        out[f"step o+down {kind} us"] = round(_timed_graph(step_fused, 1, args.replays), 1)
     del o, down
     if rank == 0 and args.tiles:
         out["tiles"] = _tiles()
@@ -166,6 +174,7 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--layers", type=int, default=32, help="layers of the step's o and down products")
     ap.add_argument("--tiles", action="store_true", help="also sweep the rank's small products' tiles (GPU 0)")
+    ap.add_argument("--timeout", type=float, default=400, help="seconds to wait for the ranks' results")
     ap.add_argument("--world", type=int, default=2, help="GPUs")
     args = ap.parse_args()
     world = args.world
@@ -176,7 +185,7 @@ def main() -> None:
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=400) for _ in procs)
+    results = dict(queue.get(timeout=args.timeout) for _ in procs)
     for p in procs:
         p.join(30)
     doc = {"gpu": torch.cuda.get_device_name(0), "world": world, "hidden": args.hidden, "by_rank": results}

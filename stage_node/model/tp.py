@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
 from logicpipe.stage_node.kernels import fused as fused_kernels
-from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.kernels import invariant, tp_reduce
 from logicpipe.stage_node.model.weights import Experts, LayerWeights
 
 try:  # PyTorch's symmetric memory (CUDA): the one-shot all-reduce
@@ -67,6 +67,10 @@ class TensorParallel:
     fused: torch.Tensor | None = field(default=None, compare=False, repr=False)
     _fused_at: tuple = field(default=(), compare=False, repr=False)
     _fused_handle: object = field(default=None, compare=False, repr=False)
+    push: torch.Tensor | None = field(default=None, compare=False, repr=False)  # tp_reduce's buffer
+    _push_bufs: list = field(default_factory=list, compare=False, repr=False)
+    _push_handle: object = field(default=None, compare=False, repr=False)
+    use_push: bool = field(default=True, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank); returned (x itself over NCCL or gloo).
@@ -94,8 +98,11 @@ class TensorParallel:
         fused buffer is on and the rows fit a slot: one kernel (fused.reduce_add_norm; `slot` 0 or 1,
         used in turn: a layer's o product 0, its down product 1); else the parts added, `all_reduce`,
         fused.add_norm. Both give the same bits on two ranks; which one runs depends on the shape only."""
-        buf = self.fused
         M, N = x.shape
+        if self.use_push and self.push is not None and x.dtype == self.push.dtype and M <= ONE_SHOT_ROWS:
+            return tp_reduce.push_add_norm(ws, x, weight, eps, bufs=self._push_bufs, slot=slot, rank=self.rank,
+                                           rows=ONE_SHOT_ROWS)
+        buf = self.fused
         if buf is not None and x.dtype == buf.dtype and M * N * 2 <= buf.numel():
             bufs, pads, programs = self._fused_at
             return fused_kernels.reduce_add_norm(ws, x, weight, eps, bufs=bufs, pad_ptrs=pads,
@@ -171,9 +178,29 @@ class TensorParallel:
             log.warning("the fused all-reduce + norm kernel is not available here (%s): the one-shot all-reduce "
                         "and the norm kernel are used", exc)
             ok = False
-        agree = torch.tensor([int(ok)], device=device)
+        push_ok = ok
+        if ok:
+            try:
+                pbuf = symm_mem.empty(2 * self.world * ONE_SHOT_ROWS * hidden, dtype=dtype, device=device)
+                phandle = symm_mem.rendezvous(pbuf, self._one_shot_group)
+                tp_reduce.clear(pbuf)
+                torch.cuda.synchronize(device)
+                dist.barrier(group=self.group)
+                pbufs = [pbuf if r == self.rank else phandle.get_buffer(r, (pbuf.numel(),), dtype)
+                         for r in range(self.world)]
+                for slot in (0, 1, 0):
+                    got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=pbufs, slot=slot, rank=self.rank,
+                                                  rows=ONE_SHOT_ROWS)
+                    push_ok = push_ok and all(torch.equal(a, b) for a, b in zip(got, want))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("the push all-reduce + norm kernel is not available here (%s)", exc)
+                push_ok = False
+        agree = torch.tensor([int(ok), int(push_ok)], device=device)
         dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
-        if agree.item():
+        if agree[1].item():
+            self.push, self._push_bufs, self._push_handle = pbuf, pbufs, phandle
+            log.info("tensor-parallel all-reduce, residual add and norm in one kernel, pushed (symmetric memory)")
+        if agree[0].item():
             self.fused, self._fused_at, self._fused_handle = fbuf, at, handle
             log.info("tensor-parallel all-reduce, residual add and norm in one kernel (symmetric memory, "
                      "%d programs at most)", at[2])
