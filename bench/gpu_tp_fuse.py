@@ -1,10 +1,9 @@
-"""The fused all-reduce + residual + norm of a tensor-parallel rank (issue 36, fused.reduce_add_norm)
-against the path it replaces (the product's parts added, the one-shot all-reduce, fused.add_norm), on
+"""The fused all-reduce + residual + norm of a tensor-parallel rank (issue 36, tp_reduce.push_add_norm
+through TensorParallel.reduce_add_norm) against the path it replaces (the product's parts added, the one-shot all-reduce, fused.add_norm), on
 every GPU of the host (2 by default), inside CUDA graphs:
 
   * bits: for `--rows` rows and 1 or 2 parts, the fused kernel's x' and norm against the old path's;
-  * the reduction alone: `--reps` of each captured in one graph and replayed (us per call); the fused
-    kernel as its ranks meet by flags (`meet`) and as they push their sums (`push`, stage_node.kernels.tp_reduce);
+  * the reduction alone: `--reps` of each captured in one graph and replayed (us per call);
   * a step's share: the o and down products of `--layers` layers of the 8B shape's rank (distinct
     weights, as a step reads them), each followed by its reduction, old path against fused;
   * the rank's small products (q/k/v [3072, 4096], o [4096, 2048]) over BLOCK_N 16 / 32, warps and
@@ -70,8 +69,8 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
     h, dt = args.hidden, torch.bfloat16
     tp = TensorParallel(rank, world)
     out["one_shot"] = tp.enable_one_shot(h, dt, torch.device("cuda", rank))
-    out["fused_on"] = tp.fused is not None
-    if tp.fused is None:
+    out["push_on"] = tp.push is not None
+    if tp.push is None:
         return
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
     w = (1 + 0.1 * torch.randn(h, generator=gen, device="cuda")).to(dt)
@@ -79,8 +78,6 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
     def old(ws, x):
         return fused.add_norm(tp.all_reduce(invariant.add_parts(ws, dt))[None], x, w, 1e-5)
 
-    kinds = {"meet": False, "push": True} if tp.push is not None else {"meet": False}
-    out["push_on"] = tp.push is not None
     for rows in args.rows:
         x = torch.randn(rows, h, generator=torch.Generator(device="cuda").manual_seed(rows), device="cuda").to(dt)
         for parts in (1, 2):
@@ -89,16 +86,13 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
             key = f"rows={rows} parts={parts}"
             a = old(ws, x)
             out[f"{key} old us"] = round(_timed_graph(lambda ws=ws, x=x: old(ws, x), args.reps, args.replays), 2)
-            for kind, push in kinds.items():
-                tp.use_push = push
-                b, c = tp.reduce_add_norm(ws, x, w, 1e-5, 0), tp.reduce_add_norm(ws, x, w, 1e-5, 1)
-                torch.cuda.synchronize()
-                out[f"{key} {kind} same bits"] = all(torch.equal(p, q) for p, q in zip(a, b)) and all(
-                    torch.equal(p, q) for p, q in zip(a, c))
-                slots = iter(range(1 << 30))
-                out[f"{key} {kind} us"] = round(_timed_graph(
-                    lambda ws=ws, x=x: tp.reduce_add_norm(ws, x, w, 1e-5, next(slots) % 2), args.reps,
-                    args.replays), 2)
+            b, c = tp.reduce_add_norm(ws, x, w, 1e-5, 0), tp.reduce_add_norm(ws, x, w, 1e-5, 1)
+            torch.cuda.synchronize()
+            out[f"{key} same bits"] = all(torch.equal(p, q) for p, q in zip(a, b)) and all(
+                torch.equal(p, q) for p, q in zip(a, c))
+            slots = iter(range(1 << 30))
+            out[f"{key} fused us"] = round(_timed_graph(
+                lambda ws=ws, x=x: tp.reduce_add_norm(ws, x, w, 1e-5, next(slots) % 2), args.reps, args.replays), 2)
     # a step's o and down products with their reductions, 8B-shaped rank matrices
     L = args.layers
     o = [torch.randn(h, 4096 // world, generator=gen, device="cuda").to(dt) * 0.02 for _ in range(L)]
@@ -124,10 +118,8 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
     out["layers"] = L
     want = step_old()
     out["step o+down old us"] = round(_timed_graph(step_old, 1, args.replays), 1)
-    for kind, push in kinds.items():
-        tp.use_push = push
-        out[f"step o+down {kind} same bits"] = torch.equal(want, step_fused())
-        out[f"step o+down {kind} us"] = round(_timed_graph(step_fused, 1, args.replays), 1)
+    out["step o+down same bits"] = torch.equal(want, step_fused())
+    out["step o+down fused us"] = round(_timed_graph(step_fused, 1, args.replays), 1)
     del o, down
     if rank == 0 and args.tiles:
         out["tiles"] = _tiles()

@@ -19,17 +19,6 @@ down, add_norm: the next layer's input norm fused into this layer's last add). U
 `stage_node.shard` for plain Llama-style layers (no biases, per-head norms, extra norms, experts or
 Gemma norms; SwiGLU) with `batch_invariant` on, in its eager forward and in the CUDA graphs' body
 alike, so a row computed eagerly and the same row in a graph still get the same bits.
-
-  * `reduce_add_norm` (a CUDA rank of a tensor-parallel stage, issue 36): `add_norm` over the sum of
-    every rank's product, in one launch instead of three (the sum of the product's parts, the
-    one-shot all-reduce, `add_norm`). Each program rounds its rows' parts to the dtype, stores them
-    into its rank's slot of a symmetric buffer (model.tp), meets the same program of every other rank
-    (a flag set on the peer's signal pad, release / acquire at system scope), then reads every rank's
-    rows over NVLink and adds them in rank order in float32, rounds once, adds the residual and takes
-    the norm: on two ranks the bits of the one-shot all-reduce (one rounding of the two partial sums)
-    followed by `add_norm`. The buffer has two slots used in turn (the o and the down product of a
-    layer): a rank can only write a slot again after its peers have met it at the other slot, so after
-    they have read this one; no second meeting at the end.
 """
 from __future__ import annotations
 
@@ -112,97 +101,6 @@ def _kernels():
     return triton, add_norm_kernel, rope_kv_kernel, silu_mul_kernel
 
 
-MAX_WORLD = 8  # ranks reduce_add_norm serves (one pointer argument each)
-
-
-@functools.cache
-def _reduce_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit(do_not_specialize=["M"])
-    def reduce_add_norm_kernel(ws_ptr, x_ptr, w_ptr, xo_ptr, h_ptr, b0, b1, b2, b3, b4, b5, b6, b7, pad_ptrs, M, N,
-                               slot_off, eps, s_part, s_ws, s_x, s_xo, s_h, RANK: tl.constexpr, WORLD: tl.constexpr,
-                               PARTS: tl.constexpr, NORM: tl.constexpr, F32: tl.constexpr, BLOCK: tl.constexpr):
-        # program p: rows p, p + programs, ...; its flags on every signal pad: [p * WORLD + rank]; b<q>:
-        # rank q's symmetric buffer (this process's mapping of it)
-        pid = tl.program_id(0)
-        step = tl.num_programs(0)
-        n = tl.arange(0, BLOCK)
-        mask = n < N
-        dt = x_ptr.dtype.element_ty
-        mine = b0  # this rank's buffer
-        if RANK == 1:
-            mine = b1
-        elif RANK == 2:
-            mine = b2
-        elif RANK == 3:
-            mine = b3
-        elif RANK == 4:
-            mine = b4
-        elif RANK == 5:
-            mine = b5
-        elif RANK == 6:
-            mine = b6
-        elif RANK == 7:
-            mine = b7
-        mine += slot_off
-        for row in range(pid, M, step):  # this rank's partial sum: its parts added in order, rounded
-            r = row  # rows fit a slot: offsets well within int32
-            y = tl.load(ws_ptr + r * s_ws + n, mask=mask, other=0.0).to(tl.float32)
-            for p in tl.static_range(1, PARTS):
-                y += tl.load(ws_ptr + p * s_part + r * s_ws + n, mask=mask, other=0.0).to(tl.float32)
-            tl.store(mine + r * N + n, y.to(dt), mask=mask)
-        tl.debug_barrier()  # every thread's stores before the flags
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:  # set my flag on the peer's pad (once it took the last one)
-                theirs = tl.load(pad_ptrs + peer).to(tl.pointer_type(tl.int32))
-                while tl.atomic_cas(theirs + pid * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-                    pass
-        own = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.int32))
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:  # wait for the peer's flag on mine, and take it
-                while tl.atomic_cas(own + pid * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
-                    pass
-        tl.debug_barrier()
-        for row in range(pid, M, step):
-            r = row
-            y = tl.zeros((BLOCK,), dtype=tl.float32)
-            for q in tl.static_range(WORLD):  # every rank's rows in rank order, one rounding
-                src = b0
-                if q == 1:
-                    src = b1
-                elif q == 2:
-                    src = b2
-                elif q == 3:
-                    src = b3
-                elif q == 4:
-                    src = b4
-                elif q == 5:
-                    src = b5
-                elif q == 6:
-                    src = b6
-                elif q == 7:
-                    src = b7
-                src += slot_off
-                y += tl.load(src + r * N + n, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
-            x = tl.load(x_ptr + r * s_x + n, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt)
-            tl.store(xo_ptr + r * s_xo + n, x, mask=mask)
-            if NORM:  # as add_norm_kernel
-                xf = x.to(tl.float32)
-                var = tl.sum(xf * xf, axis=0) / N
-                normed = xf * tl.rsqrt(var + eps)
-                w = tl.load(w_ptr + n, mask=mask, other=0.0).to(tl.float32)
-                if F32:
-                    h = normed * w
-                else:
-                    h = normed.to(dt).to(tl.float32) * w
-                tl.store(h_ptr + r * s_h + n, h.to(h_ptr.dtype.element_ty), mask=mask)
-
-    return reduce_add_norm_kernel
-
-
 def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
@@ -254,34 +152,6 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, posi
                                       v_pool.stride(0), v_pool.stride(1), HEADS=heads, KVH=kv_heads, HD=head_dim,
                                       D=_block(head_dim), num_warps=1)
     return q
-
-
-def reduce_add_norm(ws: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
-                    bufs: list[torch.Tensor], pad_ptrs: torch.Tensor, slot_off: int, rank: int,
-                    programs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`add_norm` of this rank's product's parts `ws` [parts, M, N] summed over the ranks of a
-    tensor-parallel stage (see the module's docstring): bufs: every rank's symmetric buffer as this
-    process maps it, in rank order (at most MAX_WORLD); pad_ptrs: [world] int64 on the device, the
-    addresses of every rank's signal pad; slot_off: the slot's first element in the buffers (a
-    multiple of 16; the slot holds M * N of x's dtype); at most `programs` programs (the flags a pad
-    holds a rank). Every rank calls it at the same point with the same shapes."""
-    kernel = _reduce_kernel()
-    M, N = x.shape
-    xo = torch.empty_like(x)
-    h = torch.empty_like(x) if weight is not None else None
-    if M == 0:
-        return xo, h
-    world = len(bufs)
-    assert 1 <= world <= MAX_WORLD and slot_off % 16 == 0 and slot_off + M * N <= bufs[0].numel()
-    assert ws.shape[1:] == (M, N) and ws.stride(2) == 1 and x.stride(1) == 1
-    block = _block(N)
-    b = [*bufs, *bufs[:1] * (MAX_WORLD - world)]
-    kernel[(min(M, programs),)](ws, x, weight if weight is not None else x, xo, h if h is not None else x, *b,
-                                pad_ptrs, M, N, slot_off, eps, ws.stride(0), ws.stride(1), x.stride(0), xo.stride(0),
-                                h.stride(0) if h is not None else 0, RANK=rank, WORLD=world, PARTS=ws.shape[0],
-                                NORM=weight is not None, F32=x.dtype == torch.float32, BLOCK=block,
-                                num_warps=_warps(block))
-    return xo, h
 
 
 SILU_BLOCK = 1024

@@ -25,6 +25,10 @@ Reduction order. An all-reduce of w ranks adds the same partial sums in the same
 symmetric memory for every all-reduce of up to ONE_SHOT_ROWS rows, each GPU adding the ranks' copies
 in rank order), so a row's bits do not depend on the
 step it is in any more than without TP; they differ from one rank's whole product by float rounding.
+The fused layers on CUDA (Shard.layers_fused) reduce the o and down products by
+`TensorParallel.reduce_add_norm` instead: one kernel (stage_node.kernels.tp_reduce) that pushes each
+rank's partial sum into its peers' buffers and adds them in rank order with the residual, then the
+next norm; on two ranks the same bits as the one-shot all-reduce and the separate norm kernel.
 """
 from __future__ import annotations
 
@@ -61,16 +65,11 @@ class TensorParallel:
     one_shot: torch.Tensor | None = field(default=None, compare=False, repr=False)  # CUDA: the symmetric buffer of the one-shot all-reduce (enable_one_shot)
     _one_shot_group: str = field(default="", compare=False, repr=False)  # its process group's name
     _copy_in: bool = field(default=False, compare=False, repr=False)  # one_shot_all_reduce_copy works here
-    # CUDA: the fused all-reduce + residual + norm (reduce_add_norm): its symmetric buffer of two slots
-    # of ONE_SHOT_ROWS rows, and (every rank's buffer as mapped here, the device addresses of every
-    # rank's signal pad, programs a launch may take)
-    fused: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    _fused_at: tuple = field(default=(), compare=False, repr=False)
-    _fused_handle: object = field(default=None, compare=False, repr=False)
-    push: torch.Tensor | None = field(default=None, compare=False, repr=False)  # tp_reduce's buffer
+    # CUDA: the symmetric buffer of the fused all-reduce + residual add + norm (`reduce_add_norm`,
+    # stage_node.kernels.tp_reduce: 2 slots x world regions x ONE_SHOT_ROWS rows), every rank's as mapped here
+    push: torch.Tensor | None = field(default=None, compare=False, repr=False)
     _push_bufs: list = field(default_factory=list, compare=False, repr=False)
-    _push_handle: object = field(default=None, compare=False, repr=False)
-    use_push: bool = field(default=True, compare=False, repr=False)
+    _push_handle: object = field(default=None, compare=False, repr=False)  # keeps the mappings
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank); returned (x itself over NCCL or gloo).
@@ -94,20 +93,15 @@ class TensorParallel:
     def reduce_add_norm(self, ws: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                         slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fused.add_norm of the sum over the ranks of this rank's product (its parts over K, `ws`
-        [parts, M, N]) and the residual x [M, N], then the norm `weight` (None: none). On CUDA where the
-        fused buffer is on and the rows fit a slot: one kernel (fused.reduce_add_norm; `slot` 0 or 1,
-        used in turn: a layer's o product 0, its down product 1); else the parts added, `all_reduce`,
-        fused.add_norm. Both give the same bits on two ranks; which one runs depends on the shape only."""
-        M, N = x.shape
-        if self.use_push and self.push is not None and x.dtype == self.push.dtype and M <= ONE_SHOT_ROWS:
+        [parts, M, N]) and the residual x [M, N], then the norm `weight` (None: none) -> (x', h). On
+        CUDA where the push buffer is on and M <= ONE_SHOT_ROWS: one kernel (tp_reduce.push_add_norm;
+        `slot` 0 or 1 in turn: a layer's o product 0, its down product 1), about 4 us for a decode row
+        of 4096 on two H200s where the parts' sum, the one-shot all-reduce and add_norm took 8 to 10
+        (bench.gpu_tp_fuse); else those three. On two ranks both give the same bits (one rounding of
+        the two partial sums); which one runs depends on the shape only, never on the step."""
+        if self.push is not None and x.dtype == self.push.dtype and x.shape[0] <= ONE_SHOT_ROWS:
             return tp_reduce.push_add_norm(ws, x, weight, eps, bufs=self._push_bufs, slot=slot, rank=self.rank,
                                            rows=ONE_SHOT_ROWS)
-        buf = self.fused
-        if buf is not None and x.dtype == buf.dtype and M * N * 2 <= buf.numel():
-            bufs, pads, programs = self._fused_at
-            return fused_kernels.reduce_add_norm(ws, x, weight, eps, bufs=bufs, pad_ptrs=pads,
-                                                 slot_off=slot * (buf.numel() // 2), rank=self.rank,
-                                                 programs=programs)
         return fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, x.dtype))[None], x, weight, eps)
 
     def enable_one_shot(self, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -148,65 +142,42 @@ class TensorParallel:
             self.one_shot = buf
             log.info("tensor-parallel all-reduces of up to %d rows by the one-shot kernel (symmetric memory%s)",
                      ONE_SHOT_ROWS, ", the input copied in by it" if self._copy_in else "")
-            self._enable_fused(hidden, dtype, device)
+            self._enable_push(hidden, dtype, device)
         return self.one_shot is not None
 
-    def _enable_fused(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-        """After the one-shot buffer (every rank at the same point): the fused kernel's own symmetric
-        buffer (two slots of ONE_SHOT_ROWS rows, its own signal pad), one sum checked against the
-        one-shot all-reduce + add_norm, and agreed over NCCL (logged either way)."""
-        self.fused, ok = None, True
+    def _enable_push(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        """After the one-shot buffer, every rank at the same point: the push kernel's symmetric buffer,
+        marked empty on every rank before any rank writes into it, three sums (slots 0, 1, 0) checked
+        bit for bit against the one-shot all-reduce + add_norm, and agreed over NCCL (logged either way)."""
+        self.push, ok = None, True
         try:
-            fbuf = symm_mem.empty(2 * ONE_SHOT_ROWS * hidden, dtype=dtype, device=device)
-            handle = symm_mem.rendezvous(fbuf, self._one_shot_group)
-            pad_bytes = int(getattr(handle, "signal_pad_size", 0) or 2048)
-            if self.world > fused_kernels.MAX_WORLD:
-                raise ValueError(f"{self.world} ranks: it serves {fused_kernels.MAX_WORLD} at most")
-            n = fbuf.numel()
-            at = ([fbuf if r == self.rank else handle.get_buffer(r, (n,), dtype) for r in range(self.world)],
-                  torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
-                  max(1, pad_bytes // 4 // self.world))
+            if self.world > tp_reduce.MAX_WORLD:
+                raise ValueError(f"{self.world} ranks: it serves {tp_reduce.MAX_WORLD} at most")
+            buf = symm_mem.empty(2 * self.world * ONE_SHOT_ROWS * hidden, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(buf, self._one_shot_group)
+            tp_reduce.clear(buf)
+            torch.cuda.synchronize(device)
+            dist.barrier(group=self.group)
+            bufs = [buf if r == self.rank else handle.get_buffer(r, (buf.numel(),), dtype) for r in range(self.world)]
             gen = torch.Generator(device=device).manual_seed(1234)
             x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
             w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
             ws = torch.randn(2, 3, hidden, generator=gen, device=device) * (self.rank + 1)
-            got = fused_kernels.reduce_add_norm(ws, x, w, 1e-5, bufs=at[0], pad_ptrs=at[1], slot_off=0,
-                                                rank=self.rank, programs=at[2])
             want = fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, dtype))[None], x, w, 1e-5)
-            ok = all(torch.equal(a, b) for a, b in zip(got, want))
+            for slot in (0, 1, 0):
+                got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=bufs, slot=slot, rank=self.rank, rows=ONE_SHOT_ROWS)
+                ok = ok and all(torch.equal(a, b) for a, b in zip(got, want))
         except Exception as exc:  # noqa: BLE001 — the one-shot all-reduce and add_norm still work; say why once
-            log.warning("the fused all-reduce + norm kernel is not available here (%s): the one-shot all-reduce "
-                        "and the norm kernel are used", exc)
+            log.warning("the fused all-reduce + norm kernel is not available here (%s)", exc)
             ok = False
-        push_ok = ok
-        if ok:
-            try:
-                pbuf = symm_mem.empty(2 * self.world * ONE_SHOT_ROWS * hidden, dtype=dtype, device=device)
-                phandle = symm_mem.rendezvous(pbuf, self._one_shot_group)
-                tp_reduce.clear(pbuf)
-                torch.cuda.synchronize(device)
-                dist.barrier(group=self.group)
-                pbufs = [pbuf if r == self.rank else phandle.get_buffer(r, (pbuf.numel(),), dtype)
-                         for r in range(self.world)]
-                for slot in (0, 1, 0):
-                    got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=pbufs, slot=slot, rank=self.rank,
-                                                  rows=ONE_SHOT_ROWS)
-                    push_ok = push_ok and all(torch.equal(a, b) for a, b in zip(got, want))
-            except Exception as exc:  # noqa: BLE001
-                log.warning("the push all-reduce + norm kernel is not available here (%s)", exc)
-                push_ok = False
-        agree = torch.tensor([int(ok), int(push_ok)], device=device)
+        agree = torch.tensor([int(ok)], device=device)
         dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
-        if agree[1].item():
-            self.push, self._push_bufs, self._push_handle = pbuf, pbufs, phandle
-            log.info("tensor-parallel all-reduce, residual add and norm in one kernel, pushed (symmetric memory)")
-        if agree[0].item():
-            self.fused, self._fused_at, self._fused_handle = fbuf, at, handle
-            log.info("tensor-parallel all-reduce, residual add and norm in one kernel (symmetric memory, "
-                     "%d programs at most)", at[2])
+        if agree.item():
+            self.push, self._push_bufs, self._push_handle = buf, bufs, handle
+            log.info("tensor-parallel all-reduce, residual add and norm in one kernel (pushed over symmetric memory)")
         else:
-            log.warning("the fused all-reduce + norm kernel disagreed with the one-shot all-reduce + norm on "
-                        "some rank: the one-shot all-reduce and the norm kernel are used")
+            log.warning("tensor-parallel all-reduce, residual add and norm: the one-shot all-reduce and the norm "
+                        "kernel (the fused kernel failed or disagreed on some rank)")
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x [..., n] side by side along the last dim, in rank order -> [..., world * n]."""
