@@ -98,7 +98,8 @@ class TensorParallel:
         `slot` 0 or 1 in turn: a layer's o product 0, its down product 1), about 4 us for a decode row
         of 4096 on two H200s where the parts' sum, the one-shot all-reduce and add_norm took 8 to 10
         (bench.gpu_tp_fuse); else those three. On two ranks both give the same bits (one rounding of
-        the two partial sums); which one runs depends on the shape only, never on the step."""
+        the two partial sums; with more ranks the kernel is on only where its sums equalled the
+        one-shot's at load); which one runs depends on the shape only, never on the step."""
         if self.push is not None and x.dtype == self.push.dtype and x.shape[0] <= ONE_SHOT_ROWS:
             return tp_reduce.push_add_norm(ws, x, weight, eps, bufs=self._push_bufs, slot=slot, rank=self.rank,
                                            rows=ONE_SHOT_ROWS)
@@ -147,8 +148,9 @@ class TensorParallel:
 
     def _enable_push(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         """After the one-shot buffer, every rank at the same point: the push kernel's symmetric buffer,
-        marked empty on every rank before any rank writes into it, three sums (slots 0, 1, 0) checked
-        bit for bit against the one-shot all-reduce + add_norm, and agreed over NCCL (logged either way)."""
+        marked empty on every rank before any rank writes into it (agreed over NCCL before the first
+        kernel runs, so that no rank waits for a peer that could not map it), then three sums (slots 0,
+        1, 0) checked bit for bit against the one-shot all-reduce + add_norm, and agreed again (logged)."""
         self.push, ok = None, True
         try:
             if self.world > tp_reduce.MAX_WORLD:
@@ -156,28 +158,38 @@ class TensorParallel:
             buf = symm_mem.empty(2 * self.world * ONE_SHOT_ROWS * hidden, dtype=dtype, device=device)
             handle = symm_mem.rendezvous(buf, self._one_shot_group)
             tp_reduce.clear(buf)
-            torch.cuda.synchronize(device)
-            dist.barrier(group=self.group)
             bufs = [buf if r == self.rank else handle.get_buffer(r, (buf.numel(),), dtype) for r in range(self.world)]
-            gen = torch.Generator(device=device).manual_seed(1234)
-            x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
-            w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
-            ws = torch.randn(2, 3, hidden, generator=gen, device=device) * (self.rank + 1)
-            want = fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, dtype))[None], x, w, 1e-5)
-            for slot in (0, 1, 0):
-                got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=bufs, slot=slot, rank=self.rank, rows=ONE_SHOT_ROWS)
-                ok = ok and all(torch.equal(a, b) for a, b in zip(got, want))
+            torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 — the one-shot all-reduce and add_norm still work; say why once
             log.warning("the fused all-reduce + norm kernel is not available here (%s)", exc)
             ok = False
+        if self._every_rank(ok, device):
+            try:
+                gen = torch.Generator(device=device).manual_seed(1234)
+                x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
+                w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
+                ws = torch.randn(2, 3, hidden, generator=gen, device=device) * (self.rank + 1)
+                want = fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, dtype))[None], x, w, 1e-5)
+                for slot in (0, 1, 0):
+                    got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=bufs, slot=slot, rank=self.rank,
+                                                  rows=ONE_SHOT_ROWS)
+                    ok = ok and all(torch.equal(a, b) for a, b in zip(got, want))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("the fused all-reduce + norm kernel failed here (%s)", exc)
+                ok = False
+            if self._every_rank(ok, device):
+                self.push, self._push_bufs, self._push_handle = buf, bufs, handle
+                log.info("tensor-parallel all-reduce, residual add and norm in one kernel (pushed over symmetric "
+                         "memory)")
+                return
+        log.warning("tensor-parallel all-reduce, residual add and norm: the one-shot all-reduce and the norm kernel "
+                    "(the fused kernel is not available or disagreed on some rank)")
+
+    def _every_rank(self, ok: bool, device: torch.device) -> bool:
+        """Whether `ok` holds on every rank (an all-reduce of the group, every rank at the same point)."""
         agree = torch.tensor([int(ok)], device=device)
         dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
-        if agree.item():
-            self.push, self._push_bufs, self._push_handle = buf, bufs, handle
-            log.info("tensor-parallel all-reduce, residual add and norm in one kernel (pushed over symmetric memory)")
-        else:
-            log.warning("tensor-parallel all-reduce, residual add and norm: the one-shot all-reduce and the norm "
-                        "kernel (the fused kernel failed or disagreed on some rank)")
+        return bool(agree.item())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x [..., n] side by side along the last dim, in rank order -> [..., world * n]."""
