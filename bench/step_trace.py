@@ -20,11 +20,13 @@ later), keyed by the step's rows (`launch|1`: a one-row step's launch). Keys:
   bcast_cpu / bcast_cuda         host ms of torch.distributed.broadcast by device (gloo / NCCL)
   f_period     a follower: between two replays
 With LOGICPIPE_STEP_PROFILE=N (N > 0), rank 0 (or the one-GPU stage) also runs torch.profiler over
-16 one-row launches from its Nth and writes profile-<role>-<pid>.txt: the GPU time of each kernel.
+16 one-row launches from its Nth and writes profile-<role>-<pid>.txt: the GPU time of each kernel, and
+profile-<role>-<pid>.trace.json.gz: torch.profiler's chrome trace of them (the kernels' timeline).
 """
 from __future__ import annotations
 
 import functools
+import gzip
 import importlib.abc
 import json
 import os
@@ -208,6 +210,14 @@ def _profile(torch) -> None:
                 lines.append(f"(sort by {key}: {exc})")
         with open(os.path.join(_dir, f"profile-{_role}-{os.getpid()}.txt"), "w") as f:
             f.write("\n".join(lines))
+        try:  # the kernels on the GPU's timeline (gaps between them included), gzipped
+            path = os.path.join(_dir, f"profile-{_role}-{os.getpid()}.trace.json")
+            prof.export_chrome_trace(path)
+            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+                g.write(f.read())
+            os.remove(path)
+        except Exception as exc:  # noqa: BLE001
+            print("step_trace: no chrome trace:", exc, file=sys.stderr)
         _state["paused"] = False
 
 

@@ -190,19 +190,20 @@ class Shard:
             qkv = invariant.mm(h, w.qkv)  # [T, q + 2 kv]
             q = fused.rope_kv(qkv, cos, sin, positions, ws, pool[j, 0], pool[j, 1], c.num_heads,
                               c.num_kv_heads, c.head_dim)
-            x, h = fused.add_norm(self._row_parallel(attend(i, q), w.o), x, w.post_norm, eps)
+            x, h = self._add_norm(invariant.mm_parts(attend(i, q), w.o), x, w.post_norm, eps, 0)
             mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
-            x, h = fused.add_norm(self._row_parallel(mlp, w.down), x, self.layers[i + 1].input_norm if i + 1 < n else None,
-                                  eps)
+            x, h = self._add_norm(invariant.mm_parts(mlp, w.down), x,
+                                  self.layers[i + 1].input_norm if i + 1 < n else None, eps, 1)
         return x
 
-    def _row_parallel(self, x: torch.Tensor, w) -> torch.Tensor:
-        """The fused layers' o or down product for fused.add_norm: its parts over K [parts, T, N]; on a
-        rank of a tensor-parallel stage the product (its parts added in order) summed over the ranks,
-        [1, T, N] (TensorParallel.all_reduce: a fixed order, whatever the step)."""
+    def _add_norm(self, ws: torch.Tensor, x: torch.Tensor, weight, eps: float, slot: int):
+        """The fused layers' o or down product (its parts over K, [parts, T, N]) added to the residual x,
+        then the next norm: fused.add_norm; on a rank of a tensor-parallel stage the product summed over
+        the ranks first (TensorParallel.reduce_add_norm, one kernel on CUDA; `slot`: 0 for o, 1 for
+        down; a fixed order, whatever the step)."""
         if self.tp is None:
-            return invariant.mm_parts(x, w)
-        return self.tp.all_reduce(invariant.mm(x, w))[None]
+            return fused.add_norm(ws, x, weight, eps)
+        return self.tp.reduce_add_norm(ws, x, weight, eps, slot)
 
     @torch.inference_mode()
     def warm_up(self, pool: KVPool) -> float:

@@ -25,6 +25,10 @@ Reduction order. An all-reduce of w ranks adds the same partial sums in the same
 symmetric memory for every all-reduce of up to ONE_SHOT_ROWS rows, each GPU adding the ranks' copies
 in rank order), so a row's bits do not depend on the
 step it is in any more than without TP; they differ from one rank's whole product by float rounding.
+The fused layers on CUDA (Shard.layers_fused) reduce the o and down products by
+`TensorParallel.reduce_add_norm` instead: one kernel (stage_node.kernels.tp_reduce) that pushes each
+rank's partial sum into its peers' buffers and adds them in rank order with the residual, then the
+next norm; on two ranks the same bits as the one-shot all-reduce and the separate norm kernel.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from logicpipe.common.modeldir import ModelConfig, ModelError
+from logicpipe.stage_node.kernels import fused as fused_kernels
+from logicpipe.stage_node.kernels import invariant, tp_reduce
 from logicpipe.stage_node.model.weights import Experts, LayerWeights
 
 try:  # PyTorch's symmetric memory (CUDA): the one-shot all-reduce
@@ -59,6 +65,11 @@ class TensorParallel:
     one_shot: torch.Tensor | None = field(default=None, compare=False, repr=False)  # CUDA: the symmetric buffer of the one-shot all-reduce (enable_one_shot)
     _one_shot_group: str = field(default="", compare=False, repr=False)  # its process group's name
     _copy_in: bool = field(default=False, compare=False, repr=False)  # one_shot_all_reduce_copy works here
+    # CUDA: the symmetric buffer of the fused all-reduce + residual add + norm (`reduce_add_norm`,
+    # stage_node.kernels.tp_reduce: 2 slots x world regions x ONE_SHOT_ROWS rows), every rank's as mapped here
+    push: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    _push_bufs: list = field(default_factory=list, compare=False, repr=False)
+    _push_handle: object = field(default=None, compare=False, repr=False)  # keeps the mappings
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank); returned (x itself over NCCL or gloo).
@@ -78,6 +89,21 @@ class TensorParallel:
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         return x
+
+    def reduce_add_norm(self, ws: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                        slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fused.add_norm of the sum over the ranks of this rank's product (its parts over K, `ws`
+        [parts, M, N]) and the residual x [M, N], then the norm `weight` (None: none) -> (x', h). On
+        CUDA where the push buffer is on and M <= ONE_SHOT_ROWS: one kernel (tp_reduce.push_add_norm;
+        `slot` 0 or 1 in turn: a layer's o product 0, its down product 1), about 4 us for a decode row
+        of 4096 on two H200s where the parts' sum, the one-shot all-reduce and add_norm took 8 to 10
+        (bench.gpu_tp_fuse); else those three. On two ranks both give the same bits (one rounding of
+        the two partial sums; with more ranks the kernel is on only where its sums equalled the
+        one-shot's at load); which one runs depends on the shape only, never on the step."""
+        if self.push is not None and x.dtype == self.push.dtype and x.shape[0] <= ONE_SHOT_ROWS:
+            return tp_reduce.push_add_norm(ws, x, weight, eps, bufs=self._push_bufs, slot=slot, rank=self.rank,
+                                           rows=ONE_SHOT_ROWS)
+        return fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, x.dtype))[None], x, weight, eps)
 
     def enable_one_shot(self, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
         """CUDA ranks, every one at the same point (a shard's load): allocate and exchange the
@@ -117,7 +143,53 @@ class TensorParallel:
             self.one_shot = buf
             log.info("tensor-parallel all-reduces of up to %d rows by the one-shot kernel (symmetric memory%s)",
                      ONE_SHOT_ROWS, ", the input copied in by it" if self._copy_in else "")
+            self._enable_push(hidden, dtype, device)
         return self.one_shot is not None
+
+    def _enable_push(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        """After the one-shot buffer, every rank at the same point: the push kernel's symmetric buffer,
+        marked empty on every rank before any rank writes into it (agreed over NCCL before the first
+        kernel runs, so that no rank waits for a peer that could not map it), then three sums (slots 0,
+        1, 0) checked bit for bit against the one-shot all-reduce + add_norm, and agreed again (logged)."""
+        self.push, ok = None, True
+        try:
+            if self.world > tp_reduce.MAX_WORLD:
+                raise ValueError(f"{self.world} ranks: it serves {tp_reduce.MAX_WORLD} at most")
+            buf = symm_mem.empty(2 * self.world * ONE_SHOT_ROWS * hidden, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(buf, self._one_shot_group)
+            tp_reduce.clear(buf)
+            bufs = [buf if r == self.rank else handle.get_buffer(r, (buf.numel(),), dtype) for r in range(self.world)]
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 — the one-shot all-reduce and add_norm still work; say why once
+            log.warning("the fused all-reduce + norm kernel is not available here (%s)", exc)
+            ok = False
+        if self._every_rank(ok, device):
+            try:
+                gen = torch.Generator(device=device).manual_seed(1234)
+                x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
+                w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
+                ws = torch.randn(2, 3, hidden, generator=gen, device=device) * (self.rank + 1)
+                want = fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, dtype))[None], x, w, 1e-5)
+                for slot in (0, 1, 0):
+                    got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=bufs, slot=slot, rank=self.rank,
+                                                  rows=ONE_SHOT_ROWS)
+                    ok = ok and all(torch.equal(a, b) for a, b in zip(got, want))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("the fused all-reduce + norm kernel failed here (%s)", exc)
+                ok = False
+            if self._every_rank(ok, device):
+                self.push, self._push_bufs, self._push_handle = buf, bufs, handle
+                log.info("tensor-parallel all-reduce, residual add and norm in one kernel (pushed over symmetric "
+                         "memory)")
+                return
+        log.warning("tensor-parallel all-reduce, residual add and norm: the one-shot all-reduce and the norm kernel "
+                    "(the fused kernel is not available or disagreed on some rank)")
+
+    def _every_rank(self, ok: bool, device: torch.device) -> bool:
+        """Whether `ok` holds on every rank (an all-reduce of the group, every rank at the same point)."""
+        agree = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(agree.item())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x [..., n] side by side along the last dim, in rank order -> [..., world * n]."""

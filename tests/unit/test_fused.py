@@ -92,6 +92,37 @@ def test_silu_mul(interpret, dtype):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_push_add_norm_as_rank_0_of_2(interpret, dtype):
+    """tp_reduce.push_add_norm as rank 0 of two whose peer already pushed its rows: the sum in rank
+    order rounded once, the residual and the norm bit for bit as add_norm over that sum; its own rows
+    pushed into the peer's buffer (-0.0, the empty mark, sent as +0.0); its own regions marked empty
+    again after reading, in either slot."""
+    from logicpipe.stage_node.kernels import tp_reduce
+
+    g = torch.Generator().manual_seed(3)
+    M, N, R, W = 3, 96, 4, 2
+    x, peer = torch.randn(M, N, generator=g).to(dtype), torch.randn(M, N, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype)
+    ws = torch.randn(2, M, N, generator=g)
+    ws[:, 0, 5] = -0.0
+    mine = ws.sum(0).to(dtype)
+    want = interpret.add_norm((mine.float() + peer.float()).to(dtype)[None], x, w, 1e-5)
+    bufs = [torch.empty(2 * W * R * N, dtype=dtype) for _ in range(W)]
+    for b in bufs:
+        tp_reduce.clear(b)
+    mark = tp_reduce.empty_mark(dtype)
+    for slot in (0, 1):
+        at = slot * W * R * N
+        bufs[0][at + R * N: at + R * N + M * N] = peer.reshape(-1)  # rank 1's region of rank 0's slot
+        got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=bufs, slot=slot, rank=0, rows=R)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        sent = bufs[1][at: at + M * N].view(M, N)
+        assert torch.equal(sent, mine) and sent[0, 5].item() == 0 and (sent.view(tp_reduce.INT_OF[dtype]) != mark).all()
+        assert (bufs[0].view(tp_reduce.INT_OF[dtype]) == mark).all()
+        tp_reduce.clear(bufs[1])
+
+
 @pytest.mark.parametrize("window, sinks", [(None, False), (40, True)])  # (a window alone: within the second)
 def test_attention_over_several_splits(interpret, window, sinks):
     """stage_node.invariant.attention over 130 positions (three splits of ATTN_CHUNK, merged CB at a time; the

@@ -37,6 +37,7 @@ LOCAL_IMPORTS = {
     "stage_node/kernels/quant.py": {"bitsandbytes"},  # the `quant` extra: --quantize nf4|fp4
     "stage_node/kernels/invariant.py": {"triton"},  # CUDA stages only (--batch-invariant; ships with torch's CUDA wheels)
     "stage_node/kernels/fused.py": {"triton"},  # the same: CUDA stages' fused layer kernels
+    "stage_node/kernels/tp_reduce.py": {"triton"},  # the same: CUDA tensor-parallel ranks' fused all-reduce
     "stage_node/kernels/grouped.py": {"triton"},  # the same: CUDA stages' grouped-expert kernels
     "stage_node/kernels/gpu_quant_kernels.py": {"triton"},  # the same: CUDA stages' int4 / int8 kernels
     # structured output only: xgrammar's import takes a second, transformers' more (the tokenizer)
