@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sys
 from pathlib import Path
 
 # OpenMP workers (torch's CPU thread team) spin this many iterations waiting for the next parallel
@@ -17,6 +18,14 @@ from pathlib import Path
 # imports below.
 GOMP_SPINCOUNT = "20000"
 os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+# A spare (--spare) imports on the CPU time nothing else wants (SCHED_IDLE, from before torch's import):
+# it stands behind a node that may be replaying a fault's requests on the same cores. serve() puts it
+# back on the normal policy before anything it measures (net/spare.py: serving_priority).
+if "--spare" in sys.argv[1:] and hasattr(os, "SCHED_IDLE"):
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        pass
 
 import torch  # noqa: E402
 
@@ -54,7 +63,7 @@ from logicpipe.stage_node.engine.tp_group import Leader, free_port, serve_store 
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
-from logicpipe.stage_node.net.spare import ServingLock, lock_path, take_node  # noqa: E402
+from logicpipe.stage_node.net.spare import ServingLock, lock_path, serving_priority, take_node  # noqa: E402
 from logicpipe.v1 import stage_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("logicpipe.stage")
@@ -258,7 +267,9 @@ def cuda_available() -> bool:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    if not args.spare:  # (a spare's port is its node's serving process's until that one ends)
+    if args.spare:  # imported (at idle priority): the rest, timings included, at the normal one
+        serving_priority()
+    else:  # (a spare's port is its node's serving process's until that one ends)
         check_free(args.listen, "--listen", PROG)  # before the device is probed and measured
     for flag in ("max_kv_mib", "block_size", "max_step_tokens", "max_step_seqs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:  # (None: --max-step-seqs by device)

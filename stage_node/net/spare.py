@@ -5,9 +5,10 @@ it commits to serving until it ends; the kernel drops the lock when the process 
 ends (SIGKILL, a crash, the OOM killer, a SIGTERM's orderly leave). A spare is a second process of
 the same node (the same --state-dir, --listen and flags, plus --spare) that has done the slow part
 of a start (the interpreter, torch's import, the kernel timing, the profile): 4 to 7 s on a small
-CPU, more on a board. It polls the lock every `POLL_S`; once it holds it, it reads the node's fence
-and KV disk store as the ended process left them, binds --listen and serves, a fraction of a second
-after the end. Whoever starts the next process (systemd, a supervisor) makes it the new spare.
+CPU, more on a board; its imports, most of it, at idle priority (SCHED_IDLE: only CPU time nothing
+else wants; stage_node/main.py), the rest at the normal one, measurements included. It polls the
+lock every `POLL_S`; once it holds it, it reads the node's fence and KV disk store as the ended
+process left them, binds --listen and serves, a fraction of a second after the end. Whoever starts the next process (systemd, a supervisor) makes it the new spare.
 
 A process without --spare that finds the lock held is refused at once (another process serves this
 node from this state directory), before it binds anything.
@@ -92,6 +93,23 @@ async def wait_free(address: str, free, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not free(address) and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
+
+
+def serving_priority() -> int:
+    """Every thread of this process back on the normal policy (SCHED_OTHER) after a spare's imports at idle
+    priority (stage_node/main.py): allowed without privileges at the thread's own nice value, as
+    sched(7) says. The threads it starts later inherit it. Returns how many threads it moved."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return 0
+    moved = 0
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                moved += 1
+        except ProcessLookupError:  # (a thread that ended meanwhile)
+            continue
+    return moved
 
 
 async def take_node(serving: ServingLock, node_id: str, listen: str, *, spare: bool, prog: str) -> None:

@@ -6,6 +6,7 @@ default model's tokenizer (chat_model), its stages paced as a slower device (PAC
 is tested is membership, not the model."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
@@ -130,9 +131,11 @@ def test_a_killed_middle_stage_is_replanned_around_and_comes_back(chat_model, tm
             mesh.start_stage(1, mesh.stage_addresses[1])
             mesh.wait_plan(stages=3, generation_above=st.plan_generation, timeout=60)
         # a spare process of the node (--spare: started up, waiting) serves the moment the killed one ends
-        mesh.start_spare(1)
+        waiting = mesh.start_spare(1)
         spare_log = tmp_path / "stage1-spare.log"
         until(lambda: "waiting to take over" in spare_log.read_text(), "the spare's start")
+        # imported at idle priority (SCHED_IDLE), it waits on the normal policy, every thread of it
+        assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{waiting.pid}/task")} == {os.SCHED_OTHER}
         # a second process for the node without --spare is refused at once (its own port: the lock refuses it)
         _, dup, dup_log = mesh.spawn_stage(1, None, name="stage1-dup")
         assert dup.wait(120) == 2 and "is served by another process" in dup_log.read_text()

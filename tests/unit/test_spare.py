@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 from logicpipe.stage_node.net import spare
 from logicpipe.stage_node.net.spare import ServingLock, lock_path
@@ -39,3 +40,26 @@ def test_wait_free_returns_once_the_address_is_free():
     answers = iter([False, False, True])
     asyncio.run(spare.wait_free("127.0.0.1:1", lambda _: next(answers), timeout_s=5))
     asyncio.run(spare.wait_free("127.0.0.1:1", lambda _: False, timeout_s=0.05))  # gives up: the bind then says why
+
+
+def test_serving_priority_moves_every_idle_thread_back_to_the_normal_policy():
+    """A spare starts up under SCHED_IDLE (stage_node/main.py); serving_priority puts every thread of the
+    process, those started during the start-up included, back on SCHED_OTHER without privileges."""
+    ready, done = threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def worker() -> None:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+        seen["before"] = os.sched_getscheduler(0)
+        ready.set()
+        done.wait(10)
+        seen["after"] = os.sched_getscheduler(0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert ready.wait(10)
+    assert spare.serving_priority() == 1  # the worker; the main thread was on SCHED_OTHER already
+    done.set()
+    t.join(10)
+    assert seen == {"before": os.SCHED_IDLE, "after": os.SCHED_OTHER}
+    assert spare.serving_priority() == 0
