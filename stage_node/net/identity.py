@@ -66,8 +66,10 @@ def _read(path: Path) -> dict | None:
     return data
 
 
-def _write_atomically(path: Path, data: dict) -> None:
-    """Write via a temp file in the same directory and os.replace, so readers see old or new, never half."""
+def _write_atomically(path: Path, data: dict, replace: bool = True) -> bool:
+    """Write via a temp file in the same directory, so readers see old or new, never half: os.replace,
+    or (`replace` False) a link that fails when the file exists, so of processes making it at the same
+    moment (a node and its spare on a first start) the first wins. Whether this call's data is there."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -76,7 +78,16 @@ def _write_atomically(path: Path, data: dict) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return True
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -95,6 +106,11 @@ def node_identity(state_dir: Path, device: str, port: int) -> str:
     host = _label(socket.gethostname())[:MAX_HOST_CHARS].strip("-") or "node"
     node_id = f"{host}-{_label(device)}-{secrets.token_hex(4)}"
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    _write_atomically(path, {"node_id": node_id, "machine": machine, "created": created})
+    if not _write_atomically(path, {"node_id": node_id, "machine": machine, "created": created},
+                             replace=data is not None):
+        made = _read(path)  # another process of this node made it first: its id is the node's
+        if made is not None and made["machine"] == machine:
+            return made["node_id"]
+        _write_atomically(path, {"node_id": node_id, "machine": machine, "created": created})
     log.info("new node id %s (kept in %s)", node_id, path)
     return node_id

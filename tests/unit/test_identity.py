@@ -66,3 +66,23 @@ def test_default_state_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_STATE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_state_dir() == tmp_path / "home" / ".local" / "state" / "logicpipe"
+
+
+def test_two_first_starts_at_once_agree_on_one_id(tmp_path, monkeypatch):
+    """A node and its spare (--spare) started together on a first boot: the one that makes the file second
+    (it read no file, as both did) takes the first one's id instead of writing its own over it."""
+    real_read = identity._read
+    reads = []
+
+    def read_then_lose_the_race(path):
+        got = real_read(path)
+        if not reads:  # the other process makes the file between this one's read and its write
+            reads.append(path)
+            identity._write_atomically(path, {"node_id": "made-first", "machine": machine_fingerprint(),
+                                              "created": "then"}, replace=False)
+        return got
+
+    monkeypatch.setattr(identity, "_read", read_then_lose_the_race)
+    assert node_identity(tmp_path, "cpu", 50061) == "made-first"
+    assert json.loads((tmp_path / "node-cpu-50061.json").read_text())["node_id"] == "made-first"
+    assert [p.name for p in tmp_path.iterdir()] == ["node-cpu-50061.json"]  # no temp file left
