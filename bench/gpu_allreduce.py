@@ -25,7 +25,7 @@ except ImportError:  # an older PyTorch: NCCL only
 from tests.localmesh import free_port
 
 
-def _timed_graph(fn, reps: int, replays: int) -> float:
+def timed_graph(fn, reps: int, replays: int) -> float:
     """Microseconds one call of fn takes, captured `reps` times in one CUDA graph, over `replays` replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         for rows in args.rows:
             x = torch.ones(rows, args.hidden, dtype=torch.bfloat16, device="cuda")
             dist.all_reduce(x)
-            out[f"nccl rows={rows}"] = _timed_graph(lambda: dist.all_reduce(x), args.reps, args.replays)
+            out[f"nccl rows={rows}"] = timed_graph(lambda: dist.all_reduce(x), args.reps, args.replays)
             if symm_mem is not None:
                 try:
                     group = dist.group.WORLD
@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
                     got = one_shot()
                     torch.cuda.synchronize()
                     out[f"one_shot rows={rows} correct"] = bool((got == world).all())
-                    out[f"one_shot rows={rows}"] = _timed_graph(one_shot, args.reps, args.replays)
+                    out[f"one_shot rows={rows}"] = timed_graph(one_shot, args.reps, args.replays)
                 except Exception as exc:  # noqa: BLE001 — reported, NCCL's figure still stands
                     out[f"one_shot rows={rows} error"] = repr(exc)[:300]
         queue.put((rank, out))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -26,28 +25,8 @@ import triton
 
 from logicpipe.stage_node.kernels import fused, invariant
 from logicpipe.stage_node.model.tp import TensorParallel
+from bench.gpu_allreduce import timed_graph
 from tests.localmesh import free_port
-
-
-def _timed_graph(fn, reps: int, replays: int) -> float:
-    """Microseconds one call of fn takes, captured `reps` times in one CUDA graph, over `replays` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (replays * reps) * 1e6
 
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
@@ -85,13 +64,13 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
             ws = ws if parts > 1 else ws.to(dt)
             key = f"rows={rows} parts={parts}"
             a = old(ws, x)
-            out[f"{key} old us"] = round(_timed_graph(lambda ws=ws, x=x: old(ws, x), args.reps, args.replays), 2)
+            out[f"{key} old us"] = round(timed_graph(lambda ws=ws, x=x: old(ws, x), args.reps, args.replays), 2)
             b, c = tp.reduce_add_norm(ws, x, w, 1e-5, 0), tp.reduce_add_norm(ws, x, w, 1e-5, 1)
             torch.cuda.synchronize()
             out[f"{key} same bits"] = all(torch.equal(p, q) for p, q in zip(a, b)) and all(
                 torch.equal(p, q) for p, q in zip(a, c))
             slots = iter(range(1 << 30))
-            out[f"{key} fused us"] = round(_timed_graph(
+            out[f"{key} fused us"] = round(timed_graph(
                 lambda ws=ws, x=x: tp.reduce_add_norm(ws, x, w, 1e-5, next(slots) % 2), args.reps, args.replays), 2)
     # a step's o and down products with their reductions, 8B-shaped rank matrices
     L = args.layers
@@ -117,9 +96,9 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
 
     out["layers"] = L
     want = step_old()
-    out["step o+down old us"] = round(_timed_graph(step_old, 1, args.replays), 1)
+    out["step o+down old us"] = round(timed_graph(step_old, 1, args.replays), 1)
     out["step o+down same bits"] = torch.equal(want, step_fused())
-    out["step o+down fused us"] = round(_timed_graph(step_fused, 1, args.replays), 1)
+    out["step o+down fused us"] = round(timed_graph(step_fused, 1, args.replays), 1)
     del o, down
     if rank == 0 and args.tiles:
         out["tiles"] = _tiles()
