@@ -133,7 +133,8 @@ def test_a_killed_middle_stage_is_replanned_around_and_comes_back(chat_model, tm
         # a spare process of the node (--spare: started up, waiting) serves the moment the killed one ends
         waiting = mesh.start_spare(1)
         spare_log = tmp_path / "stage1-spare.log"
-        until(lambda: "waiting to take over" in spare_log.read_text(), "the spare's start")
+        # (its log is opened by the forked process: not there at once)
+        until(lambda: spare_log.exists() and "waiting to take over" in spare_log.read_text(), "the spare's start")
         # imported at idle priority (SCHED_IDLE), it waits on the normal policy, every thread of it
         assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{waiting.pid}/task")} == {os.SCHED_OTHER}
         # a second process for the node without --spare is refused at once (its own port: the lock refuses it)
