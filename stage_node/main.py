@@ -49,7 +49,7 @@ from logicpipe.common.transport import add_flags, from_flags  # noqa: E402
 from logicpipe.formats import FLOAT_DTYPES  # noqa: E402
 from logicpipe.policy import STAGE_POLICY  # noqa: E402
 from logicpipe.stage_node.config import StageOptions  # noqa: E402
-from logicpipe.stage_node.net.identity import default_state_dir, node_identity  # noqa: E402
+from logicpipe.stage_node.net.identity import default_state_dir, file_label, node_identity  # noqa: E402
 from logicpipe.stage_node.kernels.invariant import SETTINGS as INVARIANT_SETTINGS  # noqa: E402
 from logicpipe.stage_node.kernels.invariant import InvariantError, resolve  # noqa: E402
 from logicpipe.stage_node.net.membership import StageMembership  # noqa: E402
@@ -255,7 +255,7 @@ def kv_disk_mib(args: argparse.Namespace) -> int:
 
 def kv_disk_dir(state_dir: Path, node_id: str) -> Path:
     """Where a node keeps its prefix cache: one store per node id in its state directory."""
-    return state_dir / ("kv-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in node_id))
+    return state_dir / ("kv-" + file_label(node_id))
 
 
 def torch_cuda_count() -> int:

@@ -37,6 +37,11 @@ def _label(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", text)
 
 
+def file_label(node_id: str) -> str:
+    """`node_id` as part of a file name in the state dir: every character outside [A-Za-z0-9._-] as '_'."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in node_id)
+
+
 def machine_fingerprint() -> str:
     """16 hex digits of sha256 over the machine id (when there is one) and the hostname."""
     machine_id = ""

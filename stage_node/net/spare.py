@@ -8,7 +8,8 @@ of a start (the interpreter, torch's import, the kernel timing, the profile): 4 
 CPU, more on a board; its imports, most of it, at idle priority (SCHED_IDLE: only CPU time nothing
 else wants; stage_node/main.py), the rest at the normal one, measurements included. It polls the
 lock every `POLL_S`; once it holds it, it reads the node's fence and KV disk store as the ended
-process left them, binds --listen and serves, a fraction of a second after the end. Whoever starts the next process (systemd, a supervisor) makes it the new spare.
+process left them, binds --listen and serves, a fraction of a second after the end. Whoever starts
+the next process (systemd, a supervisor) makes it the new spare.
 
 A process without --spare that finds the lock held is refused at once (another process serves this
 node from this state directory), before it binds anything.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from logicpipe.common import sdnotify
 from logicpipe.common.process import check_free, is_free
+from logicpipe.stage_node.net.identity import file_label
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ POLL_S = 0.05  # how often a spare tries the lock: its share of a takeover's tim
 
 def lock_path(state_dir: Path, node_id: str) -> Path:
     """The serving lock of `node_id` under `state_dir`."""
-    return state_dir / ("serving-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in node_id) + ".lock")
+    return state_dir / f"serving-{file_label(node_id)}.lock"
 
 
 class ServingLock:
@@ -87,11 +89,11 @@ class ServingLock:
             self._fd = None
 
 
-async def wait_free(address: str, free, timeout_s: float = 5.0) -> None:
-    """Wait until `free(address)` holds (the ended holder's listening socket gone), at most `timeout_s`:
-    the lock is dropped as the holder's files close, its socket with them, but not in one step."""
+async def wait_free(address: str, timeout_s: float = 5.0) -> None:
+    """Wait until `address` can be listened on (the ended holder's listening socket gone), at most
+    `timeout_s`: the lock is dropped as the holder's files close, its socket with them, but not in one step."""
     deadline = time.monotonic() + timeout_s
-    while not free(address) and time.monotonic() < deadline:
+    while not is_free(address) and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
 
 
@@ -132,7 +134,7 @@ async def take_node(serving: ServingLock, node_id: str, listen: str, *, spare: b
     finally:
         watchdog.cancel()
     t0 = time.monotonic()
-    await wait_free(listen, is_free)
+    await wait_free(listen)
     log.info("spare for node %s: its serving process (pid %s) ended; taking over (waited %.1f s, its port %.2f s)",
              node_id, holder, waited, time.monotonic() - t0)
     sdnotify.notify(f"STATUS=taking over node {node_id}")

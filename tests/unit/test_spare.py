@@ -36,10 +36,12 @@ def test_one_holder_at_a_time_and_a_waiting_spare_takes_over(tmp_path, monkeypat
     last.release()
 
 
-def test_wait_free_returns_once_the_address_is_free():
+def test_wait_free_returns_once_the_address_is_free(monkeypatch):
     answers = iter([False, False, True])
-    asyncio.run(spare.wait_free("127.0.0.1:1", lambda _: next(answers), timeout_s=5))
-    asyncio.run(spare.wait_free("127.0.0.1:1", lambda _: False, timeout_s=0.05))  # gives up: the bind then says why
+    monkeypatch.setattr(spare, "is_free", lambda _: next(answers))
+    asyncio.run(spare.wait_free("127.0.0.1:1", timeout_s=5))
+    monkeypatch.setattr(spare, "is_free", lambda _: False)
+    asyncio.run(spare.wait_free("127.0.0.1:1", timeout_s=0.05))  # gives up: the bind then says why
 
 
 def test_serving_priority_moves_every_idle_thread_back_to_the_normal_policy():
