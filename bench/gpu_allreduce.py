@@ -46,10 +46,31 @@ def timed_graph(fn, reps: int, replays: int) -> float:
     return (time.perf_counter() - t0) / (replays * reps) * 1e6
 
 
-def _rank(rank: int, world: int, port: int, args, queue) -> None:
+def init_rank(rank: int, world: int, port: int) -> None:
+    """This process as rank `rank` of `world` on GPU `rank`, NCCL over TCP on loopback `port`."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
+
+
+def run_ranks(rank_main, world: int, args, timeout_s: float) -> dict:
+    """`rank_main(rank, world, port, args, queue)` in one spawned process a GPU, each putting (rank,
+    result) on the queue: rank -> result. Symmetric memory without NVLink multicast."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout_s) for _ in procs)
+    for p in procs:
+        p.join(30)
+    return results
+
+
+def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    init_rank(rank, world, port)
     out = {}
     try:
         for rows in args.rows:
@@ -88,16 +109,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=0, help="GPUs (default: all)")
     args = ap.parse_args()
     world = args.world or torch.cuda.device_count()
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(30)
+    results = run_ranks(_rank, world, args, 300)
     doc = {"gpu": torch.cuda.get_device_name(0), "world": world, "hidden": args.hidden, "us_per_all_reduce": results[0]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_allreduce.json").write_text(json.dumps(doc, indent=2))

@@ -15,24 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import triton
 
 from logicpipe.stage_node.kernels import fused, invariant
 from logicpipe.stage_node.model.tp import TensorParallel
-from bench.gpu_allreduce import timed_graph
-from tests.localmesh import free_port
+from bench.gpu_allreduce import init_rank, run_ranks, timed_graph
 
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    init_rank(rank, world, port)
     out = {}
     try:
         with torch.inference_mode():
@@ -149,16 +144,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2, help="GPUs")
     args = ap.parse_args()
     world = args.world
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=args.timeout) for _ in procs)
-    for p in procs:
-        p.join(30)
+    results = run_ranks(_rank, world, args, args.timeout)
     doc = {"gpu": torch.cuda.get_device_name(0), "world": world, "hidden": args.hidden, "by_rank": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_tp_fuse.json").write_text(json.dumps(doc, indent=2))
