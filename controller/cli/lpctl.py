@@ -96,6 +96,8 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except ConnectionRefusedError:
         return "refused"
+    except (ConnectionResetError, ConnectionAbortedError):  # accepted and reset before connect() returned:
+        return "silent"  # the same hang-up as below, only sooner (CI saw it called "unreachable")
     except (OSError, ValueError):
         return "unreachable"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

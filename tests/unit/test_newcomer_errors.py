@@ -313,6 +313,15 @@ def test_nothing_listening_is_named(capsys, monkeypatch):
 
 
 
+def test_a_reset_before_connect_returns_is_a_hang_up_too(monkeypatch):
+    """A server that accepts and resets at once can beat the client's connect() to it: the connect
+    then fails with ECONNRESET (CI saw the probe call that "unreachable"). It is the hang-up below."""
+    def reset(*a, **kw):
+        raise ConnectionResetError(104, "Connection reset by peer")
+    monkeypatch.setattr(lpctl.socket, "create_connection", reset)
+    assert lpctl.probe("127.0.0.1:1", timeout=0.1) == "silent"
+
+
 def test_a_server_that_hangs_up_or_says_nothing_is_no_tls_mismatch(pki):
     """A controller stopping or too busy resets the probe's handshake or lets it time out: that tells
     neither TLS nor plaintext, so lpctl keeps trying (it gave up once in CI, judging a reset
