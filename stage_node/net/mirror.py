@@ -56,7 +56,11 @@ MAX_BLOCKS = 1024           # blocks of one PutBlocks at most (a receiver refuse
 SENT_CAP = 1 << 16          # hashes remembered per target as taken (the oldest forgotten first)
 PUT_TIMEOUT_S = 10.0
 RETRY_S = 2.0               # a target whose PutBlocks failed is left alone this long
-FLUSH_S = 5.0               # a stage that leaves (SIGTERM) sends what its targets lack for at most this long first
+FLUSH_S = 1.0               # a stage that leaves (SIGTERM) sends what its targets lack for at most this long first
+                            # (each MIRROR_S round sends it anyway); the disk store's last round as long, at the same
+                            # time (net.membership). Until the controller hears of the stop it gives the node work,
+                            # whose steps hold the step lock the copies wait on: in a storm the two took 5 s one after
+                            # the other when this was 5 s, the node neither serving nor left
 MAX_KEY_CHARS = 128
 
 
