@@ -19,7 +19,9 @@ request id (Resume) when their stream breaks:
                                           stages started again at once) one every 4 s, every 4th
                                           0.3 s after the one before; 12 requests (--spares: each
                                           node's spare process serves when it ends, and the ended
-                                          one is started again as the next spare)
+                                          one is started again as the next spare; --spares fork:
+                                          each node --keep-spare, the fault hitting the process
+                                          that serves, its keeper forking the next spare)
   replay                                  one fault's replays: 12 requests of --history tokens, the
                                           middle stage SIGKILLed and started again 2 s later
 
@@ -45,6 +47,7 @@ for 2 s after it), and the load average while it ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -59,6 +62,7 @@ from pathlib import Path
 
 import grpc
 
+from logicpipe.stage_node.net.spare import ServingLock, lock_path
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh
 
@@ -403,11 +407,15 @@ def _wait_resume(reqs: list[Resuming], since: float) -> float | None:
 
 
 def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.0, shape: str = "pipeline",
-              extra: tuple = (), stage_extra: tuple = (), spares: bool = False) -> dict:
+              extra: tuple = (), stage_extra: tuple = (), spares: str = "") -> dict:
     """`faults` stage faults, one every `spacing` s and every 4th 0.3 s after the one before, on a
     3-stage mesh serving 12 requests long enough to outlast the storm. `spares`: every node has a
     spare process (--spare) that serves when its process ends; the ended one is started again as
-    the next spare (a fault hits the serving process)."""
+    the next spare (a fault hits the serving process); "fork": every node --keep-spare (its keeper forks
+    the next spare; a fault hits the serving process, never the keeper)."""
+    fork = spares == "fork"
+    if fork:
+        stage_extra = (*stage_extra, "--keep-spare")
     rng = random.Random(22)
     tokens = int(faults * spacing * 9)  # ~ the storm's length at a few tokens per second per request
     with LocalMesh(3, model_dir, work, threads=1, controller_args=SHAPES[shape] + extra, stage_args=stage_extra) as mesh:
@@ -416,14 +424,34 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
         for r in reqs:
             r.started.wait(120)
         restarting: dict[int, threading.Thread] = {}
-        if spares:
+        if spares and not fork:
             for i in range(3):
                 mesh.start_spare(i)
             for i in range(3):
                 _wait_spare(mesh, i)
         watch = StageWatch(mesh.stage_addresses)
 
+        def serving(i: int) -> int:
+            """The pid of the process that serves stage i (the keeper's children take turns)."""
+            return ServingLock(lock_path(mesh.workdir / f"state{i}", f"stage{i}")).holder() or 0
+
+        def hit(i: int, sig: int, pid: int) -> None:
+            if not fork:
+                mesh.signal(f"stage{i}", sig)
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+        def taken_over(i: int, pid: int) -> None:
+            """Until the keeper's spare serves in place of `pid` (its lock's pid another)."""
+            deadline = time.monotonic() + 60
+            while serving(i) == pid and time.monotonic() < deadline:
+                time.sleep(0.02)
+
         def restart(i: int, proc) -> None:
+            if fork:
+                taken_over(i, proc)
+                return
             proc.wait(60)
             if not spares:
                 mesh.start_stage(i, mesh.stage_addresses[i])
@@ -442,11 +470,13 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
             i, sig = rng.choice(live), kinds[n % 3]
             fault_times.append(time.monotonic())
             fault_log.append(f"{fault_times[-1] - fault_times[0]:.1f}s stage{i} {signal.Signals(sig).name}")
-            mesh.signal(f"stage{i}", sig)
+            pid = serving(i) if fork else 0
+            hit(i, sig, pid)
             if sig == signal.SIGSTOP:
-                threading.Timer(3.0, mesh.signal, (f"stage{i}", signal.SIGCONT)).start()
+                threading.Timer(3.0, hit, (i, signal.SIGCONT, pid)).start()
             else:
-                restarting[i] = threading.Thread(target=restart, args=(i, mesh.procs[f"stage{i}"]), daemon=True)
+                restarting[i] = threading.Thread(target=restart, args=(i, pid if fork else mesh.procs[f"stage{i}"]),
+                                                 daemon=True)
                 restarting[i].start()
         for r in reqs:
             r.thread.join(WAIT_S + 300)
@@ -500,9 +530,10 @@ def main() -> None:
                     help="storm and replay: one more controller flag (repeat it), e.g. --controller-arg=--kv-mirror=off")
     ap.add_argument("--stage-arg", action="append", default=[], metavar="ARG",
                     help="storm and replay: one more flag of every stage (repeat it), e.g. --stage-arg=--kv-disk-mib=0")
-    ap.add_argument("--spares", action="store_true",
+    ap.add_argument("--spares", nargs="?", const="process", default="", choices=["process", "fork"],
                     help="storm: every node with a spare process (logicpipe-stage --spare) that serves when the "
-                         "node's process ends; the ended one is started again as its next spare")
+                         "node's process ends; the ended one is started again as its next spare. --spares fork: "
+                         "every node --keep-spare (one process tree: its keeper forks the next spare)")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep each mesh's work dir (its logs) here instead of a temporary one")
     args = ap.parse_args()

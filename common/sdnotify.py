@@ -21,13 +21,17 @@ def _socket_address(value: str) -> str:
     return "\0" + value[1:] if value.startswith("@") else value
 
 
+MUTED: set[str] = set()  # keys this process does not send (a node's spare under a keeper: stage_node.net.spare)
+
+
 def notify(*fields: str) -> bool:
     """Send `fields` (e.g. "READY=1", "STATUS=serving") to systemd as one datagram.
 
     False when not run under a notify-type unit ($NOTIFY_SOCKET unset) or when the send fails;
     never raises — a lost notification must not take the server down."""
     target = os.environ.get("NOTIFY_SOCKET")
-    if not target:
+    fields = tuple(f for f in fields if f.partition("=")[0] not in MUTED)
+    if not target or not fields:
         return False
     if not target.startswith(("/", "@")):  # e.g. "vsock:..." (systemd 254+, VMs): not supported here
         log.debug("NOTIFY_SOCKET=%r is not an AF_UNIX address; not notifying %s", target, fields)

@@ -35,10 +35,12 @@ from logicpipe.common.health import add_health  # noqa: E402
 from logicpipe.common.paths import cache_root  # noqa: E402
 from logicpipe.common.process import (  # noqa: E402
     CONTROLLER_PORT,
+    EXIT_USAGE,
     STAGE_PORT,
     address_flag,
     bind,
     check_free,
+    configure_logging,
     exit_after,
     run_main,
     serve_until_signalled,
@@ -63,7 +65,7 @@ from logicpipe.stage_node.engine.tp_group import Leader, free_port, serve_store 
 from logicpipe.stage_node.runtime import StageRuntime  # noqa: E402
 from logicpipe.stage_node.engine.scheduler import Budget  # noqa: E402
 from logicpipe.stage_node.net.service import StageNodeServicer  # noqa: E402
-from logicpipe.stage_node.net.spare import ServingLock, lock_path, serving_priority, take_node  # noqa: E402
+from logicpipe.stage_node.net.spare import ServingLock, keep, lock_path, serving_priority, take_node  # noqa: E402
 from logicpipe.v1 import stage_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("logicpipe.stage")
@@ -168,6 +170,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "serve the moment that process ends, however it ends, instead of after a restart's start-up "
                          "(run it beside the node with the same flags; whoever restarts the ended one makes it the "
                          "next spare: docs/deploy.md#a-spare-process). Not with --tp / --tp-max / --tp-port")
+    ap.add_argument("--keep-spare", action="store_true",
+                    help="this process imports, then forks the node's processes and keeps a spare among them: one "
+                         "serves, one waits to serve the moment that one ends, and each time one ends the next "
+                         "spare is forked (milliseconds, where a spare's own start-up is seconds). One unit, one "
+                         "process tree: NotifyAccess=all in its unit (docs/deploy.md#a-spare-process). Not with "
+                         "--spare, --tp / --tp-max / --tp-port")
     ap.add_argument("--quantize", default="none", choices=list(QUANT_CHOICES),
                     help="hold this stage's layers quantized: int4 or int8 (CPU: the native kernels or torch's "
                          "packed ones, whichever is faster here, timed at start; LOGICPIPE_CPU_KERNEL=native|torch "
@@ -423,7 +431,23 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.keep_spare:
+        clash = [f for f, on in (("--spare", args.spare), ("--tp", args.tp > 1), ("--tp-max", args.tp_max),
+                                 ("--tp-port", args.tp_port)) if on]
+        if clash:
+            print(f"{PROG}: --keep-spare with {', '.join(clash)}: a node kept with a spare is one process that serves "
+                  "and one that waits (a tensor-parallel node has no spare yet)", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE)
+        configure_logging(args.log_level)
+        raise SystemExit(keep(lambda: kept(args), args.node_id or args.listen))
     run_main(PROG, lambda: serve(args), args.log_level)
+
+
+def kept(args: argparse.Namespace) -> int:
+    """A process the keeper forked (--keep-spare): a spare of the node (serving at once when none serves)."""
+    args.spare = True
+    run_main(PROG, lambda: serve(args), args.log_level)
+    return 0
 
 
 

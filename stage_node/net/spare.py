@@ -13,15 +13,29 @@ the next process (systemd, a supervisor) makes it the new spare.
 
 A process without --spare that finds the lock held is refused at once (another process serves this
 node from this state directory), before it binds anything.
+
+`logicpipe-stage --keep-spare` does the same in one process tree (`keep`): the process started (systemd's
+main process) imports, then forks the node's processes instead of serving: one serves, one is its spare,
+and each time one ends it forks the next spare. A fork of a process whose imports are done costs
+milliseconds where a spare's own start-up costs 4 to 7 s of CPU; in a storm of faults on 2 cores those
+start-ups were most of the CPU, and a spare still starting when its node's process ended left the node
+down. The keeper does nothing else: no event loop, no thread of its own, no torch operation (a fork
+after one would copy a thread team that is not there).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import fcntl
 import logging
 import os
+import signal
+import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 from logicpipe.common import sdnotify
 from logicpipe.common.process import check_free, is_free
@@ -30,6 +44,8 @@ from logicpipe.stage_node.net.identity import file_label
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a spare tries the lock: its share of a takeover's time
+KEEP_LIMIT = (20, 30.0)  # a keeper stops when this many of its processes ended within this many seconds
+KEPT: dict = {"ready_fd": None}  # in a process a keeper forked: the pipe it tells the keeper it started up on
 
 
 def lock_path(state_dir: Path, node_id: str) -> Path:
@@ -118,8 +134,11 @@ async def take_node(serving: ServingLock, node_id: str, listen: str, *, spare: b
     """Hold `node_id`'s serving lock before serving on `listen`: at once, or (`spare`) once the process
     serving the node has ended, telling systemd meanwhile that this one is its spare. SystemExit for a
     node another process serves when this one is not a spare."""
+    kept = started_up(serving.path)
     if serving.take():
-        if spare:
+        if kept:
+            log.info("node %s: this process (pid %d) serves it; its keeper forks its spare", node_id, os.getpid())
+        elif spare:
             log.info("spare for node %s: no process serves it, so this one does", node_id)
         return
     holder = serving.holder()
@@ -127,15 +146,162 @@ async def take_node(serving: ServingLock, node_id: str, listen: str, *, spare: b
         raise SystemExit(f"node {node_id} is served by another process (pid {holder}) from {serving.path.parent}: "
                          "add --spare to wait as its spare, or give this one its own --state-dir")
     log.info("spare for node %s, served by pid %s: started up, waiting to take over", node_id, holder)
-    sdnotify.notify("READY=1", f"STATUS=spare for node {node_id} (served by pid {holder})")
-    watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True), name="systemd-watchdog")
+    watchdog = None
+    if kept:  # systemd hears from the serving process only (the keeper's unit has one READY, one watchdog)
+        sdnotify.MUTED.update(("READY", "STATUS", "WATCHDOG"))
+    else:
+        sdnotify.notify("READY=1", f"STATUS=spare for node {node_id} (served by pid {holder})")
+        watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True), name="systemd-watchdog")
     try:
         waited = await serving.wait()
     finally:
-        watchdog.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
+        if kept:
+            sdnotify.MUTED.difference_update(("READY", "STATUS", "WATCHDOG"))
     t0 = time.monotonic()
     await wait_free(listen)
     log.info("spare for node %s: its serving process (pid %s) ended; taking over (waited %.1f s, its port %.2f s)",
              node_id, holder, waited, time.monotonic() - t0)
     sdnotify.notify(f"STATUS=taking over node {node_id}")
     check_free(listen, "--listen", prog)
+
+
+def started_up(lock: Path) -> bool:
+    """In a process a keeper forked: tell it this one started up (its flags checked, its profile
+    measured; it serves or waits as the spare now) and where the node's serving lock is; True.
+    Elsewhere False."""
+    fd = KEPT["ready_fd"]
+    if fd is None:
+        return False
+    with contextlib.suppress(OSError):
+        os.write(fd, b"r" + os.fsencode(lock))
+        os.close(fd)
+    KEPT["ready_fd"] = None
+    return True
+
+
+def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LIMIT) -> int:
+    """`--keep-spare`: fork the node's processes and keep two: the one that serves and its spare (each runs
+    `child()`, which serves when it takes the serving lock and waits as the spare otherwise); fork the
+    next one each time one ends. SIGTERM or SIGINT: passed on to them; the keeper ends when they have
+    (systemd's stop: the serving one leaves the mesh as it does alone, STOPPING=1 from the keeper only).
+    A process that ended before it started up (a mistake in the flags, a model that does not load)
+    stops the node with its status, as would `limit`[0] ended within `limit`[1] s. Returns the exit status."""
+    kids: dict[int, tuple[float, int]] = {}  # pid -> (started, read end of its started-up pipe)
+    stopping: list[int] = []
+    code = 0
+
+    def stop(signum: int, _frame=None) -> None:
+        if not stopping:
+            stopping.append(signum)
+            sdnotify.notify("STOPPING=1")
+            log.info("keeper of node %s: %s, stopping its processes %s", node, signal.Signals(signum).name,
+                     ", ".join(map(str, kids)))
+        for pid in list(kids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def fork() -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _child(child, r, w, [fd for _, fd in kids.values()])
+        os.close(w)
+        kids[pid] = (time.monotonic(), r)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ended: collections.deque[float] = collections.deque()
+    try:
+        fork()
+        fork()
+        log.info("keeper of node %s (pid %d): forked %s, the serving process and its spare", node, os.getpid(),
+                 " and ".join(map(str, kids)))
+        while kids:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            if pid not in kids:
+                continue
+            born, r = kids.pop(pid)
+            try:
+                said = os.read(r, 4096)
+            except OSError:
+                said = b""
+            os.close(r)
+            up = said.startswith(b"r")
+            rc = os.waitstatus_to_exitcode(status)
+            if stopping:
+                code = code or max(rc, 0)
+                continue
+            now = time.monotonic()
+            ended.append(now)
+            while ended and now - ended[0] > limit[1]:
+                ended.popleft()
+            how = f"status {rc}" if rc >= 0 else signal.Signals(-rc).name
+            if not up:
+                log.error("keeper of node %s: process %d ended (%s) before it started up: stopping the node", node,
+                          pid, how)
+                code = rc if rc > 0 else 1
+                stop(signal.SIGTERM)
+            elif len(ended) >= limit[0]:
+                log.error("keeper of node %s: %d of its processes ended within %.0f s: stopping the node", node,
+                          len(ended), limit[1])
+                code = 1
+                stop(signal.SIGTERM)
+            else:
+                took = _taken_over(ServingLock(Path(os.fsdecode(said[1:]))), pid, stopping)
+                fork()
+                log.info("keeper of node %s: process %d ended (%s) after %.1f s%s; forked %d as the next spare", node,
+                         pid, how, now - born, took, next(reversed(kids)))
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return code
+
+
+def _taken_over(lock: ServingLock, ended: int, stopping: list, within_s: float = 1.0) -> str:
+    """Once the process that ended served the node: wait (at most `within_s`) until the spare holds the
+    lock, so that the spare serves and the next fork waits, not the other way round (a fork is at the
+    lock within milliseconds, before the spare's next try). What the log line says of it."""
+    if lock.holder() != ended:
+        return ""  # (the spare ended, or the serving one before it wrote its pid)
+    t0 = time.monotonic()
+    while lock.holder() == ended and time.monotonic() - t0 < within_s and not stopping:
+        time.sleep(POLL_S / 5)
+    holder = lock.holder()
+    return f"; its spare {holder} took over in {time.monotonic() - t0:.2f} s" if holder != ended else \
+        f"; no spare took over within {within_s:.0f} s"
+
+
+def _child(child: Callable[[], int], r: int, w: int, others: list[int]) -> None:
+    """A forked node process: the keeper's signal handling undone, its pipes closed but our own; run
+    `child()` and end with its status (never returning into the keeper's code)."""
+    code = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in (r, *others):
+            os.close(fd)
+        KEPT["ready_fd"] = w
+        # systemd's watchdog (WATCHDOG_PID: the keeper, the unit's main process) is pinged by the serving
+        # process, which NotifyAccess=all lets it do; a hung one stops the pings and the unit restarts
+        if "WATCHDOG_PID" in os.environ:
+            os.environ["WATCHDOG_PID"] = str(os.getpid())
+        sdnotify.MUTED.add("STOPPING")  # the keeper's alone: one process leaving is not the unit stopping
+        code = child()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 — said, and the status says it
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
