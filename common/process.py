@@ -106,18 +106,29 @@ def exit_after(main: Callable[[], None]) -> None:
     what the interpreter's own teardown adds is gRPC's and torch's finalisers: about 3 s a server
     process here, and now and then a hang (lpctl: an answer printed, then no exit for 210 s).
     In-process callers (tests) call `main()` itself and get its SystemExit as before."""
+    code = 1
     try:
         main()
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
+        code = exit_status(exc)
     finally:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        end_now(code)
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status a SystemExit ends the process with (its message, when it has one, on stderr)."""
+    if isinstance(exc.code, str):
+        print(exc.code, file=sys.stderr)
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def end_now(code: int) -> None:
+    """End the process at once with `code`, its log and output flushed (exit_after)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(code)
 
 

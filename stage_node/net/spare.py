@@ -31,14 +31,13 @@ import fcntl
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
 from logicpipe.common import sdnotify
-from logicpipe.common.process import check_free, is_free
+from logicpipe.common.process import check_free, end_now, exit_status, is_free
 from logicpipe.stage_node.net.identity import file_label
 
 log = logging.getLogger(__name__)
@@ -292,16 +291,10 @@ def _child(child: Callable[[], int], r: int, w: int, others: list[int]) -> None:
         sdnotify.MUTED.add("STOPPING")  # the keeper's alone: one process leaving is not the unit stopping
         code = child()
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
+        code = exit_status(exc)
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # noqa: BLE001 — said, and the status says it
         traceback.print_exc()
     finally:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        end_now(code)

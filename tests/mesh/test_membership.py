@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 
+from logicpipe.stage_node.net.spare import ServingLock, lock_path
 from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh, client_transport, free_port, mesh_bundle, wait_serving
 
@@ -108,7 +109,8 @@ def test_nodes_found_by_mdns_and_a_node_without_the_model_joins_mid_generation(m
 
 
 def test_a_killed_middle_stage_is_replanned_around_and_comes_back(chat_model, tmp_path):
-    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=UNIFORM, stage_args=PACE) as mesh:
+    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=UNIFORM, stage_args=PACE,
+                   stage_extra={0: ("--keep-spare",)}) as mesh:
         greedy = run(mesh.controller_address)
         sampled = run(mesh.controller_address, temperature=0.8, top_p=0.95, seed=11)
         assert greedy != sampled
@@ -150,6 +152,21 @@ def test_a_killed_middle_stage_is_replanned_around_and_comes_back(chat_model, tm
         assert gen.result() == greedy
         assert f"pid {killed}) ended; taking over" in spare_log.read_text()
         assert (tmp_path / "state1" / "serving-stage1.lock").read_text().strip() == str(spare.pid)
+        mesh.wait_plan(stages=3, generation_above=st.plan_generation, timeout=60)
+        # stage0 runs --keep-spare: its keeper forked the serving process and a spare; the serving one
+        # SIGKILLed mid-generation, the spare serves and the keeper forks the next spare
+        keeper, lock0 = mesh.procs["stage0"].pid, ServingLock(lock_path(tmp_path / "state0", "stage0"))
+        kids = {int(x) for x in open(f"/proc/{keeper}/task/{keeper}/children").read().split()}
+        serving0 = lock0.holder()
+        assert len(kids) == 2 and serving0 in kids, (kids, serving0)
+        st = mesh.controller_status()
+        gen = Generation(mesh.controller_address)
+        gen.wait_tokens(12)
+        os.kill(serving0, signal.SIGKILL)
+        assert gen.result() == greedy
+        (spare0,) = kids - {serving0}
+        until(lambda: f"process {serving0} ended (SIGKILL)" in (tmp_path / "stage0.log").read_text(), "the keeper's fork")
+        assert f"its spare {spare0} took over" in (tmp_path / "stage0.log").read_text() and lock0.holder() == spare0
         mesh.wait_plan(stages=3, generation_above=st.plan_generation, timeout=60)
         # a restarted controller re-adopts the running nodes, which keep their weights
         pids = {name: p.pid for name, p in mesh.procs.items() if name.startswith("stage")}

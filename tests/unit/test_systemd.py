@@ -19,6 +19,7 @@ SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNITS = {"controller": SYSTEMD_DIR / "logicpipe-controller.service", "stage": SYSTEMD_DIR / "logicpipe-stage.service"}
 SPARE_UNIT = SYSTEMD_DIR / "logicpipe-stage-spare.service"  # the stage's spare process (--spare)
 GPU_DROP_IN = SYSTEMD_DIR / "logicpipe-stage.service.d" / "gpu.conf"
+KEEP_DROP_IN = SYSTEMD_DIR / "logicpipe-stage.service.d" / "keep-spare.conf"
 MAX_EXPOSURE = 3.0  # systemd-analyze security's "OK" band ends here
 VENV_BIN = "/opt/logicpipe/.venv/bin/"
 
@@ -291,6 +292,8 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
             files.append(tmp_path / SPARE_UNIT.name)
             files[-1].write_text(re.sub(r"^EnvironmentFile=.*$", f"EnvironmentFile={env_example(kind)}", spare,
                                         flags=re.M))
+            files.append(tmp_path / "logicpipe-stage-keep.service")
+            files[-1].write_text(with_drop_in(text, KEEP_DROP_IN.read_text()))
             drop_in = GPU_DROP_IN.read_text()
             files.append(tmp_path / "logicpipe-stage-gpu.service")
             files[-1].write_text(with_drop_in(text, drop_in))
@@ -357,3 +360,12 @@ def test_the_spare_unit_is_the_stage_unit_with_spare_stopped_with_it():
     assert spare.pop("ExecStart") == [stage.pop("ExecStart")[0] + " --spare"]
     assert spare.pop("Description") == [stage.pop("Description")[0] + " (its spare process)"]
     assert spare == stage
+
+
+def test_the_keep_spare_drop_in_lets_the_keepers_children_notify():
+    """--keep-spare: the serving process is the keeper's child, so its READY=1 and watchdog pings need
+    NotifyAccess=all (the base unit keeps main); nothing else changes."""
+    text = KEEP_DROP_IN.read_text()
+    assert [line for line in text.splitlines() if line.startswith("[")] == ["[Service]"]
+    assert directives(text) == {"NotifyAccess": ["all"]}
+    assert "--keep-spare" in text and "keep-spare.conf" in (SYSTEMD_DIR.parent / "docs" / "deploy.md").read_text()
