@@ -135,6 +135,7 @@ async def take_node(serving: ServingLock, node_id: str, listen: str, *, spare: b
     node another process serves when this one is not a spare."""
     kept = started_up(serving.path)
     if serving.take():
+        now_serving()
         if kept:
             log.info("node %s: this process (pid %d) serves it; its keeper forks its spare", node_id, os.getpid())
         elif spare:
@@ -158,6 +159,7 @@ async def take_node(serving: ServingLock, node_id: str, listen: str, *, spare: b
             watchdog.cancel()
         if kept:
             sdnotify.MUTED.difference_update(("READY", "STATUS", "WATCHDOG"))
+    now_serving()
     t0 = time.monotonic()
     await wait_free(listen)
     log.info("spare for node %s: its serving process (pid %s) ended; taking over (waited %.1f s, its port %.2f s)",
@@ -174,10 +176,18 @@ def started_up(lock: Path) -> bool:
     if fd is None:
         return False
     with contextlib.suppress(OSError):
-        os.write(fd, b"r" + os.fsencode(lock))
-        os.close(fd)
-    KEPT["ready_fd"] = None
+        os.write(fd, b"r" + os.fsencode(lock) + b"\n")
     return True
+
+
+def now_serving() -> None:
+    """In a process a keeper forked: tell it this one serves the node now (when it ends, the keeper
+    waits for the spare to take over before it forks the next)."""
+    fd, KEPT["ready_fd"] = KEPT["ready_fd"], None
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(fd, b"s")
+            os.close(fd)
 
 
 def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LIMIT) -> int:
@@ -230,6 +240,7 @@ def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LI
                 said = b""
             os.close(r)
             up = said.startswith(b"r")
+            lock, _, served = said[1:].partition(b"\n")
             rc = os.waitstatus_to_exitcode(status)
             if stopping:
                 code = code or max(rc, 0)
@@ -250,7 +261,7 @@ def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LI
                 code = 1
                 stop(signal.SIGTERM)
             else:
-                took = _taken_over(ServingLock(Path(os.fsdecode(said[1:]))), pid, stopping)
+                took = _taken_over(ServingLock(Path(os.fsdecode(lock))), pid, stopping) if served == b"s" else ""
                 fork()
                 log.info("keeper of node %s: process %d ended (%s) after %.1f s%s; forked %d as the next spare", node,
                          pid, how, now - born, took, next(reversed(kids)))
@@ -261,16 +272,14 @@ def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LI
 
 
 def _taken_over(lock: ServingLock, ended: int, stopping: list, within_s: float = 1.0) -> str:
-    """Once the process that ended served the node: wait (at most `within_s`) until the spare holds the
-    lock, so that the spare serves and the next fork waits, not the other way round (a fork is at the
-    lock within milliseconds, before the spare's next try). What the log line says of it."""
-    if lock.holder() != ended:
-        return ""  # (the spare ended, or the serving one before it wrote its pid)
+    """The process that ended served the node: wait (at most `within_s`) until the spare holds the lock,
+    so that the spare serves and the next fork waits, not the other way round (a fork is at the lock
+    within milliseconds, before the spare's next try). What the log line says of it."""
     t0 = time.monotonic()
     while lock.holder() == ended and time.monotonic() - t0 < within_s and not stopping:
         time.sleep(POLL_S / 5)
     holder = lock.holder()
-    return f"; its spare {holder} took over in {time.monotonic() - t0:.2f} s" if holder != ended else \
+    return f"; its spare {holder} took over ({time.monotonic() - t0:.2f} s after)" if holder != ended else \
         f"; no spare took over within {within_s:.0f} s"
 
 
