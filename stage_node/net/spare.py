@@ -77,15 +77,16 @@ class ServingLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        mine = f"{os.getpid()}\n".encode()  # written over the last holder's, then cut: a reader's first line is
+        os.pwrite(fd, mine, 0)               # always a whole pid (theirs or ours), never an empty file
+        os.ftruncate(fd, len(mine))
         self._fd = fd
         return True
 
     def holder(self) -> int | None:
         """The pid the last holder wrote (it may have ended since), or None."""
         try:
-            text = self.path.read_text().strip()
+            text = self.path.read_text().partition("\n")[0].strip()
         except OSError:
             return None
         return int(text) if text.isdigit() else None
@@ -211,21 +212,28 @@ def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LI
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
 
-    def fork() -> None:
+    heard: dict[int, bytes] = {}  # what a process said on its pipe before it ended, read ahead (the first one)
+
+    def fork() -> int:
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             _child(child, r, w, [fd for _, fd in kids.values()])
         os.close(w)
         kids[pid] = (time.monotonic(), r)
+        return pid
 
     before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     ended: collections.deque[float] = collections.deque()
     try:
-        fork()
-        fork()
-        log.info("keeper of node %s (pid %d): forked %s, the serving process and its spare", node, os.getpid(),
-                 " and ".join(map(str, kids)))
+        first = fork()
+        # the spare only once the first has started up: on a first boot the node's id, its join (a token
+        # is good once) and its profile's measurement are made by one process, not two at once
+        heard[first] = _started_up(kids[first][1])
+        if heard[first] and not stopping:
+            fork()
+            log.info("keeper of node %s (pid %d): forked %s, the serving process and its spare", node, os.getpid(),
+                     " and ".join(map(str, kids)))
         while kids:
             try:
                 pid, status = os.waitpid(-1, 0)
@@ -235,7 +243,7 @@ def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LI
                 continue
             born, r = kids.pop(pid)
             try:
-                said = os.read(r, 4096)
+                said = heard.pop(pid, b"") + os.read(r, 4096)
             except OSError:
                 said = b""
             os.close(r)
@@ -271,16 +279,30 @@ def keep(child: Callable[[], int], node: str, limit: tuple[int, float] = KEEP_LI
     return code
 
 
+def _started_up(r: int) -> bytes:
+    """What a process says on its pipe until it has started up (a line), or ended (b"" then)."""
+    said = b""
+    while b"\n" not in said:
+        try:
+            more = os.read(r, 4096)
+        except OSError:
+            return b""
+        if not more:
+            return said
+        said += more
+    return said
+
+
 def _taken_over(lock: ServingLock, ended: int, stopping: list, within_s: float = 1.0) -> str:
     """The process that ended served the node: wait (at most `within_s`) until the spare holds the lock,
     so that the spare serves and the next fork waits, not the other way round (a fork is at the lock
     within milliseconds, before the spare's next try). What the log line says of it."""
     t0 = time.monotonic()
-    while lock.holder() == ended and time.monotonic() - t0 < within_s and not stopping:
+    while lock.holder() in (ended, None) and time.monotonic() - t0 < within_s and not stopping:
         time.sleep(POLL_S / 5)
     holder = lock.holder()
-    return f"; its spare {holder} took over ({time.monotonic() - t0:.2f} s after)" if holder != ended else \
-        f"; no spare took over within {within_s:.0f} s"
+    return f"; its spare {holder} took over ({time.monotonic() - t0:.2f} s after)" if holder not in (ended, None) \
+        else f"; no spare took over within {within_s:.0f} s"
 
 
 def _child(child: Callable[[], int], r: int, w: int, others: list[int]) -> None:
