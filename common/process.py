@@ -106,14 +106,15 @@ def exit_after(main: Callable[[], None]) -> None:
     what the interpreter's own teardown adds is gRPC's and torch's finalisers: about 3 s a server
     process here, and now and then a hang (lpctl: an answer printed, then no exit for 210 s).
     In-process callers (tests) call `main()` itself and get its SystemExit as before."""
-    code = 1
     try:
         main()
         code = 0
     except SystemExit as exc:
         code = exit_status(exc)
-    finally:
-        end_now(code)
+    except BaseException:  # (propagates as before: an in-process caller's own exception is not an exit)
+        flush_logs()
+        raise
+    end_now(code)
 
 
 def exit_status(exc: SystemExit) -> int:
@@ -123,12 +124,17 @@ def exit_status(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
-def end_now(code: int) -> None:
-    """End the process at once with `code`, its log and output flushed (exit_after)."""
+def flush_logs() -> None:
+    """The log and the output flushed (as the interpreter's exit would)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+def end_now(code: int) -> None:
+    """End the process at once with `code`, its log and output flushed (exit_after)."""
+    flush_logs()
     os._exit(code)
 
 
