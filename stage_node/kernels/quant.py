@@ -157,6 +157,11 @@ _trial_once = functools.cache(trial_4bit)
 _trial_triton_once = functools.cache(gpu_quant.trial)  # int4 / int8 on CUDA
 
 
+# torch 2.13's _weight_int8pack_mm reads past its rows (a segmentation fault) for an input size not a multiple of
+# 8, and on an AVX-512 CPU also of 16 with more than one row (K = 72, 17 rows; 2026-11-28, an AMD EPYC VM)
+TORCH_INT8_K = 16
+
+
 class Int8Packed(QuantMatrix):
     """int8 weights, one bf16 scale per output channel (absmax / 127), by `kernel` ("native":
     cpu_quant.c; "torch": `_weight_int8pack_mm`; None: this CPU's choice, `cpu_kernel`)."""
@@ -166,14 +171,17 @@ class Int8Packed(QuantMatrix):
     def __init__(self, w: torch.Tensor, kernel: str | None = None):
         super().__init__(*w.shape)
         self.kernel = kernel or cpu_kernel("int8")
+        if self.kernel == "torch" and kernel is None and w.shape[1] % TORCH_INT8_K and cpu_native.library() is not None:
+            self.kernel = "native"  # (this CPU's choice, but a matrix torch's kernel cannot take: the other one)
         q, scales = int8_grid(w)
         self._scales, self._q = scales, q
         if self.kernel == "native":
             self._q, self._scales = cpu_native.pack_int8(q, scales)
             self._native = cpu_native.library().lp_int8_mm
             self._ptrs = (self._q.data_ptr(), self._scales.data_ptr())  # the tensors stay: they own the memory
-        elif self.shape[1] % 8:  # torch 2.13's kernel reads past such rows (a segmentation fault)
-            raise QuantError(f"int8 by torch's kernel needs an input size that is a multiple of 8, got {self.shape[1]}")
+        elif self.shape[1] % TORCH_INT8_K:  # torch 2.13's kernel reads past such rows (a segmentation fault)
+            raise QuantError(f"int8 by torch's kernel needs an input size that is a multiple of {TORCH_INT8_K}, got "
+                             f"{self.shape[1]}")
         self._mm = torch._weight_int8pack_mm  # the direct binding: torch.ops.aten.* boxes each call (+2.5 µs)
 
     def grid(self) -> torch.Tensor:
