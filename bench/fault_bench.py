@@ -468,9 +468,11 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
             if not live:
                 continue
             i, sig = rng.choice(live), kinds[n % 3]
+            pid = serving(i) if fork else 0
+            if fork and (pid <= 0 or pid == os.getpid()):  # (never os.kill(0, ...): that is this whole process group)
+                continue
             fault_times.append(time.monotonic())
             fault_log.append(f"{fault_times[-1] - fault_times[0]:.1f}s stage{i} {signal.Signals(sig).name}")
-            pid = serving(i) if fork else 0
             hit(i, sig, pid)
             if sig == signal.SIGSTOP:
                 threading.Timer(3.0, hit, (i, signal.SIGCONT, pid)).start()
