@@ -35,7 +35,6 @@ from logicpipe.common.health import add_health  # noqa: E402
 from logicpipe.common.paths import cache_root  # noqa: E402
 from logicpipe.common.process import (  # noqa: E402
     CONTROLLER_PORT,
-    EXIT_USAGE,
     STAGE_PORT,
     address_flag,
     bind,
@@ -211,7 +210,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the controller's --join-listen address")
     ap.add_argument("--log-level", default="INFO", help="INFO (default), DEBUG (also the traceback of an error that "
                                                         "stops the start), WARNING, ...")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    clash = [f for f, on in (("--spare", args.spare), ("--tp", args.tp > 1), ("--tp-max", args.tp_max),
+                             ("--tp-port", args.tp_port)) if on]
+    if args.keep_spare and clash:  # (before the keeper forks: one line, exit 2)
+        ap.error(f"--keep-spare with {', '.join(clash)}: a node kept with a spare is one process that serves and one "
+                 "that waits (a tensor-parallel node has no spare yet)")
+    return args
 
 
 async def join_once(args, state_dir: Path, device: str, port: int) -> None:
@@ -432,12 +437,6 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.keep_spare:
-        clash = [f for f, on in (("--spare", args.spare), ("--tp", args.tp > 1), ("--tp-max", args.tp_max),
-                                 ("--tp-port", args.tp_port)) if on]
-        if clash:
-            print(f"{PROG}: --keep-spare with {', '.join(clash)}: a node kept with a spare is one process that serves "
-                  "and one that waits (a tensor-parallel node has no spare yet)", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE)
         configure_logging(args.log_level)
         raise SystemExit(keep(lambda: kept(args), args.node_id or args.listen))
     run_main(PROG, lambda: serve(args), args.log_level)
