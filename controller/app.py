@@ -149,6 +149,7 @@ class ControllerApp:
             on_trouble=lambda why: self.replanner.request_replan(f"a stage fault: {why}"),
             journal=self.journal, on_fenced=self.on_fenced, on_traffic=self._on_traffic,
             handoffs=HandoffPolicy(options.disaggregate))
+        self.pipelines.on_silent = self.scheduler.evacuate  # a stalled replica's requests go on elsewhere
         self.pipelines.identity.standby_name = options.standby_name
         self.members = Members(self._probe, self.replanner.request_replan)
         self._browser: Browser | None = None

@@ -85,6 +85,8 @@ class Metrics:
         replayed.add_metric(["computed"], st.replay_tokens - st.replay_cached_tokens)
         replayed.add_metric(["cached"], st.replay_cached_tokens)
         yield replayed
+        yield CounterMetricFamily("logicpipe_evacuated", "Requests moved off a pipeline whose stage went silent "
+                                  "(replayed on another)", value=st.evacuated)
         yield CounterMetricFamily("logicpipe_preemptions", "Requests preempted for KV blocks", value=st.preemptions)
         rate = st.candidates_accepted / st.candidates if st.candidates else 0.0
         yield GaugeMetricFamily("logicpipe_candidate_acceptance_ratio", "Candidate tokens accepted / verified",

@@ -124,7 +124,7 @@ def status_reply(snap: ControllerSnapshot) -> controller_pb2.ControllerStatusRep
         stages=[stage_info(s) for s in snap.stages], last_replan=snap.last_replan, last_replan_s=snap.last_replan_s,
         replans=snap.replans, waiting=snap.reason if snap.phase is Phase.WAITING else "", role=snap.role,
         epoch=snap.epoch, active=snap.active, journaled=snap.journaled, replays=st.replays,
-        replay_tokens=st.replay_tokens, replay_cached_tokens=st.replay_cached_tokens,
+        replay_tokens=st.replay_tokens, replay_cached_tokens=st.replay_cached_tokens, evacuated_requests=st.evacuated,
         journal=snap.journal, journal_damage=snap.journal_damage,
         pipelines=[controller_pb2.PipelineInfo(index=p.index, plan_id=p.plan_id, generation=p.generation,
                                                micro_batches=p.micro_batches, running=p.running,

@@ -81,6 +81,7 @@ class RequestStats:
     replays: int = 0           # requests moved to another pipeline and replayed there
     replay_tokens: int = 0     # input positions of replays (prompt and tokens so far)
     replay_cached_tokens: int = 0  # ... of them held by the stages already (prefix caches, KV mirrors)
+    evacuated: int = 0         # ... of them moved off a pipeline whose stage went silent (evacuate)
     preemptions: int = 0       # sequences given up by a stage for KV blocks, replayed later
     decode_steps: int = 0      # pipeline trips that reported tokens
     decode_tokens: int = 0     # ... the tokens they reported
@@ -312,7 +313,8 @@ class Scheduler:
 
     def rebalance(self, target: Pipeline, sources: list[Pipeline] | None = None) -> list[str]:
         """`target` just joined while other pipelines serve: move its share of the running requests
-        onto it (controller.jobs.rebalance: the cheapest replays of the most loaded pipelines), each
+        onto it (controller.jobs.rebalance: the cheapest replays of the most loaded pipelines; every
+        request of a pipeline whose stage is silent first, `evacuate`), each
         replayed there from its prompt and tokens as after a fault (the same tokens). A request
         that is finished, still catching up from an earlier move, or a fork's parent or child, or
         prefilled elsewhere, stays; `sources` given, only requests of those pipelines move (KV mirrors:
@@ -323,6 +325,9 @@ class Scheduler:
         serving = [p for p in serving if id(p) not in prefillers]
         if target not in serving or len(serving) < 2:
             return []
+        for p in serving:  # a stalled replica's requests first: they wait for nothing now
+            if p is not target and p.silent_stage() is not None:
+                self.evacuate(p)
         running = [Movable(sid, id(p), len(r.inputs)) for sid, r in self.active.items()
                    if (p := self.opened.get(sid)) is not None and p in serving]
         movable = {sid for sid, r in self.active.items()
@@ -338,6 +343,39 @@ class Scheduler:
         if picked:
             log.info("%d running requests move onto pipeline %d, which joined", len(picked), target.index)
         return picked
+
+    def evacuate(self, pipeline: Pipeline) -> list[str]:
+        """A stage of `pipeline` is silent (SIGSTOPped, swapping: pipeline.SILENT_S): its running
+        requests move onto the serving pipelines that are not (its KV mirror's first, where a replay
+        attaches its history), replayed there from their prompt and tokens as after a fault (the
+        same tokens), rather than waiting for it; requests still catching up from an earlier move
+        too (they make no progress there either). A fork's parent or child and a request prefilled
+        elsewhere stay. Nothing moves while no other pipeline answers: they wait for it, as before.
+        Returns the sessions moved (closed there once it answers again)."""
+        prefillers = self.handoffs.prefill_only(self.pipelines.serving())
+        others = [p for p in self.pipelines.serving()
+                  if p is not pipeline and id(p) not in prefillers and p.silent_stage() is None]
+        stage = pipeline.silent_stage()
+        if not others or stage is None:
+            return []
+        mirror = self.pipelines.mirror_of(pipeline)
+        moving = [sid for sid, r in self.active.items()
+                  if self.opened.get(sid) is pipeline
+                  and not (r.done or r.keep_open or r.parent or r.handoff is not None or sid in self.prefilling)]
+        if not moving:
+            return []
+        silent = time.monotonic() - max(stage.answered, pipeline.heard)
+        why = Unavailable(f"stage {stage.node_id or stage.address} of pipeline {pipeline.index} is silent "
+                          f"({silent:.1f} s)")
+        log.info("%d running requests move off pipeline %d: %s", len(moving), pipeline.index, why)
+        for sid in moving:
+            req = self.active.pop(sid)
+            self._close_soon(sid)  # (a stage that does not answer gets it again once it does)
+            req.session_id = ""
+            req.target = mirror if mirror in others else None
+            self._back_in_queue(req, why, moved=True)
+        self.stats.evacuated += len(moving)
+        return moving
 
     def load(self, pipeline: Pipeline) -> int:
         """Requests running on `pipeline` now."""
@@ -720,7 +758,8 @@ class Scheduler:
         while True:
             inputs = req.inputs
             target, req.target = req.target, None  # (a rebalance's move: there once, if it still serves)
-            if target is not None and (target not in serving or id(target) in tried):
+            if target is not None and (target not in serving or id(target) in tried
+                                       or target.silent_stage() is not None):
                 target = None
             pipeline = parent or target or self.pipelines.route(inputs, req.capacity, self.load,
                                                                 frozenset(tried) | prefillers,

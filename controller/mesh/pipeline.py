@@ -33,8 +33,11 @@ PROBE_TIMEOUT_S = 1.5     # an answer slower than this counts as none
 DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as down ...
 # ... and silent STALL_GRACE_S (membership's, one grace for both) since its last answer: a stage that
 # stalls (SIGSTOP, a swap storm) but keeps its connection open and answers again within it keeps its
-# sessions, so its requests wait for it rather than replaying elsewhere (a stage that died closes its
-# event stream and is lost at once, without it)
+# sessions, so with no other pipeline its requests wait for it rather than replaying elsewhere (a
+# stage that died closes its event stream and is lost at once, without it). With other pipelines, one
+# whose probe went unanswered and that sent no event for SILENT_S is silent: its running requests move
+# to a pipeline that answers (Pipeline.on_silent; the scheduler's evacuate), and none opens on it
+SILENT_S = PROBE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,8 @@ class Pipeline(HoldsIdentity):
         self._prompt_call = None
         self._prompt_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self.heard = time.monotonic()  # when any of its stages last sent an event
+        self.on_silent: Callable[["Pipeline"], None] = lambda pipeline: None  # (see SILENT_S; set by its owner)
 
     @property
     def tokens_per_s(self) -> float:
@@ -360,6 +365,16 @@ class Pipeline(HoldsIdentity):
                     continue
                 if not self.why_down(h.address) and self._pending_closes.get(h.address):
                     await self._retry_closes(h)
+            if self.silent_stage() is not None:
+                self.on_silent(self)
+
+    def silent_stage(self) -> StageHandle | None:
+        """A stage whose last probe went unanswered, while nothing was heard from this pipeline (a
+        probe's answer, an event) for SILENT_S: its requests wait on it (None: none such)."""
+        now = time.monotonic()
+        if now - self.heard < SILENT_S:
+            return None
+        return next((h for h in self.stages if h.misses and not h.lost and now - h.answered >= SILENT_S), None)
 
     def _check_members(self, members: list[StageHandle], replies: list) -> None:
         """A member of a stage over several nodes that answers but follows no group any more (its follower
@@ -389,6 +404,7 @@ class Pipeline(HoldsIdentity):
             await call.initial_metadata()
             ready.set_result(None)
             async for batch in call:
+                self.heard = time.monotonic()
                 for ev in batch.events:
                     self._on_event(ev)
             reason = "its event stream ended"
@@ -489,11 +505,18 @@ class Pipeline(HoldsIdentity):
                 task = asyncio.create_task(self._read_prompt_replies(self._prompt_call))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            call = self._prompt_call
             try:
-                await self._prompt_call.write(batch)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-                self._prompt_call = None
-                raise Unavailable(f"stage 0 at {self.stages[0].address} does not take prompts: {exc}") from exc
+                # bounded: a stream whose stage never took it (its start, its flow control) holds up no
+                # admission for longer (grpc's write waits for the call's start with no deadline of its own)
+                await asyncio.wait_for(call.write(batch), OPEN_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, asyncio.TimeoutError) as exc:
+                call.cancel()
+                if self._prompt_call is call:
+                    self._prompt_call = None
+                why = f"took no input in {OPEN_TIMEOUT_S:.0f} s" if isinstance(exc, asyncio.TimeoutError) else \
+                    f"does not take prompts: {exc}"
+                raise Unavailable(f"stage 0 at {self.stages[0].address if self.stages else '?'} {why}") from exc
 
     async def _read_prompt_replies(self, call) -> None:
         try:

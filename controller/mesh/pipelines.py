@@ -58,6 +58,9 @@ class PipelineSet(HoldsIdentity):
         self.kv_mirror = True      # each pipeline's stages copy their KV blocks to another's (mesh.mirrors)
         self.mirrors: dict[int, Pipeline] = {}  # id(pipeline) -> the pipeline that holds its KV mirror
         self._mirror_task: asyncio.Task | None = None
+        # a pipeline with a silent stage (pipeline.SILENT_S), each probe round while it is: its owner
+        # moves its requests elsewhere (the scheduler's evacuate)
+        self.on_silent: Callable[[Pipeline], None] = lambda pipeline: None
 
     async def probe(self, address: str, timeout: float = RPC_TIMEOUT_S) -> stage_pb2.StatusReply:
         """Status of a node, or Unavailable naming it (with our key: membership's probe every
@@ -73,7 +76,9 @@ class PipelineSet(HoldsIdentity):
     def new(self) -> Pipeline:
         """A pipeline not installed yet, sharing our identity (the caller installs and adds it)."""
         on_event, on_lost, why_down = self._callbacks
-        return Pipeline(self.transport, on_event, on_lost, why_down=why_down, identity=self.identity)
+        p = Pipeline(self.transport, on_event, on_lost, why_down=why_down, identity=self.identity)
+        p.on_silent = lambda pipeline: self.on_silent(pipeline)
+        return p
 
     def replace(self, pipelines: list[Pipeline]) -> None:
         """The pipelines in force from now on, numbered in this order."""
@@ -152,9 +157,11 @@ class PipelineSet(HoldsIdentity):
         relative to its predicted speed (`load`: requests on it now), unless the pipeline that
         last took the same prefix is within AFFINITY_SLACK (or AFFINITY_SLACK_SHARE) of that: its
         stages' prefix caches hold the prefix (`affinity` False: the least loaded, whatever it holds;
-        a replay's tokens outweigh its shared prompt prefix). None when none can take it."""
+        a replay's tokens outweigh its shared prompt prefix). A pipeline with a silent stage
+        (pipeline.SILENT_S) only when every other is. None when none can take it."""
         fits = [p for p in self.serving() if id(p) not in exclude
                 and (not p.largest_request() or capacity <= p.largest_request())]
+        fits = [p for p in fits if p.silent_stage() is None] or fits
         if not fits:
             return None
         speeds = [p.tokens_per_s for p in fits]

@@ -11,6 +11,10 @@ class FakePipeline:
         self.stages, self.down, self.generation = [object()], [], 1
         self.retired, self.detaches, self.index, self.tokens_per_s, self.plan = False, 0, index, 0.0, None
         self.opened, self.closed = [], []
+        self.silent, self.heard = None, 0.0  # the stage handle silent_stage() reports (None: every stage answers)
+
+    def silent_stage(self):
+        return self.silent
 
     def largest_request(self) -> int:
         return 0

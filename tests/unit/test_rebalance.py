@@ -1,6 +1,7 @@
 """A pipeline that joins while others serve takes its share of the running requests (issue 34): the
 choice (controller.jobs.rebalance) and the controller scheduler's move, over fake pipelines: the
-moved requests replay on the new one from their prompt and tokens, the others go on untouched."""
+moved requests replay on the new one from their prompt and tokens, the others go on untouched. A
+pipeline whose stage went silent gives up every request to the others that answer (evacuate)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import asyncio
 from logicpipe.controller.jobs.job import Job
 from logicpipe.controller.jobs.rebalance import Movable, moves_onto
 from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
+from logicpipe.controller.mesh.pipeline import StageHandle
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState, Phase
 from logicpipe.v1 import stage_pb2
@@ -55,6 +57,47 @@ def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_t
         assert reqs[5].received == [15, 15] and not reqs[5].catching_up
         # balanced now (3 and 3): another call moves nothing
         assert sched.rebalance(b) == []
+        await sched.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_silent_pipelines_requests_move_to_one_that_answers_catching_up_or_not():
+    async def main():
+        a, b, c = FakePipeline(0), FakePipeline(1), FakePipeline(2)
+        pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+        pipelines.kv_mirror = False  # (no stages to tell: mirrors set by hand below)
+        pipelines.all = [a]
+        sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+        reqs = [sched.submit(Job((1, 2, 3 + i), 20, request_id=f"r{i}")).request for i in range(4)]
+        await until(lambda: all(r.session_id for r in reqs), "all four opened on the one pipeline", tries=300)
+        for r in reqs[:3]:  # r3 has no token yet since it opened: still catching up from a move, say
+            sched.on_event(stage_pb2.Event(session_id=r.session_id, token=stage_pb2.TokenEvent(token_ids=[7], index=0)))
+        reqs[3].catching_up = True
+        old = {r.id: r.session_id for r in reqs}
+        a.silent = StageHandle("127.0.0.1:1", None, None, node_id="s0")
+        assert sched.evacuate(a) == []  # no other pipeline: they wait for it
+        pipelines.replace([a, b, c])
+        c.silent = StageHandle("127.0.0.1:3", None, None, node_id="s2")  # silent too: it takes none
+        pipelines.mirrors = {id(a): c}  # its KV mirror is silent: the router picks instead
+        moved = sched.evacuate(a)
+        assert sorted(moved) == sorted(old.values()) and sorted(a.closed) == sorted(moved)
+        await until(lambda: len(b.opened) == 4, "every request of the silent pipeline opened on the one that answers",
+                    tries=300)
+        assert not c.opened and len(a.opened) == 4, "none opened on a silent pipeline"
+        replayed = sorted(tuple(o.prompt_token_ids) for o in b.opened)
+        assert replayed == [(1, 2, 3, 7), (1, 2, 4, 7), (1, 2, 5, 7), (1, 2, 6)], replayed
+        assert [r.replays for r in reqs] == [1, 1, 1, 1] and sched.stats.evacuated == 4
+        # a new request goes to an answering pipeline, whatever their loads
+        new = sched.submit(Job((9, 9), 20, request_id="new")).request
+        await until(lambda: new.session_id, "the new request opened", tries=300)
+        assert len(b.opened) == 5 and len(a.opened) == 4 and not c.opened
+        # a pipeline that joins takes the silent one's requests first (here: b's, once b is silent)
+        c.silent, b.silent = None, StageHandle("127.0.0.1:2", None, None, node_id="s1")
+        pipelines.mirrors = {}
+        sched.rebalance(c)
+        await until(lambda: len(c.opened) == 5, "the silent pipeline's five onto the one that joined", tries=300)
+        assert sched.stats.evacuated == 9
         await sched.shutdown()
 
     asyncio.run(main())

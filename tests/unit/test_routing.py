@@ -1,10 +1,21 @@
 """The controller's router over its pipelines (replicas): the least loaded by predicted speed, the
-pipeline that holds a request's prefix when it is not much busier, never one that cannot serve."""
+pipeline that holds a request's prefix when it is not much busier, never one that cannot serve, nor
+one with a silent stage while another answers; a feed to a stage that never takes its stream fails
+in bounded time."""
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
 from types import SimpleNamespace
 
+import grpc
+import pytest
+
+from logicpipe.controller.mesh import pipeline as pipeline_mod
 from logicpipe.controller.mesh.pipeline import Pipeline, StageHandle
+from logicpipe.errors import Unavailable
+from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from logicpipe.controller.mesh.pipelines import PipelineSet, prefix_keys
 
 
@@ -77,3 +88,48 @@ def test_a_new_pipeline_shares_the_controllers_identity():
     assert isinstance(p, Pipeline) and p.owner == ps.owner and p.metadata == ps.metadata
     assert p.epoch == 7 and p.revoked == ["x"]
     assert ps.next_generation() < ps.next_generation()
+
+
+def test_a_pipeline_with_a_silent_stage_takes_no_request_while_another_answers():
+    ps = pipelines(100.0, 100.0)
+    a, b = ps.all
+    load = {id(a): 0, id(b): 3}
+    assert ps.route([1, 2], 10, lambda p: load[id(p)]) is a  # the least loaded
+    h = a.stages[0]
+    h.misses, h.answered, a.heard = 1, time.monotonic() - 5, time.monotonic() - 5  # SIGSTOPped, say
+    assert a.silent_stage() is h and b.silent_stage() is None
+    assert ps.route([1, 2], 10, lambda p: load[id(p)]) is b
+    a.heard = time.monotonic()  # its tokens still arrive: only its probe was slow, it is not silent
+    assert a.silent_stage() is None and ps.route([1, 2], 10, lambda p: load[id(p)]) is a
+    a.heard = time.monotonic() - 5
+    h.misses = 0  # it answers again
+    assert a.silent_stage() is None
+    h.misses = 1
+    c = b.stages[0]
+    c.misses, c.answered, b.heard = 1, time.monotonic() - 5, time.monotonic() - 5
+    assert ps.route([1, 2], 10, lambda p: load[id(p)]) is a  # every one silent: the least loaded still
+
+
+def test_a_feed_to_a_stage_that_never_takes_its_stream_fails_in_bounded_time(monkeypatch):
+    """A stage that accepted the connection and says nothing (its process stopped, say): grpc's
+    write waits for the stream's start with no deadline; the feed is refused within OPEN_TIMEOUT_S
+    (it held up every admission for good before)."""
+    monkeypatch.setattr(pipeline_mod, "OPEN_TIMEOUT_S", 0.5)
+
+    async def main():
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            address = f"127.0.0.1:{listener.getsockname()[1]}"
+            channel = grpc.aio.insecure_channel(address)
+            p = Pipeline(None, lambda ev: None, lambda a, r: None)
+            p.stages = [StageHandle(address, channel, stage_pb2_grpc.StageNodeStub(channel), node_id="n0")]
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable, match="took no input in"):
+                await p.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id="s", num_tokens=1,
+                                                                               token_ids=[1])]))
+            assert time.monotonic() - t0 < 5
+            assert p._prompt_call is None  # the next feed starts a new stream
+            await channel.close()
+
+    asyncio.run(main())

@@ -236,7 +236,7 @@ class NodeStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., reachable: bool = ..., error: _Optional[str] = ..., status: _Optional[_Union[_stage_pb2.StatusReply, _Mapping]] = ..., node_id: _Optional[str] = ..., source: _Optional[str] = ..., in_plan: bool = ..., drained: bool = ..., down: _Optional[str] = ..., pipeline: _Optional[int] = ...) -> None: ...
 
 class ControllerStatusReply(_message.Message):
-    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting", "speculate", "decode_steps", "decode_tokens", "candidates", "candidates_accepted", "tokens_per_step", "acceptance_rate", "role", "epoch", "active", "journaled", "pipelines", "replays", "links", "journal", "journal_damage", "replay_tokens", "replay_cached_tokens")
+    __slots__ = ("model_dir", "plan_id", "stages", "nodes", "active_requests", "completed_requests", "state", "plan_json", "queued_requests", "preemptions", "plan_generation", "micro_batches", "last_replan", "last_replan_s", "replans", "waiting", "speculate", "decode_steps", "decode_tokens", "candidates", "candidates_accepted", "tokens_per_step", "acceptance_rate", "role", "epoch", "active", "journaled", "pipelines", "replays", "links", "journal", "journal_damage", "replay_tokens", "replay_cached_tokens", "evacuated_requests")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class ControllerStatusReply(_message.Message):
     JOURNAL_DAMAGE_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVACUATED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     plan_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
@@ -305,7 +306,8 @@ class ControllerStatusReply(_message.Message):
     journal_damage: str
     replay_tokens: int
     replay_cached_tokens: int
-    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ..., speculate: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., candidates: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., active: _Optional[str] = ..., journaled: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[PipelineInfo, _Mapping]]] = ..., replays: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., journal: _Optional[str] = ..., journal_damage: _Optional[str] = ..., replay_tokens: _Optional[int] = ..., replay_cached_tokens: _Optional[int] = ...) -> None: ...
+    evacuated_requests: int
+    def __init__(self, model_dir: _Optional[str] = ..., plan_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., state: _Optional[str] = ..., plan_json: _Optional[str] = ..., queued_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., plan_generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., last_replan: _Optional[str] = ..., last_replan_s: _Optional[float] = ..., replans: _Optional[int] = ..., waiting: _Optional[str] = ..., speculate: _Optional[int] = ..., decode_steps: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., candidates: _Optional[int] = ..., candidates_accepted: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., active: _Optional[str] = ..., journaled: _Optional[int] = ..., pipelines: _Optional[_Iterable[_Union[PipelineInfo, _Mapping]]] = ..., replays: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., journal: _Optional[str] = ..., journal_damage: _Optional[str] = ..., replay_tokens: _Optional[int] = ..., replay_cached_tokens: _Optional[int] = ..., evacuated_requests: _Optional[int] = ...) -> None: ...
 
 class LinkInfo(_message.Message):
     __slots__ = ("src", "dst", "bandwidth", "latency_s")
