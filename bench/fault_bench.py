@@ -502,7 +502,9 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
                 "fault_resume_stage_up_median_s": statistics.median(served) if served else None,
                 "fault_resume_stage_up_max_s": max(served) if served else None,
                 "no_stage_up_s": round(watch.none_up_s(fault_times[0], time.monotonic()), 1) if fault_times else 0.0,
-                "load_average": watch.load(), "replay_tokens_cached": replayed, "controller_args": list(extra),
+                "load_average": watch.load(), "replay_tokens_cached": replayed,
+                "evacuated": getattr(st, "evacuated_requests", 0) if st is not None else None,  # off silent replicas
+                "controller_args": list(extra),
                 "stage_args": list(stage_extra), "spares": spares,
                 "errors": sorted({r.error for r in reqs if r.error})}
 

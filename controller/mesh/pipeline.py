@@ -28,16 +28,20 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0      # unary calls to a stage (not Assign, OpenSession)
 OPEN_TIMEOUT_S = 5.0      # OpenSession (admission takes no compute)
 ASSIGN_TIMEOUT_S = 600.0  # loading a shard can take minutes on a slow disk
-PROBE_INTERVAL_S = 1.0    # every stage of the pipeline is asked for its Status this often
+PROBE_INTERVAL_S = 0.5    # every stage of the pipeline is asked for its Status this often (after the last round)
 PROBE_TIMEOUT_S = 1.5     # an answer slower than this counts as none
 DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as down ...
 # ... and silent STALL_GRACE_S (membership's, one grace for both) since its last answer: a stage that
 # stalls (SIGSTOP, a swap storm) but keeps its connection open and answers again within it keeps its
 # sessions, so with no other pipeline its requests wait for it rather than replaying elsewhere (a
-# stage that died closes its event stream and is lost at once, without it). With other pipelines, one
-# whose probe went unanswered and that sent no event for SILENT_S is silent: its running requests move
-# to a pipeline that answers (Pipeline.on_silent; the scheduler's evacuate), and none opens on it
-SILENT_S = PROBE_TIMEOUT_S
+# stage that died closes its event stream and is lost at once, without it). With other pipelines, a
+# pipeline is silent when one of its stages has left a probe unanswered for SILENT_PROBE_S (or missed
+# one) and nothing was heard from the pipeline (a probe's answer, an event) for SILENT_S: its running
+# requests move to a pipeline that answers (Pipeline.on_silent; the scheduler's evacuate), and none
+# opens on it. Checked each SILENT_TICK_S while a probe round waits.
+SILENT_S = 1.0
+SILENT_PROBE_S = 0.75
+SILENT_TICK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class StageHandle:
     events_task: asyncio.Task | None = field(default=None, repr=False)
     misses: int = 0          # Status probes unanswered in a row (reported to membership as a hint)
     answered: float = field(default_factory=time.monotonic)  # when it last answered a probe (monotonic)
+    asked: float = 0.0       # when the probe it has not answered yet was sent (0: none outstanding)
     stalled: bool = False    # reported silent (see STALL_GRACE_S) and not answered since
     down_reason: str = ""    # why it was lost ("" while it is not)
     lost: bool = False       # its event stream ended, or it serves another plan: only a new plan brings it back
@@ -334,10 +339,13 @@ class Pipeline(HoldsIdentity):
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             stages, members = list(self.stages), list(self.members)
-            replies = await asyncio.gather(*(h.stub.Status(stage_pb2.StatusRequest(), timeout=PROBE_TIMEOUT_S)
-                                             for h in stages + members), return_exceptions=True)
+            asked = time.monotonic()
+            for h in stages:
+                h.asked = asked
+            replies = await self._probe_round(stages + members)
             self._check_members(members, replies[len(stages):])
             for h, r in zip(stages, replies):
+                h.asked = 0.0
                 if isinstance(r, BaseException):
                     h.misses += 1
                     silent = time.monotonic() - h.answered
@@ -368,13 +376,38 @@ class Pipeline(HoldsIdentity):
             if self.silent_stage() is not None:
                 self.on_silent(self)
 
+    async def _probe_round(self, handles: list[StageHandle]) -> list:
+        """Status of each of `handles` (or the exception its call raised), PROBE_TIMEOUT_S at most; a
+        stage that turns silent meanwhile (silent_stage) is reported at once (on_silent), not at the
+        round's end."""
+        calls = [asyncio.ensure_future(h.stub.Status(stage_pb2.StatusRequest(), timeout=PROBE_TIMEOUT_S))
+                 for h in handles]
+        pending = set(calls)
+        try:
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=SILENT_TICK_S)
+                if pending and self.silent_stage() is not None:
+                    self.on_silent(self)
+        finally:
+            for c in pending:
+                c.cancel()
+        out = []
+        for c in calls:
+            try:
+                out.append(c.result())
+            except BaseException as exc:  # noqa: BLE001 — a probe's failure is its answer
+                out.append(exc)
+        return out
+
     def silent_stage(self) -> StageHandle | None:
-        """A stage whose last probe went unanswered, while nothing was heard from this pipeline (a
-        probe's answer, an event) for SILENT_S: its requests wait on it (None: none such)."""
+        """A stage that has left a probe unanswered SILENT_PROBE_S (or missed its last), while nothing
+        was heard from this pipeline (a probe's answer, an event) for SILENT_S: its requests wait on
+        it (None: none such)."""
         now = time.monotonic()
         if now - self.heard < SILENT_S:
             return None
-        return next((h for h in self.stages if h.misses and not h.lost and now - h.answered >= SILENT_S), None)
+        return next((h for h in self.stages if not h.lost and now - h.answered >= SILENT_S
+                     and (h.misses or (h.asked and now - h.asked >= SILENT_PROBE_S))), None)
 
     def _check_members(self, members: list[StageHandle], replies: list) -> None:
         """A member of a stage over several nodes that answers but follows no group any more (its follower

@@ -105,7 +105,11 @@ class PipelineSet(HoldsIdentity):
             self._mirror_task = loop.create_task(self._tell_mirrors(installed, dict(self.mirrors)), name="kv-mirrors")
 
     async def _tell_mirrors(self, installed: list[Pipeline], mirrors: dict[int, Pipeline]) -> None:
-        copying = await kv_mirrors.tell(installed, mirrors, self.identity.mirror_key)
+        try:
+            copying = await kv_mirrors.tell(installed, mirrors, self.identity.mirror_key)
+        except Exception as exc:  # noqa: BLE001 — (a background task: nobody awaits it) no mirrors, said once
+            log.warning("telling the stages their KV mirrors failed: %r", exc)
+            return
         if mirrors:
             log.info("KV mirrors: %s (%d stages copy)", ", ".join(
                 f"{p.index}->{mirrors[id(p)].index}" for p in installed if id(p) in mirrors), copying)

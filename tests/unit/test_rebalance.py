@@ -33,6 +33,7 @@ def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_t
     async def main():
         a, b = FakePipeline(0), FakePipeline(1)
         pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+        pipelines.kv_mirror = False  # (fake stages: nobody to tell)
         pipelines.all = [a]
         sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
         reqs = [sched.submit(Job((1, 2, 3 + i), 20, request_id=f"r{i}")).request for i in range(6)]
