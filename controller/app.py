@@ -111,6 +111,7 @@ class PipelineView:
     running: int               # requests on it now
     predicted_tokens_per_s: float  # the planner's decode tokens/s for it at the workload (0: not predicted)
     serving: bool              # it takes requests (no stage down)
+    silent: str = ""           # a stage of it that does not answer now (pipeline.SILENT_S): its node id ("": none)
 
 
 class ControllerApp:
@@ -167,7 +168,8 @@ class ControllerApp:
     def pipeline_views(self) -> list[PipelineView]:
         serving = self.pipelines.serving()
         return [PipelineView(p.index, p.plan_id, p.generation, p.micro_batches, self.scheduler.load(p), p.tokens_per_s,
-                             p in serving) for p in self.pipelines.all]
+                             p in serving, (h.node_id or h.address) if (h := p.silent_stage()) is not None else "")
+                for p in self.pipelines.all]
 
     def snapshot(self) -> ControllerSnapshot:
         sched, r = self.scheduler, self.replanner

@@ -106,7 +106,10 @@ class Metrics:
                                       labels=["pipeline"])
         serving = GaugeMetricFamily("logicpipe_pipeline_serving", "1 while a pipeline takes requests", labels=["pipeline"])
         stages = GaugeMetricFamily("logicpipe_pipeline_stages", "Stages per pipeline", labels=["pipeline"])
+        silent = GaugeMetricFamily("logicpipe_pipeline_silent", "1 while a stage of a pipeline does not answer (its "
+                                   "requests moved to a replica that answers)", labels=["pipeline"])
         for p in snap.pipelines:
+            silent.add_metric([str(p.index)], 1.0 if p.silent else 0.0)
             running.add_metric([str(p.index)], p.running)
             predicted.add_metric([str(p.index)], p.predicted_tokens_per_s)
             serving.add_metric([str(p.index)], 1.0 if p.serving else 0.0)
@@ -115,6 +118,7 @@ class Metrics:
         yield predicted
         yield serving
         yield stages
+        yield silent
         hop = GaugeMetricFamily("logicpipe_link_latency_seconds", "Measured one-way latency between nodes",
                                 labels=["src", "dst"])
         for src, links in snap.links.items():

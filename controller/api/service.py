@@ -128,7 +128,8 @@ def status_reply(snap: ControllerSnapshot) -> controller_pb2.ControllerStatusRep
         journal=snap.journal, journal_damage=snap.journal_damage,
         pipelines=[controller_pb2.PipelineInfo(index=p.index, plan_id=p.plan_id, generation=p.generation,
                                                micro_batches=p.micro_batches, running=p.running,
-                                               predicted_tokens_per_s=p.predicted_tokens_per_s, serving=p.serving)
+                                               predicted_tokens_per_s=p.predicted_tokens_per_s, serving=p.serving,
+                                               silent=p.silent)
                    for p in snap.pipelines],
         links=[controller_pb2.LinkInfo(src=a, dst=b, bandwidth=link.bandwidth, latency_s=link.latency)
                for a, out in sorted(snap.links.items()) for b, link in sorted(out.items())])

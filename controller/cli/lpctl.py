@@ -497,7 +497,8 @@ def status_lines(st: controller_pb2.ControllerStatusReply) -> list[str]:
             n = sum(1 for s in st.stages if s.pipeline == p.index)
             predicted = f", {p.predicted_tokens_per_s:.0f} tok/s predicted" if p.predicted_tokens_per_s else ""
             lines.append(f"  pipeline {p.index}: {n} stage{'s' if n != 1 else ''}, {p.running} running"
-                         f"{predicted}{'' if p.serving else ', not serving'}")
+                         f"{predicted}{'' if p.serving else ', not serving'}"
+                         f"{f', silent: {p.silent} does not answer' if p.silent else ''}")
     lines.append("")
     drained = {n.address for n in st.nodes if n.drained}
     several = len(st.pipelines) > 1

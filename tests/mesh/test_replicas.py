@@ -2,19 +2,21 @@
 request runs on one. One mesh for every check (the suite's time): a node of one replica killed
 under 8 concurrent requests (its requests replay on the other, which goes on meanwhile and replays
 nothing), a node joining under load (it starts a replica and takes its share of the requests still
-running, at most half, each replayed there exactly), a node drained under load
+running, at most half, each replayed there exactly), a replica stopped (SIGSTOP) under load (its
+requests move to the other at once instead of waiting for it), a node drained under load
 (its replica's requests move). Every request ends with exactly the tokens it gives alone. The model
 is the small random one of the default model's tokenizer (chat_model), its stages paced as a slower
 device (PACE) so that faults and drains land mid-request: what is tested is routing, not the model."""
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
 import grpc
 import pytest
 
-from logicpipe.v1 import controller_pb2, controller_pb2_grpc
+from logicpipe.v1 import controller_pb2, controller_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.localmesh import LocalMesh, client_transport
 
 pytestmark = pytest.mark.mesh
@@ -87,6 +89,12 @@ def eventually(check, within: float, what: str):
         time.sleep(0.1)
 
 
+def stage_sessions(address: str) -> int:
+    """Sessions open on the stage at `address`."""
+    with client_transport().sync_channel(address, "stage") as ch:
+        return stage_pb2_grpc.StageNodeStub(ch).Status(stage_pb2.StatusRequest(), timeout=10).open_sessions
+
+
 def burst(mesh: LocalMesh, arrivals: Arrivals | None = None) -> list[Generation]:
     """The 8 prompts at once, each producing before this returns."""
     gens = [Generation(mesh.controller_address, p, arrivals, f"r{i}") for i, p in enumerate(PROMPTS)]
@@ -127,7 +135,7 @@ def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(cha
         # -- a node joining under load starts a replica of its own; nothing moves
         replays, generation = st.replays, st.plan_generation
         gens = burst(mesh)
-        mesh.start_stage(2, None, "--controller", mesh.controller_address)
+        joined_at = mesh.start_stage(2, None, "--controller", mesh.controller_address)
         st = mesh.wait_plan(stages=2, generation_above=generation, timeout=120)
         assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
         assert sorted(s.node_id for s in st.stages) == ["stage1", "stage2"] and len(st.pipelines) == 2, st
@@ -141,6 +149,35 @@ def test_replicas_route_replay_on_a_fault_grow_on_a_join_and_move_on_a_drain(cha
         moved = eventually(joins, 30, "the join's moves")  # (KV mirrors: a moment after it joined)
         assert len(moved) == 1 and moved[0] <= len(PROMPTS) // 2, moved
         assert mesh.controller_status().replays == replays + moved[0], "a join moves only the requests it takes"
+
+        # -- a replica stopped (SIGSTOP) for less than the stall grace: its requests do not wait for it, they
+        #    move to the other one (issue 34: a silent replica), exactly; it stays in the plan, and after
+        #    SIGCONT the moved requests' sessions are freed there
+        arrivals = Arrivals()
+        gens = burst(mesh, arrivals)
+        before = mesh.controller_status()
+        victims = {g.label for g in gens if g.nodes == ["stage2"] and len(g.tokens) < TOKENS}
+        assert victims and len(victims) < len(gens), [(g.nodes, len(g.tokens)) for g in gens]
+        stopped = arrivals.mark("stop")
+        mesh.signal("stage2", signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:  # stopped 3 s: found silent in 1 to 1.5 s, well within the stall grace (STALL_GRACE_S, 5 s)
+            time.sleep(2.0)
+            silent = [p.silent for p in mesh.controller_status().pipelines]
+            time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
+            went_on = {name for name, n in arrivals.log[stopped + 1:] if n}
+        finally:
+            mesh.signal("stage2", signal.SIGCONT)
+        assert victims <= went_on, f"requests of the stopped replica waited for it: {victims - went_on}"
+        assert silent.count("stage2") == 1, silent
+        assert [g.result() for g in gens] == [alone[p] for p in PROMPTS]
+        st = mesh.controller_status()
+        assert st.evacuated_requests - before.evacuated_requests >= len(victims), (st.evacuated_requests, victims)
+        assert st.plan_generation == before.plan_generation and len(st.pipelines) == 2, st  # kept in the plan
+        eventually(lambda: stage_sessions(joined_at) == 0, 30, "the stopped replica freeing the moved sessions")
+        st = eventually(lambda: (s := mesh.controller_status()) and not any(p.silent for p in s.pipelines) and s, 10,
+                        "the controller hearing the stopped replica again")  # (until then it takes no request)
+        replays = st.replays
 
         # -- the new replica serves; then it is drained under load: its requests move to the other
         gens = burst(mesh)

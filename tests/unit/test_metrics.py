@@ -157,7 +157,7 @@ def test_each_pipeline_is_a_labelled_series():
     from logicpipe.controller.app import PipelineView, StageView
 
     sched, _ = scheduler(Journal(None, "d"))
-    views = [PipelineView(0, "p0", 5, 1, 3, 412.5, True), PipelineView(1, "p1", 6, 2, 0, 0.0, False)]
+    views = [PipelineView(0, "p0", 5, 1, 3, 412.5, True), PipelineView(1, "p1", 6, 2, 0, 0.0, False, "b")]
     stages = [StageView("a", "x:1", 0, 30, "cpu", 1, 0), StageView("b", "x:2", 0, 15, "cpu", 1, 1),
               StageView("c", "x:3", 15, 30, "cpu", 1, 1)]
     app = types.SimpleNamespace(scheduler=sched, pipelines=types.SimpleNamespace(stages=[]),
@@ -167,4 +167,6 @@ def test_each_pipeline_is_a_labelled_series():
     assert sample(m, "logicpipe_pipeline_running", pipeline="0") == 3
     assert sample(m, "logicpipe_pipeline_predicted_tokens_per_second", pipeline="0") == 412.5
     assert sample(m, "logicpipe_pipeline_serving", pipeline="1") == 0.0
+    assert (sample(m, "logicpipe_pipeline_silent", pipeline="0"), sample(m, "logicpipe_pipeline_silent", pipeline="1")) \
+        == (0.0, 1.0)
     assert sample(m, "logicpipe_pipeline_stages", pipeline="1") == 2

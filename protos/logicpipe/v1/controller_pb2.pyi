@@ -128,7 +128,7 @@ class StageInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., pipeline: _Optional[int] = ...) -> None: ...
 
 class PipelineInfo(_message.Message):
-    __slots__ = ("index", "plan_id", "generation", "micro_batches", "running", "predicted_tokens_per_s", "serving")
+    __slots__ = ("index", "plan_id", "generation", "micro_batches", "running", "predicted_tokens_per_s", "serving", "silent")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class PipelineInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    SILENT_FIELD_NUMBER: _ClassVar[int]
     index: int
     plan_id: str
     generation: int
@@ -143,7 +144,8 @@ class PipelineInfo(_message.Message):
     running: int
     predicted_tokens_per_s: float
     serving: bool
-    def __init__(self, index: _Optional[int] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., running: _Optional[int] = ..., predicted_tokens_per_s: _Optional[float] = ..., serving: bool = ...) -> None: ...
+    silent: str
+    def __init__(self, index: _Optional[int] = ..., plan_id: _Optional[str] = ..., generation: _Optional[int] = ..., micro_batches: _Optional[int] = ..., running: _Optional[int] = ..., predicted_tokens_per_s: _Optional[float] = ..., serving: bool = ..., silent: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "first_token_s", "total_s", "decode_tokens_per_s", "prompt_tokens", "new_tokens", "decode_steps", "candidates", "accepted", "speculate", "prefill_chunk", "disaggregated", "prefill_s", "transfer_s", "first_step_s")
