@@ -60,21 +60,32 @@ def _kernels():
 
     @triton.jit
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, s_qkv, s_tab,
-                       s_qt, s_qh, s_kh, s_ks, s_vh, s_vs,
-                       HEADS: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, D: tl.constexpr):
+                       s_qt, s_qh, s_kh, s_ks, s_vh, s_vs, s_part,
+                       HEADS: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
+                       PARTS: tl.constexpr):
         # program (row, head of q, k or v): q and k heads rotated at the row's position; k and v
-        # heads stored at the row's slot of the pool
+        # heads stored at the row's slot of the pool. PARTS > 1: qkv holds the product's float32
+        # parts over K (s_part apart), added in order and rounded first (invariant.add_parts' bits)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, D)
         mask = d < HD
+        dt = q_ptr.dtype.element_ty
         src = qkv_ptr + t * s_qkv + h * HD
         x = tl.load(src + d, mask=mask, other=0.0)
+        if PARTS > 1:
+            for p in tl.static_range(1, PARTS):
+                x += tl.load(src + p * s_part + d, mask=mask, other=0.0)
+            x = x.to(dt)
         if h < HEADS + KVH:
             pos = tl.load(pos_ptr + t).to(tl.int64)
             c = tl.load(cos_ptr + pos * s_tab + d, mask=mask, other=0.0)
             s = tl.load(sin_ptr + pos * s_tab + d, mask=mask, other=0.0)
             xr = tl.load(src + (d + HD // 2) % HD, mask=mask, other=0.0)  # roll(x, half): rotate_half up to sign
+            if PARTS > 1:
+                for p in tl.static_range(1, PARTS):
+                    xr += tl.load(src + p * s_part + (d + HD // 2) % HD, mask=mask, other=0.0)
+                xr = xr.to(dt)
             a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
             b = (xr.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
             out = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
@@ -135,22 +146,28 @@ def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | No
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
             slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, heads: int, kv_heads: int,
-            head_dim: int) -> torch.Tensor:
-    """qkv: [T, (heads + 2 kv_heads) * head_dim]; cos, sin_signed: RoPE tables [positions, head_dim]
-    (rope.RopeTables); positions, slots: [T] int64 (each row's position and the pool slot it
-    writes); k_pool, v_pool: the layer's [kv_heads, slots, head_dim]. Writes each row's rotated k
-    and its v at its slot. -> rotated q [T, heads, head_dim]"""
+            head_dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """qkv: [T, (heads + 2 kv_heads) * head_dim], or the qkv product's parts over K not yet added
+    ([parts, T, ...], invariant.mm_parts: float32 parts added here in order, as invariant.add_parts
+    would, and rounded to `dtype`, the model's; one part: the product itself);
+    cos, sin_signed: RoPE tables [positions, head_dim] (rope.RopeTables); positions, slots: [T] int64
+    (each row's position and the pool slot it writes); k_pool, v_pool: the layer's [kv_heads, slots,
+    head_dim]. Writes each row's rotated k and its v at its slot. -> rotated q [T, heads, head_dim]"""
     _, _, kernel, _ = _kernels()
-    T = qkv.shape[0]
-    q = torch.empty(T, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    parts = qkv if qkv.dim() == 3 else qkv.unsqueeze(0)
+    if parts.shape[0] == 1:
+        dtype = parts.dtype
+    assert dtype is not None, "the model's dtype, to round the parts' sum to"
+    T = parts.shape[1]
+    q = torch.empty(T, heads, head_dim, dtype=dtype, device=qkv.device)
     if T == 0:
         return q
-    assert qkv.stride(1) == 1 and cos.stride(1) == 1 and cos.stride(0) == sin_signed.stride(0)
+    assert parts.stride(2) == 1 and cos.stride(1) == 1 and cos.stride(0) == sin_signed.stride(0)
     assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1
-    kernel[(T, heads + 2 * kv_heads)](qkv, cos, sin_signed, positions, slots, q, k_pool, v_pool, qkv.stride(0),
+    kernel[(T, heads + 2 * kv_heads)](parts, cos, sin_signed, positions, slots, q, k_pool, v_pool, parts.stride(1),
                                       cos.stride(0), q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
-                                      v_pool.stride(0), v_pool.stride(1), HEADS=heads, KVH=kv_heads, HD=head_dim,
-                                      D=_block(head_dim), num_warps=1)
+                                      v_pool.stride(0), v_pool.stride(1), parts.stride(0), HEADS=heads, KVH=kv_heads,
+                                      HD=head_dim, D=_block(head_dim), PARTS=parts.shape[0], num_warps=1)
     return q
 
 

@@ -254,6 +254,10 @@ DECODE_ROWS = 32
 
 
 SPLIT_MIN = 1 << 24  # weights: a smaller float matrix is read whole (its K not split in parts)
+# ... unless what takes the product adds the parts itself (fused.add_norm, tp_reduce.push_add_norm,
+# fused.rope_kv: no second kernel to pay), down to this many weights (a tensor-parallel rank's q/k/v
+# [3072, 4096] and o [4096, 2048] of the 8B shape; issue 36): `summed_parts`
+SPLIT_SUMMED_MIN = 1 << 23
 
 
 @functools.cache
@@ -263,17 +267,26 @@ def k_parts(n: int, k: int) -> int:
 
 
 @functools.cache
+def summed_parts(n: int, k: int) -> int:
+    """Parts of K of a float product whose consumer adds them itself (see SPLIT_SUMMED_MIN): never a
+    function of M, so every step of a layer sums its rows alike."""
+    return 2 if quant_parts(n, k) == 2 and n * k >= SPLIT_SUMMED_MIN else 1
+
+
+@functools.cache
 def quant_parts(n: int, k: int) -> int:
     """The same for a quantized w (stage_node.kernels.gpu_quant, its own tiles): split wherever the
     matrix has too few column blocks, whatever its size."""
     return 2 if -(-n // 32) < 1.2 * SMS and k >= 2048 else 1
 
 
-def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, parts of K) of an m-row product with w [n, k]."""
+def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1,
+              parts: int | None = None) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, parts of K) of an m-row product with w [n, k];
+    `parts`: the parts of K the caller fixed (summed_parts; None: k_parts)."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 32, 4, 3, 1
-    parts = k_parts(n, k)
+    parts = k_parts(n, k) if parts is None else parts
     if m <= DECODE_ROWS:  # a small matrix read whole: 32 columns a block, twice the programs
         return 16, 32 if parts < quant_parts(n, k) else 64, 128, 4, 6, parts
     if m <= 64 or (m <= 128 and n < 16384):  # batched decode (issue 32): more column blocks in flight
@@ -283,17 +296,20 @@ def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> tuple[int, int,
     return 128, 128, 64, 8, 3, parts
 
 
-def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None, *,
+             summed: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T as its parts over K, not yet added: [parts, M, N] float32 (several
     parts), or [1, M, N] in x's dtype (one part: the product itself). `mm` adds them in order;
     `stage_node.fused.add_norm` adds them in the same order and the residual and the next norm. A
-    quantized w (stage_node.kernels.gpu_quant) gives its parts by its own kernels, by the same rule."""
+    quantized w (stage_node.kernels.gpu_quant) gives its parts by its own kernels, by the same rule.
+    `summed`: its consumer adds the parts itself (summed_parts)."""
     if not isinstance(w, torch.Tensor):
         return w.mm_parts(x)
     triton, kernel, _, _, _ = _kernels()
     M, K = x.shape
     N = w.shape[0]
-    bm, bn, bk, warps, stages, parts = config or mm_config(N, K, w.dtype, M)
+    bm, bn, bk, warps, stages, parts = config or mm_config(N, K, w.dtype, M,
+                                                           summed_parts(N, K) if summed else None)
     k_part = -(-K // parts)
     k_part = -(-k_part // 256) * 256  # parts start at multiples of 256, whatever BK (a divisor of 256)
     parts = -(-K // k_part)

@@ -187,12 +187,14 @@ class Shard:
         for i, w in enumerate(self.layers):
             cos, sin = tables[self.kind(i)]
             ws, pool, j = (*window, self._kv[i]) if i in group else (write_slots, kv, self._kv.get(i, i))
-            qkv = invariant.mm(h, w.qkv)  # [T, q + 2 kv]
+            # the products whose parts over K their consumer adds (rope_kv, add_norm) split where a
+            # second kernel would have made that slower (invariant.summed_parts)
+            qkv = invariant.mm_parts(h, w.qkv, summed=True)  # [parts, T, q + 2 kv]
             q = fused.rope_kv(qkv, cos, sin, positions, ws, pool[j, 0], pool[j, 1], c.num_heads,
-                              c.num_kv_heads, c.head_dim)
-            x, h = self._add_norm(invariant.mm_parts(attend(i, q), w.o), x, w.post_norm, eps, 0)
+                              c.num_kv_heads, c.head_dim, h.dtype)
+            x, h = self._add_norm(invariant.mm_parts(attend(i, q), w.o, summed=True), x, w.post_norm, eps, 0)
             mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
-            x, h = self._add_norm(invariant.mm_parts(mlp, w.down), x,
+            x, h = self._add_norm(invariant.mm_parts(mlp, w.down, summed=True), x,
                                   self.layers[i + 1].input_norm if i + 1 < n else None, eps, 1)
         return x
 

@@ -84,16 +84,30 @@ def test_attention_tiles_hold_rows_of_one_sequence(group):
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
-                                  (1000, 2200), (64, 64), (151936, 5120)])
+                                  (1000, 2200), (64, 64), (151936, 5120), (3072, 4096), (4096, 2048)])
 def test_the_sum_over_k_does_not_follow_the_row_count(n, k):
-    """Tiles may follow the row count; the parts of K may not, and every BLOCK_K divides the 256
-    that parts start at (so each part is summed from the same place in 16-wide steps)."""
+    """Tiles may follow the row count; the parts of K may not (nor those a consumer adds itself),
+    and every BLOCK_K divides the 256 that parts start at (so each part is summed from the same
+    place in 16-wide steps)."""
     for dtype in (torch.bfloat16, torch.float16):
         configs = [mm_config(n, k, dtype, m) for m in (1, 2, 8, 16, 32, 33, 64, 100, 128, 129, 512, 4096)]
         assert len({c[5] for c in configs}) == 1
+        summed = [mm_config(n, k, dtype, m, invariant.summed_parts(n, k)) for m in (1, 8, 33, 129, 4096)]
+        assert {c[5] for c in summed} == {invariant.summed_parts(n, k)} and all(256 % c[2] == 0 for c in summed)
         assert all(256 % c[2] == 0 for c in configs)
         assert mm_config(n, k, dtype, 1)[0] == 16  # decode rows: the skinny tile
     assert len({mm_config(n, k, torch.float32, m) for m in (1, 8, 33, 512)}) == 1  # float32: one tile
+
+
+def test_a_consumer_that_adds_the_parts_takes_them_split_down_to_half_the_size():
+    """A tensor-parallel rank's q/k/v and o of the 8B shape: read whole when a second kernel adds the
+    parts (issue 36's H100 figures), in 2 parts when rope_kv or add_norm adds them (H200: 7.1 against
+    10.0 us, 4.7 against 5.9; bench/gpu_fused_parts.py); a matrix with column blocks for every SM, or
+    a small one, stays whole either way."""
+    assert [invariant.k_parts(3072, 4096), invariant.k_parts(4096, 2048)] == [1, 1]
+    assert [invariant.summed_parts(3072, 4096), invariant.summed_parts(4096, 2048)] == [2, 2]
+    assert invariant.summed_parts(6144, 4096) == 1 and invariant.summed_parts(2048, 2048) == 1
+    assert invariant.summed_parts(4096, 14336) == invariant.k_parts(4096, 14336) == 2
 
 
 def test_a_long_prompts_attention_goes_in_launches_of_enough_rows():

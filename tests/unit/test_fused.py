@@ -85,6 +85,22 @@ def test_rope_kv_is_apply_rope_and_the_write(interpret, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_adds_the_products_parts_as_add_parts_would(interpret, dtype):
+    from logicpipe.stage_node.kernels import invariant
+
+    g = torch.Generator().manual_seed(1)
+    T, H, KV, HD = 3, 4, 2, 16
+    ws = torch.randn(2, T, (H + 2 * KV) * HD, generator=g)  # a product's two float32 parts over K
+    pos, slots = torch.tensor([7, 3, 11]), torch.tensor([5, 0, 9])
+    cos, sin = torch.randn(20, HD, generator=g).to(dtype), torch.randn(20, HD, generator=g).to(dtype)
+    pools = torch.full((2, 2, KV, 12, HD), float("nan"), dtype=dtype)
+    q = interpret.rope_kv(ws, cos, sin, pos, slots, pools[0, 0], pools[0, 1], H, KV, HD, dtype)
+    want = interpret.rope_kv(invariant.add_parts(ws, dtype), cos, sin, pos, slots, pools[1, 0], pools[1, 1], H, KV, HD)
+    assert q.dtype == dtype and torch.equal(q, want)
+    assert torch.equal(pools[0][:, :, slots], pools[1][:, :, slots])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(interpret, dtype):
     gu = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(0)).to(dtype)  # two blocks a row
     gate, up = gu.chunk(2, -1)
