@@ -346,8 +346,9 @@ class Scheduler:
 
     def evacuate(self, pipeline: Pipeline) -> list[str]:
         """A stage of `pipeline` is silent (SIGSTOPped, swapping: pipeline.SILENT_S): its running
-        requests move onto the serving pipelines that are not (its KV mirror's first, where a replay
-        attaches its history), replayed there from their prompt and tokens as after a fault (the
+        requests move onto the serving pipelines that are not, spread over them (its KV mirror's up
+        to its even share, the dearest replays, which attach their history there; the router places
+        the others), replayed there from their prompt and tokens as after a fault (the
         same tokens), rather than waiting for it; requests still catching up from an earlier move
         too (they make no progress there either). A fork's parent or child and a request prefilled
         elsewhere stay. Nothing moves while no other pipeline answers: they wait for it, as before.
@@ -368,11 +369,19 @@ class Scheduler:
         why = Unavailable(f"stage {stage.node_id or stage.address} of pipeline {pipeline.index} is silent "
                           f"({silent:.1f} s)")
         log.info("%d running requests move off pipeline %d: %s", len(moving), pipeline.index, why)
-        for sid in moving:
+        # spread, so that the next fault catches fewer of them: the mirror takes up to its even share of
+        # what the others will run (the dearest replays: their KV is there), the router places the rest
+        room = 0
+        if mirror in others:
+            share = -(-(len(moving) + sum(self.load(p) for p in others)) // len(others))
+            room = share - self.load(mirror)
+        # (each goes to the queue's front: the dearest, last, open first, the mirror's before the router's)
+        moving.sort(key=lambda sid: len(self.active[sid].inputs))
+        for i, sid in enumerate(moving):
             req = self.active.pop(sid)
             self._close_soon(sid)  # (a stage that does not answer gets it again once it does)
             req.session_id = ""
-            req.target = mirror if mirror in others else None
+            req.target = mirror if i >= len(moving) - room else None
             self._back_in_queue(req, why, moved=True)
         self.stats.evacuated += len(moving)
         return moving

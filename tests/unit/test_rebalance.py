@@ -102,3 +102,26 @@ def test_a_silent_pipelines_requests_move_to_one_that_answers_catching_up_or_not
         await sched.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_silent_pipelines_requests_spread_its_mirror_taking_the_dearest_up_to_its_share():
+    async def main():
+        a, b, c = FakePipeline(0), FakePipeline(1), FakePipeline(2)
+        pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+        pipelines.all = [a]
+        sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+        reqs = [sched.submit(Job((1, 2, 3 + i) + (5,) * i, 20, request_id=f"r{i}")).request for i in range(6)]
+        await until(lambda: all(r.session_id for r in reqs), "all six opened on the one pipeline", tries=300)
+        pipelines.kv_mirror = False
+        pipelines.replace([a, b, c])
+        pipelines.mirrors = {id(a): b}  # b holds a's KV mirror
+        a.silent = StageHandle("127.0.0.1:1", None, None, node_id="s0")
+        assert len(sched.evacuate(a)) == 6
+        await until(lambda: len(b.opened) + len(c.opened) == 6, "the six reopened", tries=300)
+        # the even share is 3: the mirror takes the 3 dearest replays (r3, r4, r5: the longest inputs),
+        # the router puts the rest where the load is lowest (c)
+        assert sorted(len(o.prompt_token_ids) for o in b.opened) == [6, 7, 8], [o.prompt_token_ids for o in b.opened]
+        assert sorted(len(o.prompt_token_ids) for o in c.opened) == [3, 4, 5]
+        await sched.shutdown()
+
+    asyncio.run(main())
