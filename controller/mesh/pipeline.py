@@ -374,7 +374,7 @@ class Pipeline(HoldsIdentity):
                 if not self.why_down(h.address) and self._pending_closes.get(h.address):
                     await self._retry_closes(h)
             if self.silent_stage() is not None:
-                self.on_silent(self)
+                self._report_silent()
 
     async def _probe_round(self, handles: list[StageHandle]) -> list:
         """Status of each of `handles` (or the exception its call raised), PROBE_TIMEOUT_S at most; a
@@ -387,7 +387,7 @@ class Pipeline(HoldsIdentity):
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=SILENT_TICK_S)
                 if pending and self.silent_stage() is not None:
-                    self.on_silent(self)
+                    self._report_silent()
         finally:
             for c in pending:
                 c.cancel()
@@ -398,6 +398,13 @@ class Pipeline(HoldsIdentity):
             except BaseException as exc:  # noqa: BLE001 — a probe's failure is its answer
                 out.append(exc)
         return out
+
+    def _report_silent(self) -> None:
+        """on_silent, whose failure is logged: it must not end the health loop that calls it."""
+        try:
+            self.on_silent(self)
+        except Exception:  # noqa: BLE001 — the probes go on; the next round reports it again
+            log.exception("moving the requests of pipeline %d (a stage is silent) failed", self.index)
 
     def silent_stage(self) -> StageHandle | None:
         """A stage that has left a probe unanswered SILENT_PROBE_S (or missed its last), while nothing

@@ -133,3 +133,36 @@ def test_a_feed_to_a_stage_that_never_takes_its_stream_fails_in_bounded_time(mon
             await channel.close()
 
     asyncio.run(main())
+
+
+def test_a_failing_report_of_silence_does_not_end_the_health_probes(monkeypatch):
+    """The health loop reports a silent stage again each check; the owner's failure is logged and
+    the probes go on (an exception there used to end the loop for good)."""
+    monkeypatch.setattr(pipeline_mod, "PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(pipeline_mod, "PROBE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(pipeline_mod, "SILENT_S", 0.1)
+    monkeypatch.setattr(pipeline_mod, "SILENT_PROBE_S", 0.1)
+    monkeypatch.setattr(pipeline_mod, "SILENT_TICK_S", 0.05)
+
+    class Stopped:  # a stage process that takes the call and never answers
+        async def Status(self, request, timeout):
+            await asyncio.sleep(timeout)
+            raise asyncio.TimeoutError()
+
+    async def main():
+        calls = []
+
+        def on_silent(p):
+            calls.append(p)
+            raise RuntimeError("the owner failed")
+
+        p = Pipeline(None, lambda ev: None, lambda a, r: None)
+        p.stages = [StageHandle("127.0.0.1:1", None, Stopped(), node_id="n0")]
+        p.heard = time.monotonic() - 5
+        p.on_silent = on_silent
+        task = asyncio.create_task(p._watch_health())
+        await asyncio.sleep(1.0)
+        assert not task.done() and len(calls) >= 3, (task, calls)
+        task.cancel()
+
+    asyncio.run(main())
