@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--strategy", default="uniform",
                     help="the controller's --strategy: uniform (default) splits the layers evenly over --stages "
                          "stages; dp lets the planner choose (on a small model it may use fewer stages)")
+    ap.add_argument("--stage-arg", action="append", default=[],
+                    help="a flag for every stage, repeatable (e.g. --stage-arg=--step-log=/tmp/steps.jsonl)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -116,7 +118,8 @@ def main() -> None:
         print(f"transformers: {n}-token prompt's {args.new_tokens} greedy tokens in {ref_s:.1f} s")
         del hf
     stage_flags = ("--max-step-ms", str(args.max_step_ms),
-                   *(("--max-kv-mib", str(args.max_kv_mib)) if args.max_kv_mib else ()), "--kv-dtype", args.kv_dtype)
+                   *(("--max-kv-mib", str(args.max_kv_mib)) if args.max_kv_mib else ()), "--kv-dtype", args.kv_dtype,
+                   *args.stage_arg)
     gpu_mib: list[int] = []
     with LocalMesh(args.stages, model, work / "mesh", threads=args.threads, tls=False, stage_args=stage_flags,
                    device=args.device, controller_args=("--context", str(min(n + 256, 131072)),

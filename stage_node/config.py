@@ -52,6 +52,7 @@ class StageOptions:
     min_step_s: float = 0.0              # --min-step-ms: a step takes at least this long (0: as long as it takes)
     step_bar_s: float = 0.1              # --max-step-ms: stage 0 sizes prompt chunks so that a step (its decode
                                          # rows and a chunk) stays under this, s, by engine.step_budget (0: off)
+    step_log: str = ""                   # --step-log: a JSON line per computed step appended here ("": none)
 
 
 @dataclass(frozen=True)

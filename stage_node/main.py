@@ -162,6 +162,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "rows of the running requests and a prefill chunk) stays under this, by the stage's cost "
                          "model per row and per attended key position, corrected by its measured steps "
                          "(default %(default)s; 0: chunks by --max-step-tokens and the controller alone)")
+    ap.add_argument("--step-log", default="", metavar="FILE",
+                    help="append a JSON line per computed step to FILE: its rows, attended key positions, held "
+                         "positions, seconds and what the cost model predicted (to see which steps go over "
+                         "--max-step-ms; default: none)")
     ap.add_argument("--no-profile", action="store_true", help="skip the start-up micro-benchmark")
     ap.add_argument("--spare", action="store_true",
                     help="start as this node's spare: when another process serves it (the same --state-dir and "
@@ -402,6 +406,7 @@ async def serve(args: argparse.Namespace) -> None:
     options = StageOptions(max_kv_bytes=args.max_kv_mib * 2**20, block_size=args.block_size,
                            budget=Budget(args.max_step_tokens, args.max_step_seqs or (256 if device == "cuda" else 64)), session_ttl_s=args.session_ttl_s,
                            min_step_s=max(0.0, args.min_step_ms) / 1000, step_bar_s=max(0.0, args.max_step_ms) / 1000,
+                           step_log=args.step_log,
                            draft_model=args.draft_model, draft_layers=args.draft_layers, quantize=args.quantize,
                            cuda_graphs=args.cuda_graphs == "on", batch_invariant=args.batch_invariant, dtype=args.dtype,
                            model_root=str(args.model_root or cache_root()), tp=leader, tp_max=args.tp_max,

@@ -323,7 +323,8 @@ class StageRuntime:
                       transport=self.transport, runner=self.runner, lock=self._step_lock, events=self.events,
                       stats=self.stats, budget=self.options.budget, orphaned=self._orphaned,
                       draft_model=lambda: self.draft_model, wake=self._wake.set, shard_dir=shard_dir,
-                      stream_key=stream_key, min_step_s=opts.min_step_s, step_bar_s=opts.step_bar_s)
+                      stream_key=stream_key, min_step_s=opts.min_step_s, step_bar_s=opts.step_bar_s,
+                      step_log=opts.step_log)
 
     async def _load_draft_model(self, vocab_size: int) -> None:
         """Last stage with --draft-model: load it once. A draft model that cannot serve this model

@@ -10,6 +10,7 @@ blocks the event loop (the runner computes).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import defaultdict
@@ -51,7 +52,8 @@ class Engine:
                  transport: Transport, runner: Runner, lock: asyncio.Lock, events: EventHub, stats: StageStats,
                  budget: Budget, orphaned: Callable[[Sequence], bool],
                  draft_model: Callable[[], DraftModel | None], wake: Callable[[], None] = lambda: None,
-                 shard_dir: str = "", stream_key: str = "", min_step_s: float = 0.0, step_bar_s: float = 0.0):
+                 shard_dir: str = "", stream_key: str = "", min_step_s: float = 0.0, step_bar_s: float = 0.0,
+                 step_log: str = ""):
         self.assignment = a
         self.stream_key = stream_key      # the plan's: our Stream calls carry it, and calls to us must (see fence)
         self.shard, self.pool, self.kv = shard, pool, kv
@@ -64,6 +66,7 @@ class Engine:
         self.shard_dir = shard_dir        # where the weights were loaded from (the model dir, or the pull cache)
         self.retired = False              # replaced by another engine: its steps are dropped
         self.min_step_s = min_step_s      # --min-step-ms: a step takes at least this long (a slower device emulated)
+        self.step_log = open(step_log, "a", buffering=1) if step_log else None  # --step-log (line-buffered)
         self.step_cost = step_cost_for(shard.device.type, shard.weight_format)  # how many candidates pay
         hybrid = shard.arch.hybrid
         if hybrid:
@@ -263,8 +266,15 @@ class Engine:
         st = self.stats
         st.compute_s += seconds
         st.max_step_s = max(st.max_step_s, seconds)
+        positions, held = step.positions(self.clock.shape.window), step.held(self.clock)
+        if self.step_log is not None:
+            self.step_log.write(json.dumps({"node": self.node_id, "t": round(time.time(), 3), "rows": step.rows,
+                                            "positions": positions,
+                                            "held": held, "seqs": len(step.seqs), "decodes": step.decodes,
+                                            "s": round(seconds, 5),
+                                            "model_s": round(self.clock.seconds(step.rows, positions, held), 5)}) + "\n")
         if self.clock.bar_s:  # (no bar: nothing sizes chunks by the model, which is not fitted then)
-            self.clock.observe(step.rows, step.positions(self.clock.shape.window), step.held(self.clock), seconds)
+            self.clock.observe(step.rows, positions, held, seconds)
         if step.decodes:  # a decode row waited for this step: the bar's figure
             st.decode_steps += 1
             st.max_decode_step_s = max(st.max_decode_step_s, seconds)

@@ -8,6 +8,7 @@ A [0, 2) -> [2, 4) and B the same."""
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import random
 import time
@@ -56,13 +57,17 @@ async def until(check, within: float = 30.0, what: str = "") -> None:
         await asyncio.sleep(0.02)
 
 
-def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transformers(tiny_model, hf, monkeypatch):
+def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transformers(tiny_model, hf, monkeypatch,
+                                                                                      tmp_path):
+    """(Also: a stage's --step-log, a JSON line per computed step.)"""
     monkeypatch.setattr(mirror_module, "MIRROR_S", 0.05)
+    step_log = tmp_path / "a1-steps.jsonl"
     prompt = [random.Random(34).randrange(TINY_VOCAB) for _ in range(37)]
     want = hf_greedy(hf, prompt, NEW)
 
     async def main():
-        async with stage_node("a0", min_step_s=0.01) as a0, stage_node("a1", min_step_s=0.01) as a1, \
+        async with stage_node("a0", min_step_s=0.01) as a0, \
+                stage_node("a1", min_step_s=0.01, step_log=str(step_log)) as a1, \
                 stage_node("b0", min_step_s=0.01) as b0, stage_node("b1", min_step_s=0.01) as b1:
             sched = None
             pipelines = PipelineSet(PLAINTEXT, lambda ev: sched.on_event(ev), lambda address, why: None)
@@ -98,6 +103,10 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                 st = sched.stats
                 assert st.replays == 1 and st.replay_cached_tokens >= 48, (st.replays, st.replay_cached_tokens)
                 assert a0.runtime.stats.mirrored_out_blocks >= 3 and a0.runtime.stats.mirror_errors == 0
+                steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+                assert steps and all(s["node"] == "a1" and s["s"] >= 0.01 and s["rows"] >= 1 for s in steps), steps[:3]
+                assert steps[0]["rows"] == 37 and steps[0]["positions"] == 37 * 38 // 2  # the prompt, then decode rows
+                assert any(s["decodes"] and s["rows"] == 1 for s in steps) and all(s["model_s"] > 0 for s in steps)
 
                 # refusals: the wrong key, a caller that does not hold the stage, a stale generation
                 bad = stage_pb2.PutBlocksRequest(key="x" * 32, model_digest=digest, start_layer=0, end_layer=2,
