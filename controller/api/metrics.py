@@ -106,8 +106,8 @@ class Metrics:
                                       labels=["pipeline"])
         serving = GaugeMetricFamily("logicpipe_pipeline_serving", "1 while a pipeline takes requests", labels=["pipeline"])
         stages = GaugeMetricFamily("logicpipe_pipeline_stages", "Stages per pipeline", labels=["pipeline"])
-        silent = GaugeMetricFamily("logicpipe_pipeline_silent", "1 while a stage of a pipeline does not answer (its "
-                                   "requests moved to a replica that answers)", labels=["pipeline"])
+        silent = GaugeMetricFamily("logicpipe_pipeline_silent", "1 while a stage of a pipeline does not answer (while "
+                                   "another replica answers, its requests move there)", labels=["pipeline"])
         for p in snap.pipelines:
             silent.add_metric([str(p.index)], 1.0 if p.silent else 0.0)
             running.add_metric([str(p.index)], p.running)

@@ -350,8 +350,8 @@ class Scheduler:
         to its even share, the dearest replays, which attach their history there; the router places
         the others), replayed there from their prompt and tokens as after a fault (the
         same tokens), rather than waiting for it; requests still catching up from an earlier move
-        too (they make no progress there either). A fork's parent or child and a request prefilled
-        elsewhere stay. Nothing moves while no other pipeline answers: they wait for it, as before.
+        too (they make no progress there either). A fork's parent or child and a request whose
+        prefill elsewhere is still under way stay. Nothing moves while no other pipeline answers: they wait for it, as before.
         Returns the sessions moved (closed there once it answers again)."""
         prefillers = self.handoffs.prefill_only(self.pipelines.serving())
         others = [p for p in self.pipelines.serving()
@@ -362,7 +362,8 @@ class Scheduler:
         mirror = self.pipelines.mirror_of(pipeline)
         moving = [sid for sid, r in self.active.items()
                   if self.opened.get(sid) is pipeline
-                  and not (r.done or r.keep_open or r.parent or r.handoff is not None or sid in self.prefilling)]
+                  and not (r.done or r.keep_open or r.parent or self._prefill_pipeline(r) is not None
+                           or sid in self.prefilling)]  # (a handoff still under way stays; one done moves)
         if not moving:
             return []
         silent = time.monotonic() - max(stage.answered, pipeline.heard)

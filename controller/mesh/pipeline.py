@@ -319,6 +319,10 @@ class Pipeline(HoldsIdentity):
             ready.append(asyncio.get_running_loop().create_future())
             h.events_task = asyncio.create_task(self._watch_events(h, ready[-1]))
         await asyncio.gather(*ready)
+        now = time.monotonic()  # (its stages answered their Assign just now: not silent from the start)
+        self.heard = now
+        for h in handles:
+            h.answered = now
         self._monitor = asyncio.create_task(self._watch_health(), name="stage-health")
 
     @property
@@ -372,7 +376,7 @@ class Pipeline(HoldsIdentity):
                     self._on_stage_lost(h.address, h.down_reason)
                     continue
                 if not self.why_down(h.address) and self._pending_closes.get(h.address):
-                    await self._retry_closes(h)
+                    self._in_background(self._retry_closes(h))  # (the probes go on meanwhile)
             if self.silent_stage() is not None:
                 self._report_silent()
 
@@ -382,6 +386,13 @@ class Pipeline(HoldsIdentity):
         round's end."""
         calls = [asyncio.ensure_future(h.stub.Status(stage_pb2.StatusRequest(), timeout=PROBE_TIMEOUT_S))
                  for h in handles]
+
+        def answered(h: StageHandle, call: asyncio.Future) -> None:  # (as each answers, not at the round's end)
+            if not call.cancelled() and call.exception() is None:
+                h.answered, h.asked = time.monotonic(), 0.0
+
+        for h, c in zip(handles, calls):
+            c.add_done_callback(lambda c, h=h: answered(h, c))
         pending = set(calls)
         try:
             while pending:
@@ -494,8 +505,9 @@ class Pipeline(HoldsIdentity):
         results = await asyncio.gather(*(h.stub.OpenSession(request, timeout=OPEN_TIMEOUT_S) for h in stages),
                                        return_exceptions=True)
         errors = [(h, r) for h, r in zip(stages, results) if isinstance(r, BaseException)]
-        if errors:  # closed everywhere: a stage whose answer timed out may still have admitted it
-            await self.close_session_many([request.session_id], [h for h in stages if h in self.stages])
+        if errors:  # closed everywhere (in the background: a stalled stage holds up no admission meanwhile;
+            # one whose answer timed out may still have admitted it, and gets the close once it answers)
+            self._in_background(self.close_session_many([request.session_id], [h for h in stages if h in self.stages]))
             h, exc = errors[0]
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # a stage too busy (or stalled) to admit it in time: not the request's fault; it waits
@@ -530,7 +542,10 @@ class Pipeline(HoldsIdentity):
 
     def close_session_soon(self, session_id: str, *, swap: bool = False) -> None:
         """Close a session on every stage in the background (the task is kept until done)."""
-        task = asyncio.get_running_loop().create_task(self.close_session(session_id, swap=swap))
+        self._in_background(self.close_session(session_id, swap=swap))
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -166,3 +166,37 @@ def test_a_failing_report_of_silence_does_not_end_the_health_probes(monkeypatch)
         task.cancel()
 
     asyncio.run(main())
+
+
+def test_the_silent_stage_named_is_the_one_that_does_not_answer(monkeypatch):
+    """Two stages, the first answering at once and the second stopped: while the round waits, the
+    second is the silent one (each stage's answer counts as it comes, not at the round's end)."""
+    monkeypatch.setattr(pipeline_mod, "PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(pipeline_mod, "SILENT_S", 0.2)
+    monkeypatch.setattr(pipeline_mod, "SILENT_PROBE_S", 0.2)
+    monkeypatch.setattr(pipeline_mod, "SILENT_TICK_S", 0.05)
+
+    class Answers:
+        async def Status(self, request, timeout):
+            return stage_pb2.StatusReply()
+
+    class Stopped:
+        async def Status(self, request, timeout):
+            await asyncio.sleep(timeout)
+            raise asyncio.TimeoutError()
+
+    async def main():
+        named = []
+        p = Pipeline(None, lambda ev: None, lambda a, r: None)
+        p.stages = [StageHandle("127.0.0.1:1", None, Answers(), node_id="s0"),
+                    StageHandle("127.0.0.1:2", None, Stopped(), node_id="s1")]
+        p.heard = time.monotonic() - 5
+        for h in p.stages:
+            h.answered, h.asked = time.monotonic() - 5, time.monotonic()
+        p.on_silent = lambda q: named.append(q.silent_stage().node_id)
+        round_ = asyncio.create_task(p._probe_round(p.stages))
+        await asyncio.sleep(0.6)
+        round_.cancel()
+        assert named and set(named) == {"s1"}, named
+
+    asyncio.run(main())
