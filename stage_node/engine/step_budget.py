@@ -5,7 +5,7 @@ attend over (each row at position p reads p + 1 keys of every layer), and with t
 sequences hold (each sequence's keys are gathered from the paged pool once a step, unless its rows read
 the pool in place: `StepShape.in_place_rows`). At long context
 the last two dominate: a 512-row prefill chunk is cheap at position 1,000 and many times the bar at
-32,000. So while some sequence decodes, stage 0 sizes each prompt chunk to what is left of AIM (0.8)
+32,000. So while some sequence decodes, stage 0 sizes each prompt chunk to what is left of AIM (0.7)
 x the bar after the step's decode rows (a prompt alone flows in whole chunks: nobody waits on its
 steps), from this stage's cost model (aimed a little under the bar: measured steps scatter around it)
 
@@ -26,8 +26,10 @@ from collections import deque
 from dataclasses import dataclass
 
 STEP_BAR_S = 0.100       # --max-step-ms: a step (decode rows and a prefill chunk) takes at most this long
-AIM = 0.8                # chunks are sized to this share of the bar: measured steps scatter around the model
-                         # (on the H100 at 128k, aimed at the bar itself, 175 of 462 went over it, by up to 62%)
+AIM = 0.7                # chunks are sized to this share of the bar: measured steps scatter around the model
+                         # (on the H100 at 128k, aimed at the bar itself, 175 of 462 went over it, by up to 62%;
+                         # on 16 CPU cores at 32k, aimed at 0.8, 10 of 250 by up to 15%, measured / modelled up to
+                         # 1.39 (--step-log); at 0.7 none of 370 and 371 on the H200 at 128k)
 MIN_CHUNK = 16           # prompt rows a step takes however costly they are (a prompt always moves)
 FIXED_S = {"cpu": 0.002, "cuda": 0.0005}   # a step's cost beyond its FLOPs (launches, packing, the hop)
 FLOPS = {"cpu": 5e10, "cuda": 2e14}        # the prior FLOP rate before any step is measured
