@@ -36,7 +36,7 @@ DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as 
 # sessions, so with no other pipeline its requests wait for it rather than replaying elsewhere (a
 # stage that died closes its event stream and is lost at once, without it). With other pipelines, a
 # pipeline is silent when one of its stages has left a probe unanswered for SILENT_PROBE_S (or missed
-# one) and nothing was heard from the pipeline (a probe's answer, an event) for SILENT_S: its running
+# one) and answered none for SILENT_S, and no event came from the pipeline for as long: its running
 # requests move to a pipeline that answers (Pipeline.on_silent; the scheduler's evacuate), and none
 # opens on it. Checked each SILENT_TICK_S while a probe round waits.
 SILENT_S = 1.0
@@ -343,13 +343,9 @@ class Pipeline(HoldsIdentity):
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             stages, members = list(self.stages), list(self.members)
-            asked = time.monotonic()
-            for h in stages:
-                h.asked = asked
             replies = await self._probe_round(stages + members)
             self._check_members(members, replies[len(stages):])
             for h, r in zip(stages, replies):
-                h.asked = 0.0
                 if isinstance(r, BaseException):
                     h.misses += 1
                     silent = time.monotonic() - h.answered
@@ -384,11 +380,14 @@ class Pipeline(HoldsIdentity):
         """Status of each of `handles` (or the exception its call raised), PROBE_TIMEOUT_S at most; a
         stage that turns silent meanwhile (silent_stage) is reported at once (on_silent), not at the
         round's end."""
+        asked = time.monotonic()
+        for h in handles:
+            h.asked = asked
         calls = [asyncio.ensure_future(h.stub.Status(stage_pb2.StatusRequest(), timeout=PROBE_TIMEOUT_S))
                  for h in handles]
 
         def answered(h: StageHandle, call: asyncio.Future) -> None:  # (as each answers, not at the round's end)
-            if not call.cancelled() and call.exception() is None:
+            if not call.cancelled() and call.exception() is None:  # (one that failed counts as a miss)
                 h.answered, h.asked = time.monotonic(), 0.0
 
         for h, c in zip(handles, calls):
@@ -418,9 +417,9 @@ class Pipeline(HoldsIdentity):
             log.exception("moving the requests of pipeline %d (a stage is silent) failed", self.index)
 
     def silent_stage(self) -> StageHandle | None:
-        """A stage that has left a probe unanswered SILENT_PROBE_S (or missed its last), while nothing
-        was heard from this pipeline (a probe's answer, an event) for SILENT_S: its requests wait on
-        it (None: none such)."""
+        """A stage that has left a probe unanswered SILENT_PROBE_S (or missed its last) and answered
+        none for SILENT_S, while no event came from this pipeline for as long: its requests wait on it
+        (None: none such)."""
         now = time.monotonic()
         if now - self.heard < SILENT_S:
             return None

@@ -266,15 +266,15 @@ class Engine:
         st = self.stats
         st.compute_s += seconds
         st.max_step_s = max(st.max_step_s, seconds)
-        positions, held = step.positions(self.clock.shape.window), step.held(self.clock)
-        if self.step_log is not None:
-            self.step_log.write(json.dumps({"node": self.node_id, "t": round(time.time(), 3), "rows": step.rows,
-                                            "positions": positions,
-                                            "held": held, "seqs": len(step.seqs), "decodes": step.decodes,
-                                            "s": round(seconds, 5),
-                                            "model_s": round(self.clock.seconds(step.rows, positions, held), 5)}) + "\n")
-        if self.clock.bar_s:  # (no bar: nothing sizes chunks by the model, which is not fitted then)
-            self.clock.observe(step.rows, positions, held, seconds)
+        if self.step_log is not None or self.clock.bar_s:
+            positions, held = step.positions(self.clock.shape.window), step.held(self.clock)
+            if self.step_log is not None:
+                self.step_log.write(json.dumps({
+                    "node": self.node_id, "t": round(time.time(), 3), "rows": step.rows, "positions": positions,
+                    "held": held, "seqs": len(step.seqs), "decodes": step.decodes, "s": round(seconds, 5),
+                    "model_s": round(self.clock.seconds(step.rows, positions, held), 5)}) + "\n")
+            if self.clock.bar_s:  # (no bar: nothing sizes chunks by the model, which is not fitted then)
+                self.clock.observe(step.rows, positions, held, seconds)
         if step.decodes:  # a decode row waited for this step: the bar's figure
             st.decode_steps += 1
             st.max_decode_step_s = max(st.max_decode_step_s, seconds)
@@ -407,7 +407,10 @@ class Engine:
             self.events.emit(s.spec.owner, [ErrorEvent(s.id, err, self.node_id)])
 
     async def close_links(self) -> None:
-        """Close the links (bounded: a stalled peer must not hold up a re-assignment)."""
+        """Close the links (bounded: a stalled peer must not hold up a re-assignment), and the step log."""
+        if self.step_log is not None:
+            self.step_log.close()
+            self.step_log = None
         for link in (self.next_link, self.first_link):
             if link is not None:
                 try:
