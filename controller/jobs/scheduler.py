@@ -316,8 +316,10 @@ class Scheduler:
         onto it (controller.jobs.rebalance: the cheapest replays of the most loaded pipelines; every
         request of a pipeline whose stage is silent first, `evacuate`), each
         replayed there from its prompt and tokens as after a fault (the same tokens). A request
-        that is finished, still catching up from an earlier move, or a fork's parent or child, or
-        prefilled elsewhere, stays; `sources` given, only requests of those pipelines move (KV mirrors:
+        still catching up from an earlier move may move too: its replay starts over there, but a
+        pipeline that took every request of the last fault would otherwise replay them all while
+        the newcomer idles. A request that is finished, or a fork's parent or child, or prefilled
+        elsewhere, stays; `sources` given, only requests of those pipelines move (KV mirrors:
         the pipelines that copy their KV blocks to `target`). Returns the sessions moved (closed on
         their old pipelines)."""
         serving = self.pipelines.serving()
@@ -331,7 +333,7 @@ class Scheduler:
         running = [Movable(sid, id(p), len(r.inputs)) for sid, r in self.active.items()
                    if (p := self.opened.get(sid)) is not None and p in serving]
         movable = {sid for sid, r in self.active.items()
-                   if not (r.done or r.catching_up or r.keep_open or r.parent or r.handoff is not None
+                   if not (r.done or r.keep_open or r.parent or r.handoff is not None
                            or sid in self.prefilling)
                    and (sources is None or id(self.opened.get(sid)) in {id(q) for q in sources})}
         picked = moves_onto(id(target), running, [id(p) for p in serving], movable)

@@ -63,6 +63,30 @@ def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_t
     asyncio.run(main())
 
 
+def test_a_pipeline_that_joins_takes_requests_still_catching_up_from_the_last_fault():
+    async def main():
+        a, b = FakePipeline(0), FakePipeline(1)
+        pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+        pipelines.kv_mirror = False
+        pipelines.all = [a]
+        sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+        reqs = [sched.submit(Job((1, 2, 3 + i) + (5,) * (3 - i), 20, request_id=f"r{i}")).request for i in range(4)]
+        await until(lambda: all(r.session_id for r in reqs), "all four opened on the one pipeline", tries=300)
+        for r in reqs:  # every one moved here by the last fault: replaying, no token yet
+            r.catching_up = True
+        old = {r.id: r.session_id for r in reqs}
+        pipelines.replace([a, b])
+        moved = sched.rebalance(b)
+        # its even share, 2: the cheapest replays (the shortest inputs: r3, r2) start over there
+        assert sorted(moved) == sorted(old[f"r{i}"] for i in (2, 3)) and sorted(a.closed) == sorted(moved)
+        await until(lambda: len(b.opened) == 2, "the two replays opened on the pipeline that joined", tries=300)
+        assert sorted(tuple(o.prompt_token_ids) for o in b.opened) == [(1, 2, 5, 5), (1, 2, 6)]
+        assert [r.replays for r in reqs] == [0, 0, 1, 1] and all(r.catching_up for r in reqs)
+        await sched.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_silent_pipelines_requests_move_to_one_that_answers_catching_up_or_not():
     async def main():
         a, b, c = FakePipeline(0), FakePipeline(1), FakePipeline(2)
