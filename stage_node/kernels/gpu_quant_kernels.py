@@ -139,7 +139,7 @@ def kernels():
     def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym,
                   BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
         # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step,
-        # every load of a step issued at its start (a thread's U words of weights in flight together);
+        # every load of a step issued a step ahead (a thread's U words of weights in flight together);
         # xd the row's bytes as int32 words [M, K/32, 16] (LAYOUT_DP), q_ptr the weights as int32 words
         # [K/32, N, 4]: word t's low nibbles are q of k = 4t..4t+3, its high nibbles of k = 16+4t..
         row, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -160,18 +160,26 @@ def kernels():
         # (the scales' columns written as (2 j) // 2: Triton then sees no contiguity along them, and loads
         # them in the layout the sums are in rather than 4 columns a thread: no move between layouts)
         sz_ptrs = sz_ptr + us[:, None] * N + (pid_n * BN + tl.arange(0, BN) * 2 // 2)[None, :]
+        # the row's words, S and a of a step (the same for every column: L2 hits, but a round trip each)
+        # loaded a step ahead too: loaded at a step's start, they made each step wait for L2 in turn
+        xw = x_row + us[:, None] * 16 + t4[None, :]  # [U, 4]
+        a_ptrs = aux_ptr + us * M + row  # [U]
         w_n = tl.load(w_ptrs + g0 * N * 4, mask=cols_in[None, :, None], other=0)
         sz_n = tl.load(sz_ptrs + g0 * N, mask=cols_in[None, :], other=0)
+        xl0_n, xl1_n = tl.load(xw + g0 * 16), tl.load(xw + g0 * 16 + 4)
+        xh0_n, xh1_n = tl.load(xw + g0 * 16 + 8), tl.load(xw + g0 * 16 + 12)
+        s_n = tl.load(a_ptrs + (groups + g0) * M)
+        a_n = tl.load(a_ptrs + g0 * M)
         for gu in range(g0, g1, U):
-            gs = gu + us  # [U]: this step's groups
-            w, sz = w_n, sz_n
+            w, sz, s_x, a_x = w_n, sz_n, s_n[:, None], a_n  # this step's groups gu .. gu + U - 1
+            xl0, xl1, xh0, xh1 = xl0_n[:, None, :], xl1_n[:, None, :], xh0_n[:, None, :], xh1_n[:, None, :]
             g_next = tl.minimum(gu + U, g1 - U)  # (the last step loads its own again: harmless)
             w_n = tl.load(w_ptrs + g_next * N * 4, mask=cols_in[None, :, None], other=0)
             sz_n = tl.load(sz_ptrs + g_next * N, mask=cols_in[None, :], other=0)
-            xw = x_row + gs[:, None] * 16 + t4[None, :]  # [U, 4]
-            xl0, xl1 = tl.load(xw)[:, None, :], tl.load(xw + 4)[:, None, :]
-            xh0, xh1 = tl.load(xw + 8)[:, None, :], tl.load(xw + 12)[:, None, :]
-            s_x = tl.load(aux_ptr + (groups + gs)[:, None] * M + row)  # [U, 1]
+            xl0_n, xl1_n = tl.load(xw + g_next * 16), tl.load(xw + g_next * 16 + 4)
+            xh0_n, xh1_n = tl.load(xw + g_next * 16 + 8), tl.load(xw + g_next * 16 + 12)
+            s_n = tl.load(a_ptrs + (groups + g_next) * M)
+            a_n = tl.load(a_ptrs + g_next * M)
             lo = w & 0x0F0F0F0F  # bytes q of k = 4t + b
             hi = (w >> 4) & 0x0F0F0F0F  # k = 16 + 4t + b
             h = dp4(hi, xh1, dp4(lo, xh0, tl.zeros((U, BN, 4), dtype=tl.int32), ASM), ASM)
@@ -183,7 +191,8 @@ def kernels():
             t = tl.fma(scale, A, zero * s_x)  # [U, BN]
             for u in tl.static_range(U):  # the groups added in order: a sum with zeros takes group u exactly
                 t_u = tl.sum(tl.where(us[:, None] == u, t, 0.0), axis=0)
-                acc = tl.fma(tl.load(aux_ptr + (gu + u) * M + row), t_u, acc)
+                a_u = tl.sum(tl.where(us == u, a_x, 0.0), axis=0)
+                acc = tl.fma(a_u, t_u, acc)
         tl.store(y_ptr + part * sys_ + row.to(tl.int64) * sym + rn, acc.to(y_ptr.dtype.element_ty), mask=cols_in)
 
     @triton.jit(do_not_specialize=["M", "sys_"])
