@@ -25,6 +25,8 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
   * prompt: each matrix's product of `--prompt-rows` rows (default 256 and 2048) in int4 and int8 as
     chosen, int4's also with the tiled kernel adding the parts of K itself and with a program a part
     and invariant.add_parts (the same bits, checked), bf16 beside them (not run by default).
+  * pdl: the decode step in int4 and bf16 with programmatic dependent launch (invariant.PDL) off and
+    on in turn, twice, in one process (not run by default).
 The tiles' sweep and a profile of the one-row step are bench/gpu_quant_tune.py.
 
 Prints progress lines, then one JSON line of every result (also written to $OUT/gpu_quant.json, after
@@ -307,12 +309,34 @@ def agreement(args, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def pdl(args, res: dict) -> None:
+    """The one-row step with invariant.PDL off and on in turn (twice), int4 and bf16."""
+    path = big_model(args)
+    tbps, _ = peak_tbps(args, res["device"])
+    out = res["pdl"] = []
+    keep = invariant.PDL
+    try:
+        for on in (False, True, False, True):
+            invariant.PDL = on
+            for fmt in ("int4", "bf16"):
+                shard = load(path, fmt, args.layers)
+                r, _ = one_row_step(shard, args.context, tbps)
+                row = {"pdl": on, "format": fmt, **{k: r[k] for k in ("layers_graph_ms", "lm_head_ms", "ms_per_token",
+                                                                       "of_hbm_limit", "graph_equals_eager")}}
+                out.append(row)
+                print("pdl", row, flush=True)
+                del shard
+                torch.cuda.empty_cache()
+    finally:
+        invariant.PDL = keep
+
+
 def big_model(args) -> Path:
     return make_model(args.work / f"llama3-8b-shape-{args.layers}", dict(LLAMA3_8B, num_hidden_layers=args.layers),
                       torch.bfloat16)
 
 
-PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "prompt": prompt}
+PARTS = {"check": check, "decode": decode, "matrices": matrices, "agreement": agreement, "prompt": prompt, "pdl": pdl}
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ import functools
 
 import torch
 
+from logicpipe.stage_node.kernels import invariant
+
 
 @functools.cache
 def _kernels():
@@ -35,7 +37,9 @@ def _kernels():
     @triton.jit(do_not_specialize=["s_part"])
     def add_norm_kernel(ws_ptr, x_ptr, w_ptr, xo_ptr, h_ptr, N, eps, s_part, s_ws, s_x, s_xo, s_h,
                         PARTS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, F32: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+        if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
+            tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
         row = tl.program_id(0).to(tl.int64)
         n = tl.arange(0, BLOCK)
         mask = n < N
@@ -99,7 +103,9 @@ def _kernels():
             tl.store(v_ptr + (h - HEADS - KVH) * s_vh + slot * s_vs + d, x, mask=mask)
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, o_ptr, F, s_gu, s_o, BLOCK: tl.constexpr):
+    def silu_mul_kernel(gu_ptr, o_ptr, F, s_gu, s_o, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+        if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
+            tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = n < F
@@ -118,6 +124,11 @@ def _block(n: int) -> int:
 
 def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _trigger(device: torch.device) -> dict:
+    """The kernels that feed a product let its dependent launch start at once (invariant.PDL)."""
+    return {"TRIGGER": True} if invariant.dependent_launch(device) else {}
 
 
 def _norm_warps(block: int) -> int:
@@ -148,7 +159,7 @@ def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | No
                  ws.stride(0) if add else 0, ws.stride(1) if add else 0, x.stride(0), xo.stride(0),
                  h.stride(0) if h is not None else 0,
                  PARTS=ws.shape[0] if add else 1, ADD=add, NORM=weight is not None, F32=x.dtype == torch.float32,
-                 BLOCK=block, num_warps=_norm_warps(block))
+                 BLOCK=block, num_warps=_norm_warps(block), **_trigger(x.device))
     return xo, h
 
 
@@ -192,5 +203,6 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         return out
     assert gu.stride(1) == 1
     block = min(SILU_BLOCK, _block(F))
-    kernel[(T, triton.cdiv(F, block))](gu, out, F, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    kernel[(T, triton.cdiv(F, block))](gu, out, F, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+                                       **_trigger(gu.device))
     return out

@@ -212,7 +212,8 @@ class TritonInt4(TritonMatrix):
         if bm == 1:
             xd, aux = round_rows(x, gpu_quant_kernels.LAYOUT_DP)
             gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, M, N, K, k_part, *tail, BN=bn,
-                       U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1)
+                       U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1,
+                       **invariant.pdl(x.device))
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
             mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, SUM=grid[2] < -(-K // k_part),
@@ -258,7 +259,8 @@ def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor
         xq = torch.empty(m, k // 32, 2, 32, dtype=torch.int8, device=x.device)
     aux = torch.empty(2, k // 32, m, dtype=torch.float32, device=x.device)
     gb = gpu_quant_kernels.ROUND_GROUPS
-    kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, m, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1)
+    kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, m, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1,
+                                          **invariant.pdl(x.device))
     return xq, aux
 
 

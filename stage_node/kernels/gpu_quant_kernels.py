@@ -50,8 +50,14 @@ def kernels():
     import triton.language as tl
 
     @triton.jit
-    def round_rows(x_ptr, xq_ptr, aux_ptr, M, K, sxm, LAYOUT: tl.constexpr, GB: tl.constexpr):
-        # program (row, block of GB groups): i as LAYOUT says, then a and S
+    def round_rows(x_ptr, xq_ptr, aux_ptr, M, K, sxm, LAYOUT: tl.constexpr, GB: tl.constexpr,
+                   PDL: tl.constexpr = False):
+        # program (row, block of GB groups): i as LAYOUT says, then a and S. PDL (a programmatic
+        # dependent launch, invariant.PDL): the product's kernel may launch at once (its weights do not
+        # depend on this), and this waits for the kernels before it to finish before it reads x
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row, pid = tl.program_id(0), tl.program_id(1)
         groups = K // 32
         gs = pid * GB + tl.arange(0, GB)
@@ -137,7 +143,7 @@ def kernels():
 
     @triton.jit(do_not_specialize=["sys_"])
     def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym,
-                  BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
+                  BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
         # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step,
         # every load of a step issued a step ahead (a thread's U words of weights in flight together);
         # xd the row's bytes as int32 words [M, K/32, 16] (LAYOUT_DP), q_ptr the weights as int32 words
@@ -166,6 +172,9 @@ def kernels():
         a_ptrs = aux_ptr + us * M + row  # [U]
         w_n = tl.load(w_ptrs + g0 * N * 4, mask=cols_in[None, :, None], other=0)
         sz_n = tl.load(sz_ptrs + g0 * N, mask=cols_in[None, :], other=0)
+        if PDL:  # (launched while round_rows runs: the first step's weights are in flight meanwhile)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()  # round_rows done (and all before it): its words, a and S readable
         xl0_n, xl1_n = tl.load(xw + g0 * 16), tl.load(xw + g0 * 16 + 4)
         xh0_n, xh1_n = tl.load(xw + g0 * 16 + 8), tl.load(xw + g0 * 16 + 12)
         s_n = tl.load(a_ptrs + (groups + g0) * M)

@@ -183,8 +183,11 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                 signature = dict(zip(args, ptrs + ["i32"] * (len(args) - len(ptrs))))
                 # int4's tiled kernel a part a program (no spill) and adding every part itself: its running
                 # sum, kept across the K loop, may spill (outside the K loop, in the SASS: 72 bytes with Triton 3.9)
+                # the one-row int4 kernel as a programmatic dependent launch too (invariant.PDL: sm_90 only, an
+                # Orin has none)
                 for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 80)) if (bm, fmt) == (prompt[0], "int4") \
-                        else (({}, 0),):
+                        else (({"PDL": False}, 0), ({"PDL": True}, 0)) if (bm, cap) == (1, 90) \
+                        else (({"PDL": False}, 0),) if bm == 1 else (({}, 0),):
                     constexprs = {"BN": bn, **const, **extra} | ({} if bm == 1 else {"BM": bm})
                     shared, spilled = compiled(kernel, signature, constexprs, cap, warps, stages)
                     what = f"{kernel.__name__} {extra} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
