@@ -18,7 +18,7 @@ from typing import Callable
 import grpc
 
 from logicpipe.common.transport import Transport
-from logicpipe.errors import MeshError, Unavailable, from_code
+from logicpipe.errors import MeshError, Unavailable, code_number, from_code
 from logicpipe.policy import KEY_HEADER
 from logicpipe.controller.mesh.membership import STALL_GRACE_S
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
@@ -216,6 +216,10 @@ class Pipeline(HoldsIdentity):
         self.model_dir = ""
         self._prompt_call = None
         self._prompt_lock = asyncio.Lock()
+        # sessions whose last feed was written on a prompt stream and that no stage has sent an event
+        # for since: if that stream is dropped (stage 0 took no input in time), their feed may be lost
+        # with it, so they are told (and replay) rather than wait for their token watchdog
+        self._unheard: dict[str, object] = {}
         self._tasks: set[asyncio.Task] = set()
         self.heard = time.monotonic()  # when any of its stages last sent an event
         self.on_silent: Callable[["Pipeline"], None] = lambda pipeline: None  # (see SILENT_S; set by its owner)
@@ -456,6 +460,7 @@ class Pipeline(HoldsIdentity):
             async for batch in call:
                 self.heard = time.monotonic()
                 for ev in batch.events:
+                    self._unheard.pop(ev.session_id, None)  # (its input arrived)
                     self._on_event(ev)
             reason = "its event stream ended"
         except asyncio.CancelledError:
@@ -529,6 +534,9 @@ class Pipeline(HoldsIdentity):
     async def close_session_many(self, sessions, stages: list[StageHandle], *, swap: bool = False) -> None:
         """`swap`: the sessions are replayed later (preempted): the stages keep their KV in their swap
         space (--swap-mib) for the replay."""
+        sessions = list(sessions)
+        for sid in sessions:
+            self._unheard.pop(sid, None)
         pairs = [(sid, h) for sid in sessions for h in stages]
         results = await asyncio.gather(*(h.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=sid, swap=swap),
                                                              timeout=RPC_TIMEOUT_S) for sid, h in pairs),
@@ -570,7 +578,24 @@ class Pipeline(HoldsIdentity):
                     self._prompt_call = None
                 why = f"took no input in {OPEN_TIMEOUT_S:.0f} s" if isinstance(exc, asyncio.TimeoutError) else \
                     f"does not take prompts: {exc}"
-                raise Unavailable(f"stage 0 at {self.stages[0].address if self.stages else '?'} {why}") from exc
+                where = f"stage 0 at {self.stages[0].address if self.stages else '?'}"
+                if isinstance(exc, asyncio.TimeoutError):  # (a stage that died: its pipeline is planned around)
+                    self._lost_with(call, f"its input was dropped with the prompt stream to {where}, which {why}")
+                raise Unavailable(f"{where} {why}") from exc
+            for seq in batch.seqs:
+                self._unheard[seq.session_id] = call
+
+    def _lost_with(self, call, why: str) -> None:
+        """The prompt stream `call` was dropped: each session whose last feed went on it and that no
+        stage has been heard of since gets an UNAVAILABLE error event (its request replays)."""
+        lost = [sid for sid, c in self._unheard.items() if c is call]
+        for sid in lost:
+            del self._unheard[sid]
+            self._on_event(stage_pb2.Event(session_id=sid, error=stage_pb2.SessionError(
+                code=code_number(grpc.StatusCode.UNAVAILABLE), message=why,
+                node_id=self.stages[0].node_id if self.stages else "")))
+        if lost:
+            log.warning("%d sessions' input may be lost with the prompt stream: they replay (%s)", len(lost), why)
 
     async def _read_prompt_replies(self, call) -> None:
         try:
@@ -588,5 +613,6 @@ class Pipeline(HoldsIdentity):
 
     async def _close_prompt_stream(self) -> None:
         call, self._prompt_call = self._prompt_call, None
+        self._unheard.clear()  # (the pipeline is going: its sessions are the re-plan's to move)
         if call is not None:
             call.cancel()

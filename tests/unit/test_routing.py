@@ -14,7 +14,7 @@ import pytest
 
 from logicpipe.controller.mesh import pipeline as pipeline_mod
 from logicpipe.controller.mesh.pipeline import Pipeline, StageHandle
-from logicpipe.errors import Unavailable
+from logicpipe.errors import Unavailable, code_number
 from logicpipe.v1 import stage_pb2, stage_pb2_grpc
 from logicpipe.controller.mesh.pipelines import PipelineSet, prefix_keys
 
@@ -131,6 +131,87 @@ def test_a_feed_to_a_stage_that_never_takes_its_stream_fails_in_bounded_time(mon
             assert time.monotonic() - t0 < 5
             assert p._prompt_call is None  # the next feed starts a new stream
             await channel.close()
+
+    asyncio.run(main())
+
+
+def test_feeds_dropped_with_a_prompt_stream_that_took_no_input_are_reported(monkeypatch):
+    """A feed that times out drops the shared prompt stream to stage 0: the sessions whose last feed
+    went on it and of which nothing was heard since get an UNAVAILABLE error event (their requests
+    replay at once; they waited for the 120 s token watchdog before); a session heard of since, or
+    closed, or the one whose own write failed (its caller is told), gets none."""
+    monkeypatch.setattr(pipeline_mod, "OPEN_TIMEOUT_S", 0.3)
+
+    class Call:  # a stream that takes three writes, then none (its stage stopped taking input)
+        def __init__(self):
+            self.writes, self.ended = 0, asyncio.Event()
+
+        async def write(self, batch):
+            self.writes += 1
+            if self.writes > 3:
+                await asyncio.sleep(3600)
+
+        def cancel(self):
+            self.ended.set()
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await self.ended.wait()
+            raise StopAsyncIteration
+
+    class Events:  # the stage's event stream: a token of "heard", then nothing
+        async def initial_metadata(self):
+            return ()
+
+        def __aiter__(self):
+            return self.batches()
+
+        async def batches(self):
+            yield stage_pb2.EventBatch(events=[stage_pb2.Event(session_id="heard", token=stage_pb2.TokenEvent(
+                token_ids=[5], index=0))])
+            await asyncio.sleep(3600)
+
+        def cancel(self):
+            pass
+
+    class Stub:
+        def __init__(self):
+            self.calls = []
+
+        def Stream(self):
+            self.calls.append(Call())
+            return self.calls[-1]
+
+        def Events(self, request):
+            return Events()
+
+    def feed(sid):
+        return stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=sid, num_tokens=1, token_ids=[1])])
+
+    async def main():
+        events = []
+        p = Pipeline(None, events.append, lambda a, r: None)
+        stub = Stub()
+        p.stages = [StageHandle("127.0.0.1:1", None, stub, node_id="n0")]
+        for sid in ("heard", "closed", "lost"):
+            await p.send_feed(feed(sid))
+        watch = asyncio.create_task(p._watch_events(p.stages[0], asyncio.get_running_loop().create_future()))
+        for _ in range(100):
+            if events:
+                break
+            await asyncio.sleep(0.01)
+        assert [e.session_id for e in events] == ["heard"]  # its token: its input arrived
+        await p.close_session_many(["closed"], [])
+        with pytest.raises(Unavailable, match="took no input in"):
+            await p.send_feed(feed("own"))
+        errors = [e for e in events if e.HasField("error")]
+        assert [(e.session_id, e.error.code) for e in errors] == [("lost", code_number(grpc.StatusCode.UNAVAILABLE))]
+        assert "dropped with the prompt stream" in errors[0].error.message and errors[0].error.node_id == "n0"
+        watch.cancel()
+        await p.send_feed(feed("next"))  # a new stream
+        assert len(stub.calls) == 2 and p._unheard == {"next": stub.calls[1]}
 
     asyncio.run(main())
 
