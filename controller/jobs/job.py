@@ -142,6 +142,7 @@ class Request:
     preemptions: int = 0
     replays: int = 0          # moved to another pipeline (fault, re-plan) and replayed there
     catching_up: bool = False  # moved (a fault, a re-plan) and not had a token since: its replay is under way
+    joined_onto: bool = False  # its replay under way is on a pipeline that took it as it joined (rebalance)
     target: Pipeline | None = None  # moved by a rebalance onto this pipeline: it opens there next (if it serves)
     failures: int = 0         # its sequence failed (a stage fault) with no token since the last failure
     done: bool = False        # its last token was reported (the client may not have read it yet)

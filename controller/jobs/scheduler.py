@@ -243,7 +243,7 @@ class Scheduler:
             if t.index == 0:  # its first token: how fast it prefilled
                 self._first_token(req)
             if req.catching_up:
-                req.catching_up, self.caught_up_at = False, time.monotonic()
+                req.catching_up, req.joined_onto, self.caught_up_at = False, False, time.monotonic()
             req.done = t.finished
             req.stage_reason = t.finish_reason
             accepted = len(t.token_ids) - 1 if t.candidates else 0
@@ -318,8 +318,9 @@ class Scheduler:
         replayed there from its prompt and tokens as after a fault (the same tokens). A request
         still catching up from an earlier move may move too: its replay starts over there, but a
         pipeline that took every request of the last fault would otherwise replay them all while
-        the newcomer idles. A request that is finished, or a fork's parent or child, or prefilled
-        elsewhere, stays; `sources` given, only requests of those pipelines move (KV mirrors:
+        the newcomer idles; not one whose replay under way is on a pipeline that took it as it
+        joined (no request restarts at every join). A request that is finished, or a fork's parent
+        or child, or prefilled elsewhere, stays; `sources` given, only requests of those pipelines move (KV mirrors:
         the pipelines that copy their KV blocks to `target`). Returns the sessions moved (closed on
         their old pipelines)."""
         serving = self.pipelines.serving()
@@ -333,7 +334,7 @@ class Scheduler:
         running = [Movable(sid, id(p), len(r.inputs)) for sid, r in self.active.items()
                    if (p := self.opened.get(sid)) is not None and p in serving]
         movable = {sid for sid, r in self.active.items()
-                   if not (r.done or r.keep_open or r.parent or r.handoff is not None
+                   if not (r.done or (r.catching_up and r.joined_onto) or r.keep_open or r.parent or r.handoff is not None
                            or sid in self.prefilling)
                    and (sources is None or id(self.opened.get(sid)) in {id(q) for q in sources})}
         picked = moves_onto(id(target), running, [id(p) for p in serving], movable)
@@ -342,6 +343,7 @@ class Scheduler:
             self._close_soon(sid)
             req.session_id, req.target = "", target
             self._back_in_queue(req, Unavailable(f"moved onto pipeline {target.index}, which joined"), moved=True)
+            req.joined_onto = True
         if picked:
             log.info("%d running requests move onto pipeline %d, which joined", len(picked), target.index)
         return picked
@@ -667,7 +669,7 @@ class Scheduler:
                 return
         else:
             req.replays += 1
-            req.catching_up = True
+            req.catching_up, req.joined_onto = True, False  # (a join sets it after, moving one itself)
             if not moved:
                 req.failures += 1
                 if req.failures > MAX_REPLAYS:
@@ -835,19 +837,30 @@ class Scheduler:
     async def _feed(self, req: Request, pipeline: Pipeline, session: str, inputs: list[int], start: int, stop: int,
                     detaches: int, *, prefill_only: bool = False) -> None:
         """Feed inputs[start:stop] of `session` to `pipeline`'s stage 0 (the last piece samples,
-        unless `prefill_only`); a pipeline that takes no input puts `req` back in the queue."""
+        unless `prefill_only`); a pipeline that takes no input puts `req` back in the queue. Only
+        while `session` is still the request's there (`_feeding`): one moved meanwhile (a join, a
+        silent pipeline) stops being fed, and a failure then leaves its new session alone."""
         try:
             for a in range(start, stop, FEED_CHUNK):
+                if not self._feeding(req, session, pipeline):
+                    return  # moved (or ended) meanwhile: its new session is fed where it went
                 chunk = inputs[a: min(stop, a + FEED_CHUNK)]
                 await pipeline.send_feed(stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(
                     session_id=session, start_pos=a, num_tokens=len(chunk), token_ids=chunk,
                     prefill_only=prefill_only or a + FEED_CHUNK < stop)]))  # more of the input follows
         except Unavailable as err:
+            if not self._feeding(req, session, pipeline):
+                return  # moved meanwhile (its new session is not this one's to fail)
             if self.active.get(req.session_id) is req:
                 self._requeue(req, err)
             if pipeline.detaches == detaches:
                 raise
             # else detached meanwhile by a re-plan: it waits for the new plan
+
+    def _feeding(self, req: Request, session: str, pipeline: Pipeline) -> bool:
+        """`session` is still `req`'s on `pipeline`: its running session there, or its prefill
+        session of a handoff."""
+        return self.opened.get(session) is pipeline or self.prefilling.get(session) is req
 
     def _open_request(self, req: Request, session: str, inputs: list[int], pipeline: Pipeline) -> stage_pb2.OpenSessionRequest:
         """What the stages of `pipeline` are told of `req`'s sequence `session` (its input `inputs`)."""

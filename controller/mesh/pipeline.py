@@ -600,6 +600,7 @@ class Pipeline(HoldsIdentity):
     async def _read_prompt_replies(self, call) -> None:
         try:
             async for reply in call:  # its request replays (or fails) at once, not at its deadline
+                self._unheard.pop(reply.session_id, None)
                 log.warning("stage 0 rejected %s: %s", reply.session_id, reply.message)
                 self._on_event(stage_pb2.Event(session_id=reply.session_id, error=stage_pb2.SessionError(
                     code=reply.code, message=f"stage 0 refused its input: {reply.message}",

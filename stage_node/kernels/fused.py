@@ -131,11 +131,12 @@ def _trigger(device: torch.device) -> dict:
     return {"TRIGGER": True} if invariant.dependent_launch(device) else {}
 
 
-def _norm_warps(block: int) -> int:
+def norm_warps(block: int) -> int:
     """add_norm's warps: a program is a whole row, so a wide row takes every warp a program may have
     (one H200, the int4 8B-shaped one-row step: 8 layers 0.679 -> 0.656 ms with 32 warps against 8;
     16 no faster). A function of the row's width only: the norm's sum over it is the same for any
-    row count."""
+    row count; tp_reduce's fused all-reduce and norm takes the same, so that its rows get add_norm's
+    bits."""
     return _warps(block) if block < 4096 else 32
 
 
@@ -159,7 +160,7 @@ def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | No
                  ws.stride(0) if add else 0, ws.stride(1) if add else 0, x.stride(0), xo.stride(0),
                  h.stride(0) if h is not None else 0,
                  PARTS=ws.shape[0] if add else 1, ADD=add, NORM=weight is not None, F32=x.dtype == torch.float32,
-                 BLOCK=block, num_warps=_norm_warps(block), **_trigger(x.device))
+                 BLOCK=block, num_warps=norm_warps(block), **_trigger(x.device))
     return xo, h
 
 

@@ -260,7 +260,7 @@ def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor
     aux = torch.empty(2, k // 32, m, dtype=torch.float32, device=x.device)
     gb = gpu_quant_kernels.ROUND_GROUPS
     kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, m, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1,
-                                          **invariant.pdl(x.device))
+                                          **(invariant.pdl(x.device) if layout == gpu_quant_kernels.LAYOUT_DP else {}))
     return xq, aux
 
 

@@ -173,7 +173,6 @@ def kernels():
         w_n = tl.load(w_ptrs + g0 * N * 4, mask=cols_in[None, :, None], other=0)
         sz_n = tl.load(sz_ptrs + g0 * N, mask=cols_in[None, :], other=0)
         if PDL:  # (launched while round_rows runs: the first step's weights are in flight meanwhile)
-            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()  # round_rows done (and all before it): its words, a and S readable
         xl0_n, xl1_n = tl.load(xw + g0 * 16), tl.load(xw + g0 * 16 + 4)
         xh0_n, xh1_n = tl.load(xw + g0 * 16 + 8), tl.load(xw + g0 * 16 + 12)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -344,7 +345,7 @@ _pdl: dict[int, bool] = {}
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` use programmatic dependent launch (PDL on and a CUDA GPU of compute
     capability 9.0 or later; not the CPU's interpreter, not an Orin's sm_87)."""
-    if not PDL or device.type != "cuda":
+    if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _pdl:

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from logicpipe.stage_node.kernels import fused
+
 MAX_WORLD = 8  # ranks it serves (one pointer argument each)
 
 
@@ -145,5 +147,5 @@ def push_add_norm(ws: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None
                                 PARTS=ws.shape[0], NORM=weight is not None, F32=x.dtype == torch.float32,
                                 BLOCK=block, MARK=empty_mark(x.dtype),
                                 IT=getattr(triton.language, str(INT_OF[x.dtype]).removeprefix("torch.")),
-                                num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+                                num_warps=fused.norm_warps(block))  # (add_norm's: its norm's sum in the same order)
     return xo, h

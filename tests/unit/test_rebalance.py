@@ -12,6 +12,7 @@ from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
 from logicpipe.controller.mesh.pipeline import StageHandle
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState, Phase
+from logicpipe.errors import Unavailable
 from logicpipe.v1 import stage_pb2
 
 from .fake_pipeline import FakePipeline, until
@@ -82,6 +83,12 @@ def test_a_pipeline_that_joins_takes_requests_still_catching_up_from_the_last_fa
         await until(lambda: len(b.opened) == 2, "the two replays opened on the pipeline that joined", tries=300)
         assert sorted(tuple(o.prompt_token_ids) for o in b.opened) == [(1, 2, 5, 5), (1, 2, 6)]
         assert [r.replays for r in reqs] == [0, 0, 1, 1] and all(r.catching_up for r in reqs)
+        # another join moves neither of those two again before they catch up (no restart at every
+        # join): from b, nothing; from a, its cheapest still catching up from the fault (r1)
+        c = FakePipeline(2)
+        pipelines.replace([a, b, c])
+        assert sched.rebalance(c, [b]) == []
+        assert sched.rebalance(c) == [old["r1"]]
         await sched.shutdown()
 
     asyncio.run(main())
@@ -123,6 +130,41 @@ def test_a_silent_pipelines_requests_move_to_one_that_answers_catching_up_or_not
         sched.rebalance(c)
         await until(lambda: len(c.opened) == 5, "the silent pipeline's five onto the one that joined", tries=300)
         assert sched.stats.evacuated == 9
+        await sched.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_feed_that_fails_after_its_request_moved_leaves_the_new_session_alone():
+    """A request moved off a silent pipeline while its feed there still waits (the admission waits
+    with it, up to OPEN_TIMEOUT_S): when that feed fails, the request opens once on the pipeline that
+    answers and goes on there."""
+
+    class Stuck(FakePipeline):
+        def __init__(self, index):
+            super().__init__(index)
+            self.release = asyncio.Event()
+
+        async def send_feed(self, batch) -> None:
+            await self.release.wait()
+            raise Unavailable("stage 0 took no input in 5 s")
+
+    async def main():
+        a, b = Stuck(0), FakePipeline(1)
+        pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+        pipelines.kv_mirror = False
+        pipelines.all = [a]
+        sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+        req = sched.submit(Job((1, 2, 3), 20, request_id="r0")).request
+        await until(lambda: req.session_id, "opened on the stuck pipeline", tries=300)
+        pipelines.replace([a, b])
+        a.silent = StageHandle("127.0.0.1:1", None, None, node_id="s0")
+        assert len(sched.evacuate(a)) == 1 and not req.session_id
+        a.release.set()  # the old feed fails now
+        await until(lambda: len(b.opened) == 1 and req.session_id, "reopened on the pipeline that answers", tries=300)
+        moved_to = req.session_id
+        await asyncio.sleep(0.1)
+        assert req.session_id == moved_to and req.replays == 1 and len(b.opened) == 1 and len(a.opened) == 1
         await sched.shutdown()
 
     asyncio.run(main())
