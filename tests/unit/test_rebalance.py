@@ -18,6 +18,14 @@ from logicpipe.v1 import stage_pb2
 from .fake_pipeline import FakePipeline, until
 
 
+def serving_one(first) -> tuple[PipelineSet, Scheduler]:
+    """A scheduler over a set of one (fake) pipeline, KV mirrors off (no stages to tell)."""
+    pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+    pipelines.kv_mirror = False
+    pipelines.all = [first]
+    return pipelines, Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+
+
 def test_the_busiest_give_their_cheapest_replays_up_to_the_even_share():
     running = [Movable(f"a{i}", "A", 100 + i) for i in range(9)] + [Movable("b0", "B", 5), Movable("b1", "B", 6)]
     # 11 running over 3 pipelines: the newcomer's share is 4; A gives its 3 cheapest (then A 6, B 2, new 3:
@@ -67,10 +75,7 @@ def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_t
 def test_a_pipeline_that_joins_takes_requests_still_catching_up_from_the_last_fault():
     async def main():
         a, b = FakePipeline(0), FakePipeline(1)
-        pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
-        pipelines.kv_mirror = False
-        pipelines.all = [a]
-        sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+        pipelines, sched = serving_one(a)
         reqs = [sched.submit(Job((1, 2, 3 + i) + (5,) * (3 - i), 20, request_id=f"r{i}")).request for i in range(4)]
         await until(lambda: all(r.session_id for r in reqs), "all four opened on the one pipeline", tries=300)
         for r in reqs:  # every one moved here by the last fault: replaying, no token yet
@@ -151,10 +156,7 @@ def test_a_feed_that_fails_after_its_request_moved_leaves_the_new_session_alone(
 
     async def main():
         a, b = Stuck(0), FakePipeline(1)
-        pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
-        pipelines.kv_mirror = False
-        pipelines.all = [a]
-        sched = Scheduler(pipelines, MeshState(Phase.READY), SchedulerConfig(1024, frozenset({0}), 100))
+        pipelines, sched = serving_one(a)
         req = sched.submit(Job((1, 2, 3), 20, request_id="r0")).request
         await until(lambda: req.session_id, "opened on the stuck pipeline", tries=300)
         pipelines.replace([a, b])
