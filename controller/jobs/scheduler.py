@@ -320,9 +320,11 @@ class Scheduler:
         pipeline that took every request of the last fault would otherwise replay them all while
         the newcomer idles; not one whose replay under way is on a pipeline that took it as it
         joined (no request restarts at every join). A request that is finished, or a fork's parent
-        or child, or prefilled elsewhere, stays; `sources` given, only requests of those pipelines move (KV mirrors:
-        the pipelines that copy their KV blocks to `target`). Returns the sessions moved (closed on
-        their old pipelines)."""
+        or child, or prefilled elsewhere, stays. `sources` given (KV mirrors: the pipelines that copy
+        their KV blocks to `target`), their requests move first (their replays attach the histories
+        copied), then, while `target` holds less than its share, the others' (their replays
+        recompute: a join took nothing before when the requests sat on a pipeline that copies
+        elsewhere). Returns the sessions moved (closed on their old pipelines)."""
         serving = self.pipelines.serving()
         prefillers = self.handoffs.prefill_only(serving)  # (they decode nobody's requests)
         serving = [p for p in serving if id(p) not in prefillers]
@@ -335,9 +337,17 @@ class Scheduler:
                    if (p := self.opened.get(sid)) is not None and p in serving]
         movable = {sid for sid, r in self.active.items()
                    if not (r.done or (r.catching_up and r.joined_onto) or r.keep_open or r.parent or r.handoff is not None
-                           or sid in self.prefilling)
-                   and (sources is None or id(self.opened.get(sid)) in {id(q) for q in sources})}
-        picked = moves_onto(id(target), running, [id(p) for p in serving], movable)
+                           or sid in self.prefilling)}
+        ids = [id(p) for p in serving]
+        picked: list[str] = []
+        if sources is not None:  # the mirrored first
+            copied = {id(q) for q in sources}
+            picked = moves_onto(id(target), running, ids, {sid for sid in movable
+                                                           if id(self.opened.get(sid)) in copied})
+            taken = set(picked)
+            running = [Movable(m.key, id(target), m.replay_tokens) if m.key in taken else m for m in running]
+            movable -= taken
+        picked += moves_onto(id(target), running, ids, movable)
         for sid in picked:
             req = self.active.pop(sid)
             self._close_soon(sid)

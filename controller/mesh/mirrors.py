@@ -8,8 +8,9 @@ pipeline is routed to the pipeline that holds its mirror (`mirror_of`), where it
 its history's blocks from the prefix cache and computes only the positions past the last block
 copied. Pairs are made again, and every stage told (SetMirror), each time the set of pipelines
 changes; a stage that is down meanwhile only fails its copies (counted on it). A pipeline that
-joins takes its share of the running requests (controller.jobs.rebalance) only from the pipelines
-that copy to it, SETTLE_S after it joined, so that their replays there attach their histories.
+joins takes its share of the running requests (controller.jobs.rebalance) from the pipelines that
+copy to it first, SETTLE_S after it joined, so that their replays there attach their histories, then
+from the others while it holds less than its share.
 """
 from __future__ import annotations
 

@@ -525,7 +525,8 @@ class Replanner:
         self.plan_changed = asyncio.Event()
         joined = time.monotonic() - t0
         # its share of the running requests (none lost: they replay there). With KV mirrors, those of the
-        # pipelines that copy to it, once their blocks are there: a replay then attaches its history
+        # pipelines that copy to it first, once their blocks are there (a replay then attaches its
+        # history), then others' up to its share
         sources = [q for q in self.app.pipelines.serving() if self.app.pipelines.mirror_of(q) is p]
         if sources:
             await asyncio.sleep(mirrors.SETTLE_S)

@@ -89,11 +89,42 @@ def test_a_pipeline_that_joins_takes_requests_still_catching_up_from_the_last_fa
         assert sorted(tuple(o.prompt_token_ids) for o in b.opened) == [(1, 2, 5, 5), (1, 2, 6)]
         assert [r.replays for r in reqs] == [0, 0, 1, 1] and all(r.catching_up for r in reqs)
         # another join moves neither of those two again before they catch up (no restart at every
-        # join): from b, nothing; from a, its cheapest still catching up from the fault (r1)
+        # join), though b copies its KV to it (`sources`): from a, its cheapest still catching up from
+        # the fault (r1), as the share allows
         c = FakePipeline(2)
         pipelines.replace([a, b, c])
-        assert sched.rebalance(c, [b]) == []
-        assert sched.rebalance(c) == [old["r1"]]
+        assert sched.rebalance(c, [b]) == [old["r1"]]
+        await sched.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_join_takes_the_mirrored_first_then_the_others_up_to_its_share():
+    """KV mirrors: a pipeline that joins takes the requests of the pipelines that copy to it first
+    (their replays attach their histories), then others' while it holds less than its share (it took
+    none before when the requests sat on a pipeline that copies elsewhere)."""
+    async def main():
+        a, b, c, d = FakePipeline(0), FakePipeline(1), FakePipeline(2), FakePipeline(3)
+        pipelines, sched = serving_one(a)
+        reqs = [sched.submit(Job((1, 2, 3 + i) + (5,) * i, 20, request_id=f"r{i}")).request for i in range(6)]
+        await until(lambda: all(r.session_id for r in reqs), "all six opened on the one pipeline", tries=300)
+        for r in reqs:  # each has a token: none catching up
+            sched.on_event(stage_pb2.Event(session_id=r.session_id, token=stage_pb2.TokenEvent(token_ids=[7], index=0)))
+        on_a = {r.session_id for r in reqs}
+        pipelines.replace([a, b, c])
+        # c's only source, b, holds nothing: a gives c its share, 2 (its cheapest: r0, r1)
+        moved = sched.rebalance(c, [b])
+        assert len(moved) == 2 and set(moved) <= on_a, moved
+        await until(lambda: len(c.opened) == 2, "two reopened on c", tries=300)
+        assert sorted(len(o.prompt_token_ids) for o in c.opened) == [4, 5]  # r0's, r1's (+ their token)
+        for r in reqs[:2]:
+            sched.on_event(stage_pb2.Event(session_id=r.session_id, token=stage_pb2.TokenEvent(token_ids=[8], index=1)))
+        on_a, on_c = {r.session_id for r in reqs[2:]}, {r.session_id for r in reqs[:2]}
+        pipelines.replace([a, b, c, d])
+        # d's source c (2 requests) first, up to where a move would only swap which one is busier,
+        # then a (4) gives one more: share 2
+        moved = sched.rebalance(d, [c])
+        assert len(moved) == 2 and moved[0] in on_c and moved[1] in on_a, (moved, on_c, on_a)
         await sched.shutdown()
 
     asyncio.run(main())
