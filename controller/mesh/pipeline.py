@@ -460,7 +460,8 @@ class Pipeline(HoldsIdentity):
             async for batch in call:
                 self.heard = time.monotonic()
                 for ev in batch.events:
-                    self._unheard.pop(ev.session_id, None)  # (its input arrived)
+                    if self._unheard:  # (mostly empty: a dict lookup spared per token)
+                        self._unheard.pop(ev.session_id, None)  # (its input arrived)
                     self._on_event(ev)
             reason = "its event stream ended"
         except asyncio.CancelledError:

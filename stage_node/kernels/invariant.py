@@ -345,11 +345,11 @@ _pdl: dict[int, bool] = {}
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` use programmatic dependent launch (PDL on and a CUDA GPU of compute
     capability 9.0 or later; not the CPU's interpreter, not an Orin's sm_87)."""
-    if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not PDL or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _pdl:
-        _pdl[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    if index not in _pdl:  # (once per device: this is asked at every launch of the kernels it concerns)
+        _pdl[index] = torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1"
     return _pdl[index]
 
 
