@@ -42,6 +42,10 @@ DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as 
 SILENT_S = 1.0
 SILENT_PROBE_S = 0.75
 SILENT_TICK_S = 0.25
+# a prompt stream that ended (by an error, or closed by its stage) while its stage 0 still serves: the
+# sessions whose feed went on it and that no stage was heard of since are told UNAVAILABLE (they replay)
+# after this grace, unless the stage was lost meanwhile (then its re-plan moves them, as any of its requests)
+ENDED_FEED_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -599,6 +603,7 @@ class Pipeline(HoldsIdentity):
             log.warning("%d sessions' input may be lost with the prompt stream: they replay (%s)", len(lost), why)
 
     async def _read_prompt_replies(self, call) -> None:
+        why = "was closed by its stage"
         try:
             async for reply in call:  # its request replays (or fails) at once, not at its deadline
                 self._unheard.pop(reply.session_id, None)
@@ -607,11 +612,18 @@ class Pipeline(HoldsIdentity):
                     code=reply.code, message=f"stage 0 refused its input: {reply.message}",
                     node_id=self.stages[0].node_id if self.stages else "")))
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                log.warning("prompt stream to stage 0 ended: %s", exc.details())
+            if exc.code() == grpc.StatusCode.CANCELLED:  # (ours: a write that timed out, the pipeline going)
+                return
+            why = f"ended: {exc.code().name} {exc.details()}"
+            log.warning("prompt stream to stage 0 ended: %s", exc.details())
         finally:
             if self._prompt_call is call:
                 self._prompt_call = None
+        if any(c is call for c in self._unheard.values()):
+            await asyncio.sleep(ENDED_FEED_GRACE_S)
+            if self.stages and not self.retired and not self.stages[0].lost:
+                self._lost_with(call, f"its input went on the prompt stream to stage 0 at {self.stages[0].address}, "
+                                      f"which {why}")
 
     async def _close_prompt_stream(self) -> None:
         call, self._prompt_call = self._prompt_call, None

@@ -216,6 +216,65 @@ def test_feeds_dropped_with_a_prompt_stream_that_took_no_input_are_reported(monk
     asyncio.run(main())
 
 
+def test_feeds_on_a_prompt_stream_that_ended_are_reported_unless_the_stage_was_lost(monkeypatch):
+    """The prompt stream to a stage 0 that still serves ends by an error (its events go on): after
+    ENDED_FEED_GRACE_S, each session whose feed went on it and of which nothing was heard since gets
+    an UNAVAILABLE error event (it replays; it waited for the 120 s token watchdog before), the one
+    heard of gets none; when the stage was lost within the grace (its re-plan moves its requests), none."""
+    monkeypatch.setattr(pipeline_mod, "ENDED_FEED_GRACE_S", 0.2)
+
+    class Call:  # a stream that takes every write, then ends with UNAVAILABLE when told
+        def __init__(self):
+            self.end = asyncio.Event()
+
+        async def write(self, batch):
+            pass
+
+        def cancel(self):
+            pass
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await self.end.wait()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="Socket closed")
+
+    class Stub:
+        def __init__(self):
+            self.calls = []
+
+        def Stream(self):
+            self.calls.append(Call())
+            return self.calls[-1]
+
+    def feed(sid):
+        return stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=sid, num_tokens=1, token_ids=[1])])
+
+    async def one(lose_stage: bool) -> list:
+        events = []
+        p = Pipeline(None, events.append, lambda a, r: None)
+        stub = Stub()
+        p.stages = [StageHandle("127.0.0.1:1", None, stub, node_id="n0")]
+        for sid in ("heard", "lost"):
+            await p.send_feed(feed(sid))
+        p._unheard.pop("heard")  # (what a token event of it does)
+        stub.calls[0].end.set()
+        await asyncio.sleep(0.05)
+        assert p._prompt_call is None  # the next feed starts a new stream
+        assert not events  # (the grace first)
+        if lose_stage:
+            p.stages[0].lost = True
+        await asyncio.sleep(0.4)
+        return [(e.session_id, e.error.code, e.error.message) for e in events]
+
+    errors = asyncio.run(one(False))
+    assert [e[:2] for e in errors] == [("lost", code_number(grpc.StatusCode.UNAVAILABLE))]
+    assert "prompt stream to stage 0 at 127.0.0.1:1, which ended: UNAVAILABLE Socket closed" in errors[0][2]
+    assert asyncio.run(one(True)) == []
+
+
 def test_a_failing_report_of_silence_does_not_end_the_health_probes(monkeypatch):
     """The health loop reports a silent stage again each check; the owner's failure is logged and
     the probes go on (an exception there used to end the loop for good)."""
