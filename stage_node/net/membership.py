@@ -81,9 +81,18 @@ class StageMembership:
     async def leave(self) -> None:
         """SIGTERM: withdraw the mDNS record, then ask the controller to move our sequences away
         (it answers once they run elsewhere, or at once if we serve no plan). First the KV mirrors get
-        what they lack (net.mirror): the sequences replay there from those copies; and the node's disk
-        store its last blocks, both at once and for FLUSH_S at most."""
-        await asyncio.gather(self._flush_mirrors(), self._flush_disk())
+        what they lack (net.mirror), for FLUSH_S at most: the sequences replay there from those copies.
+        The node's disk stores its last blocks (read back if it serves again) meanwhile and while the
+        sequences move, for FLUSH_S at most: their replays wait for nothing but the mirrors (in a 1.5 s
+        storm the disk's 1 s was a second more of every moved request's pause)."""
+        disk = asyncio.ensure_future(self._flush_disk())
+        try:
+            await self._flush_mirrors()
+            await self._leave()
+        finally:
+            await disk
+
+    async def _leave(self) -> None:
         self.runtime.stopping = True
         if self._register_task is not None:
             self._register_task.cancel()
