@@ -14,8 +14,10 @@ command line and environment (and network namespace: tests.netns), seconds soone
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,10 +55,18 @@ def mesh_bundle(name: str, role: str) -> Path:
     global _CA_DIR
     if _CA_DIR is None:
         _CA_DIR = ca.init_ca(Path(tempfile.mkdtemp(prefix="logicpipe-ca-")) / "ca")
+        atexit.register(_remove_ca, _CA_DIR.parent, os.getpid())
     out = _CA_DIR.parent / f"{role}-{name}"
     if not (out / f"{name}.crt").is_file():
         ca.issue(_CA_DIR, name, role, out)
     return out
+
+
+def _remove_ca(top: Path, owner: int) -> None:
+    """The throw-away CA's directory (its private keys included) removed as the process that made it
+    exits (not as a forked child exits: it inherits the hook)."""
+    if os.getpid() == owner:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def tls_by_default() -> bool:
