@@ -290,6 +290,13 @@ def _fault_resume_s(requests: list[Resuming], fault: float) -> float | None:
     return max(waits) if waits else None
 
 
+def _slowest(requests: list[Resuming], fault: float) -> str:
+    """The id of the request still running at a storm's fault that waited longest for its next token."""
+    waits = {r.id: (r.first_after(fault) or r.ended or fault) - fault for r in requests
+             if r.times and r.times[0] <= fault and not (r.ended is not None and r.ended <= fault)}
+    return max(waits, key=waits.get) if waits else ""
+
+
 PAUSED_S = 2.0  # a request whose next token came this long after a fault was paused by it
 
 
@@ -499,6 +506,9 @@ def run_storm(model_dir: Path, work: Path, faults: int = 21, spacing: float = 4.
                 # per fault: "paused/running": requests it paused (no token for PAUSED_S) of those running
                 "fault_paused": [f"{sum(w > PAUSED_S for w in ws)}/{len(ws)}"
                                  for ws in (_fault_waits(reqs, t) for t in fault_times)],
+                # per fault over 5 s: the request that waited longest, to find in the controller's log
+                "fault_slowest": {i: _slowest(reqs, t) for i, (t, s) in enumerate(zip(fault_times, each))
+                                  if s is not None and s > 5},
                 "fault_resume_stage_up_median_s": statistics.median(served) if served else None,
                 "fault_resume_stage_up_max_s": max(served) if served else None,
                 "no_stage_up_s": round(watch.none_up_s(fault_times[0], time.monotonic()), 1) if fault_times else 0.0,
