@@ -38,7 +38,8 @@ row says the plan the mesh started with (`plan`: per pipeline, its stages).
 
 The storm's JSON row also has, per fault, `fault_resume_s` (seconds until every request running at
 it had a new token) and `fault_paused` ("paused/running": the running requests that had no token
-for 2 s after it), and the load average while it ran.
+for 2 s after it), `fault_slowest` (for each fault, by its index, whose wait passed 5 s: the id of the
+request that waited longest, to find in the controller's log), and the load average while it ran.
 
     python -m bench.fault_bench                 # every row
     python -m bench.fault_bench --faults stage-sigstop --ttl 3
