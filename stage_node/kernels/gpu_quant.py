@@ -101,23 +101,42 @@ def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4"
 
 
 INT8_BK = 128  # int8: K a chunk, the same for every tile (part of the sum's order)
-HEAD_ROWS = 65536  # int8 matrices of at least this many outputs (a vocabulary: an LM head) decode by 64 x 128 tiles
+HEAD_ROWS = 65536  # int8 matrices of at least this many outputs (a vocabulary: an LM head) take their own tiles
 
 
 def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, int, int, int]:
     """int8's tile (the activations as they are, the float path's rule): the parts a function of the
-    matrix (invariant.quant_parts); the tile follows m, but never under 64 rows: on the H100 a 16- or
-    32-row tile gave a row other bits than the 64- and 128-row tiles (bench/gpu_quant_tiles.py)."""
+    matrix (invariant.quant_parts); the tile follows m. Up to 32 rows the tile is int8_mm's TRANS (the
+    weights the tensor cores' M, the rows their N: a row's tile is 16 rows, not 64 of which 63 are
+    padding), as is an LM head's of over 64; the others take the rows as M, never under 64 rows (on the
+    H100 a 16- or 32-row tile of those gave a row other bits than the 64- and 128-row tiles:
+    bench/gpu_quant_tiles.py). Both forms give a row the same bits (the same products, K in the same
+    BK chunks, each output's sum the tensor cores' own; checked on the H200 by bench/gpu_quant.py
+    --part check): any tile of either gives a row the same bits. See int8_trans."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
     parts = invariant.quant_parts(n, k)
-    if m <= 64 and n >= HEAD_ROWS:  # an LM head: on the H200 one row 210.8 us against 271.5 with 64 x 64
-        return 64, 128, 4, 3, parts  # (its 65- to 128-row tile: the same bits)
+    head = n >= HEAD_ROWS
+    # on the H200, one row against the 64-row tiles: an LM head 177.7 us against 208.9, the 8B shape's q/k/v
+    # 17.9 against 23.1, o 11.5 / 14.5, gate/up 50.3 / 70.7, down 32.3 / 40.6 (4 stages; 35.5 with 3)
+    stages = 4 if k > 8192 else 3
+    if m <= 16:
+        return 16, 64, 4, stages, parts
+    if m <= 32:  # (32 rows: the head 204.6 us against 215.1, gate/up 54.4 / 71.3, down 34.2 / 43.0)
+        return 32, 64, 4, stages, parts
+    if m <= 64 and head:  # an LM head: on the H200 one row 210.8 us against 271.5 with 64 x 64
+        return 64, 128, 4, 3, parts  # (TRANS 64 x 64 at 64 rows: 247.5 us against this one's 212.6)
     if m <= 64:
         return 64, 64, 4, 4, parts
-    if m <= 128:
-        return 64, 128, 4, 3, parts
-    return 128, 128, 8, 3, parts
+    if m <= 128:  # an LM head, TRANS: 128 rows 345.8 us against 407.8 with 64 x 128 tiles
+        return (128, 128, 8, 3, parts) if head else (64, 128, 4, 3, parts)
+    return (256, 128, 8, 3, parts) if head else (128, 128, 8, 3, parts)  # (TRANS 256 rows: 517.7 us against 723.4)
+
+
+def int8_trans(n: int, dtype: torch.dtype, bm: int) -> bool:
+    """Whether an int8 product with n outputs of rows in `dtype` by `bm`-row tiles is int8_mm's TRANS
+    form (int8_config)."""
+    return dtype != torch.float32 and (bm < 64 or (n >= HEAD_ROWS and bm > 64))
 
 
 _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU
@@ -244,7 +263,7 @@ class TritonInt8(TritonMatrix):
         N, K = self.shape
         mm[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
                  ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
-                 IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                 IEEE=x.dtype == torch.float32, TRANS=int8_trans(N, x.dtype, bm), num_warps=warps, num_stages=stages)
 
 
 def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,9 +28,12 @@ nibbles word 4 + t. On the CPU (Triton's interpreter, which has no inline PTX) t
 takes the same sums by byte arithmetic (`ASM` off): the same integers.
 
 int8 (int8_mm) takes the activations as they are: float32 sums on the tensor cores, batch-invariant by
-the float path's rule (K in parts fixed per matrix, each in BK chunks, 64-row tiles and up, whose
-16-wide steps the tensor cores add in order; gpu_quant.qmm_config): exact sums' kernels for int8 were
-no faster for one row and half as fast for prompts on the H100 (docs/engine.md).
+the float path's rule (K in parts fixed per matrix, each in BK chunks, whose 16-wide steps the
+tensor cores add in order; gpu_quant.int8_config): the rows as the tensor cores' M in tiles of 64 rows
+and up, or (TRANS) the weights as their M and the rows as their N in tiles of 16 rows and up; the
+two give a row the same bits on the H200 (the same products, each output's sum the tensor cores'
+own), which mma tiles under 64 rows of the first form did not. Exact sums' kernels for int8 were no
+faster for one row and half as fast for prompts on the H100 (docs/engine.md).
 Triton is imported only when a matrix is multiplied.
 """
 from __future__ import annotations
@@ -205,8 +208,11 @@ def kernels():
 
     @triton.jit(do_not_specialize=["M", "sys_"])
     def int8_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-        # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, TRANS: tl.constexpr = False):
+        # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale;
+        # TRANS (an LM head: gpu_quant.int8_config): out^T = q x^T, the weights as the dot's first operand
+        # (the tensor cores' M: BN, taken from registers as converted) and the rows its N (down to 16: a
+        # row's tile is not 64 rows of which 63 are padding)
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -215,19 +221,32 @@ def kernels():
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
         k0 = part * k_part
         k1 = tl.minimum(k0 + k_part, K)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(k0, k1, BK):
-            kk = k + rk
-            a = tl.load(x_rows + kk[None, :], mask=rows_in[:, None] & (kk[None, :] < k1), other=0.0)  # [BM, BK]
-            b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :] & (kk[:, None] < k1),
-                        other=0).to(a.dtype)  # [BK, BN]: exact (|q| <= 127)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
-        out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
+        if TRANS:
+            acc_t = tl.zeros((BN, BM), dtype=tl.float32)
+            x_cols = x_ptr + rm.to(tl.int64)[None, :] * sxm
+            for k in range(k0, k1, BK):
+                kk = k + rk
+                w = tl.load(q_ptr + rn[:, None] * sqn + kk[None, :], mask=cols_in[:, None] & (kk[None, :] < k1),
+                            other=0)  # [BN, BK]
+                xt = tl.load(x_cols + kk[:, None], mask=rows_in[None, :] & (kk[:, None] < k1), other=0.0)  # [BK, BM]
+                acc_t = tl.dot(w.to(xt.dtype), xt, acc_t)
+            acc_t = acc_t * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[:, None]
+            out = y_ptr + part * sys_ + rm.to(tl.int64)[None, :] * sym + rn[:, None]
+            tl.store(out, acc_t.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(k0, k1, BK):
+                kk = k + rk
+                a = tl.load(x_rows + kk[None, :], mask=rows_in[:, None] & (kk[None, :] < k1), other=0.0)  # [BM, BK]
+                b = tl.load(q_ptr + rn[None, :] * sqn + kk[:, None], mask=cols_in[None, :] & (kk[:, None] < k1),
+                            other=0).to(a.dtype)  # [BK, BN]: exact (|q| <= 127)
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+            acc = acc * tl.load(s_ptr + rn, mask=cols_in, other=0.0)[None, :]
+            out = y_ptr + part * sys_ + rm.to(tl.int64)[:, None] * sym + rn[None, :]
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rows_in[:, None] & cols_in[None, :])
 
     return triton, round_rows, int4_mm, int4_gemv, int8_mm
 
