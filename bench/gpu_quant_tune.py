@@ -11,7 +11,8 @@ Parts (`--part`, comma list; default sweep,profile):
     parts itself (`--prompt-rows ""`: none); us of the whole call (20 in one CUDA graph). Parts change
     the bits (a fact of the format, chosen once for every GPU: gpu_quant.PARTS); tiles and the sum's
     place do not. Also the int8 LM head's one-row product for each of SWEEP_HEAD's tiles (BLOCK_M,
-    BLOCK_N, warps, stages; gpu_quant.int8_config: 64 rows and more, which agree on a row's bits);
+    BLOCK_N, warps, stages; gpu_quant.int8_config: 16-row tiles of int8_mm's TRANS form and 64-row
+    tiles of the other, which agree on a row's bits);
   * profile: one stream's one-row step (bench.gpu_quant's decode step: `--layers` layers of the 8B
     shape at `--context` positions, a CUDA-graph replay, and the LM head) per format of
     `--formats` under torch.profiler: GPU ms per kernel kind a token, their sum against the replay's time (the rest:
@@ -34,7 +35,8 @@ from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
 from logicpipe.stage_node.kernels import gpu_quant, invariant
 
 SWEEP_ONE_ROW = ((32, 1, 4), (32, 1, 8), (64, 1, 4), (64, 2, 4), (64, 2, 8), (128, 2, 4), (128, 4, 8))
-SWEEP_HEAD = ((64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3), (64, 128, 8, 4))  # int8
+SWEEP_HEAD = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3))  # int8
+# (16 rows: int8_mm's TRANS form, gpu_quant.int8_trans; 64: the rows as the tensor cores' M)
 SWEEP_PROMPT = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
                 (128, 64, 4, 3), (256, 64, 8, 3))
 
