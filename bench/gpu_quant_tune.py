@@ -3,7 +3,7 @@ one-row step, on the GPU machine (as bench/gpu_quant.py, whose helpers it uses):
 
     python -m bench.gpu_quant_tune --work /tmp/gpu --out $OUT --part sweep,profile
 
-Parts (`--part`, comma list; default sweep,profile):
+Parts (`--part`, comma list; default sweep,profile; the others: --part rows,int8):
   * sweep: each int4 matrix of the 8B shape, for K in 2, 4 and gpu_quant.quant_parts' parts: the
     one-row product (round_rows, the one-row kernel, the parts' sum) for each of SWEEP_ONE_ROW's tiles
     (BLOCK_N, warps, groups a step), and the product of `--prompt-rows` rows for each of
@@ -13,6 +13,9 @@ Parts (`--part`, comma list; default sweep,profile):
     place do not. Also the int8 LM head's one-row product for each of SWEEP_HEAD's tiles (BLOCK_M,
     BLOCK_N, warps, stages; gpu_quant.int8_config: 16-row tiles of int8_mm's TRANS form and 64-row
     tiles of the other, which agree on a row's bits);
+  * rows: int4, the one-row kernel against the 16-row tile at 1 to 8 rows (gpu_quant.GEMV_ROWS);
+  * int8: int8's tiles at 1 and 32 rows, the rows as the tensor cores' M (64-row tiles) against
+    int8_mm's TRANS form (16- and 32-row tiles), and a row's bits among 256 as int8_config tiles them;
   * profile: one stream's one-row step (bench.gpu_quant's decode step: `--layers` layers of the 8B
     shape at `--context` positions, a CUDA-graph replay, and the LM head) per format of
     `--formats` under torch.profiler: GPU ms per kernel kind a token, their sum against the replay's time (the rest:
@@ -132,7 +135,61 @@ def profile_step(args, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
-PARTS = {"sweep": sweep, "profile": profile_step}
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 2, 3, 4, 6, 8)  # the rows part's row counts
+PLACES = ((1, 0), (1, 100), (5, 250), (16, 3), (17, 50), (32, 1), (33, 100), (64, 0), (65, 10), (128, 128),
+          (200, 56))  # (rows, first row) among 256: the int8 part's check
+
+
+def _matrix(n: int, k: int, fmt: str):
+    return gpu_quant.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+
+
+def _us(m, x, cfg) -> float:
+    """us of the product of x by m with the tile `cfg` (and its parts' sum), 10 in a CUDA graph."""
+    return round(graph_ms(lambda: whole(m, x, cfg), inner=10, rounds=20) * 1e3, 1)
+
+
+def rows_part(args, res: dict) -> None:
+    """int4, random matrices of the 8B shape: the one-row kernel (a program a row) against the 16-row
+    tile at ROWS rows (gpu_quant.GEMV_ROWS: where the first stops being faster), us a product."""
+    torch.manual_seed(0)
+    out = res["rows"] = {}
+    for name, (n, k) in SHAPES_8B.items():
+        m = _matrix(n, k, "int4")
+        x = torch.randn(max(ROWS), k, device="cuda").bfloat16()
+        parts = gpu_quant.quant_parts(n, k)
+        one = (1, *gpu_quant.qmm_config(n, k, x.dtype, 1)[1:4], parts)
+        out[name] = {rows: {"one_row_kernel": _us(m, x[:rows], one), "tile_16": _us(m, x[:rows], (16, 64, 4, 3, parts))}
+                     for rows in ROWS}
+        print("rows", name, json.dumps(out[name]), flush=True)
+
+
+def int8_part(args, res: dict) -> None:
+    """int8, random matrices of the 8B shape and an LM head (128256 x 4096): the rows-as-M tiles of 64
+    rows (the int8_config before int8_mm's TRANS form) against the TRANS tiles at 1 and 32 rows, us a
+    product; and a row's bits at PLACES among 256 rows as int8_config picks the tiles."""
+    torch.manual_seed(0)
+    out = res["int8"] = {}
+    for name, (n, k) in {**SHAPES_8B, "lm_head": (128256, 4096)}.items():
+        m = _matrix(n, k, "int8")
+        x = torch.randn(256, k, device="cuda").bfloat16()
+        parts = invariant.quant_parts(n, k)
+        rows_m = (64, 128, 4, 3) if n >= gpu_quant.HEAD_ROWS else (64, 64, 4, 4)
+        r = out[name] = {"one_row": {"rows_as_m_64": _us(m, x[:1], (*rows_m, parts)),
+                                     **{f"trans_{t[0]}x{t[1]}x{t[2]}x{t[3]}": _us(m, x[:1], (*t, parts))
+                                        for t in ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3))}},
+                         "rows_32": {"rows_as_m_64": _us(m, x[:32], (*rows_m, parts)),
+                                     **{f"trans_{t[0]}x{t[1]}x{t[2]}x{t[3]}": _us(m, x[:32], (*t, parts))
+                                        for t in ((32, 64, 4, 3), (32, 64, 4, 4))}},
+                         "chosen_one_row": list(gpu_quant.int8_config(n, k, x.dtype, 1))}
+        full = m(x)
+        r["rows_differing"] = [[rows, first] for rows, first in PLACES
+                               if not torch.equal(m(x[first:first + rows]), full[first:first + rows])]
+        print("int8", name, json.dumps(r), flush=True)
+
+
+PARTS = {"sweep": sweep, "profile": profile_step, "rows": rows_part, "int8": int8_part}
 
 
 def main() -> None:
