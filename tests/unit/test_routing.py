@@ -135,6 +135,25 @@ def test_a_feed_to_a_stage_that_never_takes_its_stream_fails_in_bounded_time(mon
     asyncio.run(main())
 
 
+class _Stub:
+    """A stage's stub for the prompt stream tests: each Stream() a new `call()` (kept in .calls), and
+    Events() an `events()`."""
+
+    def __init__(self, call, events=None):
+        self.calls, self._call, self._events = [], call, events
+
+    def Stream(self):
+        self.calls.append(self._call())
+        return self.calls[-1]
+
+    def Events(self, request):
+        return self._events()
+
+
+def _feed(sid: str) -> stage_pb2.StepBatch:
+    return stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=sid, num_tokens=1, token_ids=[1])])
+
+
 def test_feeds_dropped_with_a_prompt_stream_that_took_no_input_are_reported(monkeypatch):
     """A feed that times out drops the shared prompt stream to stage 0: the sessions whose last feed
     went on it and of which nothing was heard since get an UNAVAILABLE error event (their requests
@@ -176,27 +195,13 @@ def test_feeds_dropped_with_a_prompt_stream_that_took_no_input_are_reported(monk
         def cancel(self):
             pass
 
-    class Stub:
-        def __init__(self):
-            self.calls = []
-
-        def Stream(self):
-            self.calls.append(Call())
-            return self.calls[-1]
-
-        def Events(self, request):
-            return Events()
-
-    def feed(sid):
-        return stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=sid, num_tokens=1, token_ids=[1])])
-
     async def main():
         events = []
         p = Pipeline(None, events.append, lambda a, r: None)
-        stub = Stub()
+        stub = _Stub(Call, Events)
         p.stages = [StageHandle("127.0.0.1:1", None, stub, node_id="n0")]
         for sid in ("heard", "closed", "lost"):
-            await p.send_feed(feed(sid))
+            await p.send_feed(_feed(sid))
         watch = asyncio.create_task(p._watch_events(p.stages[0], asyncio.get_running_loop().create_future()))
         for _ in range(100):
             if events:
@@ -205,12 +210,12 @@ def test_feeds_dropped_with_a_prompt_stream_that_took_no_input_are_reported(monk
         assert [e.session_id for e in events] == ["heard"]  # its token: its input arrived
         await p.close_session_many(["closed"], [])
         with pytest.raises(Unavailable, match="took no input in"):
-            await p.send_feed(feed("own"))
+            await p.send_feed(_feed("own"))
         errors = [e for e in events if e.HasField("error")]
         assert [(e.session_id, e.error.code) for e in errors] == [("lost", code_number(grpc.StatusCode.UNAVAILABLE))]
         assert "dropped with the prompt stream" in errors[0].error.message and errors[0].error.node_id == "n0"
         watch.cancel()
-        await p.send_feed(feed("next"))  # a new stream
+        await p.send_feed(_feed("next"))  # a new stream
         assert len(stub.calls) == 2 and p._unheard == {"next": stub.calls[1]}
 
     asyncio.run(main())
@@ -241,24 +246,13 @@ def test_feeds_on_a_prompt_stream_that_ended_are_reported_unless_the_stage_was_l
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        details="Socket closed")
 
-    class Stub:
-        def __init__(self):
-            self.calls = []
-
-        def Stream(self):
-            self.calls.append(Call())
-            return self.calls[-1]
-
-    def feed(sid):
-        return stage_pb2.StepBatch(seqs=[stage_pb2.SeqStep(session_id=sid, num_tokens=1, token_ids=[1])])
-
     async def one(lose_stage: bool) -> list:
         events = []
         p = Pipeline(None, events.append, lambda a, r: None)
-        stub = Stub()
+        stub = _Stub(Call)
         p.stages = [StageHandle("127.0.0.1:1", None, stub, node_id="n0")]
         for sid in ("heard", "lost"):
-            await p.send_feed(feed(sid))
+            await p.send_feed(_feed(sid))
         p._unheard.pop("heard")  # (what a token event of it does)
         stub.calls[0].end.set()
         await asyncio.sleep(0.05)
