@@ -14,8 +14,8 @@ Parts (`--part`, comma list; default sweep,profile; the others: --part rows,int8
     BLOCK_N, warps, stages; gpu_quant.int8_config: 16-row tiles of int8_mm's TRANS form and 64-row
     tiles of the other, which agree on a row's bits);
   * rows: int4, the one-row kernel against the 16-row tile at 1 to 8 rows (gpu_quant.GEMV_ROWS);
-  * int8: int8's tiles at 1 and 32 rows, the rows as the tensor cores' M (64-row tiles) against
-    int8_mm's TRANS form (16- and 32-row tiles), and a row's bits among 256 as int8_config tiles them;
+  * int8: int8's tiles at 1, 32 and 64 rows, the rows as the tensor cores' M (64-row tiles) against
+    int8_mm's TRANS form (16- to 64-row tiles), and a row's bits among 256 as int8_config tiles them;
   * profile: one stream's one-row step (bench.gpu_quant's decode step: `--layers` layers of the 8B
     shape at `--context` positions, a CUDA-graph replay, and the LM head) per format of
     `--formats` under torch.profiler: GPU ms per kernel kind a token, their sum against the replay's time (the rest:
@@ -39,7 +39,7 @@ from logicpipe.stage_node.kernels import gpu_quant, invariant
 
 SWEEP_ONE_ROW = ((32, 1, 4), (32, 1, 8), (64, 1, 4), (64, 2, 4), (64, 2, 8), (128, 2, 4), (128, 4, 8))
 SWEEP_HEAD = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3))  # int8
-# (16 rows: int8_mm's TRANS form, gpu_quant.int8_trans; 64: the rows as the tensor cores' M)
+# (tiles 64 columns wide: int8_mm's TRANS form, gpu_quant.int8_trans; 128 and 256 wide: the rows as the tensor cores' M)
 SWEEP_PROMPT = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
                 (128, 64, 4, 3), (256, 64, 8, 3))
 
@@ -167,8 +167,9 @@ def rows_part(args, res: dict) -> None:
 
 def int8_part(args, res: dict) -> None:
     """int8, random matrices of the 8B shape and an LM head (128256 x 4096): the rows-as-M tiles of 64
-    rows (the int8_config before int8_mm's TRANS form) against the TRANS tiles at 1 and 32 rows, us a
-    product; and a row's bits at PLACES among 256 rows as int8_config picks the tiles."""
+    rows (the int8_config before int8_mm's TRANS form) against TRANS tiles at 1, 32 and 64 rows, us a
+    product (gpu_quant.INT8_FORM forcing the form); and a row's bits at PLACES among 256 rows as
+    int8_config picks the tiles."""
     torch.manual_seed(0)
     out = res["int8"] = {}
     for name, (n, k) in {**SHAPES_8B, "lm_head": (128256, 4096)}.items():
@@ -176,13 +177,18 @@ def int8_part(args, res: dict) -> None:
         x = torch.randn(256, k, device="cuda").bfloat16()
         parts = invariant.quant_parts(n, k)
         rows_m = (64, 128, 4, 3) if n >= gpu_quant.HEAD_ROWS else (64, 64, 4, 4)
-        r = out[name] = {"one_row": {"rows_as_m_64": _us(m, x[:1], (*rows_m, parts)),
-                                     **{f"trans_{t[0]}x{t[1]}x{t[2]}x{t[3]}": _us(m, x[:1], (*t, parts))
-                                        for t in ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3))}},
-                         "rows_32": {"rows_as_m_64": _us(m, x[:32], (*rows_m, parts)),
-                                     **{f"trans_{t[0]}x{t[1]}x{t[2]}x{t[3]}": _us(m, x[:32], (*t, parts))
-                                        for t in ((32, 64, 4, 3), (32, 64, 4, 4))}},
-                         "chosen_one_row": list(gpu_quant.int8_config(n, k, x.dtype, 1))}
+        r = out[name] = {}
+        for rows, trans in ((1, ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3))), (32, ((32, 64, 4, 3), (32, 64, 4, 4))),
+                            (64, ((64, 64, 4, 3), (64, 64, 4, 4)))):
+            try:
+                gpu_quant.INT8_FORM = "rows"
+                r[f"rows_{rows}"] = {"rows_as_m_64": _us(m, x[:rows], (*rows_m, parts))}
+                gpu_quant.INT8_FORM = "trans"
+                r[f"rows_{rows}"].update({f"trans_{t[0]}x{t[1]}x{t[2]}x{t[3]}": _us(m, x[:rows], (*t, parts))
+                                          for t in trans})
+            finally:
+                gpu_quant.INT8_FORM = ""
+            r[f"rows_{rows}"]["chosen"] = list(gpu_quant.int8_config(n, k, x.dtype, rows))
         full = m(x)
         r["rows_differing"] = [[rows, first] for rows, first in PLACES
                                if not torch.equal(m(x[first:first + rows]), full[first:first + rows])]

@@ -108,9 +108,10 @@ HEAD_ROWS = 65536  # int8 matrices of at least this many outputs (a vocabulary: 
 
 def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, int, int, int]:
     """int8's tile (the activations as they are, the float path's rule): the parts a function of the
-    matrix (invariant.quant_parts); the tile follows m. Up to 32 rows the tile is int8_mm's TRANS (the
+    matrix (invariant.quant_parts); the tile follows m. Up to 64 rows the tile is int8_mm's TRANS (the
     weights the tensor cores' M, the rows their N: a row's tile is 16 rows, not 64 of which 63 are
-    padding), as is an LM head's of over 64; the others take the rows as M, never under 64 rows (on the
+    padding; an LM head's 33 to 64 rows excepted), as is an LM head's of over 64; the others take the
+    rows as M, never under 64 rows (on the
     H100 a 16- or 32-row tile of those gave a row other bits than the 64- and 128-row tiles:
     bench/gpu_quant_tiles.py). Both forms give a row the same bits (the same products, K in the same
     BK chunks, each output's sum the tensor cores' own; checked on the H200 by bench/gpu_quant.py
@@ -128,17 +129,25 @@ def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, i
         return 32, 64, 4, stages, parts
     if m <= 64 and head:  # an LM head: on the H200 one row 210.8 us against 271.5 with 64 x 64
         return 64, 128, 4, 3, parts  # (TRANS 64 x 64 at 64 rows: 247.5 us against this one's 212.6)
-    if m <= 64:
-        return 64, 64, 4, 4, parts
+    if m <= 64:  # TRANS (64 rows: q/k/v 23.4 us against 24.1 by the rows-as-M 64 x 64, o 15.1 / 15.8,
+        return 64, 64, 4, stages, parts  # gate/up 65.6 / 67.8, down 38.2 / 45.9)
     if m <= 128:  # an LM head, TRANS: 128 rows 345.8 us against 407.8 with 64 x 128 tiles
         return (128, 128, 8, 3, parts) if head else (64, 128, 4, 3, parts)
     return (256, 128, 8, 3, parts) if head else (128, 128, 8, 3, parts)  # (TRANS 256 rows: 517.7 us against 723.4)
 
 
-def int8_trans(n: int, dtype: torch.dtype, bm: int) -> bool:
-    """Whether an int8 product with n outputs of rows in `dtype` by `bm`-row tiles is int8_mm's TRANS
-    form (int8_config)."""
-    return dtype != torch.float32 and (bm < 64 or (n >= HEAD_ROWS and bm > 64))
+INT8_FORM = ""  # "": each tile's own form (int8_trans); "rows" or "trans": every int8 product of 16-bit rows in
+# that form, whatever its tile (the benches' comparisons of the two forms on one tile)
+
+
+def int8_trans(n: int, dtype: torch.dtype, bm: int, bn: int) -> bool:
+    """Whether an int8 product with n outputs of rows in `dtype` by a `bm` x `bn` tile of int8_config
+    is int8_mm's TRANS form: its tiles 64 columns wide, and an LM head's of over 64 rows."""
+    if dtype == torch.float32:
+        return False
+    if INT8_FORM:
+        return INT8_FORM == "trans"
+    return bn == 64 or (n >= HEAD_ROWS and bm > 64)
 
 
 _fitting: dict[tuple, tuple] = {}  # (format, shape, dtype, config) -> the config that fits this GPU
@@ -265,7 +274,7 @@ class TritonInt8(TritonMatrix):
         N, K = self.shape
         mm[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
                  ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
-                 IEEE=x.dtype == torch.float32, TRANS=int8_trans(N, x.dtype, bm), num_warps=warps, num_stages=stages)
+                 IEEE=x.dtype == torch.float32, TRANS=int8_trans(N, x.dtype, bm, bn), num_warps=warps, num_stages=stages)
 
 
 def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -184,7 +184,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
             for n, (bm, bn, warps, stages, _) in tiles:
                 kernel, args, ptrs, const = kernels[bm == 1, fmt]
                 if fmt == "int8":
-                    const = {**const, "TRANS": gpu_quant.int8_trans(n, torch.bfloat16, bm)}
+                    const = {**const, "TRANS": gpu_quant.int8_trans(n, torch.bfloat16, bm, bn)}
                 signature = dict(zip(args, ptrs + ["i32"] * (len(args) - len(ptrs))))
                 # int4's tiled kernel a part a program (no spill) and adding every part itself: its running
                 # sum, kept across the K loop, may spill (outside the K loop, in the SASS: 72 bytes with Triton 3.9)
@@ -250,7 +250,7 @@ def test_interpreted_int8_head_tiles_give_a_row_the_same_bits(interpret, monkeyp
     w = torch.randn(80, 256, generator=g) * 0.05
     x = torch.randn(200, 256, generator=g).half()
     m = gpu_quant.quantize(w, "int8")
-    assert [gpu_quant.int8_trans(80, x.dtype, gpu_quant.int8_config(80, 256, x.dtype, rows)[0])
+    assert [gpu_quant.int8_trans(80, x.dtype, *gpu_quant.int8_config(80, 256, x.dtype, rows)[:2])
             for rows in (1, 20, 40, 100, 200)] == [True, True, False, True, True]
     y = m(x)
     ref = x.float() @ gpu_quant.dequantized(m).to(x.dtype).float().T
