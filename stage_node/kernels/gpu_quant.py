@@ -111,9 +111,8 @@ def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, i
     matrix (invariant.quant_parts); the tile follows m. Up to 64 rows the tile is int8_mm's TRANS (the
     weights the tensor cores' M, the rows their N: a row's tile is 16 rows, not 64 of which 63 are
     padding; an LM head's 33 to 64 rows excepted), as is an LM head's of over 64; the others take the
-    rows as M, never under 64 rows (on the
-    H100 a 16- or 32-row tile of those gave a row other bits than the 64- and 128-row tiles:
-    bench/gpu_quant_tiles.py). Both forms give a row the same bits (the same products, K in the same
+    rows as M, never under 64 rows (on the H100 a 16- or 32-row tile of those gave a row other bits
+    than the 64- and 128-row tiles: bench/gpu_quant_tiles.py). Both forms give a row the same bits (the same products, K in the same
     BK chunks, each output's sum the tensor cores' own; checked on the H200 by bench/gpu_quant.py
     --part check): any tile of either gives a row the same bits. See int8_trans."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile

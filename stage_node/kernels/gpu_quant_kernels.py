@@ -210,9 +210,9 @@ def kernels():
     def int8_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, TRANS: tl.constexpr = False):
         # program (m block, n block, part of K): y[part] = (x[m block, part] @ q[n block, part].T) * scale;
-        # TRANS (an LM head: gpu_quant.int8_config): out^T = q x^T, the weights as the dot's first operand
-        # (the tensor cores' M: BN, taken from registers as converted) and the rows its N (down to 16: a
-        # row's tile is not 64 rows of which 63 are padding)
+        # TRANS (gpu_quant.int8_trans: up to 64 rows, and an LM head's over 64): out^T = q x^T, the weights
+        # as the dot's first operand (the tensor cores' M: BN, taken from registers as converted) and the
+        # rows its N (down to 16: a row's tile is not 64 rows of which 63 are padding)
         pid_m, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
