@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from selenium import webdriver
@@ -25,6 +27,19 @@ FLAGS = ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable
          "--disable-default-apps", "--hide-scrollbars", "--force-device-scale-factor=1")
 
 
+class _Chrome(webdriver.Chrome):
+    """A Chrome driver whose quit() also removes the browser's temporary directory (its TMPDIR and
+    profile: Chromium left an org.chromium.Chromium.* directory in /tmp each run before)."""
+
+    scratch: str = ""
+
+    def quit(self) -> None:
+        try:
+            super().quit()
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
 def open_chromium(width: int = 1400, height: int = 1000, log: Path | None = None) -> webdriver.Chrome:
     """A headless Chromium of `width` x `height` pixels (the caller quits it); RuntimeError, saying
     how to install them, when the browser or its driver is missing. `log`: the driver's log file."""
@@ -32,12 +47,20 @@ def open_chromium(width: int = 1400, height: int = 1000, log: Path | None = None
     if missing:
         raise RuntimeError(f"{', '.join(missing)} missing: the dashboard's browser test needs Debian's chromium and "
                            "chromium-driver (bash scripts/browser.sh, as root, installs them)")
+    scratch = tempfile.mkdtemp(prefix="logicpipe-chromium-")
     options = Options()
     options.binary_location = str(CHROMIUM)
-    for flag in (*FLAGS, f"--window-size={width},{height}"):
+    for flag in (*FLAGS, f"--window-size={width},{height}", f"--user-data-dir={scratch}/profile"):
         options.add_argument(flag)
-    service = Service(executable_path=str(CHROMEDRIVER), log_output=str(log) if log else os.devnull)
-    return webdriver.Chrome(service=service, options=options)
+    service = Service(executable_path=str(CHROMEDRIVER), log_output=str(log) if log else os.devnull,
+                      env=dict(os.environ, TMPDIR=scratch))
+    try:
+        driver = _Chrome(service=service, options=options)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    driver.scratch = scratch
+    return driver
 
 
 @contextlib.contextmanager

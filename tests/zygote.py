@@ -25,6 +25,7 @@ import os
 import random
 import runpy
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -210,6 +211,7 @@ class Zygote:
         return ZygoteProc(pid, [sys.executable, "-m", module, *args], self.status_dir / str(pid))
 
     def close(self) -> None:
+        """Stops the zygote and removes its status directory (it left one in /tmp for every test run before)."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -217,6 +219,7 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        shutil.rmtree(self.status_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
