@@ -26,18 +26,22 @@ import functools
 
 import torch
 
-from logicpipe.stage_node.kernels import invariant
+from logicpipe.stage_node.kernels import gpu_quant_kernels, invariant
 
 
 @functools.cache
 def _kernels():
+    global round_store  # (gpu_quant_kernels' helper the kernels call: Triton resolves it among the globals)
     import triton
     import triton.language as tl
 
+    gpu_quant_kernels.kernels()
+    round_store = gpu_quant_kernels.round_store
+
     @triton.jit(do_not_specialize=["s_part"])
-    def add_norm_kernel(ws_ptr, x_ptr, w_ptr, xo_ptr, h_ptr, N, eps, s_part, s_ws, s_x, s_xo, s_h,
-                        PARTS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, F32: tl.constexpr,
-                        BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+    def add_norm_kernel(ws_ptr, x_ptr, w_ptr, xo_ptr, h_ptr, xq_ptr, aux_ptr, M, N, eps, s_part, s_ws, s_x, s_xo,
+                        s_h, PARTS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, F32: tl.constexpr,
+                        BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False):
         if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
             tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
         row = tl.program_id(0).to(tl.int64)
@@ -60,7 +64,12 @@ def _kernels():
                 h = normed * w
             else:
                 h = normed.to(x.dtype).to(tl.float32) * w
-            tl.store(h_ptr + row * s_h + n, h.to(h_ptr.dtype.element_ty), mask=mask)
+            h = h.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * s_h + n, h, mask=mask)
+            if ROUND:  # h's rounding for the one-row int4 product it feeds (gpu_quant.round_rows' LAYOUT_DP)
+                gs = tl.arange(0, BLOCK // 32)
+                round_store(tl.reshape(h.to(tl.float32), (BLOCK // 32, 32)), row, M, N, gs, gs < N // 32, xq_ptr,
+                            aux_ptr, 1)
 
     @triton.jit
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, s_qkv, s_tab,
@@ -103,7 +112,8 @@ def _kernels():
             tl.store(v_ptr + (h - HEADS - KVH) * s_vh + slot * s_vs + d, x, mask=mask)
 
     @triton.jit
-    def silu_mul_kernel(gu_ptr, o_ptr, F, s_gu, s_o, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+    def silu_mul_kernel(gu_ptr, o_ptr, xq_ptr, aux_ptr, T, F, s_gu, s_o, BLOCK: tl.constexpr,
+                        TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False):
         if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
             tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
         t = tl.program_id(0).to(tl.int64)
@@ -113,7 +123,12 @@ def _kernels():
         u = tl.load(gu_ptr + t * s_gu + F + n, mask=mask, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(o_ptr + t * s_o + n, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+        o = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        tl.store(o_ptr + t * s_o + n, o, mask=mask)
+        if ROUND:  # o's rounding for the one-row int4 product it feeds (gpu_quant.round_rows' LAYOUT_DP)
+            gs = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+            round_store(tl.reshape(o.to(tl.float32), (BLOCK // 32, 32)), t, T, F, gs, gs < F // 32, xq_ptr, aux_ptr,
+                        1)
 
     return triton, add_norm_kernel, rope_kv_kernel, silu_mul_kernel
 
@@ -140,28 +155,40 @@ def norm_warps(block: int) -> int:
     return _warps(block) if block < 4096 else 32
 
 
+def _rounding(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers of rows [m, k] rounded for the one-row int4 kernel (gpu_quant.round_rows, LAYOUT_DP)."""
+    return (torch.empty(m, k // 32, 2, 32, dtype=torch.int8, device=device),
+            torch.empty(2, k // 32, m, dtype=torch.float32, device=device))
+
+
 def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+             eps: float, rounded: bool = False) -> tuple:
     """ws: a product's output [parts, M, N] (float32 partial sums, added in order, or [1, M, N] in
     x's dtype; None: nothing to add), x: the residual stream [M, N], weight: the next norm's [N]
-    (None: no norm). -> (x + the product, rounded to x's dtype; its RMSNorm or None)."""
+    (None: no norm). -> (x + the product, rounded to x's dtype; its RMSNorm or None). `rounded`
+    (with a norm; N a multiple of 32): also the norm's rows rounded for the one-row int4 product
+    (gpu_quant.round_rows(h, LAYOUT_DP)'s (bytes, a and S), in this launch): a third item."""
     _, kernel, _, _ = _kernels()
     M, N = x.shape
     add = ws is not None
     xo = torch.empty_like(x) if add else x
     h = torch.empty_like(x) if weight is not None else None
+    if rounded and (h is None or N % 32):
+        raise ValueError("add_norm rounds its norm's rows only with a norm over a multiple of 32")
+    pre = _rounding(M, N, x.device) if rounded else None
     if M == 0:
-        return xo, h
+        return (xo, h, pre) if rounded else (xo, h)
     if add:
         assert ws.shape[1:] == (M, N) and ws.stride(2) == 1
     assert x.stride(1) == 1
     block = _block(N)
-    kernel[(M,)](ws if add else x, x, weight if weight is not None else x, xo, h if h is not None else x, N, eps,
+    kernel[(M,)](ws if add else x, x, weight if weight is not None else x, xo, h if h is not None else x,
+                 pre[0] if rounded else x, pre[1] if rounded else x, M, N, eps,
                  ws.stride(0) if add else 0, ws.stride(1) if add else 0, x.stride(0), xo.stride(0),
                  h.stride(0) if h is not None else 0,
                  PARTS=ws.shape[0] if add else 1, ADD=add, NORM=weight is not None, F32=x.dtype == torch.float32,
-                 BLOCK=block, num_warps=norm_warps(block), **_trigger(x.device))
-    return xo, h
+                 BLOCK=block, num_warps=norm_warps(block), ROUND=rounded, **_trigger(x.device))
+    return (xo, h, pre) if rounded else (xo, h)
 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
@@ -194,16 +221,22 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, posi
 SILU_BLOCK = 1024
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """gu: [T, 2F] (gate, up) -> silu(gate) * up [T, F], each rounded to the dtype as torch does."""
+def silu_mul(gu: torch.Tensor, rounded: bool = False):
+    """gu: [T, 2F] (gate, up) -> silu(gate) * up [T, F], each rounded to the dtype as torch does;
+    `rounded` (F a multiple of 32): -> (that, its rows rounded for the one-row int4 product, as
+    add_norm's `rounded`)."""
     triton, _, _, kernel = _kernels()
     T, F2 = gu.shape
     F = F2 // 2
     out = torch.empty(T, F, dtype=gu.dtype, device=gu.device)
+    if rounded and F % 32:
+        raise ValueError("silu_mul rounds its rows only over a multiple of 32")
+    pre = _rounding(T, F, gu.device) if rounded else None
     if T == 0:
-        return out
+        return (out, pre) if rounded else out
     assert gu.stride(1) == 1
     block = min(SILU_BLOCK, _block(F))
-    kernel[(T, triton.cdiv(F, block))](gu, out, F, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+    kernel[(T, triton.cdiv(F, block))](gu, out, pre[0] if rounded else out, pre[1] if rounded else out, T, F,
+                                       gu.stride(0), out.stride(0), BLOCK=block, num_warps=4, ROUND=rounded,
                                        **_trigger(gu.device))
-    return out
+    return (out, pre) if rounded else out

@@ -162,12 +162,21 @@ class TritonMatrix(QuantMatrix):
     """A quantized matrix multiplied by this module's kernels (CUDA; the CPU in Triton's interpreter)."""
 
     def _launch(self, x: torch.Tensor, ws: torch.Tensor, grid: tuple[int, int, int], config: tuple,
-                k_part: int) -> None:
+                k_part: int, rounded: tuple | None = None) -> None:
         raise NotImplementedError
 
-    def mm_parts(self, x: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    def takes_rounded(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs the one-row int4 kernel, whose rounded rows the kernel
+        before it (fused.add_norm, fused.silu_mul: `rounded`) can write in its own launch instead of
+        round_rows' pre-pass (`mm_parts`' `rounded`)."""
+        return self.format == "int4" and 0 < rows <= GEMV_ROWS and self.shape[1] % 32 == 0
+
+    def mm_parts(self, x: torch.Tensor, config: tuple[int, ...] | None = None,
+                 rounded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [M, K] -> the product's parts over K, not yet added: [parts, M, N] float32 (several
-        parts) or [1, M, N] in x's dtype (see invariant.mm_parts); `config` overrides qmm_config."""
+        parts) or [1, M, N] in x's dtype (see invariant.mm_parts); `config` overrides qmm_config;
+        `rounded`: x's rows as round_rows(x, LAYOUT_DP) gives them (takes_rounded), for the one-row
+        kernel (ignored by the tiled one, which rounds x itself)."""
         N, K = self.shape
         M = x.shape[0]
         if x.shape[1] != K:
@@ -183,10 +192,10 @@ class TritonMatrix(QuantMatrix):
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
         if M:
             grid = (M if bm == 1 else -(-M // bm), -(-N // bn), parts)
-            self._launch_fitting(x, ws, grid, config, k_part)
+            self._launch_fitting(x, ws, grid, config, k_part, rounded)
         return ws
 
-    def _launch_fitting(self, x, ws, grid, config, k_part) -> None:
+    def _launch_fitting(self, x, ws, grid, config, k_part, rounded=None) -> None:
         """Launch with `config`, or with fewer pipeline stages where its tiles do not fit the GPU's
         shared memory (Triton's OutOfResources; a Jetson Orin has 164 KB an SM, an H100 228 KB).
         Stages change no sum: the bits are the same. Remembered per matrix shape and config."""
@@ -194,7 +203,7 @@ class TritonMatrix(QuantMatrix):
         fit = _fitting.get(key, config)
         while True:
             try:
-                self._launch(x, ws, grid, fit, k_part)
+                self._launch(x, ws, grid, fit, k_part, rounded)
             except Exception as exc:  # re-raised unless it is Triton's OutOfResources
                 if type(exc).__name__ != "OutOfResources" or fit[3] <= 1:
                     raise
@@ -232,14 +241,14 @@ class TritonInt4(TritonMatrix):
         sz = self.sz.t()  # [out, groups] int32
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
-    def _launch(self, x, ws, grid, config, k_part) -> None:
+    def _launch(self, x, ws, grid, config, k_part, rounded=None) -> None:
         _, _, mm, gemv, _ = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
         M = x.shape[0]
         tail = (ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
         if bm == 1:
-            xd, aux = round_rows(x, gpu_quant_kernels.LAYOUT_DP)
+            xd, aux = rounded if rounded is not None else round_rows(x, gpu_quant_kernels.LAYOUT_DP)
             gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, M, N, K, k_part, *tail, BN=bn,
                        U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1,
                        **invariant.pdl(x.device))
@@ -267,7 +276,7 @@ class TritonInt8(TritonMatrix):
         """The scale of each output channel, float32 [out]: w = q * scale."""
         return self.scales
 
-    def _launch(self, x, ws, grid, config, k_part) -> None:
+    def _launch(self, x, ws, grid, config, k_part, rounded=None) -> None:
         *_, mm = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape

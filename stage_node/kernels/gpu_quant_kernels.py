@@ -48,26 +48,17 @@ ROUND_GROUPS = 4  # groups of 32 a program of round_rows
 
 @functools.cache
 def kernels():
-    global dp4  # (a helper the kernels call: Triton resolves it among the module's globals)
+    global dp4, round_store  # (helpers the kernels call: Triton resolves them among the module's globals)
     import triton
     import triton.language as tl
 
     @triton.jit
-    def round_rows(x_ptr, xq_ptr, aux_ptr, M, K, sxm, LAYOUT: tl.constexpr, GB: tl.constexpr,
-                   PDL: tl.constexpr = False):
-        # program (row, block of GB groups): i as LAYOUT says, then a and S. PDL (a programmatic
-        # dependent launch, invariant.PDL): the product's kernel may launch at once (its weights do not
-        # depend on this), and this waits for the kernels before it to finish before it reads x
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        row, pid = tl.program_id(0), tl.program_id(1)
-        groups = K // 32
-        gs = pid * GB + tl.arange(0, GB)
+    def round_store(x, row, M, K, gs, g_in, xq_ptr, aux_ptr, LAYOUT: tl.constexpr):
+        # x [G, 32] float32: groups gs of a row (g_in: those < K / 32) -> i stored as LAYOUT says, then a
+        # and S: round_rows' body, and fused.add_norm's and fused.silu_mul's (their output's rounding
+        # for the one-row product after them, in the same launch)
         d = tl.arange(0, 32)
-        g_in = gs < groups
-        x = tl.load(x_ptr + row.to(tl.int64) * sxm + gs[:, None] * 32 + d[None, :], mask=g_in[:, None],
-                    other=0.0).to(tl.float32)
+        groups = K // 32
         e = tl.maximum(tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23 & 255, 11)  # 2^(e-127) <= max |x|
         inv = ((264 - e) << 23).to(tl.float32, bitcast=True)  # 1 / a
         a = ((e - 10) << 23).to(tl.float32, bitcast=True)  # a = 2^(E - 10)
@@ -83,6 +74,23 @@ def kernels():
             tl.store(xq_ptr + out + 32, (ii >> 7).to(tl.int8), mask=g_in[:, None])
         tl.store(aux_ptr + gs * M + row, a, mask=g_in)
         tl.store(aux_ptr + (groups + gs) * M + row, s, mask=g_in)
+
+    @triton.jit
+    def round_rows(x_ptr, xq_ptr, aux_ptr, M, K, sxm, LAYOUT: tl.constexpr, GB: tl.constexpr,
+                   PDL: tl.constexpr = False):
+        # program (row, block of GB groups): i as LAYOUT says, then a and S. PDL (a programmatic
+        # dependent launch, invariant.PDL): the product's kernel may launch at once (its weights do not
+        # depend on this), and this waits for the kernels before it to finish before it reads x
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        row, pid = tl.program_id(0), tl.program_id(1)
+        gs = pid * GB + tl.arange(0, GB)
+        d = tl.arange(0, 32)
+        g_in = gs < K // 32
+        x = tl.load(x_ptr + row.to(tl.int64) * sxm + gs[:, None] * 32 + d[None, :], mask=g_in[:, None],
+                    other=0.0).to(tl.float32)
+        round_store(x, row, M, K, gs, g_in, xq_ptr, aux_ptr, LAYOUT)
 
     @triton.jit
     def dp4(a, b, c, ASM: tl.constexpr):

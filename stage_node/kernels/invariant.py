@@ -298,14 +298,15 @@ def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1,
 
 
 def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None, *,
-             summed: bool = False) -> torch.Tensor:
+             summed: bool = False, rounded: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T as its parts over K, not yet added: [parts, M, N] float32 (several
     parts), or [1, M, N] in x's dtype (one part: the product itself). `mm` adds them in order;
     `stage_node.fused.add_norm` adds them in the same order and the residual and the next norm. A
-    quantized w (stage_node.kernels.gpu_quant) gives its parts by its own kernels, by the same rule.
+    quantized w (stage_node.kernels.gpu_quant) gives its parts by its own kernels, by the same rule
+    (`rounded`: x's rows already rounded for its one-row int4 kernel, gpu_quant's mm_parts).
     `summed`: its consumer adds the parts itself (summed_parts)."""
     if not isinstance(w, torch.Tensor):
-        return w.mm_parts(x)
+        return w.mm_parts(x) if rounded is None else w.mm_parts(x, rounded=rounded)
     triton, kernel, _, _, _ = _kernels()
     M, K = x.shape
     N = w.shape[0]
@@ -324,10 +325,11 @@ def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = 
     return ws
 
 
-def mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
+def mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None, *,
+       rounded: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, each row independent of the others (see the
-    module's docstring); `config` overrides mm_config (the bench's sweep)."""
-    return add_parts(mm_parts(x, w, config), x.dtype)
+    module's docstring); `config` overrides mm_config (the bench's sweep); `rounded` as mm_parts'."""
+    return add_parts(mm_parts(x, w, config, rounded=rounded), x.dtype)
 
 
 # Programmatic dependent launch (sm_90 on: Hopper, Blackwell): the one-row int4 product's two kernels

@@ -183,29 +183,44 @@ class Shard:
         eps = c.rms_norm_eps
         n = len(self.layers)
         group = set(self.window_layers) if window is not None else ()
-        x, h = fused.add_norm(None, x, self.layers[0].input_norm, eps)
+        T = x.shape[0]
+        # the one-row int4 products' inputs rounded by the kernel that writes them (fused.add_norm,
+        # fused.silu_mul), not by a pre-pass of their own (gpu_quant.round_rows): the same integers
+        x, h, pre = self._add_norm(None, x, self.layers[0].input_norm, eps, 1, self._rounds(self.layers[0].qkv, T))
         for i, w in enumerate(self.layers):
             cos, sin = tables[self.kind(i)]
             ws, pool, j = (*window, self._kv[i]) if i in group else (write_slots, kv, self._kv.get(i, i))
             # the products whose parts over K their consumer adds (rope_kv, add_norm) split where a
             # second kernel would have made that slower (invariant.summed_parts)
-            qkv = invariant.mm_parts(h, w.qkv, summed=True)  # [parts, T, q + 2 kv]
+            qkv = invariant.mm_parts(h, w.qkv, summed=True, rounded=pre)  # [parts, T, q + 2 kv]
             q = fused.rope_kv(qkv, cos, sin, positions, ws, pool[j, 0], pool[j, 1], c.num_heads,
                               c.num_kv_heads, c.head_dim, h.dtype)
-            x, h = self._add_norm(invariant.mm_parts(attend(i, q), w.o, summed=True), x, w.post_norm, eps, 0)
-            mlp = fused.silu_mul(invariant.mm(h, w.gate_up))
-            x, h = self._add_norm(invariant.mm_parts(mlp, w.down, summed=True), x,
-                                  self.layers[i + 1].input_norm if i + 1 < n else None, eps, 1)
+            x, h, pre = self._add_norm(invariant.mm_parts(attend(i, q), w.o, summed=True), x, w.post_norm, eps, 0,
+                                       self._rounds(w.gate_up, T))
+            gu = invariant.mm(h, w.gate_up, rounded=pre)
+            mlp, pre = fused.silu_mul(gu, True) if self._rounds(w.down, T) else (fused.silu_mul(gu), None)
+            x, h, pre = self._add_norm(invariant.mm_parts(mlp, w.down, summed=True, rounded=pre), x,
+                                       self.layers[i + 1].input_norm if i + 1 < n else None, eps, 1,
+                                       i + 1 < n and self._rounds(self.layers[i + 1].qkv, T))
         return x
 
-    def _add_norm(self, ws: torch.Tensor, x: torch.Tensor, weight, eps: float, slot: int):
-        """The fused layers' o or down product (its parts over K, [parts, T, N]) added to the residual x,
-        then the next norm: fused.add_norm; on a rank of a tensor-parallel stage the product summed over
-        the ranks first (TensorParallel.reduce_add_norm, one kernel on CUDA; `slot`: 0 for o, 1 for
-        down; a fixed order, whatever the step)."""
-        if self.tp is None:
-            return fused.add_norm(ws, x, weight, eps)
-        return self.tp.reduce_add_norm(ws, x, weight, eps, slot)
+    def _rounds(self, m, rows: int) -> bool:
+        """Whether the kernel writing m's input rounds it for m's one-row int4 kernel (gpu_quant's
+        takes_rounded): not on a rank of a tensor-parallel stage, whose add_norm is its own kernel."""
+        return self.tp is None and getattr(m, "takes_rounded", None) is not None and m.takes_rounded(rows)
+
+    def _add_norm(self, ws: torch.Tensor | None, x: torch.Tensor, weight, eps: float, slot: int,
+                  rounded: bool = False) -> tuple:
+        """The fused layers' o or down product (its parts over K, [parts, T, N]; None: nothing) added
+        to the residual x, then the next norm: fused.add_norm; on a rank of a tensor-parallel stage the
+        product summed over the ranks first (TensorParallel.reduce_add_norm, one kernel on CUDA; `slot`:
+        0 for o, 1 for down; a fixed order, whatever the step). -> (x, the norm, its rows rounded for
+        the next product's one-row int4 kernel where `rounded`, else None)."""
+        if rounded:
+            return fused.add_norm(ws, x, weight, eps, rounded=True)
+        if self.tp is None or ws is None:
+            return (*fused.add_norm(ws, x, weight, eps), None)
+        return (*self.tp.reduce_add_norm(ws, x, weight, eps, slot), None)
 
     @torch.inference_mode()
     def warm_up(self, pool: KVPool) -> float:

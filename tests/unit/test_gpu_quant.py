@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from logicpipe.stage_node.engine.kv import StepKV, seq_slice
-from logicpipe.stage_node.kernels import gpu_quant, gpu_quant_kernels, invariant
+from logicpipe.stage_node.kernels import fused, gpu_quant, gpu_quant_kernels, invariant
 from logicpipe.stage_node.kernels.quant import Int4Packed, Int8Packed, QuantError, check_format
 from logicpipe.stage_node.kernels.quant_grid import dequantize_int4, int4_grid
 from logicpipe.stage_node.model import shard as shard_module
@@ -106,7 +106,7 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
     m = gpu_quant.TritonInt8(torch.randn(32, 64))
     tried = []
 
-    def launch(x, ws, grid, config, k_part):
+    def launch(x, ws, grid, config, k_part, rounded=None):
         tried.append(config[3])
         if config[3] > 2:
             raise OutOfResources("out of resource: shared memory")
@@ -118,7 +118,7 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
     m.mm_parts(x, cfg)
     assert tried == [4, 3, 2, 2]
 
-    def broken(x, ws, grid, config, k_part):
+    def broken(x, ws, grid, config, k_part, rounded=None):
         raise ValueError("not a resource")
     monkeypatch.setattr(m, "_launch", broken)
     with pytest.raises(ValueError, match="not a resource"):
@@ -157,7 +157,8 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     """The decode tile and the largest prompt tile of qmm_config, compiled by Triton for sm_90 (H100)
     without a GPU, and the decode tile for sm_87 (Jetson Orin; a prompt tile too large for its shared
     memory is launched with fewer stages): it compiles, its shared memory fits the GPU's, and on
-    sm_90 no register spills (but the tiled kernel's running sum of the parts: at most 80 bytes). The
+    sm_90 no register spills (but the tiled kernel's running sum of the parts: at most 80 bytes); and
+    fused.add_norm and fused.silu_mul with their rows' rounding (`rounded`), on both, no spill. The
     real compiler, which the interpreter tests cannot reach (ten compiles: about 12 s with an empty
     Triton cache on this shared machine, a second after)."""
     pytest.importorskip("triton")
@@ -200,6 +201,21 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                     what = f"{kernel.__name__} {extra} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
                     assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
                     assert cap != 90 or spilled <= allowed, f"{what}: {spilled} bytes of registers spilled a thread"
+    # add_norm and silu_mul rounding their rows for the one-row kernel in the same launch (an 8B row: 4096 wide,
+    # 32 warps; SiLU's blocks of 1024)
+    _, add_norm, _, silu_mul = fused._kernels()
+    args = {"ws_ptr": "*fp32", **{a: "*bf16" for a in ("x_ptr", "w_ptr", "xo_ptr", "h_ptr")}, "xq_ptr": "*i8",
+            "aux_ptr": "*fp32", "M": "i32", "N": "i32", "eps": "fp32", **{a: "i32" for a in ("s_part", "s_ws", "s_x",
+                                                                                             "s_xo", "s_h")}}
+    silu_args = {"gu_ptr": "*bf16", "o_ptr": "*bf16", "xq_ptr": "*i8", "aux_ptr": "*fp32",
+                 **{a: "i32" for a in ("T", "F", "s_gu", "s_o")}}
+    for cap in (90, 87):
+        for kernel, signature, constexprs, warps in (
+                (add_norm, args, {"PARTS": 8, "ADD": True, "NORM": True, "F32": False, "BLOCK": 4096}, 32),
+                (silu_mul, silu_args, {"BLOCK": fused.SILU_BLOCK}, 4)):
+            shared, spilled = compiled(kernel, signature, {**constexprs, "TRIGGER": cap == 90, "ROUND": True}, cap,
+                                       warps, 1)
+            assert shared <= SHARED_LIMIT[cap] and spilled <= 0, f"{kernel.__name__} sm_{cap}: {shared}, {spilled}"
 
 
 def interpreted_product(fmt, w, x):
@@ -315,6 +331,30 @@ def test_interpreted_parts_of_k_are_added_in_order(interpret, monkeypatch):
     assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_add_norm_and_silu_mul_round_as_round_rows(interpret, dtype):
+    """fused.add_norm's and fused.silu_mul's `rounded`: the rows they write rounded for the one-row
+    int4 kernel, in their own launch, are round_rows' bytes, a and S exactly (an outlier in a group; a
+    width whose block has groups past it: 96 of add_norm's 128, 1504 of silu_mul's two blocks of 1024)."""
+    g = torch.Generator().manual_seed(5)
+    M, N = 3, 96
+    x = torch.randn(M, N, generator=g).to(dtype)
+    x[1, 40] = 30.0
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype)
+    ws = torch.randn(2, M, N, generator=g)
+    xo, h, (xd, aux) = fused.add_norm(ws, x, w, 1e-5, rounded=True)
+    assert torch.equal((xo, h)[1], fused.add_norm(ws, x, w, 1e-5)[1])
+    want = gpu_quant.round_rows(h, gpu_quant_kernels.LAYOUT_DP)
+    assert torch.equal(xd, want[0]) and torch.equal(aux, want[1])
+    gu = torch.randn(2, 2 * 1504, generator=g).to(dtype)
+    out, (xd, aux) = fused.silu_mul(gu, True)
+    assert torch.equal(out, fused.silu_mul(gu))
+    want = gpu_quant.round_rows(out, gpu_quant_kernels.LAYOUT_DP)
+    assert torch.equal(xd, want[0]) and torch.equal(aux, want[1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fused.silu_mul(torch.zeros(1, 2 * 40, dtype=dtype), True)
+
+
 def one_llama_layer(path: Path) -> Path:
     """A random Llama layer's model directory (hidden 64, MLP 96, 4 heads, 2 KV heads), written
     directly: transformers' import alone takes longer than the kernels' tests."""
@@ -363,5 +403,22 @@ def test_interpreted_fused_layers_with_quantized_matrices_match_the_forward(inte
     got = shard.layers_fused(x, positions, write, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)}, attend)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pools[1].kv[:, :, :, :5], pools[0].kv[:, :, :, :5], rtol=1e-4, atol=1e-4)
+    # 2 rows (the one-row kernel): their inputs rounded by add_norm and silu_mul, or by round_rows' pre-pass
+    # (the fused rounding off): the same bits, and the rounding is taken (round_rows only for o's input)
+    rows = StepKV(pools[1], torch.tensor([8, 9]), (seq_slice(0, 2, [2], bs),))
+    table, positions, tiles, _ = shard._invariant_reads(rows)
+    kv = rows
+    assert shard._rounds(shard.layers[0].qkv, 2) and not shard._rounds(shard.layers[0].qkv, 4)
+    calls = []
+    monkeypatch.setattr(gpu_quant, "round_rows", lambda x, layout, f=gpu_quant.round_rows: calls.append(x.shape) or
+                        f(x, layout))
+    two = shard.layers_fused(x[:2], positions, rows.write_slots, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)},
+                             attend)
+    assert calls == [(2, 64)]  # o's input alone
+    monkeypatch.setattr(shard, "_rounds", lambda m, rows: False)
+    calls.clear()
+    again = shard.layers_fused(x[:2], positions, rows.write_slots, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)},
+                               attend)
+    assert torch.equal(two, again) and len(calls) == 4
     shard.device = torch.device("cuda")  # (only the check: nothing runs) a CUDA stage would take the fused loop
     assert shard.fused_layers
