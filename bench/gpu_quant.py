@@ -6,7 +6,8 @@ Parts (`--part`, comma list; default check,decode,matrices,agreement):
   * check: each matrix of layer 0 of the 8B-shaped model (and the int8 LM head) in int4 and int8,
     256 rows against a float32 product with the dequantized matrix, and a row's bits at any place
     among 1 to 256 rows (the one-row kernel up to gpu_quant.GEMV_ROWS rows, 16- to 128-row tiles past
-    that: the kernels' batch invariance on the GPU's own instructions);
+    that: the kernels' batch invariance on the GPU's own instructions); and the int4 step at 1 to 3
+    rows with its inputs rounded by add_norm / silu_mul against round_rows' pre-pass (the same bits);
   * decode: one stream of the 8B-shaped layer set (bench.gpu_engine's model, `--layers`, default 8,
     with the final norm and the LM head: int8 beside int4 and int8 layers, as a stage holds it) in
     bf16, int4 and int8: the one-row step at `--context` positions as a CUDA-graph replay (the
@@ -136,6 +137,33 @@ def check(args, res: dict) -> None:
         del shard, mats
         torch.cuda.empty_cache()
     res["check_rows_invariant"] = all(v["rows_invariant"] for v in out.values())
+    res["check_fused_rounding"] = fused_rounding(path)
+
+
+def fused_rounding(path: Path) -> dict:
+    """The int4 step's inputs rounded by add_norm / silu_mul in their launch (Shard._rounds) against
+    round_rows' pre-pass (off): the eager step of 2 layers at 1, 2 and 3 rows, the same bits."""
+    shard = load(path, "int4", 2)
+    bs, blocks = 16, list(range(40))
+    pool = shard.new_pool(len(blocks), bs)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = {}
+    with torch.inference_mode():
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, shard.config.hidden_size, generator=g, device="cuda").bfloat16()
+            seqs = tuple(seq_slice(100 + r, 1, blocks[10 * r: 10 * r + 10], bs, "cuda", 100 + r) for r in range(rows))
+            write = torch.tensor([160 * r + 100 + r for r in range(rows)], device="cuda")
+            fused = shard.forward(x, StepKV(pool, write, seqs)).clone()
+            shard._rounds = lambda m, rows: False  # (an instance attribute over the method: the pre-pass)
+            try:
+                plain = shard.forward(x, StepKV(pool, write, seqs))
+            finally:
+                del shard._rounds
+            out[rows] = torch.equal(fused, plain)
+    print("int4 inputs rounded by add_norm / silu_mul, the same bits as by round_rows:", out, flush=True)
+    if not all(out.values()):
+        raise RuntimeError(f"the fused rounding changed a row's bits: {out}")
+    return out
 
 
 def decode(args, res: dict) -> None:
