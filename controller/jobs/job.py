@@ -117,6 +117,7 @@ class Timeline:
     opened_now: float = 0.0   # its current session opened (after a preemption or a move: the replay)
     first_token: float = 0.0
     last_token: float = 0.0
+    heard: float = 0.0        # its last token came from the stages (the controller's own clock: no reader needed)
     finished: float = 0.0
 
 

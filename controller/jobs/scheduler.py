@@ -67,6 +67,25 @@ WAIT_FOR_NODES_S = 60.0     # no plan fits the nodes there are: a queued request
 DEFAULT_SPECULATE = 4       # candidates per step unless the controller or the request says (rows 1..4 cost one step)
 MAX_SPECULATE = 16          # candidates per step a request may ask for (each is a row on every stage)
 ADMIT_RETRY_S = 0.5         # a refused admission is retried this often even if nothing finished
+# the stages take sequences in the order of OpenSessionRequest.priority (lower first: prefilled first,
+# preempted last). A request replaying after a move ranks under REPLAY_RANKS by when it last had a token,
+# the one that has waited longest first; any other by its arrival above it. By arrival alone, a storm's
+# replays ran in the same order at every move, and the youngest, always last, could be cut off before its
+# token fault after fault (one request waited 13.5 s while the others resumed within 4 s)
+REPLAY_RANKS = 1 << 48
+
+
+def stalled_since(req: Request) -> float:
+    """When `req` last had a token from the stages (its submission if none yet): time.monotonic()."""
+    return req.times.heard or req.times.submitted
+
+
+def stage_priority(req: Request) -> int:
+    """The priority the stages are told for `req`'s sequence (see REPLAY_RANKS): a request catching up
+    after a move by when it last had a token (in ms), any other REPLAY_RANKS + its arrival order."""
+    if req.catching_up:
+        return min(max(1, int(stalled_since(req) * 1000)), REPLAY_RANKS - 1)
+    return REPLAY_RANKS + req.priority
 
 
 @dataclass
@@ -240,6 +259,7 @@ class Scheduler:
             if req.prompt_logprobs is not None and req.prompt_lps is None:  # (the first event of a session asked)
                 req.prompt_lps = [TokenLogprob.from_proto(lp) for lp in t.prompt_logprobs]
             req.failures = 0  # it moves again
+            req.times.heard = time.monotonic()
             if t.index == 0:  # its first token: how fast it prefilled
                 self._first_token(req)
             if req.catching_up:
@@ -282,7 +302,8 @@ class Scheduler:
 
     def detach(self, pipelines: list[Pipeline] | None) -> list[str]:
         """Every request running on `pipelines` (None: on any) back to the front of the queue,
-        oldest first, to be replayed from its prompt and the tokens it has on the pipeline the
+        the one that has waited longest for a token first (stage_priority), to be replayed from its
+        prompt and the tokens it has on the pipeline the
         router picks then. The requests of the other pipelines go on untouched. Returns the
         sessions they had (for the caller to close where they are still open)."""
         moving = None if pipelines is None else set(map(id, pipelines))
@@ -291,7 +312,7 @@ class Scheduler:
         running = sorted(((sid, r) for sid, r in self.active.items()
                           if moving is None or id(self.opened.get(sid)) in moving
                           or id(self._prefill_pipeline(r)) in moving),  # its prompt is prefilled there
-                         key=lambda kv: kv[1].priority, reverse=True)
+                         key=lambda kv: stalled_since(kv[1]), reverse=True)
         was: dict[str, Pipeline | None] = {}
         for sid, req in running:
             self._drop_prefill(req)
@@ -877,7 +898,7 @@ class Scheduler:
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.received), priority=req.priority, speculate=req.speculate, sequence=req.job.sequence,
+            generated=len(req.received), priority=stage_priority(req), speculate=req.speculate, sequence=req.job.sequence,
             grammar=req.job.grammar)  # structured output: the last stage constrains to it
         if req.top_logprobs is not None:
             open_request.top_logprobs = req.top_logprobs
@@ -909,7 +930,7 @@ class Scheduler:
         open_d.kv_import_length, open_d.kv_import_key = h.length, h.key
         open_p = stage_pb2.OpenSessionRequest(
             session_id=h.session, capacity=h.length, prompt_token_ids=inputs[: h.length], prefill_only=True,
-            max_new_tokens=1, priority=req.priority, prefill_chunk=req.job.prefill_chunk or self._chunk(h.length, prefill))
+            max_new_tokens=1, priority=stage_priority(req), prefill_chunk=req.job.prefill_chunk or self._chunk(h.length, prefill))
         got_d, got_p = await asyncio.gather(decode.open_session(open_d), prefill.open_session(open_p),
                                             return_exceptions=True)
         if isinstance(got_d, BaseException) or isinstance(got_p, BaseException):
