@@ -70,8 +70,8 @@ ADMIT_RETRY_S = 0.5         # a refused admission is retried this often even if 
 # the stages take sequences in the order of OpenSessionRequest.priority (lower first: prefilled first,
 # preempted last). A request replaying after a move ranks under REPLAY_RANKS by when it last had a token,
 # the one that has waited longest first; any other by its arrival above it. By arrival alone, a storm's
-# replays ran in the same order at every move, and the youngest, always last, could be cut off before its
-# token fault after fault (one request waited 13.5 s while the others resumed within 4 s)
+# replays ran in the same order at every move, and the same one, always last, could be cut off before its
+# token fault after fault (one request was the last to resume at eight faults in a row: 13.5 s)
 REPLAY_RANKS = 1 << 48
 
 
