@@ -67,12 +67,11 @@ WAIT_FOR_NODES_S = 60.0     # no plan fits the nodes there are: a queued request
 DEFAULT_SPECULATE = 4       # candidates per step unless the controller or the request says (rows 1..4 cost one step)
 MAX_SPECULATE = 16          # candidates per step a request may ask for (each is a row on every stage)
 ADMIT_RETRY_S = 0.5         # a refused admission is retried this often even if nothing finished
-# the stages take sequences in the order of OpenSessionRequest.priority (lower first: prefilled first,
-# preempted last). A request replaying after a move ranks under REPLAY_RANKS by when it last had a token,
-# the one that has waited longest first; any other by its arrival above it. By arrival alone, a storm's
-# replays ran in the same order at every move, and the same one, always last, could be cut off before its
-# token fault after fault (one request was the last to resume at eight faults in a row: 13.5 s)
-REPLAY_RANKS = 1 << 48
+# stage 0 prefills a request replaying after a move or a fault (`catching_up`) before the other prompts, the
+# one that has waited longest for a token first (OpenSessionRequest.prefill_rank: when it last had one, in
+# ms); preemption still goes by arrival (priority). By arrival alone a storm's replays ran in the same order
+# at every move, and the same one, always last, could be cut off before its token fault after fault (one
+# request was the last to resume at eight faults in a row: 13.5 s)
 
 
 def stalled_since(req: Request) -> float:
@@ -80,12 +79,11 @@ def stalled_since(req: Request) -> float:
     return req.times.heard or req.times.submitted
 
 
-def stage_priority(req: Request) -> int:
-    """The priority the stages are told for `req`'s sequence (see REPLAY_RANKS): a request catching up
-    after a move by when it last had a token (in ms), any other REPLAY_RANKS + its arrival order."""
-    if req.catching_up:
-        return min(max(1, int(stalled_since(req) * 1000)), REPLAY_RANKS - 1)
-    return REPLAY_RANKS + req.priority
+def prefill_rank(req: Request) -> int:
+    """Stage 0's prefill order for `req`'s sequence (OpenSessionRequest.prefill_rank): a request catching
+    up (replaying after a move or a fault) by when it last had a token (ms of time.monotonic(), at least
+    1); any other 0 (none)."""
+    return max(1, int(stalled_since(req) * 1000)) if req.catching_up else 0
 
 
 @dataclass
@@ -302,7 +300,7 @@ class Scheduler:
 
     def detach(self, pipelines: list[Pipeline] | None) -> list[str]:
         """Every request running on `pipelines` (None: on any) back to the front of the queue,
-        the one that has waited longest for a token first (stage_priority), to be replayed from its
+        the one that has waited longest for a token first (as prefill_rank), to be replayed from its
         prompt and the tokens it has on the pipeline the
         router picks then. The requests of the other pipelines go on untouched. Returns the
         sessions they had (for the caller to close where they are still open)."""
@@ -898,7 +896,8 @@ class Scheduler:
         open_request = stage_pb2.OpenSessionRequest(
             session_id=session, capacity=req.capacity, sampling=req.sampling.to_proto(),
             max_new_tokens=req.max_tokens, stop_token_ids=sorted(req.stop_ids), prompt_token_ids=inputs,
-            generated=len(req.received), priority=stage_priority(req), speculate=req.speculate, sequence=req.job.sequence,
+            generated=len(req.received), priority=req.priority, prefill_rank=prefill_rank(req), speculate=req.speculate,
+            sequence=req.job.sequence,
             grammar=req.job.grammar)  # structured output: the last stage constrains to it
         if req.top_logprobs is not None:
             open_request.top_logprobs = req.top_logprobs
@@ -930,7 +929,8 @@ class Scheduler:
         open_d.kv_import_length, open_d.kv_import_key = h.length, h.key
         open_p = stage_pb2.OpenSessionRequest(
             session_id=h.session, capacity=h.length, prompt_token_ids=inputs[: h.length], prefill_only=True,
-            max_new_tokens=1, priority=stage_priority(req), prefill_chunk=req.job.prefill_chunk or self._chunk(h.length, prefill))
+            max_new_tokens=1, priority=req.priority, prefill_rank=prefill_rank(req),
+            prefill_chunk=req.job.prefill_chunk or self._chunk(h.length, prefill))
         got_d, got_p = await asyncio.gather(decode.open_session(open_d), prefill.open_session(open_p),
                                             return_exceptions=True)
         if isinstance(got_d, BaseException) or isinstance(got_p, BaseException):

@@ -281,7 +281,7 @@ class Scheduler:
         rows = positions = held = 0  # token rows, the key positions they attend over, those their sequences hold
         window = self.clock.shape.window if self.clock is not None else 0
         in_flight_cap, group = self.micro_batches_now()
-        prompts = sorted((s for s in ready if s.is_prefill_ready()), key=lambda s: s.age)
+        prompts = sorted((s for s in ready if s.is_prefill_ready()), key=lambda s: s.prefill_order)
         # decode rows first, those that waited longest first; with prompts waiting, they keep a seat
         # and a share of the token budget, so that decoding can never starve a prefill
         max_seqs = b.max_seqs - (1 if prompts else 0)

@@ -59,6 +59,7 @@ class SeqSpec:
     parent_length: int = 0
     index: int = 0                         # its index within its request (mixed into draws)
     priority: int = 0                      # lower is older: preempted last (0: admission order)
+    prefill_rank: int = 0                  # stage 0: prefilled before the unranked, lower first (0: none)
     speculate: int = 0                     # last stage: candidates drafted per step at most (0: none)
     prefill_chunk: int = 0                 # stage 0: prompt rows of it in one step at most (0: the budget)
     top_logprobs: int | None = None        # last stage: report each token's logprob and this many top ones (None: no)
@@ -109,6 +110,13 @@ class Sequence:
     def age(self) -> tuple[int, int]:
         """Sorts oldest first: the owner's priority, then admission order on this stage."""
         return (self.spec.priority or self.order, self.order)
+
+    @property
+    def prefill_order(self) -> tuple[int, int, tuple[int, int]]:
+        """Stage 0's order among the prompts waiting: a ranked one first (a replay after a move, by
+        when it last had a token: SeqSpec.prefill_rank), lower first, then by age."""
+        rank = self.spec.prefill_rank
+        return (0 if rank else 1, rank, self.age)
 
     @property
     def next_pos(self) -> int:

@@ -48,7 +48,9 @@ ROUND_GROUPS = 4  # groups of 32 a program of round_rows
 
 @functools.cache
 def kernels():
-    global dp4, round_store  # (helpers the kernels call: Triton resolves them among the module's globals)
+    # (helpers the kernels call, and tl: Triton resolves them among the module's globals; its interpreter
+    # wants tl there too when a kernel of another module calls round_store)
+    global dp4, round_store, tl
     import triton
     import triton.language as tl
 

@@ -104,7 +104,7 @@ def spec_from_proto(req: stage_pb2.OpenSessionRequest, *, context: int, vocab_si
                    max_new_tokens=req.max_new_tokens or 1 << 30, stop_ids=frozenset(req.stop_token_ids),
                    owner=req.owner, opener=opener, prompt=prompt, generated=req.generated, parent=req.parent_session_id,
                    parent_length=req.parent_length, index=req.sequence, priority=req.priority,
-                   speculate=req.speculate, prefill_chunk=req.prefill_chunk,
+                   prefill_rank=req.prefill_rank, speculate=req.speculate, prefill_chunk=req.prefill_chunk,
                    top_logprobs=req.top_logprobs if req.HasField("top_logprobs") else None,
                    prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
                    grammar=req.grammar, prefill_only=req.prefill_only, import_length=req.kv_import_length,

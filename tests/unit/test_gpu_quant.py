@@ -355,12 +355,12 @@ def test_interpreted_add_norm_and_silu_mul_round_as_round_rows(interpret, dtype)
         fused.silu_mul(torch.zeros(1, 2 * 40, dtype=dtype), True)
 
 
-def one_llama_layer(path: Path) -> Path:
-    """A random Llama layer's model directory (hidden 64, MLP 96, 4 heads, 2 KV heads), written
+def two_llama_layers(path: Path) -> Path:
+    """A random 2-layer Llama's model directory (hidden 64, MLP 96, 4 heads, 2 KV heads), written
     directly: transformers' import alone takes longer than the kernels' tests."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
-           "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
            "torch_dtype": "float32"}
     (path / "config.json").write_text(json.dumps(cfg))
@@ -368,21 +368,23 @@ def one_llama_layer(path: Path) -> Path:
     shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64),
               "self_attn.o_proj": (64, 64), "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64),
               "mlp.down_proj": (64, 96)}
-    t = {f"model.layers.0.{k}.weight": torch.randn(*s, generator=g) * 0.1 for k, s in shapes.items()}
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        t[f"model.layers.0.{norm}.weight"] = 1 + 0.1 * torch.randn(64, generator=g)
+    t = {}
+    for layer in range(2):
+        t |= {f"model.layers.{layer}.{k}.weight": torch.randn(*s, generator=g) * 0.1 for k, s in shapes.items()}
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[f"model.layers.{layer}.{norm}.weight"] = 1 + 0.1 * torch.randn(64, generator=g)
     save_file(t, str(path / "model.safetensors"))
     return path
 
 
 def test_interpreted_fused_layers_with_quantized_matrices_match_the_forward(interpret, tmp_path, monkeypatch):
-    """A layer whose matrices are in int4 by the Triton kernels: stage_node.fused's layer loop (its
+    """Two layers whose matrices are in int4 by the Triton kernels: stage_node.fused's layer loop (its
     products' parts by gpu_quant through invariant.mm / mm_parts) gives the plain forward's hidden
     states (whose products are the same matrices' own calls) and the same keys and values. (The
     default RoPE given here: reading it imports transformers, longer than the test.)"""
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)
     monkeypatch.setattr(shard_module, "rope_parameters", lambda model_dir, kind="full": (inv_freq, 1.0))
-    shard = Shard.load(one_llama_layer(tmp_path), 0, 1, first=False, last=False)
+    shard = Shard.load(two_llama_layers(tmp_path), 0, 2, first=False, last=False)
     shard.layers = [dataclasses.replace(w, **{name: gpu_quant.quantize(getattr(w, name), "int4")
                                               for name in ("qkv", "o", "gate_up", "down")}) for w in shard.layers]
     shard._plain = None
@@ -414,11 +416,11 @@ def test_interpreted_fused_layers_with_quantized_matrices_match_the_forward(inte
                         f(x, layout))
     two = shard.layers_fused(x[:2], positions, rows.write_slots, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)},
                              attend)
-    assert calls == [(2, 64)]  # o's input alone
+    assert calls == [(2, 64)] * 2  # o's input alone, in each layer (the next layer's q/k/v: the add-norm's)
     monkeypatch.setattr(shard, "_rounds", lambda m, rows: False)
     calls.clear()
     again = shard.layers_fused(x[:2], positions, rows.write_slots, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)},
                                attend)
-    assert torch.equal(two, again) and len(calls) == 4
+    assert torch.equal(two, again) and len(calls) == 8
     shard.device = torch.device("cuda")  # (only the check: nothing runs) a CUDA stage would take the fused loop
     assert shard.fused_layers

@@ -8,7 +8,7 @@ import asyncio
 
 from logicpipe.controller.jobs.job import Job
 from logicpipe.controller.jobs.rebalance import Movable, moves_onto
-from logicpipe.controller.jobs.scheduler import REPLAY_RANKS, Scheduler, SchedulerConfig
+from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
 from logicpipe.controller.mesh.pipeline import StageHandle
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState, Phase
@@ -227,29 +227,30 @@ def test_a_silent_pipelines_requests_spread_its_mirror_taking_the_dearest_up_to_
 
 
 def test_replays_after_a_move_are_ranked_by_how_long_they_waited_for_a_token():
-    """The stages prefill (and preempt last) by the priority they are told: a request replaying after a
-    move ranks under every other by when it last had a token (the longest wait first, whatever its
-    arrival), and opens first; one that was not moved keeps its arrival order, above them."""
+    """Stage 0 prefills a ranked sequence first (OpenSessionRequest.prefill_rank): a request replaying
+    after a move is ranked by when it last had a token (the longest wait first, whatever its arrival),
+    and opens first; its priority (preemption: arrival order) is unchanged; one not moved has no rank."""
     async def main():
         a, b = FakePipeline(0), FakePipeline(1)
         pipelines, sched = serving_one(a)
         reqs = [sched.submit(Job((1, 2, 3 + i), 20, request_id=f"r{i}")).request for i in range(4)]
         await until(lambda: all(r.session_id for r in reqs), "all four opened on the one pipeline", tries=300)
-        first = [o.priority for o in a.opened]
-        assert first == sorted(first) and first[0] >= REPLAY_RANKS  # arrival order, none a replay
+        assert [o.prefill_rank for o in a.opened] == [0, 0, 0, 0]
+        arrival = [o.priority for o in a.opened]
+        assert arrival == sorted(arrival) and arrival[0] > 0
         for r in (reqs[2], reqs[0], reqs[1], reqs[3]):  # r2's token first: it then waits longest
             sched.on_event(stage_pb2.Event(session_id=r.session_id, token=stage_pb2.TokenEvent(token_ids=[7], index=0)))
             await asyncio.sleep(0.01)
         pipelines.replace([b])
         sched.detach([a])
         await until(lambda: len(b.opened) == 4, "the four replayed on the other pipeline", tries=300)
-        by_id = {tuple(o.prompt_token_ids)[2]: o.priority for o in b.opened}  # (3 + i: request i)
-        assert all(p < REPLAY_RANKS for p in by_id.values())
-        assert sorted(by_id, key=by_id.get) == [5, 3, 4, 6], by_id  # r2, r0, r1, r3: by their last token
+        rank = {tuple(o.prompt_token_ids)[2]: o.prefill_rank for o in b.opened}  # (3 + i: request i)
+        assert all(rank.values()) and sorted(rank, key=rank.get) == [5, 3, 4, 6], rank  # r2, r0, r1, r3
         assert [tuple(o.prompt_token_ids)[2] for o in b.opened] == [5, 3, 4, 6], "the longest wait opens first"
+        assert {tuple(o.prompt_token_ids)[2]: o.priority for o in b.opened} == dict(zip((3, 4, 5, 6), arrival))
         new = sched.submit(Job((9, 9), 20, request_id="new")).request
         await until(lambda: new.session_id, "a new request opened", tries=300)
-        assert b.opened[-1].priority == REPLAY_RANKS + new.priority > max(by_id.values())
+        assert b.opened[-1].prefill_rank == 0 and b.opened[-1].priority > max(arrival)
         await sched.shutdown()
 
     asyncio.run(main())

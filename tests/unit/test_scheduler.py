@@ -14,9 +14,9 @@ from logicpipe.stage_node.engine.step_budget import StepClock, shape_of
 from logicpipe.tensor_codec import RawTensor
 
 
-def spec(sid: str, prompt=(1, 2, 3), capacity: int = 48, priority: int = 0) -> SeqSpec:
+def spec(sid: str, prompt=(1, 2, 3), capacity: int = 48, priority: int = 0, prefill_rank: int = 0) -> SeqSpec:
     return SeqSpec(session_id=sid, capacity=capacity, sampling=SamplingParams(), max_new_tokens=100,
-                   stop_ids=frozenset(), prompt=tuple(prompt), priority=priority)
+                   stop_ids=frozenset(), prompt=tuple(prompt), priority=priority, prefill_rank=prefill_rank)
 
 
 def first_stage(blocks: int = 200, budget: Budget = Budget(), micro_batches: int = 1) -> Scheduler:
@@ -92,10 +92,25 @@ def test_prompt_chunks_fill_the_token_budget_after_decode_rows():
     assert [w.start_pos for w in chunks] == [7, 15] and chunks[-1].sample
 
 
+def test_ranked_replays_are_prefilled_first_the_lowest_rank_first():
+    """OpenSessionRequest.prefill_rank (a replay after a move, by when it last had a token): prompts
+    with a rank before those without, the lowest first, whatever their priority (arrival)."""
+    sched = first_stage(budget=Budget(max_tokens=8))  # one prompt of 8 rows a step
+    for sid, prio, rank in (("old", 1, 0), ("late", 3, 200), ("early", 4, 100), ("new", 2, 0)):
+        sched.admit(spec(sid, prompt=range(8), priority=prio, prefill_rank=rank))
+        sched.feed(SeqWork(sid, 0, tuple(range(8))))
+    order = []
+    for _ in range(4):
+        step, _ = sched.schedule()
+        order += [p.seq.id for p in step.seqs]
+        sched.complete(step, set())
+    assert order == ["early", "late", "old", "new"]
+
+
 def test_the_youngest_is_preempted_when_blocks_run_out():
     sched = first_stage(blocks=6)  # 24 positions
-    for sid, prio in (("old", 1), ("young", 2)):
-        sched.admit(spec(sid, prompt=range(8), capacity=24, priority=prio))  # 2 blocks each
+    for sid, prio in (("old", 1), ("young", 2)):  # (a prefill rank, a replay's, does not protect it)
+        sched.admit(spec(sid, prompt=range(8), capacity=24, priority=prio, prefill_rank=5 if sid == "young" else 0))
         sched.feed(SeqWork(sid, 0, tuple(range(8))))
     run_step(sched)
     failures = []

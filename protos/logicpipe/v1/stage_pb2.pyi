@@ -103,7 +103,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk", "controller_epoch", "top_logprobs", "prompt_logprobs", "grammar", "prefill_only", "kv_import_length", "kv_import_key")
+    __slots__ = ("session_id", "capacity", "sampling", "max_new_tokens", "stop_token_ids", "owner", "prompt_token_ids", "generated", "parent_session_id", "parent_length", "sequence", "priority", "speculate", "prefill_chunk", "controller_epoch", "top_logprobs", "prompt_logprobs", "grammar", "prefill_only", "kv_import_length", "kv_import_key", "prefill_rank")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class OpenSessionRequest(_message.Message):
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     KV_IMPORT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_IMPORT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RANK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capacity: int
     sampling: SamplingParams
@@ -146,7 +147,8 @@ class OpenSessionRequest(_message.Message):
     prefill_only: bool
     kv_import_length: int
     kv_import_key: str
-    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., prefill_only: bool = ..., kv_import_length: _Optional[int] = ..., kv_import_key: _Optional[str] = ...) -> None: ...
+    prefill_rank: int
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., parent_session_id: _Optional[str] = ..., parent_length: _Optional[int] = ..., sequence: _Optional[int] = ..., priority: _Optional[int] = ..., speculate: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., prefill_only: bool = ..., kv_import_length: _Optional[int] = ..., kv_import_key: _Optional[str] = ..., prefill_rank: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("cached_tokens",)
