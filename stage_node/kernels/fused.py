@@ -155,12 +155,6 @@ def norm_warps(block: int) -> int:
     return _warps(block) if block < 4096 else 32
 
 
-def _rounding(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The buffers of rows [m, k] rounded for the one-row int4 kernel (gpu_quant.round_rows, LAYOUT_DP)."""
-    return (torch.empty(m, k // 32, 2, 32, dtype=torch.int8, device=device),
-            torch.empty(2, k // 32, m, dtype=torch.float32, device=device))
-
-
 def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
              eps: float, rounded: bool = False) -> tuple:
     """ws: a product's output [parts, M, N] (float32 partial sums, added in order, or [1, M, N] in
@@ -175,7 +169,7 @@ def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | No
     h = torch.empty_like(x) if weight is not None else None
     if rounded and (h is None or N % 32):
         raise ValueError("add_norm rounds its norm's rows only with a norm over a multiple of 32")
-    pre = _rounding(M, N, x.device) if rounded else None
+    pre = gpu_quant_kernels.rounding(M, N, gpu_quant_kernels.LAYOUT_DP, x.device) if rounded else None
     if M == 0:
         return (xo, h, pre) if rounded else (xo, h)
     if add:
@@ -231,7 +225,7 @@ def silu_mul(gu: torch.Tensor, rounded: bool = False):
     out = torch.empty(T, F, dtype=gu.dtype, device=gu.device)
     if rounded and F % 32:
         raise ValueError("silu_mul rounds its rows only over a multiple of 32")
-    pre = _rounding(T, F, gu.device) if rounded else None
+    pre = gpu_quant_kernels.rounding(T, F, gpu_quant_kernels.LAYOUT_DP, gu.device) if rounded else None
     if T == 0:
         return (out, pre) if rounded else out
     assert gu.stride(1) == 1

@@ -112,9 +112,10 @@ def int8_config(n: int, k: int, dtype: torch.dtype, m: int) -> tuple[int, int, i
     weights the tensor cores' M, the rows their N: a row's tile is 16 rows, not 64 of which 63 are
     padding; an LM head's 33 to 64 rows excepted), as is an LM head's of over 64; the others take the
     rows as M, never under 64 rows (on the H100 a 16- or 32-row tile of those gave a row other bits
-    than the 64- and 128-row tiles: bench/gpu_quant_tiles.py). Both forms give a row the same bits (the same products, K in the same
-    BK chunks, each output's sum the tensor cores' own; checked on the H200 by bench/gpu_quant.py
-    --part check): any tile of either gives a row the same bits. See int8_trans."""
+    than the 64- and 128-row tiles: bench/gpu_quant_tiles.py). Both forms give a row the same bits
+    (the same products, K in the same BK chunks, each output's sum the tensor cores' own; checked on
+    the H200 by bench/gpu_quant.py --part check): any tile of either gives a row the same bits. See
+    int8_trans."""
     if dtype == torch.float32:  # exact float32 (no TF32): one tile
         return 16, 32, 4, 3, 1
     parts = invariant.quant_parts(n, k)
@@ -282,7 +283,8 @@ class TritonInt8(TritonMatrix):
         N, K = self.shape
         mm[grid](x, self.q8, self.scales, ws, x.shape[0], N, K, k_part, x.stride(0), self.q8.stride(0),
                  ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1), BM=bm, BN=bn, BK=INT8_BK,
-                 IEEE=x.dtype == torch.float32, TRANS=int8_trans(N, x.dtype, bm, bn), num_warps=warps, num_stages=stages)
+                 IEEE=x.dtype == torch.float32, TRANS=int8_trans(N, x.dtype, bm, bn), num_warps=warps,
+                 num_stages=stages)
 
 
 def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,11 +293,7 @@ def round_rows(x: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor
     activations' rounding, once per product (gpu_quant_kernels' docstring)."""
     triton, kernel, *_ = gpu_quant_kernels.kernels()
     m, k = x.shape
-    if layout == gpu_quant_kernels.LAYOUT_MM:
-        xq = torch.empty(m, k, dtype=torch.float16, device=x.device)
-    else:
-        xq = torch.empty(m, k // 32, 2, 32, dtype=torch.int8, device=x.device)
-    aux = torch.empty(2, k // 32, m, dtype=torch.float32, device=x.device)
+    xq, aux = gpu_quant_kernels.rounding(m, k, layout, x.device)
     gb = gpu_quant_kernels.ROUND_GROUPS
     kernel[(m, triton.cdiv(k // 32, gb))](x, xq, aux, m, k, x.stride(0), LAYOUT=layout, GB=gb, num_warps=1,
                                           **(invariant.pdl(x.device) if layout == gpu_quant_kernels.LAYOUT_DP else {}))

@@ -46,6 +46,13 @@ LAYOUT_MM, LAYOUT_DP = 0, 1
 ROUND_GROUPS = 4  # groups of 32 a program of round_rows
 
 
+def rounding(m: int, k: int, layout: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers of m rows of k rounded (the docstring's layouts): (i as LAYOUT says, a and S)."""
+    xq = (torch.empty(m, k, dtype=torch.float16, device=device) if layout == LAYOUT_MM
+          else torch.empty(m, k // 32, 2, 32, dtype=torch.int8, device=device))
+    return xq, torch.empty(2, k // 32, m, dtype=torch.float32, device=device)
+
+
 @functools.cache
 def kernels():
     # (helpers the kernels call, and tl: Triton resolves them among the module's globals; its interpreter
