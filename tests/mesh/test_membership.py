@@ -23,6 +23,11 @@ pytestmark = pytest.mark.mesh
 
 PACE = ("--min-step-ms", "25")  # a step of the small model takes as long as one of a slow device: faults land mid-request
 UNIFORM = ("--strategy", "uniform")  # every node a stage (the planner would give a model this small fewer)
+# a repair after a fault (the survivors, 2 stages) is kept over the planner's 3-stage plan when it is predicted
+# better by --replan-gain; on the loaded 2-core VM the two predictions (fewer hops, one survivor's measured
+# speed) came 86 against 67 tok/s once and 78 against 67 before, so a node back was taken in or not by noise.
+# With this gain it always is, as the restart test expects
+BACK_IN = (*UNIFORM, "--replan-gain", "1.0")
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 # the generation a node joins: the join (its start, mDNS, the pull, the re-plan) lands by its ~22nd token of the
 # default model on this 2-core VM under load (~5 tokens/s); 160 tokens cost ~30 s a generation, twice
@@ -109,7 +114,7 @@ def test_nodes_found_by_mdns_and_a_node_without_the_model_joins_mid_generation(m
 
 
 def test_a_killed_middle_stage_is_replanned_around_and_comes_back(chat_model, tmp_path):
-    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=UNIFORM, stage_args=PACE,
+    with LocalMesh(3, chat_model, tmp_path, threads=1, controller_args=BACK_IN, stage_args=PACE,
                    stage_extra={0: ("--keep-spare",)}) as mesh:
         greedy = run(mesh.controller_address)
         sampled = run(mesh.controller_address, temperature=0.8, top_p=0.95, seed=11)
