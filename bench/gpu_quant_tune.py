@@ -6,7 +6,7 @@ one-row step, on the GPU machine (as bench/gpu_quant.py, whose helpers it uses):
 Parts (`--part`, comma list; default sweep,profile; the others: --part rows,int8):
   * sweep: each int4 matrix of the 8B shape, for K in 2, 4 and gpu_quant.quant_parts' parts: the
     one-row product (round_rows, the one-row kernel, the parts' sum) for each of SWEEP_ONE_ROW's tiles
-    (BLOCK_N, warps, groups a step), and the product of `--prompt-rows` rows for each of
+    (BLOCK_N, warps, pipeline stages), and the product of `--prompt-rows` rows for each of
     SWEEP_PROMPT's tiles (BLOCK_M, BLOCK_N, warps, stages), a program a part and the tile adding the
     parts itself (`--prompt-rows ""`: none); us of the whole call (20 in one CUDA graph). Parts change
     the bits (a fact of the format, chosen once for every GPU: gpu_quant.PARTS); tiles and the sum's
@@ -37,7 +37,7 @@ from bench.gpu_step import kinds_of, timed
 from logicpipe.stage_node.engine.step_graphs import GraphRow, StepGraphs
 from logicpipe.stage_node.kernels import gpu_quant, invariant
 
-SWEEP_ONE_ROW = ((32, 1, 4), (32, 1, 8), (64, 1, 4), (64, 2, 4), (64, 2, 8), (128, 2, 4), (128, 4, 8))
+SWEEP_ONE_ROW = ((128, 2, 4), (128, 2, 3), (128, 2, 5), (256, 4, 4), (256, 2, 4), (64, 2, 4), (64, 1, 3), (32, 1, 4))
 SWEEP_HEAD = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3))  # int8
 # (tiles 64 columns wide: int8_mm's TRANS form, gpu_quant.int8_trans; 128 and 256 wide: the rows as the tensor cores' M)
 SWEEP_PROMPT = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),

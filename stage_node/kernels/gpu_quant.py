@@ -54,11 +54,16 @@ def quant_parts(n: int, k: int) -> int:
     return max(1, min(-(-4 * invariant.SMS // blocks), k // 512, 8))
 
 
-# the one-row kernel's tile (BLOCK_N, num_warps, groups of 32 a step of its K loop) by (format, n, k);
+# the one-row kernel's tile (BLOCK_N, num_warps, num_stages: its K loop's steps in flight) by (format, n, k);
 # others DECODE_TILE[format]. Any tile gives the same bits (gpu_quant_kernels): speed only
-# (python -m bench.gpu_quant_tune --part sweep)
-DECODE_TILE = {"int4": (32, 1, 4)}  # the H200 sweep's (q/k/v, gate/up, down; o 1% faster with 64 x 2 warps)
-DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 4096, 4096): (64, 2, 4)}
+# (python -m bench.gpu_quant_tune --part sweep). On the H200, a product's kernel alone over copies of
+# the matrix that L2 cannot hold (us): q/k/v 7.2, o 5.5, down 12.1 (5 stages; 12.7 with 4), gate/up 21.9
+# (256 x 4 warps; 23.4 with 128 x 2); the kernel that loaded one step ahead in registers (32 x 1 warp,
+# 4 groups a step): 7.8, 6.6, 16.4, 24.7 (.dev sweep of 2026-11-29: 2 groups a step the best, 4 and 8 slower)
+DECODE_TILE = {"int4": (128, 2, 4)}
+DECODE_TILES: dict[tuple[str, int, int], tuple[int, int, int]] = {("int4", 28672, 4096): (256, 4, 4),
+                                                                   ("int4", 4096, 14336): (128, 2, 5)}
+ONE_ROW_GROUPS = 2  # groups of 32 a step of the one-row kernel's K loop (step_groups)
 # the tiled kernel's tile (BLOCK_M, BLOCK_N, num_warps, num_stages) of a prompt (over 64 rows) by
 # (format, n, k, summed: the tile adds the parts of K itself, sum_rows); others PROMPT_TILE[summed].
 # (8 warps, whose 128-row tiles keep a group's a and S in the accumulator's layout as loaded, took
@@ -84,8 +89,7 @@ def sum_rows(n: int, k: int) -> int:
 
 def qmm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, fmt: str = "int4") -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, parts of K) of an m-row product with a quantized
-    w [n, k]; BLOCK_M 1: the one-row kernel (CUDA cores; its num_stages are the groups of 32 a step
-    of its K loop, step_groups), else the tiled one (tensor cores). The parts
+    w [n, k]; BLOCK_M 1: the one-row kernel (CUDA cores), else the tiled one (tensor cores). The parts
     are quant_parts(n, k), never a function of m; the tile follows m (it changes no bit)."""
     if fmt == "int8":
         return int8_config(n, k, dtype, m)
@@ -251,8 +255,8 @@ class TritonInt4(TritonMatrix):
         if bm == 1:
             xd, aux = rounded if rounded is not None else round_rows(x, gpu_quant_kernels.LAYOUT_DP)
             gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, M, N, K, k_part, *tail, BN=bn,
-                       U=step_groups(K, stages), ASM=x.is_cuda, num_warps=warps, num_stages=1,
-                       **invariant.pdl(x.device))
+                       U=step_groups(K, ONE_ROW_GROUPS), STAGES=stages, ASM=x.is_cuda, num_warps=warps,
+                       num_stages=stages, **invariant.pdl(x.device))
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
             mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, SUM=grid[2] < -(-K // k_part),

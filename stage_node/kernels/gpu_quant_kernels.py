@@ -162,12 +162,15 @@ def kernels():
         tl.store(out, total.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
     @triton.jit(do_not_specialize=["sys_"])
-    def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym,
-                  BN: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+    def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym, BN: tl.constexpr,
+                  U: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
         # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step,
-        # every load of a step issued a step ahead (a thread's U words of weights in flight together);
-        # xd the row's bytes as int32 words [M, K/32, 16] (LAYOUT_DP), q_ptr the weights as int32 words
-        # [K/32, N, 4]: word t's low nibbles are q of k = 4t..4t+3, its high nibbles of k = 16+4t..
+        # each step's loads at its start and Triton's pipeliner bringing them STAGES - 1 steps ahead
+        # (through shared memory: a warp's bytes in flight without registers to hold them); xd the row's
+        # bytes as int32 words [M, K/32, 16] (LAYOUT_DP), q_ptr the weights as int32 words [K/32, N, 4]:
+        # word t's low nibbles are q of k = 4t..4t+3, its high nibbles of k = 16+4t..
+        if PDL:  # (launched while the kernel before it runs; this waits for it, and all before it, to finish)
+            tl.extra.cuda.gdc_wait()
         row, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BN + tl.arange(0, BN)
         t4 = tl.arange(0, 4)
@@ -178,36 +181,21 @@ def kernels():
         g0 = part * (k_part // 32)
         g1 = tl.minimum(g0 + k_part // 32, groups)
         acc = tl.zeros((BN,), dtype=tl.float32)
-        # a step's weights and scales loaded a step ahead (loop-carried), so that a thread's U words are in
-        # flight while it computes the step before; [U, BN, 4] (U outermost: Triton spreads a warp's
-        # threads over the columns, each thread holding its column's U groups, so the groups' sums below
+        # [U, BN, 4] (U outermost: each thread holds its columns' U groups, so the groups' sums below
         # stay in the thread)
         w_ptrs = q_ptr + us[:, None, None] * N * 4 + rn[None, :, None] * 4 + t4[None, None, :]
         # (the scales' columns written as (2 j) // 2: Triton then sees no contiguity along them, and loads
         # them in the layout the sums are in rather than 4 columns a thread: no move between layouts)
         sz_ptrs = sz_ptr + us[:, None] * N + (pid_n * BN + tl.arange(0, BN) * 2 // 2)[None, :]
-        # the row's words, S and a of a step (the same for every column: L2 hits, but a round trip each)
-        # loaded a step ahead too: loaded at a step's start, they made each step wait for L2 in turn
-        xw = x_row + us[:, None] * 16 + t4[None, :]  # [U, 4]
+        xw = x_row + us[:, None] * 16 + t4[None, :]  # [U, 4]: the row's words (the same for every column)
         a_ptrs = aux_ptr + us * M + row  # [U]
-        w_n = tl.load(w_ptrs + g0 * N * 4, mask=cols_in[None, :, None], other=0)
-        sz_n = tl.load(sz_ptrs + g0 * N, mask=cols_in[None, :], other=0)
-        if PDL:  # (launched while round_rows runs: the first step's weights are in flight meanwhile)
-            tl.extra.cuda.gdc_wait()  # round_rows done (and all before it): its words, a and S readable
-        xl0_n, xl1_n = tl.load(xw + g0 * 16), tl.load(xw + g0 * 16 + 4)
-        xh0_n, xh1_n = tl.load(xw + g0 * 16 + 8), tl.load(xw + g0 * 16 + 12)
-        s_n = tl.load(a_ptrs + (groups + g0) * M)
-        a_n = tl.load(a_ptrs + g0 * M)
-        for gu in range(g0, g1, U):
-            w, sz, s_x, a_x = w_n, sz_n, s_n[:, None], a_n  # this step's groups gu .. gu + U - 1
-            xl0, xl1, xh0, xh1 = xl0_n[:, None, :], xl1_n[:, None, :], xh0_n[:, None, :], xh1_n[:, None, :]
-            g_next = tl.minimum(gu + U, g1 - U)  # (the last step loads its own again: harmless)
-            w_n = tl.load(w_ptrs + g_next * N * 4, mask=cols_in[None, :, None], other=0)
-            sz_n = tl.load(sz_ptrs + g_next * N, mask=cols_in[None, :], other=0)
-            xl0_n, xl1_n = tl.load(xw + g_next * 16), tl.load(xw + g_next * 16 + 4)
-            xh0_n, xh1_n = tl.load(xw + g_next * 16 + 8), tl.load(xw + g_next * 16 + 12)
-            s_n = tl.load(a_ptrs + (groups + g_next) * M)
-            a_n = tl.load(a_ptrs + g_next * M)
+        for gu in tl.range(g0, g1, U, num_stages=STAGES):  # this step's groups gu .. gu + U - 1
+            w = tl.load(w_ptrs + gu * N * 4, mask=cols_in[None, :, None], other=0)
+            sz = tl.load(sz_ptrs + gu * N, mask=cols_in[None, :], other=0)
+            xl0, xl1 = tl.load(xw + gu * 16)[:, None, :], tl.load(xw + gu * 16 + 4)[:, None, :]
+            xh0, xh1 = tl.load(xw + gu * 16 + 8)[:, None, :], tl.load(xw + gu * 16 + 12)[:, None, :]
+            s_x = tl.load(a_ptrs + (groups + gu) * M)[:, None]
+            a_x = tl.load(a_ptrs + gu * M)
             lo = w & 0x0F0F0F0F  # bytes q of k = 4t + b
             hi = (w >> 4) & 0x0F0F0F0F  # k = 16 + 4t + b
             h = dp4(hi, xh1, dp4(lo, xh0, tl.zeros((U, BN, 4), dtype=tl.int32), ASM), ASM)

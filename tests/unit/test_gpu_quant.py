@@ -170,7 +170,8 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
         pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
     kernels = {  # (one row?, format): (kernel, its arguments' names, its pointers' types, constexprs)
-        (True, "int4"): (int4_gemv, INT4_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*bf16"], {"U": 4, "ASM": True}),
+        (True, "int4"): (int4_gemv, INT4_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*bf16"],
+                         {"U": gpu_quant.ONE_ROW_GROUPS, "ASM": True}),
         (False, "int4"): (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"], {}),
         (False, "int8"): (int8_mm, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"],
                           {"BK": gpu_quant.INT8_BK, "IEEE": False})}
@@ -196,7 +197,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                 for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 80)) if (bm, fmt) == (prompt[0], "int4") \
                         else (({"PDL": False}, 0), ({"PDL": True}, 0)) if (bm, cap) == (1, 90) \
                         else (({"PDL": False}, 0),) if bm == 1 else (({}, 64 if n > 4096 else 0),):
-                    constexprs = {"BN": bn, **const, **extra} | ({} if bm == 1 else {"BM": bm})
+                    constexprs = {"BN": bn, **const, **extra} | ({"STAGES": stages} if bm == 1 else {"BM": bm})
                     shared, spilled = compiled(kernel, signature, constexprs, cap, warps, stages)
                     what = f"{kernel.__name__} {extra} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
                     assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
