@@ -141,8 +141,9 @@ def check(args, res: dict) -> None:
 
 
 def fused_rounding(path: Path) -> dict:
-    """The int4 step's inputs rounded by add_norm / silu_mul in their launch (Shard._rounds) against
-    round_rows' pre-pass (off): the eager step of 2 layers at 1, 2 and 3 rows, the same bits."""
+    """The int4 step's inputs rounded by add_norm, attention's merge and silu_mul in their launch
+    (Shard._rounds) against round_rows' pre-pass (off): the eager step of 2 layers at 1, 2 and 3 rows,
+    the same bits."""
     shard = load(path, "int4", 2)
     bs, blocks = 16, list(range(40))
     pool = shard.new_pool(len(blocks), bs)
@@ -160,7 +161,7 @@ def fused_rounding(path: Path) -> dict:
             finally:
                 del shard._rounds
             out[rows] = torch.equal(fused, plain)
-    print("int4 inputs rounded by add_norm / silu_mul, the same bits as by round_rows:", out, flush=True)
+    print("int4 inputs rounded by add_norm / the merge / silu_mul, the same bits as by round_rows:", out, flush=True)
     if not all(out.values()):
         raise RuntimeError(f"the fused rounding changed a row's bits: {out}")
     return out

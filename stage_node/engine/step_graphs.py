@@ -314,11 +314,12 @@ class StepGraphs:
         window_kv = (g.window_write, self.pool.group.kv) if g.window else None
         if s.fused_layers:  # RoPE tables indexed and keys written by the fused kernels, read by slot
 
-            def attend_fused(i: int, q: torch.Tensor) -> torch.Tensor:
+            def attend_fused(i: int, q: torch.Tensor, rounded: bool = False):
                 pool, _, read, j = where[i]
                 return invariant.attention(q, pool.k[j], pool.v[j], read, g.positions, g.tiles,
                                            scale=s._scale, cap=s.arch.attn_softcap,
-                                           window=s.arch.sliding_window if s.kind(i) == "sliding" else None)
+                                           window=s.arch.sliding_window if s.kind(i) == "sliding" else None,
+                                           rounded=rounded)
 
             return s.layers_fused(g.x, g.positions, g.write, self.pool.kv, self.tables, attend_fused, window_kv)
         kvh, hd = c.num_kv_heads, c.head_dim

@@ -12,7 +12,8 @@ sum of a product's parts). These kernels do each group in one launch:
     the kernel), q written out, k and v written into the layer's KV pool at each row's slot.
     The arithmetic is HF's rounding step by step (x*cos and roll(x)*sin rounded to the dtype, then
     their sum), so the bits equal `rope.apply_rope`'s.
-  * `silu_mul`: SwiGLU's silu(gate) * up from the gate_up product, one launch.
+  * `silu_mul`: SwiGLU's silu(gate) * up from the gate_up product (its parts over K added in order
+    first, as `rope_kv` does q/k/v's), one launch.
 
 A layer is then ten launches (qkv, rope_kv, two attention kernels, o, add_norm, gate_up, silu_mul,
 down, add_norm: the next layer's input norm fused into this layer's last add). Used by
@@ -111,19 +112,27 @@ def _kernels():
             slot = tl.load(slot_ptr + t).to(tl.int64)
             tl.store(v_ptr + (h - HEADS - KVH) * s_vh + slot * s_vs + d, x, mask=mask)
 
-    @triton.jit
-    def silu_mul_kernel(gu_ptr, o_ptr, xq_ptr, aux_ptr, T, F, s_gu, s_o, BLOCK: tl.constexpr,
-                        TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False):
+    @triton.jit(do_not_specialize=["s_part"])
+    def silu_mul_kernel(gu_ptr, o_ptr, xq_ptr, aux_ptr, T, F, s_gu, s_o, s_part, BLOCK: tl.constexpr,
+                        PARTS: tl.constexpr = 1, TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False):
+        # PARTS > 1: gu holds the gate_up product's float32 parts over K (s_part apart), added in order
+        # and rounded to o's dtype first (invariant.add_parts' bits)
         if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
             tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = n < F
+        dt = o_ptr.dtype.element_ty
         g = tl.load(gu_ptr + t * s_gu + n, mask=mask, other=0.0)
         u = tl.load(gu_ptr + t * s_gu + F + n, mask=mask, other=0.0)
+        if PARTS > 1:
+            for p in tl.static_range(1, PARTS):
+                g += tl.load(gu_ptr + p * s_part + t * s_gu + n, mask=mask, other=0.0)
+                u += tl.load(gu_ptr + p * s_part + t * s_gu + F + n, mask=mask, other=0.0)
+            g, u = g.to(dt), u.to(dt)
         gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        o = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        act = (gf / (1.0 + tl.exp(-gf))).to(dt)
+        o = (act.to(tl.float32) * u.to(tl.float32)).to(dt)
         tl.store(o_ptr + t * s_o + n, o, mask=mask)
         if ROUND:  # o's rounding for the one-row int4 product it feeds (gpu_quant.round_rows' LAYOUT_DP)
             gs = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
@@ -212,25 +221,34 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, posi
     return q
 
 
-SILU_BLOCK = 1024
+# a program's columns (a multiple of 32: its groups rounded whole). On one H200, the int4 8B-shaped one-row
+# step with gate/up's two float32 parts added here: 8 layers 0.524 ms with 256 or 512, 0.546 with 1024 (14
+# programs a row of 14,336: too few to hide their loads' latency)
+SILU_BLOCK = 256
 
 
-def silu_mul(gu: torch.Tensor, rounded: bool = False):
-    """gu: [T, 2F] (gate, up) -> silu(gate) * up [T, F], each rounded to the dtype as torch does;
-    `rounded` (F a multiple of 32): -> (that, its rows rounded for the one-row int4 product, as
-    add_norm's `rounded`)."""
+def silu_mul(gu: torch.Tensor, rounded: bool = False, dtype: torch.dtype | None = None):
+    """gu: [T, 2F] (gate, up), or the gate_up product's parts over K not yet added ([parts, T, 2F],
+    invariant.mm_parts: float32 parts added here in order, as invariant.add_parts would, and rounded to
+    `dtype`, the model's; one part: the product itself) -> silu(gate) * up [T, F], each rounded to the
+    dtype as torch does; `rounded` (F a multiple of 32): -> (that, its rows rounded for the one-row int4
+    product, as add_norm's `rounded`)."""
     triton, _, _, kernel = _kernels()
-    T, F2 = gu.shape
+    parts = gu if gu.dim() == 3 else gu.unsqueeze(0)
+    if parts.shape[0] == 1:
+        dtype = parts.dtype
+    assert dtype is not None, "the model's dtype, to round the parts' sum to"
+    _, T, F2 = parts.shape
     F = F2 // 2
-    out = torch.empty(T, F, dtype=gu.dtype, device=gu.device)
+    out = torch.empty(T, F, dtype=dtype, device=gu.device)
     if rounded and F % 32:
         raise ValueError("silu_mul rounds its rows only over a multiple of 32")
     pre = gpu_quant_kernels.rounding(T, F, gpu_quant_kernels.LAYOUT_DP, gu.device) if rounded else None
     if T == 0:
         return (out, pre) if rounded else out
-    assert gu.stride(1) == 1
+    assert parts.stride(2) == 1
     block = min(SILU_BLOCK, _block(F))
-    kernel[(T, triton.cdiv(F, block))](gu, out, pre[0] if rounded else out, pre[1] if rounded else out, T, F,
-                                       gu.stride(0), out.stride(0), BLOCK=block, num_warps=4, ROUND=rounded,
-                                       **_trigger(gu.device))
+    kernel[(T, triton.cdiv(F, block))](parts, out, pre[0] if rounded else out, pre[1] if rounded else out, T, F,
+                                       parts.stride(1), out.stride(0), parts.stride(0), BLOCK=block,
+                                       PARTS=parts.shape[0], num_warps=4, ROUND=rounded, **_trigger(gu.device))
     return (out, pre) if rounded else out

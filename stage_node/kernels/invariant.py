@@ -40,6 +40,8 @@ import os
 
 import torch
 
+from logicpipe.stage_node.kernels import gpu_quant_kernels
+
 log = logging.getLogger(__name__)
 
 SETTINGS = ("auto", "on", "off")
@@ -77,8 +79,12 @@ def resolve(setting: str, device: str, *, has_triton=triton_available) -> bool:
 # ---- the product -----------------------------------------------------------------------------------
 @functools.cache
 def _kernels():
+    global round_store  # (gpu_quant_kernels' helper attn_merge calls: Triton resolves it among the globals)
     import triton
     import triton.language as tl
+
+    gpu_quant_kernels.kernels()
+    round_store = gpu_quant_kernels.round_store
 
     @triton.jit(do_not_specialize=["M", "sys_"])
     def mm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, k_part, sxm, sxk, swn, swk, sys_, sym, syn,
@@ -184,15 +190,19 @@ def _kernels():
             tl.store(l_ptr + at, l_i, mask=valid)
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
 
-    @triton.jit(do_not_specialize=["row_base", "window", "chunks"])
-    def attn_merge(m_ptr, l_ptr, acc_ptr, pos_ptr, o_ptr, sink_ptr, row_base, so_t, so_h, window, chunks,
-                   HEADS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
-                   HD: tl.constexpr, HAS_WINDOW: tl.constexpr, CB: tl.constexpr, HAS_SINK: tl.constexpr):
+    @triton.jit(do_not_specialize=["row_base", "window", "chunks", "M"])
+    def attn_merge(m_ptr, l_ptr, acc_ptr, pos_ptr, o_ptr, sink_ptr, xq_ptr, aux_ptr, row_base, so_t, so_h, window,
+                   chunks, M, HEADS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+                   HD: tl.constexpr, HAS_WINDOW: tl.constexpr, CB: tl.constexpr, HAS_SINK: tl.constexpr,
+                   ROUND: tl.constexpr = False, TRIGGER: tl.constexpr = False):
         # program (row, query head): the row's own chunks (those holding a position it sees) merged,
         # CB chunks at a time from its first; chunks of other rows' positions are not read. HAS_SINK
         # (gpt-oss): the head's sink logit is one more split, of sum exp(sink) and no output, merged first
         # (the splits' stats are in log2 units, like the sink here), so it counts once per row, whatever
-        # the splits
+        # the splits. ROUND (HD a multiple of 32; M the step's rows): the head's output also rounded for
+        # the one-row int4 product it feeds (gpu_quant.round_rows' LAYOUT_DP of the [M, HEADS * HD] rows)
+        if TRIGGER:  # the next kernel, a dependent launch (that product's), may launch now: it waits for
+            tl.extra.cuda.gdc_launch_dependents()  # this one's output before it reads it
         i, hq = tl.program_id(0), tl.program_id(1)
         row = row_base + i
         pos = tl.load(pos_ptr + row)
@@ -224,8 +234,12 @@ def _kernels():
         denom = tl.sum(total, axis=0)
         if HAS_SINK:
             denom = tl.exp2(sink - top) + denom
-        out = out / denom
-        tl.store(o_ptr + row * so_t + hq * so_h + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
+        out = (out / denom).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + row * so_t + hq * so_h + d, out, mask=d < HD)
+        if ROUND:
+            g = tl.arange(0, D // 32)
+            round_store(tl.reshape(out.to(tl.float32), (D // 32, 32)), row, M, HEADS * HD, hq * (HD // 32) + g,
+                        g < HD // 32, xq_ptr, aux_ptr, 1)
 
     return triton, mm_kernel, sum_parts, attn_part, attn_merge
 
@@ -408,7 +422,7 @@ def _attn_block_m(group: int) -> int:
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
               positions: torch.Tensor, tiles: torch.Tensor, *, scale: float, cap: float | None = None,
               window: int | None = None, context: int | None = None, tiles_at: list[int] | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, rounded: bool = False):
     """q: [T, heads, hd] (the step's rows, packed); k_pool, v_pool: [kv_heads, slots, hd] (one layer's
     pool, new keys already written); slots: [tables, L] int64, the pool slot of each position of a
     sequence (a table per sequence or per row; L >= every row's position + 1); positions: [T] int64,
@@ -416,7 +430,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
     per tile its first row, its row count (at most `tile_rows(group)`, consecutive rows of one
     sequence) and its slot table row, in row order. `context`: positions the splits cover (default
     L); `tiles_at`: the first row of each tile (host side: a long step goes in parts by it); `sinks`:
-    [heads], a logit per head that joins every row's softmax with no value (gpt-oss). -> [T, heads * hd]
+    [heads], a logit per head that joins every row's softmax with no value (gpt-oss). -> [T, heads * hd];
+    `rounded` (hd a multiple of 32): -> (that, its rows rounded for the one-row int4 product it feeds,
+    gpu_quant.round_rows(out, LAYOUT_DP)'s (bytes, a and S), written by the merge in its own launch)
 
     Two kernels: each (tile, kv head, split of ATTN_CHUNK positions) computes its rows' softmax
     statistics and output over that split's keys; then each (row, head) merges its own splits in
@@ -429,6 +445,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
     D = max(16, 1 << (hd - 1).bit_length())
     chunks = triton.cdiv(context or slots.shape[1], ATTN_CHUNK)
     out = torch.empty(T, heads, hd, dtype=q.dtype, device=q.device)
+    if rounded and hd % 32:
+        raise ValueError("attention rounds its rows only for a head dim that is a multiple of 32")
+    pre = gpu_quant_kernels.rounding(T, heads * hd, gpu_quant_kernels.LAYOUT_DP, q.device) if rounded else None
     assert q.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and slots.stride(1) == 1
     per_row = heads * chunks * (D + 2) * 4
     n = tiles.shape[1]
@@ -448,11 +467,12 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
             BLOCK_M=_attn_block_m(group), BLOCK_N=ATTN_BLOCK_N, D=D, HD=hd, HAS_CAP=cap is not None,
             HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
             num_stages=2 if D <= 512 else 1)  # MLA's 576-wide latent rows (D 1024): one stage fits shared memory
-        merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, m_ws if sinks is None else sinks, first,
-                                    out.stride(0), out.stride(1), window or 0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK,
-                                    D=D, HD=hd, HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS,
-                                    HAS_SINK=sinks is not None, num_warps=2)
-    return out.view(T, heads * hd)
+        merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, m_ws if sinks is None else sinks,
+                                    pre[0] if rounded else out, pre[1] if rounded else out, first, out.stride(0),
+                                    out.stride(1), window or 0, chunks, T, HEADS=heads, CHUNK=ATTN_CHUNK, D=D, HD=hd,
+                                    HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS, HAS_SINK=sinks is not None,
+                                    ROUND=rounded, TRIGGER=rounded and dependent_launch(q.device), num_warps=2)
+    return (out.view(T, heads * hd), pre) if rounded else out.view(T, heads * hd)
 
 
 def part_rows(per_row: int, heads: int, device_bytes: int) -> int:

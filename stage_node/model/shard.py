@@ -176,7 +176,8 @@ class Shard:
         """Every layer over x [T, hidden] by stage_node.fused's kernels: positions, write_slots [T]
         int64 (device); kv: the pool's [layers, 2, kv_heads, slots, head_dim]; tables: layer kind ->
         (cos, sin_signed) [positions, head_dim]; attend(i, q) -> [T, heads * hd] attends over the
-        pool (new keys already written); window: (write_slots, kv) of the window layers' own pool
+        pool (new keys already written; attend(i, q, True) -> (that, its rows rounded for o's one-row
+        int4 kernel): invariant.attention's `rounded`); window: (write_slots, kv) of the window layers' own pool
         (`window_layers`; None: every layer's KV is in `kv`). The same arithmetic in the eager forward
         and a CUDA graph."""
         c = self.config
@@ -185,7 +186,8 @@ class Shard:
         group = set(self.window_layers) if window is not None else ()
         T = x.shape[0]
         # the one-row int4 products' inputs rounded by the kernel that writes them (fused.add_norm,
-        # fused.silu_mul), not by a pre-pass of their own (gpu_quant.round_rows): the same integers
+        # attention's merge, fused.silu_mul), not by a pre-pass of their own (gpu_quant.round_rows): the
+        # same integers
         x, h, pre = self._add_norm(None, x, self.layers[0].input_norm, eps, 1, self._rounds(self.layers[0].qkv, T))
         for i, w in enumerate(self.layers):
             cos, sin = tables[self.kind(i)]
@@ -195,10 +197,13 @@ class Shard:
             qkv = invariant.mm_parts(h, w.qkv, summed=True, rounded=pre)  # [parts, T, q + 2 kv]
             q = fused.rope_kv(qkv, cos, sin, positions, ws, pool[j, 0], pool[j, 1], c.num_heads,
                               c.num_kv_heads, c.head_dim, h.dtype)
-            x, h, pre = self._add_norm(invariant.mm_parts(attend(i, q), w.o, summed=True), x, w.post_norm, eps, 0,
-                                       self._rounds(w.gate_up, T))
-            gu = invariant.mm(h, w.gate_up, rounded=pre)
-            mlp, pre = fused.silu_mul(gu, True) if self._rounds(w.down, T) else (fused.silu_mul(gu), None)
+            # (o's input rounded by attention's merge, where its heads hold whole groups of 32)
+            o_in, o_pre = attend(i, q, True) if self._rounds(w.o, T) and c.head_dim % 32 == 0 else (attend(i, q), None)
+            x, h, pre = self._add_norm(invariant.mm_parts(o_in, w.o, summed=True, rounded=o_pre), x, w.post_norm, eps,
+                                       0, self._rounds(w.gate_up, T))
+            gu = invariant.mm_parts(h, w.gate_up, rounded=pre)  # (mm's parts: silu_mul adds them as mm would)
+            mlp, pre = (fused.silu_mul(gu, True, h.dtype) if self._rounds(w.down, T)
+                        else (fused.silu_mul(gu, dtype=h.dtype), None))
             x, h, pre = self._add_norm(invariant.mm_parts(mlp, w.down, summed=True, rounded=pre), x,
                                        self.layers[i + 1].input_norm if i + 1 < n else None, eps, 1,
                                        i + 1 < n and self._rounds(self.layers[i + 1].qkv, T))
@@ -481,12 +486,13 @@ class Shard:
                 rope.lookup(0, top)  # grows its tables to the step's positions
             ropes = {kind: (rope.cos, rope.sin_signed) for kind, rope in self.ropes.items()}
 
-            def attend_fused(i, q):
+            def attend_fused(i, q, rounded=False):
                 kind = self.kind(i)
                 pool, (table, _, tiles, tiles_at) = reading[kind].pool, reads[kind]
                 return invariant.attention(q, pool.k[self._kv[i]], pool.v[self._kv[i]], table, positions, tiles,
                                            scale=self._scale, cap=self.arch.attn_softcap, tiles_at=tiles_at,
-                                           window=self.arch.sliding_window if kind == "sliding" else None)
+                                           window=self.arch.sliding_window if kind == "sliding" else None,
+                                           rounded=rounded)
 
             window = None if kv.window is None else (kv.window.write_slots, kv.window.pool.kv)
             return self.layers_fused(hidden, positions, kv.write_slots, kv.pool.kv, ropes, attend_fused, window)

@@ -102,10 +102,23 @@ def test_rope_kv_adds_the_products_parts_as_add_parts_would(interpret, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(interpret, dtype):
-    gu = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(0)).to(dtype)  # two blocks a row
+    gu = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(0)).to(dtype)  # several blocks a row
     gate, up = gu.chunk(2, -1)
     torch.testing.assert_close(interpret.silu_mul(gu), F.silu(gate) * up, rtol=2e-3 if dtype == torch.float16 else 1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_adds_the_products_parts_as_add_parts(interpret, dtype):
+    """The gate_up product's float32 parts over K (invariant.mm_parts) added in silu_mul's launch: the
+    bits of silu_mul over invariant.add_parts' sum (the kernel it replaces), -0.0 included."""
+    from logicpipe.stage_node.kernels import invariant
+
+    ws = torch.randn(3, 2, 2 * 1500, generator=torch.Generator().manual_seed(1))
+    ws[:, 0, 7] = -0.0
+    out = interpret.silu_mul(ws, dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, interpret.silu_mul(invariant.add_parts(ws, dtype)))
+    assert not torch.equal(out, interpret.silu_mul(ws[:2].sum(0).to(dtype)))  # (every part counts)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,6 +150,30 @@ def test_push_add_norm_as_rank_0_of_2(interpret, dtype):
         assert torch.equal(sent, mine) and sent[0, 5].item() == 0 and (sent.view(tp_reduce.INT_OF[dtype]) != mark).all()
         assert (bufs[0].view(tp_reduce.INT_OF[dtype]) == mark).all()
         tp_reduce.clear(bufs[1])
+
+
+def test_attention_rounds_its_rows_for_the_one_row_int4_kernel(interpret):
+    """invariant.attention's `rounded`: the merge also writes its output's rounding for the one-row int4
+    product after it (o's), round_rows' bytes, a and S exactly, in its own launch; a head dim of 96 (three
+    groups of 32 in a block of 128); the output itself unchanged; a head dim off groups of 32 refused."""
+    from logicpipe.stage_node.kernels import gpu_quant, gpu_quant_kernels, invariant
+
+    g = torch.Generator().manual_seed(4)
+    heads, kvh, hd, L = 2, 1, 96, 70
+    kp, vp = torch.randn(kvh, L, hd, generator=g), torch.randn(kvh, L, hd, generator=g)
+    q = torch.randn(3, heads, hd, generator=g)
+    q[1, 0, 5] = 40.0  # (a large entry: its group's power of two apart from the others')
+    pos = torch.tensor([3, 64, 69])
+    r = torch.arange(3, dtype=torch.int32)
+    tiles = torch.stack([r, torch.ones_like(r), torch.zeros_like(r)])
+    args = (q, kp, vp, torch.arange(L)[None], pos, tiles)
+    out, (xd, aux) = invariant.attention(*args, scale=hd ** -0.5, rounded=True)
+    assert torch.equal(out, invariant.attention(*args, scale=hd ** -0.5))
+    want = gpu_quant.round_rows(out, gpu_quant_kernels.LAYOUT_DP)
+    assert torch.equal(xd, want[0]) and torch.equal(aux, want[1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        invariant.attention(q[:, :, :16].contiguous(), kp[:, :, :16].contiguous(), vp[:, :, :16].contiguous(),
+                            *args[3:], scale=0.25, rounded=True)
 
 
 @pytest.mark.parametrize("window, sinks", [(None, False), (40, True)])  # (a window alone: within the second)

@@ -203,20 +203,29 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                     assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
                     assert cap != 90 or spilled <= allowed, f"{what}: {spilled} bytes of registers spilled a thread"
     # add_norm and silu_mul rounding their rows for the one-row kernel in the same launch (an 8B row: 4096 wide,
-    # 32 warps; SiLU's blocks of 1024)
+    # 32 warps; SiLU's blocks of fused.SILU_BLOCK)
     _, add_norm, _, silu_mul = fused._kernels()
     args = {"ws_ptr": "*fp32", **{a: "*bf16" for a in ("x_ptr", "w_ptr", "xo_ptr", "h_ptr")}, "xq_ptr": "*i8",
             "aux_ptr": "*fp32", "M": "i32", "N": "i32", "eps": "fp32", **{a: "i32" for a in ("s_part", "s_ws", "s_x",
                                                                                              "s_xo", "s_h")}}
-    silu_args = {"gu_ptr": "*bf16", "o_ptr": "*bf16", "xq_ptr": "*i8", "aux_ptr": "*fp32",
-                 **{a: "i32" for a in ("T", "F", "s_gu", "s_o")}}
+    silu_args = {"gu_ptr": "*fp32", "o_ptr": "*bf16", "xq_ptr": "*i8", "aux_ptr": "*fp32",
+                 **{a: "i32" for a in ("T", "F", "s_gu", "s_o", "s_part")}}
     for cap in (90, 87):
         for kernel, signature, constexprs, warps in (
                 (add_norm, args, {"PARTS": 8, "ADD": True, "NORM": True, "F32": False, "BLOCK": 4096}, 32),
-                (silu_mul, silu_args, {"BLOCK": fused.SILU_BLOCK}, 4)):
+                (silu_mul, silu_args, {"BLOCK": fused.SILU_BLOCK, "PARTS": 2}, 4)):
             shared, spilled = compiled(kernel, signature, {**constexprs, "TRIGGER": cap == 90, "ROUND": True}, cap,
                                        warps, 1)
             assert shared <= SHARED_LIMIT[cap] and spilled <= 0, f"{kernel.__name__} sm_{cap}: {shared}, {spilled}"
+        # attention's merge rounding its rows for o's one-row kernel (the 8B shape: 32 heads of 128)
+        merge = invariant._kernels()[4]
+        merge_args = {**{a: "*fp32" for a in ("m_ptr", "l_ptr", "acc_ptr")}, "pos_ptr": "*i64", "o_ptr": "*bf16",
+                      "sink_ptr": "*fp32", "xq_ptr": "*i8", "aux_ptr": "*fp32",
+                      **{a: "i32" for a in ("row_base", "so_t", "so_h", "window", "chunks", "M")}}
+        merge_constexprs = {"HEADS": 32, "CHUNK": invariant.ATTN_CHUNK, "D": 128, "HD": 128, "HAS_WINDOW": False,
+                            "CB": invariant.ATTN_MERGE_CHUNKS, "HAS_SINK": False, "ROUND": True, "TRIGGER": cap == 90}
+        shared, spilled = compiled(merge, merge_args, merge_constexprs, cap, 2, 1)
+        assert shared <= SHARED_LIMIT[cap] and spilled <= 0, f"attn_merge sm_{cap}: {shared}, {spilled}"
 
 
 def interpreted_product(fmt, w, x):
@@ -336,7 +345,7 @@ def test_interpreted_parts_of_k_are_added_in_order(interpret, monkeypatch):
 def test_interpreted_add_norm_and_silu_mul_round_as_round_rows(interpret, dtype):
     """fused.add_norm's and fused.silu_mul's `rounded`: the rows they write rounded for the one-row
     int4 kernel, in their own launch, are round_rows' bytes, a and S exactly (an outlier in a group; a
-    width whose block has groups past it: 96 of add_norm's 128, 1504 of silu_mul's two blocks of 1024)."""
+    width whose block has groups past it: 96 of add_norm's 128, 1504 of silu_mul's 6 blocks of 256)."""
     g = torch.Generator().manual_seed(5)
     M, N = 3, 96
     x = torch.randn(M, N, generator=g).to(dtype)
@@ -357,11 +366,11 @@ def test_interpreted_add_norm_and_silu_mul_round_as_round_rows(interpret, dtype)
 
 
 def two_llama_layers(path: Path) -> Path:
-    """A random 2-layer Llama's model directory (hidden 64, MLP 96, 4 heads, 2 KV heads), written
+    """A random 2-layer Llama's model directory (hidden 64, MLP 96, 2 heads of 32, 1 KV head), written
     directly: transformers' import alone takes longer than the kernels' tests."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
-           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
            "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
            "torch_dtype": "float32"}
     (path / "config.json").write_text(json.dumps(cfg))
@@ -383,7 +392,7 @@ def test_interpreted_fused_layers_with_quantized_matrices_match_the_forward(inte
     products' parts by gpu_quant through invariant.mm / mm_parts) gives the plain forward's hidden
     states (whose products are the same matrices' own calls) and the same keys and values. (The
     default RoPE given here: reading it imports transformers, longer than the test.)"""
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float) / 32)
     monkeypatch.setattr(shard_module, "rope_parameters", lambda model_dir, kind="full": (inv_freq, 1.0))
     shard = Shard.load(two_llama_layers(tmp_path), 0, 2, first=False, last=False)
     shard.layers = [dataclasses.replace(w, **{name: gpu_quant.quantize(getattr(w, name), "int4")
@@ -400,14 +409,15 @@ def test_interpreted_fused_layers_with_quantized_matrices_match_the_forward(inte
     table, positions, tiles, _ = shard._invariant_reads(kv)
     rope = shard.ropes["full"]
 
-    def attend(i, q):
-        return invariant.attention(q, kv.pool.k[i], kv.pool.v[i], table, positions, tiles, scale=shard._scale)
+    def attend(i, q, rounded=False):
+        return invariant.attention(q, kv.pool.k[i], kv.pool.v[i], table, positions, tiles, scale=shard._scale,
+                                   rounded=rounded)
 
     got = shard.layers_fused(x, positions, write, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)}, attend)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pools[1].kv[:, :, :, :5], pools[0].kv[:, :, :, :5], rtol=1e-4, atol=1e-4)
-    # 2 rows (the one-row kernel): their inputs rounded by add_norm and silu_mul, or by round_rows' pre-pass
-    # (the fused rounding off): the same bits, and the rounding is taken (round_rows only for o's input)
+    # 2 rows (the one-row kernel): their inputs rounded by add_norm, attention's merge and silu_mul, or by
+    # round_rows' pre-pass (the fused rounding off): the same bits, and the rounding is taken (no pre-pass)
     rows = StepKV(pools[1], torch.tensor([8, 9]), (seq_slice(0, 2, [2], bs),))
     table, positions, tiles, _ = shard._invariant_reads(rows)
     kv = rows
@@ -417,7 +427,7 @@ def test_interpreted_fused_layers_with_quantized_matrices_match_the_forward(inte
                         f(x, layout))
     two = shard.layers_fused(x[:2], positions, rows.write_slots, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)},
                              attend)
-    assert calls == [(2, 64)] * 2  # o's input alone, in each layer (the next layer's q/k/v: the add-norm's)
+    assert calls == []
     monkeypatch.setattr(shard, "_rounds", lambda m, rows: False)
     calls.clear()
     again = shard.layers_fused(x[:2], positions, rows.write_slots, kv.pool.kv, {"full": (rope.cos, rope.sin_signed)},
