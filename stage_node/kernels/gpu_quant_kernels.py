@@ -169,8 +169,6 @@ def kernels():
         # (through shared memory: a warp's bytes in flight without registers to hold them); xd the row's
         # bytes as int32 words [M, K/32, 16] (LAYOUT_DP), q_ptr the weights as int32 words [K/32, N, 4]:
         # word t's low nibbles are q of k = 4t..4t+3, its high nibbles of k = 16+4t..
-        if PDL:  # (launched while the kernel before it runs; this waits for it, and all before it, to finish)
-            tl.extra.cuda.gdc_wait()
         row, pid_n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BN + tl.arange(0, BN)
         t4 = tl.arange(0, 4)
@@ -189,6 +187,17 @@ def kernels():
         sz_ptrs = sz_ptr + us[:, None] * N + (pid_n * BN + tl.arange(0, BN) * 2 // 2)[None, :]
         xw = x_row + us[:, None] * 16 + t4[None, :]  # [U, 4]: the row's words (the same for every column)
         a_ptrs = aux_ptr + us * M + row  # [U]
+        if PDL:  # launched while the kernel before it runs: the weights of the steps the pipeline loads first
+            # (nothing before this writes them) brought into L2 meanwhile, then wait for that kernel, and all
+            # before it, to finish (its output is this one's row)
+            if ASM:
+                first = q_ptr + us[:, None] * N * 4 + rn[None, :] * 4  # [U, BN]: a column's group, its first word
+                for s in tl.static_range(STAGES - 1):
+                    ok = (cols_in[None, :] & (g0 + s * U + us[:, None] < g1)).to(tl.int32)
+                    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                                              "mov.u32 $0, 0; }", "=r,l,r", [first + (g0 + s * U) * N * 4, ok],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+            tl.extra.cuda.gdc_wait()
         for gu in tl.range(g0, g1, U, num_stages=STAGES):  # this step's groups gu .. gu + U - 1
             w = tl.load(w_ptrs + gu * N * 4, mask=cols_in[None, :, None], other=0)
             sz = tl.load(sz_ptrs + gu * N, mask=cols_in[None, :], other=0)
