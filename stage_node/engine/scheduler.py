@@ -319,6 +319,8 @@ class Scheduler:
             rows += n
             positions += attended(s.pending_pos, n, window)
             held += self.clock.held(s.pending_pos, n) if self.clock is not None else 0
+            if s.spec.prefill_rank:  # a replay after a move is the only prompt of its step: its first token comes
+                break  # when its own rows are done, not a batch's, and a fault mid-batch loses no finished replay
         if not chosen:
             return None, []
         step = Step(next(self._step_ids), [])

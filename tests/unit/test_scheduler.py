@@ -107,6 +107,28 @@ def test_ranked_replays_are_prefilled_first_the_lowest_rank_first():
     assert order == ["early", "late", "old", "new"]
 
 
+def test_a_ranked_replay_is_the_only_prompt_of_its_step():
+    """A replay after a move (a prefill rank) is prefilled alone among the prompts, whole, beside the
+    decode rows, so that its first token needs only its own rows: with room for all four prompts,
+    one replay a step, then the unranked prompts together as before."""
+    sched = first_stage(budget=Budget(max_tokens=64))
+    sched.admit(spec("dec", prompt=range(4)))
+    sched.feed(SeqWork("dec", 0, tuple(range(4))))
+    run_step(sched)  # "dec" decodes from now on, a row a step
+    for sid, rank in (("r2", 200), ("new", 0), ("r1", 100), ("new2", 0)):
+        sched.admit(spec(sid, prompt=range(8), prefill_rank=rank))
+        sched.feed(SeqWork(sid, 0, tuple(range(8))))
+    prompts, decoding = [], []
+    for _ in range(3):
+        step, _ = sched.schedule()
+        prompts.append(sorted(p.seq.id for p in step.seqs if p.work.num_tokens == 8))
+        decoding.append("dec" in {p.seq.id for p in step.seqs})
+        for p in sched.complete(step, set()):
+            if p.work.sample:
+                sched.feed(SeqWork(p.seq.id, p.work.stop, (7,)))
+    assert prompts == [["r1"], ["r2"], ["new", "new2"]] and all(decoding)
+
+
 def test_the_youngest_is_preempted_when_blocks_run_out():
     sched = first_stage(blocks=6)  # 24 positions
     for sid, prio in (("old", 1), ("young", 2)):  # (a prefill rank, a replay's, does not protect it)
