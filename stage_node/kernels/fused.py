@@ -42,9 +42,12 @@ def _kernels():
     @triton.jit(do_not_specialize=["s_part"])
     def add_norm_kernel(ws_ptr, x_ptr, w_ptr, xo_ptr, h_ptr, xq_ptr, aux_ptr, M, N, eps, s_part, s_ws, s_x, s_xo,
                         s_h, PARTS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, F32: tl.constexpr,
-                        BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False):
+                        BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False,
+                        WAIT: tl.constexpr = False):
         if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
             tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
+        if WAIT:  # a dependent launch itself: the kernels before it finish before it reads or writes
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         n = tl.arange(0, BLOCK)
         mask = n < N
@@ -76,7 +79,11 @@ def _kernels():
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, s_qkv, s_tab,
                        s_qt, s_qh, s_kh, s_ks, s_vh, s_vs, s_part,
                        HEADS: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
-                       PARTS: tl.constexpr):
+                       PARTS: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
+        if TRIGGER:  # attention, a dependent launch, may launch now: it waits for this one's output
+            tl.extra.cuda.gdc_launch_dependents()
+        if WAIT:  # a dependent launch itself: the product before it finishes before this reads it
+            tl.extra.cuda.gdc_wait()
         # program (row, head of q, k or v): q and k heads rotated at the row's position; k and v
         # heads stored at the row's slot of the pool. PARTS > 1: qkv holds the product's float32
         # parts over K (s_part apart), added in order and rounded first (invariant.add_parts' bits)
@@ -114,11 +121,14 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["s_part"])
     def silu_mul_kernel(gu_ptr, o_ptr, xq_ptr, aux_ptr, T, F, s_gu, s_o, s_part, BLOCK: tl.constexpr,
-                        PARTS: tl.constexpr = 1, TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False):
+                        PARTS: tl.constexpr = 1, TRIGGER: tl.constexpr = False, ROUND: tl.constexpr = False,
+                        WAIT: tl.constexpr = False):
         # PARTS > 1: gu holds the gate_up product's float32 parts over K (s_part apart), added in order
         # and rounded to o's dtype first (invariant.add_parts' bits)
         if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
             tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
+        if WAIT:  # a dependent launch itself: the product before it finishes before this reads it
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = n < F
@@ -151,8 +161,9 @@ def _warps(block: int) -> int:
 
 
 def _trigger(device: torch.device) -> dict:
-    """The kernels that feed a product let its dependent launch start at once (invariant.PDL)."""
-    return {"TRIGGER": True} if invariant.dependent_launch(device) else {}
+    """The kernels that feed a product let its dependent launch start at once (invariant.PDL), and are
+    dependent launches themselves (invariant.small)."""
+    return invariant.small(device)
 
 
 def norm_warps(block: int) -> int:
@@ -217,7 +228,8 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, posi
     kernel[(T, heads + 2 * kv_heads)](parts, cos, sin_signed, positions, slots, q, k_pool, v_pool, parts.stride(1),
                                       cos.stride(0), q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
                                       v_pool.stride(0), v_pool.stride(1), parts.stride(0), HEADS=heads, KVH=kv_heads,
-                                      HD=head_dim, D=_block(head_dim), PARTS=parts.shape[0], num_warps=1)
+                                      HD=head_dim, D=_block(head_dim), PARTS=parts.shape[0], num_warps=1,
+                                      **invariant.small(qkv.device))
     return q
 
 

@@ -256,7 +256,7 @@ class TritonInt4(TritonMatrix):
             xd, aux = rounded if rounded is not None else round_rows(x, gpu_quant_kernels.LAYOUT_DP)
             gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, M, N, K, k_part, *tail, BN=bn,
                        U=step_groups(K, ONE_ROW_GROUPS), STAGES=stages, ASM=x.is_cuda, num_warps=warps,
-                       num_stages=stages, **invariant.pdl(x.device))
+                       num_stages=stages, **invariant.pdl(x.device), **invariant.gemv_trigger(x.device))
         else:
             xq, aux = round_rows(x, gpu_quant_kernels.LAYOUT_MM)
             mm[grid](xq, aux, self.q4, self.sz, ws, M, N, K, k_part, *tail, BM=bm, BN=bn, SUM=grid[2] < -(-K // k_part),

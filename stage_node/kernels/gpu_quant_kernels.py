@@ -163,7 +163,8 @@ def kernels():
 
     @triton.jit(do_not_specialize=["sys_"])
     def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym, BN: tl.constexpr,
-                  U: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+                  U: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False,
+                  TRIGGER: tl.constexpr = False):
         # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step,
         # each step's loads at its start and Triton's pipeliner bringing them STAGES - 1 steps ahead
         # (through shared memory: a warp's bytes in flight without registers to hold them); xd the row's
@@ -218,6 +219,8 @@ def kernels():
                 t_u = tl.sum(tl.where(us[:, None] == u, t, 0.0), axis=0)
                 a_u = tl.sum(tl.where(us == u, a_x, 0.0), axis=0)
                 acc = tl.fma(a_u, t_u, acc)
+        if TRIGGER:  # the kernel after it, a dependent launch (invariant.small), may launch once every
+            tl.extra.cuda.gdc_launch_dependents()  # program has its sums (it waits for their store)
         tl.store(y_ptr + part * sys_ + row.to(tl.int64) * sym + rn, acc.to(y_ptr.dtype.element_ty), mask=cols_in)
 
     @triton.jit(do_not_specialize=["M", "sys_"])

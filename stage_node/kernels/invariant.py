@@ -125,12 +125,17 @@ def _kernels():
                   sq_t, sq_h, sk_h, sk_s, sv_h, sv_s, s_tab, window, scale_log2, cap, chunks,
                   HEADS: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, HD: tl.constexpr,
-                  HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                  HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+                  TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
         # program (tile, kv head, chunk): the tile's rows (consecutive rows of one sequence, whose slot
         # table row is `tab`) times the kv head's GROUP query heads are the BLOCK_M rows of the
         # products; the keys are those of positions [chunk * CHUNK, (chunk + 1) * CHUNK) the tile needs,
         # in blocks of BLOCK_N at multiples of BLOCK_N. Writes each row's running max, sum and
         # unnormalised output of the chunk (float32).
+        if TRIGGER:  # the merge, a dependent launch, may launch now: it waits for this one's output
+            tl.extra.cuda.gdc_launch_dependents()
+        if WAIT:  # a dependent launch: the kernels before it finish (q and the new keys) before it reads
+            tl.extra.cuda.gdc_wait()
         t, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         row0 = tl.load(tiles_ptr + t)
         nrows = tl.load(tiles_ptr + n_tiles + t)
@@ -194,7 +199,7 @@ def _kernels():
     def attn_merge(m_ptr, l_ptr, acc_ptr, pos_ptr, o_ptr, sink_ptr, xq_ptr, aux_ptr, row_base, so_t, so_h, window,
                    chunks, M, HEADS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
                    HD: tl.constexpr, HAS_WINDOW: tl.constexpr, CB: tl.constexpr, HAS_SINK: tl.constexpr,
-                   ROUND: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                   ROUND: tl.constexpr = False, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
         # program (row, query head): the row's own chunks (those holding a position it sees) merged,
         # CB chunks at a time from its first; chunks of other rows' positions are not read. HAS_SINK
         # (gpt-oss): the head's sink logit is one more split, of sum exp(sink) and no output, merged first
@@ -203,6 +208,8 @@ def _kernels():
         # the one-row int4 product it feeds (gpu_quant.round_rows' LAYOUT_DP of the [M, HEADS * HD] rows)
         if TRIGGER:  # the next kernel, a dependent launch (that product's), may launch now: it waits for
             tl.extra.cuda.gdc_launch_dependents()  # this one's output before it reads it
+        if WAIT:  # a dependent launch (the attention kernel's): that kernel finishes before this reads
+            tl.extra.cuda.gdc_wait()
         i, hq = tl.program_id(0), tl.program_id(1)
         row = row_base + i
         pos = tl.load(pos_ptr + row)
@@ -351,10 +358,16 @@ def mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None, 
 # its first weights in flight (nothing before it writes them), while the kernels before it still run;
 # each waits (griddepcontrol.wait) for the kernels before it to finish before it reads their output, so
 # no bit changes. The kernels that feed a product (fused.add_norm, fused.silu_mul) let a dependent
-# launch at their own start. On one H200, the int4 8B-shaped one-row step: 0.882 -> 0.849 ms; every
-# Triton kernel of the step as a dependent launch was slower (int4 1.09 ms, bf16 1.31 -> 1.35).
+# launch at their own start. On one H200, the int4 8B-shaped one-row step: 0.882 -> 0.849 ms.
 # Off: every kernel starts after the one before it ends
 PDL = True
+# ... and the step's small kernels (fused's, attention's two: `small`) are dependent launches too, each
+# letting the next launch at its start; the one-row product lets its dependent launch once every program
+# has its sums, before its store (never earlier: a product that did so right after its own wait let the
+# whole chain of a layer's kernels launch at once, 0.71 -> 0.93 ms a token). One H200, the int4 8B-shaped
+# one-row step: 0.709 -> 0.698 ms, bf16 1.293 -> 1.286, int8 1.235 -> 1.227; every Triton kernel of the
+# step letting the next launch at its start (the products too) was slower (int4 1.09 ms, bf16 1.35)
+SMALL_PDL = True
 _pdl: dict[int, bool] = {}
 
 
@@ -373,6 +386,20 @@ def pdl(device: torch.device) -> dict:
     """A kernel launch's arguments for programmatic dependent launch on `device` (its kernel has a PDL
     flag): none where it is off."""
     return {"PDL": True, "launch_pdl": True} if dependent_launch(device) else {}
+
+
+def small(device: torch.device) -> dict:
+    """A small kernel's launch arguments (fused's, attention's): where PDL is on, it lets the next
+    kernel launch at its start (TRIGGER) and, SMALL_PDL, is a dependent launch itself (WAIT: it waits
+    for the kernel before it before it reads or writes anything)."""
+    if not dependent_launch(device):
+        return {}
+    return {"TRIGGER": True, "WAIT": True, "launch_pdl": True} if SMALL_PDL else {"TRIGGER": True}
+
+
+def gemv_trigger(device: torch.device) -> dict:
+    """The one-row int4 kernel's TRIGGER: where the kernel after it is a dependent launch (`small`)."""
+    return {"TRIGGER": True} if SMALL_PDL and dependent_launch(device) else {}
 
 
 def add_parts(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -451,6 +478,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
     assert q.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and slots.stride(1) == 1
     per_row = heads * chunks * (D + 2) * 4
     n = tiles.shape[1]
+    launch = small(q.device)
+    # (the merge lets the product after it launch only where that is a dependent launch: o's one-row kernel)
+    merge = {k: v for k, v in launch.items() if k != "TRIGGER" or rounded}
     if tiles_at is None:
         parts = [(0, n)]
     else:
@@ -466,12 +496,12 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots
             scale * 1.4426950408889634, cap or 1.0, chunks, HEADS=heads, CHUNK=ATTN_CHUNK, GROUP=group,
             BLOCK_M=_attn_block_m(group), BLOCK_N=ATTN_BLOCK_N, D=D, HD=hd, HAS_CAP=cap is not None,
             HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
-            num_stages=2 if D <= 512 else 1)  # MLA's 576-wide latent rows (D 1024): one stage fits shared memory
+            num_stages=2 if D <= 512 else 1, **launch)  # MLA's 576-wide latent rows (D 1024): one stage fits shared memory
         merge_kernel[(rows, heads)](m_ws, l_ws, acc_ws, positions, out, m_ws if sinks is None else sinks,
                                     pre[0] if rounded else out, pre[1] if rounded else out, first, out.stride(0),
                                     out.stride(1), window or 0, chunks, T, HEADS=heads, CHUNK=ATTN_CHUNK, D=D, HD=hd,
                                     HAS_WINDOW=window is not None, CB=ATTN_MERGE_CHUNKS, HAS_SINK=sinks is not None,
-                                    ROUND=rounded, TRIGGER=rounded and dependent_launch(q.device), num_warps=2)
+                                    ROUND=rounded, num_warps=2, **merge)
     return (out.view(T, heads * hd), pre) if rounded else out.view(T, heads * hd)
 
 

@@ -195,8 +195,9 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                 # an LM head's 256-row tile (its accumulator 128 registers a thread) spills 56 bytes (Triton
                 # 3.9 here), and took 517.7 us for 256 rows on the H200 (Triton 3.6) against 723.4 by 128-row ones
                 for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 80)) if (bm, fmt) == (prompt[0], "int4") \
-                        else (({"PDL": False}, 0), ({"PDL": True}, 0)) if (bm, cap) == (1, 90) \
-                        else (({"PDL": False}, 0),) if bm == 1 else (({}, 64 if n > 4096 else 0),):
+                        else (({"PDL": False, "TRIGGER": False}, 0), ({"PDL": True, "TRIGGER": True}, 0)) \
+                        if (bm, cap) == (1, 90) else (({"PDL": False, "TRIGGER": False}, 0),) if bm == 1 \
+                        else (({}, 64 if n > 4096 else 0),):
                     constexprs = {"BN": bn, **const, **extra} | ({"STAGES": stages} if bm == 1 else {"BM": bm})
                     shared, spilled = compiled(kernel, signature, constexprs, cap, warps, stages)
                     what = f"{kernel.__name__} {extra} sm_{cap} {bm}x{bn} {warps} warps {stages} stages"
@@ -204,7 +205,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                     assert cap != 90 or spilled <= allowed, f"{what}: {spilled} bytes of registers spilled a thread"
     # add_norm and silu_mul rounding their rows for the one-row kernel in the same launch (an 8B row: 4096 wide,
     # 32 warps; SiLU's blocks of fused.SILU_BLOCK)
-    _, add_norm, _, silu_mul = fused._kernels()
+    _, add_norm, rope_kv, silu_mul = fused._kernels()
     args = {"ws_ptr": "*fp32", **{a: "*bf16" for a in ("x_ptr", "w_ptr", "xo_ptr", "h_ptr")}, "xq_ptr": "*i8",
             "aux_ptr": "*fp32", "M": "i32", "N": "i32", "eps": "fp32", **{a: "i32" for a in ("s_part", "s_ws", "s_x",
                                                                                              "s_xo", "s_h")}}
@@ -214,16 +215,24 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
         for kernel, signature, constexprs, warps in (
                 (add_norm, args, {"PARTS": 8, "ADD": True, "NORM": True, "F32": False, "BLOCK": 4096}, 32),
                 (silu_mul, silu_args, {"BLOCK": fused.SILU_BLOCK, "PARTS": 2}, 4)):
-            shared, spilled = compiled(kernel, signature, {**constexprs, "TRIGGER": cap == 90, "ROUND": True}, cap,
-                                       warps, 1)
+            launch = {"TRIGGER": cap == 90, "WAIT": cap == 90, "ROUND": True}  # (an Orin has no dependent launch)
+            shared, spilled = compiled(kernel, signature, {**constexprs, **launch}, cap, warps, 1)
             assert shared <= SHARED_LIMIT[cap] and spilled <= 0, f"{kernel.__name__} sm_{cap}: {shared}, {spilled}"
+        # RoPE and the KV write as a dependent launch (the 8B shape: q/k/v's 6 parts)
+        rope_args = {"qkv_ptr": "*fp32", **{a: "*bf16" for a in ("cos_ptr", "sin_ptr")}, "pos_ptr": "*i64",
+                     "slot_ptr": "*i64", **{a: "*bf16" for a in ("q_ptr", "k_ptr", "v_ptr")},
+                     **{a: "i32" for a in ("s_qkv", "s_tab", "s_qt", "s_qh", "s_kh", "s_ks", "s_vh", "s_vs", "s_part")}}
+        shared, spilled = compiled(rope_kv, rope_args, {"HEADS": 32, "KVH": 8, "HD": 128, "D": 128, "PARTS": 6,
+                                                        "TRIGGER": cap == 90, "WAIT": cap == 90}, cap, 1, 1)
+        assert shared <= SHARED_LIMIT[cap] and spilled <= 0, f"rope_kv sm_{cap}: {shared}, {spilled}"
         # attention's merge rounding its rows for o's one-row kernel (the 8B shape: 32 heads of 128)
         merge = invariant._kernels()[4]
         merge_args = {**{a: "*fp32" for a in ("m_ptr", "l_ptr", "acc_ptr")}, "pos_ptr": "*i64", "o_ptr": "*bf16",
                       "sink_ptr": "*fp32", "xq_ptr": "*i8", "aux_ptr": "*fp32",
                       **{a: "i32" for a in ("row_base", "so_t", "so_h", "window", "chunks", "M")}}
         merge_constexprs = {"HEADS": 32, "CHUNK": invariant.ATTN_CHUNK, "D": 128, "HD": 128, "HAS_WINDOW": False,
-                            "CB": invariant.ATTN_MERGE_CHUNKS, "HAS_SINK": False, "ROUND": True, "TRIGGER": cap == 90}
+                            "CB": invariant.ATTN_MERGE_CHUNKS, "HAS_SINK": False, "ROUND": True, "TRIGGER": cap == 90,
+                            "WAIT": cap == 90}
         shared, spilled = compiled(merge, merge_args, merge_constexprs, cap, 2, 1)
         assert shared <= SHARED_LIMIT[cap] and spilled <= 0, f"attn_merge sm_{cap}: {shared}, {spilled}"
 
