@@ -332,7 +332,8 @@ class Scheduler:
 
     def rebalance(self, target: Pipeline, sources: list[Pipeline] | None = None) -> list[str]:
         """`target` just joined while other pipelines serve: move its share of the running requests
-        onto it (controller.jobs.rebalance: the cheapest replays of the most loaded pipelines; every
+        onto it (controller.jobs.rebalance: of the most loaded pipelines, those still waiting for their
+        replay, the longest wait first, then the cheapest replays; every
         request of a pipeline whose stage is silent first, `evacuate`), each
         replayed there from its prompt and tokens as after a fault (the same tokens). A request
         still catching up from an earlier move may move too: its replay starts over there, but a
@@ -352,8 +353,8 @@ class Scheduler:
         for p in serving:  # a stalled replica's requests first: they wait for nothing now
             if p is not target and p.silent_stage() is not None:
                 self.evacuate(p)
-        running = [Movable(sid, id(p), len(r.inputs)) for sid, r in self.active.items()
-                   if (p := self.opened.get(sid)) is not None and p in serving]
+        running = [Movable(sid, id(p), len(r.inputs), stalled_since(r) if r.catching_up else None)
+                   for sid, r in self.active.items() if (p := self.opened.get(sid)) is not None and p in serving]
         movable = {sid for sid, r in self.active.items()
                    if not (r.done or (r.catching_up and r.joined_onto) or r.keep_open or r.parent or r.handoff is not None
                            or sid in self.prefilling)}
@@ -364,7 +365,8 @@ class Scheduler:
             picked = moves_onto(id(target), running, ids, {sid for sid in movable
                                                            if id(self.opened.get(sid)) in copied})
             taken = set(picked)
-            running = [Movable(m.key, id(target), m.replay_tokens) if m.key in taken else m for m in running]
+            running = [Movable(m.key, id(target), m.replay_tokens, m.waiting_since) if m.key in taken else m
+                       for m in running]
             movable -= taken
         picked += moves_onto(id(target), running, ids, movable)
         for sid in picked:

@@ -5,6 +5,7 @@ pipeline whose stage went silent gives up every request to the others that answe
 from __future__ import annotations
 
 import asyncio
+import time
 
 from logicpipe.controller.jobs.job import Job
 from logicpipe.controller.jobs.rebalance import Movable, moves_onto
@@ -36,6 +37,16 @@ def test_the_busiest_give_their_cheapest_replays_up_to_the_even_share():
     # nothing to spread: 1 and 1 and 0 (a move would only swap which one is busier)
     assert moves_onto("N", [Movable("x", "A", 1), Movable("y", "B", 1)], ["A", "B", "N"]) == []
     assert moves_onto("N", [], ["A", "N"]) == []
+
+
+def test_requests_waiting_for_their_replay_move_first_the_longest_wait_first():
+    # A holds 6 decoding (cheap replays) and 4 waiting for their replay since 5, 3, 4 and 3 (dear
+    # ones); the newcomer's share is 4 (10 over 3): the waiting ones, oldest first (ties in order)
+    running = [Movable(f"a{i}", "A", 10 + i) for i in range(6)]
+    running += [Movable(f"w{i}", "A", 500, since) for i, since in enumerate((5.0, 3.0, 4.0, 3.0))]
+    assert moves_onto("N", running, ["A", "B", "N"]) == ["w1", "w3", "w2", "w0"]
+    # those that may not move skipped: then the cheapest decoding ones
+    assert moves_onto("N", running, ["A", "B", "N"], movable={"w2", "a3", "a1", "w0"}) == ["w2", "w0", "a1", "a3"]
 
 
 def test_a_pipeline_that_joins_takes_the_cheapest_replays_and_they_resume_from_their_tokens():
@@ -78,22 +89,24 @@ def test_a_pipeline_that_joins_takes_requests_still_catching_up_from_the_last_fa
         pipelines, sched = serving_one(a)
         reqs = [sched.submit(Job((1, 2, 3 + i) + (5,) * (3 - i), 20, request_id=f"r{i}")).request for i in range(4)]
         await until(lambda: all(r.session_id for r in reqs), "all four opened on the one pipeline", tries=300)
-        for r in reqs:  # every one moved here by the last fault: replaying, no token yet
-            r.catching_up = True
+        base = time.monotonic()
+        for r, heard in zip(reqs, (3.0, 1.0, 4.0, 2.0)):  # every one moved here by the last fault: replaying,
+            r.catching_up = True  # no token yet; each last had one at `heard` (r1 longest ago, then r3, r0, r2)
+            r.times.heard = base - 10 + heard
         old = {r.id: r.session_id for r in reqs}
         pipelines.replace([a, b])
         moved = sched.rebalance(b)
-        # its even share, 2: the cheapest replays (the shortest inputs: r3, r2) start over there
-        assert sorted(moved) == sorted(old[f"r{i}"] for i in (2, 3)) and sorted(a.closed) == sorted(moved)
+        # its even share, 2: the longest waits (r1, r3; not by arrival, not the cheapest) start over there
+        assert moved == [old["r1"], old["r3"]] and sorted(a.closed) == sorted(moved)
         await until(lambda: len(b.opened) == 2, "the two replays opened on the pipeline that joined", tries=300)
-        assert sorted(tuple(o.prompt_token_ids) for o in b.opened) == [(1, 2, 5, 5), (1, 2, 6)]
-        assert [r.replays for r in reqs] == [0, 0, 1, 1] and all(r.catching_up for r in reqs)
+        assert sorted(tuple(o.prompt_token_ids) for o in b.opened) == [(1, 2, 4, 5, 5), (1, 2, 6)]
+        assert [r.replays for r in reqs] == [0, 1, 0, 1] and all(r.catching_up for r in reqs)
         # another join moves neither of those two again before they catch up (no restart at every
-        # join), though b copies its KV to it (`sources`): from a, its cheapest still catching up from
-        # the fault (r1), as the share allows
+        # join), though b copies its KV to it (`sources`): from a, the longest wait still catching up
+        # from the fault (r0, not the cheaper r2), as the share allows
         c = FakePipeline(2)
         pipelines.replace([a, b, c])
-        assert sched.rebalance(c, [b]) == [old["r1"]]
+        assert sched.rebalance(c, [b]) == [old["r0"]]
         await sched.shutdown()
 
     asyncio.run(main())
