@@ -46,11 +46,13 @@ def _kernels():
                         WAIT: tl.constexpr = False):
         if TRIGGER:  # the next kernel, a dependent launch (the one-row int4 product's), may launch now:
             tl.extra.cuda.gdc_launch_dependents()  # it waits for this one's output before it reads it
-        if WAIT:  # a dependent launch itself: the kernels before it finish before it reads or writes
-            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         n = tl.arange(0, BLOCK)
         mask = n < N
+        if NORM:  # (the norm's weights: no kernel writes them, read before the wait)
+            w = tl.load(w_ptr + n, mask=mask, other=0.0).to(tl.float32)
+        if WAIT:  # a dependent launch itself: the kernels before it finish before it reads or writes
+            tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + row * s_x + n, mask=mask, other=0.0)
         if ADD:  # y = parts added in order, rounded as the product's output; x' = x + y, rounded
             y = tl.load(ws_ptr + row * s_ws + n, mask=mask, other=0.0).to(tl.float32)
@@ -63,7 +65,6 @@ def _kernels():
             xf = x.to(tl.float32)
             var = tl.sum(xf * xf, axis=0) / N
             normed = xf * tl.rsqrt(var + eps)
-            w = tl.load(w_ptr + n, mask=mask, other=0.0).to(tl.float32)
             if F32:
                 h = normed * w
             else:
@@ -82,8 +83,6 @@ def _kernels():
                        PARTS: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
         if TRIGGER:  # attention, a dependent launch, may launch now: it waits for this one's output
             tl.extra.cuda.gdc_launch_dependents()
-        if WAIT:  # a dependent launch itself: the product before it finishes before this reads it
-            tl.extra.cuda.gdc_wait()
         # program (row, head of q, k or v): q and k heads rotated at the row's position; k and v
         # heads stored at the row's slot of the pool. PARTS > 1: qkv holds the product's float32
         # parts over K (s_part apart), added in order and rounded first (invariant.add_parts' bits)
@@ -92,6 +91,15 @@ def _kernels():
         d = tl.arange(0, D)
         mask = d < HD
         dt = q_ptr.dtype.element_ty
+        # the row's position and slot and the tables (the step's inputs, which no kernel of the chain before
+        # this writes) read before the wait
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        rot = mask & (d * 0 + h < HEADS + KVH)  # (a tensor's compare: the interpreter's masks want one)
+        c = tl.load(cos_ptr + pos * s_tab + d, mask=rot, other=0.0)
+        s = tl.load(sin_ptr + pos * s_tab + d, mask=rot, other=0.0)
+        if WAIT:  # a dependent launch itself: the product before it finishes before this reads it
+            tl.extra.cuda.gdc_wait()
         src = qkv_ptr + t * s_qkv + h * HD
         x = tl.load(src + d, mask=mask, other=0.0)
         if PARTS > 1:
@@ -99,9 +107,6 @@ def _kernels():
                 x += tl.load(src + p * s_part + d, mask=mask, other=0.0)
             x = x.to(dt)
         if h < HEADS + KVH:
-            pos = tl.load(pos_ptr + t).to(tl.int64)
-            c = tl.load(cos_ptr + pos * s_tab + d, mask=mask, other=0.0)
-            s = tl.load(sin_ptr + pos * s_tab + d, mask=mask, other=0.0)
             xr = tl.load(src + (d + HD // 2) % HD, mask=mask, other=0.0)  # roll(x, half): rotate_half up to sign
             if PARTS > 1:
                 for p in tl.static_range(1, PARTS):
@@ -113,10 +118,8 @@ def _kernels():
             if h < HEADS:
                 tl.store(q_ptr + t * s_qt + h * s_qh + d, out, mask=mask)
             else:
-                slot = tl.load(slot_ptr + t).to(tl.int64)
                 tl.store(k_ptr + (h - HEADS) * s_kh + slot * s_ks + d, out, mask=mask)
         else:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
             tl.store(v_ptr + (h - HEADS - KVH) * s_vh + slot * s_vs + d, x, mask=mask)
 
     @triton.jit(do_not_specialize=["s_part"])

@@ -80,6 +80,9 @@ SUM_ROWS: dict[tuple[int, int], int] = {}
 # (the H200, a layer of the 8B shape's four products: 2 rows 98.3 us against 139.7 by the 16-row tile, 3
 # rows 134.9 against 140.3, 4 rows 170.4 against 140.1; the same bits, exact sums)
 GEMV_ROWS = 3
+# the one-row kernel adds its parts itself where its consumer would add them (the `added` products: o's and
+# down's, whose parts fused.add_norm adds in one program a row)
+ONE_ROW_ADD = True
 
 
 def sum_rows(n: int, k: int) -> int:
@@ -167,7 +170,7 @@ class TritonMatrix(QuantMatrix):
     """A quantized matrix multiplied by this module's kernels (CUDA; the CPU in Triton's interpreter)."""
 
     def _launch(self, x: torch.Tensor, ws: torch.Tensor, grid: tuple[int, int, int], config: tuple,
-                k_part: int, rounded: tuple | None = None) -> None:
+                k_part: int, rounded: tuple | None = None, add: bool = False) -> None:
         raise NotImplementedError
 
     def takes_rounded(self, rows: int) -> bool:
@@ -177,11 +180,13 @@ class TritonMatrix(QuantMatrix):
         return self.format == "int4" and 0 < rows <= GEMV_ROWS and self.shape[1] % 32 == 0
 
     def mm_parts(self, x: torch.Tensor, config: tuple[int, ...] | None = None,
-                 rounded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 rounded: tuple[torch.Tensor, torch.Tensor] | None = None, added: bool = False) -> torch.Tensor:
         """x [M, K] -> the product's parts over K, not yet added: [parts, M, N] float32 (several
         parts) or [1, M, N] in x's dtype (see invariant.mm_parts); `config` overrides qmm_config;
         `rounded`: x's rows as round_rows(x, LAYOUT_DP) gives them (takes_rounded), for the one-row
-        kernel (ignored by the tiled one, which rounds x itself)."""
+        kernel (ignored by the tiled one, which rounds x itself). `added` (int4, ONE_ROW_ADD): the
+        one-row kernel adds its parts itself, in order, in float32 (not rounded): [1, M, N] float32,
+        for a consumer that adds the parts and rounds (fused.add_norm: the same bits)."""
         N, K = self.shape
         M = x.shape[0]
         if x.shape[1] != K:
@@ -195,12 +200,13 @@ class TritonMatrix(QuantMatrix):
         if bm > 1 and self.format == "int4" and M >= sum_rows(N, K):
             parts = 1  # the tiled kernel adds the parts (grid[2] == 1 of several parts: its SUM)
         ws = torch.empty(parts, M, N, dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
+        add = added and ONE_ROW_ADD and bm == 1 and parts > 1 and self.format == "int4"
         if M:
             grid = (M if bm == 1 else -(-M // bm), -(-N // bn), parts)
-            self._launch_fitting(x, ws, grid, config, k_part, rounded)
-        return ws
+            self._launch_fitting(x, ws, grid, config, k_part, rounded, add)
+        return ws[:1] if add else ws
 
-    def _launch_fitting(self, x, ws, grid, config, k_part, rounded=None) -> None:
+    def _launch_fitting(self, x, ws, grid, config, k_part, rounded=None, add=False) -> None:
         """Launch with `config`, or with fewer pipeline stages where its tiles do not fit the GPU's
         shared memory (Triton's OutOfResources; a Jetson Orin has 164 KB an SM, an H100 228 KB).
         Stages change no sum: the bits are the same. Remembered per matrix shape and config."""
@@ -208,7 +214,7 @@ class TritonMatrix(QuantMatrix):
         fit = _fitting.get(key, config)
         while True:
             try:
-                self._launch(x, ws, grid, fit, k_part, rounded)
+                self._launch(x, ws, grid, fit, k_part, rounded, add)
             except Exception as exc:  # re-raised unless it is Triton's OutOfResources
                 if type(exc).__name__ != "OutOfResources" or fit[3] <= 1:
                     raise
@@ -236,17 +242,22 @@ class TritonInt4(TritonMatrix):
         q, scale, zero = int4_grid(w, GROUP_INT4)
         super().__init__(*w.shape)
         self.q4, self.sz = pack_int4(q, scale, zero)
+        # the one-row kernel's counts of the parts stored (ADD), a row's column block each (blocks of 32
+        # columns or more): zeros, each back to zero when its block is added; made here, not in a CUDA
+        # graph's capture
+        self._counts = torch.zeros(GEMV_ROWS * -(-w.shape[0] // 32), dtype=torch.int32, device=w.device)
 
     @property
     def nbytes(self) -> int:
         return self.q4.numel() + self.sz.numel() * self.sz.element_size()
+
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
         sz = self.sz.t()  # [out, groups] int32
         return (sz << 16).view(torch.float32), (sz & -65536).view(torch.float32)
 
-    def _launch(self, x, ws, grid, config, k_part, rounded=None) -> None:
+    def _launch(self, x, ws, grid, config, k_part, rounded=None, add=False) -> None:
         _, _, mm, gemv, _ = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape
@@ -254,7 +265,9 @@ class TritonInt4(TritonMatrix):
         tail = (ws.stride(0) if ws.shape[0] > 1 else 0, ws.stride(1))
         if bm == 1:
             xd, aux = rounded if rounded is not None else round_rows(x, gpu_quant_kernels.LAYOUT_DP)
-            gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, M, N, K, k_part, *tail, BN=bn,
+            assert not add or grid[0] * grid[1] <= self._counts.numel()
+            gemv[grid](xd.view(torch.int32), aux, self.q4.view(torch.int32), self.sz, ws, self._counts, M, N, K,
+                       k_part, *tail, BN=bn, ADD=add,
                        U=step_groups(K, ONE_ROW_GROUPS), STAGES=stages, ASM=x.is_cuda, num_warps=warps,
                        num_stages=stages, **invariant.pdl(x.device), **invariant.gemv_trigger(x.device))
         else:
@@ -281,7 +294,7 @@ class TritonInt8(TritonMatrix):
         """The scale of each output channel, float32 [out]: w = q * scale."""
         return self.scales
 
-    def _launch(self, x, ws, grid, config, k_part, rounded=None) -> None:
+    def _launch(self, x, ws, grid, config, k_part, rounded=None, add=False) -> None:
         *_, mm = gpu_quant_kernels.kernels()
         bm, bn, warps, stages, _ = config
         N, K = self.shape

@@ -162,9 +162,9 @@ def kernels():
         tl.store(out, total.to(y_ptr.dtype.element_ty), mask=rows_in[None, :] & cols_in[:, None])
 
     @triton.jit(do_not_specialize=["sys_"])
-    def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, k_part, sys_, sym, BN: tl.constexpr,
+    def int4_gemv(xq_ptr, aux_ptr, q_ptr, sz_ptr, y_ptr, cnt_ptr, M, N, K, k_part, sys_, sym, BN: tl.constexpr,
                   U: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False,
-                  TRIGGER: tl.constexpr = False):
+                  TRIGGER: tl.constexpr = False, ADD: tl.constexpr = False):
         # program (row, n block, part of K), CUDA cores: the same sums as int4_mm by dp4a, U groups a step,
         # each step's loads at its start and Triton's pipeliner bringing them STAGES - 1 steps ahead
         # (through shared memory: a warp's bytes in flight without registers to hold them); xd the row's
@@ -222,6 +222,19 @@ def kernels():
         if TRIGGER:  # the kernel after it, a dependent launch (invariant.small), may launch once every
             tl.extra.cuda.gdc_launch_dependents()  # program has its sums (it waits for their store)
         tl.store(y_ptr + part * sys_ + row.to(tl.int64) * sym + rn, acc.to(y_ptr.dtype.element_ty), mask=cols_in)
+        if ADD:  # the last program of the row's column block to store its part adds every part in order (as
+            # invariant.add_parts, in float32) into part 0: its consumer reads one part, not all (cnt_ptr: a
+            # count a row's column block, zero before, zero again after)
+            tl.debug_barrier()  # (every thread's part stored before the count)
+            at = cnt_ptr + row * tl.num_programs(1) + pid_n
+            done = tl.atomic_add(at, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(2) - 1:
+                out0 = y_ptr + row.to(tl.int64) * sym + rn
+                total = tl.load(out0, mask=cols_in, other=0.0, cache_modifier=".cg")  # (from L2: other SMs' parts)
+                for p in range(1, tl.num_programs(2)):
+                    total += tl.load(out0 + p * sys_, mask=cols_in, other=0.0, cache_modifier=".cg")
+                tl.store(out0, total, mask=cols_in)
+                tl.store(at, 0)
 
     @triton.jit(do_not_specialize=["M", "sys_"])
     def int8_mm(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, k_part, sxm, sqn, sys_, sym,

@@ -134,8 +134,6 @@ def _kernels():
         # unnormalised output of the chunk (float32).
         if TRIGGER:  # the merge, a dependent launch, may launch now: it waits for this one's output
             tl.extra.cuda.gdc_launch_dependents()
-        if WAIT:  # a dependent launch: the kernels before it finish (q and the new keys) before it reads
-            tl.extra.cuda.gdc_wait()
         t, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         row0 = tl.load(tiles_ptr + t)
         nrows = tl.load(tiles_ptr + n_tiles + t)
@@ -151,6 +149,12 @@ def _kernels():
         if HAS_WINDOW:
             first = tl.min(tl.where(valid, pos, 2**30), axis=0) - window + 1
             lo = tl.maximum(lo, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
+        # the tiles, positions and slot tables are the step's inputs, which no kernel of the chain before
+        # this one writes: read before the wait (a dependent launch), with the first block's slots
+        n_first = lo + tl.arange(0, BLOCK_N)
+        slot_first = tl.load(slot_ptr + tab * s_tab + n_first, mask=n_first < hi, other=0).to(tl.int64)
+        if WAIT:  # a dependent launch: the kernels before it finish (q and the new keys) before it reads them
+            tl.extra.cuda.gdc_wait()
         if lo < hi:
             d = tl.arange(0, D)
             dmask = d < HD
@@ -162,8 +166,13 @@ def _kernels():
             for start in range(lo, hi, BLOCK_N):
                 n = start + tl.arange(0, BLOCK_N)
                 inb = n < hi
-                slot = tl.load(slot_ptr + tab * s_tab + n, mask=inb, other=0).to(tl.int64)
+                later = n >= lo + BLOCK_N  # (past the first block, whose slots are read)
+                slot = tl.load(slot_ptr + tab * s_tab + n, mask=inb & later, other=0).to(tl.int64)
+                slot = tl.where(later, slot, slot_first)
                 k = tl.load(k_ptr + h * sk_h + slot[:, None] * sk_s + d[None, :], mask=inb[:, None] & dmask[None, :],
+                            other=0.0)
+                # (v's load beside k's: both in flight at once, not v's after the scores)
+                v = tl.load(v_ptr + h * sv_h + slot[:, None] * sv_s + d[None, :], mask=inb[:, None] & dmask[None, :],
                             other=0.0)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -182,8 +191,6 @@ def _kernels():
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_ptr + h * sv_h + slot[:, None] * sv_s + d[None, :], mask=inb[:, None] & dmask[None, :],
-                            other=0.0)
                 if IEEE:
                     pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 else:
@@ -208,11 +215,11 @@ def _kernels():
         # the one-row int4 product it feeds (gpu_quant.round_rows' LAYOUT_DP of the [M, HEADS * HD] rows)
         if TRIGGER:  # the next kernel, a dependent launch (that product's), may launch now: it waits for
             tl.extra.cuda.gdc_launch_dependents()  # this one's output before it reads it
-        if WAIT:  # a dependent launch (the attention kernel's): that kernel finishes before this reads
-            tl.extra.cuda.gdc_wait()
         i, hq = tl.program_id(0), tl.program_id(1)
         row = row_base + i
-        pos = tl.load(pos_ptr + row)
+        pos = tl.load(pos_ptr + row)  # (a step's input: read before the wait)
+        if WAIT:  # a dependent launch (the attention kernel's): that kernel finishes before this reads
+            tl.extra.cuda.gdc_wait()
         c_lo = 0
         if HAS_WINDOW:
             c_lo = tl.maximum(pos - window + 1, 0) // CHUNK
@@ -319,15 +326,16 @@ def mm_config(n: int, k: int, dtype: torch.dtype, m: int = 1,
 
 
 def mm_parts(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...] | None = None, *,
-             summed: bool = False, rounded: tuple | None = None) -> torch.Tensor:
+             summed: bool = False, rounded: tuple | None = None, added: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T as its parts over K, not yet added: [parts, M, N] float32 (several
     parts), or [1, M, N] in x's dtype (one part: the product itself). `mm` adds them in order;
     `stage_node.fused.add_norm` adds them in the same order and the residual and the next norm. A
     quantized w (stage_node.kernels.gpu_quant) gives its parts by its own kernels, by the same rule
     (`rounded`: x's rows already rounded for its one-row int4 kernel, gpu_quant's mm_parts).
-    `summed`: its consumer adds the parts itself (summed_parts)."""
+    `summed`: its consumer adds the parts itself (summed_parts). `added`: that consumer is add_norm,
+    which takes the parts added in float32 as one part (a quantized w's one-row kernel may add them)."""
     if not isinstance(w, torch.Tensor):
-        return w.mm_parts(x) if rounded is None else w.mm_parts(x, rounded=rounded)
+        return w.mm_parts(x, rounded=rounded, added=added)
     triton, kernel, _, _, _ = _kernels()
     M, K = x.shape
     N = w.shape[0]

@@ -199,12 +199,14 @@ class Shard:
                               c.num_kv_heads, c.head_dim, h.dtype)
             # (o's input rounded by attention's merge, where its heads hold whole groups of 32)
             o_in, o_pre = attend(i, q, True) if self._rounds(w.o, T) and c.head_dim % 32 == 0 else (attend(i, q), None)
-            x, h, pre = self._add_norm(invariant.mm_parts(o_in, w.o, summed=True, rounded=o_pre), x, w.post_norm, eps,
-                                       0, self._rounds(w.gate_up, T))
+            # (o's and down's parts added by their one-row int4 kernel where it runs: add_norm reads one part)
+            added = self.tp is None
+            x, h, pre = self._add_norm(invariant.mm_parts(o_in, w.o, summed=True, rounded=o_pre, added=added), x,
+                                       w.post_norm, eps, 0, self._rounds(w.gate_up, T))
             gu = invariant.mm_parts(h, w.gate_up, rounded=pre)  # (mm's parts: silu_mul adds them as mm would)
             mlp, pre = (fused.silu_mul(gu, True, h.dtype) if self._rounds(w.down, T)
                         else (fused.silu_mul(gu, dtype=h.dtype), None))
-            x, h, pre = self._add_norm(invariant.mm_parts(mlp, w.down, summed=True, rounded=pre), x,
+            x, h, pre = self._add_norm(invariant.mm_parts(mlp, w.down, summed=True, rounded=pre, added=added), x,
                                        self.layers[i + 1].input_norm if i + 1 < n else None, eps, 1,
                                        i + 1 < n and self._rounds(self.layers[i + 1].qkv, T))
         return x

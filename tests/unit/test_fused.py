@@ -176,20 +176,23 @@ def test_attention_rounds_its_rows_for_the_one_row_int4_kernel(interpret):
                             *args[3:], scale=0.25, rounded=True)
 
 
-@pytest.mark.parametrize("window, sinks", [(None, False), (40, True)])  # (a window alone: within the second)
-def test_attention_over_several_splits(interpret, window, sinks):
+@pytest.mark.parametrize("window, sinks, chunk", [(None, False, None), (40, True, None), (None, False, 128)])
+def test_attention_over_several_splits(interpret, window, sinks, chunk, monkeypatch):
     """stage_node.invariant.attention over 130 positions (three splits of ATTN_CHUNK, merged CB at a time; the
     window skips the last rows' first split) against softmax attention in float64; a row's bits the same
     alone in a tile with its sequence's slot table and with a longer one (a graph's: splits past its own are
     not read), and as the first row of a prompt's tile; with `sinks` (gpt-oss), a logit per head that joins
-    every row's softmax once, whatever the splits. (Rows further down a prompt's tile are checked on the
-    GPU, bench/gpu_invariance.py: the interpreter's numpy products give rows of one tile other bits by their
-    place in it.)"""
+    every row's softmax once, whatever the splits; `chunk`, splits of two blocks of keys (the kernel reads a
+    split's first block's slots before its dependent launch's wait, the others' in its loop). (Rows further
+    down a prompt's tile are checked on the GPU, bench/gpu_invariance.py: the interpreter's numpy products
+    give rows of one tile other bits by their place in it.)"""
     from logicpipe.stage_node.kernels import invariant
 
+    if chunk:
+        monkeypatch.setattr(invariant, "ATTN_CHUNK", chunk)
     g = torch.Generator().manual_seed(0)
     heads, kvh, hd, L = 4, 2, 16, 130  # (the interpreter: ~60 ms a row, most in the merge of its 4 heads)
-    assert L > 2 * invariant.ATTN_CHUNK
+    assert L > (1 if chunk else 2) * invariant.ATTN_CHUNK and invariant.ATTN_CHUNK == (chunk or invariant.ATTN_BLOCK_N)
     kp, vp = torch.randn(kvh, L + 40, hd, generator=g), torch.randn(kvh, L + 40, hd, generator=g)
     slots = torch.randperm(L + 40, generator=g)[:L]
     q = torch.randn(L, heads, hd, generator=g)

@@ -106,7 +106,7 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
     m = gpu_quant.TritonInt8(torch.randn(32, 64))
     tried = []
 
-    def launch(x, ws, grid, config, k_part, rounded=None):
+    def launch(x, ws, grid, config, k_part, rounded=None, add=False):
         tried.append(config[3])
         if config[3] > 2:
             raise OutOfResources("out of resource: shared memory")
@@ -118,7 +118,7 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
     m.mm_parts(x, cfg)
     assert tried == [4, 3, 2, 2]
 
-    def broken(x, ws, grid, config, k_part, rounded=None):
+    def broken(x, ws, grid, config, k_part, rounded=None, add=False):
         raise ValueError("not a resource")
     monkeypatch.setattr(m, "_launch", broken)
     with pytest.raises(ValueError, match="not a resource"):
@@ -126,6 +126,7 @@ def test_a_tile_that_does_not_fit_shared_memory_takes_fewer_stages(monkeypatch):
 
 
 INT4_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "sz_ptr", "y_ptr", "M", "N", "K", "k_part", "sys_", "sym")
+GEMV_ARGS = ("xq_ptr", "aux_ptr", "q_ptr", "sz_ptr", "y_ptr", "cnt_ptr", "M", "N", "K", "k_part", "sys_", "sym")
 INT8_ARGS = ("x_ptr", "q_ptr", "s_ptr", "y_ptr", "M", "N", "K", "k_part", "sxm", "sqn", "sys_", "sym")
 SHARED_LIMIT = {90: 227 * 1024, 87: 163 * 1024}  # bytes of shared memory a program may take: H100, Jetson Orin
 
@@ -170,7 +171,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
     except Exception as exc:  # noqa: BLE001 — a Triton without the NVIDIA backend
         pytest.skip(f"no ahead-of-time CUDA compiler in this Triton: {exc}")
     kernels = {  # (one row?, format): (kernel, its arguments' names, its pointers' types, constexprs)
-        (True, "int4"): (int4_gemv, INT4_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*bf16"],
+        (True, "int4"): (int4_gemv, GEMV_ARGS, ["*i32", "*fp32", "*i32", "*i32", "*fp32", "*i32"],
                          {"U": gpu_quant.ONE_ROW_GROUPS, "ASM": True}),
         (False, "int4"): (int4_mm, INT4_ARGS, ["*fp16", "*fp32", "*u8", "*i32", "*bf16"], {}),
         (False, "int8"): (int8_mm, INT8_ARGS, ["*bf16", "*i8", "*fp32", "*bf16"],
@@ -195,8 +196,9 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                 # an LM head's 256-row tile (its accumulator 128 registers a thread) spills 56 bytes (Triton
                 # 3.9 here), and took 517.7 us for 256 rows on the H200 (Triton 3.6) against 723.4 by 128-row ones
                 for extra, allowed in (({"SUM": False}, 0), ({"SUM": True}, 80)) if (bm, fmt) == (prompt[0], "int4") \
-                        else (({"PDL": False, "TRIGGER": False}, 0), ({"PDL": True, "TRIGGER": True}, 0)) \
-                        if (bm, cap) == (1, 90) else (({"PDL": False, "TRIGGER": False}, 0),) if bm == 1 \
+                        else (({"PDL": False, "TRIGGER": False, "ADD": True}, 0),
+                              ({"PDL": True, "TRIGGER": True, "ADD": True}, 0)) \
+                        if (bm, cap) == (1, 90) else (({"PDL": False, "TRIGGER": False, "ADD": True}, 0),) if bm == 1 \
                         else (({}, 64 if n > 4096 else 0),):
                     constexprs = {"BN": bn, **const, **extra} | ({"STAGES": stages} if bm == 1 else {"BM": bm})
                     shared, spilled = compiled(kernel, signature, constexprs, cap, warps, stages)
@@ -334,6 +336,15 @@ def test_interpreted_parts_of_k_are_added_in_order(interpret, monkeypatch):
     parts = m.mm_parts(x, (1, 16, 4, 1, 3))  # the one-row kernel, 3 parts of K
     assert parts.shape == (3, 3, 16) and parts.dtype == torch.float32
     assert torch.equal(m.mm_parts(x, (16, 16, 4, 1, 3)), parts)  # the tiled kernel: the same parts
+    # `added` (o's and down's, for add_norm): the one-row kernel's last program of a row's column block adds
+    # the parts in order, in float32, into one part; its counts back at zero for the next product
+    added = m.mm_parts(x, (1, 16, 4, 1, 3), added=True)
+    assert added.shape == (1, 3, 16) and added.dtype == torch.float32 and not m._counts.any()
+    assert torch.equal(added[0], parts[0] + parts[1] + parts[2])
+    assert torch.equal(m.mm_parts(x[1:], (1, 16, 4, 1, 3), added=True)[0], added[0, 1:])
+    r, norm = torch.randn(3, 16, generator=g).half(), (1 + 0.1 * torch.randn(16, generator=g)).half()
+    once, each = fused.add_norm(added, r, norm, 1e-5), fused.add_norm(parts, r, norm, 1e-5)
+    assert torch.equal(once[0], each[0]) and torch.equal(once[1], each[1])
     monkeypatch.setattr(gpu_quant, "SUM_PARTS_ROWS", 3)  # or, from SUM_PARTS_ROWS rows, their sum by the tile
     summed = m.mm_parts(x, (16, 16, 4, 1, 3))
     assert summed.shape == (1, 3, 16) and torch.equal(summed[0], invariant.add_parts(parts, x.dtype))
