@@ -50,7 +50,7 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
     w = (1 + 0.1 * torch.randn(h, generator=gen, device="cuda")).to(dt)
 
     def old(ws, x):
-        return fused.add_norm(tp.all_reduce(invariant.add_parts(ws, dt))[None], x, w, 1e-5)
+        return fused.add_norm(tp.all_reduce(invariant.add_parts(ws, dt))[None], x, w, 1e-5, tp=True)
 
     for rows in args.rows:
         x = torch.randn(rows, h, generator=torch.Generator(device="cuda").manual_seed(rows), device="cuda").to(dt)
@@ -78,8 +78,8 @@ def _measure(rank: int, world: int, args, out: dict) -> None:
     def step_old():
         x = x0
         for i in range(L):
-            x, _ = fused.add_norm(tp.all_reduce(invariant.mm(a_o, o[i]))[None], x, w, 1e-5)
-            x, _ = fused.add_norm(tp.all_reduce(invariant.mm(a_d, down[i]))[None], x, w, 1e-5)
+            x, _ = fused.add_norm(tp.all_reduce(invariant.mm(a_o, o[i]))[None], x, w, 1e-5, tp=True)
+            x, _ = fused.add_norm(tp.all_reduce(invariant.mm(a_d, down[i]))[None], x, w, 1e-5, tp=True)
         return x
 
     def step_fused():

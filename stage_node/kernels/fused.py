@@ -169,17 +169,19 @@ def _trigger(device: torch.device) -> dict:
     return invariant.small(device)
 
 
-def norm_warps(block: int) -> int:
-    """add_norm's warps: a program is a whole row, so a wide row takes every warp a program may have
-    (one H200, the int4 8B-shaped one-row step: 8 layers 0.679 -> 0.656 ms with 32 warps against 8;
-    16 no faster). A function of the row's width only: the norm's sum over it is the same for any
-    row count; tp_reduce's fused all-reduce and norm takes the same, so that its rows get add_norm's
-    bits."""
-    return _warps(block) if block < 4096 else 32
+def norm_warps(block: int, tp: bool = False) -> int:
+    """add_norm's warps: a program is a whole row, so a wide row takes many warps: 16 (one H200, the
+    int4 8B-shaped one-row step, o's and down's parts added by their product: 8 layers 0.4817-0.4836
+    ms against 0.4849-0.4856 with 32 warps and 0.4856-0.4864 with 8; when add_norm added their 8 parts
+    itself, 32 against 8 was 0.656 against 0.679 ms and 16 no faster). A function of the row's width
+    only: the norm's sum over it is the same for any row count. `tp`: a rank of a tensor-parallel stage,
+    whose fused all-reduce and norm (tp_reduce) and the add_norm it falls back to take the same, 32 (their
+    bits checked equal on two H200s with 32)."""
+    return _warps(block) if block < 4096 else 32 if tp else 16
 
 
 def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
-             eps: float, rounded: bool = False) -> tuple:
+             eps: float, rounded: bool = False, tp: bool = False) -> tuple:
     """ws: a product's output [parts, M, N] (float32 partial sums, added in order, or [1, M, N] in
     x's dtype; None: nothing to add), x: the residual stream [M, N], weight: the next norm's [N]
     (None: no norm). -> (x + the product, rounded to x's dtype; its RMSNorm or None). `rounded`
@@ -204,7 +206,7 @@ def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | No
                  ws.stride(0) if add else 0, ws.stride(1) if add else 0, x.stride(0), xo.stride(0),
                  h.stride(0) if h is not None else 0,
                  PARTS=ws.shape[0] if add else 1, ADD=add, NORM=weight is not None, F32=x.dtype == torch.float32,
-                 BLOCK=block, num_warps=norm_warps(block), ROUND=rounded, **_trigger(x.device))
+                 BLOCK=block, num_warps=norm_warps(block, tp), ROUND=rounded, **_trigger(x.device))
     return (xo, h, pre) if rounded else (xo, h)
 
 

@@ -147,5 +147,5 @@ def push_add_norm(ws: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None
                                 PARTS=ws.shape[0], NORM=weight is not None, F32=x.dtype == torch.float32,
                                 BLOCK=block, MARK=empty_mark(x.dtype),
                                 IT=getattr(triton.language, str(INT_OF[x.dtype]).removeprefix("torch.")),
-                                num_warps=fused.norm_warps(block))  # (add_norm's: its norm's sum in the same order)
+                                num_warps=fused.norm_warps(block, tp=True))  # (add_norm's on a rank: the same order)
     return xo, h

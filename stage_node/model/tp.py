@@ -103,7 +103,7 @@ class TensorParallel:
         if self.push is not None and x.dtype == self.push.dtype and x.shape[0] <= ONE_SHOT_ROWS:
             return tp_reduce.push_add_norm(ws, x, weight, eps, bufs=self._push_bufs, slot=slot, rank=self.rank,
                                            rows=ONE_SHOT_ROWS)
-        return fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, x.dtype))[None], x, weight, eps)
+        return fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, x.dtype))[None], x, weight, eps, tp=True)
 
     def enable_one_shot(self, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
         """CUDA ranks, every one at the same point (a shard's load): allocate and exchange the
@@ -169,7 +169,8 @@ class TensorParallel:
                 x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
                 w = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
                 ws = torch.randn(2, 3, hidden, generator=gen, device=device) * (self.rank + 1)
-                want = fused_kernels.add_norm(self.all_reduce(invariant.add_parts(ws, dtype))[None], x, w, 1e-5)
+                summed = self.all_reduce(invariant.add_parts(ws, dtype))[None]
+                want = fused_kernels.add_norm(summed, x, w, 1e-5, tp=True)
                 for slot in (0, 1, 0):
                     got = tp_reduce.push_add_norm(ws, x, w, 1e-5, bufs=bufs, slot=slot, rank=self.rank,
                                                   rows=ONE_SHOT_ROWS)

@@ -206,7 +206,7 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                     assert shared <= SHARED_LIMIT[cap], f"{what}: {shared} bytes of shared memory"
                     assert cap != 90 or spilled <= allowed, f"{what}: {spilled} bytes of registers spilled a thread"
     # add_norm and silu_mul rounding their rows for the one-row kernel in the same launch (an 8B row: 4096 wide,
-    # 32 warps; SiLU's blocks of fused.SILU_BLOCK)
+    # fused.norm_warps; SiLU's blocks of fused.SILU_BLOCK)
     _, add_norm, rope_kv, silu_mul = fused._kernels()
     args = {"ws_ptr": "*fp32", **{a: "*bf16" for a in ("x_ptr", "w_ptr", "xo_ptr", "h_ptr")}, "xq_ptr": "*i8",
             "aux_ptr": "*fp32", "M": "i32", "N": "i32", "eps": "fp32", **{a: "i32" for a in ("s_part", "s_ws", "s_x",
@@ -215,7 +215,8 @@ def test_the_kernels_compile_for_an_h100_and_an_orin():
                  **{a: "i32" for a in ("T", "F", "s_gu", "s_o", "s_part")}}
     for cap in (90, 87):
         for kernel, signature, constexprs, warps in (
-                (add_norm, args, {"PARTS": 8, "ADD": True, "NORM": True, "F32": False, "BLOCK": 4096}, 32),
+                (add_norm, args, {"PARTS": 8, "ADD": True, "NORM": True, "F32": False, "BLOCK": 4096},
+                 fused.norm_warps(4096)),
                 (silu_mul, silu_args, {"BLOCK": fused.SILU_BLOCK, "PARTS": 2}, 4)):
             launch = {"TRIGGER": cap == 90, "WAIT": cap == 90, "ROUND": True}  # (an Orin has no dependent launch)
             shared, spilled = compiled(kernel, signature, {**constexprs, **launch}, cap, warps, 1)
