@@ -38,10 +38,13 @@ DOWN_AFTER_MISSES = 2     # unanswered probes in a row before a stage counts as 
 # pipeline is silent when one of its stages has left a probe unanswered for SILENT_PROBE_S (or missed
 # one) and answered none for SILENT_S, and no event came from the pipeline for as long: its running
 # requests move to a pipeline that answers (Pipeline.on_silent; the scheduler's evacuate), and none
-# opens on it. Checked each SILENT_TICK_S while a probe round waits.
-SILENT_S = 1.0
-SILENT_PROBE_S = 0.75
-SILENT_TICK_S = 0.25
+# opens on it. Checked each SILENT_TICK_S while a probe round waits. A stage answers Status from its
+# event loop while a step computes in its worker thread, so a busy stage is not silent; a stopped one is
+# found 0.6 to 1.1 s after it stopped (1.0, 0.75 and 0.25 before: 1.2 to 1.5 s, three times in a row for one
+# request in a 1.5 s storm's misses, docs/benchmarks.md's sixteenth sitting)
+SILENT_S = 0.6
+SILENT_PROBE_S = 0.5
+SILENT_TICK_S = 0.1
 # a prompt stream that ended (by an error, or closed by its stage) while its stage 0 still serves: the
 # sessions whose feed went on it and that no stage was heard of since are told UNAVAILABLE (they replay)
 # after this grace, unless the stage was lost meanwhile (then its re-plan moves them, as any of its requests)
