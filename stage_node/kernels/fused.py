@@ -163,12 +163,6 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _trigger(device: torch.device) -> dict:
-    """The kernels that feed a product let its dependent launch start at once (invariant.PDL), and are
-    dependent launches themselves (invariant.small)."""
-    return invariant.small(device)
-
-
 def norm_warps(block: int, tp: bool = False) -> int:
     """add_norm's warps: a program is a whole row, so a wide row takes many warps: 16 (one H200, the
     int4 8B-shaped one-row step, o's and down's parts added by their product: 8 layers 0.4817-0.4836
@@ -206,7 +200,7 @@ def add_norm(ws: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | No
                  ws.stride(0) if add else 0, ws.stride(1) if add else 0, x.stride(0), xo.stride(0),
                  h.stride(0) if h is not None else 0,
                  PARTS=ws.shape[0] if add else 1, ADD=add, NORM=weight is not None, F32=x.dtype == torch.float32,
-                 BLOCK=block, num_warps=norm_warps(block, tp), ROUND=rounded, **_trigger(x.device))
+                 BLOCK=block, num_warps=norm_warps(block, tp), ROUND=rounded, **invariant.small(x.device))
     return (xo, h, pre) if rounded else (xo, h)
 
 
@@ -267,5 +261,5 @@ def silu_mul(gu: torch.Tensor, rounded: bool = False, dtype: torch.dtype | None 
     block = min(SILU_BLOCK, _block(F))
     kernel[(T, triton.cdiv(F, block))](parts, out, pre[0] if rounded else out, pre[1] if rounded else out, T, F,
                                        parts.stride(1), out.stride(0), parts.stride(0), BLOCK=block,
-                                       PARTS=parts.shape[0], num_warps=4, ROUND=rounded, **_trigger(gu.device))
+                                       PARTS=parts.shape[0], num_warps=4, ROUND=rounded, **invariant.small(gu.device))
     return (out, pre) if rounded else out

@@ -251,7 +251,6 @@ class TritonInt4(TritonMatrix):
     def nbytes(self) -> int:
         return self.q4.numel() + self.sz.numel() * self.sz.element_size()
 
-
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero) of each group, float32 [out, groups]: w = (q - 8) * scale + zero."""
         sz = self.sz.t()  # [out, groups] int32

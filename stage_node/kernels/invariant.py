@@ -407,7 +407,7 @@ def small(device: torch.device) -> dict:
 
 def gemv_trigger(device: torch.device) -> dict:
     """The one-row int4 kernel's TRIGGER: where the kernel after it is a dependent launch (`small`)."""
-    return {"TRIGGER": True} if SMALL_PDL and dependent_launch(device) else {}
+    return {"TRIGGER": True} if small(device).get("WAIT") else {}
 
 
 def add_parts(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

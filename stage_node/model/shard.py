@@ -189,6 +189,9 @@ class Shard:
         # attention's merge, fused.silu_mul), not by a pre-pass of their own (gpu_quant.round_rows): the
         # same integers
         x, h, pre = self._add_norm(None, x, self.layers[0].input_norm, eps, 1, self._rounds(self.layers[0].qkv, T))
+        # o's and down's parts added by their one-row int4 kernel where it runs: add_norm reads one part (not
+        # on a rank of a tensor-parallel stage, whose parts its all-reduce adds)
+        added = self.tp is None
         for i, w in enumerate(self.layers):
             cos, sin = tables[self.kind(i)]
             ws, pool, j = (*window, self._kv[i]) if i in group else (write_slots, kv, self._kv.get(i, i))
@@ -199,8 +202,6 @@ class Shard:
                               c.num_kv_heads, c.head_dim, h.dtype)
             # (o's input rounded by attention's merge, where its heads hold whole groups of 32)
             o_in, o_pre = attend(i, q, True) if self._rounds(w.o, T) and c.head_dim % 32 == 0 else (attend(i, q), None)
-            # (o's and down's parts added by their one-row int4 kernel where it runs: add_norm reads one part)
-            added = self.tp is None
             x, h, pre = self._add_norm(invariant.mm_parts(o_in, w.o, summed=True, rounded=o_pre, added=added), x,
                                        w.post_norm, eps, 0, self._rounds(w.gate_up, T))
             gu = invariant.mm_parts(h, w.gate_up, rounded=pre)  # (mm's parts: silu_mul adds them as mm would)
