@@ -70,6 +70,7 @@ class Target:
     sent: OrderedDict = field(default_factory=OrderedDict)  # hashes it took (or held), oldest first
     incarnation: str = ""
     retry_at: float = 0.0
+    sending: bool = False  # a catch-up to it under way (one at a time a target; the others go on meanwhile)
 
 
 def block_slots(block_ids, block_size: int) -> torch.Tensor:
@@ -163,35 +164,49 @@ class KvMirror:
 
     # ---- sender ----------------------------------------------------------------------------------
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(MIRROR_S)
-            try:
-                await self.round()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 — a mirror only saves replays their time; the node serves on
-                log.exception("a KV mirror round failed")
+        """A round every MIRROR_S, each in a task of its own: a target that does not answer (SIGSTOPped:
+        its PutBlocks waits PUT_TIMEOUT_S) holds up neither the next rounds nor the other targets."""
+        rounds: set[asyncio.Task] = set()
+        try:
+            while True:
+                await asyncio.sleep(MIRROR_S)
+                task = asyncio.create_task(self._logged_round(), name="kv-mirror-round")
+                rounds.add(task)
+                task.add_done_callback(rounds.discard)
+        finally:
+            for task in rounds:
+                task.cancel()
+
+    async def _logged_round(self) -> None:
+        try:
+            await self.round()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 — a mirror only saves replays their time; the node serves on
+            log.exception("a KV mirror round failed")
 
     async def round(self) -> None:
+        """Every target that is due and not caught up by an earlier round still sending gets what it
+        lacks (ROUND_BYTES at most), the targets at the same time."""
         rt = self.runtime
         eng = rt.engine
         if eng is None or eng.retired or not self.targets or self._why_not(eng):
             return
-        for t in list(self.targets):
-            if t.retry_at <= time.monotonic():
-                await self._catch_up(eng, t, ROUND_BYTES, float("inf"))
+        due = [t for t in list(self.targets) if t.retry_at <= time.monotonic() and not t.sending]
+        await asyncio.gather(*(self._catch_up(eng, t, ROUND_BYTES, float("inf")) for t in due))
 
     async def flush(self, within_s: float = FLUSH_S) -> int:
         """Leaving (SIGTERM): send every target what it lacks now, for at most `within_s`, before the
         controller moves the sequences away (they replay there from these copies). Returns the KV
         bytes sent."""
-        rt, sent = self.runtime, 0
+        rt = self.runtime
         eng = rt.engine
         if eng is None or eng.retired or not self.targets or self._why_not(eng):
             return 0
         deadline = time.monotonic() + within_s
-        for t in list(self.targets):
-            sent += await self._catch_up(eng, t, float("inf"), deadline)
+        # (the targets at the same time: one that does not answer leaves the others their copies)
+        sent = sum(await asyncio.gather(*(self._catch_up(eng, t, float("inf"), deadline)
+                                          for t in list(self.targets) if not t.sending)))
         if sent:
             log.info("sent %.1f MiB of KV blocks to the mirrors before leaving", sent / 2**20)
         return sent
@@ -199,16 +214,20 @@ class KvMirror:
     async def _catch_up(self, eng, t: Target, most_bytes: float, deadline: float) -> int:
         """PutBlocks to `t` until it lacks nothing, a call fails, `most_bytes` went or `deadline`
         passed; the KV bytes sent."""
-        sent = 0
-        while sent < most_bytes and time.monotonic() < deadline and self.runtime.engine is eng and not eng.retired:
-            n = await self._send(eng, t)
-            if not n:
-                break
-            sent += n
+        sent, t.sending = 0, True
+        try:
+            while sent < most_bytes and time.monotonic() < deadline and self.runtime.engine is eng and not eng.retired:
+                n = await self._send(eng, t, deadline)
+                if not n:
+                    break
+                sent += n
+        finally:
+            t.sending = False
         return sent
 
-    async def _send(self, eng, t: Target) -> int:
-        """One PutBlocks of the blocks `t` lacks; the KV bytes sent (0: none to send, or it failed)."""
+    async def _send(self, eng, t: Target, deadline: float = float("inf")) -> int:
+        """One PutBlocks of the blocks `t` lacks, answered by `deadline` (and within PUT_TIMEOUT_S); the
+        KV bytes sent (0: none to send, or it failed)."""
         rt = self.runtime
         todo = self._unsent(eng, t)
         if not todo:
@@ -228,7 +247,8 @@ class KvMirror:
                     for _, _, _, h, p, tok in todo], kv=tensor_codec.raw_to_proto(kv))
         try:
             async with rt.transport.channel(t.address, "stage") as channel:
-                reply = await stage_pb2_grpc.StageNodeStub(channel).PutBlocks(req, timeout=PUT_TIMEOUT_S)
+                timeout = max(0.05, min(PUT_TIMEOUT_S, deadline - time.monotonic()))
+                reply = await stage_pb2_grpc.StageNodeStub(channel).PutBlocks(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             rt.stats.mirror_errors += 1
             t.retry_at = time.monotonic() + RETRY_S

@@ -3,14 +3,16 @@ blocks as they fill (SetMirror, PutBlocks); a request moved off its pipeline mid
 re-plan after a fault moves it) is replayed on the pipeline that holds its mirror, attaches its
 history's blocks there instead of computing them, and gives transformers' greedy tokens. A
 PutBlocks without the controller's mirror key, a SetMirror from a caller that does not hold the
-stage and one for another plan generation are refused. Four in-process stages, pipelines
-A [0, 2) -> [2, 4) and B the same."""
+stage and one for another plan generation are refused. A target that takes the connection but never
+answers (as a SIGSTOPped stage) holds up neither the copies to another target nor a flush past its
+deadline. Four in-process stages, pipelines A [0, 2) -> [2, 4) and B the same."""
 from __future__ import annotations
 
 import asyncio
 import json
 import contextlib
 import random
+import socket
 import time
 
 import grpc
@@ -61,13 +63,14 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                                                                                       tmp_path):
     """(Also: a stage's --step-log, a JSON line per computed step.)"""
     monkeypatch.setattr(mirror_module, "MIRROR_S", 0.05)
+    monkeypatch.setattr(mirror_module, "PUT_TIMEOUT_S", 120.0)  # (a call to the silent target below waits this long)
     step_log = tmp_path / "a1-steps.jsonl"
     prompt = [random.Random(34).randrange(TINY_VOCAB) for _ in range(37)]
     want = hf_greedy(hf, prompt, NEW)
 
     async def main():
         async with stage_node("a0", min_step_s=0.01) as a0, \
-                stage_node("a1", min_step_s=0.01, step_log=str(step_log)) as a1, \
+                stage_node("a1", min_step_s=0.08, step_log=str(step_log)) as a1, \
                 stage_node("b0", min_step_s=0.01) as b0, stage_node("b1", min_step_s=0.01) as b1:
             sched = None
             pipelines = PipelineSet(PLAINTEXT, lambda ev: sched.on_event(ev), lambda address, why: None)
@@ -80,6 +83,12 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
             async def no_rounds() -> None:
                 return None
             a1.runtime.mirror.round = no_rounds  # a1's copies come only from its flush, below
+            # each of A's stages copies to a target that never answers first, then to B's: the copies to B
+            # must not wait for it (a round a task, the targets at the same time)
+            silent = socket.create_server(("127.0.0.1", 0), backlog=16)  # (takes connections, answers nothing)
+            stuck = f"127.0.0.1:{silent.getsockname()[1]}"
+            for s, b in ((a0, b0), (a1, b1)):
+                assert s.runtime.mirror.set([stuck, b.address], pipelines.identity.mirror_key, pa.generation) == 2
             state = MeshState()
             state.set(Phase.READY)
             sched = Scheduler(pipelines, state, SchedulerConfig(TINY_CONTEXT, frozenset(), TINY_VOCAB, speculate=0))
@@ -94,7 +103,9 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                             # rounds, b1 by a flush (what a stage that leaves on SIGTERM does first) ...
                             await until(lambda: b0.runtime.stats.mirrored_in_blocks >= 3, what="b0 taking a0's blocks")
                             assert b1.runtime.stats.mirrored_in_blocks == 0
-                            assert await a1.runtime.mirror.flush() > 0
+                            # (its deadline bounds the silent target's call: 0.5 s, while a1's steps of 0.08 s
+                            # leave the request 1.6 s more to run)
+                            assert await asyncio.wait_for(a1.runtime.mirror.flush(0.5), 2) > 0
                             assert b1.runtime.stats.mirrored_in_blocks >= 3
                             pa.retired = True  # ... when a re-plan moves it off A
                             sessions = sched.detach([pa])
@@ -125,6 +136,7 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                     targets=[a0.address], key="k" * 32, generation=pb.generation + 1), timeout=RPC_TIMEOUT_S),
                     grpc.StatusCode.FAILED_PRECONDITION, "stale")
             finally:
+                silent.close()
                 await sched.shutdown()
                 await pipelines.close()
 
