@@ -22,7 +22,7 @@ import math
 import random
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
@@ -320,12 +320,15 @@ class Scheduler:
                 p.close_session_soon(sid)  # (its pipeline stays: nobody else closes it there)
         for sid in [sid for sid, p in self.opened.items() if moving is None or id(p) in moving]:
             del self.opened[sid]  # finished parents kept open for forks: gone with their pipeline
+        planned: Counter[int] = Counter()  # moves onto each pipeline so far (spread over the mirrors)
         for sid, req in running:
             req.session_id = ""
             if req.done:  # finished; its client reads what is queued
                 continue
             # replayed where its KV blocks were copied (mesh.mirrors), if that pipeline still serves then
-            req.target = self.pipelines.mirror_of(was[sid])
+            req.target = self.pipelines.mirror_of(was[sid], lambda q: self.load(q) + planned[id(q)])
+            if req.target is not None:
+                planned[id(req.target)] += 1
             self._back_in_queue(req, Unavailable("its pipeline was replaced"), moved=True)
         self._hold_replays = False
         return [session for session, _ in running]
@@ -394,7 +397,6 @@ class Scheduler:
         stage = pipeline.silent_stage()
         if not others or stage is None:
             return []
-        mirror = self.pipelines.mirror_of(pipeline)
         moving = [sid for sid, r in self.active.items()
                   if self.opened.get(sid) is pipeline
                   and not (r.done or r.keep_open or r.parent or self._prefill_pipeline(r) is not None
@@ -405,19 +407,25 @@ class Scheduler:
         why = Unavailable(f"stage {stage.node_id or stage.address} of pipeline {pipeline.index} is silent "
                           f"({silent:.1f} s)")
         log.info("%d running requests move off pipeline %d: %s", len(moving), pipeline.index, why)
-        # spread, so that the next fault catches fewer of them: the mirror takes up to its even share of
-        # what the others will run (the dearest replays: their KV is there), the router places the rest
-        room = 0
-        if mirror in others:
-            share = -(-(len(moving) + sum(self.load(p) for p in others)) // len(others))
-            room = share - self.load(mirror)
-        # (each goes to the queue's front: the dearest, last, open first, the mirror's before the router's)
+        # spread, so that the next fault catches fewer of them: each mirror takes up to its even share of
+        # what the others will run (the dearest replays, the least loaded mirror first: their KV is
+        # there), the router places the rest
+        share = -(-(len(moving) + sum(self.load(p) for p in others)) // len(others))
+        room = {id(q): share - self.load(q) for q in self.pipelines.mirrors_of(pipeline) if q in others}
+        mirrors = {id(q): q for q in others}
+        # (each goes to the queue's front: the dearest, last, open first, the mirrors' before the router's)
         moving.sort(key=lambda sid: len(self.active[sid].inputs))
-        for i, sid in enumerate(moving):
+        targets: dict[str, Pipeline | None] = {}
+        for sid in reversed(moving):
+            q = max(room, key=room.__getitem__, default=None)  # (ties: the next in the ring)
+            targets[sid] = None if q is None or room[q] <= 0 else mirrors[q]
+            if targets[sid] is not None:
+                room[q] -= 1
+        for sid in moving:
             req = self.active.pop(sid)
             self._close_soon(sid)  # (a stage that does not answer gets it again once it does)
             req.session_id = ""
-            req.target = mirror if i >= len(moving) - room else None
+            req.target = targets[sid]
             self._back_in_queue(req, why, moved=True)
         self.stats.evacuated += len(moving)
         return moving
@@ -676,7 +684,7 @@ class Scheduler:
         self._close_soon(req.session_id, swap=preempted)  # (a preempted one's KV waits for its replay there)
         req.session_id = ""
         if not preempted:  # replayed where its KV blocks were copied (mesh.mirrors), if that one serves
-            req.target = self.pipelines.mirror_of(was)
+            req.target = self.pipelines.mirror_of(was, self.load)
         if req.handoff is not None:  # a fault before its first token: replayed without a handoff
             self._drop_prefill(req)
             req.handoff, req.no_handoff = None, True
@@ -853,6 +861,8 @@ class Scheduler:
         if req.received:  # a replay (tokens so far among its inputs)
             self.stats.replay_tokens += len(inputs)
             self.stats.replay_cached_tokens += start
+            log.info("request %s replays on pipeline %d: %d of its %d positions attached (prefix cache, KV mirror), "
+                     "%d computed", req.id, pipeline.index, start, len(inputs), len(inputs) - start)
         await self._feed(req, pipeline, session, inputs, start, len(inputs), detaches)
 
     def _running(self, req: Request, session: str, pipeline: Pipeline) -> None:

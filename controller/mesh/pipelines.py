@@ -55,8 +55,8 @@ class PipelineSet(HoldsIdentity):
         self._generation = 0
         self._affinity: OrderedDict[int, Pipeline] = OrderedDict()
         self.routed_by_prefix = 0  # requests sent to the pipeline that held their prefix
-        self.kv_mirror = True      # each pipeline's stages copy their KV blocks to another's (mesh.mirrors)
-        self.mirrors: dict[int, Pipeline] = {}  # id(pipeline) -> the pipeline that holds its KV mirror
+        self.kv_mirror = True      # each pipeline's stages copy their KV blocks to others' (mesh.mirrors)
+        self.mirrors: dict[int, list[Pipeline]] = {}  # id(pipeline) -> the pipelines that hold its KV mirror
         self._mirror_task: asyncio.Task | None = None
         # a pipeline with a silent stage (pipeline.SILENT_S), each probe round while it is: its owner
         # moves its requests elsewhere (the scheduler's evacuate)
@@ -104,7 +104,7 @@ class PipelineSet(HoldsIdentity):
         if installed:
             self._mirror_task = loop.create_task(self._tell_mirrors(installed, dict(self.mirrors)), name="kv-mirrors")
 
-    async def _tell_mirrors(self, installed: list[Pipeline], mirrors: dict[int, Pipeline]) -> None:
+    async def _tell_mirrors(self, installed: list[Pipeline], mirrors: dict[int, list[Pipeline]]) -> None:
         try:
             copying = await kv_mirrors.tell(installed, mirrors, self.identity.mirror_key)
         except Exception as exc:  # noqa: BLE001 — (a background task: nobody awaits it) no mirrors, said once
@@ -112,11 +112,22 @@ class PipelineSet(HoldsIdentity):
             return
         if mirrors:
             log.info("KV mirrors: %s (%d stages copy)", ", ".join(
-                f"{p.index}->{mirrors[id(p)].index}" for p in installed if id(p) in mirrors), copying)
+                f"{p.index}->{'+'.join(str(m.index) for m in mirrors[id(p)])}" for p in installed if id(p) in mirrors),
+                copying)
 
-    def mirror_of(self, pipeline: Pipeline | None) -> Pipeline | None:
-        """The pipeline whose stages hold `pipeline`'s KV mirror (None: none)."""
-        return None if pipeline is None else self.mirrors.get(id(pipeline))
+    def mirrors_of(self, pipeline: Pipeline | None) -> list[Pipeline]:
+        """The pipelines whose stages hold `pipeline`'s KV mirror, the next in the ring first."""
+        return [] if pipeline is None else list(self.mirrors.get(id(pipeline), ()))
+
+    def mirror_of(self, pipeline: Pipeline | None, load: Callable[[Pipeline], int] | None = None) -> Pipeline | None:
+        """Where a request moved off `pipeline` replays to attach its history: of the pipelines that hold
+        its KV mirror, one that serves with no silent stage, the least loaded by `load` (ring order
+        breaking ties; no `load`: the first in the ring). None: none."""
+        serving = set(map(id, self.serving()))
+        usable = [q for q in self.mirrors_of(pipeline) if id(q) in serving and q.silent_stage() is None]
+        if not usable:
+            return None
+        return usable[0] if load is None else min(usable, key=load)
 
     @property
     def stages(self) -> list[StageHandle]:

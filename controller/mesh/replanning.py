@@ -527,7 +527,7 @@ class Replanner:
         # its share of the running requests (none lost: they replay there). With KV mirrors, those of the
         # pipelines that copy to it first, once their blocks are there (a replay then attaches its
         # history), then others' up to its share
-        sources = [q for q in self.app.pipelines.serving() if self.app.pipelines.mirror_of(q) is p]
+        sources = [q for q in self.app.pipelines.serving() if p in self.app.pipelines.mirrors_of(q)]
         if sources:
             await asyncio.sleep(mirrors.SETTLE_S)
         moved = self.app.scheduler.rebalance(p, sources or None)

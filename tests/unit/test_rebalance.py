@@ -10,6 +10,7 @@ import time
 from logicpipe.controller.jobs.job import Job
 from logicpipe.controller.jobs.rebalance import Movable, moves_onto
 from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
+from logicpipe.controller.mesh import mirrors as kv_mirrors
 from logicpipe.controller.mesh.pipeline import StageHandle
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState, Phase
@@ -160,7 +161,7 @@ def test_a_silent_pipelines_requests_move_to_one_that_answers_catching_up_or_not
         assert sched.evacuate(a) == []  # no other pipeline: they wait for it
         pipelines.replace([a, b, c])
         c.silent = StageHandle("127.0.0.1:3", None, None, node_id="s2")  # silent too: it takes none
-        pipelines.mirrors = {id(a): c}  # its KV mirror is silent: the router picks instead
+        pipelines.mirrors = {id(a): [c]}  # its KV mirror is silent: the router picks instead
         moved = sched.evacuate(a)
         assert sorted(moved) == sorted(old.values()) and sorted(a.closed) == sorted(moved)
         await until(lambda: len(b.opened) == 4, "every request of the silent pipeline opened on the one that answers",
@@ -226,7 +227,7 @@ def test_a_silent_pipelines_requests_spread_its_mirror_taking_the_dearest_up_to_
         await until(lambda: all(r.session_id for r in reqs), "all six opened on the one pipeline", tries=300)
         pipelines.kv_mirror = False
         pipelines.replace([a, b, c])
-        pipelines.mirrors = {id(a): b}  # b holds a's KV mirror
+        pipelines.mirrors = {id(a): [b]}  # b holds a's KV mirror
         a.silent = StageHandle("127.0.0.1:1", None, None, node_id="s0")
         assert len(sched.evacuate(a)) == 6
         await until(lambda: len(b.opened) + len(c.opened) == 6, "the six reopened", tries=300)
@@ -264,6 +265,68 @@ def test_replays_after_a_move_are_ranked_by_how_long_they_waited_for_a_token():
         new = sched.submit(Job((9, 9), 20, request_id="new")).request
         await until(lambda: new.session_id, "a new request opened", tries=300)
         assert b.opened[-1].prefill_rank == 0 and b.opened[-1].priority > max(arrival)
+        await sched.shutdown()
+
+    asyncio.run(main())
+
+
+def test_each_pipeline_copies_to_the_next_two_of_its_kind_and_a_move_finds_one_that_serves(monkeypatch):
+    """KV mirrors over more than two replicas: each pipeline copies to the next FANOUT (2) of the same
+    numerics in the ring, so a request whose first mirror is down or silent when it moves still
+    replays where its history was copied; a move picks the least loaded of those that serve."""
+    ps = [FakePipeline(i) for i in range(6)]
+    kinds = {id(p): k for p, k in zip(ps, ("x", "x", "x", "x", "y", None))}  # (None: not probed yet)
+    monkeypatch.setattr(kv_mirrors, "numerics", lambda p: kinds[id(p)])
+    m = kv_mirrors.pair(ps)
+    assert {ps.index(p): [ps.index(q) for q in m[id(p)]] for p in ps if id(p) in m} == {
+        0: [1, 2], 1: [2, 3], 2: [3, 0], 3: [0, 1]}, "the lone y and the unknown copy nowhere"
+    three = kv_mirrors.pair(ps[:3])  # every replica holds every other's
+    assert [[q.index for q in three[id(p)]] for p in ps[:3]] == [[1, 2], [2, 0], [0, 1]]
+    two = kv_mirrors.pair(ps[:2])
+    assert [[q.index for q in two[id(p)]] for p in ps[:2]] == [[1], [0]]
+    assert kv_mirrors.pair(ps[:2], fanout=1) == two and kv_mirrors.pair(ps[:1]) == {}
+
+    a, b, c, d = ps[:4]
+    pipelines = PipelineSet(None, lambda ev: None, lambda addr, why: None)
+    pipelines.kv_mirror = False
+    pipelines.replace([a, b, c, d])
+    pipelines.mirrors = m
+    assert pipelines.mirrors_of(a) == [b, c] and pipelines.mirrors_of(None) == []
+    assert pipelines.mirror_of(a) is b
+    b.silent = StageHandle("127.0.0.1:2", None, None, node_id="s1")
+    assert pipelines.mirror_of(a) is c, "the first mirror silent: the second"
+    b.silent, c.down = None, [("s2", "gone")]
+    assert pipelines.mirror_of(a) is b and pipelines.mirror_of(b) is d, "a mirror that is down is passed over"
+    c.down = []
+    assert pipelines.mirror_of(a, lambda q: {id(b): 3, id(c): 1}[id(q)]) is c, "the least loaded of them"
+    b.silent, c.retired = StageHandle("127.0.0.1:2", None, None, node_id="s1"), True
+    assert pipelines.mirror_of(a) is None, "none serves: the router picks"
+
+
+def test_a_silent_pipelines_requests_spread_over_its_two_mirrors_and_replays_on_a_replaced_one_too():
+    async def main():
+        a, b, c = FakePipeline(0), FakePipeline(1), FakePipeline(2)
+        pipelines, sched = serving_one(a)
+        reqs = [sched.submit(Job((1, 2, 3 + i) + (5,) * i, 20, request_id=f"r{i}")).request for i in range(6)]
+        await until(lambda: all(r.session_id for r in reqs), "all six opened on the one pipeline", tries=300)
+        pipelines.replace([a, b, c])
+        pipelines.mirrors = {id(a): [b, c], id(b): [c, a], id(c): [a, b]}
+        a.silent = StageHandle("127.0.0.1:1", None, None, node_id="s0")
+        assert len(sched.evacuate(a)) == 6
+        await until(lambda: len(b.opened) + len(c.opened) == 6, "the six reopened", tries=300)
+        # both hold a's KV: each takes its even share, 3, the dearest alternating (b first: next in the ring)
+        assert sorted(len(o.prompt_token_ids) for o in b.opened) == [4, 6, 8], [o.prompt_token_ids for o in b.opened]
+        assert sorted(len(o.prompt_token_ids) for o in c.opened) == [3, 5, 7]
+        # a plan replaces b (its stage lost): its three replay where b's KV was copied (c, and d, which
+        # joined empty), the least loaded of those (c holds 3: all three onto d), not on a (answering
+        # again and empty too, but it holds no copy of b's; the router would spread them over a and d)
+        d = FakePipeline(3)
+        pipelines.replace([a, b, c, d])
+        pipelines.mirrors = {id(b): [c, d]}
+        a.silent, b.retired = None, True
+        sched.detach([b])
+        await until(lambda: len(c.opened) + len(d.opened) == 6, "b's three reopened", tries=300)
+        assert len(d.opened) == 3 and len(c.opened) == 3 and len(a.opened) == 6
         await sched.shutdown()
 
     asyncio.run(main())
