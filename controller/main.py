@@ -123,9 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "prefills every prompt for the others; off: never")
     ap.add_argument("--kv-mirror", default="on", choices=["on", "off"],
                     help="with several pipelines of the same kind (replicas), each pipeline's stages copy the full "
-                         "KV blocks of their running sequences to the next pipeline's stages as they fill, so a "
-                         "request that a fault moves there computes only its last few tokens again, not its whole "
-                         "history (default on; float KV only)")
+                         "KV blocks of their running sequences to the next two pipelines' stages as they fill, so a "
+                         "request that a fault moves to one of those computes only its last few tokens again, not "
+                         "its whole history (default on; float KV only)")
     ap.add_argument("--context", type=int, default=None, metavar="TOKENS",
                     help="tokens of context per sequence the plan reserves KV for, up to the model's limit "
                          "(max_position_embeddings: 8192 for the default model; 131072 for a Llama-3.1 with its "

@@ -528,12 +528,12 @@ class Replanner:
         # pipelines that copy to it first, once their blocks are there (a replay then attaches its
         # history), then others' up to its share
         sources = [q for q in self.app.pipelines.serving() if p in self.app.pipelines.mirrors_of(q)]
+        stages = " ".join(f"{h.node_id}[{h.start},{h.end})" for h in p.stages)  # (before the wait: a fault may close it)
         if sources:
             await asyncio.sleep(mirrors.SETTLE_S)
         moved = self.app.scheduler.rebalance(p, sources or None)
         log.info("pipeline %d (%s) joined the plan %.1f s after its install began (%s); %d running requests "
-                 "move onto it", p.index, " ".join(f"{h.node_id}[{h.start},{h.end})" for h in p.stages),
-                 joined, why, len(moved))
+                 "move onto it", p.index, stages, joined, why, len(moved))
 
     def _measure_held(self, ids: dict[str, str]) -> None:
         """A newcomer measures links only for the controller that holds it, so its links were not
