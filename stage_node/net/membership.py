@@ -113,7 +113,7 @@ class StageMembership:
                 log.warning("controller %s did not take our leave: %s", target, exc.details() or exc.code().name)
 
     async def _flush_mirrors(self) -> None:
-        try:  # (its own deadline is checked between calls; one call can outlast it: a storm saw 3.6 s)
+        try:  # (its own deadline bounds its calls; a wait for the step lock is not: a storm saw 3.6 s before that)
             await asyncio.wait_for(self.runtime.mirror.flush(FLUSH_S), FLUSH_S + 0.25)
         except asyncio.TimeoutError:
             log.info("the KV mirrors did not get all they lack within %.1f s of the stop: leaving without it", FLUSH_S)

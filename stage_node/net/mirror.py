@@ -9,11 +9,15 @@ as the request.
 Sender: every MIRROR_S, for each target, the blocks of the open sequences (in order, a sequence's
 first block first: the receiver's cache finds a prefix block by block) whose hash that target has
 not taken yet, read from the pool between steps (the step lock held: no step writes meanwhile) and
-sent in PutBlocks of at most MESSAGE_BYTES each, ROUND_BYTES a round. A target that answers with another incarnation (it
-restarted, or its pool was replaced) gets everything again. A failed call is counted and skipped:
-a mirror is an optimisation, and a request whose mirror is short replays more. A stage that leaves
-(SIGTERM) first sends its targets everything they lack (`flush`, at most FLUSH_S), then says it
-stops: the controller moves its sequences once their copies are there.
+sent in PutBlocks of at most MESSAGE_BYTES each, ROUND_BYTES a round. Each round is a task of its
+own and sends to its targets at the same time, one catch-up a target at a time (`Target.task`): a
+target that takes the connection but never answers (a SIGSTOPped stage: its call waits
+PUT_TIMEOUT_S) holds up neither the other targets nor the next rounds. A target that answers with
+another incarnation (it restarted, or its pool was replaced) gets everything again. A failed call is
+counted and skipped: a mirror is an optimisation, and a request whose mirror is short replays more.
+A stage that leaves (SIGTERM) first sends its targets everything they lack (`flush`, at most
+FLUSH_S, every call bounded by that deadline; a round's catch-up under way is waited for, then
+finished), then says it stops: the controller moves its sequences once their copies are there.
 
 Receiver: PutBlocks carries the controller's mirror key (SetMirror gave every stage it holds the
 same); the blocks must be of this stage's layers, model and block size; each is registered as a
@@ -62,6 +66,7 @@ FLUSH_S = 1.0               # a stage that leaves (SIGTERM) sends what its targe
                             # whose steps hold the step lock the copies wait on: in a storm the two took 5 s one after
                             # the other when this was 5 s, the node neither serving nor left
 MAX_KEY_CHARS = 128
+MIN_CALL_S = 0.05           # a PutBlocks is not begun with less time than this left before a flush's deadline
 
 
 @dataclass
@@ -70,7 +75,10 @@ class Target:
     sent: OrderedDict = field(default_factory=OrderedDict)  # hashes it took (or held), oldest first
     incarnation: str = ""
     retry_at: float = 0.0
-    sending: bool = False  # a catch-up to it under way (one at a time a target; the others go on meanwhile)
+    task: asyncio.Task | None = None  # its catch-up under way (one at a time a target; the others go on meanwhile)
+
+    def busy(self) -> bool:
+        return self.task is not None and not self.task.done()
 
 
 def block_slots(block_ids, block_size: int) -> torch.Tensor:
@@ -173,9 +181,11 @@ class KvMirror:
                 task = asyncio.create_task(self._logged_round(), name="kv-mirror-round")
                 rounds.add(task)
                 task.add_done_callback(rounds.discard)
-        finally:
-            for task in rounds:
+        finally:  # (stopped: no round may read the pool or hold the step lock once this returns)
+            pending = list(rounds)
+            for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _logged_round(self) -> None:
         try:
@@ -192,8 +202,11 @@ class KvMirror:
         eng = rt.engine
         if eng is None or eng.retired or not self.targets or self._why_not(eng):
             return
-        due = [t for t in list(self.targets) if t.retry_at <= time.monotonic() and not t.sending]
-        await asyncio.gather(*(self._catch_up(eng, t, ROUND_BYTES, float("inf")) for t in due))
+        due = [t for t in list(self.targets) if t.retry_at <= time.monotonic() and not t.busy()]
+        tasks = [self._start(eng, t, ROUND_BYTES, float("inf")) for t in due]
+        for t, r in zip(due, await asyncio.gather(*tasks, return_exceptions=True)):
+            if isinstance(r, Exception):
+                log.error("copying KV blocks to %s failed", t.address, exc_info=r)
 
     async def flush(self, within_s: float = FLUSH_S) -> int:
         """Leaving (SIGTERM): send every target what it lacks now, for at most `within_s`, before the
@@ -204,25 +217,41 @@ class KvMirror:
         if eng is None or eng.retired or not self.targets or self._why_not(eng):
             return 0
         deadline = time.monotonic() + within_s
+
+        async def one(t: Target) -> int:
+            if t.busy():  # a round's catch-up under way: it ends first (what it sends is not counted here)
+                await asyncio.wait({t.task}, timeout=max(0.0, deadline - time.monotonic()))
+                if t.busy():
+                    return 0
+            return await self._start(eng, t, float("inf"), deadline)
+
         # (the targets at the same time: one that does not answer leaves the others their copies)
-        sent = sum(await asyncio.gather(*(self._catch_up(eng, t, float("inf"), deadline)
-                                          for t in list(self.targets) if not t.sending)))
+        targets = list(self.targets)
+        sent = 0
+        for t, r in zip(targets, await asyncio.gather(*map(one, targets), return_exceptions=True)):
+            if isinstance(r, Exception):
+                log.error("copying KV blocks to %s before leaving failed", t.address, exc_info=r)
+            elif isinstance(r, int):
+                sent += r
         if sent:
             log.info("sent %.1f MiB of KV blocks to the mirrors before leaving", sent / 2**20)
         return sent
 
+    def _start(self, eng, t: Target, most_bytes: float, deadline: float) -> asyncio.Task:
+        """`t`'s catch-up, as its task (`t.busy()` until it ends)."""
+        t.task = asyncio.ensure_future(self._catch_up(eng, t, most_bytes, deadline))
+        return t.task
+
     async def _catch_up(self, eng, t: Target, most_bytes: float, deadline: float) -> int:
         """PutBlocks to `t` until it lacks nothing, a call fails, `most_bytes` went or `deadline`
-        passed; the KV bytes sent."""
-        sent, t.sending = 0, True
-        try:
-            while sent < most_bytes and time.monotonic() < deadline and self.runtime.engine is eng and not eng.retired:
-                n = await self._send(eng, t, deadline)
-                if not n:
-                    break
-                sent += n
-        finally:
-            t.sending = False
+        passed (or is closer than MIN_CALL_S: no call cut short by it); the KV bytes sent."""
+        sent = 0
+        while (sent < most_bytes and deadline - time.monotonic() > MIN_CALL_S and self.runtime.engine is eng
+               and not eng.retired):
+            n = await self._send(eng, t, deadline)
+            if not n:
+                break
+            sent += n
         return sent
 
     async def _send(self, eng, t: Target, deadline: float = float("inf")) -> int:
@@ -245,11 +274,13 @@ class KvMirror:
             key=self.key, model_digest=a.model_digest, start_layer=a.start, end_layer=a.end, block_size=bs,
             blocks=[stage_pb2.MirrorBlock(hash=h, previous=p or 0, first=p is None, tokens=tok)
                     for _, _, _, h, p, tok in todo], kv=tensor_codec.raw_to_proto(kv))
+        timeout = max(MIN_CALL_S, min(PUT_TIMEOUT_S, deadline - time.monotonic()))
         try:
             async with rt.transport.channel(t.address, "stage") as channel:
-                timeout = max(0.05, min(PUT_TIMEOUT_S, deadline - time.monotonic()))
                 reply = await stage_pb2_grpc.StageNodeStub(channel).PutBlocks(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout < PUT_TIMEOUT_S:
+                return 0  # a flush's deadline, not the target's fault: the rounds go on with it as before
             rt.stats.mirror_errors += 1
             t.retry_at = time.monotonic() + RETRY_S
             log.debug("mirror %s took no KV blocks: %s %s", t.address, exc.code().name, exc.details())

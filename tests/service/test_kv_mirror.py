@@ -104,7 +104,10 @@ def test_a_request_moved_off_its_pipeline_replays_from_its_mirrored_kv_as_transf
                             await until(lambda: b0.runtime.stats.mirrored_in_blocks >= 3, what="b0 taking a0's blocks")
                             assert b1.runtime.stats.mirrored_in_blocks == 0
                             # (its deadline bounds the silent target's call: 0.5 s, while a1's steps of 0.08 s
-                            # leave the request 1.6 s more to run)
+                            # leave the request 1.6 s more to run); a catch-up to b1 under way (a round's, that
+                            # sends nothing) is waited for, then the flush sends what b1 lacks
+                            to_b1 = a1.runtime.mirror.targets[1]
+                            to_b1.task = asyncio.ensure_future(asyncio.sleep(0.2, 0))
                             assert await asyncio.wait_for(a1.runtime.mirror.flush(0.5), 2) > 0
                             assert b1.runtime.stats.mirrored_in_blocks >= 3
                             pa.retired = True  # ... when a re-plan moves it off A
