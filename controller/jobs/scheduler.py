@@ -22,7 +22,7 @@ import math
 import random
 import time
 import uuid
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
@@ -320,15 +320,13 @@ class Scheduler:
                 p.close_session_soon(sid)  # (its pipeline stays: nobody else closes it there)
         for sid in [sid for sid, p in self.opened.items() if moving is None or id(p) in moving]:
             del self.opened[sid]  # finished parents kept open for forks: gone with their pipeline
-        planned: Counter[int] = Counter()  # moves onto each pipeline so far (spread over the mirrors)
         for sid, req in running:
             req.session_id = ""
             if req.done:  # finished; its client reads what is queued
                 continue
             # replayed where its KV blocks were copied (mesh.mirrors), if that pipeline still serves then
-            req.target = self.pipelines.mirror_of(was[sid], lambda q: self.load(q) + planned[id(q)])
-            if req.target is not None:
-                planned[id(req.target)] += 1
+            # (of two, the less loaded, counting the moves before this one: spread over them)
+            req.target = self.pipelines.mirror_of(was[sid], self.aimed_load)
             self._back_in_queue(req, Unavailable("its pipeline was replaced"), moved=True)
         self._hold_replays = False
         return [session for session, _ in running]
@@ -384,9 +382,9 @@ class Scheduler:
 
     def evacuate(self, pipeline: Pipeline) -> list[str]:
         """A stage of `pipeline` is silent (SIGSTOPped, swapping: pipeline.SILENT_S): its running
-        requests move onto the serving pipelines that are not, spread over them (its KV mirror's up
-        to its even share, the dearest replays, which attach their history there; the router places
-        the others), replayed there from their prompt and tokens as after a fault (the
+        requests move onto the serving pipelines that are not, spread over them (each of its KV
+        mirrors takes up to its even share, the dearest replays first, which attach their history
+        there; the router places the others), replayed there from their prompt and tokens as after a fault (the
         same tokens), rather than waiting for it; requests still catching up from an earlier move
         too (they make no progress there either). A fork's parent or child and a request whose
         prefill elsewhere is still under way stay. Nothing moves while no other pipeline answers: they wait for it, as before.
@@ -410,8 +408,8 @@ class Scheduler:
         # spread, so that the next fault catches fewer of them: each mirror takes up to its even share of
         # what the others will run (the dearest replays, the least loaded mirror first: their KV is
         # there), the router places the rest
-        share = -(-(len(moving) + sum(self.load(p) for p in others)) // len(others))
-        room = {id(q): share - self.load(q) for q in self.pipelines.mirrors_of(pipeline) if q in others}
+        share = -(-(len(moving) + sum(self.aimed_load(p) for p in others)) // len(others))
+        room = {id(q): share - self.aimed_load(q) for q in self.pipelines.mirrors_of(pipeline) if q in others}
         mirrors = {id(q): q for q in others}
         # (each goes to the queue's front: the dearest, last, open first, the mirrors' before the router's)
         moving.sort(key=lambda sid: len(self.active[sid].inputs))
@@ -433,6 +431,10 @@ class Scheduler:
     def load(self, pipeline: Pipeline) -> int:
         """Requests running on `pipeline` now."""
         return sum(1 for p in self.opened.values() if p is pipeline)
+
+    def aimed_load(self, pipeline: Pipeline) -> int:
+        """Requests running on `pipeline` now, and those queued to replay there (moved, not open yet)."""
+        return self.load(pipeline) + sum(1 for r in self.waiting if r.target is pipeline)
 
     def _close_soon(self, session_id: str, *, swap: bool = False) -> None:
         """Close a session on the pipeline it is open on (in the background); `swap`: it is replayed
@@ -684,7 +686,7 @@ class Scheduler:
         self._close_soon(req.session_id, swap=preempted)  # (a preempted one's KV waits for its replay there)
         req.session_id = ""
         if not preempted:  # replayed where its KV blocks were copied (mesh.mirrors), if that one serves
-            req.target = self.pipelines.mirror_of(was, self.load)
+            req.target = self.pipelines.mirror_of(was, self.aimed_load)  # (a fault's others went before it)
         if req.handoff is not None:  # a fault before its first token: replayed without a handoff
             self._drop_prefill(req)
             req.handoff, req.no_handoff = None, True

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
+
 from logicpipe.controller.jobs.job import Job
 from logicpipe.controller.jobs.rebalance import Movable, moves_onto
 from logicpipe.controller.jobs.scheduler import Scheduler, SchedulerConfig
@@ -14,7 +16,7 @@ from logicpipe.controller.mesh import mirrors as kv_mirrors
 from logicpipe.controller.mesh.pipeline import StageHandle
 from logicpipe.controller.mesh.pipelines import PipelineSet
 from logicpipe.controller.mesh.state import MeshState, Phase
-from logicpipe.errors import Unavailable
+from logicpipe.errors import Unavailable, code_number
 from logicpipe.v1 import stage_pb2
 
 from .fake_pipeline import FakePipeline, until
@@ -327,6 +329,17 @@ def test_a_silent_pipelines_requests_spread_over_its_two_mirrors_and_replays_on_
         sched.detach([b])
         await until(lambda: len(c.opened) + len(d.opened) == 6, "b's three reopened", tries=300)
         assert len(d.opened) == 3 and len(c.opened) == 3 and len(a.opened) == 6
+        # a fault on d: its three sequences fail one after another, each replays where d's KV was copied,
+        # the less loaded of a and e (both empty), counting those queued there before it: a, e, a
+        e = FakePipeline(4)
+        pipelines.replace([a, c, d, e])
+        pipelines.mirrors = {id(d): [a, e]}
+        on_d = [sid for sid, p in sched.opened.items() if p is d]
+        gone = stage_pb2.SessionError(code=code_number(grpc.StatusCode.UNAVAILABLE), message="stage gone")
+        for sid in on_d:
+            sched.on_event(stage_pb2.Event(session_id=sid, error=gone))
+        await until(lambda: len(a.opened) + len(e.opened) == 9, "d's three reopened", tries=300)
+        assert len(on_d) == 3 and len(a.opened) == 8 and len(e.opened) == 1 and len(c.opened) == 3
         await sched.shutdown()
 
     asyncio.run(main())
