@@ -409,14 +409,13 @@ class Scheduler:
         # what the others will run (the dearest replays, the least loaded mirror first: their KV is
         # there), the router places the rest
         share = -(-(len(moving) + sum(self.aimed_load(p) for p in others)) // len(others))
-        room = {id(q): share - self.aimed_load(q) for q in self.pipelines.mirrors_of(pipeline) if q in others}
-        mirrors = {id(q): q for q in others}
+        room = {q: share - self.aimed_load(q) for q in self.pipelines.mirrors_of(pipeline) if q in others}
         # (each goes to the queue's front: the dearest, last, open first, the mirrors' before the router's)
         moving.sort(key=lambda sid: len(self.active[sid].inputs))
         targets: dict[str, Pipeline | None] = {}
         for sid in reversed(moving):
             q = max(room, key=room.__getitem__, default=None)  # (ties: the next in the ring)
-            targets[sid] = None if q is None or room[q] <= 0 else mirrors[q]
+            targets[sid] = None if q is None or room[q] <= 0 else q
             if targets[sid] is not None:
                 room[q] -= 1
         for sid in moving:

@@ -5,8 +5,8 @@ sequences to the matching stages of the next FANOUT pipelines of the same kind (
 pipelines whose stages hold the same layers on the same kind of device with the same dtypes, weight
 format, KV format and block size: their KV has the same bits); with FANOUT + 1 replicas or fewer,
 every replica holds every other's. A request that a fault moves off its pipeline is routed to a
-pipeline that holds its mirror and still serves (`mirror_of`: with several, the next in the ring
-that serves, so that a second fault, on the first mirror, still finds a copy), where its replay
+pipeline that holds its mirror and still serves (`mirror_of`: of several, the less loaded of those
+that serve, so that a second fault, on the first mirror, still finds a copy), where its replay
 attaches its history's blocks from the prefix cache and computes only the positions past the last
 block copied. Pairs are made again, and every stage told (SetMirror), each time the set of
 pipelines changes; a stage that is down meanwhile only fails its copies (counted on it). A pipeline
@@ -55,9 +55,11 @@ def pair(pipelines: list[Pipeline], fanout: int = FANOUT) -> dict[int, list[Pipe
             groups.setdefault(key, []).append(p)
     out = {}
     for ps in groups.values():
+        n = min(fanout, len(ps) - 1)
+        if n < 1:  # a lone pipeline copies nowhere
+            continue
         for i, p in enumerate(ps):
-            if len(ps) > 1:
-                out[id(p)] = [ps[(i + k) % len(ps)] for k in range(1, min(fanout, len(ps) - 1) + 1)]
+            out[id(p)] = [ps[(i + k) % len(ps)] for k in range(1, n + 1)]
     return out
 
 
